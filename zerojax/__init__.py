@@ -1,0 +1,21 @@
+"""zerojax: ZeRO (stages 0-3) for JAX and Flax over a jax.sharding mesh."""
+
+from zerojax.config import ZeroConfig
+from zerojax.params import gather_params
+from zerojax.report.memory import state_bytes_per_device, zero_formula_bytes
+from zerojax.sharding.mesh import make_mesh
+from zerojax.state import ZeroState, init_state
+from zerojax.step import TrainStep, make_train_step
+
+__all__ = [
+    "TrainStep",
+    "ZeroConfig",
+    "ZeroState",
+    "gather_params",
+    "init_state",
+    "make_mesh",
+    "make_train_step",
+    "state_bytes_per_device",
+    "zero_formula_bytes",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,5 @@
+"""Applying optax transformations to sharded state."""
+
+from zerojax.optim.update import apply_optimizer
+
+__all__ = ["apply_optimizer"]

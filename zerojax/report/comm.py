@@ -1,0 +1,160 @@
+"""Collectives of a compiled program, read from its HLO text.
+
+Each collective is listed with its dtype and the bytes of the full (unsharded) buffer it
+moves per device, counted as many times as it runs: an instruction inside a ``while``
+loop body (a ``scan`` over layers) runs once per iteration, using the trip count XLA
+records. In the ZeRO paper's units an all-gather or a reduce-scatter of a buffer of Ψ
+elements moves Ψ, an all-reduce 2Ψ (reduce-scatter + all-gather).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import defaultdict
+
+import numpy as np
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
+                "f8e4m3fn": 1, "f8e5m2": 1}
+_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([a-z\-]+)\((.*)$")
+_ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
+_CALLS = re.compile(r"(?:body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction: its kind, dtype, bytes per run, and how often it runs."""
+
+    kind: str
+    dtype: str
+    bytes: int  # of the full buffer: output of all-gather, input of reduce-scatter
+    count: int  # executions per step
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes * self.count
+
+    @property
+    def zero_units_bytes(self) -> int:
+        """Bytes in the paper's accounting (all-reduce = reduce-scatter + all-gather)."""
+        return self.total_bytes * (2 if self.kind == "all-reduce" else 1)
+
+
+def _shape_bytes(text: str) -> tuple[str, int]:
+    arrays = _ARRAY.findall(text)
+    total, dtype = 0, ""
+    for dt, dims in arrays:
+        if dt not in _DTYPE_BYTES:
+            continue
+        size = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+        total += size * _DTYPE_BYTES[dt]
+        dtype = dtype or dt
+    return dtype, total
+
+
+def _group_size(attrs: str) -> int:
+    """Devices per replica group, from ``replica_groups={{0,1,..},..}`` or ``=[g,s]<=[n]``."""
+    m = re.search(r"replica_groups=\{\{([0-9,]*)\}", attrs)
+    if m:
+        return len(m.group(1).split(","))
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]", attrs)
+    if m:
+        return int(m.group(2))
+    raise ValueError(f"cannot read the replica groups of a reduce-scatter: {attrs[:200]}")
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Parses ``compiled.as_text()`` into the collectives of one execution."""
+    comps: dict[str, list[str]] = {}
+    entry = None
+    current = None
+    for line in hlo_text.splitlines():
+        if current is None:
+            m = _COMP.match(line)
+            if m and "=" not in line.split("{")[0].split("(")[0]:
+                current = m.group(1)
+                comps[current] = []
+                if line.startswith("ENTRY"):
+                    entry = current
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        comps[current].append(line)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text; pass compiled.as_text().")
+
+    # How many times each computation runs per execution of the entry computation.
+    runs: dict[str, int] = defaultdict(int)
+
+    def visit(name: str, times: int, depth: int = 0) -> None:
+        if depth > 64 or name not in comps:
+            return
+        runs[name] += times
+        for line in comps[name]:
+            trip = 1
+            m = _TRIP.search(line)
+            if " while(" in line:
+                trip = int(m.group(1)) if m else 1
+            callees = _CALLS.findall(line)
+            for b in _BRANCHES.findall(line):
+                callees += [c.strip().lstrip("%") for c in b.split(",") if c.strip()]
+            for callee in callees:
+                if " all-reduce(" in line or " reduce-scatter(" in line or "-start(" in line:
+                    continue  # reduction bodies (to_apply) are not separate executions
+                visit(callee, times * trip, depth + 1)
+
+    visit(entry, 1)
+    found: list[Collective] = []
+    for name, lines in comps.items():
+        if not runs.get(name):
+            continue
+        for line in lines:
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            shape, op, rest = m.groups()
+            kind = op.removesuffix("-start")
+            if kind not in COLLECTIVES or op.endswith("-done"):
+                continue
+            dtype, nbytes = _shape_bytes(shape)
+            if kind == "reduce-scatter":  # count the input buffer (the full gradient)
+                nbytes *= _group_size(rest)
+            found.append(Collective(kind=kind, dtype=dtype, bytes=nbytes, count=runs[name]))
+    return found
+
+
+def communication_report(compiled) -> dict[str, dict[str, int]]:
+    """Bytes per device per step by collective kind and dtype, from a compiled step.
+
+    Returns ``{kind: {"count": runs, "bytes": payload bytes, "zero_bytes": paper units}}``
+    plus a ``"total"`` entry.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, zerojax as zj
+      >>> from zerojax.report.comm import communication_report
+      >>> mesh, cfg, tx = zj.make_mesh(), zj.ZeroConfig(stage=3), optax.sgd(0.1)
+      >>> params = {"w": jnp.zeros((64, 64))}
+      >>> loss_fn = lambda p, b: jnp.mean(b @ p["w"])
+      >>> state = zj.init_state(params, tx, mesh=mesh, config=cfg)
+      >>> step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=cfg)
+      >>> rep = communication_report(step.lower(state, jnp.ones((8, 64))).compile())
+      >>> rep["total"]["zero_bytes"] // (64 * 64 * 4)   # 3Ψ for stage 3
+      3
+    """
+    text = compiled.as_text() if hasattr(compiled, "as_text") else str(compiled)
+    report: dict[str, dict[str, int]] = {}
+    for c in collectives(text):
+        key = f"{c.kind}:{c.dtype}"
+        r = report.setdefault(key, {"count": 0, "bytes": 0, "zero_bytes": 0})
+        r["count"] += c.count
+        r["bytes"] += c.total_bytes
+        r["zero_bytes"] += c.zero_units_bytes
+    report["total"] = {k: sum(r[k] for r in report.values()) for k in ("count", "bytes", "zero_bytes")}
+    return report

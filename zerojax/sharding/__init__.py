@@ -1,0 +1,7 @@
+"""Meshes, leaf layouts and the per-stage gradient programs."""
+
+from zerojax.sharding.layout import LeafLayout, layout_for
+from zerojax.sharding.mesh import make_mesh
+from zerojax.sharding.plan import ZeroPlan
+
+__all__ = ["LeafLayout", "ZeroPlan", "layout_for", "make_mesh"]

@@ -1,0 +1,295 @@
+"""Materialise sharded parameters where a traced function uses them, not before.
+
+ZeRO-3 gathers a layer's parameters just before the layer runs and frees them after;
+ZeRO-2 reduce-scatters a parameter's gradient as soon as backward has produced it. Both
+need to act at each *use* of a parameter inside the user's loss function, which was
+written for full, unsharded parameters.
+
+``call_per_use`` traces the loss to a jaxpr with full-shape parameters and evaluates it
+again with each parameter replaced by a :class:`Pending` value that holds only the
+sharded storage. A pending parameter becomes a real array only in the equation that
+consumes it:
+
+* shape-only equations (reshape, transpose, dtype casts, ...) stay pending;
+* ``scan`` over a stacked parameter (``nnx.scan``, ``nn.scan``, ``lax.scan``) slices the
+  *storage* per iteration, so each iteration materialises one layer;
+* nested ``jit`` calls are evaluated inline and ``checkpoint`` (remat) regions are
+  rebuilt around their pending inputs, so a rematerialised layer re-gathers in backward;
+* any other equation materialises the parameter right there. With ``Gathered`` sources the
+  gather and the equation run inside ``jax.checkpoint``, so backward gathers the
+  parameter again instead of keeping the full copy alive (a ``custom_vjp`` whose
+  backward gathers once the cotangent exists, so no compiler pass can merge the two).
+
+Everything else in the program is evaluated unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+from zerojax.sharding.layout import LeafLayout
+
+# Equations of one operand that only change a value's shape or dtype; a parameter passing
+# through them stays pending and the equation is applied after materialisation.
+_SHAPE_ONLY = frozenset(
+    {"reshape", "transpose", "convert_element_type", "squeeze", "expand_dims",
+     "broadcast_in_dim", "copy", "copy_p"}
+)
+# Elementwise shape-only equations that commute with slicing a stack of layers.
+_SLICE_SAFE = frozenset({"convert_element_type", "copy", "copy_p"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Gathered:
+    """ZeRO-3 source: only the local shard exists; materialise = all-gather."""
+
+    axis: str
+    n_arrays: int = 1
+
+    def materialize(self, layout: LeafLayout, arrays: Sequence[jax.Array]) -> jax.Array:
+        return layout.gather(arrays[0], self.axis)
+
+    remat = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Scattered:
+    """ZeRO-2 source: the full parameter is resident; its gradient is reduce-scattered
+    into a shard-shaped sink as soon as backward produces it."""
+
+    axis: str
+    n_arrays: int = 2
+
+    def materialize(self, layout: LeafLayout, arrays: Sequence[jax.Array]) -> jax.Array:
+        full, sink = arrays
+        return _scatter_grad(layout, self.axis, full, sink)
+
+    remat = False
+
+
+def _scatter_grad(layout: LeafLayout, axis: str, full: jax.Array, sink: jax.Array) -> jax.Array:
+    @jax.custom_vjp
+    def ident(full, sink):
+        return full
+
+    def fwd(full, sink):
+        return full, None
+
+    def bwd(_, g):
+        return None, layout.scatter(g, axis).astype(sink.dtype)
+
+    ident.defvjp(fwd, bwd)
+    return ident(full, sink)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """A parameter that is not materialised yet: its storage arrays and what to do."""
+
+    arrays: tuple[jax.Array, ...]
+    layout: LeafLayout
+    source: Gathered | Scattered
+    ops: tuple[tuple[jcore.Primitive, dict], ...] = ()
+
+    def materialize(self) -> jax.Array:
+        value = self.source.materialize(self.layout, self.arrays)
+        for prim, params in self.ops:
+            value = prim.bind(value, **params)
+        return value
+
+    def then(self, prim: jcore.Primitive, params: dict) -> Pending:
+        return dataclasses.replace(self, ops=self.ops + ((prim, params),))
+
+    @property
+    def sliceable(self) -> bool:
+        return self.layout.can_slice_layers and all(p.name in _SLICE_SAFE for p, _ in self.ops)
+
+    # Flattening for passing through jax.checkpoint / lax.scan boundaries.
+    def rebuild(self, arrays: Sequence[jax.Array], *, sliced: bool = False) -> Pending:
+        layout = self.layout.row() if sliced else self.layout
+        return dataclasses.replace(self, arrays=tuple(arrays), layout=layout)
+
+
+def _bind(eqn: jcore.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _materialize_all(vals: Sequence[Any]) -> list[Any]:
+    return [v.materialize() if isinstance(v, Pending) else v for v in vals]
+
+
+def _split_pending(vals: Sequence[Any]) -> tuple[list[jax.Array], Callable[[Sequence[jax.Array]], list[Any]]]:
+    """Flattens the storage arrays of pending values; returns them and a rebuild function."""
+    flat: list[jax.Array] = []
+    for v in vals:
+        if isinstance(v, Pending):
+            flat.extend(v.arrays)
+
+    def rebuild(arrays: Sequence[jax.Array]) -> list[Any]:
+        it = iter(arrays)
+        out = []
+        for v in vals:
+            if isinstance(v, Pending):
+                out.append(v.rebuild([next(it) for _ in v.arrays]))
+            else:
+                out.append(v)
+        return out
+
+    return flat, rebuild
+
+
+def _is_array(v: Any) -> bool:
+    return isinstance(v, jax.Array) or hasattr(v, "aval")
+
+
+def _eqn_with_pending(eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any]:
+    name = eqn.primitive.name
+    pending = [v for v in invals if isinstance(v, Pending)]
+
+    if name in _SHAPE_ONLY and len(invals) == 1:
+        return [invals[0].then(eqn.primitive, dict(eqn.params))]
+    if name in ("jit", "pjit", "closed_call", "core_call"):
+        closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        if isinstance(closed, jcore.ClosedJaxpr):
+            return eval_jaxpr(closed.jaxpr, closed.consts, invals)
+        return eval_jaxpr(closed, (), invals)
+    if name == "scan":
+        return _scan(eqn, invals)
+    if name in ("checkpoint", "remat"):
+        return _checkpoint(eqn, invals)
+
+    # Any other consumer: materialise here. Gathered sources are gathered again in backward
+    # rather than kept alive from forward.
+    if not any(p.source.remat for p in pending):
+        return _bind(eqn, _materialize_all(invals))
+    return _regathered(eqn, invals)
+
+
+def _after(x: jax.Array, dep: jax.Array) -> jax.Array:
+    """``x``, made to depend on ``dep`` so the compiler cannot compute it earlier or merge
+    it with an identical value computed in forward (XLA's CPU pipeline drops the
+    optimization barriers that ``jax.checkpoint`` relies on for that)."""
+    return x + (jnp.ravel(dep)[0] * 0).astype(x.dtype)
+
+
+def after_all(xs: Sequence[jax.Array]) -> list[jax.Array]:
+    """Each of ``xs``, made to depend on all of them (nothing proceeds until all exist)."""
+    dep = sum(jnp.ravel(x)[0].astype(jnp.float32) for x in xs)
+    return [_after(x, dep) for x in xs]
+
+
+def _regathered(eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any]:
+    """Applies ``eqn`` to freshly gathered parameters, in forward and again in backward.
+
+    Only the shards and the equation's other inputs are kept for backward; backward
+    gathers again, once the output cotangent exists, and differentiates the equation there.
+    The transpose of the gather reduce-scatters the parameter's gradient.
+    """
+    flat, rebuild = _split_pending(invals)
+    traced = [i for i, v in enumerate(invals) if not isinstance(v, Pending) and _is_array(v)]
+
+    def compute(flat, traced_vals):
+        vals = rebuild(flat)
+        for i, t in zip(traced, traced_vals):
+            vals[i] = t
+        return _bind(eqn, _materialize_all(vals))
+
+    @jax.custom_vjp
+    def region(flat, traced_vals):
+        return compute(flat, traced_vals)
+
+    def fwd(flat, traced_vals):
+        deps = [t for t in traced_vals if jnp.issubdtype(t.dtype, jnp.inexact)]
+        tied = [_after(a, deps[0]) for a in flat] if deps else flat
+        return compute(tied, traced_vals), (flat, traced_vals)
+
+    def bwd(res, cts):
+        flat, traced_vals = res
+        deps = [c for c in cts if jnp.issubdtype(c.dtype, jnp.inexact)]
+        if deps:
+            flat = [_after(a, deps[0]) for a in flat]
+        _, vjp = jax.vjp(compute, flat, traced_vals)
+        return vjp(list(cts))
+
+    region.defvjp(fwd, bwd)
+    return region(flat, [invals[i] for i in traced])
+
+
+def _checkpoint(eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any]:
+    jaxpr = eqn.params["jaxpr"]
+    flat, rebuild = _split_pending(invals)
+    others_idx = [i for i, v in enumerate(invals) if not isinstance(v, Pending)]
+
+    def inner(flat, others):
+        vals = rebuild(flat)
+        for i, o in zip(others_idx, others):
+            vals[i] = o
+        if isinstance(jaxpr, jcore.ClosedJaxpr):
+            return eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, vals)
+        return eval_jaxpr(jaxpr, (), vals)
+
+    inner = jax.checkpoint(
+        inner, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy")
+    )
+    return list(inner(flat, [invals[i] for i in others_idx]))
+
+
+def _scan(eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any]:
+    p = eqn.params
+    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    body: jcore.ClosedJaxpr = p["jaxpr"]
+    consts = _materialize_all(invals[:n_consts])
+    carry = _materialize_all(invals[n_consts : n_consts + n_carry])
+    xs_in = invals[n_consts + n_carry :]
+    # Stacked parameters are sliced in storage form; anything else is materialised first.
+    xs_in = [v if isinstance(v, Pending) and v.sliceable else
+             (v.materialize() if isinstance(v, Pending) else v) for v in xs_in]
+    xs_arrays = [v.arrays if isinstance(v, Pending) else v for v in xs_in]
+
+    def step(carry, xs_slices):
+        xs_vals = [orig.rebuild(sl, sliced=True) if isinstance(orig, Pending) else sl
+                   for orig, sl in zip(xs_in, xs_slices)]
+        outs = eval_jaxpr(body.jaxpr, body.consts, [*consts, *carry, *xs_vals])
+        return outs[:n_carry], outs[n_carry:]
+
+    carry_out, ys = jax.lax.scan(
+        step, carry, xs_arrays, length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
+    )
+    return [*carry_out, *ys]
+
+
+def eval_jaxpr(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    """Evaluates ``jaxpr`` like ``jax.core.eval_jaxpr``, keeping parameters pending."""
+    env: dict[Any, Any] = {}
+
+    def read(v):
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args, strict=True):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        if any(isinstance(v, Pending) for v in invals):
+            outs = _eqn_with_pending(eqn, invals)
+        else:
+            outs = _bind(eqn, invals)
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            env[v] = x
+    return _materialize_all([read(v) for v in jaxpr.outvars])
+
+
+def call_per_use(closed: jcore.ClosedJaxpr, pending: Sequence[Pending], args: Sequence[Any]) -> list[Any]:
+    """Evaluates ``closed`` (traced with full parameters first, then ``args``) with the
+    parameters given as pending values."""
+    return eval_jaxpr(closed.jaxpr, closed.consts, [*pending, *args])
