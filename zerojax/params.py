@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 
+from zerojax.sharding.plan import ZeroPlan
 from zerojax.state import ZeroState
 
 
@@ -27,10 +29,14 @@ def gather_params(state: ZeroState) -> Any:
     plan = state.plan
     if plan.stage != 3:
         return state.params
+    return _gather_fn(plan)(jax.tree.leaves(state.params))
 
+
+@functools.lru_cache(maxsize=64)
+def _gather_fn(plan: ZeroPlan):
     def full(storage):
         leaves = [l.from_storage(s) for l, s in zip(plan.layouts, storage)]
         return jax.tree.unflatten(plan.treedef, leaves)
 
     out = jax.tree.unflatten(plan.treedef, [plan.replicated] * len(plan.layouts))
-    return jax.jit(full, out_shardings=out)(jax.tree.leaves(state.params))
+    return jax.jit(full, out_shardings=out)

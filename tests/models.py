@@ -1,0 +1,131 @@
+"""Small models with awkward shapes, shared by the tests, and a plain optax reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import linen as nn
+from flax import nnx
+
+IN, HID, OUT, LAYERS = 13, 20, 7, 3
+
+
+def batch(n: int = 16, seed: int = 0) -> dict[str, jax.Array]:
+    rng = np.random.default_rng(seed)
+    return {"x": jnp.asarray(rng.normal(size=(n, IN)), jnp.float32),
+            "y": jnp.asarray(rng.normal(size=(n, OUT)), jnp.float32)}
+
+
+def mlp_params(seed: int = 0) -> dict:
+    """Unrolled layers with dims that do not divide 8 (13, 20, 7), a scalar and a bias of 13."""
+    rng = np.random.default_rng(seed)
+    f = lambda *s: jnp.asarray(rng.normal(size=s) / np.sqrt(s[0] if s else 1), jnp.float32)
+    return {
+        "inp": {"w": f(IN, HID), "b": jnp.zeros((HID,))},
+        "layers": [{"w": f(HID, HID), "b": jnp.asarray(rng.normal(size=(HID,)) * 0.1, jnp.float32)}
+                   for _ in range(LAYERS)],
+        "out": {"w": f(HID, OUT), "b": jnp.zeros((OUT,))},
+        "skip": f(IN),
+        "temp": jnp.asarray(1.3, jnp.float32),
+    }
+
+
+def mlp_loss(p, b):
+    x = b["x"] * p["skip"]
+    h = jnp.tanh(x @ p["inp"]["w"] + p["inp"]["b"])
+    for layer in p["layers"]:
+        h = h + jnp.tanh(h @ layer["w"] + layer["b"])
+    pred = (h @ p["out"]["w"] + p["out"]["b"]) * p["temp"]
+    return jnp.mean((pred - b["y"]) ** 2)
+
+
+def stacked_params(seed: int = 0) -> dict:
+    """Layers stacked on a leading axis, run with lax.scan."""
+    p = mlp_params(seed)
+    layers = p.pop("layers")
+    p["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+    return p
+
+
+def stacked_loss(p, b):
+    x = b["x"] * p["skip"]
+    h = jnp.tanh(x @ p["inp"]["w"] + p["inp"]["b"])
+
+    def body(h, layer):
+        return h + jnp.tanh(h @ layer["w"] + layer["b"]), None
+
+    h, _ = jax.lax.scan(body, h, p["layers"])
+    pred = (h @ p["out"]["w"] + p["out"]["b"]) * p["temp"]
+    return jnp.mean((pred - b["y"]) ** 2)
+
+
+# Flax NNX: a stack of blocks built with nnx.vmap and run with nnx.scan.
+class Block(nnx.Module):
+    def __init__(self, d: int, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(d, d, rngs=rngs)
+        self.norm = nnx.LayerNorm(d, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.linear(self.norm(x)))
+
+
+class NNXModel(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.inp = nnx.Linear(IN, HID, rngs=rngs)
+
+        @nnx.split_rngs(splits=LAYERS)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def blocks(rngs):
+            return Block(HID, rngs)
+
+        self.blocks = blocks(rngs)
+        self.out = nnx.Linear(HID, OUT, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(x, block):
+            return block(x)
+
+        return self.out(run(self.inp(x), self.blocks))
+
+
+# Flax linen: layer submodules and nn.scan.
+class LinenBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return x + jnp.tanh(nn.Dense(HID)(nn.LayerNorm()(x))), None
+
+
+class LinenModel(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(HID)(x)
+        Stack = nn.scan(LinenBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                        length=LAYERS)
+        x, _ = Stack()(x, None)
+        x = nn.Dense(HID)(x)  # an unrolled submodule too
+        return nn.Dense(OUT)(jnp.tanh(x))
+
+
+def reference_run(loss_fn, params, tx, batches):
+    """Plain single-device optax: the independent reference."""
+    opt = tx.init(params)
+
+    @jax.jit
+    def step(params, opt, b):
+        loss, g = jax.value_and_grad(loss_fn)(params, b)
+        u, opt = tx.update(g, opt, params)
+        return optax.apply_updates(params, u), opt, loss
+
+    losses = []
+    for b in batches:
+        params, opt, loss = step(params, opt, b)
+        losses.append(float(loss))
+    return params, losses
+
+
+def abs_errors(a, b) -> np.ndarray:
+    return np.concatenate([np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)).ravel()
+                           for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))])

@@ -1,0 +1,108 @@
+"""Every stage, on 1/2/4/8 devices, matches plain single-device optax."""
+
+import functools
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import zerojax as zj
+from tests import models
+
+# Linear in the gradient: exposes wrong scaling or a per-device clipping norm.
+SGD_FAMILY = {
+    "sgd_momentum": lambda: optax.sgd(0.05, momentum=0.9),
+    "clip_sgd": lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1)),
+}
+# Adam-family: held on the mean error, with a looser max (reduction-order noise).
+ADAM_FAMILY = {
+    "adam": lambda: optax.adam(1e-3),
+    "adamw": lambda: optax.adamw(1e-3, weight_decay=0.1),
+    "lion": lambda: optax.lion(1e-4),
+    "clip_adamw": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
+}
+MODELS = {
+    "unrolled": (models.mlp_params, models.mlp_loss),
+    "scan": (models.stacked_params, models.stacked_loss),
+}
+STEPS = 4
+
+
+def run_zero(loss_fn, params, tx, stage, n_devices, batches):
+    mesh = zj.make_mesh(jax.devices()[:n_devices])
+    cfg = zj.ZeroConfig(stage=stage)
+    state = zj.init_state(params, tx, mesh=mesh, config=cfg)
+    step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=cfg)
+    losses = []
+    for b in batches:
+        state, metrics = step(state, b)
+        losses.append(float(metrics["loss"]))
+    assert step.cache_size() == 1, "the step recompiled after the first call"
+    assert int(state.step) == len(batches)
+    return zj.gather_params(state), losses
+
+
+def check(name, got, ref, got_losses, ref_losses):
+    err = models.abs_errors(got, ref)
+    if name in SGD_FAMILY:
+        assert err.max() <= 1e-5, f"{name}: max abs error {err.max():.3g}"
+    else:
+        assert err.mean() <= 2e-6, f"{name}: mean abs error {err.mean():.3g}"
+        assert err.max() <= 5e-4, f"{name}: max abs error {err.max():.3g}"
+    np.testing.assert_allclose(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(model, opt):
+    make_params, loss_fn = MODELS[model]
+    tx = {**SGD_FAMILY, **ADAM_FAMILY}[opt]()
+    return models.reference_run(loss_fn, make_params(), tx, _batches())
+
+
+def _batches():
+    return [models.batch(16, seed=s) for s in range(STEPS)]
+
+
+def _case(model, opt, stage, n):
+    make_params, loss_fn = MODELS[model]
+    params = make_params()
+    tx = {**SGD_FAMILY, **ADAM_FAMILY}[opt]()
+    batches = _batches()
+    ref, ref_losses = _reference(model, opt)
+    got, losses = run_zero(loss_fn, params, tx, stage, n, batches)
+    check(opt, got, ref, losses, ref_losses)
+    # Same tree, shapes and dtypes as given.
+    assert jax.tree.structure(got) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params)):
+        assert a.shape == b.shape and a.dtype == b.dtype
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("opt", ["sgd_momentum", "clip_sgd", "adamw", "lion", "clip_adamw"])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_eight_devices_match_optax(model, opt, stage):
+    _case(model, opt, stage, 8)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("opt", ["clip_sgd", "clip_adamw"])
+def test_fewer_devices_match_optax(opt, n, stage):
+    _case("scan", opt, stage, n)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("opt", ["sgd_momentum", "adam", "lion"])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_full_matrix_fewer_devices(model, opt, n, stage):
+    _case(model, opt, stage, n)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_adam_eight_devices(model, stage):
+    _case(model, "adam", stage, 8)
