@@ -129,3 +129,34 @@ def reference_run(loss_fn, params, tx, batches):
 def abs_errors(a, b) -> np.ndarray:
     return np.concatenate([np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)).ravel()
                            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))])
+
+
+# Deep, wide enough that memory effects dwarf bookkeeping: used by compiled-program tests.
+def deep_params(layers: int, d: int, stacked: bool, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    ws = [jnp.asarray(rng.normal(size=(d, d)) / np.sqrt(d), jnp.float32) for _ in range(layers)]
+    bs = [jnp.zeros((d,), jnp.float32) for _ in range(layers)]
+    if stacked:
+        return {"w": jnp.stack(ws), "b": jnp.stack(bs)}
+    return [{"w": w, "b": b} for w, b in zip(ws, bs)]
+
+
+def deep_loss(p, x):
+    if isinstance(p, dict):
+        x, _ = jax.lax.scan(lambda h, l: (jnp.tanh(h @ l["w"] + l["b"]), None), x, p)
+    else:
+        for l in p:
+            x = jnp.tanh(x @ l["w"] + l["b"])
+    return jnp.mean(x ** 2)
+
+
+class DeepNNX(nnx.Module):
+    """Layers as a list of submodules (no scan): per-layer gathering must still happen."""
+
+    def __init__(self, layers: int, d: int, rngs: nnx.Rngs):
+        self.blocks = nnx.List([Block(d, rngs) for _ in range(layers)])
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x

@@ -2,7 +2,8 @@
 
 from zerojax.config import ZeroConfig
 from zerojax.params import gather_params
-from zerojax.report.memory import state_bytes_per_device, zero_formula_bytes
+from zerojax.report.comm import communication_report
+from zerojax.report.memory import compiled_bytes, state_bytes_per_device, zero_formula_bytes
 from zerojax.sharding.mesh import make_mesh
 from zerojax.state import ZeroState, init_state
 from zerojax.step import TrainStep, make_train_step
@@ -11,6 +12,8 @@ __all__ = [
     "TrainStep",
     "ZeroConfig",
     "ZeroState",
+    "communication_report",
+    "compiled_bytes",
     "gather_params",
     "init_state",
     "make_mesh",

@@ -1,5 +1,6 @@
 """Memory and communication reports."""
 
-from zerojax.report.memory import state_bytes_per_device, zero_formula_bytes
+from zerojax.report.comm import communication_report
+from zerojax.report.memory import compiled_bytes, state_bytes_per_device, zero_formula_bytes
 
-__all__ = ["state_bytes_per_device", "zero_formula_bytes"]
+__all__ = ["communication_report", "compiled_bytes", "state_bytes_per_device", "zero_formula_bytes"]

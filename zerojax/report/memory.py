@@ -67,3 +67,21 @@ def zero_formula_bytes(num_params: int, n: int, stage: int, *, param_bytes: int 
     if stage == 3:
         return (param_bytes + opt_bytes) * psi / n
     raise ValueError(f"stage must be 0..3, got {stage!r}")
+
+
+def compiled_bytes(compiled) -> dict[str, int]:
+    """Per-device bytes of a compiled program, from ``compiled.memory_analysis()``.
+
+    ``total`` = argument + output − alias + temp: what the program needs on a device before
+    anything runs. ``host_temp`` is what XLA placed in host memory (offloading).
+    """
+    m = compiled.memory_analysis()
+    out = {
+        "argument": int(m.argument_size_in_bytes),
+        "output": int(m.output_size_in_bytes),
+        "alias": int(m.alias_size_in_bytes),
+        "temp": int(m.temp_size_in_bytes),
+        "host_temp": int(getattr(m, "host_temp_size_in_bytes", 0)),
+    }
+    out["total"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    return out
