@@ -60,6 +60,19 @@ def init_state(params: Any, tx: optax.GradientTransformation, *, mesh: Mesh, con
       >>> int(state.step), zj.gather_params(state)["w"].shape
       (0, (13, 7))
     """
+    build, leaves, plan, shardings = _init_program(params, tx, mesh=mesh, config=config)
+    p, opt_state = jax.jit(build, out_shardings=(shardings.params, shardings.opt_state))(leaves)
+    step = jax.device_put(jax.numpy.zeros((), jax.numpy.int32), plan.replicated)
+    return ZeroState(step=step, params=p, opt_state=opt_state, plan=plan)
+
+
+def lower_init(params: Any, tx: optax.GradientTransformation, *, mesh: Mesh, config: ZeroConfig):
+    """The lowered program ``init_state`` runs, to inspect its memory before running it."""
+    build, leaves, _, shardings = _init_program(params, tx, mesh=mesh, config=config)
+    return jax.jit(build, out_shardings=(shardings.params, shardings.opt_state)).lower(leaves)
+
+
+def _init_program(params, tx, *, mesh, config):
     plan = make_plan(params, mesh, config)
     if not isinstance(tx, optax.GradientTransformation):
         raise TypeError(f"tx must be an optax.GradientTransformation, got {type(tx).__name__}.")
@@ -72,7 +85,4 @@ def init_state(params: Any, tx: optax.GradientTransformation, *, mesh: Mesh, con
         return jax.tree.unflatten(plan.treedef, stored), opt_state
 
     opt_shape = jax.eval_shape(build, leaves)[1]
-    shardings = state_shardings(plan, opt_shape)
-    p, opt_state = jax.jit(build, out_shardings=(shardings.params, shardings.opt_state))(leaves)
-    step = jax.device_put(jax.numpy.zeros((), jax.numpy.int32), plan.replicated)
-    return ZeroState(step=step, params=p, opt_state=opt_state, plan=plan)
+    return build, leaves, plan, state_shardings(plan, opt_shape)
