@@ -1,0 +1,1 @@
+"""Experiment scripts and the models and data they share."""

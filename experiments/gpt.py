@@ -1,0 +1,108 @@
+"""A GPT-style Flax NNX model: token + position embeddings, a stack of pre-norm blocks
+(created with ``nnx.vmap``, run with ``nnx.scan``), a final norm and an untied head."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Size of the model. ``vocab=256`` is byte-level text."""
+
+    vocab: int = 256
+    seq_len: int = 64
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    mlp_ratio: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}.")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"GPTConfig.d_model ({self.d_model}) must divide by n_heads ({self.n_heads})."
+            )
+
+    def num_params(self) -> int:
+        d, L, V, T, m = self.d_model, self.n_layers, self.vocab, self.seq_len, self.mlp_ratio
+        block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * m * d + m * d) + (m * d * d + d)
+        return V * d + T * d + L * block + 2 * d + d * V
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        d = cfg.d_model
+        self.n_heads = cfg.n_heads
+        self.ln1 = nnx.LayerNorm(d, rngs=rngs)
+        self.qkv = nnx.Linear(d, 3 * d, rngs=rngs)
+        self.proj = nnx.Linear(d, d, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(d, rngs=rngs)
+        self.fc = nnx.Linear(d, cfg.mlp_ratio * d, rngs=rngs)
+        self.out = nnx.Linear(cfg.mlp_ratio * d, d, rngs=rngs)
+
+    def attention(self, x: jax.Array) -> jax.Array:
+        b, t, d = x.shape
+        h = self.n_heads
+        q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3 * h, d // h), 3, axis=2)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // h)
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+        return self.proj(out.reshape(b, t, d))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.attention(self.ln1(x))
+        return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nnx.Module):
+    """``GPT(cfg, rngs)(tokens) -> logits``; ``tokens`` is ``int32[batch, time]``."""
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.wte = nnx.Embed(cfg.vocab, cfg.d_model, rngs=rngs)
+        self.wpe = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.seq_len, cfg.d_model)))
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def blocks(rngs):
+            return Block(cfg, rngs)
+
+        self.blocks = blocks(rngs)
+        self.ln_f = nnx.LayerNorm(cfg.d_model, rngs=rngs)
+        self.head = nnx.Linear(cfg.d_model, cfg.vocab, use_bias=False, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.wte(tokens) + self.wpe[: tokens.shape[1]]
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(x, block):
+            return block(x)
+
+        return self.head(self.ln_f(run(x, self.blocks)))
+
+
+def init(cfg: GPTConfig, seed: int = 0):
+    """``(graphdef, params)`` of a fresh model: ``params`` is what zerojax shards."""
+    return nnx.split(GPT(cfg, nnx.Rngs(seed)), nnx.Param)
+
+
+def make_loss(graphdef):
+    """Next-token cross-entropy: ``loss_fn(params, {"tokens": int32[B, T + 1]})``."""
+
+    def loss_fn(params, batch):
+        tokens = batch["tokens"]
+        logits = nnx.merge(graphdef, params)(tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    return loss_fn

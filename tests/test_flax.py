@@ -1,0 +1,91 @@
+"""Flax NNX and linen models (scan stacks, submodules, norms, embeddings) match optax."""
+
+import subprocess
+import sys
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import zerojax as zj
+from experiments import data, gpt
+from tests import models
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def train_both(params, loss_fn, tx, batches, stage):
+    ref, ref_losses = models.reference_run(loss_fn, params, tx, batches)
+    mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=stage)
+    state = zj.init_state(params, tx, mesh=mesh, config=cfg)
+    step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=cfg)
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    return zj.gather_params(state), losses, ref, ref_losses
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_nnx_scan_model(stage):
+    graphdef, params = nnx.split(models.NNXModel(nnx.Rngs(0)), nnx.Param)
+    loss_fn = lambda p, b: jnp.mean((nnx.merge(graphdef, p)(b["x"]) - b["y"]) ** 2)
+    tx = optax.sgd(0.05, momentum=0.9)
+    batches = [models.batch(16, s) for s in range(3)]
+    got, losses, ref, ref_losses = train_both(params, loss_fn, tx, batches, stage)
+    assert models.abs_errors(got, ref).max() <= 1e-5
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    # Back into a model: the tree is the one nnx.split gave.
+    nnx.merge(graphdef, got)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_linen_scan_and_submodules(stage):
+    model = models.LinenModel()
+    params = model.init(jax.random.key(0), jnp.ones((1, models.IN)))["params"]
+    loss_fn = lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+    tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1))
+    batches = [models.batch(16, s) for s in range(3)]
+    got, losses, ref, ref_losses = train_both(params, loss_fn, tx, batches, stage)
+    assert models.abs_errors(got, ref).max() <= 1e-5
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gpt_matches_optax(stage):
+    """The experiments' GPT (embedding lookup, sliced position table, attention, scan)."""
+    cfg = gpt.GPTConfig(vocab=256, seq_len=16, d_model=32, n_layers=2, n_heads=2)
+    graphdef, params = gpt.init(cfg)
+    stream = data.batches(data.stdlib_bytes(1 << 16), 16, cfg.seq_len)
+    batches = [next(stream) for _ in range(3)]
+    loss_fn = gpt.make_loss(graphdef)
+    got, losses, ref, ref_losses = train_both(params, loss_fn, optax.sgd(0.1), batches, stage)
+    assert models.abs_errors(got, ref).max() <= 1e-5
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    # AdamW: the attention key bias has an exactly-zero true gradient (softmax ignores a
+    # per-row shift), so Adam turns pure rounding noise into +-lr steps there, in plain
+    # data parallelism as well. Mean error stays tiny; the max is bounded by lr * steps.
+    lr = 1e-3
+    got, _, ref, _ = train_both(params, loss_fn, optax.adamw(lr), batches, stage)
+    err = models.abs_errors(got, ref)
+    assert err.mean() <= 2e-6 and err.max() <= lr * len(batches)
+
+
+def test_gpt_param_count_formula():
+    cfg = gpt.GPTConfig(vocab=257, seq_len=9, d_model=24, n_layers=3, n_heads=3)
+    _, params = gpt.init(cfg)
+    assert sum(x.size for x in jax.tree.leaves(params)) == cfg.num_params()
+
+
+@pytest.mark.slow
+def test_demo_runs_and_loss_falls():
+    out = subprocess.run([sys.executable, str(ROOT / "experiments" / "demo.py"), "--steps", "30"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "12Ψ/N" in out.stdout
+    first, last = [float(x) for x in out.stdout.split("loss ")[-1].split(" (")[0].split(" -> ")]
+    assert last < first - 1.0, out.stdout
