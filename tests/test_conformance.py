@@ -106,3 +106,16 @@ def test_full_matrix_fewer_devices(model, opt, n, stage):
 @pytest.mark.parametrize("model", list(MODELS))
 def test_adam_eight_devices(model, stage):
     _case(model, "adam", stage, 8)
+
+
+def test_mesh_with_explicit_axes():
+    """``jax.make_mesh``'s default (Explicit axes) works like zj.make_mesh()."""
+    mesh = jax.make_mesh((8,), ("data",))
+    tx = SGD_FAMILY["clip_sgd"]()
+    ref, _ = _reference("scan", "clip_sgd")
+    cfg = zj.ZeroConfig(stage=3)
+    state = zj.init_state(models.stacked_params(), tx, mesh=mesh, config=cfg)
+    step = zj.make_train_step(models.stacked_loss, tx, mesh=mesh, config=cfg)
+    for b in _batches():
+        state, _ = step(state, b)
+    assert models.abs_errors(zj.gather_params(state), ref).max() <= 1e-5

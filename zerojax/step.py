@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from zerojax.config import ZeroConfig
 from zerojax.optim.update import apply_optimizer
 from zerojax.sharding.gradients import local_grads
-from zerojax.sharding.mesh import axis_size
+from zerojax.sharding.mesh import auto_axes, axis_size
 from zerojax.sharding.plan import ZeroPlan
 from zerojax.state import ZeroState, state_shardings
 
@@ -84,7 +84,7 @@ class TrainStep:
         if not isinstance(config, ZeroConfig):
             raise TypeError(f"config must be a zj.ZeroConfig, got {type(config).__name__}.")
         self.n = axis_size(mesh, config.axis)
-        self.mesh, self.config, self.tx, self.loss_fn = mesh, config, tx, loss_fn
+        self.mesh, self.config, self.tx, self.loss_fn = auto_axes(mesh), config, tx, loss_fn
 
         def step(state, batch):
             return _step(loss_fn, tx, has_aux, state, batch)

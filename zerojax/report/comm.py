@@ -141,7 +141,7 @@ def communication_report(compiled) -> dict[str, dict[str, int]]:
       >>> from zerojax.report.comm import communication_report
       >>> mesh, cfg, tx = zj.make_mesh(), zj.ZeroConfig(stage=3), optax.sgd(0.1)
       >>> params = {"w": jnp.zeros((64, 64))}
-      >>> loss_fn = lambda p, b: jnp.mean(b @ p["w"])
+      >>> loss_fn = lambda p, b: jnp.mean(jnp.tanh(b @ p["w"]))
       >>> state = zj.init_state(params, tx, mesh=mesh, config=cfg)
       >>> step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=cfg)
       >>> rep = communication_report(step.lower(state, jnp.ones((8, 64))).compile())

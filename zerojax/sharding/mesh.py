@@ -37,3 +37,15 @@ def axis_size(mesh: Mesh, axis: str) -> int:
             "to one of the mesh's axes."
         )
     return int(mesh.shape[axis])
+
+
+def auto_axes(mesh: Mesh) -> Mesh:
+    """The same devices and axis names with every axis ``Auto``.
+
+    zerojax places every collective itself (``shard_map``) and leaves the optimizer update
+    to XLA's partitioner, so a mesh built with explicit axes (``jax.make_mesh``'s default)
+    is used in its ``Auto`` form; the arrays it returns carry that mesh.
+    """
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.config import ZeroConfig
 from zerojax.sharding.layout import LeafLayout, layout_for
-from zerojax.sharding.mesh import axis_size
+from zerojax.sharding.mesh import auto_axes, axis_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +73,7 @@ def make_plan(params: Any, mesh: Mesh, config: ZeroConfig) -> ZeroPlan:
     if not isinstance(config, ZeroConfig):
         raise TypeError(f"config must be a zj.ZeroConfig, got {type(config).__name__}.")
     n = axis_size(mesh, config.axis)
+    mesh = auto_axes(mesh)
     if mesh.devices.size != n:
         raise ValueError(
             f"mesh {dict(mesh.shape)} has axes other than {config.axis!r} with size > 1; "

@@ -1,0 +1,70 @@
+"""Per-device state bytes, compiled temp memory and traffic of every ZeRO stage, for one GPT.
+
+Prints a markdown table (the one in docs/stages.md):
+
+    python experiments/stage_table.py [--layers 8 --d-model 256 --batch 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import optax  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import zerojax as zj  # noqa: E402
+from experiments import data, gpt  # noqa: E402
+
+FORMULA = {0: "12Ψ", 1: "4Ψ + 8Ψ/N", 2: "4Ψ + 8Ψ/N", 3: "12Ψ/N"}
+MIB = 2**20
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=32)
+    args = ap.parse_args(argv)
+
+    cfg = gpt.GPTConfig(vocab=args.vocab, seq_len=args.seq_len, d_model=args.d_model,
+                        n_layers=args.layers, n_heads=max(1, args.d_model // 64))
+    graphdef, params = gpt.init(cfg)
+    loss_fn = gpt.make_loss(graphdef)
+    psi = cfg.num_params()
+    mesh = zj.make_mesh()
+    n = mesh.devices.size
+    tx = optax.adamw(1e-3)
+    batch = next(data.batches(data.stdlib_bytes(1 << 20), args.batch, cfg.seq_len))
+    print(f"GPT {cfg}: Ψ = {psi:,} parameters ({4 * psi / MIB:.2f} MiB fp32), N = {n} devices "
+          f"({jax.devices()[0].platform}), AdamW, batch {args.batch} x {cfg.seq_len} tokens, "
+          f"jax {jax.__version__}\n")
+    print("| stage | state per device (arrays) | formula | compiled temp per device | "
+          "traffic per device per step | collectives (executions per step) |")
+    print("|---|---|---|---|---|---|")
+    for stage in range(4):
+        zc = zj.ZeroConfig(stage=stage)
+        state = zj.init_state(params, tx, mesh=mesh, config=zc)
+        step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=zc)
+        compiled = step.lower(state, batch).compile()
+        got = zj.state_bytes_per_device(state)["total"]
+        want = zj.zero_formula_bytes(psi, n, stage)
+        temp = zj.compiled_bytes(compiled)["temp"]
+        rep = zj.communication_report(compiled)
+        traffic = rep["total"]["zero_bytes"] / (4 * psi)
+        kinds = ", ".join(f"{k.split(':')[0]} ×{v['count']}" for k, v in rep.items()
+                          if k != "total" and v["bytes"] > 64)
+        print(f"| {stage} | {got / MIB:.2f} MiB | {FORMULA[stage]} = {want / MIB:.2f} MiB | "
+              f"{temp / MIB:.2f} MiB | {traffic:.2f}Ψ | {kinds} |")
+        del state, step, compiled
+
+
+if __name__ == "__main__":
+    main()
