@@ -139,14 +139,16 @@ def communication_report(compiled) -> dict[str, dict[str, int]]:
     Example:
       >>> import jax.numpy as jnp, optax, zerojax as zj
       >>> from zerojax.report.comm import communication_report
-      >>> mesh, cfg, tx = zj.make_mesh(), zj.ZeroConfig(stage=3), optax.sgd(0.1)
+      >>> mesh, cfg, tx = zj.make_mesh(), zj.ZeroConfig(stage=1), optax.sgd(0.1)
       >>> params = {"w": jnp.zeros((64, 64))}
       >>> loss_fn = lambda p, b: jnp.mean(jnp.tanh(b @ p["w"]))
       >>> state = zj.init_state(params, tx, mesh=mesh, config=cfg)
       >>> step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=cfg)
       >>> rep = communication_report(step.lower(state, jnp.ones((8, 64))).compile())
-      >>> rep["total"]["zero_bytes"] // (64 * 64 * 4)   # 3Ψ for stage 3
-      3
+      >>> rep["total"]["zero_bytes"] // (64 * 64 * 4)   # 2Ψ for stage 1
+      2
+      >>> sorted(k for k in rep if k != "total")
+      ['all-gather:f32', 'all-reduce:f32', 'reduce-scatter:f32']
     """
     text = compiled.as_text() if hasattr(compiled, "as_text") else str(compiled)
     report: dict[str, dict[str, int]] = {}
