@@ -2,7 +2,7 @@
 
 Prints a markdown table (the one in docs/stages.md):
 
-    python experiments/stage_table.py [--layers 8 --d-model 256 --batch 32]
+    python experiments/stage_table.py [--layers 8 --d-model 256 --batch 8]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def main(argv=None) -> None:
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=8)
     args = ap.parse_args(argv)
 
     cfg = gpt.GPTConfig(vocab=args.vocab, seq_len=args.seq_len, d_model=args.d_model,
@@ -46,9 +46,9 @@ def main(argv=None) -> None:
     print(f"GPT {cfg}: Ψ = {psi:,} parameters ({4 * psi / MIB:.2f} MiB fp32), N = {n} devices "
           f"({jax.devices()[0].platform}), AdamW, batch {args.batch} x {cfg.seq_len} tokens, "
           f"jax {jax.__version__}\n")
-    print("| stage | state per device (arrays) | formula | compiled temp per device | "
+    print("| stage | state per device (arrays) | formula | compiled temp | compiled total | "
           "traffic per device per step | collectives (executions per step) |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for stage in range(4):
         zc = zj.ZeroConfig(stage=stage)
         state = zj.init_state(params, tx, mesh=mesh, config=zc)
@@ -56,13 +56,13 @@ def main(argv=None) -> None:
         compiled = step.lower(state, batch).compile()
         got = zj.state_bytes_per_device(state)["total"]
         want = zj.zero_formula_bytes(psi, n, stage)
-        temp = zj.compiled_bytes(compiled)["temp"]
+        mem = zj.compiled_bytes(compiled)
         rep = zj.communication_report(compiled)
         traffic = rep["total"]["zero_bytes"] / (4 * psi)
         kinds = ", ".join(f"{k.split(':')[0]} ×{v['count']}" for k, v in rep.items()
                           if k != "total" and v["bytes"] > 64)
         print(f"| {stage} | {got / MIB:.2f} MiB | {FORMULA[stage]} = {want / MIB:.2f} MiB | "
-              f"{temp / MIB:.2f} MiB | {traffic:.2f}Ψ | {kinds} |")
+              f"{mem['temp'] / MIB:.2f} MiB | {mem['total'] / MIB:.2f} MiB | {traffic:.2f}Ψ | {kinds} |")
         del state, step, compiled
 
 

@@ -41,6 +41,12 @@ _SHAPE_ONLY = frozenset(
     {"reshape", "transpose", "convert_element_type", "squeeze", "expand_dims",
      "broadcast_in_dim", "copy", "copy_p"}
 )
+# Equations whose backward needs no operand values (only shapes or integer indices):
+# the gathered parameter is not kept for backward, so it needs no re-gather either.
+_NO_RESIDUALS = frozenset(
+    {"add", "sub", "add_any", "neg", "concatenate", "pad", "reduce_sum", "slice",
+     "dynamic_slice", "gather", "select_n"}
+)
 # Elementwise shape-only equations that commute with slicing a stack of layers.
 _SLICE_SAFE = frozenset({"convert_element_type", "copy", "copy_p"})
 
@@ -171,7 +177,26 @@ def _eqn_with_pending(eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any]:
     # rather than kept alive from forward.
     if not any(p.source.remat for p in pending):
         return _bind(eqn, _materialize_all(invals))
+    if name in _NO_RESIDUALS:
+        return _bind(eqn, _materialize_all(_tied_to_inputs(invals)))
     return _regathered(eqn, invals)
+
+
+def _first_float(vals: Sequence[Any]) -> jax.Array | None:
+    for v in vals:
+        if not isinstance(v, Pending) and _is_array(v) and jnp.issubdtype(v.dtype, jnp.inexact):
+            return v
+    return None
+
+
+def _tied_to_inputs(invals: list[Any]) -> list[Any]:
+    """Pending values whose gather waits for the equation's other (activation) input, so
+    the compiler gathers a layer when the layer is reached, not all layers up front."""
+    dep = _first_float(invals)
+    if dep is None:
+        return invals
+    return [v.rebuild([_after(a, dep) for a in v.arrays]) if isinstance(v, Pending) else v
+            for v in invals]
 
 
 def _after(x: jax.Array, dep: jax.Array) -> jax.Array:
@@ -208,15 +233,15 @@ def _regathered(eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any]:
         return compute(flat, traced_vals)
 
     def fwd(flat, traced_vals):
-        deps = [t for t in traced_vals if jnp.issubdtype(t.dtype, jnp.inexact)]
-        tied = [_after(a, deps[0]) for a in flat] if deps else flat
+        dep = _first_float(traced_vals)
+        tied = [_after(a, dep) for a in flat] if dep is not None else flat
         return compute(tied, traced_vals), (flat, traced_vals)
 
     def bwd(res, cts):
         flat, traced_vals = res
-        deps = [c for c in cts if jnp.issubdtype(c.dtype, jnp.inexact)]
-        if deps:
-            flat = [_after(a, deps[0]) for a in flat]
+        dep = _first_float(cts)
+        if dep is not None:
+            flat = [_after(a, dep) for a in flat]
         _, vjp = jax.vjp(compute, flat, traced_vals)
         return vjp(list(cts))
 
