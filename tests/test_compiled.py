@@ -45,7 +45,8 @@ def test_collectives_match_zero_formulas(deep):
     psi_bytes = nbytes(params)  # D divides N: no padding in this model
     rep = {s: zj.communication_report(c) for s, c in compiled.items()}
     get = lambda s, k: rep[s].get(f"{k}:f32", {}).get("zero_bytes", 0) / psi_bytes
-    big_allreduce = lambda s: rep[s].get("all-reduce:f32", {}).get("bytes", 0) > 64
+    # Scalars only (loss, the global gradient norm): far below 1% of Ψ.
+    big_allreduce = lambda s: rep[s].get("all-reduce:f32", {}).get("bytes", 0) > 0.001 * psi_bytes
     # Stage 0: one all-reduce of the gradients (2Ψ in the paper's units).
     assert get(0, "all-reduce") == pytest.approx(2.0, abs=1e-3)
     assert get(0, "reduce-scatter") == 0 and get(0, "all-gather") == 0

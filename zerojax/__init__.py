@@ -6,9 +6,10 @@ from zerojax.report.comm import communication_report
 from zerojax.report.memory import compiled_bytes, state_bytes_per_device, zero_formula_bytes
 from zerojax.sharding.mesh import make_mesh
 from zerojax.state import ZeroState, init_state
-from zerojax.step import TrainStep, make_train_step
+from zerojax.step import LossScaleError, TrainStep, make_train_step
 
 __all__ = [
+    "LossScaleError",
     "TrainStep",
     "ZeroConfig",
     "ZeroState",

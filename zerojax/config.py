@@ -3,25 +3,57 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
 
 STAGES = (0, 1, 2, 3)
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+REDUCE_DTYPES = ("float32", "bfloat16", "float16")
+_AUTO = "auto"
+
+
+def _dtype_name(value: Any, field: str, allowed: tuple[str, ...]) -> str:
+    try:
+        name = jnp.dtype(value).name
+    except TypeError:
+        name = None
+    if name not in allowed:
+        raise ValueError(f"ZeroConfig.{field} must be one of {allowed}, got {value!r}.")
+    return name
 
 
 @dataclasses.dataclass(frozen=True)
 class ZeroConfig:
-    """How a train step shards model state over the data axis of a mesh.
+    """How a train step shards model state and in which precision it computes.
 
-    Attributes:
+    Sharding:
       stage: 0 (plain data parallelism), 1 (optimizer state sharded), 2 (optimizer
         state and gradients sharded) or 3 (optimizer state, gradients and parameters
         sharded; parameters are gathered where each layer uses them).
       axis: name of the mesh axis that the batch and the state are split over.
       donate: let the train step reuse the buffers of the state it is given.
 
+    Precision (the optimizer always updates fp32 master weights):
+      compute_dtype: "float32", "bfloat16" or "float16" for forward and backward. Floating
+        batch leaves are cast to it too (as DeepSpeed's engine does); integer ones are not.
+      reduce_dtype: dtype of the gradient collective (default float32).
+      loss_scale: "dynamic", a positive float (static scale) or None. Default: "dynamic"
+        for float16, None otherwise; scaling bf16 or fp32 compute is rejected.
+      initial_scale_power, loss_scale_window, hysteresis, consecutive_hysteresis,
+      min_loss_scale: DeepSpeed's dynamic loss-scaling knobs, with its defaults.
+      raise_at_min_scale: raise when an overflow happens at the minimum scale (DeepSpeed's
+        behaviour); otherwise keep skipping and report it in the metrics.
+      skip_nonfinite: skip steps whose gradients are not finite (always on with scaling).
+
+    Gradients:
+      grad_clip: clip by the global norm over all shards, after unscaling (None: off).
+      grad_accum_steps: micro-batches per optimizer step, inside one compiled step.
+
     Example:
       >>> import zerojax as zj
-      >>> zj.ZeroConfig(stage=3).stage
-      3
+      >>> zj.ZeroConfig(stage=3, compute_dtype="float16").loss_scale
+      'dynamic'
       >>> zj.ZeroConfig(stage=4)
       Traceback (most recent call last):
       ...
@@ -31,6 +63,18 @@ class ZeroConfig:
     stage: int = 3
     axis: str = "data"
     donate: bool = True
+    compute_dtype: Any = "float32"
+    reduce_dtype: Any = "float32"
+    loss_scale: Any = _AUTO
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+    raise_at_min_scale: bool = True
+    skip_nonfinite: bool = False
+    grad_clip: float | None = None
+    grad_accum_steps: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in STAGES:
@@ -43,5 +87,71 @@ class ZeroConfig:
             raise TypeError(
                 f"ZeroConfig.axis must be a non-empty mesh axis name (str), got {self.axis!r}."
             )
-        if not isinstance(self.donate, bool):
-            raise TypeError(f"ZeroConfig.donate must be a bool, got {self.donate!r}.")
+        for name in ("donate", "consecutive_hysteresis", "raise_at_min_scale", "skip_nonfinite"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"ZeroConfig.{name} must be a bool, got {getattr(self, name)!r}.")
+        set_ = lambda k, v: object.__setattr__(self, k, v)
+        set_("compute_dtype", _dtype_name(self.compute_dtype, "compute_dtype", COMPUTE_DTYPES))
+        set_("reduce_dtype", _dtype_name(self.reduce_dtype, "reduce_dtype", REDUCE_DTYPES))
+        self._check_loss_scale()
+        for name in ("initial_scale_power", "loss_scale_window", "hysteresis", "grad_accum_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"ZeroConfig.{name} must be an int, got {value!r}.")
+        if self.loss_scale_window <= 0:
+            raise ValueError(f"ZeroConfig.loss_scale_window must be >= 1, got {self.loss_scale_window}.")
+        if self.hysteresis <= 0:
+            raise ValueError(f"ZeroConfig.hysteresis must be >= 1, got {self.hysteresis}.")
+        if not self.min_loss_scale > 0:
+            raise ValueError(f"ZeroConfig.min_loss_scale must be > 0, got {self.min_loss_scale!r}.")
+        if self.initial_scale_power < 0:
+            raise ValueError(f"ZeroConfig.initial_scale_power must be >= 0, got {self.initial_scale_power}.")
+        if self.grad_accum_steps < 1:
+            raise ValueError(
+                f"ZeroConfig.grad_accum_steps must be >= 1 (1 = no accumulation), got {self.grad_accum_steps}."
+            )
+        if self.grad_clip is not None and not (isinstance(self.grad_clip, (int, float)) and self.grad_clip > 0):
+            raise ValueError(f"ZeroConfig.grad_clip must be a positive number or None, got {self.grad_clip!r}.")
+
+    def _check_loss_scale(self) -> None:
+        ls = self.loss_scale
+        if isinstance(ls, str) and ls == _AUTO:
+            object.__setattr__(self, "loss_scale", "dynamic" if self.compute_dtype == "float16" else None)
+            return
+        if ls is None:
+            return
+        if self.compute_dtype != "float16":
+            raise ValueError(
+                f"ZeroConfig.loss_scale={ls!r} cannot apply with compute_dtype={self.compute_dtype!r}: "
+                "loss scaling exists for float16's narrow exponent range. Use compute_dtype='float16', "
+                "or loss_scale=None (bfloat16 has fp32's range; use skip_nonfinite=True to skip "
+                "non-finite steps)."
+            )
+        if isinstance(ls, str):
+            if ls != "dynamic":
+                raise ValueError(f"ZeroConfig.loss_scale must be 'dynamic', a positive float or None, got {ls!r}.")
+            return
+        if isinstance(ls, bool) or not isinstance(ls, (int, float)) or not ls > 0:
+            raise ValueError(
+                f"ZeroConfig.loss_scale must be 'dynamic', a positive float or None, got {ls!r}. "
+                "(DeepSpeed's loss_scale: 0 means dynamic: write 'dynamic'.)"
+            )
+        object.__setattr__(self, "loss_scale", float(ls))
+
+    @property
+    def dynamic_scaling(self) -> bool:
+        return self.loss_scale == "dynamic"
+
+    @property
+    def scaling(self) -> bool:
+        return self.loss_scale is not None
+
+    @property
+    def checks_finite(self) -> bool:
+        """Whether non-finite gradients skip the step."""
+        return self.scaling or self.skip_nonfinite
+
+    @property
+    def mixed(self) -> bool:
+        """Whether compute runs in a narrower dtype than the fp32 masters."""
+        return self.compute_dtype != "float32"

@@ -14,8 +14,8 @@ from zerojax.state import ZeroState
 def gather_params(state: ZeroState) -> Any:
     """The full parameter tree, same structure, shapes and dtypes as given to ``init_state``.
 
-    Stage 3 storage is all-gathered and unpadded; for other stages the replicated params
-    are returned as they are. Every device (and process) gets the full values.
+    The fp32 masters are returned (all-gathered and unpadded where sharded), cast to the
+    dtypes the params had when given to ``init_state``. Every device (and process) gets the full values.
 
     Example:
       >>> import jax.numpy as jnp, optax, zerojax as zj
@@ -27,15 +27,18 @@ def gather_params(state: ZeroState) -> Any:
     if not isinstance(state, ZeroState):
         raise TypeError(f"gather_params takes a zj.init_state state, got {type(state).__name__}.")
     plan = state.plan
-    if plan.stage != 3:
-        return state.params
-    return _gather_fn(plan)(jax.tree.leaves(state.params))
+    if plan.stage == 3:
+        return _gather_fn(plan)(jax.tree.leaves(state.params))
+    if state.master is not None:  # bf16/fp16 compute copy: the masters are exact
+        return _gather_fn(plan)(jax.tree.leaves(state.master))
+    return jax.tree.map(lambda x, l: x.astype(l.dtype), state.params,
+                        jax.tree.unflatten(plan.treedef, plan.layouts))
 
 
 @functools.lru_cache(maxsize=64)
 def _gather_fn(plan: ZeroPlan):
     def full(storage):
-        leaves = [l.from_storage(s) for l, s in zip(plan.layouts, storage)]
+        leaves = [l.from_storage(s).astype(l.dtype) for l, s in zip(plan.layouts, storage)]
         return jax.tree.unflatten(plan.treedef, leaves)
 
     out = jax.tree.unflatten(plan.treedef, [plan.replicated] * len(plan.layouts))

@@ -6,52 +6,72 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
 from zerojax.config import ZeroConfig
+from zerojax.optim import loss_scale as ls
 from zerojax.sharding.plan import ZeroPlan, make_plan
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ZeroState:
-    """Train state: a pytree of ``step``, ``params`` and ``opt_state``.
+    """Train state: a pytree of arrays plus a static ``plan``.
 
-    ``params`` holds the user's parameter tree for stages 0–2 (replicated) and, for stage
-    3, each leaf's sharded storage (see :mod:`zerojax.sharding.layout`); use
-    :func:`zerojax.gather_params` for the full tree in any stage. ``opt_state`` is the optax
-    state over the arrays the optimizer updates: the parameters for stage 0, their sharded
-    storage from stage 1 on. ``plan`` is static (part of the tree structure).
+    Fields:
+      step: int32[], train-step calls so far (skipped ones included).
+      params: what forward reads. Stage 0: the fp32 master params (full, replicated).
+        Stages 1–2: the full params in the compute dtype (replicated). Stage 3: each leaf's
+        fp32 master storage, sharded (see :mod:`zerojax.sharding.layout`).
+      master: stages 1–2 with bf16/fp16 compute: the fp32 master storage, sharded;
+        otherwise ``None`` (the masters are ``params``).
+      opt_state: the optax state over the masters (full for stage 0, sharded storage from
+        stage 1 on).
+      loss_scale: the fp16 loss scaler's state, or ``None``.
+      skipped: int32[], steps skipped for non-finite gradients so far.
+
+    Use :func:`zerojax.gather_params` for the full parameter tree in any stage.
     """
 
-    step: jax.Array  # int32[]
+    step: jax.Array
     params: Any
+    master: Any
     opt_state: Any
+    loss_scale: ls.LossScaleState | None
+    skipped: jax.Array
     plan: ZeroPlan = dataclasses.field(metadata=dict(static=True))
 
-    def shardings(self) -> ZeroState:
-        """The ``NamedSharding`` of every leaf, as a state-shaped tree."""
-        return state_shardings(self.plan, self.opt_state)
+
+def master_dtype(dtype) -> jnp.dtype:
+    """fp32 for narrow float params (bf16/fp16), the params' own dtype otherwise."""
+    return jnp.promote_types(dtype, jnp.float32)
 
 
-def state_shardings(plan: ZeroPlan, opt_state: Any) -> ZeroState:
-    params = jax.tree.unflatten(plan.treedef, plan.param_shardings())
-    return ZeroState(step=plan.replicated, params=params, opt_state=plan.opt_shardings(opt_state), plan=plan)
+def has_master(plan: ZeroPlan) -> bool:
+    return plan.stage in (1, 2) and plan.config.mixed
 
 
-def _to_update_arrays(plan: ZeroPlan, leaves: list[jax.Array]) -> list[jax.Array]:
-    """The arrays the optimizer updates: the leaves for stage 0, their storage otherwise."""
-    if plan.stage == 0:
-        return list(leaves)
-    return [l.to_storage(x) for l, x in zip(plan.layouts, leaves)]
+def state_shardings(plan: ZeroPlan, opt_state: Any, scaler: Any) -> ZeroState:
+    unflat = lambda xs: jax.tree.unflatten(plan.treedef, xs)
+    rep = plan.replicated
+    return ZeroState(
+        step=rep,
+        params=unflat(plan.param_shardings()),
+        master=unflat(plan.storage_shardings()) if has_master(plan) else None,
+        opt_state=plan.opt_shardings(opt_state),
+        loss_scale=jax.tree.map(lambda _: rep, scaler),
+        skipped=rep,
+        plan=plan,
+    )
 
 
 def init_state(params: Any, tx: optax.GradientTransformation, *, mesh: Mesh, config: ZeroConfig) -> ZeroState:
-    """Builds a sharded train state from full ``params``.
+    """Builds a sharded train state from full ``params`` (the initial master weights).
 
-    The optimizer state is created directly in its sharded layout (``jax.jit`` with
-    ``out_shardings``): no device ever holds more than its share of it.
+    The optimizer state and masters are created directly in their sharded layout
+    (``jax.jit`` with ``out_shardings``): no device ever holds more than its share of them.
 
     Example:
       >>> import jax.numpy as jnp, optax, zerojax as zj
@@ -61,15 +81,21 @@ def init_state(params: Any, tx: optax.GradientTransformation, *, mesh: Mesh, con
       (0, (13, 7))
     """
     build, leaves, plan, shardings = _init_program(params, tx, mesh=mesh, config=config)
-    p, opt_state = jax.jit(build, out_shardings=(shardings.params, shardings.opt_state))(leaves)
-    step = jax.device_put(jax.numpy.zeros((), jax.numpy.int32), plan.replicated)
-    return ZeroState(step=step, params=p, opt_state=opt_state, plan=plan)
+    out = (shardings.params, shardings.master, shardings.opt_state)
+    p, master, opt_state = jax.jit(build, out_shardings=out)(leaves)
+    rep = plan.replicated
+    return ZeroState(
+        step=jax.device_put(jnp.zeros((), jnp.int32), rep), params=p, master=master,
+        opt_state=opt_state, loss_scale=jax.device_put(ls.init(config), rep),
+        skipped=jax.device_put(jnp.zeros((), jnp.int32), rep), plan=plan,
+    )
 
 
 def lower_init(params: Any, tx: optax.GradientTransformation, *, mesh: Mesh, config: ZeroConfig):
     """The lowered program ``init_state`` runs, to inspect its memory before running it."""
     build, leaves, _, shardings = _init_program(params, tx, mesh=mesh, config=config)
-    return jax.jit(build, out_shardings=(shardings.params, shardings.opt_state)).lower(leaves)
+    out = (shardings.params, shardings.master, shardings.opt_state)
+    return jax.jit(build, out_shardings=out).lower(leaves)
 
 
 def _init_program(params, tx, *, mesh, config):
@@ -77,12 +103,20 @@ def _init_program(params, tx, *, mesh, config):
     if not isinstance(tx, optax.GradientTransformation):
         raise TypeError(f"tx must be an optax.GradientTransformation, got {type(tx).__name__}.")
     leaves = jax.tree.leaves(params)
+    unflat = lambda xs: jax.tree.unflatten(plan.treedef, xs)
+    compute = jnp.dtype(config.compute_dtype)
 
     def build(leaves):
-        update_arrays = _to_update_arrays(plan, leaves)
-        opt_state = tx.init(jax.tree.unflatten(plan.treedef, update_arrays))
-        stored = update_arrays if plan.stage == 3 else leaves
-        return jax.tree.unflatten(plan.treedef, stored), opt_state
+        masters = [jnp.asarray(x).astype(master_dtype(x.dtype)) for x in leaves]
+        if plan.stage == 0:
+            return unflat(masters), None, tx.init(unflat(masters))
+        storage = [l.to_storage(x) for l, x in zip(plan.layouts, masters)]
+        opt_state = tx.init(unflat(storage))
+        if plan.stage == 3:
+            return unflat(storage), None, opt_state
+        if has_master(plan):
+            return unflat([x.astype(compute) for x in masters]), unflat(storage), opt_state
+        return unflat(masters), None, opt_state
 
-    opt_shape = jax.eval_shape(build, leaves)[1]
-    return build, leaves, plan, state_shardings(plan, opt_shape)
+    opt_shape = jax.eval_shape(build, leaves)[2]
+    return build, leaves, plan, state_shardings(plan, opt_shape, ls.init(config))

@@ -12,18 +12,33 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from zerojax.config import ZeroConfig
-from zerojax.optim.update import apply_optimizer
+from zerojax.optim import loss_scale as ls
+from zerojax.optim.update import apply_optimizer, clip_by_global_norm, keep_if
 from zerojax.sharding.gradients import local_grads
 from zerojax.sharding.mesh import auto_axes, axis_size
 from zerojax.sharding.plan import ZeroPlan
-from zerojax.state import ZeroState, state_shardings
+from zerojax.state import ZeroState, has_master, state_shardings
 
 
-def _all_gather_leaves(plan: ZeroPlan, storage: list[jax.Array]) -> list[jax.Array]:
-    """Sharded storage -> full, replicated leaves (one explicit all-gather per leaf)."""
+class LossScaleError(RuntimeError):
+    """fp16 gradients overflowed at the minimum loss scale.
+
+    ``state`` is the state after that (skipped) step, still valid: parameters and
+    optimizer state are those of the last good step.
+    """
+
+    def __init__(self, message: str, state: ZeroState, metrics: dict):
+        super().__init__(message)
+        self.state, self.metrics = state, metrics
+
+
+def _all_gather_leaves(plan: ZeroPlan, storage: list[jax.Array], dtype) -> list[jax.Array]:
+    """Sharded storage -> full, replicated leaves, cast to ``dtype`` (if given) before the
+    gather so that a bf16/fp16 copy moves half the bytes."""
     specs = [l.partition_spec(plan.axis) for l in plan.layouts]
+    cast = (lambda s: s.astype(dtype)) if dtype is not None else (lambda s: s)
     gather = jax.shard_map(
-        lambda shards: [l.gather(s, plan.axis) for l, s in zip(plan.layouts, shards)],
+        lambda shards: [l.gather(cast(s), plan.axis) for l, s in zip(plan.layouts, shards)],
         mesh=plan.mesh, in_specs=(specs,), out_specs=[P()] * len(specs), check_vma=False,
     )
     return gather(storage)
@@ -32,37 +47,70 @@ def _all_gather_leaves(plan: ZeroPlan, storage: list[jax.Array]) -> list[jax.Arr
 def _step(loss_fn: Callable, tx: optax.GradientTransformation, has_aux: bool,
           state: ZeroState, batch: Any) -> tuple[ZeroState, dict[str, Any]]:
     plan = state.plan
+    cfg = plan.config
+    compute = jnp.dtype(cfg.compute_dtype)
     layouts = plan.layouts
     batch_spec = jax.tree.map(lambda _: P(plan.axis), batch)
     grads_fn = local_grads(plan, loss_fn, has_aux, batch_spec)
     leaves = jax.tree.leaves(state.params)
     storage_shardings = plan.storage_shardings()
+    scale = state.loss_scale.scale if cfg.scaling else jnp.float32(1.0)
 
+    # The fp32 masters the optimizer updates, and what forward reads.
     if plan.stage == 0:
-        loss, aux, grads = grads_fn(leaves, batch)
-        new_leaves, opt_state = apply_optimizer(plan, tx, grads, state.opt_state, leaves)
-        new_params = new_leaves
+        masters = leaves
+        loss, aux, grads = grads_fn([x.astype(compute) for x in leaves], batch, scale)
+    elif plan.stage == 3:
+        masters = leaves
+        loss, aux, grads = grads_fn(masters, batch, scale)
     else:
-        if plan.stage == 3:
-            master = leaves
-        else:  # replicated params: each device slices out the shard it owns (no traffic)
-            master = [jax.lax.with_sharding_constraint(l.to_storage(x), s)
-                      for l, x, s in zip(layouts, leaves, storage_shardings)]
+        if has_master(plan):
+            masters = jax.tree.leaves(state.master)
+        else:  # replicated fp32 params: each device slices out the shard it owns (no traffic)
+            masters = [jax.lax.with_sharding_constraint(l.to_storage(x), s)
+                       for l, x, s in zip(layouts, leaves, storage_shardings)]
         if plan.stage == 1:
-            loss, aux, grads = grads_fn(leaves, batch)
-        elif plan.stage == 2:
-            loss, aux, grads = grads_fn(leaves, master, batch)
+            loss, aux, grads = grads_fn(leaves, batch, scale)
         else:
-            loss, aux, grads = grads_fn(master, batch)
-        new_master, opt_state = apply_optimizer(plan, tx, grads, state.opt_state, master)
-        new_master = [jax.lax.with_sharding_constraint(x, s) for x, s in zip(new_master, storage_shardings)]
-        new_params = new_master if plan.stage == 3 else _all_gather_leaves(plan, new_master)
+            loss, aux, grads = grads_fn(leaves, masters, batch, scale)
 
+    grads = [g / scale for g in grads]
+    grad_norm = optax.tree.norm(grads)  # over all shards: XLA reduces across devices
+    finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
+    if cfg.grad_clip is not None:
+        grads = clip_by_global_norm(grads, grad_norm, cfg.grad_clip)
+    new_masters, opt_state = apply_optimizer(plan, tx, grads, state.opt_state, masters)
+    skip = jnp.logical_not(finite) if cfg.checks_finite else jnp.asarray(False)
+    if cfg.checks_finite:  # a non-finite step changes nothing, bit for bit
+        new_masters = keep_if(skip, masters, new_masters)
+        opt_state = keep_if(skip, state.opt_state, opt_state)
+
+    master_out = None
+    if plan.stage == 0:
+        params_out = new_masters
+    elif plan.stage == 3:
+        params_out = [jax.lax.with_sharding_constraint(x, s) for x, s in zip(new_masters, storage_shardings)]
+    else:
+        new_masters = [jax.lax.with_sharding_constraint(x, s) for x, s in zip(new_masters, storage_shardings)]
+        params_out = _all_gather_leaves(plan, new_masters, compute if has_master(plan) else None)
+        if has_master(plan):
+            master_out = jax.tree.unflatten(plan.treedef, new_masters)
+
+    scaler, at_min = (ls.update(state.loss_scale, skip, cfg) if cfg.scaling
+                      else (None, jnp.asarray(False)))
+    unflat = lambda xs: jax.tree.unflatten(plan.treedef, xs)
     new_state = ZeroState(
-        step=state.step + 1, params=jax.tree.unflatten(plan.treedef, new_params),
-        opt_state=opt_state, plan=plan,
+        step=state.step + 1, params=unflat(params_out), master=master_out, opt_state=opt_state,
+        loss_scale=scaler, skipped=state.skipped + skip.astype(jnp.int32), plan=plan,
     )
-    metrics = {"loss": loss}
+    metrics = {
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "loss_scale": scale,
+        "skipped": skip,
+        "skipped_steps": new_state.skipped,
+        "overflow_at_min_scale": at_min,
+    }
     if has_aux:
         metrics["aux"] = aux
     return new_state, metrics
@@ -73,6 +121,11 @@ class TrainStep:
 
     Inputs are checked before anything is traced or run. ``lower`` gives the compiled
     program for inspection (``train_step.lower(state, batch).compile()``).
+
+    Metrics: ``loss`` (mean over the global batch), ``grad_norm`` (global, after
+    unscaling, before clipping), ``loss_scale`` (the scale this step used), ``skipped``
+    (this step was skipped for non-finite gradients), ``skipped_steps`` (so far),
+    ``overflow_at_min_scale``, and ``aux`` with ``has_aux=True``.
     """
 
     def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation, *, mesh: Mesh,
@@ -85,23 +138,16 @@ class TrainStep:
             raise TypeError(f"config must be a zj.ZeroConfig, got {type(config).__name__}.")
         self.n = axis_size(mesh, config.axis)
         self.mesh, self.config, self.tx, self.loss_fn = auto_axes(mesh), config, tx, loss_fn
-
-        def step(state, batch):
-            return _step(loss_fn, tx, has_aux, state, batch)
-
-        self._jitted = {}
-        self._step = step
+        self._jitted: dict[ZeroPlan, Any] = {}
+        self._step = lambda state, batch: _step(loss_fn, tx, has_aux, state, batch)
 
     def _jit_for(self, state: ZeroState):
         plan = state.plan
         fn = self._jitted.get(plan)
         if fn is None:
-            out = state_shardings(plan, state.opt_state)
-            fn = jax.jit(
-                self._step,
-                out_shardings=(out, plan.replicated),
-                donate_argnums=(0,) if self.config.donate else (),
-            )
+            out = state_shardings(plan, state.opt_state, state.loss_scale)
+            fn = jax.jit(self._step, out_shardings=(out, plan.replicated),
+                         donate_argnums=(0,) if self.config.donate else ())
             self._jitted[plan] = fn
         return fn
 
@@ -118,25 +164,40 @@ class TrainStep:
         leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
         if not leaves:
             raise ValueError("batch has no arrays; pass the global batch (leading axis = examples).")
+        k, n, axis = self.config.grad_accum_steps, self.n, self.config.axis
         for path, x in leaves:
             shape = getattr(x, "shape", None)
             name = jax.tree_util.keystr(path) or "<root>"
             if shape is None or len(shape) == 0:
                 raise ValueError(
                     f"batch leaf {name} has no leading axis (shape {shape}); every batch leaf "
-                    f"is split over the {self.config.axis!r} axis along its first dimension."
+                    f"is split over the {axis!r} axis along its first dimension."
                 )
-            if shape[0] % self.n:
+            if shape[0] % n:
                 raise ValueError(
                     f"batch leaf {name} has leading dimension {shape[0]}, which does not divide "
-                    f"over the {self.n} devices of the {self.config.axis!r} axis. Use a global "
-                    f"batch size that is a multiple of {self.n} (e.g. {max(1, shape[0] // self.n) * self.n} "
-                    f"or {(shape[0] // self.n + 1) * self.n})."
+                    f"over the {n} devices of the {axis!r} axis. Use a global batch size that is "
+                    f"a multiple of {n} (e.g. {max(1, shape[0] // n) * n} or {(shape[0] // n + 1) * n})."
+                )
+            if (shape[0] // n) % k:
+                raise ValueError(
+                    f"batch leaf {name} has leading dimension {shape[0]}: {shape[0] // n} rows per "
+                    f"device, which do not split into grad_accum_steps={k} equal micro-batches. "
+                    f"Use a global batch size that is a multiple of {n * k} (devices x grad_accum_steps)."
                 )
 
     def __call__(self, state: ZeroState, batch: Any) -> tuple[ZeroState, dict[str, jax.Array]]:
         self.check(state, batch)
-        return self._jit_for(state)(state, batch)
+        new_state, metrics = self._jit_for(state)(state, batch)
+        if self.config.dynamic_scaling and self.config.raise_at_min_scale and bool(metrics["overflow_at_min_scale"]):
+            raise LossScaleError(
+                f"Current loss scale already at minimum ({self.config.min_loss_scale}) and the "
+                f"gradients overflowed again at step {int(new_state.step) - 1}; the step was skipped. "
+                "Lower the learning rate, check the data for non-finite values, use "
+                "compute_dtype='bfloat16', or set raise_at_min_scale=False to keep skipping.",
+                new_state, metrics,
+            )
+        return new_state, metrics
 
     def lower(self, state: ZeroState, batch: Any):
         """``jax.jit(...).lower`` of the step: ``.compile()`` it to inspect the program."""
@@ -152,9 +213,9 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, mesh
                     config: ZeroConfig, has_aux: bool = False) -> TrainStep:
     """Builds the train step for ``loss_fn(params, batch)`` and optimizer ``tx``.
 
-    ``loss_fn`` sees the full parameter tree and this device's share of the batch, exactly
-    as in single-device training; it returns a scalar (or ``(scalar, aux)`` with
-    ``has_aux=True``; ``aux`` is averaged over the data axis).
+    ``loss_fn`` sees the full parameter tree (in the compute dtype) and this device's share
+    of the batch, exactly as in single-device training; it returns a scalar (or
+    ``(scalar, aux)`` with ``has_aux=True``; ``aux`` is averaged over the data axis).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, zerojax as zj

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from zerojax.sharding.plan import ZeroPlan
@@ -28,3 +29,14 @@ def apply_optimizer(
     new = [x.astype(a.dtype) for x, a in zip(jax.tree.leaves(new), arrays)]
     opt_state = jax.lax.with_sharding_constraint(opt_state, plan.opt_shardings(opt_state))
     return new, opt_state
+
+
+def clip_by_global_norm(grads: list[jax.Array], norm: jax.Array, max_norm: float) -> list[jax.Array]:
+    """optax's ``clip_by_global_norm`` given the (global, all-shard) norm."""
+    factor = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+    return [(g * factor).astype(g.dtype) for g in grads]
+
+
+def keep_if(skip: jax.Array, old: Any, new: Any) -> Any:
+    """``old`` where ``skip`` else ``new``, leaf by leaf (bit-for-bit either way)."""
+    return jax.tree.map(lambda o, n: jnp.where(skip, o, n), old, new)

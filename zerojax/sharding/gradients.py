@@ -10,8 +10,12 @@ crosses devices, and when, is chosen here:
 * stage 3: parameters are all-gathered where they are used, in forward and again in
   backward; the transpose of that gather reduce-scatters the gradient.
 
-Each device's loss is its local mean divided by the device count, so the reduced
-gradient is the gradient of the global-batch mean.
+Gradients cross devices in ``reduce_dtype``. With ``grad_accum_steps = k`` each device
+runs k micro-batches in a ``scan``; stages 2–3 reduce-scatter every micro-batch into a
+sharded fp32 accumulator, stages 0–1 accumulate the full gradient and reduce once.
+
+Each device's loss is its local mean times ``scale / (N k)``, so the reduced gradient is
+``scale`` times the gradient of the global-batch mean.
 """
 
 from __future__ import annotations
@@ -44,86 +48,109 @@ def _check_loss(out: Any, has_aux: bool) -> None:
         )
 
 
-def _split(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
-    return (out[0], out[1]) if has_aux else (out, None)
+def cast_batch(batch: Any, dtype) -> Any:
+    """Floating batch leaves in the compute dtype; others unchanged."""
+    return jax.tree.map(lambda b: b.astype(dtype) if jnp.issubdtype(b.dtype, jnp.floating) else b, batch)
 
 
-def local_grads(
-    plan: ZeroPlan, loss_fn: Callable, has_aux: bool, batch_spec: Any
-) -> Callable[..., tuple[jax.Array, Any, list[jax.Array]]]:
-    """Returns ``f(params_in, batch) -> (loss, aux, grads)`` over global arrays.
+def local_grads(plan: ZeroPlan, loss_fn: Callable, has_aux: bool, batch_spec: Any) -> Callable:
+    """Returns ``f(params_in, batch, scale) -> (loss, aux, grads)`` over global arrays.
 
-    ``params_in`` is the list of parameter leaves (stages 0–1), of ``(leaves, storage)``
-    (stage 2) or of storage arrays (stage 3). ``grads`` are replicated leaf-shaped arrays
-    for stage 0 and sharded storage-shaped arrays from stage 1 on.
+    ``params_in``: the compute-dtype leaves (stages 0–1), ``(leaves, master storage)``
+    (stage 2) or the fp32 master storage (stage 3). ``grads`` are fp32, still multiplied by
+    ``scale``: replicated leaf-shaped arrays for stage 0, sharded storage from stage 1 on.
     """
-    axis, n, layouts = plan.axis, plan.n, plan.layouts
+    cfg = plan.config
+    axis, n, layouts, k = plan.axis, plan.n, plan.layouts, cfg.grad_accum_steps
+    compute, reduce = jnp.dtype(cfg.compute_dtype), jnp.dtype(cfg.reduce_dtype)
     storage_specs = [l.partition_spec(axis) for l in layouts]
     full_specs = [P()] * len(layouts)
     unflat = lambda leaves: jax.tree.unflatten(plan.treedef, leaves)
 
-    def reduce_metrics(loss, aux):
-        loss = jax.lax.psum(loss, axis)  # loss was already divided by n
-        aux = jax.tree.map(lambda a: jax.lax.pmean(a, axis), aux)
-        return loss, aux
-
     def user_loss(leaves, batch):
-        out = loss_fn(unflat(leaves), batch)
+        out = loss_fn(unflat(leaves), cast_batch(batch, compute))
         _check_loss(out, has_aux)
-        loss, aux = _split(out, has_aux)
-        return loss / n, aux
+        loss, aux = (out[0], out[1]) if has_aux else (out, None)
+        return loss.astype(jnp.float32), aux
 
     if plan.stage in (0, 1):
+        def loss_and_grad(leaves, batch, scale):
+            def f(leaves):
+                loss, aux = user_loss(leaves, batch)
+                return loss * scale / (n * k), (loss, aux)
 
-        def body(leaves, batch):
-            (loss, aux), grads = jax.value_and_grad(user_loss, has_aux=True)(leaves, batch)
+            (_, (loss, aux)), g = jax.value_and_grad(f, has_aux=True)(leaves)
+            return loss, aux, [x.astype(jnp.float32) for x in g]
+
+        def reduce_all(grads):
             if plan.stage == 0:
-                grads = [jax.lax.psum(g, axis) for g in grads]
-            else:  # ZeRO-1: the whole gradient exists before any of it is reduced
-                grads = per_use.after_all(grads)
-                grads = [l.scatter(g, axis) for l, g in zip(layouts, grads)]
-            return (*reduce_metrics(loss, aux), grads)
+                return [jax.lax.psum(g.astype(reduce), axis).astype(jnp.float32) for g in grads]
+            grads = per_use.after_all(grads)  # ZeRO-1: the whole gradient exists first
+            return [l.scatter(g.astype(reduce), axis).astype(jnp.float32) for l, g in zip(layouts, grads)]
+
+        def body(leaves, batch, scale):
+            loss, aux, grads = _accumulate(lambda b: loss_and_grad(leaves, b, scale), batch, k)
+            return (*_reduce_metrics(loss, aux, axis), reduce_all(grads))
 
         grad_specs = full_specs if plan.stage == 0 else storage_specs
-        return jax.shard_map(
-            body, mesh=plan.mesh, in_specs=(full_specs, batch_spec),
-            out_specs=(P(), P(), grad_specs), check_vma=False,
-        )
+        return jax.shard_map(body, mesh=plan.mesh, in_specs=(full_specs, batch_spec, P()),
+                             out_specs=(P(), P(), grad_specs), check_vma=False)
 
-    def per_use_loss(sources, arrays, batch):
-        leaves_sds = [jax.ShapeDtypeStruct(l.shape, l.dtype) for l in layouts]
+    def per_use_loss(source, arrays, batch):
+        leaves_sds = [jax.ShapeDtypeStruct(l.shape, compute) for l in layouts]
         batch_sds = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape, b.dtype), batch)
         closed, out_shape = jax.make_jaxpr(user_loss, return_shape=True)(leaves_sds, batch_sds)
-        pending = [per_use.Pending(arrays=a, layout=l, source=sources)
-                   for a, l in zip(arrays, layouts)]
+        pending = [per_use.Pending(arrays=a, layout=l, source=source) for a, l in zip(arrays, layouts)]
         outs = per_use.call_per_use(closed, pending, jax.tree.leaves(batch))
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
+    def shard_grads(source, make_arrays, sinks, batch, scale):
+        def f(sinks):
+            loss, aux = per_use_loss(source, make_arrays(sinks), batch)
+            return loss * scale / (n * k), (loss, aux)
+
+        (_, (loss, aux)), g = jax.value_and_grad(f, has_aux=True)(sinks)
+        return loss, aux, [x.astype(jnp.float32) for x in g]
+
     if plan.stage == 2:
-        source = per_use.Scattered(axis)
+        source = per_use.Scattered(axis, cfg.reduce_dtype)
 
-        def body(leaves, sinks, batch):
-            def f(sinks):
-                return per_use_loss(source, [(x, s) for x, s in zip(leaves, sinks)], batch)
+        def body(leaves, sinks, batch, scale):
+            make = lambda sinks: [(x, s) for x, s in zip(leaves, sinks)]
+            loss, aux, grads = _accumulate(lambda b: shard_grads(source, make, sinks, b, scale), batch, k)
+            return (*_reduce_metrics(loss, aux, axis), grads)
 
-            (loss, aux), grads = jax.value_and_grad(f, has_aux=True)(sinks)
-            return (*reduce_metrics(loss, aux), grads)
+        return jax.shard_map(body, mesh=plan.mesh, in_specs=(full_specs, storage_specs, batch_spec, P()),
+                             out_specs=(P(), P(), storage_specs), check_vma=False)
 
-        return jax.shard_map(
-            body, mesh=plan.mesh, in_specs=(full_specs, storage_specs, batch_spec),
-            out_specs=(P(), P(), storage_specs), check_vma=False,
-        )
+    source = per_use.Gathered(axis, cfg.compute_dtype, cfg.reduce_dtype)
 
-    source = per_use.Gathered(axis)
+    def body(shards, batch, scale):
+        make = lambda shards: [(s,) for s in shards]
+        loss, aux, grads = _accumulate(lambda b: shard_grads(source, make, shards, b, scale), batch, k)
+        return (*_reduce_metrics(loss, aux, axis), grads)
 
-    def body(shards, batch):
-        def f(shards):
-            return per_use_loss(source, [(s,) for s in shards], batch)
+    return jax.shard_map(body, mesh=plan.mesh, in_specs=(storage_specs, batch_spec, P()),
+                         out_specs=(P(), P(), storage_specs), check_vma=False)
 
-        (loss, aux), grads = jax.value_and_grad(f, has_aux=True)(shards)
-        return (*reduce_metrics(loss, aux), grads)
 
-    return jax.shard_map(
-        body, mesh=plan.mesh, in_specs=(storage_specs, batch_spec),
-        out_specs=(P(), P(), storage_specs), check_vma=False,
-    )
+def _reduce_metrics(loss, aux, axis):
+    """Mean loss and aux over the data axis (``loss`` is this device's mean)."""
+    return jax.lax.pmean(loss, axis), jax.tree.map(lambda a: jax.lax.pmean(a, axis), aux)
+
+
+def _accumulate(fn: Callable, batch: Any, k: int):
+    """Runs ``fn`` on k micro-batches of ``batch`` and sums the gradients (fp32)."""
+    if k == 1:
+        return fn(batch)
+    micro = jax.tree.map(lambda b: b.reshape((k, b.shape[0] // k) + b.shape[1:]), batch)
+    first = jax.tree.map(lambda b: b[0], micro)
+    loss_s, aux_s, grads_s = jax.eval_shape(fn, first)
+    zeros = [jnp.zeros(g.shape, g.dtype) for g in grads_s]
+
+    def step(acc, mb):
+        loss, aux, grads = fn(mb)
+        return [a + g for a, g in zip(acc, grads)], (loss, aux)
+
+    grads, (losses, auxes) = jax.lax.scan(step, zeros, micro)
+    return jnp.mean(losses), jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes), grads

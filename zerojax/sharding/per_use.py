@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
+from zerojax.sharding import collectives
 from zerojax.sharding.layout import LeafLayout
 
 # Equations of one operand that only change a value's shape or dtype; a parameter passing
@@ -53,15 +54,16 @@ _SLICE_SAFE = frozenset({"convert_element_type", "copy", "copy_p"})
 
 @dataclasses.dataclass(frozen=True)
 class Gathered:
-    """ZeRO-3 source: only the local shard exists; materialise = all-gather."""
+    """ZeRO-3 source: only the local shard exists; materialise = all-gather in the
+    compute dtype (backward: reduce-scatter in the reduce dtype)."""
 
     axis: str
-    n_arrays: int = 1
+    compute_dtype: str = "float32"
+    reduce_dtype: str = "float32"
+    remat = True
 
     def materialize(self, layout: LeafLayout, arrays: Sequence[jax.Array]) -> jax.Array:
-        return layout.gather(arrays[0], self.axis)
-
-    remat = True
+        return collectives.gather(layout, self.axis, arrays[0], self.compute_dtype, self.reduce_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,28 +72,12 @@ class Scattered:
     into a shard-shaped sink as soon as backward produces it."""
 
     axis: str
-    n_arrays: int = 2
+    reduce_dtype: str = "float32"
+    remat = False
 
     def materialize(self, layout: LeafLayout, arrays: Sequence[jax.Array]) -> jax.Array:
         full, sink = arrays
-        return _scatter_grad(layout, self.axis, full, sink)
-
-    remat = False
-
-
-def _scatter_grad(layout: LeafLayout, axis: str, full: jax.Array, sink: jax.Array) -> jax.Array:
-    @jax.custom_vjp
-    def ident(full, sink):
-        return full
-
-    def fwd(full, sink):
-        return full, None
-
-    def bwd(_, g):
-        return None, layout.scatter(g, axis).astype(sink.dtype)
-
-    ident.defvjp(fwd, bwd)
-    return ident(full, sink)
+        return collectives.scatter_grad(layout, self.axis, full, sink, self.reduce_dtype)
 
 
 @dataclasses.dataclass(frozen=True)

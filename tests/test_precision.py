@@ -1,0 +1,280 @@
+"""bf16/fp16 compute on fp32 masters, DeepSpeed loss scaling, clipping, accumulation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zerojax as zj
+from tests import models
+from tests.test_state import gpt_style_params
+
+N = 8
+
+
+class DeepSpeedScaler:
+    """DeepSpeed's DynamicLossScaler.update_scale, transcribed: the independent reference."""
+
+    def __init__(self, init_scale, scale_window, min_scale, delayed_shift, consecutive_hysteresis):
+        self.cur_scale, self.cur_iter, self.last_overflow_iter = init_scale, 0, -1
+        self.scale_factor, self.scale_window, self.min_scale = 2.0, scale_window, min_scale
+        self.delayed_shift = self.cur_hysteresis = delayed_shift
+        self.consecutive_hysteresis = consecutive_hysteresis
+
+    def update_scale(self, overflow):
+        if overflow:
+            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
+                if self.cur_scale == self.min_scale:
+                    raise OverflowError("Current loss scale already at minimum")
+                self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
+            else:
+                self.cur_hysteresis -= 1
+            self.last_overflow_iter = self.cur_iter
+        else:
+            if self.consecutive_hysteresis:
+                self.cur_hysteresis = self.delayed_shift
+            stable_interval = (self.cur_iter - self.last_overflow_iter) - 1
+            if stable_interval > 0 and stable_interval % self.scale_window == 0:
+                if not self.consecutive_hysteresis:
+                    self.cur_hysteresis = self.delayed_shift
+                self.cur_scale *= self.scale_factor
+        self.cur_iter += 1
+
+
+def poisoned_loss(p, b):
+    """The MLP loss, times a per-example factor: an inf factor overflows the gradients."""
+    return models.mlp_loss(p, b) * jnp.mean(b["poison"])
+
+
+def poison_batch(seed, bad_row=None, value=np.inf):
+    b = models.batch(16, seed)
+    poison = np.ones((16,), np.float32)
+    if bad_row is not None:
+        poison[bad_row] = value
+    b["poison"] = jnp.asarray(poison)
+    return b
+
+
+def make(stage, tx=None, loss_fn=models.mlp_loss, params=None, **cfg):
+    tx = tx or optax.adamw(1e-3)
+    mesh, zc = zj.make_mesh(), zj.ZeroConfig(stage=stage, **cfg)
+    state = zj.init_state(params if params is not None else models.mlp_params(), tx, mesh=mesh, config=zc)
+    return state, zj.make_train_step(loss_fn, tx, mesh=mesh, config=zc)
+
+
+def snapshot(state):
+    return [np.asarray(x).copy() for x in jax.tree.leaves((state.params, state.master, state.opt_state))]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("dtype,rtol", [("bfloat16", 0.05), ("float16", 0.01)])
+def test_low_precision_matches_fp32_reference(stage, dtype, rtol):
+    tx = optax.sgd(0.05, momentum=0.9)
+    params = models.stacked_params()
+    batches = [models.batch(16, s) for s in range(3)]
+    ref, ref_losses = models.reference_run(models.stacked_loss, params, tx, batches)
+    state, step = make(stage, tx, models.stacked_loss, params, compute_dtype=dtype)
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+        assert not bool(m["skipped"])
+    got = zj.gather_params(state)
+    moved = models.abs_errors(ref, params).max()
+    err = models.abs_errors(got, ref).max()
+    assert err <= rtol * moved, (err, moved)
+    np.testing.assert_allclose(losses, ref_losses, rtol=rtol)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params)):
+        assert a.dtype == b.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_per_device_bytes(stage):
+    params = gpt_style_params()
+    psi = sum(x.size for x in jax.tree.leaves(params))
+    mesh, zc = zj.make_mesh(), zj.ZeroConfig(stage=stage, compute_dtype="bfloat16")
+    state = zj.init_state(params, optax.adamw(1e-3), mesh=mesh, config=zc)
+    got = zj.state_bytes_per_device(state)["total"]
+    want = {0: 12 * psi, 1: 2 * psi + 12 * psi / N, 2: 2 * psi + 12 * psi / N, 3: 12 * psi / N}[stage]
+    assert got == pytest.approx(want, rel=0.01), (got, want)
+    assert got == pytest.approx(zj.zero_formula_bytes(psi, N, stage, compute_dtype="bfloat16"), rel=0.01)
+
+
+def test_stage3_gathers_in_compute_dtype_and_reduces_in_reduce_dtype():
+    """Read from the program JAX emits: XLA's CPU backend later upcasts bf16 collectives to
+    f32 (GPU keeps them), so the dtypes are checked before XLA's CPU passes."""
+    params = models.deep_params(4, 128, stacked=True)
+    x = jnp.ones((64, 128))
+    for reduce, rs_key in (("float32", "reduce-scatter:f32"), ("bfloat16", "reduce-scatter:bf16")):
+        state, step = make(3, optax.sgd(0.1), models.deep_loss, params, compute_dtype="bfloat16",
+                           reduce_dtype=reduce)
+        rep = zj.communication_report(step.lower(state, x).as_text(dialect="hlo"))
+        gathers = {k for k in rep if k.startswith("all-gather")}
+        scatters = {k for k in rep if k.startswith("reduce-scatter")}
+        assert gathers == {"all-gather:bf16"}, rep
+        assert scatters == {rs_key}, rep
+    # Stages 1-2 gather the updated params in the compute dtype too.
+    state, step = make(2, optax.sgd(0.1), models.deep_loss, params, compute_dtype="bfloat16")
+    rep = zj.communication_report(step.lower(state, x).as_text(dialect="hlo"))
+    assert {k for k in rep if k.startswith("all-gather")} == {"all-gather:bf16"}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_overflow_on_one_device_skips_for_everyone(stage, dtype):
+    extra = {} if dtype == "float16" else {"skip_nonfinite": True}
+    state, step = make(stage, loss_fn=poisoned_loss, compute_dtype=dtype, **extra)
+    state, m = step(state, poison_batch(0))
+    assert not bool(m["skipped"])
+    before, scale_before = snapshot(state), float(m["loss_scale"])
+    count_before = int(jax.tree.leaves(state.opt_state)[0]) if stage >= 0 else None
+    # Row 13 lives on device 6 only.
+    state, m = step(state, poison_batch(1, bad_row=13))
+    assert bool(m["skipped"]) and int(m["skipped_steps"]) == 1 and int(state.skipped) == 1
+    for a, b in zip(before, snapshot(state)):
+        np.testing.assert_array_equal(a, b)  # params, masters, optimizer state: bit for bit
+    assert int(jax.tree.leaves(state.opt_state)[0]) == count_before  # optax count did not advance
+    assert int(state.step) == 2
+    if dtype == "float16":  # hysteresis 2: the first overflow only uses it up
+        assert float(m["loss_scale"]) == scale_before == 2.0**16
+    # NaN works the same, and a clean step afterwards trains again.
+    state, m = step(state, poison_batch(2, bad_row=2, value=np.nan))
+    assert bool(m["skipped"]) and int(state.skipped) == 2
+    state, m = step(state, poison_batch(3))
+    assert not bool(m["skipped"])
+    assert any((a != b).any() for a, b in zip(before, snapshot(state)))
+
+
+@pytest.mark.parametrize("consecutive", [False, True])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_scale_sequence_matches_deepspeed(stage, consecutive):
+    window, hyst, init_power, min_scale = 3, 2, 5, 4.0
+    script = ([False] * 4 + [True] + [False] * 2 + [True, False, True, True] + [False] * 7
+              + [True] * 3 + [False] * 4)
+    state, step = make(stage, tx=optax.sgd(1e-3), loss_fn=poisoned_loss, compute_dtype="float16",
+                       loss_scale_window=window, hysteresis=hyst, initial_scale_power=init_power,
+                       min_loss_scale=min_scale, consecutive_hysteresis=consecutive)
+    ref = DeepSpeedScaler(2.0**init_power, window, min_scale, hyst, consecutive)
+    got, want = [], []
+    for i, overflow in enumerate(script):
+        state, m = step(state, poison_batch(i, bad_row=5 if overflow else None))
+        assert bool(m["skipped"]) == overflow
+        got.append(float(m["loss_scale"]))
+        want.append(ref.cur_scale)
+        ref.update_scale(overflow)
+    assert got == want
+    assert float(state.loss_scale.scale) == ref.cur_scale
+    assert len(set(got)) >= 3  # the script moved the scale both ways
+
+
+def test_overflow_at_min_scale_raises_or_keeps_skipping():
+    kw = dict(loss_fn=poisoned_loss, compute_dtype="float16", initial_scale_power=1,
+              min_loss_scale=1.0, hysteresis=1)
+    state, step = make(3, **kw)
+    state, m = step(state, poison_batch(0, bad_row=0))  # 2 -> 1
+    assert float(state.loss_scale.scale) == 1.0
+    good = snapshot(state)
+    with pytest.raises(zj.LossScaleError, match="already at minimum") as info:
+        step(state, poison_batch(1, bad_row=0))
+    for a, b in zip(good, snapshot(info.value.state)):  # the state it carries is still good
+        np.testing.assert_array_equal(a, b)
+
+    state, step = make(3, raise_at_min_scale=False, **kw)
+    for i in range(3):
+        state, m = step(state, poison_batch(i, bad_row=0))
+    assert bool(m["overflow_at_min_scale"]) and int(m["skipped_steps"]) == 3
+
+
+def test_static_loss_scale():
+    state, step = make(2, loss_fn=poisoned_loss, compute_dtype="float16", loss_scale=1024.0)
+    for i, bad in enumerate([None, 3, None]):
+        state, m = step(state, poison_batch(i, bad_row=bad))
+        assert float(m["loss_scale"]) == 1024.0 and bool(m["skipped"]) == (bad is not None)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_grad_clip_equals_unsharded_clipping(stage):
+    tx = optax.sgd(0.1)
+    ref_tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1))
+    params, batches = models.stacked_params(), [models.batch(16, s) for s in range(3)]
+    ref, _ = models.reference_run(models.stacked_loss, params, ref_tx, batches)
+    state, step = make(stage, tx, models.stacked_loss, params, grad_clip=0.05)
+    for b in batches:
+        state, m = step(state, b)
+        assert float(m["grad_norm"]) > 0.05  # clipping was active
+    assert models.abs_errors(zj.gather_params(state), ref).max() <= 1e-5
+
+
+def test_grad_clip_after_unscaling_fp16():
+    """The norm is of the true gradient, not the scaled one: same result as fp32 clipping."""
+    tx = optax.sgd(0.1)
+    ref_tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1))
+    params, b = models.stacked_params(), models.batch(16, 0)
+    ref, _ = models.reference_run(models.stacked_loss, params, ref_tx, [b])
+    state, step = make(3, tx, models.stacked_loss, params, grad_clip=0.05, compute_dtype="float16")
+    state, m = step(state, b)
+    true_norm = optax.tree.norm(jax.grad(models.stacked_loss)(params, b))
+    assert float(m["grad_norm"]) == pytest.approx(float(true_norm), rel=1e-2)
+    moved = models.abs_errors(ref, params).max()
+    assert models.abs_errors(zj.gather_params(state), ref).max() <= 0.01 * moved
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_grad_accumulation_equals_one_big_step(stage):
+    tx = optax.adamw(1e-3)
+    params, big = models.stacked_params(), models.batch(64, 0)
+    ref, ref_losses = models.reference_run(models.stacked_loss, params, tx, [big, models.batch(64, 1)])
+    state, step = make(stage, tx, models.stacked_loss, params, grad_accum_steps=4)
+    losses = []
+    for b in [big, models.batch(64, 1)]:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    err = models.abs_errors(zj.gather_params(state), ref)
+    assert err.mean() <= 2e-6 and err.max() <= 1e-5 * 50
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_grad_accumulation_sgd_exact(stage):
+    tx = optax.sgd(0.1, momentum=0.9)
+    params, batches = models.mlp_params(), [models.batch(32, s) for s in range(2)]
+    ref, _ = models.reference_run(models.mlp_loss, params, tx, batches)
+    state, step = make(stage, tx, models.mlp_loss, params, grad_accum_steps=2)
+    for b in batches:
+        state, _ = step(state, b)
+    assert models.abs_errors(zj.gather_params(state), ref).max() <= 1e-5
+
+
+def test_accumulator_is_sharded_from_stage2():
+    """k micro-batches: stage 2's transient memory stays below stage 1's by ~a gradient."""
+    params = models.deep_params(8, 256, stacked=True)
+    x = jnp.ones((128, 256))
+    grad = 4 * sum(p.size for p in jax.tree.leaves(params))
+    temps = {}
+    for stage in (1, 2):
+        state, step = make(stage, optax.sgd(0.1), models.deep_loss, params, grad_accum_steps=4)
+        temps[stage] = zj.compiled_bytes(step.lower(state, x).compile())["temp"]
+    assert temps[1] - temps[2] > 0.6 * grad, (temps, grad)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(compute_dtype="bfloat16", loss_scale="dynamic"), "cannot apply with compute_dtype='bfloat16'"),
+    (dict(loss_scale=128.0), "cannot apply with compute_dtype='float32'"),
+    (dict(compute_dtype="float16", loss_scale_window=0), "loss_scale_window must be >= 1, got 0"),
+    (dict(compute_dtype="float16", min_loss_scale=0.0), "min_loss_scale must be > 0, got 0.0"),
+    (dict(grad_accum_steps=0), "grad_accum_steps must be >= 1"),
+    (dict(compute_dtype="int8"), "compute_dtype must be one of"),
+    (dict(compute_dtype="float16", loss_scale=0), "'dynamic', a positive float or None"),
+    (dict(grad_clip=-1.0), "grad_clip must be a positive number"),
+])
+def test_bad_precision_config(kw, match):
+    with pytest.raises(ValueError, match=match):
+        zj.ZeroConfig(**kw)
+
+
+def test_batch_must_split_into_micro_batches():
+    state, step = make(3, grad_accum_steps=3)
+    with pytest.raises(ValueError, match=r"2 rows per device, which do not split into grad_accum_steps=3.*multiple of 24"):
+        step(state, models.batch(16))
+    assert step.cache_size() == 0
