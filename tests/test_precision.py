@@ -278,3 +278,16 @@ def test_batch_must_split_into_micro_batches():
     with pytest.raises(ValueError, match=r"2 rows per device, which do not split into grad_accum_steps=3.*multiple of 24"):
         step(state, models.batch(16))
     assert step.cache_size() == 0
+
+
+@pytest.mark.slow
+def test_gpt_low_precision_loss_curves_track_fp32():
+    from experiments import precision_curves
+
+    r = precision_curves.main(["--steps", "30", "--layers", "2", "--d-model", "64"])
+    ref = np.mean(r["fp32"]["loss"][-10:])
+    assert ref < r["fp32"]["loss"][0] - 1.0  # it trains
+    for name in ("bf16", "fp16"):
+        last = np.mean(r[name]["loss"][-10:])
+        assert abs(last / ref - 1) < 0.03, (name, last, ref)
+        np.testing.assert_allclose(r[name]["loss"], r["fp32"]["loss"], rtol=0.05)
