@@ -1,5 +1,9 @@
 """A GPT-style Flax NNX model: token + position embeddings, a stack of pre-norm blocks
-(created with ``nnx.vmap``, run with ``nnx.scan``), a final norm and an untied head."""
+(created with ``nnx.vmap``, run with ``nnx.scan``), a final norm and an untied head.
+
+Each block tags its attention and MLP outputs (``checkpoint_name``: ``attn_out``,
+``mlp_out``) for name-based remat policies; ``GPTConfig.remat`` rematerializes each block.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,9 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+import zerojax as zj
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,8 +29,10 @@ class GPTConfig:
     n_layers: int = 4
     n_heads: int = 4
     mlp_ratio: int = 4
+    remat: str = "none"  # a zerojax.remat policy name, applied per block
 
     def __post_init__(self) -> None:
+        zj.remat.resolve(self.remat)  # unknown names raise here, with the valid ones
         for name in ("vocab", "seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -61,8 +70,8 @@ class Block(nnx.Module):
         return self.proj(out.reshape(b, t, d))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attention(self.ln1(x))
-        return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
+        x = x + checkpoint_name(self.attention(self.ln1(x)), "attn_out")
+        return x + checkpoint_name(self.out(jax.nn.gelu(self.fc(self.ln2(x)))), "mlp_out")
 
 
 class GPT(nnx.Module):
@@ -73,10 +82,12 @@ class GPT(nnx.Module):
         self.wte = nnx.Embed(cfg.vocab, cfg.d_model, rngs=rngs)
         self.wpe = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.seq_len, cfg.d_model)))
 
+        layer = zj.remat.nnx_module(Block, cfg.remat)
+
         @nnx.split_rngs(splits=cfg.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def blocks(rngs):
-            return Block(cfg, rngs)
+            return layer(cfg, rngs)
 
         self.blocks = blocks(rngs)
         self.ln_f = nnx.LayerNorm(cfg.d_model, rngs=rngs)

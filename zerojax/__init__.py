@@ -1,5 +1,6 @@
 """zerojax: ZeRO (stages 0-3) for JAX and Flax over a jax.sharding mesh."""
 
+from zerojax import remat
 from zerojax.config import ZeroConfig
 from zerojax.params import gather_params
 from zerojax.report.comm import communication_report
@@ -13,6 +14,7 @@ __all__ = [
     "TrainStep",
     "ZeroConfig",
     "ZeroState",
+    "remat",
     "communication_report",
     "compiled_bytes",
     "gather_params",

@@ -7,6 +7,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from zerojax.remat.policy import resolve as resolve_remat
+
 STAGES = (0, 1, 2, 3)
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 REDUCE_DTYPES = ("float32", "bfloat16", "float16")
@@ -46,6 +48,12 @@ class ZeroConfig:
         behaviour); otherwise keep skipping and report it in the metrics.
       skip_nonfinite: skip steps whose gradients are not finite (always on with scaling).
 
+    Activations:
+      remat: a rematerialization policy (a name of :mod:`zerojax.remat` or a
+        ``zj.remat.Remat``) applied to every layer loop (``scan``) of the loss, one layer
+        per remat region, with no change to the model. Unrolled layers opt in with
+        ``zj.remat.nnx_module`` / ``zj.remat.linen_module``.
+
     Gradients:
       grad_clip: clip by the global norm over all shards, after unscaling (None: off).
       grad_accum_steps: micro-batches per optimizer step, inside one compiled step.
@@ -75,6 +83,7 @@ class ZeroConfig:
     skip_nonfinite: bool = False
     grad_clip: float | None = None
     grad_accum_steps: int = 1
+    remat: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in STAGES:
@@ -94,6 +103,7 @@ class ZeroConfig:
         set_("compute_dtype", _dtype_name(self.compute_dtype, "compute_dtype", COMPUTE_DTYPES))
         set_("reduce_dtype", _dtype_name(self.reduce_dtype, "reduce_dtype", REDUCE_DTYPES))
         self._check_loss_scale()
+        set_("remat", resolve_remat(self.remat))
         for name in ("initial_scale_power", "loss_scale_window", "hysteresis", "grad_accum_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):

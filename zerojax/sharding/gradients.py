@@ -67,16 +67,29 @@ def local_grads(plan: ZeroPlan, loss_fn: Callable, has_aux: bool, batch_spec: An
     full_specs = [P()] * len(layouts)
     unflat = lambda leaves: jax.tree.unflatten(plan.treedef, leaves)
 
+    ctx = per_use.Context(scan_remat=cfg.remat)
+
     def user_loss(leaves, batch):
         out = loss_fn(unflat(leaves), cast_batch(batch, compute))
         _check_loss(out, has_aux)
         loss, aux = (out[0], out[1]) if has_aux else (out, None)
         return loss.astype(jnp.float32), aux
 
+    def traced_loss(params, batch):
+        """The loss re-evaluated from its jaxpr: ``params`` may hold pending values, and
+        every layer loop becomes a remat region when a policy is configured."""
+        leaves_sds = [jax.ShapeDtypeStruct(l.shape, compute) for l in layouts]
+        batch_sds = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape, b.dtype), batch)
+        closed, out_shape = jax.make_jaxpr(user_loss, return_shape=True)(leaves_sds, batch_sds)
+        outs = per_use.call_per_use(closed, params, jax.tree.leaves(batch), ctx)
+        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+    direct_loss = traced_loss if cfg.remat.active else user_loss
+
     if plan.stage in (0, 1):
         def loss_and_grad(leaves, batch, scale):
             def f(leaves):
-                loss, aux = user_loss(leaves, batch)
+                loss, aux = direct_loss(leaves, batch)
                 return loss * scale / (n * k), (loss, aux)
 
             (_, (loss, aux)), g = jax.value_and_grad(f, has_aux=True)(leaves)
@@ -97,12 +110,8 @@ def local_grads(plan: ZeroPlan, loss_fn: Callable, has_aux: bool, batch_spec: An
                              out_specs=(P(), P(), grad_specs), check_vma=False)
 
     def per_use_loss(source, arrays, batch):
-        leaves_sds = [jax.ShapeDtypeStruct(l.shape, compute) for l in layouts]
-        batch_sds = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape, b.dtype), batch)
-        closed, out_shape = jax.make_jaxpr(user_loss, return_shape=True)(leaves_sds, batch_sds)
         pending = [per_use.Pending(arrays=a, layout=l, source=source) for a, l in zip(arrays, layouts)]
-        outs = per_use.call_per_use(closed, pending, jax.tree.leaves(batch))
-        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+        return traced_loss(pending, batch)
 
     def shard_grads(source, make_arrays, sinks, batch, scale):
         def f(sinks):

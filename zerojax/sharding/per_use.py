@@ -13,6 +13,8 @@ consumes it:
 * shape-only equations (reshape, transpose, dtype casts, ...) stay pending;
 * ``scan`` over a stacked parameter (``nnx.scan``, ``nn.scan``, ``lax.scan``) slices the
   *storage* per iteration, so each iteration materialises one layer;
+* with a ``Context(scan_remat=...)``, every scan body (one layer of a stack) becomes a
+  remat region with that policy;
 * nested ``jit`` calls are evaluated inline and ``checkpoint`` (remat) regions are
   rebuilt around their pending inputs, so a rematerialised layer re-gathers in backward;
 * any other equation materialises the parameter right there. With ``Gathered`` sources the
@@ -143,7 +145,18 @@ def _is_array(v: Any) -> bool:
     return isinstance(v, jax.Array) or hasattr(v, "aval")
 
 
-def _eqn_with_pending(eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any]:
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """Evaluation options: ``scan_remat`` wraps every scan body (one layer) in a remat region."""
+
+    scan_remat: Any = None  # zerojax.remat.Remat or None
+    in_remat: bool = False  # inside a remat region: backward recomputes, gathers included
+
+
+_PLAIN = Context()
+
+
+def _eqn_with_pending(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any]:
     name = eqn.primitive.name
     pending = [v for v in invals if isinstance(v, Pending)]
 
@@ -152,18 +165,20 @@ def _eqn_with_pending(eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any]:
     if name in ("jit", "pjit", "closed_call", "core_call"):
         closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
         if isinstance(closed, jcore.ClosedJaxpr):
-            return eval_jaxpr(closed.jaxpr, closed.consts, invals)
-        return eval_jaxpr(closed, (), invals)
+            return eval_jaxpr(closed.jaxpr, closed.consts, invals, ctx)
+        return eval_jaxpr(closed, (), invals, ctx)
     if name == "scan":
-        return _scan(eqn, invals)
-    if name in ("checkpoint", "remat"):
-        return _checkpoint(eqn, invals)
+        return _scan(eqn, invals, ctx)
+    if name in ("checkpoint", "remat", "remat2"):
+        return _checkpoint(eqn, invals, ctx)
 
     # Any other consumer: materialise here. Gathered sources are gathered again in backward
     # rather than kept alive from forward.
     if not any(p.source.remat for p in pending):
         return _bind(eqn, _materialize_all(invals))
-    if name in _NO_RESIDUALS:
+    if name in _NO_RESIDUALS or ctx.in_remat:
+        # Inside a remat region the gathered value is recomputed (gathered again) for this
+        # layer's backward anyway; a second re-gather would only add traffic.
         return _bind(eqn, _materialize_all(_tied_to_inputs(invals)))
     return _regathered(eqn, invals)
 
@@ -235,18 +250,20 @@ def _regathered(eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any]:
     return region(flat, [invals[i] for i in traced])
 
 
-def _checkpoint(eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any]:
+def _checkpoint(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any]:
     jaxpr = eqn.params["jaxpr"]
     flat, rebuild = _split_pending(invals)
     others_idx = [i for i, v in enumerate(invals) if not isinstance(v, Pending)]
+
+    inner_ctx = dataclasses.replace(ctx, in_remat=True)
 
     def inner(flat, others):
         vals = rebuild(flat)
         for i, o in zip(others_idx, others):
             vals[i] = o
         if isinstance(jaxpr, jcore.ClosedJaxpr):
-            return eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, vals)
-        return eval_jaxpr(jaxpr, (), vals)
+            return eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, vals, inner_ctx)
+        return eval_jaxpr(jaxpr, (), vals, inner_ctx)
 
     inner = jax.checkpoint(
         inner, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy")
@@ -254,7 +271,7 @@ def _checkpoint(eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any]:
     return list(inner(flat, [invals[i] for i in others_idx]))
 
 
-def _scan(eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any]:
+def _scan(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any]:
     p = eqn.params
     n_consts, n_carry = p["num_consts"], p["num_carry"]
     body: jcore.ClosedJaxpr = p["jaxpr"]
@@ -266,19 +283,25 @@ def _scan(eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any]:
              (v.materialize() if isinstance(v, Pending) else v) for v in xs_in]
     xs_arrays = [v.arrays if isinstance(v, Pending) else v for v in xs_in]
 
+    remat = ctx.scan_remat is not None and ctx.scan_remat.active
+    body_ctx = dataclasses.replace(ctx, in_remat=True) if remat else ctx
+
     def step(carry, xs_slices):
         xs_vals = [orig.rebuild(sl, sliced=True) if isinstance(orig, Pending) else sl
                    for orig, sl in zip(xs_in, xs_slices)]
-        outs = eval_jaxpr(body.jaxpr, body.consts, [*consts, *carry, *xs_vals])
+        outs = eval_jaxpr(body.jaxpr, body.consts, [*consts, *carry, *xs_vals], body_ctx)
         return outs[:n_carry], outs[n_carry:]
 
+    if remat:
+        step = jax.checkpoint(step, policy=ctx.scan_remat.jax_policy(), prevent_cse=False)
     carry_out, ys = jax.lax.scan(
         step, carry, xs_arrays, length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
     )
     return [*carry_out, *ys]
 
 
-def eval_jaxpr(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+def eval_jaxpr(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
+               ctx: Context = _PLAIN) -> list[Any]:
     """Evaluates ``jaxpr`` like ``jax.core.eval_jaxpr``, keeping parameters pending."""
     env: dict[Any, Any] = {}
 
@@ -292,7 +315,10 @@ def eval_jaxpr(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         if any(isinstance(v, Pending) for v in invals):
-            outs = _eqn_with_pending(eqn, invals)
+            outs = _eqn_with_pending(eqn, invals, ctx)
+        elif (eqn.primitive.name in ("scan", "jit", "pjit") and ctx.scan_remat is not None
+              and ctx.scan_remat.active):
+            outs = _eqn_with_pending(eqn, invals, ctx)
         else:
             outs = _bind(eqn, invals)
         for v, x in zip(eqn.outvars, outs, strict=True):
@@ -300,7 +326,8 @@ def eval_jaxpr(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -
     return _materialize_all([read(v) for v in jaxpr.outvars])
 
 
-def call_per_use(closed: jcore.ClosedJaxpr, pending: Sequence[Pending], args: Sequence[Any]) -> list[Any]:
+def call_per_use(closed: jcore.ClosedJaxpr, params: Sequence[Any], args: Sequence[Any],
+                 ctx: Context = _PLAIN) -> list[Any]:
     """Evaluates ``closed`` (traced with full parameters first, then ``args``) with the
-    parameters given as pending values."""
-    return eval_jaxpr(closed.jaxpr, closed.consts, [*pending, *args])
+    parameters given as pending values (or plain arrays)."""
+    return eval_jaxpr(closed.jaxpr, closed.consts, [*params, *args], ctx)
