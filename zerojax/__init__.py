@@ -1,6 +1,6 @@
 """zerojax: ZeRO (stages 0-3) for JAX and Flax over a jax.sharding mesh."""
 
-from zerojax import remat
+from zerojax import distributed, remat
 from zerojax.config import ZeroConfig
 from zerojax.params import gather_params
 from zerojax.report.comm import communication_report
@@ -14,6 +14,7 @@ __all__ = [
     "TrainStep",
     "ZeroConfig",
     "ZeroState",
+    "distributed",
     "remat",
     "communication_report",
     "compiled_bytes",

@@ -1,0 +1,109 @@
+"""Several processes on one machine (gloo CPU collectives): the multi-host path."""
+
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import zerojax as zj
+from zerojax.distributed import init as dist_init
+from tests import models
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "workers" / "multihost_train.py"
+
+
+def launch(args, worker_args, timeout=240):
+    cmd = [sys.executable, "-m", "zerojax.launch", *args, "--", sys.executable, str(WORKER), *worker_args]
+    start = time.monotonic()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return out, time.monotonic() - start
+
+
+def single_process_reference(stage, steps=3):
+    mesh = zj.make_mesh()
+    tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1, momentum=0.9))
+    cfg = zj.ZeroConfig(stage=stage)
+    state = zj.init_state(models.stacked_params(), tx, mesh=mesh, config=cfg)
+    step = zj.make_train_step(models.stacked_loss, tx, mesh=mesh, config=cfg)
+    for i in range(steps):
+        state, _ = step(state, models.batch(16, seed=i))
+    return [np.asarray(x) for x in jax.tree.leaves(zj.gather_params(state))]
+
+
+@pytest.mark.parametrize("helper", [False, True], ids=["same-batch-everywhere", "process-local-rows"])
+def test_two_processes_match_one(tmp_path, helper):
+    stages = [1, 2, 3] if not helper else [3]
+    args = ["--out", str(tmp_path), "--stages", ",".join(map(str, stages))]
+    if helper:
+        args.append("--global-batch-helper")
+    out, _ = launch(["--nprocs", "2", "--devices-per-proc", "4"], args)
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert "[rank 0] process 0 of 2: 4 local devices, 8 in the mesh" in out.stdout
+    assert "[rank 1] process 1 done" in out.stdout
+    for stage in stages:
+        ref = single_process_reference(stage)
+        for rank in (0, 1):  # gather_params gives the full params on every process
+            got = np.load(tmp_path / f"params_stage{stage}_rank{rank}.npz")
+            got = [got[str(i)] for i in range(len(ref))]
+            err = max(np.abs(a - b).max() for a, b in zip(got, ref))
+            assert err <= 1e-5, (stage, rank, err)
+
+
+def test_launcher_stops_the_job_when_a_process_dies(tmp_path):
+    out, elapsed = launch(["--nprocs", "2", "--devices-per-proc", "4"],
+                          ["--out", str(tmp_path), "--stages", "3", "--steps", "200", "--die-after", "1"])
+    assert out.returncode == 3, out.stdout[-3000:]
+    assert "zerojax.launch: process 1" in out.stdout and "exited with status 3" in out.stdout
+    assert "process 0 done" not in out.stdout
+    assert elapsed < 90
+
+
+def test_without_launcher_survivors_fail_within_the_heartbeat_timeout(tmp_path):
+    """Process 1 dies; process 0, left alone, must not wait forever."""
+    port = __import__("zerojax.launch", fromlist=["free_port"]).free_port()
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, ZEROJAX_COORDINATOR=f"127.0.0.1:{port}", ZEROJAX_NUM_PROCESSES="2",
+                   ZEROJAX_PROCESS_ID=str(rank), ZEROJAX_LOCAL_DEVICES="4")
+        procs.append(subprocess.Popen(
+            [sys.executable, str(WORKER), "--out", str(tmp_path), "--stages", "3", "--steps", "200",
+             "--die-after", "1"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    start = time.monotonic()
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    elapsed = time.monotonic() - start
+    assert procs[1].returncode == 3
+    assert procs[0].returncode != 0, outs[0][-2000:]
+    assert "heartbeat timeout" in outs[0] or "another task died" in outs[0]
+    assert elapsed < 90  # the worker sets heartbeat_timeout_s=10
+
+
+@pytest.mark.parametrize("env,want", [
+    ({"ZEROJAX_COORDINATOR": "h:1", "ZEROJAX_NUM_PROCESSES": "4", "ZEROJAX_PROCESS_ID": "2"},
+     dist_init.Launch("zerojax", "h:1", 4, 2)),
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16", "SLURM_PROCID": "5"}, dist_init.Launch("slurm", None, 16, 5)),
+    ({"OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_RANK": "3"}, dist_init.Launch("openmpi", None, 8, 3)),
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, dist_init.Launch("single")),
+    ({}, dist_init.Launch("single")),
+])
+def test_launcher_detection(env, want):
+    assert zj.distributed.detect(env=env) == want
+
+
+def test_detection_errors():
+    with pytest.raises(ValueError, match=r"missing \['num_processes', 'process_id'\]"):
+        zj.distributed.detect(coordinator_address="h:1", env={})
+    with pytest.raises(ValueError, match="ZEROJAX_NUM_PROCESSES"):
+        zj.distributed.detect(env={"ZEROJAX_COORDINATOR": "h:1"})
+
+
+def test_launcher_needs_a_command():
+    out = subprocess.run([sys.executable, "-m", "zerojax.launch", "--nprocs", "2"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2 and "give the command after --" in out.stderr

@@ -1,0 +1,131 @@
+"""Local multi-process launcher, in the spirit of ``torchrun --standalone``.
+
+    python -m zerojax.launch --nprocs 2 --devices-per-proc 4 -- python experiments/train.py ...
+
+Starts ``--nprocs`` copies of the command with the environment that
+``zj.distributed.initialize()`` reads (coordinator on a free localhost port, process
+count and id, simulated CPU devices per process), prefixes each output line with
+``[rank i]``, and exits with a non-zero status as soon as any process fails, stopping the
+others; ``--timeout`` bounds the whole job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from zerojax.distributed.init import ENV_COORDINATOR, ENV_LOCAL_DEVICES, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pump(rank: int, stream, out, lock: threading.Lock) -> None:
+    for line in iter(stream.readline, ""):
+        with lock:
+            out.write(f"[rank {rank}] {line}")
+            out.flush()
+    stream.close()
+
+
+def _stop(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def launch(cmd: Sequence[str], nprocs: int, devices_per_proc: int | None = None, port: int | None = None,
+           timeout_s: float | None = None, grace_s: float = 5.0, out=None) -> int:
+    """Runs ``cmd`` in ``nprocs`` processes; returns the job's exit status."""
+    if nprocs < 1:
+        raise ValueError(f"--nprocs must be >= 1, got {nprocs}")
+    if not cmd:
+        raise ValueError("no command given: python -m zerojax.launch --nprocs 2 -- python train.py")
+    out = out or sys.stdout
+    port = port or free_port()
+    lock = threading.Lock()
+    procs, pumps = [], []
+    for rank in range(nprocs):
+        env = dict(os.environ)
+        env.update({ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(nprocs),
+                    ENV_PROCESS_ID: str(rank), "PYTHONUNBUFFERED": "1"})
+        if devices_per_proc is not None:
+            env[ENV_LOCAL_DEVICES] = str(devices_per_proc)
+        p = subprocess.Popen(list(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)
+        t = threading.Thread(target=_pump, args=(rank, p.stdout, out, lock), daemon=True)
+        t.start()
+        procs.append(p)
+        pumps.append(t)
+    start = time.monotonic()
+    status = 0
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                with lock:
+                    out.write(f"zerojax.launch: process {rank} (pid {procs[rank].pid}) exited with "
+                              f"status {code}; stopping the other {nprocs - 1}\n")
+                    out.flush()
+                status = code if code > 0 else 128 - code
+                break
+            if all(c == 0 for c in codes):
+                break
+            if timeout_s is not None and time.monotonic() - start > timeout_s:
+                with lock:
+                    running = [r for r, c in enumerate(codes) if c is None]
+                    out.write(f"zerojax.launch: timeout after {timeout_s:.0f}s; processes {running} "
+                              "still running; stopping them\n")
+                    out.flush()
+                status = 124
+                break
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        status = 130
+    finally:
+        _stop(procs, grace_s)
+        for t in pumps:
+            t.join(timeout=2)
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" in argv:
+        i = argv.index("--")
+        argv, cmd = argv[:i], argv[i + 1:]
+    else:
+        cmd = []
+    ap = argparse.ArgumentParser(prog="python -m zerojax.launch", description=__doc__.splitlines()[0])
+    ap.add_argument("--nprocs", type=int, required=True, help="processes to start")
+    ap.add_argument("--devices-per-proc", type=int, default=None,
+                    help="simulated CPU devices per process (CPU runs)")
+    ap.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
+    ap.add_argument("--timeout", type=float, default=None, help="stop the job after this many seconds")
+    args = ap.parse_args(argv)
+    if not cmd:
+        ap.error("give the command after --, e.g. -- python experiments/train.py")
+    return launch(cmd, args.nprocs, args.devices_per_proc, args.port, args.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
