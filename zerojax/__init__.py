@@ -1,6 +1,7 @@
 """zerojax: ZeRO (stages 0-3) for JAX and Flax over a jax.sharding mesh."""
 
-from zerojax import distributed, remat
+from zerojax import checkpoint, distributed, remat
+from zerojax.checkpoint import export_weights, restore_checkpoint, save_checkpoint
 from zerojax.config import ZeroConfig
 from zerojax.params import gather_params
 from zerojax.report.comm import communication_report
@@ -15,7 +16,11 @@ __all__ = [
     "ZeroConfig",
     "ZeroState",
     "distributed",
+    "export_weights",
     "remat",
+    "restore_checkpoint",
+    "save_checkpoint",
+    "checkpoint",
     "communication_report",
     "compiled_bytes",
     "gather_params",

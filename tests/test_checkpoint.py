@@ -1,0 +1,194 @@
+"""Sharded orbax checkpoints: resume anywhere, reshard across stage and device count, export."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zerojax as zj
+from tests import models
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+JOB = ROOT / "tests" / "workers" / "checkpoint_job.py"
+TX = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1, momentum=0.9))
+
+
+def trained(stage, n, steps, tx=TX, cfg_kw=None, state=None, start=0):
+    mesh = zj.make_mesh(jax.devices()[:n])
+    cfg = zj.ZeroConfig(stage=stage, **(cfg_kw or {}))
+    if state is None:
+        state = zj.init_state(models.stacked_params(), tx, mesh=mesh, config=cfg)
+    step = zj.make_train_step(models.stacked_loss, tx, mesh=mesh, config=cfg)
+    for i in range(start, start + steps):
+        state, _ = step(state, models.batch(16, seed=i))
+    return state
+
+
+def leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def restore(d, stage, n, tx=TX, cfg_kw=None, step=None):
+    mesh = zj.make_mesh(jax.devices()[:n])
+    return zj.restore_checkpoint(d, models.stacked_params(), tx, mesh=mesh,
+                                 config=zj.ZeroConfig(stage=stage, **(cfg_kw or {})), step=step)
+
+
+@pytest.mark.parametrize("stage,n", [(0, 8), (1, 8), (2, 4), (3, 8), (3, 2)])
+def test_resume_is_bit_for_bit(tmp_path, stage, n):
+    """10 steps straight == 5, save, restore, 5 more (same stage and device count)."""
+    straight = trained(stage, n, 10)
+    half = trained(stage, n, 5)
+    zj.save_checkpoint(tmp_path, half, step=5, wait=True)
+    resumed = restore(tmp_path, stage, n)
+    assert int(resumed.step) == 5
+    for a, b in zip(leaves(half.opt_state), leaves(resumed.opt_state)):
+        np.testing.assert_array_equal(a, b)
+    resumed = trained(stage, n, 5, state=resumed, start=5)
+    for a, b in zip(leaves(zj.gather_params(straight)), leaves(zj.gather_params(resumed))):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(leaves(straight.opt_state), leaves(resumed.opt_state)):
+        np.testing.assert_array_equal(a, b)
+
+
+PAIRS = [((3, 8), (1, 4)), ((3, 8), (0, 1)), ((0, 1), (3, 8)), ((1, 4), (2, 2)), ((2, 2), (3, 1))]
+ALL_PAIRS = [(s, d) for s in [(3, 8), (0, 1), (1, 4), (2, 2)] for d in [(3, 8), (1, 4), (0, 1), (2, 2), (3, 1)]
+             if (s, d) not in PAIRS]
+
+
+@pytest.mark.parametrize("src,dst", PAIRS)
+def test_reshard_across_stage_and_device_count(tmp_path, src, dst):
+    _reshard(tmp_path, src, dst)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("src,dst", ALL_PAIRS)
+def test_reshard_full_matrix(tmp_path, src, dst):
+    _reshard(tmp_path, src, dst)
+
+
+def _reshard(tmp_path, src, dst):
+    straight = trained(dst[0], dst[1], 6)
+    zj.save_checkpoint(tmp_path, trained(*src, 3), step=3, wait=True)
+    resumed = trained(dst[0], dst[1], 3, state=restore(tmp_path, *dst), start=3)
+    assert int(resumed.step) == 6
+    err = max(np.abs(a - b).max() for a, b in zip(leaves(zj.gather_params(straight)),
+                                                  leaves(zj.gather_params(resumed))))
+    assert err <= 1e-5
+
+
+def test_masters_loss_scale_and_counters_carry_over(tmp_path):
+    """fp16 stage 1 (separate fp32 masters, dynamic scale) -> stage 3 on 4 devices -> stage 2."""
+    kw = dict(compute_dtype="float16", loss_scale_window=2, initial_scale_power=8)
+    tx = optax.adamw(1e-3)
+    src = trained(1, 8, 5, tx=tx, cfg_kw=kw)
+    assert float(src.loss_scale.scale) > 2.0**8  # it grew: the state is not the initial one
+    zj.save_checkpoint(tmp_path, src, step=5, wait=True)
+    for stage, n in ((3, 4), (2, 8)):
+        got = restore(tmp_path, stage, n, tx=tx, cfg_kw=kw)
+        assert int(got.step) == 5 and int(got.skipped) == int(src.skipped)
+        for a, b in zip(leaves(src.loss_scale), leaves(got.loss_scale)):
+            np.testing.assert_array_equal(a, b)
+        for a, b in zip(leaves(zj.gather_params(src)), leaves(zj.gather_params(got))):
+            np.testing.assert_array_equal(a, b)  # the fp32 masters, not the fp16 copy
+        count = lambda s: int(jax.tree.leaves(s.opt_state)[0])
+        assert count(got) == count(src) == 5
+
+
+@pytest.mark.parametrize("devices,stage", [(2, 1), (1, 0), (4, 3)])
+def test_restore_in_a_process_with_another_device_count(tmp_path, devices, stage):
+    straight = trained(stage, devices, 6)  # same math as the subprocess' mesh
+    zj.save_checkpoint(tmp_path / "ck", trained(3, 8, 3), step=3, wait=True)
+    out = tmp_path / "params.npz"
+    r = subprocess.run([sys.executable, str(JOB), "restore", str(tmp_path / "ck"), str(out),
+                        "--devices", str(devices), "--stage", str(stage)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = np.load(out)
+    assert int(got["step"]) == 6
+    ref = leaves(zj.gather_params(straight))
+    assert max(np.abs(got[f"arr_{i}"] - x).max() for i, x in enumerate(ref)) <= 1e-5
+
+
+def test_script_that_exits_normally_keeps_its_checkpoint(tmp_path):
+    r = subprocess.run([sys.executable, str(JOB), "save-and-exit", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert zj.checkpoint.checkpoint_steps(tmp_path) == [7]
+    assert int(restore(tmp_path, 3, 8).step) == 0
+
+
+def test_killed_save_leaves_previous_checkpoint(tmp_path):
+    r = subprocess.run([sys.executable, str(JOB), "save-and-die", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == -9, (r.returncode, r.stderr[-2000:])
+    assert "killing myself mid-save" in r.stdout
+    assert zj.checkpoint.checkpoint_steps(tmp_path) == [1]  # step 2 is not complete
+    params = {"w": jnp.ones((64, 64))}
+    state = zj.restore_checkpoint(tmp_path, params, TX, mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3))
+    np.testing.assert_array_equal(np.asarray(zj.gather_params(state)["w"]), np.ones((64, 64)))
+    # The directory stays usable: a new step 2 saves and becomes the latest.
+    zj.save_checkpoint(tmp_path, state, step=2, wait=True)
+    assert zj.checkpoint.checkpoint_steps(tmp_path) == [1, 2]
+
+
+def test_retention_and_latest(tmp_path):
+    state = trained(3, 8, 1)
+    for s in range(1, 10):
+        zj.save_checkpoint(tmp_path, state, step=s, keep_last=2, keep_every=4)
+    zj.checkpoint.wait(tmp_path)
+    assert zj.checkpoint.checkpoint_steps(tmp_path) == [4, 8, 9]
+    restored = restore(tmp_path, 3, 8)  # latest by default
+    assert int(restored.step) == 1
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint for step 5 .* steps \[4, 8, 9\]"):
+        restore(tmp_path, 3, 8, step=5)
+
+
+def test_bad_restores_say_what_is_wrong(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint in .*no complete saved step"):
+        restore(tmp_path / "empty", 3, 8)
+    zj.save_checkpoint(tmp_path, trained(3, 8, 1), step=1, wait=True)
+    mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=3)
+    wrong_shape = models.stacked_params()
+    wrong_shape["out"]["w"] = jnp.zeros((20, 9))
+    with pytest.raises(ValueError, match=r"\['out'\]\['w'\] has shape \(20, 9\) but the checkpoint holds shape \(20, 7\)"):
+        zj.restore_checkpoint(tmp_path, wrong_shape, TX, mesh=mesh, config=cfg)
+    wrong_tree = models.stacked_params()
+    wrong_tree["extra"] = jnp.zeros((3,))
+    with pytest.raises(ValueError, match=r"checkpoint has .* params have \"\['extra'\]\"|params tree differs"):
+        zj.restore_checkpoint(tmp_path, wrong_tree, TX, mesh=mesh, config=cfg)
+    with pytest.raises(ValueError, match=r"checkpoint holds optimizer state .*TraceState.*this tx.init gives .*ScaleByAdamState"):
+        zj.restore_checkpoint(tmp_path, models.stacked_params(), optax.adam(1e-3), mesh=mesh, config=cfg)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_export_consolidated_weights_cli(tmp_path, dtype):
+    from safetensors.numpy import load_file
+
+    state = trained(3, 8, 2)
+    zj.save_checkpoint(tmp_path / "ck", state, step=2, wait=True)
+    out = tmp_path / "weights.safetensors"
+    r = subprocess.run([sys.executable, "-m", "zerojax.cli", "export", str(tmp_path / "ck"), str(out),
+                        "--dtype", dtype], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "wrote 8 tensors" in r.stdout
+    weights = load_file(out)  # no zerojax involved
+    full = zj.gather_params(state)
+    assert set(weights) == {"inp.w", "inp.b", "layers.w", "layers.b", "out.w", "out.b", "skip", "temp"}
+    want = np.asarray(full["layers"]["w"])
+    if dtype == "float32":
+        np.testing.assert_array_equal(weights["layers.w"], want)
+    else:
+        import ml_dtypes
+
+        np.testing.assert_array_equal(weights["layers.w"].astype(np.float32),
+                                      want.astype(ml_dtypes.bfloat16).astype(np.float32))
+    r = subprocess.run([sys.executable, "-m", "zerojax.cli", "export", str(tmp_path / "none"), str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 1 and "no checkpoint in" in r.stderr
