@@ -40,7 +40,8 @@ def restore(d, stage, n, tx=TX, cfg_kw=None, step=None):
                                  config=zj.ZeroConfig(stage=stage, **(cfg_kw or {})), step=step)
 
 
-@pytest.mark.parametrize("stage,n", [(0, 8), (1, 8), (2, 4), (3, 8), (3, 2)])
+@pytest.mark.parametrize("stage,n", [(0, 8), (2, 4), (3, 8), pytest.param(1, 8, marks=pytest.mark.slow),
+                                     pytest.param(3, 2, marks=pytest.mark.slow)])
 def test_resume_is_bit_for_bit(tmp_path, stage, n):
     """10 steps straight == 5, save, restore, 5 more (same stage and device count)."""
     straight = trained(stage, n, 10)

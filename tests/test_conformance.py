@@ -79,7 +79,9 @@ def _case(model, opt, stage, n):
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("opt", ["sgd_momentum", "clip_sgd", "adamw", "lion", "clip_adamw"])
+@pytest.mark.parametrize("opt", ["sgd_momentum", "clip_sgd", "clip_adamw",
+                                 pytest.param("adamw", marks=pytest.mark.slow),
+                                 pytest.param("lion", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("model", list(MODELS))
 def test_eight_devices_match_optax(model, opt, stage):
     _case(model, opt, stage, 8)

@@ -55,7 +55,7 @@ def test_linen_scan_and_submodules(stage):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [3, pytest.param(2, marks=pytest.mark.slow)])
 def test_gpt_matches_optax(stage):
     """The experiments' GPT (embedding lookup, sliced position table, attention, scan)."""
     cfg = gpt.GPTConfig(vocab=256, seq_len=16, d_model=32, n_layers=2, n_heads=2)

@@ -40,7 +40,8 @@ def single_process_reference(stage, steps=3):
 @pytest.mark.parametrize("helper", [False, True], ids=["same-batch-everywhere", "process-local-rows"])
 def test_two_processes_match_one(tmp_path, helper):
     stages = [1, 2, 3] if not helper else [3]
-    args = ["--out", str(tmp_path), "--stages", ",".join(map(str, stages))]
+    args = ["--out", str(tmp_path), "--stages", ",".join(map(str, stages)),
+            "--checkpoint", str(tmp_path / "ck")]
     if helper:
         args.append("--global-batch-helper")
     out, _ = launch(["--nprocs", "2", "--devices-per-proc", "4"], args)
@@ -54,6 +55,13 @@ def test_two_processes_match_one(tmp_path, helper):
             got = [got[str(i)] for i in range(len(ref))]
             err = max(np.abs(a - b).max() for a, b in zip(got, ref))
             assert err <= 1e-5, (stage, rank, err)
+    # The 2-process checkpoint (each process wrote its shards) restores in 1 process.
+    tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1, momentum=0.9))
+    restored = zj.restore_checkpoint(tmp_path / "ck", models.stacked_params(), tx, mesh=zj.make_mesh(),
+                                     config=zj.ZeroConfig(stage=3))
+    assert int(restored.step) == 3
+    got = [np.asarray(x) for x in jax.tree.leaves(zj.gather_params(restored))]
+    assert max(np.abs(a - b).max() for a, b in zip(got, single_process_reference(stages[-1]))) <= 1e-5
 
 
 def test_launcher_stops_the_job_when_a_process_dies(tmp_path):
@@ -65,6 +73,7 @@ def test_launcher_stops_the_job_when_a_process_dies(tmp_path):
     assert elapsed < 90
 
 
+@pytest.mark.slow
 def test_without_launcher_survivors_fail_within_the_heartbeat_timeout(tmp_path):
     """Process 1 dies; process 0, left alone, must not wait forever."""
     port = __import__("zerojax.launch", fromlist=["free_port"]).free_port()

@@ -27,6 +27,7 @@ ap.add_argument("--steps", type=int, default=3)
 ap.add_argument("--stages", default="1,2,3")
 ap.add_argument("--die-after", type=int, default=None)
 ap.add_argument("--global-batch-helper", action="store_true")
+ap.add_argument("--checkpoint", default=None, help="save the last stage's state here")
 args = ap.parse_args()
 
 rank = jax.process_index()
@@ -50,6 +51,8 @@ for stage in [int(s) for s in args.stages.split(",")]:
         if args.die_after is not None and rank == 1 and i + 1 >= args.die_after:
             print("process 1 failing on purpose", flush=True)
             os._exit(3)
+    if args.checkpoint:  # every process writes its own shards
+        zj.save_checkpoint(args.checkpoint, state, step=args.steps, wait=True)
     full = zj.gather_params(state)
     leaves = {str(k): np.asarray(v) for k, v in enumerate(jax.tree.leaves(full))}
     np.savez(os.path.join(args.out, f"params_stage{stage}_rank{rank}.npz"), **leaves)
