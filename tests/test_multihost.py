@@ -116,3 +116,21 @@ def test_launcher_needs_a_command():
     out = subprocess.run([sys.executable, "-m", "zerojax.launch", "--nprocs", "2"],
                          capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 2 and "give the command after --" in out.stderr
+
+
+@pytest.mark.slow
+def test_a_stalled_process_is_noticed_within_the_step_timeout(tmp_path):
+    """Process 1 hangs (alive, still heartbeating); process 0's step times out and exits."""
+    out, elapsed = launch(["--nprocs", "2", "--devices-per-proc", "4", "--timeout", "200"],
+                          ["--out", str(tmp_path), "--stages", "3", "--steps", "200",
+                           "--stall-after", "2", "--step-timeout", "10"])
+    assert out.returncode == 1, out.stdout[-3000:]
+    assert "[rank 0] zerojax: the train step did not finish within timeout_s=10s on process 0" in out.stdout
+    assert "zerojax.launch: process 0" in out.stdout
+    assert elapsed < 100
+
+
+def test_step_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="timeout_s must be a positive number"):
+        zj.make_train_step(models.stacked_loss, optax.sgd(0.1), mesh=zj.make_mesh(),
+                           config=zj.ZeroConfig(), timeout_s=0)

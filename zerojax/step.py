@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -116,6 +119,30 @@ def _step(loss_fn: Callable, tx: optax.GradientTransformation, has_aux: bool,
     return new_state, metrics
 
 
+def _wait_or_fail(x: jax.Array, timeout_s: float) -> None:
+    """Waits for ``x``; if it is not ready within ``timeout_s``, another process has most
+    likely stalled or died mid-collective: this process exits with a clear message
+    (status 1) rather than waiting forever. The computation cannot be cancelled, so
+    raising would leave the interpreter hanging at exit."""
+    done = threading.Event()
+
+    def wait():
+        try:
+            jax.block_until_ready(x)
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, daemon=True).start()
+    if not done.wait(timeout_s):
+        sys.stderr.write(
+            f"zerojax: the train step did not finish within timeout_s={timeout_s:g}s on process "
+            f"{jax.process_index()}: another process has probably stalled or died and this one is "
+            "waiting for it in a collective. Exiting with status 1.\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)
+
+
 class TrainStep:
     """A jitted ZeRO train step: ``state, metrics = train_step(state, batch)``.
 
@@ -129,15 +156,18 @@ class TrainStep:
     """
 
     def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation, *, mesh: Mesh,
-                 config: ZeroConfig, has_aux: bool = False):
+                 config: ZeroConfig, has_aux: bool = False, timeout_s: float | None = None):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(params, batch), got {loss_fn!r}.")
         if not isinstance(tx, optax.GradientTransformation):
             raise TypeError(f"tx must be an optax.GradientTransformation, got {type(tx).__name__}.")
         if not isinstance(config, ZeroConfig):
             raise TypeError(f"config must be a zj.ZeroConfig, got {type(config).__name__}.")
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}.")
         self.n = axis_size(mesh, config.axis)
         self.mesh, self.config, self.tx, self.loss_fn = auto_axes(mesh), config, tx, loss_fn
+        self.timeout_s = timeout_s
         self._jitted: dict[ZeroPlan, Any] = {}
         self._step = lambda state, batch: _step(loss_fn, tx, has_aux, state, batch)
 
@@ -189,6 +219,8 @@ class TrainStep:
     def __call__(self, state: ZeroState, batch: Any) -> tuple[ZeroState, dict[str, jax.Array]]:
         self.check(state, batch)
         new_state, metrics = self._jit_for(state)(state, batch)
+        if self.timeout_s is not None:
+            _wait_or_fail(metrics["loss"], self.timeout_s)
         if self.config.dynamic_scaling and self.config.raise_at_min_scale and bool(metrics["overflow_at_min_scale"]):
             raise LossScaleError(
                 f"Current loss scale already at minimum ({self.config.min_loss_scale}) and the "
@@ -210,12 +242,17 @@ class TrainStep:
 
 
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, mesh: Mesh,
-                    config: ZeroConfig, has_aux: bool = False) -> TrainStep:
+                    config: ZeroConfig, has_aux: bool = False, timeout_s: float | None = None) -> TrainStep:
     """Builds the train step for ``loss_fn(params, batch)`` and optimizer ``tx``.
 
     ``loss_fn`` sees the full parameter tree (in the compute dtype) and this device's share
     of the batch, exactly as in single-device training; it returns a scalar (or
     ``(scalar, aux)`` with ``has_aux=True``; ``aux`` is averaged over the data axis).
+
+    ``timeout_s`` bounds each step in multi-process jobs: a step that has not finished by
+    then (a peer stalled or died inside a collective) ends this process with status 1 and
+    a message saying so. It waits for each step, so steps no longer overlap with the next
+    one's dispatch; leave it ``None`` on one process.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, zerojax as zj
@@ -229,4 +266,4 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, mesh
       >>> float(metrics["loss"])
       1.0
     """
-    return TrainStep(loss_fn, tx, mesh=mesh, config=config, has_aux=has_aux)
+    return TrainStep(loss_fn, tx, mesh=mesh, config=config, has_aux=has_aux, timeout_s=timeout_s)

@@ -8,6 +8,7 @@ after K steps; with ``--global-batch-helper`` each process loads only its own ro
 import argparse
 import os
 import sys
+import time  # noqa: F401
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -28,6 +29,8 @@ ap.add_argument("--stages", default="1,2,3")
 ap.add_argument("--die-after", type=int, default=None)
 ap.add_argument("--global-batch-helper", action="store_true")
 ap.add_argument("--checkpoint", default=None, help="save the last stage's state here")
+ap.add_argument("--stall-after", type=int, default=None, help="process 1 hangs after K steps")
+ap.add_argument("--step-timeout", type=float, default=None)
 args = ap.parse_args()
 
 rank = jax.process_index()
@@ -38,7 +41,7 @@ tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1, momentum=0.9))
 for stage in [int(s) for s in args.stages.split(",")]:
     cfg = zj.ZeroConfig(stage=stage)
     state = zj.init_state(params, tx, mesh=mesh, config=cfg)
-    step = zj.make_train_step(models.stacked_loss, tx, mesh=mesh, config=cfg)
+    step = zj.make_train_step(models.stacked_loss, tx, mesh=mesh, config=cfg, timeout_s=args.step_timeout)
     for i in range(args.steps):
         full_batch = jax.tree.map(np.asarray, models.batch(16, seed=i))
         if args.global_batch_helper:
@@ -48,6 +51,10 @@ for stage in [int(s) for s in args.stages.split(",")]:
             batch = full_batch
         state, m = step(state, batch)
         print(f"stage {stage} step {i} loss {float(m['loss']):.6f}", flush=True)
+        if args.stall_after is not None and rank == 1 and i + 1 >= args.stall_after:
+            print("process 1 stalling on purpose", flush=True)
+            import time
+            time.sleep(3600)
         if args.die_after is not None and rank == 1 and i + 1 >= args.die_after:
             print("process 1 failing on purpose", flush=True)
             os._exit(3)
