@@ -8,7 +8,7 @@ after K steps; with ``--global-batch-helper`` each process loads only its own ro
 import argparse
 import os
 import sys
-import time  # noqa: F401
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -53,7 +53,6 @@ for stage in [int(s) for s in args.stages.split(",")]:
         print(f"stage {stage} step {i} loss {float(m['loss']):.6f}", flush=True)
         if args.stall_after is not None and rank == 1 and i + 1 >= args.stall_after:
             print("process 1 stalling on purpose", flush=True)
-            import time
             time.sleep(3600)
         if args.die_after is not None and rank == 1 and i + 1 >= args.die_after:
             print("process 1 failing on purpose", flush=True)
