@@ -23,7 +23,8 @@ def state_bytes_per_device(state: ZeroState) -> dict[str, int]:
     Returns the largest per-device figure for ``params`` (with the fp32 masters where they
     are separate) and ``opt_state``, and the ``total`` of the whole state; ``replicated`` is the part of ``total`` held whole on every device (stage 3
     has none but the step counters), and ``padding`` the per-device bytes of the zeros
-    that make every leaf divide over the data axis.
+    that make every stage-3 parameter leaf divide over the data axis (its optimizer state
+    carries the same padding per moment).
 
     Example:
       >>> import jax.numpy as jnp, optax, zerojax as zj
