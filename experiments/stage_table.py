@@ -60,7 +60,7 @@ def main(argv=None) -> None:
         rep = zj.communication_report(compiled)
         traffic = rep["total"]["zero_bytes"] / (4 * psi)
         kinds = ", ".join(f"{k.split(':')[0]} ×{v['count']}" for k, v in rep.items()
-                          if k != "total" and v["bytes"] > 64)
+                          if k != "total" and v["bytes"] > 1e-3 * 4 * psi)  # not the scalars
         print(f"| {stage} | {got / MIB:.2f} MiB | {FORMULA[stage]} = {want / MIB:.2f} MiB | "
               f"{mem['temp'] / MIB:.2f} MiB | {mem['total'] / MIB:.2f} MiB | {traffic:.2f}Ψ | {kinds} |")
         del state, step, compiled
