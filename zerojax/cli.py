@@ -1,6 +1,8 @@
 """The ``zerojax`` command line.
 
     zerojax export CHECKPOINT_DIR OUT.safetensors [--step N] [--dtype float32|bfloat16]
+    zerojax estimate --params 7.5e9 --devices 64 [--largest-layer N]
+    zerojax estimate --model gpt2-xl --devices 8
 """
 
 from __future__ import annotations
@@ -18,7 +20,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     ex.add_argument("out", help="output .safetensors file")
     ex.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     ex.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    es = sub.add_parser("estimate", help="model-state memory per device: ZeRO paper and DeepSpeed")
+    es.add_argument("--params", type=float, default=None, help="parameter count, e.g. 7.5e9")
+    es.add_argument("--model", default=None, help="a model config: " + ", ".join(_model_names()))
+    es.add_argument("--devices", type=int, required=True, help="devices on the data axis")
+    es.add_argument("--largest-layer", type=float, default=0.0, help="parameters of the largest layer")
     args = ap.parse_args(argv)
+    if args.command == "estimate":
+        from zerojax.report import estimate
+
+        if (args.params is None) == (args.model is None):
+            ap.error("give exactly one of --params or --model")
+        if args.devices < 1:
+            ap.error(f"--devices must be >= 1, got {args.devices}")
+        psi, layer = args.params, args.largest_layer
+        if args.model is not None:
+            if args.model not in estimate.MODELS:
+                ap.error(f"unknown --model {args.model!r}; choose from {', '.join(estimate.MODELS)}")
+            shape = estimate.MODELS[args.model]
+            psi, layer = shape.num_params(), layer or shape.largest_layer_params()
+        print(estimate.table(psi, args.devices, layer))
+        return 0
     if args.command == "export":
         from zerojax.checkpoint.export import export_weights
 
@@ -30,6 +52,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         n = sum(int(__import__("math").prod(s)) for s in shapes.values())
         print(f"wrote {len(shapes)} tensors, {n:,} parameters ({args.dtype}) to {args.out}")
     return 0
+
+
+def _model_names() -> list[str]:
+    from zerojax.report.estimate import MODELS
+
+    return list(MODELS)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,50 @@
+"""Closed-form memory estimates: the paper's table, DeepSpeed's formulas, the CLI."""
+
+import subprocess
+import sys
+
+import pytest
+
+from experiments import gpt
+from zerojax.report import estimate
+
+
+def test_paper_table_7_5b_on_64_devices():
+    got = [round(estimate.paper_bytes(7.5e9, 64, s) / 1e9, 1) for s in range(4)]
+    assert got == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_deepspeed_zero2_t5_3b_on_8_gpus():
+    """DeepSpeed's current code gives 11.28 GiB per GPU for t5-3b (2,851,598,336 params)."""
+    est = estimate.deepspeed_bytes(2_851_598_336, 8, 2)
+    assert est.gpu / 2**30 == pytest.approx(11.28, abs=0.01)
+    off = estimate.deepspeed_bytes(2_851_598_336, 8, 2, offload="optimizer")
+    assert off.gpu == 2 * 2_851_598_336 and off.cpu == 2_851_598_336 * 32 * 1.5
+
+
+def test_deepspeed_zero3_largest_layer():
+    est = estimate.deepspeed_bytes(1e9, 16, 3, largest_layer=5e7)
+    assert est.gpu == 4 * 5e7 + 18 * 1e9 / 16
+    assert estimate.deepspeed_bytes(1e9, 16, 3, largest_layer=5e7, offload="optimizer+params").gpu == 2e8
+    with pytest.raises(ValueError, match="ZeRO-2 and ZeRO-3 only"):
+        estimate.deepspeed_bytes(1e9, 16, 1)
+
+
+def test_model_shapes_count_like_the_experiments_gpt():
+    s = estimate.MODELS["gpt-tiny"]
+    cfg = gpt.GPTConfig(vocab=s.vocab, seq_len=s.seq_len, d_model=s.d_model, n_layers=s.n_layers)
+    assert s.num_params() == cfg.num_params()
+    assert s.largest_layer_params() == max(s.block_params(), s.vocab * s.d_model)
+
+
+def test_cli_prints_the_paper_table():
+    out = subprocess.run([sys.executable, "-m", "zerojax.cli", "estimate", "--params", "7.5e9", "--devices", "64"],
+                         capture_output=True, text=True, check=True).stdout
+    for figure in ("120.0 GB", "31.4 GB", "16.6 GB", "1.9 GB"):
+        assert figure in out
+    out = subprocess.run([sys.executable, "-m", "zerojax.cli", "estimate", "--model", "gpt2-small", "--devices", "8"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "4 x largest layer" in out
+    bad = subprocess.run([sys.executable, "-m", "zerojax.cli", "estimate", "--model", "nope", "--devices", "8"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown --model 'nope'" in bad.stderr

@@ -1,0 +1,119 @@
+"""Closed-form per-device memory of model states, before anything is compiled.
+
+Two models side by side:
+
+* the ZeRO paper's (mixed precision: fp16 params 2Ψ, fp16 grads 2Ψ, K·Ψ optimizer state with
+  K = 12 for Adam: fp32 master, m, v): (2+2+K)Ψ, (2+2)Ψ + KΨ/N, 2Ψ + (2+K)Ψ/N, (2+2+K)Ψ/N;
+* DeepSpeed's estimators (``estimate_zero2/3_model_states_mem_needs``): ZeRO-2 2Ψ + 18Ψ/N
+  (CPU offload: 2Ψ on the GPU, Ψ·max(4·GPUs, 16)·1.5 on the host); ZeRO-3
+  4·largest_layer + 18Ψ/N (optimizer offload: 4·largest_layer + 2Ψ/N; both offloaded:
+  4·largest_layer), largest_layer in parameters.
+
+For the persistent bytes of a zerojax state (gradients are transient in JAX) see
+:func:`zerojax.zero_formula_bytes`; for the compiled step's own figure, ahead of time,
+:func:`zerojax.compiled_bytes` on ``train_step.lower(state, batch).compile()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+ADDITIONAL_BUFFER_FACTOR = 1.5  # DeepSpeed's default
+
+
+def paper_bytes(num_params: float, n: int, stage: int, k: int = 12) -> float:
+    """The ZeRO paper's model-state bytes per device (mixed-precision Adam: K = 12).
+
+    Example:
+      >>> from zerojax.report.estimate import paper_bytes
+      >>> [round(paper_bytes(7.5e9, 64, s) / 1e9, 1) for s in range(4)]
+      [120.0, 31.4, 16.6, 1.9]
+    """
+    psi = float(num_params)
+    if stage == 0:
+        return (2 + 2 + k) * psi
+    if stage == 1:
+        return (2 + 2) * psi + k * psi / n
+    if stage == 2:
+        return 2 * psi + (2 + k) * psi / n
+    if stage == 3:
+        return (2 + 2 + k) * psi / n
+    raise ValueError(f"stage must be 0..3, got {stage!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepSpeedEstimate:
+    """Bytes per GPU (and per host for CPU offload) from DeepSpeed's estimator formulas."""
+
+    gpu: float
+    cpu: float | None  # host bytes (ZeRO-2 optimizer offload); None where not modelled here
+    offload: str  # "none", "optimizer", "optimizer+params"
+
+
+def deepspeed_bytes(num_params: float, n: int, stage: int, *, largest_layer: float = 0.0,
+                    offload: str = "none", gpus_per_node: int | None = None) -> DeepSpeedEstimate:
+    """DeepSpeed's estimate for ZeRO-2 or ZeRO-3 (it has none for stages 0 and 1)."""
+    psi = float(num_params)
+    if stage == 2:
+        if offload == "none":
+            return DeepSpeedEstimate(2 * psi + 18 * psi / n, 0.0, offload)
+        if offload == "optimizer":
+            total = n if gpus_per_node is None else gpus_per_node
+            return DeepSpeedEstimate(2 * psi, psi * max(4 * total, 16) * ADDITIONAL_BUFFER_FACTOR, offload)
+    elif stage == 3:
+        layer = 4 * float(largest_layer)
+        if offload == "none":
+            return DeepSpeedEstimate(layer + 18 * psi / n, 0.0, offload)
+        if offload == "optimizer":
+            return DeepSpeedEstimate(layer + 2 * psi / n, None, offload)
+        if offload == "optimizer+params":
+            return DeepSpeedEstimate(layer, None, offload)
+    else:
+        raise ValueError(f"DeepSpeed estimates ZeRO-2 and ZeRO-3 only, got stage {stage!r}.")
+    raise ValueError(f"offload must be 'none', 'optimizer' or (stage 3) 'optimizer+params', got {offload!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTShape:
+    """Sizes of a GPT (the experiments' GPT layout: untied head, learned positions)."""
+
+    vocab: int
+    seq_len: int
+    d_model: int
+    n_layers: int
+    mlp_ratio: int = 4
+
+    def block_params(self) -> int:
+        d, m = self.d_model, self.mlp_ratio
+        return 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * m * d + m * d) + (m * d * d + d)
+
+    def num_params(self) -> int:
+        d, V = self.d_model, self.vocab
+        return V * d + self.seq_len * d + self.n_layers * self.block_params() + 2 * d + d * V
+
+    def largest_layer_params(self) -> int:
+        return max(self.block_params(), self.vocab * self.d_model)
+
+
+MODELS = {
+    "gpt-tiny": GPTShape(vocab=256, seq_len=64, d_model=128, n_layers=4),
+    "gpt2-small": GPTShape(vocab=50257, seq_len=1024, d_model=768, n_layers=12),
+    "gpt2-medium": GPTShape(vocab=50257, seq_len=1024, d_model=1024, n_layers=24),
+    "gpt2-large": GPTShape(vocab=50257, seq_len=1024, d_model=1280, n_layers=36),
+    "gpt2-xl": GPTShape(vocab=50257, seq_len=1024, d_model=1600, n_layers=48),
+    "gpt-7.5b": GPTShape(vocab=50257, seq_len=2048, d_model=4096, n_layers=37),
+}
+
+
+def table(num_params: float, n: int, largest_layer: float = 0.0) -> str:
+    """The paper's table and DeepSpeed's estimates as text (what ``zerojax estimate`` prints)."""
+    gb = lambda b: f"{b / 1e9:,.1f} GB"
+    lines = [f"Model states per device, Ψ = {num_params:,.0f} parameters, N = {n} devices",
+             "", f"{'stage':>5}  {'ZeRO paper (K=12)':>18}  {'DeepSpeed estimator':>20}"]
+    for s in range(4):
+        ds = gb(deepspeed_bytes(num_params, n, s, largest_layer=largest_layer).gpu) if s >= 2 else "-"
+        lines.append(f"{s:>5}  {gb(paper_bytes(num_params, n, s)):>18}  {ds:>20}")
+    lines.append("")
+    lines.append(f"DeepSpeed ZeRO-3 uses 4 x largest layer = {gb(4 * largest_layer)}"
+                 if largest_layer else "DeepSpeed ZeRO-3 without --largest-layer counts no gathered layer.")
+    return "\n".join(lines)
