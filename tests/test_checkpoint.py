@@ -1,6 +1,5 @@
 """Sharded orbax checkpoints: resume anywhere, reshard across stage and device count, export."""
 
-import os
 import pathlib
 import subprocess
 import sys

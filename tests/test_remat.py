@@ -6,7 +6,6 @@ import numpy as np
 import optax
 import pytest
 from flax import linen as nn
-from flax import nnx
 
 import zerojax as zj
 from experiments import data, gpt

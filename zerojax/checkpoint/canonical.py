@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from zerojax.sharding.layout import LeafLayout
 from zerojax.sharding.plan import ZeroPlan
