@@ -126,6 +126,24 @@ def reference_run(loss_fn, params, tx, batches):
     return params, losses
 
 
+def zero_run(loss_fn, params, tx, batches, stage, n_devices=8):
+    """The same training with zerojax: full params after it, and the losses. The step must
+    compile once and count every call."""
+    import zerojax as zj
+
+    mesh = zj.make_mesh(jax.devices()[:n_devices])
+    cfg = zj.ZeroConfig(stage=stage)
+    state = zj.init_state(params, tx, mesh=mesh, config=cfg)
+    step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=cfg)
+    losses = []
+    for b in batches:
+        state, metrics = step(state, b)
+        losses.append(float(metrics["loss"]))
+    assert step.cache_size() == 1, "the step recompiled after the first call"
+    assert int(state.step) == len(batches)
+    return zj.gather_params(state), losses
+
+
 def abs_errors(a, b) -> np.ndarray:
     return np.concatenate([np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)).ravel()
                            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))])

@@ -29,20 +29,6 @@ MODELS = {
 STEPS = 4
 
 
-def run_zero(loss_fn, params, tx, stage, n_devices, batches):
-    mesh = zj.make_mesh(jax.devices()[:n_devices])
-    cfg = zj.ZeroConfig(stage=stage)
-    state = zj.init_state(params, tx, mesh=mesh, config=cfg)
-    step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=cfg)
-    losses = []
-    for b in batches:
-        state, metrics = step(state, b)
-        losses.append(float(metrics["loss"]))
-    assert step.cache_size() == 1, "the step recompiled after the first call"
-    assert int(state.step) == len(batches)
-    return zj.gather_params(state), losses
-
-
 def check(name, got, ref, got_losses, ref_losses):
     err = models.abs_errors(got, ref)
     if name in SGD_FAMILY:
@@ -70,7 +56,7 @@ def _case(model, opt, stage, n):
     tx = {**SGD_FAMILY, **ADAM_FAMILY}[opt]()
     batches = _batches()
     ref, ref_losses = _reference(model, opt)
-    got, losses = run_zero(loss_fn, params, tx, stage, n, batches)
+    got, losses = models.zero_run(loss_fn, params, tx, batches, stage, n)
     check(opt, got, ref, losses, ref_losses)
     # Same tree, shapes and dtypes as given.
     assert jax.tree.structure(got) == jax.tree.structure(params)

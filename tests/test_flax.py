@@ -11,7 +11,6 @@ import optax
 import pytest
 from flax import nnx
 
-import zerojax as zj
 from experiments import data, gpt
 from tests import models
 
@@ -20,14 +19,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def train_both(params, loss_fn, tx, batches, stage):
     ref, ref_losses = models.reference_run(loss_fn, params, tx, batches)
-    mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=stage)
-    state = zj.init_state(params, tx, mesh=mesh, config=cfg)
-    step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=cfg)
-    losses = []
-    for b in batches:
-        state, m = step(state, b)
-        losses.append(float(m["loss"]))
-    return zj.gather_params(state), losses, ref, ref_losses
+    got, losses = models.zero_run(loss_fn, params, tx, batches, stage)
+    return got, losses, ref, ref_losses
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
