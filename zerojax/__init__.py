@@ -5,16 +5,24 @@ from zerojax.checkpoint import export_weights, restore_checkpoint, save_checkpoi
 from zerojax.config import ZeroConfig
 from zerojax.params import gather_params
 from zerojax.report.comm import communication_report
-from zerojax.report.memory import compiled_bytes, state_bytes_per_device, zero_formula_bytes
+from zerojax.report.memory import (
+    StepMemory,
+    compiled_bytes,
+    state_bytes_per_device,
+    step_memory,
+    zero_formula_bytes,
+)
 from zerojax.sharding.mesh import make_mesh
-from zerojax.state import ZeroState, init_state
+from zerojax.state import ZeroState, abstract_state, init_state
 from zerojax.step import LossScaleError, TrainStep, make_train_step
 
 __all__ = [
     "LossScaleError",
+    "StepMemory",
     "TrainStep",
     "ZeroConfig",
     "ZeroState",
+    "abstract_state",
     "distributed",
     "export_weights",
     "remat",
@@ -28,6 +36,7 @@ __all__ = [
     "make_mesh",
     "make_train_step",
     "state_bytes_per_device",
+    "step_memory",
     "zero_formula_bytes",
 ]
 __version__ = "0.1.0"

@@ -98,6 +98,38 @@ def lower_init(params: Any, tx: optax.GradientTransformation, *, mesh: Mesh, con
     return jax.jit(build, out_shardings=out).lower(leaves)
 
 
+def abstract_state(params: Any, tx: optax.GradientTransformation, *, mesh: Mesh,
+                   config: ZeroConfig) -> ZeroState:
+    """The state ``init_state`` would build, as ``jax.ShapeDtypeStruct`` leaves with shardings.
+
+    Nothing is allocated: ``params`` may itself be abstract (``jax.eval_shape`` /
+    ``nnx.eval_shape``), so a model far larger than the machine can be planned.
+    ``train_step.lower(abstract, batch).compile()`` then gives the compiled step and its
+    ``memory_analysis()`` before any array exists (see :func:`zerojax.step_memory`).
+
+    Example:
+      >>> import jax, optax, zerojax as zj
+      >>> params = {"w": jax.ShapeDtypeStruct((4096, 4096), "float32")}
+      >>> st = zj.abstract_state(params, optax.adam(1e-3), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3))
+      >>> st.params["w"].shape, st.params["w"].sharding.shard_shape(st.params["w"].shape)
+      ((4096, 4096), (4096, 512))
+    """
+    build, leaves, plan, shardings = _init_program(params, tx, mesh=mesh, config=config)
+    p, master, opt_state = jax.eval_shape(build, leaves)
+    abstract = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+    rep = plan.replicated
+    scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+    return ZeroState(
+        step=scalar,
+        params=jax.tree.map(abstract, p, shardings.params),
+        master=None if master is None else jax.tree.map(abstract, master, shardings.master),
+        opt_state=jax.tree.map(abstract, opt_state, shardings.opt_state),
+        loss_scale=jax.tree.map(lambda x: abstract(x, rep), ls.init(config)),
+        skipped=scalar,
+        plan=plan,
+    )
+
+
 def _init_program(params, tx, *, mesh, config):
     plan = make_plan(params, mesh, config)
     if not isinstance(tx, optax.GradientTransformation):

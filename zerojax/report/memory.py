@@ -2,23 +2,40 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from zerojax.state import ZeroState
+from zerojax.config import ZeroConfig
+from zerojax.state import ZeroState, abstract_state
 
 
 def _bytes_per_device(tree: Any) -> dict[Any, int]:
+    """Bytes per device of arrays (their addressable shards) or of abstract
+    ``ShapeDtypeStruct`` leaves (from their shardings)."""
     out: dict[Any, int] = {}
     for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            if x.sharding is None:
+                raise ValueError(f"abstract leaf {x} has no sharding; build it with zj.abstract_state.")
+            itemsize = np.dtype(x.dtype).itemsize
+            for device, index in x.sharding.devices_indices_map(x.shape).items():
+                size = math.prod(len(range(*sl.indices(dim))) for sl, dim in zip(index, x.shape))
+                out[device] = out.get(device, 0) + size * itemsize
+            continue
         for shard in x.addressable_shards:
             out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
     return out
 
 
 def state_bytes_per_device(state: ZeroState) -> dict[str, int]:
-    """Bytes each device holds for the state, read from ``addressable_shards``.
+    """Bytes each device holds for the state, read from ``addressable_shards`` (or, for
+    an :func:`zerojax.abstract_state`, from the shardings of its leaves).
 
     Returns the largest per-device figure for ``params`` (with the fp32 masters where they
     are separate) and ``opt_state``, and the ``total`` of the whole state; ``replicated`` is the part of ``total`` held whole on every device (stage 3
@@ -41,7 +58,7 @@ def state_bytes_per_device(state: ZeroState) -> dict[str, int]:
     replicated = 0
     for x in jax.tree.leaves(state):
         if x.sharding.is_fully_replicated and len(x.sharding.device_set) > 1:
-            replicated += x.nbytes
+            replicated += math.prod(x.shape) * np.dtype(x.dtype).itemsize
     plan = state.plan
     if plan.stage == 3:
         pad_elems = sum(l.padding * jax.numpy.dtype(l.dtype).itemsize for l in plan.layouts)
@@ -97,3 +114,81 @@ def compiled_bytes(compiled) -> dict[str, int]:
     }
     out["total"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """Per-device bytes of one compiled train step, known before it runs.
+
+    ``state`` is the persistent train state (from its shardings, what
+    :func:`zerojax.state_bytes_per_device` reports once it exists), ``batch`` this device's
+    share of the batch; the rest is ``compiled.memory_analysis()`` (see
+    :func:`compiled_bytes`). ``total`` = argument + output − alias + temp.
+    """
+
+    state: int
+    batch: int
+    argument: int
+    output: int
+    alias: int
+    temp: int
+    host_temp: int
+
+    @property
+    def total(self) -> int:
+        return self.argument + self.output - self.alias + self.temp
+
+    def fits(self, budget_bytes: float) -> bool:
+        """Whether the step's ``total`` is at most ``budget_bytes`` per device."""
+        return self.total <= budget_bytes
+
+    def __str__(self) -> str:
+        mib = lambda b: f"{b / 2**20:,.1f} MiB"
+        return (f"per device: total {mib(self.total)} = state {mib(self.state)} + batch "
+                f"{mib(self.batch)} + temp {mib(self.temp)} (+ outputs not donated "
+                f"{mib(self.output - self.alias)}, arguments other than state and batch "
+                f"{mib(self.argument - self.state - self.batch)}); host temp {mib(self.host_temp)}")
+
+
+def step_memory(loss_fn, params: Any, tx, batch: Any, *, mesh: Mesh, config: ZeroConfig,
+                has_aux: bool = False) -> StepMemory:
+    """Compiles the train step for ``params`` and ``batch`` without running it (ahead of
+    time) and reports its per-device memory, so a user learns before a run whether it fits.
+
+    ``params`` and ``batch`` may be real arrays or ``jax.ShapeDtypeStruct`` (e.g. from
+    ``jax.eval_shape`` / ``nnx.eval_shape``): nothing is allocated, so a model that would
+    not fit on this machine can still be planned. Batch leaves without a sharding are
+    split over the data axis, as the train step splits them.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, zerojax as zj
+      >>> params = {"w": jax.ShapeDtypeStruct((2048, 2048), "float32")}
+      >>> batch = jax.ShapeDtypeStruct((64, 2048), "float32")
+      >>> loss_fn = lambda p, x: jnp.mean(jnp.tanh(x @ p["w"]))
+      >>> mem = zj.step_memory(loss_fn, params, optax.adam(1e-3), batch,
+      ...                      mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3))
+      >>> mem.state == 12 * 2048 * 2048 // 8 + 4 + 4 + 4   # 12Ψ/N plus the step counters
+      True
+      >>> mem.fits(64 * 2**20)
+      True
+    """
+    from zerojax.step import make_train_step
+
+    state = abstract_state(params, tx, mesh=mesh, config=config)
+    split = NamedSharding(state.plan.mesh, P(config.axis))
+
+    def abstract(x):
+        if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None:
+            return x
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=split)
+
+    batch = jax.tree.map(abstract, batch)
+    step = make_train_step(loss_fn, tx, mesh=mesh, config=config, has_aux=has_aux)
+    m = compiled_bytes(step.lower(state, batch).compile())
+    batch_bytes = _bytes_per_device(batch)
+    return StepMemory(
+        state=max(_bytes_per_device(state).values()),
+        batch=max(batch_bytes.values()),
+        argument=m["argument"], output=m["output"], alias=m["alias"], temp=m["temp"],
+        host_temp=m["host_temp"],
+    )
