@@ -47,6 +47,15 @@ class GPTConfig:
         block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * m * d + m * d) + (m * d * d + d)
         return V * d + T * d + L * block + 2 * d + d * V
 
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token (forward + backward, no recompute): 6 per weight of
+        every matmul (the blocks' and the head's; the embeddings are lookups) plus causal
+        attention's scores and mixing, counted in full as in the PaLM paper's MFU:
+        12 · layers · seq_len · d_model."""
+        d, L, V, T, m = self.d_model, self.n_layers, self.vocab, self.seq_len, self.mlp_ratio
+        matmul = L * (3 * d * d + d * d + 2 * m * d * d) + d * V
+        return 6 * matmul + 12 * L * T * d
+
 
 class Block(nnx.Module):
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):

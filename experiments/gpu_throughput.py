@@ -1,0 +1,122 @@
+"""Tokens per second and MFU of the experiments' GPT on one accelerator, ZeRO stages 0 and 3.
+
+Each configuration (stage × remat policy, bf16 compute on fp32 masters) is compiled, warmed
+up, then timed over ``--steps`` steps; the table gives step time, tokens/s, model FLOPs
+utilisation (``GPTConfig.flops_per_token()`` × tokens/s ÷ the chip's peak; recompute is
+not counted as useful work) and the device's peak memory where the backend reports it.
+
+    python experiments/gpu_throughput.py                       # GPT ~350M, seq 1024, on GPU 0
+    python experiments/gpu_throughput.py --json $OUT/gpu.json  # also write the rows as JSON
+
+Peak bf16 FLOP/s is looked up from the device kind (H100/H200: 989 TFLOP/s dense, A100:
+312); elsewhere pass ``--peak-tflops``. On a CPU it runs too (use a small ``--d-model``),
+which checks the script, not the hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import zerojax as zj  # noqa: E402
+from experiments import gpt  # noqa: E402
+
+PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
+
+
+def peak_flops(device, override: float | None) -> float | None:
+    if override:
+        return override * 1e12
+    for name, tflops in PEAK_BF16_TFLOPS.items():
+        if name in device.device_kind:
+            return tflops * 1e12
+    return None
+
+
+def measure(cfg: gpt.GPTConfig, stage: int, batch: int, steps: int, device) -> dict:
+    graphdef, params = gpt.init(cfg)
+    tx = optax.adamw(1e-4, b2=0.95, weight_decay=0.1)
+    mesh = zj.make_mesh([device])
+    zc = zj.ZeroConfig(stage=stage, compute_dtype="bfloat16", grad_clip=1.0)
+    state = zj.init_state(params, tx, mesh=mesh, config=zc)
+    del params
+    step = zj.make_train_step(gpt.make_loss(graphdef), tx, mesh=mesh, config=zc)
+    rng = np.random.default_rng(0)
+    tokens = jax.device_put(rng.integers(0, cfg.vocab, (batch, cfg.seq_len + 1), dtype=np.int32), device)
+    t0 = time.perf_counter()
+    state, m = step(state, {"tokens": tokens})
+    float(m["loss"])
+    compile_s = time.perf_counter() - t0
+    for _ in range(2):
+        state, m = step(state, {"tokens": tokens})
+    float(m["loss"])
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, m = step(state, {"tokens": tokens})
+        float(m["loss"])
+        times.append(time.perf_counter() - t0)
+    stats = device.memory_stats() or {}
+    del state, step
+    t = statistics.median(times)
+    return {"stage": stage, "remat": cfg.remat, "step_s": t, "tokens_per_s": batch * cfg.seq_len / t,
+            "compile_s": compile_s, "loss": float(m["loss"]),
+            "peak_bytes": stats.get("peak_bytes_in_use")}
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--d-model", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--stages", default="0,3")
+    ap.add_argument("--remat", default="none,dots_no_batch,full")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="peak bf16 TFLOP/s of the device")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    args = ap.parse_args(argv)
+    device = jax.devices()[0]
+    peak = peak_flops(device, args.peak_tflops)
+    rows = []
+    for remat in args.remat.split(","):
+        cfg = gpt.GPTConfig(vocab=args.vocab, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
+                            n_heads=args.heads, remat=remat)
+        for stage in (int(s) for s in args.stages.split(",")):
+            r = measure(cfg, stage, args.batch, args.steps, device)
+            r["model_tflops_per_s"] = cfg.flops_per_token() * r["tokens_per_s"] / 1e12
+            r["mfu"] = cfg.flops_per_token() * r["tokens_per_s"] / peak if peak else None
+            rows.append(r)
+            print(f"  stage {stage} remat {remat}: {r['tokens_per_s']:,.0f} tokens/s", file=sys.stderr, flush=True)
+    print(f"{device.device_kind} ({device.platform}), jax {jax.__version__}, "
+          f"{time.strftime('%Y-%m-%d')}; GPT {cfg.num_params() / 1e6:.0f}M parameters (d{args.d_model} "
+          f"L{args.layers}, seq {args.seq_len}, vocab {args.vocab}), batch {args.batch} x {args.seq_len} tokens, "
+          f"bf16 compute, fp32 masters, AdamW; {cfg.flops_per_token() / 1e9:.2f} GFLOP per token; peak "
+          f"{'%.1f TFLOP/s' % (peak / 1e12) if peak else 'unknown (pass --peak-tflops)'}\n")
+    print("| stage | remat | step time | tokens/s | model TFLOP/s | MFU | peak memory | compile |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+        mem = f"{r['peak_bytes'] / 2**30:.1f} GiB" if r["peak_bytes"] else "n/a"
+        print(f"| {r['stage']} | {r['remat']} | {1e3 * r['step_s']:.1f} ms | {r['tokens_per_s']:,.0f} | "
+              f"{r['model_tflops_per_s']:.1f} | {mfu} | {mem} | {r['compile_s']:.1f} s |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device.device_kind, "jax": jax.__version__, "args": vars(args), "rows": rows}, f,
+                      indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
