@@ -23,6 +23,12 @@ def test_readme_python_blocks_run(capsys):
     assert int(namespace["state"].step) == 3
     assert np.isfinite(float(namespace["metrics"]["loss"]))
     assert namespace["m"]["aux"]["mae"].shape == ()
+    # The ahead-of-time figure is the compiled step's own, to the byte.
+    import zerojax as zj
+
+    compiled = namespace["train_step"].lower(namespace["state"], namespace["batch"]).compile()
+    assert namespace["mem"].total == zj.compiled_bytes(compiled)["total"]
+    assert namespace["mem"].state == zj.state_bytes_per_device(namespace["state"])["total"]
 
 
 def test_readme_commands_match_ci():
