@@ -123,8 +123,8 @@ def chart(rows: list[dict], path: str, paper_params: float = 7.5e9, paper_n: int
         ob = [r["opt_bytes"] / MIB for r in rs]
         tb = [r["temp"] / MIB for r in rs]
         x = range(len(rs))
-        ax.bar(x, pb, color=colors["params"], label="parameters (+ fp32 masters)")
-        ax.bar(x, ob, bottom=pb, color=colors["opt"], label="optimizer state")
+        ax.bar(x, pb, color=colors["params"], label="parameters")
+        ax.bar(x, ob, bottom=pb, color=colors["opt"], label="optimizer states")
         ax.bar(x, tb, bottom=[a + b for a, b in zip(pb, ob)], color=colors["temp"], hatch="//",
                edgecolor="0.6", label="compiled temp (grads, activations)")
         ax.scatter(x, [r["formula"] / MIB for r in rs], marker="_", s=400, color="black", zorder=3,

@@ -137,3 +137,20 @@ def test_scaling_stage3_trains_a_larger_model_within_the_budget():
     assert layers[3] > layers[1] >= layers[0] and layers[3] >= 2 * layers[0], layers
     ratios = [line for line in lines if line.startswith("| 0 |") and "ms" in line]
     assert ratios and ratios[0].rstrip(" |").endswith("1.00")
+
+
+def test_fits_compiles_for_a_larger_mesh_than_the_tests_use():
+    """16 simulated devices in a fresh process: the compiled state is the formula's, and the
+    budget answer follows the compiled total."""
+    out = run_script("fits.py", "--model", "gpt-tiny", "--devices", "16", "--stages", "0,3", "--precision", "fp32",
+                     "--budget-gib", "0.01")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "N = 16 cpu devices" in out.stdout
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.stdout.splitlines()
+            if line.startswith("| 0 ") or line.startswith("| 3 ")]
+    assert len(rows) == 2
+    mib = lambda cell: float(cell.split()[0].replace(",", "")) * (1024 if cell.endswith("GiB") else 1)
+    for _, _, formula, state, _, total, fits in rows:
+        assert mib(state) == pytest.approx(mib(formula), rel=0.02)
+        assert fits == ("yes" if mib(total) <= 0.01 * 1024 else "no")
+    assert [r[-1] for r in rows] == ["no", "yes"]
