@@ -30,11 +30,17 @@ def test_deepspeed_zero3_largest_layer():
         estimate.deepspeed_bytes(1e9, 16, 1)
 
 
-def test_model_shapes_count_like_the_experiments_gpt():
-    s = estimate.MODELS["gpt-tiny"]
-    cfg = gpt.GPTConfig(vocab=s.vocab, seq_len=s.seq_len, d_model=s.d_model, n_layers=s.n_layers)
+@pytest.mark.parametrize("vocab,d_model", [(256, 128), (1000, 32), (64, 64)])
+def test_model_shapes_count_like_the_experiments_gpt(vocab, d_model):
+    """The closed-form shapes agree with the real model's parameter tree, counted module by
+    module as DeepSpeed's model_to_params does (embedding/head vs the MLP's first linear)."""
+    s = estimate.GPTShape(vocab=vocab, seq_len=64, d_model=d_model, n_layers=3)
+    cfg = gpt.GPTConfig(vocab=s.vocab, seq_len=s.seq_len, d_model=s.d_model, n_layers=s.n_layers, n_heads=1)
+    _, params = gpt.init(cfg)
+    assert estimate.from_params(params, stacked=["blocks"]) == (s.num_params(), s.largest_layer_params())
     assert s.num_params() == cfg.num_params()
-    assert s.largest_layer_params() == max(s.block_params(), s.vocab * s.d_model)
+    # Without the layer axis declared, a stacked module counts all its layers.
+    assert estimate.from_params(params)[1] >= 3 * (4 * d_model * d_model + 4 * d_model)
 
 
 def test_cli_prints_the_paper_table():

@@ -17,6 +17,10 @@ For the persistent bytes of a zerojax state (gradients are transient in JAX) see
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
 
 ADDITIONAL_BUFFER_FACTOR = 1.5  # DeepSpeed's default
 
@@ -92,7 +96,51 @@ class GPTShape:
         return V * d + self.seq_len * d + self.n_layers * self.block_params() + 2 * d + d * V
 
     def largest_layer_params(self) -> int:
-        return max(self.block_params(), self.vocab * self.d_model)
+        """The largest module's own parameters, as DeepSpeed counts a layer: the embedding
+        or head (vocab × d_model) or the MLP's first linear (d_model × 4·d_model + bias)."""
+        d, m = self.d_model, self.mlp_ratio
+        return max(self.vocab * d, self.seq_len * d, m * d * d + m * d)
+
+
+def from_params(params: Any, *, stacked: Sequence[str] = ()) -> tuple[int, int]:
+    """``(Ψ, largest layer)`` of a parameter tree, counted as DeepSpeed's ``model_to_params``
+    counts a torch model: a layer is one module's own parameters, i.e. the leaves that share
+    a parent path. Leaves may be arrays or ``jax.ShapeDtypeStruct``.
+
+    ``stacked`` names path entries under which every leaf carries a leading layer axis
+    (layers created with ``nnx.vmap`` / ``nn.scan``); such a module counts one layer's slice.
+
+    Example:
+      >>> import jax
+      >>> from zerojax.report.estimate import from_params
+      >>> tree = {"embed": {"embedding": jax.ShapeDtypeStruct((1000, 64), "float32")},
+      ...         "blocks": {"mlp": {"kernel": jax.ShapeDtypeStruct((12, 64, 256), "float32"),
+      ...                            "bias": jax.ShapeDtypeStruct((12, 256), "float32")}}}
+      >>> from_params(tree, stacked=["blocks"])
+      (263680, 64000)
+    """
+    layers: dict[tuple[str, ...], int] = defaultdict(int)
+    total = 0
+    for path, leaf in _flatten_with_path(params):
+        shape = tuple(getattr(leaf, "shape", ()))
+        size = math.prod(shape)
+        total += size
+        keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+        if len(keys) > 1 and keys[-1] == "value":  # nnx.Param's own attribute
+            keys = keys[:-1]
+        module = tuple(keys[:-1])
+        if any(k in stacked for k in module) and shape:
+            size //= shape[0]
+        layers[module] += size
+    if not layers:
+        raise ValueError("params has no leaves; pass the model's parameter tree.")
+    return total, max(layers.values())
+
+
+def _flatten_with_path(params: Any):
+    import jax
+
+    return jax.tree_util.tree_flatten_with_path(params)[0]
 
 
 MODELS = {
