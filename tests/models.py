@@ -159,6 +159,23 @@ def deep_params(layers: int, d: int, stacked: bool, seed: int = 0):
     return [{"w": w, "b": b} for w, b in zip(ws, bs)]
 
 
+def indexed_loss(p, b):
+    """``stacked_params`` run by taking each layer by index in a Python loop (no scan)."""
+    x = b["x"] * p["skip"]
+    h = jnp.tanh(x @ p["inp"]["w"] + p["inp"]["b"])
+    for i in range(p["layers"]["w"].shape[0]):
+        h = h + jnp.tanh(h @ p["layers"]["w"][i] + p["layers"]["b"][i])
+    pred = (h @ p["out"]["w"] + p["out"]["b"]) * p["temp"]
+    return jnp.mean((pred - b["y"]) ** 2)
+
+
+def deep_indexed_loss(p, x):
+    """``deep_params(stacked=True)`` taken layer by layer by index."""
+    for i in range(p["w"].shape[0]):
+        x = jnp.tanh(x @ p["w"][i] + p["b"][i])
+    return jnp.mean(x ** 2)
+
+
 def deep_loss(p, x):
     if isinstance(p, dict):
         x, _ = jax.lax.scan(lambda h, l: (jnp.tanh(h @ l["w"] + l["b"]), None), x, p)

@@ -79,6 +79,22 @@ def test_stage3_gathers_inside_the_layer_loop():
     assert sum(col.count for col in rs if col.bytes == layer) == LAYERS
 
 
+def test_layers_taken_by_index_move_one_layer_at_a_time():
+    """``w[i]`` in a Python loop over a stacked leaf: stage 2 reduce-scatters each layer's
+    gradient once (not the whole stack once per layer), stage 3 gathers one layer at a time."""
+    params = models.deep_params(LAYERS, D, stacked=True)
+    layer, full = D * D * 4, nbytes(params)
+    collectives = zj.report.comm.collectives
+    c2 = compile_step(params, models.deep_indexed_loss, 2, x_for(D))
+    rs = [c for c in collectives(c2.as_text()) if c.kind == "reduce-scatter" and c.bytes >= layer]
+    assert {c.bytes for c in rs} == {layer} and sum(c.count for c in rs) == LAYERS
+    c3 = compile_step(params, models.deep_indexed_loss, 3, x_for(D))
+    ag = [c for c in collectives(c3.as_text()) if c.kind == "all-gather" and c.bytes >= layer]
+    assert {c.bytes for c in ag} == {layer}
+    assert LAYERS <= sum(c.count for c in ag) <= 2 * LAYERS
+    assert zj.compiled_bytes(c3)["temp"] < 4 * full / LAYERS + 2 * full / N
+
+
 def test_stage3_peak_far_below_full_params(deep):
     kind, params, compiled = deep
     full = nbytes(params)

@@ -26,6 +26,8 @@ MODELS = {
     "unrolled": (models.mlp_params, models.mlp_loss),
     "scan": (models.stacked_params, models.stacked_loss),
 }
+# Stacked layers taken one by one by index in a Python loop (no scan).
+ALL_MODELS = {**MODELS, "indexed": (models.stacked_params, models.indexed_loss)}
 STEPS = 4
 
 
@@ -41,7 +43,7 @@ def check(name, got, ref, got_losses, ref_losses):
 
 @functools.lru_cache(maxsize=None)
 def _reference(model, opt):
-    make_params, loss_fn = MODELS[model]
+    make_params, loss_fn = ALL_MODELS[model]
     tx = {**SGD_FAMILY, **ADAM_FAMILY}[opt]()
     return models.reference_run(loss_fn, make_params(), tx, _batches())
 
@@ -51,7 +53,7 @@ def _batches():
 
 
 def _case(model, opt, stage, n):
-    make_params, loss_fn = MODELS[model]
+    make_params, loss_fn = ALL_MODELS[model]
     params = make_params()
     tx = {**SGD_FAMILY, **ADAM_FAMILY}[opt]()
     batches = _batches()
@@ -71,6 +73,12 @@ def _case(model, opt, stage, n):
 @pytest.mark.parametrize("model", list(MODELS))
 def test_eight_devices_match_optax(model, opt, stage):
     _case(model, opt, stage, 8)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("opt", ["clip_sgd", "clip_adamw"])
+def test_layers_taken_by_index_match_optax(opt, stage):
+    _case("indexed", opt, stage, 8)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -12,7 +12,8 @@ consumes it:
 
 * shape-only equations (reshape, transpose, dtype casts, ...) stay pending;
 * ``scan`` over a stacked parameter (``nnx.scan``, ``nn.scan``, ``lax.scan``) slices the
-  *storage* per iteration, so each iteration materialises one layer;
+  *storage* per iteration, so each iteration materialises one layer; so does taking one
+  layer of a stack by index (``w[i]`` in a Python loop);
 * with a ``Context(scan_remat=...)``, every scan body (one layer of a stack) becomes a
   remat region with that policy;
 * nested ``jit`` calls are evaluated inline and ``checkpoint`` (remat) regions are
@@ -151,6 +152,8 @@ class Context:
 
     scan_remat: Any = None  # zerojax.remat.Remat or None
     in_remat: bool = False  # inside a remat region: backward recomputes, gathers included
+    # Stacked storage split into its layers, once per evaluation (see ``_row``).
+    rows: dict | None = dataclasses.field(default=None, compare=False)
 
 
 _PLAIN = Context()
@@ -169,6 +172,8 @@ def _eqn_with_pending(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> l
         return eval_jaxpr(closed, (), invals, ctx)
     if name == "scan":
         return _scan(eqn, invals, ctx)
+    if name == "slice" and len(invals) == 1 and _is_row(eqn, invals[0]):
+        return [_row(invals[0], eqn.params["start_indices"][0], ctx)]
     if name in ("checkpoint", "remat", "remat2"):
         return _checkpoint(eqn, invals, ctx)
 
@@ -181,6 +186,37 @@ def _eqn_with_pending(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> l
         # layer's backward anyway; a second re-gather would only add traffic.
         return _bind(eqn, _materialize_all(_tied_to_inputs(invals)))
     return _regathered(eqn, invals)
+
+
+def _is_row(eqn: jcore.JaxprEqn, v: Pending) -> bool:
+    """Whether ``eqn`` takes one whole layer of a stacked parameter (``w[i]`` in a Python
+    loop over layers: ``slice`` of one row along the layer axis, everything else whole)."""
+    if not v.sliceable or eqn.params.get("strides") not in (None, (1,) * len(v.layout.shape)):
+        return False
+    start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+    return (limit[0] - start[0] == 1 and all(s == 0 for s in start[1:])
+            and tuple(limit[1:]) == v.layout.shape[1:])
+
+
+def _row(v: Pending, i: int, ctx: Context) -> Pending:
+    """Row ``i`` of a stacked pending parameter, still pending, shaped ``(1, *inner)`` like
+    the ``slice`` it replaces: only that layer is gathered (stage 3) and only its gradient
+    is reduce-scattered (stage 2), not the whole stack once per layer.
+
+    The storage is split into all its layers once (``lax.split``, whose transpose is one
+    concatenation): slicing each layer on its own would give every layer's gradient a
+    zero-padded copy of the whole stack's shard in backward."""
+    key = tuple(id(a) for a in v.arrays)
+    cache = ctx.rows if ctx.rows is not None else {}
+    if key not in cache:
+        split = [[jnp.squeeze(r, 0) for r in jax.lax.split(a, [1] * a.shape[0], axis=0)] for a in v.arrays]
+        cache[key] = (v.arrays, split)  # the arrays are kept so their ids stay unique
+    split = cache[key][1]
+    row = v.rebuild([rows[i] for rows in split], sliced=True)
+    inner = jax.ShapeDtypeStruct(v.layout.shape[1:], v.layout.dtype)
+    for e in jax.make_jaxpr(lambda x: jnp.expand_dims(x, 0))(inner).jaxpr.eqns:
+        row = row.then(e.primitive, dict(e.params))
+    return row
 
 
 def _first_float(vals: Sequence[Any]) -> jax.Array | None:
@@ -330,4 +366,5 @@ def call_per_use(closed: jcore.ClosedJaxpr, params: Sequence[Any], args: Sequenc
                  ctx: Context = _PLAIN) -> list[Any]:
     """Evaluates ``closed`` (traced with full parameters first, then ``args``) with the
     parameters given as pending values (or plain arrays)."""
+    ctx = dataclasses.replace(ctx, rows={})
     return eval_jaxpr(closed.jaxpr, closed.consts, [*params, *args], ctx)
