@@ -28,6 +28,7 @@ import optax  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
 from experiments import data, gpt  # noqa: E402
+from experiments.progress import bar  # noqa: E402
 from zerojax.report.comm import _DTYPE_BYTES, collectives  # noqa: E402
 
 PAPER = {0: 2.0, 1: 2.0, 2: 2.0, 3: 3.0}
@@ -102,10 +103,14 @@ def main(argv=None) -> list[dict]:
     print(f"GPT d{cfg.d_model} L{cfg.n_layers}: Ψ = {psi:,} parameters, N = {mesh.devices.size} "
           f"{jax.devices()[0].platform} devices, AdamW, jax {jax.__version__}\n")
     rows = []
-    for dtype in args.dtypes.split(","):
+    dtypes = args.dtypes.split(",")
+    progress = bar(4 * len(dtypes), "comm")
+    for dtype in dtypes:
         for stage in range(4):
+            progress.set_postfix_str(f"stage {stage} {dtype}")
             rows.append(measure(cfg, stage, dtype, args.batch, mesh))
-            print(f"  compiled stage {stage} {dtype}", file=sys.stderr, flush=True)
+            progress.update(1)
+    progress.close()
     print(table(rows))
     print()
     for s in range(4):

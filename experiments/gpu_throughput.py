@@ -29,6 +29,7 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
 from experiments import gpt  # noqa: E402
+from experiments.progress import bar  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
 
@@ -90,15 +91,19 @@ def main(argv=None) -> list[dict]:
     device = jax.devices()[0]
     peak = peak_flops(device, args.peak_tflops)
     rows = []
-    for remat in args.remat.split(","):
+    remats, stages = args.remat.split(","), [int(s) for s in args.stages.split(",")]
+    progress = bar(len(remats) * len(stages), "gpu_throughput")
+    for remat in remats:
         cfg = gpt.GPTConfig(vocab=args.vocab, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
                             n_heads=args.heads, remat=remat)
-        for stage in (int(s) for s in args.stages.split(",")):
+        for stage in stages:
+            progress.set_postfix_str(f"stage {stage} remat {remat}")
             r = measure(cfg, stage, args.batch, args.steps, device)
             r["model_tflops_per_s"] = cfg.flops_per_token() * r["tokens_per_s"] / 1e12
             r["mfu"] = cfg.flops_per_token() * r["tokens_per_s"] / peak if peak else None
             rows.append(r)
-            print(f"  stage {stage} remat {remat}: {r['tokens_per_s']:,.0f} tokens/s", file=sys.stderr, flush=True)
+            progress.update(1)
+    progress.close()
     print(f"{device.device_kind} ({device.platform}), jax {jax.__version__}, "
           f"{time.strftime('%Y-%m-%d')}; GPT {cfg.num_params() / 1e6:.0f}M parameters (d{args.d_model} "
           f"L{args.layers}, seq {args.seq_len}, vocab {args.vocab}), batch {args.batch} x {args.seq_len} tokens, "

@@ -27,6 +27,7 @@ import optax  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
 from experiments import data, gpt  # noqa: E402
+from experiments.progress import bar  # noqa: E402
 from zerojax.report import estimate  # noqa: E402
 
 FORMULA = {
@@ -156,12 +157,16 @@ def main(argv=None) -> list[dict]:
     print(f"{mesh.devices.size} {jax.devices()[0].platform} devices, AdamW (fp32 masters, m, v), "
           f"compute {args.compute_dtype}, batch {args.batch} x {args.seq_len}, jax {jax.__version__}\n")
     rows = []
-    for d, layers in parse_sizes(args.sizes):
+    sizes = parse_sizes(args.sizes)
+    progress = bar(4 * len(sizes), "memory_table")
+    for d, layers in sizes:
         cfg = gpt.GPTConfig(vocab=args.vocab, seq_len=args.seq_len, d_model=d, n_layers=layers,
                             n_heads=max(1, d // 64))
         for stage in range(4):
+            progress.set_postfix_str(f"d{d} L{layers} stage {stage}")
             rows.append(measure(cfg, stage, args.compute_dtype, args.batch, mesh))
-            print(f"  measured d{d} L{layers} stage {stage}", file=sys.stderr, flush=True)
+            progress.update(1)
+    progress.close()
     print(table(rows))
     worst = max(r["error"] for r in rows)
     print(f"\nlargest difference from the formula: {100 * worst:.3f}% (limit {100 * TOLERANCE:.0f}%)")

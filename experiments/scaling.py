@@ -32,6 +32,7 @@ from flax import nnx  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
 from experiments import data, gpt  # noqa: E402
+from experiments.progress import bar  # noqa: E402
 
 MIB = 2**20
 
@@ -143,15 +144,17 @@ def main(argv=None) -> dict:
           f"{args.remat}, jax {jax.__version__}\n")
     results = {}
     start = 1
+    progress = bar(5, "scaling")
     for stage in range(4):
+        progress.set_postfix_str(f"stage {stage}: searching")
         layers, tried = largest(setup, stage, budget, args.max_layers, start)
         start = max(layers, 1)
         if layers == 0:
             raise SystemExit(f"stage {stage}: even one layer needs {tried[1] / MIB:.1f} MiB per device; "
                              "raise --budget-mib or lower --d-model/--batch")
-        print(f"  stage {stage}: {layers} layers fit ({len(tried)} compiles); training it", file=sys.stderr,
-              flush=True)
+        progress.set_postfix_str(f"stage {stage}: {layers} layers fit ({len(tried)} compiles); training it")
         real = train_for_real(setup, stage, layers, args.steps)
+        progress.update(1)
         results[stage] = {"layers": layers, "params": setup.cfg(layers).num_params(),
                           "total": tried[layers], "next": tried.get(layers + 1), **real}
     base = results[0]["params"]
@@ -165,7 +168,10 @@ def main(argv=None) -> dict:
               f"{r['total'] / MIB:.1f} MiB | {nxt} | {r['state_arrays'] / MIB:.1f} MiB | {losses} |")
 
     layers0 = results[0]["layers"]
+    progress.set_postfix_str("timing every stage on the stage-0 model")
     times = time_stages(setup, layers0, args.time_steps)
+    progress.update(1)
+    progress.close()
     print(f"\nStep time on the stage-0 model ({layers0} layers, {results[0]['params'] / 1e6:.2f}M parameters), "
           f"median of {args.time_steps} steps, stages interleaved:\n")
     print("| stage | step time | ratio to stage 0 |")
