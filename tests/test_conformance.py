@@ -76,7 +76,7 @@ def test_eight_devices_match_optax(model, opt, stage):
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("opt", ["clip_sgd", "clip_adamw"])
+@pytest.mark.parametrize("opt", ["clip_sgd", pytest.param("clip_adamw", marks=pytest.mark.slow)])
 def test_layers_taken_by_index_match_optax(opt, stage):
     _case("indexed", opt, stage, 8)
 

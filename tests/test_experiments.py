@@ -104,6 +104,7 @@ def test_train_script_refuses_a_batch_that_does_not_divide():
     assert out.returncode == 2 and "--batch 30 must be a multiple of --devices x --accum = 8" in out.stderr
 
 
+@pytest.mark.slow
 def test_gpu_throughput_script_runs_on_cpu(tmp_path):
     out_json = tmp_path / "tp.json"
     out = run_script("gpu_throughput.py", "--d-model", "64", "--layers", "2", "--heads", "1", "--seq-len", "32",
