@@ -16,6 +16,7 @@ times are reported as ratios to stage 0, measured in the same run, stages interl
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -135,6 +136,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-layers", type=int, default=512)
     ap.add_argument("--steps", type=int, default=3, help="real steps of each stage's largest model")
     ap.add_argument("--time-steps", type=int, default=6, help="timed steps per stage on the stage-0 model")
+    ap.add_argument("--json", default=None, help="also write the results (exact bytes) here")
     args = ap.parse_args(argv)
     setup = Setup(args)
     budget = args.budget_mib * MIB
@@ -178,7 +180,11 @@ def main(argv=None) -> dict:
     print("|---|---|---|")
     for s, t in times.items():
         print(f"| {s} | {1e3 * t:.0f} ms | {t / times[0]:.2f} |")
-    return {"largest": results, "times": times}
+    out = {"budget_bytes": budget, "largest": results, "times": times}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
 
 
 if __name__ == "__main__":
