@@ -39,11 +39,8 @@ WHAT = {0: "all-reduce of gradients", 1: "reduce-scatter of gradients + all-gath
 
 def measure(cfg: gpt.GPTConfig, stage: int, compute_dtype: str, batch_size: int, mesh) -> dict:
     """Collectives of one compiled step: elements and bytes per device, and the dtypes asked for."""
-    graphdef, params = gpt.init(cfg)
-    tx = optax.adamw(1e-3)
     zc = zj.ZeroConfig(stage=stage, compute_dtype=compute_dtype)
-    state = zj.init_state(params, tx, mesh=mesh, config=zc)
-    step = zj.make_train_step(gpt.make_loss(graphdef), tx, mesh=mesh, config=zc)
+    state, step = gpt.zero_setup(cfg, optax.adamw(1e-3), mesh=mesh, config=zc)
     batch = next(data.batches(data.stdlib_bytes(1 << 20), batch_size, cfg.seq_len))
     lowered = step.lower(state, batch)
     report = zj.communication_report(lowered.compile())

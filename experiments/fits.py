@@ -56,7 +56,6 @@ def main(argv=None) -> list[dict]:
 
     jax.config.update("jax_num_cpu_devices", args.devices)
     import optax
-    from flax import nnx
 
     import zerojax as zj
     from experiments import gpt
@@ -70,7 +69,7 @@ def main(argv=None) -> list[dict]:
     seq_len = args.seq_len or shape.seq_len
     cfg = gpt.GPTConfig(vocab=shape.vocab, seq_len=seq_len, d_model=shape.d_model, n_layers=shape.n_layers,
                         n_heads=max(1, shape.d_model // 64), mlp_ratio=shape.mlp_ratio, remat=args.remat)
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: gpt.GPT(cfg, nnx.Rngs(0))), nnx.Param)
+    graphdef, params = gpt.init_abstract(cfg)
     psi = cfg.num_params()
     dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.precision]
     tokens = jax.ShapeDtypeStruct((args.batch, seq_len + 1), "int32")

@@ -117,6 +117,19 @@ def init(cfg: GPTConfig, seed: int = 0):
     return nnx.split(GPT(cfg, nnx.Rngs(seed)), nnx.Param)
 
 
+def init_abstract(cfg: GPTConfig):
+    """``(graphdef, params)`` with ``jax.ShapeDtypeStruct`` leaves: nothing is allocated, for
+    planning with ``zj.step_memory`` models larger than the machine."""
+    return nnx.split(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0))), nnx.Param)
+
+
+def zero_setup(cfg: GPTConfig, tx: optax.GradientTransformation, *, mesh, config: zj.ZeroConfig, seed: int = 0):
+    """``(state, train_step)`` of a fresh model under ``config``: what every experiment builds."""
+    graphdef, params = init(cfg, seed)
+    state = zj.init_state(params, tx, mesh=mesh, config=config)
+    return state, zj.make_train_step(make_loss(graphdef), tx, mesh=mesh, config=config)
+
+
 def make_loss(graphdef):
     """Next-token cross-entropy: ``loss_fn(params, {"tokens": int32[B, T + 1]})``."""
 

@@ -52,11 +52,8 @@ def parse_sizes(text: str) -> list[tuple[int, int]]:
 
 def measure(cfg: gpt.GPTConfig, stage: int, compute_dtype: str, batch_size: int, mesh) -> dict:
     """One row: a real state and its compiled step for ``cfg`` at ``stage``."""
-    graphdef, params = gpt.init(cfg)
-    tx = optax.adamw(1e-3)
     zc = zj.ZeroConfig(stage=stage, compute_dtype=compute_dtype)
-    state = zj.init_state(params, tx, mesh=mesh, config=zc)
-    step = zj.make_train_step(gpt.make_loss(graphdef), tx, mesh=mesh, config=zc)
+    state, step = gpt.zero_setup(cfg, optax.adamw(1e-3), mesh=mesh, config=zc)
     batch = next(data.batches(data.stdlib_bytes(1 << 20), batch_size, cfg.seq_len))
     mem = zj.compiled_bytes(step.lower(state, batch).compile())
     arrays = zj.state_bytes_per_device(state)

@@ -28,7 +28,6 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
@@ -58,16 +57,12 @@ class Setup:
 
     def memory(self, stage: int, layers: int) -> zj.StepMemory:
         cfg = self.cfg(layers)
-        graphdef, params = nnx.split(nnx.eval_shape(lambda: gpt.GPT(cfg, nnx.Rngs(0))), nnx.Param)
+        graphdef, params = gpt.init_abstract(cfg)
         return zj.step_memory(gpt.make_loss(graphdef), params, self.tx, {"tokens": self.tokens},
                               mesh=self.mesh, config=self.zero(stage))
 
     def build(self, stage: int, layers: int):
-        cfg = self.cfg(layers)
-        graphdef, params = gpt.init(cfg)
-        state = zj.init_state(params, self.tx, mesh=self.mesh, config=self.zero(stage))
-        step = zj.make_train_step(gpt.make_loss(graphdef), self.tx, mesh=self.mesh, config=self.zero(stage))
-        return state, step
+        return gpt.zero_setup(self.cfg(layers), self.tx, mesh=self.mesh, config=self.zero(stage))
 
 
 def largest(setup: Setup, stage: int, budget: float, max_layers: int, start: int = 1) -> tuple[int, dict[int, int]]:

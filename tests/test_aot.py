@@ -3,15 +3,9 @@
 import jax
 import optax
 import pytest
-from flax import nnx
 
 import zerojax as zj
 from experiments import data, gpt
-
-
-def _abstract_gpt(cfg):
-    model = nnx.eval_shape(lambda: gpt.GPT(cfg, nnx.Rngs(0)))
-    return nnx.split(model, nnx.Param)
 
 
 @pytest.mark.parametrize("stage,dtype", [
@@ -27,7 +21,7 @@ def test_abstract_step_memory_equals_the_real_one(stage, dtype):
     zc = zj.ZeroConfig(stage=stage, compute_dtype=dtype)
     batch = next(data.batches(data.stdlib_bytes(1 << 16), 16, cfg.seq_len))
 
-    _, abstract_params = _abstract_gpt(cfg)
+    _, abstract_params = gpt.init_abstract(cfg)
     tokens = jax.ShapeDtypeStruct(batch["tokens"].shape, batch["tokens"].dtype)
     mem = zj.step_memory(loss_fn, abstract_params, tx, {"tokens": tokens}, mesh=mesh, config=zc)
 
@@ -48,7 +42,7 @@ def test_plans_a_model_larger_than_this_machine():
     cfg = gpt.GPTConfig(vocab=50304, seq_len=256, d_model=3072, n_layers=36, n_heads=24)
     psi = cfg.num_params()
     assert psi > 4e9
-    graphdef, abstract_params = _abstract_gpt(cfg)
+    graphdef, abstract_params = gpt.init_abstract(cfg)
     tokens = jax.ShapeDtypeStruct((8, cfg.seq_len + 1), "int32")
     mem = zj.step_memory(gpt.make_loss(graphdef), abstract_params, optax.adamw(1e-4), {"tokens": tokens},
                          mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3, compute_dtype="bfloat16"))

@@ -91,3 +91,8 @@ def test_state_and_step_must_agree(setup):
 def test_not_an_optimizer():
     with pytest.raises(TypeError, match="optax.GradientTransformation"):
         zj.init_state(models.mlp_params(), optax.sgd, mesh=zj.make_mesh(), config=zj.ZeroConfig())
+
+
+def test_formula_refuses_an_unknown_compute_dtype():
+    with pytest.raises(ValueError, match="compute_dtype must be 'float32', 'bfloat16' or 'float16', got 'fp16'"):
+        zj.zero_formula_bytes(1e9, 8, 1, compute_dtype="fp16")

@@ -86,6 +86,8 @@ def zero_formula_bytes(num_params: int, n: int, stage: int, *, compute_dtype: st
       >>> zj.zero_formula_bytes(7.5e9, 64, 1) / 1e9
       30.9375
     """
+    if compute_dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"compute_dtype must be 'float32', 'bfloat16' or 'float16', got {compute_dtype!r}.")
     psi, master = float(num_params), 4
     if stage == 0:
         return (master + opt_bytes) * psi
