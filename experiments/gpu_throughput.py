@@ -8,6 +8,11 @@ not counted as useful work) and the device's peak memory where the backend repor
     python experiments/gpu_throughput.py                       # GPT ~350M, seq 1024, on GPU 0
     python experiments/gpu_throughput.py --json $OUT/gpu.json  # also write the rows as JSON
 
+After the throughput table it prints the remat policies' memory table with the offload
+policies (``experiments/remat_table.py --policies none,names,offload_names,dots_no_batch,
+offload_dots --check-offload``): host bytes and device bytes of each, and whether each
+offload policy really moved its values to host memory (``--no-remat-table`` skips it).
+
 Peak bf16 FLOP/s is looked up from the device kind (H100/H200: 989 TFLOP/s dense, A100:
 312); elsewhere pass ``--peak-tflops``. On a CPU it runs too (use a small ``--d-model``),
 which checks the script, not the hardware.
@@ -28,8 +33,10 @@ import optax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import gpt  # noqa: E402
+from experiments import gpt, remat_table  # noqa: E402
 from experiments.progress import bar  # noqa: E402
+
+OFFLOAD_POLICIES = "none,names,offload_names,dots_no_batch,offload_dots"
 
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
 
@@ -87,6 +94,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--remat", default="none,dots_no_batch,full")
     ap.add_argument("--peak-tflops", type=float, default=None, help="peak bf16 TFLOP/s of the device")
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--no-remat-table", action="store_true", help="skip the remat/offload memory table")
     args = ap.parse_args(argv)
     device = jax.devices()[0]
     peak = peak_flops(device, args.peak_tflops)
@@ -116,10 +124,18 @@ def main(argv=None) -> list[dict]:
         mem = f"{r['peak_bytes'] / 2**30:.1f} GiB" if r["peak_bytes"] else "n/a"
         print(f"| {r['stage']} | {r['remat']} | {1e3 * r['step_s']:.1f} ms | {r['tokens_per_s']:,.0f} | "
               f"{r['model_tflops_per_s']:.1f} | {mfu} | {mem} | {r['compile_s']:.1f} s |")
+    offload = None
+    if not args.no_remat_table:
+        print("\nRemat policies, ZeRO-3 (device and host bytes from memory_analysis):\n")
+        table = remat_table.main(["--policies", OFFLOAD_POLICIES])
+        failures = remat_table.offload_failures(table)
+        for line in failures or ["every offload policy moved its values to host memory"]:
+            print(f"offload check: {line}")
+        offload = {"rows": table, "failures": failures}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": device.device_kind, "jax": jax.__version__, "args": vars(args), "rows": rows}, f,
-                      indent=1)
+            json.dump({"device": device.device_kind, "jax": jax.__version__, "args": vars(args), "rows": rows,
+                       "remat_offload": offload}, f, indent=1)
     return rows
 
 

@@ -9,6 +9,11 @@ the recomputation with the forward pass and remat has no effect.) Prints a markd
 
 ``--how config`` applies the policy through ``ZeroConfig(remat=...)`` (every layer loop,
 no model change); ``--how model`` builds the blocks with ``zj.remat.nnx_module``.
+
+``--check-offload`` (for a GPU: XLA's CPU backend lowers moves to host memory as no-ops)
+exits with status 1 unless each offload policy measured puts bytes in host memory and
+keeps less on the device than the policy that keeps the same values there
+(``offload_names`` against ``names``, ``offload_dots`` against ``dots_no_batch``).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ POLICIES = {
     "offload_dots": zj.remat.Remat("offload_dots"),
 }
 MIB = 2**20
+# Each offload policy and the policy that keeps the same values on the device.
+OFFLOAD_PAIRS = {"offload_names": "names", "offload_dots": "dots_no_batch"}
 
 
 def measure(policy: zj.remat.Remat, stage: int, batch: int, how: str, layers: int, d_model: int) -> dict:
@@ -64,6 +71,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--how", choices=["config", "model"], default="config")
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--check-offload", action="store_true",
+                    help="exit 1 unless offload policies use host memory and save device memory (GPU)")
     args = ap.parse_args(argv)
     chosen = [p for p in POLICIES if p in args.policies.split(",")]
     rows = {name: measure(POLICIES[name], args.stage, args.batch, args.how, args.layers, args.d_model)
@@ -78,7 +87,29 @@ def main(argv=None) -> dict:
     for name, r in rows.items():
         print(f"| {name} | {r['temp'] / MIB:.2f} MiB | {base['temp'] / r['temp']:.2f}x less | "
               f"{r['host_temp'] / MIB:.2f} MiB | {r['flops'] / 1e9:.3f} G | {r['flops'] / base['flops']:.2f}x |")
+    if args.check_offload:
+        failures = offload_failures(rows)
+        for line in failures:
+            print(f"offload check: {line}")
+        if failures:
+            raise SystemExit(1)
+        print("offload check: every offload policy moved its values to host memory")
     return rows
+
+
+def offload_failures(rows: dict) -> list[str]:
+    """What the offload policies measured in ``rows`` fail to show (empty: all shown)."""
+    out = []
+    pairs = [(o, k) for o, k in OFFLOAD_PAIRS.items() if o in rows]
+    if not pairs:
+        return ["no offload policy measured: add offload_names or offload_dots to --policies"]
+    for off, kept in pairs:
+        if rows[off]["host_temp"] <= 0:
+            out.append(f"{off}: no bytes in host memory (host temp 0)")
+        if kept in rows and rows[off]["temp"] >= rows[kept]["temp"]:
+            out.append(f"{off}: device temp {rows[off]['temp'] / MIB:.2f} MiB is not below {kept}'s "
+                       f"{rows[kept]['temp'] / MIB:.2f} MiB")
+    return out
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ FORMULA = {0: "12Ψ", 1: "4Ψ + 8Ψ/N", 2: "4Ψ + 8Ψ/N", 3: "12Ψ/N"}
 MIB = 2**20
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--d-model", type=int, default=256)
@@ -49,6 +49,7 @@ def main(argv=None) -> None:
     print("| stage | state per device (arrays) | formula | compiled temp | compiled total | "
           "traffic per device per step | collectives (executions per step) |")
     print("|---|---|---|---|---|---|---|")
+    rows = []
     for stage in range(4):
         zc = zj.ZeroConfig(stage=stage)
         state = zj.init_state(params, tx, mesh=mesh, config=zc)
@@ -63,7 +64,10 @@ def main(argv=None) -> None:
                           if k != "total" and v["bytes"] > 1e-3 * 4 * psi)  # not the scalars
         print(f"| {stage} | {got / MIB:.2f} MiB | {FORMULA[stage]} = {want / MIB:.2f} MiB | "
               f"{mem['temp'] / MIB:.2f} MiB | {mem['total'] / MIB:.2f} MiB | {traffic:.2f}Ψ | {kinds} |")
+        rows.append({"stage": stage, "state": got, "formula": want, "temp": mem["temp"], "total": mem["total"],
+                     "traffic": traffic, "report": rep, "psi": psi})
         del state, step, compiled
+    return rows
 
 
 if __name__ == "__main__":

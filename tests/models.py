@@ -109,37 +109,43 @@ class LinenModel(nn.Module):
         return nn.Dense(OUT)(jnp.tanh(x))
 
 
-def reference_run(loss_fn, params, tx, batches):
-    """Plain single-device optax: the independent reference."""
+def reference_run(loss_fn, params, tx, batches, grad_norms=None):
+    """Plain single-device optax: the independent reference. Appends each step's global
+    gradient norm to ``grad_norms`` when given."""
     opt = tx.init(params)
 
     @jax.jit
     def step(params, opt, b):
         loss, g = jax.value_and_grad(loss_fn)(params, b)
         u, opt = tx.update(g, opt, params)
-        return optax.apply_updates(params, u), opt, loss
+        return optax.apply_updates(params, u), opt, loss, optax.tree.norm(g)
 
     losses = []
     for b in batches:
-        params, opt, loss = step(params, opt, b)
+        params, opt, loss, norm = step(params, opt, b)
         losses.append(float(loss))
+        if grad_norms is not None:
+            grad_norms.append(float(norm))
     return params, losses
 
 
-def zero_run(loss_fn, params, tx, batches, stage, n_devices=8):
-    """The same training with zerojax: full params after it, and the losses. The step must
-    compile once and count every call."""
+def zero_run(loss_fn, params, tx, batches, stage, n_devices=8, grad_norms=None, **config):
+    """The same training with zerojax: full params after it, and the losses (and each
+    step's ``grad_norm`` metric appended to ``grad_norms``). The step must compile once and
+    count every call."""
     import zerojax as zj
 
     mesh = zj.make_mesh(jax.devices()[:n_devices])
-    cfg = zj.ZeroConfig(stage=stage)
+    cfg = zj.ZeroConfig(stage=stage, **config)
     state = zj.init_state(params, tx, mesh=mesh, config=cfg)
     step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=cfg)
     losses = []
     for b in batches:
         state, metrics = step(state, b)
         losses.append(float(metrics["loss"]))
-    assert step.cache_size() == 1, "the step recompiled after the first call"
+        if grad_norms is not None:
+            grad_norms.append(float(metrics["grad_norm"]))
+    assert step.compile_count() == 1, "the step recompiled after the first call"
     assert int(state.step) == len(batches)
     return zj.gather_params(state), losses
 

@@ -192,3 +192,76 @@ def test_export_consolidated_weights_cli(tmp_path, dtype):
     r = subprocess.run([sys.executable, "-m", "zerojax.cli", "export", str(tmp_path / "none"), str(out)],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 1 and "no checkpoint in" in r.stderr
+
+
+def test_export_refuses_colliding_names(tmp_path):
+    params = {"a": {"b": jnp.ones((3,))}, "a.b": jnp.zeros((3,))}
+    mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=3)
+    zj.save_checkpoint(tmp_path / "ck", zj.init_state(params, TX, mesh=mesh, config=cfg), step=0, wait=True)
+    out = tmp_path / "w.safetensors"
+    with pytest.raises(ValueError, match=r"parameter paths \['a'\]\['b'\] and \['a.b'\] both become the tensor name 'a.b'"):
+        zj.export_weights(tmp_path / "ck", out)
+    assert not out.exists() and not list(tmp_path.glob("w.safetensors*"))
+
+
+def test_retention_is_each_calls_own_and_replaced_managers_are_closed(tmp_path, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    closed = []
+    close = ocp.CheckpointManager.close
+    monkeypatch.setattr(ocp.CheckpointManager, "close", lambda self: (closed.append(self), close(self))[1])
+    state = trained(3, 8, 1)
+    for s in range(1, 5):
+        zj.save_checkpoint(tmp_path, state, step=s, keep_last=2)
+    zj.checkpoint.wait(tmp_path)
+    assert zj.checkpoint.checkpoint_steps(tmp_path) == [3, 4]
+    for s in range(5, 8):  # no retention asked: every step is kept
+        zj.save_checkpoint(tmp_path, state, step=s)
+    zj.checkpoint.wait(tmp_path)
+    assert zj.checkpoint.checkpoint_steps(tmp_path) == [3, 4, 5, 6, 7]
+    assert len(closed) == 1  # the keep_last=2 manager, replaced once
+
+
+def test_your_own_checkpoint_manager(tmp_path):
+    import orbax.checkpoint as ocp
+
+    mngr = ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(max_to_keep=1))
+    state = trained(2, 8, 2)
+    zj.save_checkpoint(mngr, state, step=1)
+    zj.save_checkpoint(mngr, state, step=2, wait=True)
+    assert zj.checkpoint.checkpoint_steps(mngr) == [2] == sorted(mngr.all_steps())
+    got = zj.restore_checkpoint(mngr, models.stacked_params(), TX, mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3))
+    for a, b in zip(leaves(zj.gather_params(state)), leaves(zj.gather_params(got))):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="with your own CheckpointManager set max_to_keep"):
+        zj.save_checkpoint(mngr, state, step=3, keep_last=2)
+
+
+def test_restore_onto_an_abstract_state(tmp_path):
+    """As orbax does: the target's layout (stage, devices, precision) says what to build."""
+    src = trained(3, 8, 3)
+    zj.save_checkpoint(tmp_path, src, step=3, wait=True)
+    mesh = zj.make_mesh(jax.devices()[:4])
+    target = zj.abstract_state(models.stacked_params(), TX, mesh=mesh,
+                               config=zj.ZeroConfig(stage=1, compute_dtype="bfloat16"))
+    got = zj.restore_checkpoint(tmp_path, target)
+    assert int(got.step) == 3 and got.plan == target.plan
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(target)):
+        assert a.shape == b.shape and a.dtype == b.dtype and a.sharding == b.sharding
+    for a, b in zip(leaves(zj.gather_params(src)), leaves(zj.gather_params(got))):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(TypeError, match=r"needs tx, mesh and config \(missing \['tx'\]\)"):
+        zj.restore_checkpoint(tmp_path, models.stacked_params(), mesh=mesh, config=zj.ZeroConfig())
+    with pytest.raises(ValueError, match="either a state target .* alone"):
+        zj.restore_checkpoint(tmp_path, target, TX)
+
+
+def test_step_timeout_finishes_the_save_in_flight_and_says_so(tmp_path):
+    """The watchdog ends the process with os._exit, which skips exit hooks: the save in
+    flight is finished first, explicitly, and the message says so."""
+    r = subprocess.run([sys.executable, str(JOB), "save-then-time-out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 1, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert "did not finish within timeout_s=0.001s" in r.stderr
+    assert f"an asynchronous checkpoint save to {tmp_path} was in progress; it completed (latest step 5)" in r.stderr
+    assert zj.checkpoint.checkpoint_steps(tmp_path) == [5]

@@ -185,7 +185,7 @@ def test_step_compiles_once_and_keeps_shardings():
     step = zj.make_train_step(models.stacked_loss, tx, mesh=mesh, config=cfg)
     for s in range(3):
         state, _ = step(state, models.batch(16, seed=s))
-    assert step.cache_size() == 1
+    assert step.compile_count() == 1
     after = [x.sharding for x in jax.tree.leaves(state)]
     for (b, ndim), a in zip(before, after, strict=True):
         assert a.is_equivalent_to(b, ndim), (a, b)

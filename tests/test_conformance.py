@@ -19,7 +19,7 @@ SGD_FAMILY = {
 ADAM_FAMILY = {
     "adam": lambda: optax.adam(1e-3),
     "adamw": lambda: optax.adamw(1e-3, weight_decay=0.1),
-    "lion": lambda: optax.lion(1e-4),
+    "lion": lambda: optax.lion(1e-2),  # moves every weight by 1e-2 a step: one sign flip breaks the bound
     "clip_adamw": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
 }
 MODELS = {
@@ -31,7 +31,7 @@ ALL_MODELS = {**MODELS, "indexed": (models.stacked_params, models.indexed_loss)}
 STEPS = 4
 
 
-def check(name, got, ref, got_losses, ref_losses):
+def check(name, got, ref, got_losses, ref_losses, got_norms=None, ref_norms=None):
     err = models.abs_errors(got, ref)
     if name in SGD_FAMILY:
         assert err.max() <= 1e-5, f"{name}: max abs error {err.max():.3g}"
@@ -39,13 +39,19 @@ def check(name, got, ref, got_losses, ref_losses):
         assert err.mean() <= 2e-6, f"{name}: mean abs error {err.mean():.3g}"
         assert err.max() <= 5e-4, f"{name}: max abs error {err.max():.3g}"
     np.testing.assert_allclose(got_losses, ref_losses, rtol=1e-5, atol=1e-6)
+    if ref_norms is not None:
+        # The gradient itself, at every step: a wrong scale (which Adam's and Lion's
+        # normalisation would hide from the weights) fails here.
+        np.testing.assert_allclose(got_norms, ref_norms, rtol=1e-5)
 
 
 @functools.lru_cache(maxsize=None)
 def _reference(model, opt):
     make_params, loss_fn = ALL_MODELS[model]
     tx = {**SGD_FAMILY, **ADAM_FAMILY}[opt]()
-    return models.reference_run(loss_fn, make_params(), tx, _batches())
+    norms = []
+    params, losses = models.reference_run(loss_fn, make_params(), tx, _batches(), norms)
+    return params, losses, norms
 
 
 def _batches():
@@ -57,9 +63,10 @@ def _case(model, opt, stage, n):
     params = make_params()
     tx = {**SGD_FAMILY, **ADAM_FAMILY}[opt]()
     batches = _batches()
-    ref, ref_losses = _reference(model, opt)
-    got, losses = models.zero_run(loss_fn, params, tx, batches, stage, n)
-    check(opt, got, ref, losses, ref_losses)
+    ref, ref_losses, ref_norms = _reference(model, opt)
+    norms = []
+    got, losses = models.zero_run(loss_fn, params, tx, batches, stage, n, grad_norms=norms)
+    check(opt, got, ref, losses, ref_losses, norms, ref_norms)
     # Same tree, shapes and dtypes as given.
     assert jax.tree.structure(got) == jax.tree.structure(params)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params)):
@@ -108,7 +115,7 @@ def test_mesh_with_explicit_axes():
     """``jax.make_mesh``'s default (Explicit axes) works like zj.make_mesh()."""
     mesh = jax.make_mesh((8,), ("data",))
     tx = SGD_FAMILY["clip_sgd"]()
-    ref, _ = _reference("scan", "clip_sgd")
+    ref, _, _ = _reference("scan", "clip_sgd")
     cfg = zj.ZeroConfig(stage=3)
     state = zj.init_state(models.stacked_params(), tx, mesh=mesh, config=cfg)
     step = zj.make_train_step(models.stacked_loss, tx, mesh=mesh, config=cfg)

@@ -111,8 +111,14 @@ def test_gpu_throughput_script_runs_on_cpu(tmp_path):
                      "--vocab", "256", "--batch", "4", "--steps", "2", "--remat", "full",
                      "--peak-tflops", "1", "--json", str(out_json))
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = json.loads(out_json.read_text())["rows"]
+    result = json.loads(out_json.read_text())
+    rows = result["rows"]
     assert [(r["stage"], r["remat"]) for r in rows] == [(0, "full"), (3, "full")]
+    # The offload check runs too; on the CPU backend it reports, as it must, no host bytes.
+    assert set(result["remat_offload"]["rows"]) == {"none", "names", "offload_names", "dots_no_batch", "offload_dots"}
+    failures = result["remat_offload"]["failures"]
+    assert {"offload_names: no bytes in host memory (host temp 0)",
+            "offload_dots: no bytes in host memory (host temp 0)"} <= set(failures), failures
     cfg = gpt.GPTConfig(d_model=64, n_layers=2, n_heads=1, seq_len=32, vocab=256)
     for r in rows:
         assert r["tokens_per_s"] == pytest.approx(4 * 32 / r["step_s"])
@@ -154,3 +160,29 @@ def test_fits_compiles_for_a_larger_mesh_than_the_tests_use():
         assert mib(state) == pytest.approx(mib(formula), rel=0.02)
         assert fits == ("yes" if mib(total) <= 0.01 * 1024 else "no")
     assert [r[-1] for r in rows] == ["no", "yes"]
+
+
+def test_stage_table_numbers(capsys):
+    """The table of docs/stages.md: state = formula (byte-level vocabulary and widths that
+    divide 8: no padding), the traffic of each stage, the collectives that carry it, and
+    stage 2's temporaries below stage 1's by most of a gradient."""
+    from experiments import stage_table
+
+    rows = {r["stage"]: r for r in stage_table.main(["--layers", "2", "--d-model", "64", "--batch", "8"])}
+    out = capsys.readouterr().out
+    assert out.count("\n| ") == 5  # header + 4 stages
+    psi = rows[0]["psi"]
+    for s, r in rows.items():
+        assert r["state"] == r["formula"] + 12  # + step, skipped, Adam's count
+    assert [round(rows[s]["traffic"], 3) for s in (0, 1, 2)] == [2.0, 2.0, 2.0]
+    # Stage 3: 3Ψ less what backward does not re-gather (embedding, position table and
+    # biases: their gradients do not read the parameter).
+    _, params = gpt.init(gpt.GPTConfig(d_model=64, n_layers=2, n_heads=1))
+    unread = sum(x.size for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+                 if any(k in jax.tree_util.keystr(path) for k in ("bias", "embedding", "wpe")))
+    assert rows[3]["traffic"] == pytest.approx((3 * psi - unread) / psi, abs=1e-3)
+    kinds = {s: {k.split(":")[0] for k, v in rows[s]["report"].items() if k != "total" and v["bytes"] > 4e-3 * psi}
+             for s in rows}
+    assert kinds == {0: {"all-reduce"}, 1: {"reduce-scatter", "all-gather"}, 2: {"reduce-scatter", "all-gather"},
+                     3: {"reduce-scatter", "all-gather"}}
+    assert rows[1]["temp"] - rows[2]["temp"] > 0.6 * 4 * psi

@@ -23,6 +23,12 @@ def test_readme_python_blocks_run(capsys):
     assert int(namespace["state"].step) == 3
     assert np.isfinite(float(namespace["metrics"]["loss"]))
     assert namespace["m"]["aux"]["mae"].shape == ()
+    assert namespace["m"]["aux"]["pred"].shape == (32, 1) and namespace["m"]["aux"]["n_big"].dtype == np.int32
+    # The eval step's per-example predictions are the trained model's own.
+    out, model, batch = namespace["out"], namespace["model"], namespace["batch"]
+    np.testing.assert_allclose(np.asarray(out["pred"]), np.asarray(model(batch["x"])), rtol=1e-5, atol=1e-6)
+    want = np.mean((np.asarray(model(batch["x"])) - np.asarray(batch["y"])) ** 2)
+    np.testing.assert_allclose(float(out["loss"]), want, rtol=1e-5)
     # The ahead-of-time figure is the compiled step's own, to the byte.
     import zerojax as zj
 

@@ -3,6 +3,7 @@
 from zerojax import checkpoint, distributed, remat
 from zerojax.checkpoint import export_weights, restore_checkpoint, save_checkpoint
 from zerojax.config import ZeroConfig
+from zerojax.evaluate import EvalStep, make_eval_step
 from zerojax.params import gather_params
 from zerojax.report.comm import communication_report
 from zerojax.report.memory import (
@@ -17,6 +18,7 @@ from zerojax.state import ZeroState, abstract_state, init_state
 from zerojax.step import LossScaleError, TrainStep, make_train_step
 
 __all__ = [
+    "EvalStep",
     "LossScaleError",
     "StepMemory",
     "TrainStep",
@@ -33,6 +35,7 @@ __all__ = [
     "compiled_bytes",
     "gather_params",
     "init_state",
+    "make_eval_step",
     "make_mesh",
     "make_train_step",
     "state_bytes_per_device",

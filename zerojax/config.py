@@ -40,8 +40,10 @@ class ZeroConfig:
       compute_dtype: "float32", "bfloat16" or "float16" for forward and backward. Floating
         batch leaves are cast to it too (as DeepSpeed's engine does); integer ones are not.
       reduce_dtype: dtype of the gradient collective (default float32).
-      loss_scale: "dynamic", a positive float (static scale) or None. Default: "dynamic"
-        for float16, None otherwise; scaling bf16 or fp32 compute is rejected.
+      loss_scale: "dynamic", a positive float (static scale), None, or "auto" (the default:
+        "dynamic" for float16, None otherwise, decided when read, so that
+        ``dataclasses.replace(cfg, compute_dtype=...)`` keeps it right). Scaling bf16 or
+        fp32 compute is rejected. :attr:`resolved_loss_scale` is the scaling in effect.
       initial_scale_power, loss_scale_window, hysteresis, consecutive_hysteresis,
       min_loss_scale: DeepSpeed's dynamic loss-scaling knobs, with its defaults.
       raise_at_min_scale: raise when an overflow happens at the minimum scale (DeepSpeed's
@@ -60,7 +62,10 @@ class ZeroConfig:
 
     Example:
       >>> import zerojax as zj
-      >>> zj.ZeroConfig(stage=3, compute_dtype="float16").loss_scale
+      >>> zj.ZeroConfig(stage=3, compute_dtype="float16").resolved_loss_scale
+      'dynamic'
+      >>> import dataclasses
+      >>> dataclasses.replace(zj.ZeroConfig(), compute_dtype="float16").resolved_loss_scale
       'dynamic'
       >>> zj.ZeroConfig(stage=4)
       Traceback (most recent call last):
@@ -125,10 +130,7 @@ class ZeroConfig:
 
     def _check_loss_scale(self) -> None:
         ls = self.loss_scale
-        if isinstance(ls, str) and ls == _AUTO:
-            object.__setattr__(self, "loss_scale", "dynamic" if self.compute_dtype == "float16" else None)
-            return
-        if ls is None:
+        if (isinstance(ls, str) and ls == _AUTO) or ls is None:
             return
         if self.compute_dtype != "float16":
             raise ValueError(
@@ -149,12 +151,21 @@ class ZeroConfig:
         object.__setattr__(self, "loss_scale", float(ls))
 
     @property
+    def resolved_loss_scale(self) -> str | float | None:
+        """The loss scaling in effect: ``"dynamic"``, a static scale, or ``None`` (none).
+
+        ``"auto"`` resolves here, where it is read, from the current ``compute_dtype``."""
+        if isinstance(self.loss_scale, str) and self.loss_scale == _AUTO:
+            return "dynamic" if self.compute_dtype == "float16" else None
+        return self.loss_scale
+
+    @property
     def dynamic_scaling(self) -> bool:
-        return self.loss_scale == "dynamic"
+        return self.resolved_loss_scale == "dynamic"
 
     @property
     def scaling(self) -> bool:
-        return self.loss_scale is not None
+        return self.resolved_loss_scale is not None
 
     @property
     def checks_finite(self) -> bool:

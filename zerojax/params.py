@@ -6,6 +6,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from zerojax.sharding.plan import ZeroPlan
 from zerojax.state import ZeroState
@@ -15,7 +16,9 @@ def gather_params(state: ZeroState) -> Any:
     """The full parameter tree, same structure, shapes and dtypes as given to ``init_state``.
 
     The fp32 masters are returned (all-gathered and unpadded where sharded), cast to the
-    dtypes the params had when given to ``init_state``. Every device (and process) gets the full values.
+    dtypes the params had when given to ``init_state``. Every device (and process) gets the
+    full values, in new arrays at every stage: a later (donating) train step does not
+    invalidate them.
 
     Example:
       >>> import jax.numpy as jnp, optax, zerojax as zj
@@ -28,17 +31,18 @@ def gather_params(state: ZeroState) -> Any:
         raise TypeError(f"gather_params takes a zj.init_state state, got {type(state).__name__}.")
     plan = state.plan
     if plan.stage == 3:
-        return _gather_fn(plan)(jax.tree.leaves(state.params))
+        return _gather_fn(plan, True)(jax.tree.leaves(state.params))
     if state.master is not None:  # bf16/fp16 compute copy: the masters are exact
-        return _gather_fn(plan)(jax.tree.leaves(state.master))
-    return jax.tree.map(lambda x, l: x.astype(l.dtype), state.params,
-                        jax.tree.unflatten(plan.treedef, plan.layouts))
+        return _gather_fn(plan, True)(jax.tree.leaves(state.master))
+    return _gather_fn(plan, False)(jax.tree.leaves(state.params))
 
 
 @functools.lru_cache(maxsize=64)
-def _gather_fn(plan: ZeroPlan):
-    def full(storage):
-        leaves = [l.from_storage(s).astype(l.dtype) for l, s in zip(plan.layouts, storage)]
+def _gather_fn(plan: ZeroPlan, sharded: bool):
+    def full(arrays):
+        unpad = (lambda l, s: l.from_storage(s)) if sharded else (lambda l, x: x)
+        # An explicit copy: an unchanged input would otherwise come back as the same buffer.
+        leaves = [jnp.array(unpad(l, s).astype(l.dtype), copy=True) for l, s in zip(plan.layouts, arrays)]
         return jax.tree.unflatten(plan.treedef, leaves)
 
     out = jax.tree.unflatten(plan.treedef, [plan.replicated] * len(plan.layouts))

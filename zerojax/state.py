@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 
 from zerojax.config import ZeroConfig
 from zerojax.optim import loss_scale as ls
+from zerojax.optim.update import check_optimizer
 from zerojax.sharding.plan import ZeroPlan, make_plan
 
 
@@ -132,8 +133,7 @@ def abstract_state(params: Any, tx: optax.GradientTransformation, *, mesh: Mesh,
 
 def _init_program(params, tx, *, mesh, config):
     plan = make_plan(params, mesh, config)
-    if not isinstance(tx, optax.GradientTransformation):
-        raise TypeError(f"tx must be an optax.GradientTransformation, got {type(tx).__name__}.")
+    check_optimizer(tx)
     leaves = jax.tree.leaves(params)
     unflat = lambda xs: jax.tree.unflatten(plan.treedef, xs)
     compute = jnp.dtype(config.compute_dtype)

@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.config import ZeroConfig
 from zerojax.optim import loss_scale as ls
-from zerojax.optim.update import apply_optimizer, clip_by_global_norm, keep_if
-from zerojax.sharding.gradients import local_grads
+from zerojax.optim.update import apply_optimizer, check_optimizer, clip_by_global_norm, keep_if
+from zerojax.sharding.gradients import aux_plan, local_grads
 from zerojax.sharding.mesh import auto_axes, axis_size
 from zerojax.sharding.plan import ZeroPlan
 from zerojax.state import ZeroState, has_master, state_shardings
@@ -47,14 +47,15 @@ def _all_gather_leaves(plan: ZeroPlan, storage: list[jax.Array], dtype) -> list[
     return gather(storage)
 
 
-def _step(loss_fn: Callable, tx: optax.GradientTransformation, has_aux: bool,
+def _step(loss_fn: Callable, tx: optax.GradientTransformation, has_aux: bool, aux_reduce: Any,
           state: ZeroState, batch: Any) -> tuple[ZeroState, dict[str, Any]]:
     plan = state.plan
     cfg = plan.config
     compute = jnp.dtype(cfg.compute_dtype)
     layouts = plan.layouts
     batch_spec = jax.tree.map(lambda _: P(plan.axis), batch)
-    grads_fn = local_grads(plan, loss_fn, has_aux, batch_spec)
+    aux = aux_plan(plan, loss_fn, batch, aux_reduce) if has_aux else None
+    grads_fn = local_grads(plan, loss_fn, has_aux, batch_spec, aux)
     leaves = jax.tree.leaves(state.params)
     storage_shardings = plan.storage_shardings()
     scale = state.loss_scale.scale if cfg.scaling else jnp.float32(1.0)
@@ -107,6 +108,7 @@ def _step(loss_fn: Callable, tx: optax.GradientTransformation, has_aux: bool,
         loss_scale=scaler, skipped=state.skipped + skip.astype(jnp.int32), plan=plan,
     )
     metrics = {
+        "step": state.step,
         "loss": loss,
         "grad_norm": grad_norm,
         "loss_scale": scale,
@@ -119,11 +121,16 @@ def _step(loss_fn: Callable, tx: optax.GradientTransformation, has_aux: bool,
     return new_state, metrics
 
 
+# Seconds an in-flight checkpoint save gets to finish when a step times out.
+SAVE_GRACE_S = 60.0
+
+
 def _wait_or_fail(x: jax.Array, timeout_s: float) -> None:
     """Waits for ``x``; if it is not ready within ``timeout_s``, another process has most
     likely stalled or died mid-collective: this process exits with a clear message
     (status 1) rather than waiting forever. The computation cannot be cancelled, so
-    raising would leave the interpreter hanging at exit."""
+    raising would leave the interpreter hanging at exit. An asynchronous checkpoint save
+    still running is given a bounded time to finish first; the message says whether it did."""
     done = threading.Event()
 
     def wait():
@@ -134,10 +141,15 @@ def _wait_or_fail(x: jax.Array, timeout_s: float) -> None:
 
     threading.Thread(target=wait, daemon=True).start()
     if not done.wait(timeout_s):
+        from zerojax.checkpoint.io import finish_pending_saves
+
         sys.stderr.write(
             f"zerojax: the train step did not finish within timeout_s={timeout_s:g}s on process "
             f"{jax.process_index()}: another process has probably stalled or died and this one is "
-            "waiting for it in a collective. Exiting with status 1.\n")
+            "waiting for it in a collective.\n")
+        for line in finish_pending_saves(timeout_s=max(timeout_s, SAVE_GRACE_S)):
+            sys.stderr.write(f"zerojax: {line}\n")
+        sys.stderr.write("zerojax: exiting with status 1.\n")
         sys.stderr.flush()
         sys.stdout.flush()
         os._exit(1)
@@ -149,27 +161,42 @@ class TrainStep:
     Inputs are checked before anything is traced or run. ``lower`` gives the compiled
     program for inspection (``train_step.lower(state, batch).compile()``).
 
-    Metrics: ``loss`` (mean over the global batch), ``grad_norm`` (global, after
-    unscaling, before clipping), ``loss_scale`` (the scale this step used), ``skipped``
-    (this step was skipped for non-finite gradients), ``skipped_steps`` (so far),
-    ``overflow_at_min_scale``, and ``aux`` with ``has_aux=True``.
+    Metrics: ``step`` (this step's index), ``loss`` (mean over the global batch),
+    ``grad_norm`` (global, after unscaling, before clipping), ``loss_scale`` (the scale
+    this step's backward ran at), ``skipped`` (this step was skipped for non-finite
+    gradients), ``skipped_steps`` (so far), ``overflow_at_min_scale``, and ``aux`` with
+    ``has_aux=True``.
+
+    With fp16 dynamic scaling and ``raise_at_min_scale``, an overflow at the minimum scale
+    raises :class:`LossScaleError` from the *next* call (or from :meth:`check_loss_scale`),
+    so that no step waits for the host to read a flag; the error carries the newest state,
+    which holds only finite updates (a skipped step changes nothing).
     """
 
     def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation, *, mesh: Mesh,
-                 config: ZeroConfig, has_aux: bool = False, timeout_s: float | None = None):
+                 config: ZeroConfig, has_aux: bool = False, aux_reduce: Any = None,
+                 timeout_s: float | None = None):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(params, batch), got {loss_fn!r}.")
-        if not isinstance(tx, optax.GradientTransformation):
-            raise TypeError(f"tx must be an optax.GradientTransformation, got {type(tx).__name__}.")
+        check_optimizer(tx)
         if not isinstance(config, ZeroConfig):
             raise TypeError(f"config must be a zj.ZeroConfig, got {type(config).__name__}.")
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}.")
+        if aux_reduce is not None and not has_aux:
+            raise ValueError("aux_reduce says how the loss's aux combines; it needs has_aux=True.")
         self.n = axis_size(mesh, config.axis)
         self.mesh, self.config, self.tx, self.loss_fn = auto_axes(mesh), config, tx, loss_fn
         self.timeout_s = timeout_s
         self._jitted: dict[ZeroPlan, Any] = {}
-        self._step = lambda state, batch: _step(loss_fn, tx, has_aux, state, batch)
+        self._compiles = 0
+        self._unchecked: tuple[jax.Array, int] | None = None  # (overflow_at_min_scale, step)
+
+        def step(state, batch):
+            self._compiles += 1  # runs once per trace: once per compiled program
+            return _step(loss_fn, tx, has_aux, aux_reduce, state, batch)
+
+        self._step = step
 
     def _jit_for(self, state: ZeroState):
         plan = state.plan
@@ -191,63 +218,93 @@ class TrainStep:
                 f"but this train step uses {self.config} on mesh {dict(self.mesh.shape)}. "
                 "Build both with the same mesh and config."
             )
-        leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
-        if not leaves:
-            raise ValueError("batch has no arrays; pass the global batch (leading axis = examples).")
-        k, n, axis = self.config.grad_accum_steps, self.n, self.config.axis
-        for path, x in leaves:
-            shape = getattr(x, "shape", None)
-            name = jax.tree_util.keystr(path) or "<root>"
-            if shape is None or len(shape) == 0:
-                raise ValueError(
-                    f"batch leaf {name} has no leading axis (shape {shape}); every batch leaf "
-                    f"is split over the {axis!r} axis along its first dimension."
-                )
-            if shape[0] % n:
-                raise ValueError(
-                    f"batch leaf {name} has leading dimension {shape[0]}, which does not divide "
-                    f"over the {n} devices of the {axis!r} axis. Use a global batch size that is "
-                    f"a multiple of {n} (e.g. {max(1, shape[0] // n) * n} or {(shape[0] // n + 1) * n})."
-                )
-            if (shape[0] // n) % k:
-                raise ValueError(
-                    f"batch leaf {name} has leading dimension {shape[0]}: {shape[0] // n} rows per "
-                    f"device, which do not split into grad_accum_steps={k} equal micro-batches. "
-                    f"Use a global batch size that is a multiple of {n * k} (devices x grad_accum_steps)."
-                )
+        check_batch(batch, self.n, self.config.axis, self.config.grad_accum_steps)
 
     def __call__(self, state: ZeroState, batch: Any) -> tuple[ZeroState, dict[str, jax.Array]]:
         self.check(state, batch)
         new_state, metrics = self._jit_for(state)(state, batch)
         if self.timeout_s is not None:
             _wait_or_fail(metrics["loss"], self.timeout_s)
-        if self.config.dynamic_scaling and self.config.raise_at_min_scale and bool(metrics["overflow_at_min_scale"]):
+        if self.config.dynamic_scaling and self.config.raise_at_min_scale:
+            previous, self._unchecked = self._unchecked, (metrics["overflow_at_min_scale"], metrics["step"])
+            if previous is not None:
+                self._raise_if_at_min(previous, new_state, metrics)
+        return new_state, metrics
+
+    def check_loss_scale(self, state: ZeroState, metrics: dict) -> None:
+        """Raises :class:`LossScaleError` now if the last step overflowed at the minimum loss
+        scale (the next call would raise it otherwise). Waits for that step."""
+        previous, self._unchecked = self._unchecked, None
+        if previous is not None:
+            self._raise_if_at_min(previous, state, metrics)
+
+    def _raise_if_at_min(self, flag: tuple[jax.Array, Any], state: ZeroState, metrics: dict) -> None:
+        at_min, step = flag
+        if bool(at_min):
             raise LossScaleError(
                 f"Current loss scale already at minimum ({self.config.min_loss_scale}) and the "
-                f"gradients overflowed again at step {int(new_state.step) - 1}; the step was skipped. "
+                f"gradients overflowed again at step {int(step)}; that step was skipped. "
                 "Lower the learning rate, check the data for non-finite values, use "
                 "compute_dtype='bfloat16', or set raise_at_min_scale=False to keep skipping.",
-                new_state, metrics,
+                state, metrics,
             )
-        return new_state, metrics
 
     def lower(self, state: ZeroState, batch: Any):
         """``jax.jit(...).lower`` of the step: ``.compile()`` it to inspect the program."""
         self.check(state, batch)
         return self._jit_for(state).lower(state, batch)
 
-    def cache_size(self) -> int:
-        """Number of compiled programs (one per state layout and batch shape)."""
-        return sum(fn._cache_size() for fn in self._jitted.values())
+    def compile_count(self) -> int:
+        """Number of programs this step has traced and compiled (one per state layout and
+        batch shape; ``lower`` counts too)."""
+        return self._compiles
+
+
+def check_batch(batch: Any, n: int, axis: str, k: int = 1) -> None:
+    """Raises a clear error for a global batch that does not split over ``n`` devices and
+    ``k`` micro-batches."""
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    if not leaves:
+        raise ValueError("batch has no arrays; pass the global batch (leading axis = examples).")
+    for path, x in leaves:
+        shape = getattr(x, "shape", None)
+        name = jax.tree_util.keystr(path) or "<root>"
+        if shape is None or len(shape) == 0:
+            raise ValueError(
+                f"batch leaf {name} has no leading axis (shape {shape}); every batch leaf "
+                f"is split over the {axis!r} axis along its first dimension."
+            )
+        if shape[0] % n:
+            raise ValueError(
+                f"batch leaf {name} has leading dimension {shape[0]}, which does not divide "
+                f"over the {n} devices of the {axis!r} axis. Use a global batch size that is "
+                f"a multiple of {n} (e.g. {max(1, shape[0] // n) * n} or {(shape[0] // n + 1) * n})."
+            )
+        if (shape[0] // n) % k:
+            raise ValueError(
+                f"batch leaf {name} has leading dimension {shape[0]}: {shape[0] // n} rows per "
+                f"device, which do not split into grad_accum_steps={k} equal micro-batches. "
+                f"Use a global batch size that is a multiple of {n * k} (devices x grad_accum_steps)."
+            )
 
 
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, mesh: Mesh,
-                    config: ZeroConfig, has_aux: bool = False, timeout_s: float | None = None) -> TrainStep:
+                    config: ZeroConfig, has_aux: bool = False, aux_reduce: Any = None,
+                    timeout_s: float | None = None) -> TrainStep:
     """Builds the train step for ``loss_fn(params, batch)`` and optimizer ``tx``.
 
     ``loss_fn`` sees the full parameter tree (in the compute dtype) and this device's share
-    of the batch, exactly as in single-device training; it returns a scalar (or
-    ``(scalar, aux)`` with ``has_aux=True``; ``aux`` is averaged over the data axis).
+    of the batch, exactly as in single-device training; it returns a scalar mean over its
+    examples (or ``(scalar, aux)`` with ``has_aux=True``). The step's loss and gradient are
+    the mean over devices and micro-batches of those means: the global-batch mean when
+    every example weighs the same (for a loss normalised by a count that varies between
+    devices, such as a masked-token mean, see the README's note on per-example weights).
+
+    ``aux_reduce`` says how each aux leaf combines over devices and micro-batches:
+    ``"mean"``, ``"sum"`` or ``"concat"`` (per-example rows, in global batch order), for
+    all leaves or as a tree (prefix) of those names (see :mod:`zerojax.sharding.outputs`).
+    By default floating scalars are averaged and any other leaf is refused until a rule
+    is given.
 
     ``timeout_s`` bounds each step in multi-process jobs: a step that has not finished by
     then (a peer stalled or died inside a collective) ends this process with status 1 and
@@ -266,4 +323,5 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, mesh
       >>> float(metrics["loss"])
       1.0
     """
-    return TrainStep(loss_fn, tx, mesh=mesh, config=config, has_aux=has_aux, timeout_s=timeout_s)
+    return TrainStep(loss_fn, tx, mesh=mesh, config=config, has_aux=has_aux, aux_reduce=aux_reduce,
+                     timeout_s=timeout_s)

@@ -7,6 +7,9 @@
         save a checkpoint asynchronously and exit normally (no explicit wait)
     checkpoint_job.py save-and-die DIR --devices N
         save step 1 completely, start saving a larger step 2, and die (SIGKILL) mid-save
+    checkpoint_job.py save-then-time-out DIR --devices N
+        start saving step 5 asynchronously, then run a train step whose timeout_s it
+        cannot meet: the watchdog ends the process, finishing the save first
 """
 
 import argparse
@@ -61,3 +64,20 @@ elif args.mode == "save-and-die":
     zj.save_checkpoint(args.dir, state, step=2)
     print("killing myself mid-save", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+elif args.mode == "save-then-time-out":
+    big = {"w": [jnp.full((1024, 1024), float(i)) for i in range(16)]}
+    cfg = zj.ZeroConfig(stage=3, donate=False)
+    state = zj.init_state(big, TX, mesh=mesh, config=cfg)
+
+    def slow_loss(p, x):
+        for w in p["w"]:
+            x = jnp.tanh(x @ w)
+        return jnp.mean(x)
+
+    step = zj.make_train_step(slow_loss, TX, mesh=mesh, config=cfg, timeout_s=600)
+    x = jnp.ones((512, 1024))
+    step(state, x)  # compiled and run once, well within 600 s
+    zj.save_checkpoint(args.dir, state, step=5)
+    step.timeout_s = 1e-3  # the next step cannot meet it
+    step(state, x)
+    print("the step finished within its timeout", flush=True)

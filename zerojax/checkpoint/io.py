@@ -10,9 +10,10 @@ they are on disk.
 from __future__ import annotations
 
 import atexit
-import threading
 import dataclasses
 import os
+import threading
+import time
 from typing import Any
 
 import jax
@@ -23,10 +24,11 @@ from jax.sharding import Mesh
 
 from zerojax.checkpoint import canonical
 from zerojax.config import ZeroConfig
+from zerojax.optim.update import check_optimizer
 from zerojax.sharding.plan import make_plan
 from zerojax.state import ZeroState
 
-_MANAGERS: dict[str, ocp.CheckpointManager] = {}
+Directory = str | os.PathLike | ocp.CheckpointManager
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,36 +42,63 @@ class Retention:
     def __post_init__(self) -> None:
         for name in ("keep_last", "keep_every"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {v!r}.")
 
 
-def _manager(directory: str | os.PathLike, retention: Retention | None = None,
-             create: bool = True) -> ocp.CheckpointManager:
+# One manager per directory, with the retention it was made for.
+_MANAGERS: dict[str, tuple[ocp.CheckpointManager, Retention]] = {}
+# Managers users passed in: waited for at exit and when a step times out, never closed here.
+_USER_MANAGERS: list[ocp.CheckpointManager] = []
+
+
+def _manager(directory: Directory, retention: Retention | None = None) -> ocp.CheckpointManager:
+    """The manager for ``directory``. ``retention=None`` (reading) takes the directory's
+    current manager whatever its retention; a save passes its own retention, and a cached
+    manager made for another one is finished, closed and replaced."""
+    if isinstance(directory, ocp.CheckpointManager):
+        if not any(m is directory for m in _USER_MANAGERS):
+            _USER_MANAGERS.append(directory)
+        return directory
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"a checkpoint directory is a path or an orbax CheckpointManager, got {directory!r}.")
     path = os.path.abspath(os.fspath(directory))
-    mngr = _MANAGERS.get(path)
-    if mngr is None or (retention is not None and getattr(mngr, "_zj_retention", None) != retention):
-        if mngr is not None:
-            mngr.wait_until_finished()
-        r = retention or Retention()
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=r.keep_last, keep_period=r.keep_every, create=create,
-            enable_async_checkpointing=True,
-        )
-        mngr = ocp.CheckpointManager(path, options=options)
-        mngr._zj_retention = retention
-        _MANAGERS[path] = mngr
+    cached = _MANAGERS.get(path)
+    if cached is not None and (retention is None or cached[1] == retention):
+        return cached[0]
+    if cached is not None:
+        cached[0].wait_until_finished()
+        cached[0].close()
+    retention = retention or Retention()
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=retention.keep_last, keep_period=retention.keep_every, create=True,
+        enable_async_checkpointing=True,
+    )
+    mngr = ocp.CheckpointManager(path, options=options)
+    _MANAGERS[path] = (mngr, retention)
     return mngr
 
 
-def save_checkpoint(directory: str | os.PathLike, state: ZeroState, step: int, *,
+def _all_managers() -> list[ocp.CheckpointManager]:
+    return [m for m, _ in _MANAGERS.values()] + list(_USER_MANAGERS)
+
+
+def _describe(directory: Directory) -> str:
+    if isinstance(directory, ocp.CheckpointManager):
+        return f"{os.fspath(directory.directory)!r}"
+    return repr(os.fspath(directory))
+
+
+def save_checkpoint(directory: Directory, state: ZeroState, step: int, *,
                     keep_last: int | None = None, keep_every: int | None = None,
                     wait: bool = False) -> None:
     """Saves ``state`` as checkpoint ``step`` under ``directory``, asynchronously.
 
-    Only each process's own shards are written. ``keep_last`` / ``keep_every`` set the
-    retention policy of the directory. ``wait=True`` blocks until the checkpoint is
-    complete; otherwise it completes in the background, and at the latest when the
+    ``directory`` is a path or your own ``orbax.checkpoint.CheckpointManager`` (whose
+    options then decide retention and asynchrony). Only each process's own shards are
+    written. ``keep_last`` / ``keep_every`` set the retention of the directory for this
+    save: a call without them keeps every step. ``wait=True`` blocks until the checkpoint
+    is complete; otherwise it completes in the background, and at the latest when the
     interpreter exits.
 
     Example:
@@ -87,8 +116,10 @@ def save_checkpoint(directory: str | os.PathLike, state: ZeroState, step: int, *
         raise TypeError(f"save_checkpoint takes a zj.init_state state, got {type(state).__name__}.")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}.")
-    retention = Retention(keep_last, keep_every) if (keep_last or keep_every) else None
-    mngr = _manager(directory, retention)
+    if isinstance(directory, ocp.CheckpointManager) and (keep_last or keep_every):
+        raise ValueError("keep_last / keep_every apply to a directory zerojax manages; with your own "
+                         "CheckpointManager set max_to_keep / keep_period in its options.")
+    mngr = _manager(directory, Retention(keep_last, keep_every))
     _wait_at_exit()
     arrays, meta = canonical.to_canonical(state)
     mngr.save(step, args=ocp.args.Composite(
@@ -97,15 +128,48 @@ def save_checkpoint(directory: str | os.PathLike, state: ZeroState, step: int, *
         mngr.wait_until_finished()
 
 
-def wait(directory: str | os.PathLike | None = None) -> None:
+def wait(directory: Directory | None = None) -> None:
     """Blocks until pending saves (of ``directory``, or all) are complete on disk."""
     if directory is None:
-        for m in list(_MANAGERS.values()):
+        for m in _all_managers():
             m.wait_until_finished()
         return
-    m = _MANAGERS.get(os.path.abspath(os.fspath(directory)))
-    if m is not None:
-        m.wait_until_finished()
+    if isinstance(directory, ocp.CheckpointManager):
+        directory.wait_until_finished()
+        return
+    cached = _MANAGERS.get(os.path.abspath(os.fspath(directory)))
+    if cached is not None:
+        cached[0].wait_until_finished()
+
+
+def finish_pending_saves(timeout_s: float) -> list[str]:
+    """Gives every save still in progress up to ``timeout_s`` seconds in all to complete;
+    returns one line per such save saying whether it completed or was abandoned. An
+    abandoned save is never listed as a checkpoint (orbax renames a step only when it is
+    complete), so the directory's previous checkpoints stay the latest."""
+    lines = []
+    deadline = time.monotonic() + timeout_s
+    for mngr in _all_managers():
+        if not mngr.is_saving_in_progress():
+            continue
+        done = threading.Event()
+
+        def finish(m=mngr):
+            try:
+                m.wait_until_finished()
+            finally:
+                done.set()
+
+        threading.Thread(target=finish, daemon=True).start()
+        where = os.fspath(mngr.directory)
+        if done.wait(max(0.0, deadline - time.monotonic())):
+            lines.append(f"an asynchronous checkpoint save to {where} was in progress; it completed "
+                         f"(latest step {mngr.latest_step()}).")
+        else:
+            lines.append(f"an asynchronous checkpoint save to {where} was in progress and did not finish "
+                         f"within {timeout_s:g}s; it is abandoned and will not be listed (the checkpoints "
+                         "saved before it stay restorable).")
+    return lines
 
 
 _AT_EXIT = []
@@ -114,20 +178,23 @@ _AT_EXIT = []
 def _wait_at_exit() -> None:
     """Makes interpreter exit wait for pending saves.
 
-    Registered on the first save, as a threading exit hook: those run (last registered
-    first) before the thread pools that carry the async save are shut down, and before
-    ``atexit`` hooks such as JAX's backend clean-up."""
+    Registered on the first save with ``threading._register_atexit``: its hooks run (last
+    registered first) before the thread pools that carry the async save are shut down.
+    No public hook runs early enough: ``atexit`` hooks, and the joining of non-daemon
+    threads, both come after ``concurrent.futures`` has stopped accepting work, and a save
+    still being finalised then fails. ``concurrent.futures`` itself uses this hook; where
+    it is missing, ``atexit`` is the fallback."""
     if not _AT_EXIT:
         register = getattr(threading, "_register_atexit", atexit.register)
         register(wait)
         _AT_EXIT.append(True)
 
 
-def checkpoint_steps(directory: str | os.PathLike) -> list[int]:
+def checkpoint_steps(directory: Directory) -> list[int]:
     """The complete checkpoints in ``directory``, oldest first."""
-    if not os.path.isdir(directory):
+    if not isinstance(directory, ocp.CheckpointManager) and not os.path.isdir(directory):
         return []
-    mngr = _manager(directory, create=False)
+    mngr = _manager(directory)
     mngr.reload()
     return sorted(mngr.all_steps())
 
@@ -151,29 +218,57 @@ def _check_params(meta: canonical.Meta, params: Any) -> None:
                 "Restore into the model configuration that was saved.")
 
 
-def restore_checkpoint(directory: str | os.PathLike, params: Any, tx: optax.GradientTransformation, *,
-                       mesh: Mesh, config: ZeroConfig, step: int | None = None) -> ZeroState:
-    """Restores checkpoint ``step`` (default: the latest) laid out for ``mesh`` and ``config``.
+def restore_checkpoint(directory: Directory, target: Any, tx: optax.GradientTransformation | None = None, *,
+                       mesh: Mesh | None = None, config: ZeroConfig | None = None,
+                       step: int | None = None) -> ZeroState:
+    """Restores checkpoint ``step`` (default: the latest) of ``directory`` (a path or an
+    orbax ``CheckpointManager``).
 
-    ``params`` gives the parameter tree (arrays or ``jax.ShapeDtypeStruct``). The stage,
-    the device count and the precision may differ from the saved run's: the optimizer
-    state, master weights, loss scale and step counter carry over. Each process reads
-    only the shards its devices hold.
+    ``target`` says what to restore onto, either as orbax does, a state of the wanted
+    layout (``zj.abstract_state(params, tx, mesh=..., config=...)``: shapes only), or as
+    the parameter tree (arrays or ``jax.ShapeDtypeStruct``) with ``tx``, ``mesh`` and
+    ``config``. The stage, the device count and the precision may differ from the saved
+    run's: the optimizer state, master weights, loss scale and step counter carry over.
+    Each process reads only the shards its devices hold.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp, optax, zerojax as zj
+      >>> params, tx, d = {"w": jnp.ones((13, 7))}, optax.adam(1e-3), tempfile.mkdtemp()
+      >>> st = zj.init_state(params, tx, mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3))
+      >>> zj.save_checkpoint(d, st, step=4, wait=True)
+      >>> target = zj.abstract_state(params, tx, mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=2))
+      >>> int(zj.restore_checkpoint(d, target).step)
+      0
     """
+    if isinstance(target, ZeroState):
+        if tx is not None or mesh is not None or config is not None:
+            raise ValueError("restore_checkpoint takes either a state target (zj.abstract_state(...)) alone, "
+                             "or params with tx, mesh and config; got a state and more.")
+        plan = target.plan
+        params = jax.tree.unflatten(plan.treedef, [jax.ShapeDtypeStruct(l.shape, l.dtype) for l in plan.layouts])
+        config = plan.config
+    else:
+        missing = [n for n, v in (("tx", tx), ("mesh", mesh), ("config", config)) if v is None]
+        if missing:
+            raise TypeError(f"restoring onto a params tree needs tx, mesh and config (missing {missing}); "
+                            "or pass a state target built by zj.abstract_state(params, tx, mesh=..., config=...).")
+        params = target
     steps = checkpoint_steps(directory)
     if not steps:
-        raise FileNotFoundError(f"no checkpoint in {os.fspath(directory)!r}: it has no complete saved step.")
+        raise FileNotFoundError(f"no checkpoint in {_describe(directory)}: it has no complete saved step.")
     if step is None:
         step = steps[-1]
     elif step not in steps:
-        raise FileNotFoundError(f"no checkpoint for step {step} in {os.fspath(directory)!r}; it has steps {steps}.")
-    mngr = _manager(directory, create=False)
+        raise FileNotFoundError(f"no checkpoint for step {step} in {_describe(directory)}; it has steps {steps}.")
+    mngr = _manager(directory)
     meta = canonical.Meta.from_json(mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
     _check_params(meta, params)
-    plan = make_plan(params, mesh, config)
-    if not isinstance(tx, optax.GradientTransformation):
-        raise TypeError(f"tx must be an optax.GradientTransformation, got {type(tx).__name__}.")
-    opt_template = _opt_template(plan, tx)
+    if isinstance(target, ZeroState):
+        opt_template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), target.opt_state)
+    else:
+        plan = make_plan(params, mesh, config)
+        check_optimizer(tx)
+        opt_template = _opt_template(plan, tx)
     _check_optimizer(meta, plan, opt_template)
     targets = canonical.restore_targets(meta, plan)
     restore_args = jax.tree.map(

@@ -17,6 +17,15 @@ import optax
 from zerojax.sharding.plan import ZeroPlan
 
 
+def check_optimizer(tx: Any) -> None:
+    """Accepts any object with optax's ``init(params)`` / ``update(updates, state, params)``
+    protocol (``optax.GradientTransformation``, ``optax.MultiSteps``, ...)."""
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        raise TypeError(
+            f"tx must be an optax optimizer: an object with init(params) and "
+            f"update(updates, state, params) (e.g. optax.adamw(1e-3)), got {tx!r}.")
+
+
 def apply_optimizer(
     plan: ZeroPlan, tx: optax.GradientTransformation, grads: list[jax.Array],
     opt_state: Any, arrays: list[jax.Array],

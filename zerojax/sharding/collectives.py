@@ -1,20 +1,39 @@
-"""The two collectives of ZeRO with explicit dtypes, for use inside ``shard_map``.
+"""The collectives of ZeRO with explicit dtypes, for use inside ``shard_map``.
 
+* :func:`reduce_grad` sums a gradient over the data axis (all-reduce, or reduce-scatter
+  into this device's shard) in the reduce dtype and divides by the number of devices.
+  Every device's gradient enters it at the full loss scale (DeepSpeed's semantics); the
+  division by N happens after the sum, in fp32, except for a float16 reduction, where it
+  happens before the sum, as DeepSpeed's reduce-scatter does, so that the sum cannot
+  overflow where the gradients themselves do not.
 * :func:`gather` all-gathers a parameter shard in the compute dtype (half the bytes of
-  fp32 for bf16/fp16) and, in backward, reduce-scatters the cotangent in the reduce dtype
-  before returning it in the shard's own dtype.
+  fp32 for bf16/fp16); its backward is :func:`reduce_grad` of the cotangent.
 * :func:`scatter_grad` is the identity on a resident parameter whose backward
-  reduce-scatters the cotangent, in the reduce dtype, into a shard-shaped sink.
+  reduce-scatters the cotangent into a shard-shaped sink.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from zerojax.sharding.layout import LeafLayout
 
 
-def gather(layout: LeafLayout, axis: str, shard: jax.Array, compute_dtype, reduce_dtype) -> jax.Array:
+def reduce_grad(g: jax.Array, axis: str, n: int, reduce_dtype, layout: LeafLayout | None = None) -> jax.Array:
+    """fp32 mean over the ``axis`` devices of ``g``: replicated (``layout=None``: all-reduce)
+    or this device's shard of ``layout``'s storage (reduce-scatter)."""
+    predivide = jnp.dtype(reduce_dtype) == jnp.float16
+    x = g.astype(jnp.float32)
+    if predivide:
+        x = x / n
+    x = x.astype(reduce_dtype)
+    summed = jax.lax.psum(x, axis) if layout is None else layout.scatter(x, axis)
+    summed = summed.astype(jnp.float32)
+    return summed if predivide else summed / n
+
+
+def gather(layout: LeafLayout, axis: str, n: int, shard: jax.Array, compute_dtype, reduce_dtype) -> jax.Array:
     """Full leaf in ``compute_dtype`` from this device's shard (see module docstring)."""
 
     @jax.custom_vjp
@@ -25,14 +44,15 @@ def gather(layout: LeafLayout, axis: str, shard: jax.Array, compute_dtype, reduc
         return g(shard), None
 
     def bwd(_, ct):
-        return (layout.scatter(ct.astype(reduce_dtype), axis).astype(shard.dtype),)
+        return (reduce_grad(ct, axis, n, reduce_dtype, layout).astype(shard.dtype),)
 
     g.defvjp(fwd, bwd)
     return g(shard)
 
 
-def scatter_grad(layout: LeafLayout, axis: str, full: jax.Array, sink: jax.Array, reduce_dtype) -> jax.Array:
-    """``full``, whose cotangent is reduce-scattered into ``sink``'s shape and dtype."""
+def scatter_grad(layout: LeafLayout, axis: str, n: int, full: jax.Array, sink: jax.Array,
+                 reduce_dtype) -> jax.Array:
+    """``full``, whose cotangent is reduce-scattered (averaged) into ``sink``'s shape and dtype."""
 
     @jax.custom_vjp
     def ident(full, sink):
@@ -42,7 +62,7 @@ def scatter_grad(layout: LeafLayout, axis: str, full: jax.Array, sink: jax.Array
         return full, None
 
     def bwd(_, ct):
-        return None, layout.scatter(ct.astype(reduce_dtype), axis).astype(sink.dtype)
+        return None, reduce_grad(ct, axis, n, reduce_dtype, layout).astype(sink.dtype)
 
     ident.defvjp(fwd, bwd)
     return ident(full, sink)

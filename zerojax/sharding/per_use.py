@@ -24,11 +24,20 @@ consumes it:
   backward gathers once the cotangent exists, so no compiler pass can merge the two).
 
 Everything else in the program is evaluated unchanged.
+
+Equations are recognised by primitive object, from ``jax.extend.core.primitives`` (JAX's
+public extension API), and evaluated through ``jax.extend.core.jaxpr_as_fun``. At import
+a self-check traces ``jit``, ``scan`` and ``checkpoint`` and verifies that they produce the
+primitives and parameters this module reads; a JAX release that renames one fails here,
+naming the JAX version and the primitive, instead of silently gathering whole parameters.
+A stacked parameter that reaches a higher-order primitive this module does not handle
+(``while``, ``cond``, ...) is gathered whole there, with a warning that says so.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,20 +48,62 @@ from jax.extend import core as jcore
 from zerojax.sharding import collectives
 from zerojax.sharding.layout import LeafLayout
 
+# The primitives this module dispatches on, by their names in jax.extend.core.primitives.
+_NEEDED = ("jit_p", "closed_call_p", "scan_p", "remat_p", "slice_p", "reshape_p", "transpose_p",
+           "convert_element_type_p", "squeeze_p", "broadcast_in_dim_p", "copy_p", "add_p", "sub_p",
+           "add_jaxvals_p", "neg_p", "concatenate_p", "pad_p", "reduce_sum_p", "dynamic_slice_p",
+           "gather_p", "select_n_p")
+
+
+def _primitives():
+    from jax.extend.core import primitives
+
+    missing = [name for name in _NEEDED if not hasattr(primitives, name)]
+    if missing:
+        raise ImportError(
+            f"zerojax needs the JAX primitives {missing}, which jax {jax.__version__} does not "
+            "export from jax.extend.core.primitives. Install a JAX release in the range "
+            "pyproject.toml lists.")
+    return primitives
+
+
+_P = _primitives()
 # Equations of one operand that only change a value's shape or dtype; a parameter passing
 # through them stays pending and the equation is applied after materialisation.
-_SHAPE_ONLY = frozenset(
-    {"reshape", "transpose", "convert_element_type", "squeeze", "expand_dims",
-     "broadcast_in_dim", "copy", "copy_p"}
-)
+_SHAPE_ONLY = frozenset({_P.reshape_p, _P.transpose_p, _P.convert_element_type_p, _P.squeeze_p,
+                         _P.broadcast_in_dim_p, _P.copy_p})
 # Equations whose backward needs no operand values (only shapes or integer indices):
 # the gathered parameter is not kept for backward, so it needs no re-gather either.
-_NO_RESIDUALS = frozenset(
-    {"add", "sub", "add_any", "neg", "concatenate", "pad", "reduce_sum", "slice",
-     "dynamic_slice", "gather", "select_n"}
-)
+_NO_RESIDUALS = frozenset({_P.add_p, _P.sub_p, _P.add_jaxvals_p, _P.neg_p, _P.concatenate_p, _P.pad_p,
+                           _P.reduce_sum_p, _P.slice_p, _P.dynamic_slice_p, _P.gather_p, _P.select_n_p})
 # Elementwise shape-only equations that commute with slicing a stack of layers.
-_SLICE_SAFE = frozenset({"convert_element_type", "copy", "copy_p"})
+_SLICE_SAFE = frozenset({_P.convert_element_type_p, _P.copy_p})
+# Inlined calls; their body is the ``jaxpr`` parameter.
+_CALLS = frozenset({_P.jit_p, _P.closed_call_p})
+
+
+def _self_check() -> None:
+    """Traces each construct this module rewrites and checks the primitive and the
+    parameters it reads, so that a renamed primitive fails loudly at import."""
+    x = jax.ShapeDtypeStruct((2,), jnp.float32)  # abstract: importing must not start a backend
+    cases = [
+        ("jax.jit", lambda x: jax.jit(jnp.sin)(x), _P.jit_p, ("jaxpr",)),
+        ("jax.lax.scan", lambda x: jax.lax.scan(lambda c, r: (c + r, None), x[0], x)[0], _P.scan_p,
+         ("jaxpr", "num_consts", "num_carry", "length", "reverse", "unroll")),
+        ("jax.checkpoint", lambda x: jax.checkpoint(jnp.sin)(x), _P.remat_p, ("jaxpr", "prevent_cse", "policy")),
+    ]
+    for what, fn, prim, params in cases:
+        eqns = [e for e in jax.make_jaxpr(fn)(x).jaxpr.eqns if e.primitive is prim]
+        missing = [k for k in params if eqns and k not in eqns[0].params]
+        if not eqns or missing:
+            raise ImportError(
+                f"zerojax's per-use gathering does not recognise {what} in jax {jax.__version__}: "
+                + (f"it no longer traces to the primitive {prim.name!r}" if not eqns else
+                   f"primitive {prim.name!r} has no parameters {missing}")
+                + ". Install a JAX release in the range pyproject.toml lists.")
+
+
+_self_check()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,12 +112,13 @@ class Gathered:
     compute dtype (backward: reduce-scatter in the reduce dtype)."""
 
     axis: str
+    n: int
     compute_dtype: str = "float32"
     reduce_dtype: str = "float32"
     remat = True
 
     def materialize(self, layout: LeafLayout, arrays: Sequence[jax.Array]) -> jax.Array:
-        return collectives.gather(layout, self.axis, arrays[0], self.compute_dtype, self.reduce_dtype)
+        return collectives.gather(layout, self.axis, self.n, arrays[0], self.compute_dtype, self.reduce_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,12 +127,13 @@ class Scattered:
     into a shard-shaped sink as soon as backward produces it."""
 
     axis: str
+    n: int
     reduce_dtype: str = "float32"
     remat = False
 
     def materialize(self, layout: LeafLayout, arrays: Sequence[jax.Array]) -> jax.Array:
         full, sink = arrays
-        return collectives.scatter_grad(layout, self.axis, full, sink, self.reduce_dtype)
+        return collectives.scatter_grad(layout, self.axis, self.n, full, sink, self.reduce_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +144,7 @@ class Pending:
     layout: LeafLayout
     source: Gathered | Scattered
     ops: tuple[tuple[jcore.Primitive, dict], ...] = ()
+    name: str = ""  # the parameter's path, for messages
 
     def materialize(self) -> jax.Array:
         value = self.source.materialize(self.layout, self.arrays)
@@ -103,7 +157,7 @@ class Pending:
 
     @property
     def sliceable(self) -> bool:
-        return self.layout.can_slice_layers and all(p.name in _SLICE_SAFE for p, _ in self.ops)
+        return self.layout.can_slice_layers and all(p in _SLICE_SAFE for p, _ in self.ops)
 
     # Flattening for passing through jax.checkpoint / lax.scan boundaries.
     def rebuild(self, arrays: Sequence[jax.Array], *, sliced: bool = False) -> Pending:
@@ -111,11 +165,20 @@ class Pending:
         return dataclasses.replace(self, arrays=tuple(arrays), layout=layout)
 
 
+_DEBUG_INFO = jcore.DebugInfo("zerojax per-use evaluation", None, None, None)
+
+
 def _bind(eqn: jcore.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
-    params = eqn.primitive.get_bind_params(eqn.params)
-    with eqn.ctx.manager:
-        out = eqn.primitive.bind(*invals, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
+    """Evaluates one equation on ``invals`` the way JAX evaluates a jaxpr (its own
+    ``jaxpr_as_fun``), through a one-equation jaxpr."""
+    variables, values = [], []
+    for v, x in zip(eqn.invars, invals):
+        if isinstance(v, jcore.Literal) or any(v is u for u in variables):
+            continue
+        variables.append(v)
+        values.append(x)
+    jaxpr = jcore.Jaxpr([], variables, eqn.outvars, [eqn], eqn.effects, debug_info=_DEBUG_INFO)
+    return list(jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, []))(*values))
 
 
 def _materialize_all(vals: Sequence[Any]) -> list[Any]:
@@ -160,32 +223,48 @@ _PLAIN = Context()
 
 
 def _eqn_with_pending(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any]:
-    name = eqn.primitive.name
+    prim = eqn.primitive
     pending = [v for v in invals if isinstance(v, Pending)]
 
-    if name in _SHAPE_ONLY and len(invals) == 1:
-        return [invals[0].then(eqn.primitive, dict(eqn.params))]
-    if name in ("jit", "pjit", "closed_call", "core_call"):
-        closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if prim in _SHAPE_ONLY and len(invals) == 1:
+        return [invals[0].then(prim, dict(eqn.params))]
+    if prim in _CALLS:
+        closed = eqn.params["jaxpr"]
         if isinstance(closed, jcore.ClosedJaxpr):
             return eval_jaxpr(closed.jaxpr, closed.consts, invals, ctx)
         return eval_jaxpr(closed, (), invals, ctx)
-    if name == "scan":
+    if prim is _P.scan_p:
         return _scan(eqn, invals, ctx)
-    if name == "slice" and len(invals) == 1 and _is_row(eqn, invals[0]):
+    if prim is _P.slice_p and len(invals) == 1 and _is_row(eqn, invals[0]):
         return [_row(invals[0], eqn.params["start_indices"][0], ctx)]
-    if name in ("checkpoint", "remat", "remat2"):
+    if prim is _P.remat_p:
         return _checkpoint(eqn, invals, ctx)
+    _warn_if_stack_gathered_whole(eqn, pending)
 
     # Any other consumer: materialise here. Gathered sources are gathered again in backward
     # rather than kept alive from forward.
     if not any(p.source.remat for p in pending):
         return _bind(eqn, _materialize_all(invals))
-    if name in _NO_RESIDUALS or ctx.in_remat:
+    if prim in _NO_RESIDUALS or ctx.in_remat:
         # Inside a remat region the gathered value is recomputed (gathered again) for this
         # layer's backward anyway; a second re-gather would only add traffic.
         return _bind(eqn, _materialize_all(_tied_to_inputs(invals)))
     return _regathered(eqn, invals)
+
+
+def _warn_if_stack_gathered_whole(eqn: jcore.JaxprEqn, pending: list[Pending], how: str = "") -> None:
+    """A stacked parameter entering a loop or branch this module cannot look into is
+    materialised whole for all of it: say so, once per trace."""
+    if not how and not any(True for _ in jcore.jaxprs_in_params(eqn.params)):
+        return
+    for p in pending:
+        if p.layout.can_slice_layers:
+            warnings.warn(
+                f"zerojax: the stacked parameter {p.name or '(unnamed)'} of shape {p.layout.shape} enters "
+                f"a '{eqn.primitive.name}'{how} whole, so it is gathered (stage 3) or its gradient "
+                "reduced (stage 2) whole there, not one layer at a time. Run the layers with "
+                "jax.lax.scan over the stack (nnx.scan, nn.scan) to keep one layer live.",
+                stacklevel=2)
 
 
 def _is_row(eqn: jcore.JaxprEqn, v: Pending) -> bool:
@@ -311,6 +390,8 @@ def _scan(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any]:
     p = eqn.params
     n_consts, n_carry = p["num_consts"], p["num_carry"]
     body: jcore.ClosedJaxpr = p["jaxpr"]
+    _warn_if_stack_gathered_whole(eqn, [v for v in invals[: n_consts + n_carry] if isinstance(v, Pending)],
+                                  " as a loop constant or carry (not scanned over)")
     consts = _materialize_all(invals[:n_consts])
     carry = _materialize_all(invals[n_consts : n_consts + n_carry])
     xs_in = invals[n_consts + n_carry :]
@@ -352,7 +433,7 @@ def eval_jaxpr(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
         invals = [read(v) for v in eqn.invars]
         if any(isinstance(v, Pending) for v in invals):
             outs = _eqn_with_pending(eqn, invals, ctx)
-        elif (eqn.primitive.name in ("scan", "jit", "pjit") and ctx.scan_remat is not None
+        elif ((eqn.primitive is _P.scan_p or eqn.primitive in _CALLS) and ctx.scan_remat is not None
               and ctx.scan_remat.active):
             outs = _eqn_with_pending(eqn, invals, ctx)
         else:
@@ -368,3 +449,15 @@ def call_per_use(closed: jcore.ClosedJaxpr, params: Sequence[Any], args: Sequenc
     parameters given as pending values (or plain arrays)."""
     ctx = dataclasses.replace(ctx, rows={})
     return eval_jaxpr(closed.jaxpr, closed.consts, [*params, *args], ctx)
+
+
+def traced(fn: Callable, param_shapes: Sequence[jax.ShapeDtypeStruct], ctx: Context = _PLAIN) -> Callable:
+    """``fn(param_leaves, batch)`` re-evaluated from its jaxpr, so that the parameter leaves
+    it is called with may be :class:`Pending` (``param_shapes`` are their full shapes)."""
+    def call(params: Sequence[Any], batch: Any) -> Any:
+        batch_sds = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape, b.dtype), batch)
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(list(param_shapes), batch_sds)
+        outs = call_per_use(closed, params, jax.tree.leaves(batch), ctx)
+        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+    return call

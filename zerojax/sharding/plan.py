@@ -24,6 +24,7 @@ class ZeroPlan:
     mesh: Mesh
     treedef: Any  # jax.tree_util.PyTreeDef of the user's params
     layouts: tuple[LeafLayout, ...]
+    paths: tuple[str, ...] = ()  # each leaf's path (jax.tree_util.keystr), for messages
 
     @property
     def axis(self) -> str:
@@ -82,9 +83,10 @@ def make_plan(params: Any, mesh: Mesh, config: ZeroConfig) -> ZeroPlan:
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
     if not leaves_with_path:
         raise ValueError("params has no leaves; pass the model's parameter tree.")
-    layouts = []
+    layouts, paths = [], []
     for path, leaf in leaves_with_path:
         name = jax.tree_util.keystr(path) or "<root>"
+        paths.append(name)
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
             raise TypeError(
                 f"params leaf {name} is a {type(leaf).__name__}, not an array. Pass the "
@@ -96,4 +98,4 @@ def make_plan(params: Any, mesh: Mesh, config: ZeroConfig) -> ZeroPlan:
                 "are trained. Keep integer or boolean state (counters, masks) out of params."
             )
         layouts.append(layout_for(tuple(leaf.shape), leaf.dtype, n))
-    return ZeroPlan(config=config, mesh=mesh, treedef=treedef, layouts=tuple(layouts))
+    return ZeroPlan(config=config, mesh=mesh, treedef=treedef, layouts=tuple(layouts), paths=tuple(paths))

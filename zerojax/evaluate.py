@@ -1,0 +1,122 @@
+"""``make_eval_step``: a forward-only function of the parameters, under the state's ZeRO layout."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from zerojax.config import ZeroConfig
+from zerojax.sharding import outputs, per_use
+from zerojax.sharding.gradients import cast_batch
+from zerojax.sharding.mesh import auto_axes, axis_size
+from zerojax.sharding.plan import ZeroPlan
+from zerojax.state import ZeroState
+from zerojax.step import check_batch
+
+
+class EvalStep:
+    """A jitted forward-only step: ``outputs = eval_step(state, batch)``.
+
+    ``fn(params, batch)`` runs on each device's rows of the batch with the full parameters
+    in the compute dtype, exactly as the loss does in training; at stage 3 each parameter is
+    gathered where it is used and freed after, so no device holds the whole model. No
+    gradient, no optimizer, and the state is not donated. Outputs combine over devices by
+    ``reduce`` (see :mod:`zerojax.sharding.outputs`): floating scalars are averaged by
+    default; per-example outputs take ``"concat"``.
+    """
+
+    def __init__(self, fn: Callable, *, mesh: Mesh, config: ZeroConfig, reduce: Any = None):
+        if not callable(fn):
+            raise TypeError(f"fn must be callable as fn(params, batch), got {fn!r}.")
+        if not isinstance(config, ZeroConfig):
+            raise TypeError(f"config must be a zj.ZeroConfig, got {type(config).__name__}.")
+        self.n = axis_size(mesh, config.axis)
+        self.mesh, self.config, self.fn, self.reduce = auto_axes(mesh), config, fn, reduce
+        self._jitted: dict[ZeroPlan, Any] = {}
+        self._compiles = 0
+
+    def check(self, state: ZeroState, batch: Any) -> None:
+        if not isinstance(state, ZeroState):
+            raise TypeError(f"state must come from zj.init_state, got {type(state).__name__}.")
+        if state.plan.config != self.config or state.plan.mesh != self.mesh:
+            raise ValueError(
+                f"state was built for {state.plan.config} on mesh {dict(state.plan.mesh.shape)}, "
+                f"but this eval step uses {self.config} on mesh {dict(self.mesh.shape)}. "
+                "Build both with the same mesh and config.")
+        check_batch(batch, self.n, self.config.axis)
+
+    def _run(self, state: ZeroState, batch: Any) -> Any:
+        self._compiles += 1
+        plan = state.plan
+        axis, n, compute = plan.axis, plan.n, jnp.dtype(plan.config.compute_dtype)
+        unflat = lambda leaves: jax.tree.unflatten(plan.treedef, leaves)
+        shapes = [jax.ShapeDtypeStruct(l.shape, compute) for l in plan.layouts]
+
+        def user_fn(leaves, b):
+            return self.fn(unflat(leaves), cast_batch(b, compute))
+
+        local = jax.tree.map(lambda b: jax.ShapeDtypeStruct((b.shape[0] // n,) + b.shape[1:], b.dtype), batch)
+        combine = outputs.plan(self.reduce, jax.eval_shape(user_fn, shapes, local), "outputs", "reduce")
+        batch_spec = jax.tree.map(lambda _: P(axis), batch)
+
+        if plan.stage == 3:
+            source = per_use.Gathered(axis, n, plan.config.compute_dtype, plan.config.reduce_dtype)
+            run = per_use.traced(user_fn, shapes)
+
+            def body(shards, b):
+                pending = [per_use.Pending(arrays=(s,), layout=l, source=source, name=name)
+                           for s, l, name in zip(shards, plan.layouts, plan.paths)]
+                return combine.over_devices(run(pending, b), axis)
+
+            specs = [l.partition_spec(axis) for l in plan.layouts]
+        else:
+            def body(leaves, b):
+                return combine.over_devices(user_fn([x.astype(compute) for x in leaves], b), axis)
+
+            specs = [P()] * len(plan.layouts)
+        return jax.shard_map(body, mesh=plan.mesh, in_specs=(specs, batch_spec),
+                             out_specs=combine.specs(axis), check_vma=False)(jax.tree.leaves(state.params), batch)
+
+    def _jit_for(self, state: ZeroState):
+        fn = self._jitted.get(state.plan)
+        if fn is None:
+            fn = self._jitted[state.plan] = jax.jit(self._run)
+        return fn
+
+    def __call__(self, state: ZeroState, batch: Any) -> Any:
+        self.check(state, batch)
+        return self._jit_for(state)(state, batch)
+
+    def lower(self, state: ZeroState, batch: Any):
+        """``jax.jit(...).lower`` of the step: ``.compile()`` it to inspect the program."""
+        self.check(state, batch)
+        return self._jit_for(state).lower(state, batch)
+
+    def compile_count(self) -> int:
+        """Number of programs this step has traced and compiled."""
+        return self._compiles
+
+
+def make_eval_step(fn: Callable, *, mesh: Mesh, config: ZeroConfig, reduce: Any = None) -> EvalStep:
+    """Builds a forward-only step for ``fn(params, batch)`` (a held-out loss, per-example
+    predictions) that reads the parameters where they live: at stage 3, gathered layer by
+    layer as in training, never the whole model on one device.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, zerojax as zj
+      >>> mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=3)
+      >>> state = zj.init_state({"w": jnp.ones((3, 1))}, optax.sgd(0.1), mesh=mesh, config=cfg)
+      >>> def fn(p, b):
+      ...     pred = b["x"] @ p["w"]
+      ...     return {"loss": jnp.mean((pred - b["y"]) ** 2), "pred": pred}
+      >>> ev = zj.make_eval_step(fn, mesh=mesh, config=cfg, reduce={"loss": "mean", "pred": "concat"})
+      >>> out = ev(state, {"x": jnp.ones((8, 3)), "y": jnp.zeros((8, 1))})
+      >>> float(out["loss"]), out["pred"].shape
+      (9.0, (8, 1))
+    """
+    return EvalStep(fn, mesh=mesh, config=config, reduce=reduce)
