@@ -265,3 +265,33 @@ def test_step_timeout_finishes_the_save_in_flight_and_says_so(tmp_path):
     assert "did not finish within timeout_s=0.001s" in r.stderr
     assert f"an asynchronous checkpoint save to {tmp_path} was in progress; it completed (latest step 5)" in r.stderr
     assert zj.checkpoint.checkpoint_steps(tmp_path) == [5]
+
+
+def test_a_checkpoint_of_the_old_format_is_refused_clearly(tmp_path):
+    import json
+
+    zj.save_checkpoint(tmp_path, trained(3, 8, 1), step=1, wait=True)
+    meta_file = tmp_path / "1" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    assert meta["format"] == 2
+    meta["format"] = 1
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="format 1; this zerojax reads format 2 .* restore them with that version"):
+        restore(tmp_path, 3, 8)
+    with pytest.raises(ValueError, match="format 1"):
+        zj.export_weights(tmp_path, tmp_path / "w.safetensors")
+
+
+def test_layouts_that_change_with_the_device_count_restore_exactly(tmp_path):
+    """A (24, 40) leaf is split along dim 1 on 8 devices and along dim 0 on 3 (40 does not
+    divide 3 within 2%): restoring moves it between the two layouts, values unchanged."""
+    params = {"w": jnp.asarray(np.arange(960.0).reshape(24, 40) / 960, jnp.float32), "b": jnp.ones((40,))}
+    tx = optax.adam(1e-3)
+    src = zj.init_state(params, tx, mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3))
+    assert src.plan.layouts[1].describe() == "split along dim 1"
+    zj.save_checkpoint(tmp_path, src, step=0, wait=True)
+    mesh3 = zj.make_mesh(jax.devices()[:3])
+    for stage in (3, 1):
+        got = zj.restore_checkpoint(tmp_path, params, tx, mesh=mesh3, config=zj.ZeroConfig(stage=stage))
+        assert got.plan.layouts[1].describe() == "split along dim 0"
+        np.testing.assert_array_equal(np.asarray(zj.gather_params(got)["w"]), np.asarray(params["w"]))

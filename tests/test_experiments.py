@@ -186,3 +186,26 @@ def test_stage_table_numbers(capsys):
     assert kinds == {0: {"all-reduce"}, 1: {"reduce-scatter", "all-gather"}, 2: {"reduce-scatter", "all-gather"},
                      3: {"reduce-scatter", "all-gather"}}
     assert rows[1]["temp"] - rows[2]["temp"] > 0.6 * 4 * psi
+
+
+def test_optimizer_view_costs(capsys):
+    """The exact path's cost, measured against a twin of a width that divides 8: a leaf
+    split in its own shape costs only its padding; a flat one is all-gathered for the
+    update (master, gradient, two Adam moments: 4Ψ of it at stage 3, 3Ψ at stage 1, where
+    the gathered update doubles as the new replicated copy) and holds at most about 3 full
+    copies of itself in temporaries."""
+    from experiments import optimizer_view
+
+    rows = {(r["stage"], r["width"]): r for r in optimizer_view.main(["--widths", "120,121,400,401", "--layers", "2"])}
+    assert rows[(3, 121)]["kind"] == "flat" and rows[(3, 401)]["kind"] == "dim" and rows[(3, 120)]["kind"] == "dim"
+    for r in rows.values():
+        assert 1.0 <= r["state"] / r["formula"] <= 1.03, r
+        if r["width"] % 8 == 0:
+            assert r["state"] == r["formula"]
+    for stage, extra in ((1, 3.0), (3, 4.0)):
+        div, flat, padded = rows[(stage, 120)], rows[(stage, 121)], rows[(stage, 401)]
+        assert flat["all_gather"] == pytest.approx(div["all_gather"] + extra, abs=0.02)
+        assert padded["all_gather"] == pytest.approx(rows[(stage, 400)]["all_gather"], rel=0.02)
+        full = 4 * flat["psi"]
+        assert flat["temp"] - div["temp"] * flat["psi"] / div["psi"] <= 3.2 * full
+    assert "| 3 | 121 | flattened, padded by 7 |" in capsys.readouterr().out

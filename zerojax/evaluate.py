@@ -64,23 +64,23 @@ class EvalStep:
         combine = outputs.plan(self.reduce, jax.eval_shape(user_fn, shapes, local), "outputs", "reduce")
         batch_spec = jax.tree.map(lambda _: P(axis), batch)
 
-        if plan.stage == 3:
+        if plan.stage == 3:  # only the sharded masters exist: gather each where it is used
             source = per_use.Gathered(axis, n, plan.config.compute_dtype, plan.config.reduce_dtype)
             run = per_use.traced(user_fn, shapes)
 
             def body(shards, b):
                 pending = [per_use.Pending(arrays=(s,), layout=l, source=source, name=name)
-                           for s, l, name in zip(shards, plan.layouts, plan.paths)]
+                           for s, l, name in zip(shards, plan.master_layouts, plan.paths)]
                 return combine.over_devices(run(pending, b), axis)
 
-            specs = [l.partition_spec(axis) for l in plan.layouts]
-        else:
+            specs, arrays = [l.partition_spec(axis) for l in plan.master_layouts], state.master
+        else:  # the replicated params forward reads
             def body(leaves, b):
                 return combine.over_devices(user_fn([x.astype(compute) for x in leaves], b), axis)
 
-            specs = [P()] * len(plan.layouts)
+            specs, arrays = [P()] * len(plan.layouts), state.params
         return jax.shard_map(body, mesh=plan.mesh, in_specs=(specs, batch_spec),
-                             out_specs=combine.specs(axis), check_vma=False)(jax.tree.leaves(state.params), batch)
+                             out_specs=combine.specs(axis), check_vma=False)(jax.tree.leaves(arrays), batch)
 
     def _jit_for(self, state: ZeroState):
         fn = self._jitted.get(state.plan)

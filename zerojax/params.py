@@ -29,21 +29,17 @@ def gather_params(state: ZeroState) -> Any:
     """
     if not isinstance(state, ZeroState):
         raise TypeError(f"gather_params takes a zj.init_state state, got {type(state).__name__}.")
-    plan = state.plan
-    if plan.stage == 3:
-        return _gather_fn(plan, True)(jax.tree.leaves(state.params))
-    if state.master is not None:  # bf16/fp16 compute copy: the masters are exact
-        return _gather_fn(plan, True)(jax.tree.leaves(state.master))
-    return _gather_fn(plan, False)(jax.tree.leaves(state.params))
+    if state.master is None:  # the replicated params are the fp32 masters
+        return _gather_fn(state.plan, False)(jax.tree.leaves(state.params))
+    return _gather_fn(state.plan, True)(jax.tree.leaves(state.master))
 
 
 @functools.lru_cache(maxsize=64)
-def _gather_fn(plan: ZeroPlan, sharded: bool):
+def _gather_fn(plan: ZeroPlan, from_storage: bool):
     def full(arrays):
-        unpad = (lambda l, s: l.from_storage(s)) if sharded else (lambda l, x: x)
+        unpad = (lambda l, s: l.from_storage(s)) if from_storage else (lambda l, x: x)
         # An explicit copy: an unchanged input would otherwise come back as the same buffer.
-        leaves = [jnp.array(unpad(l, s).astype(l.dtype), copy=True) for l, s in zip(plan.layouts, arrays)]
-        return jax.tree.unflatten(plan.treedef, leaves)
+        return plan.unflatten(jnp.array(unpad(l, s).astype(l.dtype), copy=True)
+                              for l, s in zip(plan.master_layouts, arrays))
 
-    out = jax.tree.unflatten(plan.treedef, [plan.replicated] * len(plan.layouts))
-    return jax.jit(full, out_shardings=out)
+    return jax.jit(full, out_shardings=plan.unflatten([plan.replicated] * len(plan.layouts)))

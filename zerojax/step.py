@@ -12,22 +12,22 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from zerojax.config import ZeroConfig
 from zerojax.optim import loss_scale as ls
 from zerojax.optim.update import apply_optimizer, check_optimizer, clip_by_global_norm, keep_if
-from zerojax.sharding.gradients import aux_plan, local_grads
+from zerojax.sharding.gradients import Loss
 from zerojax.sharding.mesh import auto_axes, axis_size
 from zerojax.sharding.plan import ZeroPlan
-from zerojax.state import ZeroState, has_master, state_shardings
+from zerojax.sharding.stages import stage_of
+from zerojax.state import ZeroState, state_shardings
 
 
 class LossScaleError(RuntimeError):
     """fp16 gradients overflowed at the minimum loss scale.
 
-    ``state`` is the state after that (skipped) step, still valid: parameters and
-    optimizer state are those of the last good step.
+    ``state`` is the newest state (after the call that raised), still valid: every update
+    it holds was finite; the overflowing step changed nothing.
     """
 
     def __init__(self, message: str, state: ZeroState, metrics: dict):
@@ -35,52 +35,24 @@ class LossScaleError(RuntimeError):
         self.state, self.metrics = state, metrics
 
 
-def _all_gather_leaves(plan: ZeroPlan, storage: list[jax.Array], dtype) -> list[jax.Array]:
-    """Sharded storage -> full, replicated leaves, cast to ``dtype`` (if given) before the
-    gather so that a bf16/fp16 copy moves half the bytes."""
-    specs = [l.partition_spec(plan.axis) for l in plan.layouts]
-    cast = (lambda s: s.astype(dtype)) if dtype is not None else (lambda s: s)
-    gather = jax.shard_map(
-        lambda shards: [l.gather(cast(s), plan.axis) for l, s in zip(plan.layouts, shards)],
-        mesh=plan.mesh, in_specs=(specs,), out_specs=[P()] * len(specs), check_vma=False,
-    )
-    return gather(storage)
+def _leaves(tree: Any) -> list | None:
+    return None if tree is None else jax.tree.leaves(tree)
 
 
-def _step(loss_fn: Callable, tx: optax.GradientTransformation, has_aux: bool, aux_reduce: Any,
+def _step(loss_fn: Callable, tx: Any, has_aux: bool, aux_reduce: Any,
           state: ZeroState, batch: Any) -> tuple[ZeroState, dict[str, Any]]:
     plan = state.plan
     cfg = plan.config
-    compute = jnp.dtype(cfg.compute_dtype)
-    layouts = plan.layouts
-    batch_spec = jax.tree.map(lambda _: P(plan.axis), batch)
-    aux = aux_plan(plan, loss_fn, batch, aux_reduce) if has_aux else None
-    grads_fn = local_grads(plan, loss_fn, has_aux, batch_spec, aux)
-    leaves = jax.tree.leaves(state.params)
-    storage_shardings = plan.storage_shardings()
+    stage = stage_of(plan)
     scale = state.loss_scale.scale if cfg.scaling else jnp.float32(1.0)
-
-    # The fp32 masters the optimizer updates, and what forward reads.
-    if plan.stage == 0:
-        masters = leaves
-        loss, aux, grads = grads_fn([x.astype(compute) for x in leaves], batch, scale)
-    elif plan.stage == 3:
-        masters = leaves
-        loss, aux, grads = grads_fn(masters, batch, scale)
-    else:
-        if has_master(plan):
-            masters = jax.tree.leaves(state.master)
-        else:  # replicated fp32 params: each device slices out the shard it owns (no traffic)
-            masters = [jax.lax.with_sharding_constraint(l.to_storage(x), s)
-                       for l, x, s in zip(layouts, leaves, storage_shardings)]
-        if plan.stage == 1:
-            loss, aux, grads = grads_fn(leaves, batch, scale)
-        else:
-            loss, aux, grads = grads_fn(leaves, masters, batch, scale)
+    params = _leaves(state.params)
+    masters = stage.masters(plan, params, _leaves(state.master))  # what the optimizer updates
+    loss = Loss.build(plan, loss_fn, has_aux, batch, aux_reduce)
+    value, aux, grads = stage.grads(loss, params, masters, batch, scale)
 
     grads = [g / scale for g in grads]
-    grad_norm = optax.tree.norm(grads)  # over all shards: XLA reduces across devices
-    finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
+    grad_norm = optax.tree.norm(grads)  # over all shards (storage padding is zero): XLA reduces
+    finite = jnp.isfinite(grad_norm) & jnp.isfinite(value)
     if cfg.grad_clip is not None:
         grads = clip_by_global_norm(grads, grad_norm, cfg.grad_clip)
     new_masters, opt_state = apply_optimizer(plan, tx, grads, state.opt_state, masters)
@@ -88,28 +60,18 @@ def _step(loss_fn: Callable, tx: optax.GradientTransformation, has_aux: bool, au
     if cfg.checks_finite:  # a non-finite step changes nothing, bit for bit
         new_masters = keep_if(skip, masters, new_masters)
         opt_state = keep_if(skip, state.opt_state, opt_state)
-
-    master_out = None
-    if plan.stage == 0:
-        params_out = new_masters
-    elif plan.stage == 3:
-        params_out = [jax.lax.with_sharding_constraint(x, s) for x, s in zip(new_masters, storage_shardings)]
-    else:
-        new_masters = [jax.lax.with_sharding_constraint(x, s) for x, s in zip(new_masters, storage_shardings)]
-        params_out = _all_gather_leaves(plan, new_masters, compute if has_master(plan) else None)
-        if has_master(plan):
-            master_out = jax.tree.unflatten(plan.treedef, new_masters)
+    new_params, new_master = stage.fields(plan, new_masters)
 
     scaler, at_min = (ls.update(state.loss_scale, skip, cfg) if cfg.scaling
                       else (None, jnp.asarray(False)))
-    unflat = lambda xs: jax.tree.unflatten(plan.treedef, xs)
     new_state = ZeroState(
-        step=state.step + 1, params=unflat(params_out), master=master_out, opt_state=opt_state,
+        step=state.step + 1, params=None if new_params is None else plan.unflatten(new_params),
+        master=None if new_master is None else plan.unflatten(new_master), opt_state=opt_state,
         loss_scale=scaler, skipped=state.skipped + skip.astype(jnp.int32), plan=plan,
     )
     metrics = {
         "step": state.step,
-        "loss": loss,
+        "loss": value,
         "grad_norm": grad_norm,
         "loss_scale": scale,
         "skipped": skip,
@@ -202,7 +164,12 @@ class TrainStep:
         plan = state.plan
         fn = self._jitted.get(plan)
         if fn is None:
-            out = state_shardings(plan, state.opt_state, state.loss_scale)
+            if plan.with_optimizer(self.tx) != plan:
+                raise ValueError(
+                    f"state holds the optimizer state {plan.opt_treedef}, but this train step's tx "
+                    f"creates {plan.with_optimizer(self.tx).opt_treedef}. Build the state and the "
+                    "step with the same optimizer.")
+            out = state_shardings(plan, state.loss_scale)
             fn = jax.jit(self._step, out_shardings=(out, plan.replicated),
                          donate_argnums=(0,) if self.config.donate else ())
             self._jitted[plan] = fn

@@ -1,11 +1,13 @@
 """The stage- and device-count-independent form of a state that checkpoints hold.
 
-Every parameter leaf is kept as its fp32 master in *storage* form (flattened and zero-
-padded, see :mod:`zerojax.sharding.layout`), sharded over the data axis; optimizer state
-leaves shaped like a parameter are kept the same way; everything else (step counts,
-scalars) as it is. Converting a state to this form is local slicing (no gathering), and
-restoring onto N' devices reads each leaf with N' padding (zero padding is appended or
-dropped at the end), then re-lays it out for the target stage inside one jitted program.
+Every fp32 master weight and every optimizer-state array is kept in its sharded layout
+(``plan.layouts`` / ``plan.opt_layouts``, see :mod:`zerojax.sharding.layout`), whatever
+the stage that saved it, and the layout is recorded beside it. Converting a state to this
+form is local slicing (stage 0) or nothing (stages 1–3). Restoring onto N' devices reads
+each array in its saved layout for N' shards (orbax pads or truncates the zero padding at
+the end of the split axis), then re-lays it out for the target stage and device count
+inside one jitted program (nothing moves when the layout is the same, which is the usual
+case: a layout depends on N only through divisibility).
 """
 
 from __future__ import annotations
@@ -15,15 +17,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import NamedSharding
 
-from zerojax.sharding.layout import LeafLayout
-from zerojax.sharding.plan import ZeroPlan
-from zerojax.state import ZeroState, has_master, state_shardings
 from zerojax.optim import loss_scale as ls
+from zerojax.sharding.layout import LeafLayout
+from zerojax.sharding.plan import ZeroPlan, master_dtype
+from zerojax.sharding.stages import stage_of
+from zerojax.state import ZeroState, state_shardings
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,10 +32,8 @@ class Meta:
     """What a checkpoint says about itself (stored as JSON next to the arrays)."""
 
     paths: tuple[str, ...]  # parameter leaf paths
-    layouts: tuple[tuple[tuple[int, ...], tuple[int, ...], int, str], ...]  # lead, inner, n, dtype
-    opt_layout: tuple[int | None, ...]  # per optimizer leaf: index of its parameter layout, or None
-    opt_shapes: tuple[tuple[int, ...], ...]  # per optimizer leaf, as saved
-    opt_dtypes: tuple[str, ...]
+    layouts: tuple[dict, ...]  # LeafLayout.to_json() of each parameter, as saved
+    opt_layouts: tuple[dict, ...]  # ... of each optimizer-state array
     opt_treedef: str
     stage: int
     n: int
@@ -49,60 +48,45 @@ class Meta:
     @classmethod
     def from_json(cls, d: dict) -> Meta:
         d = dict(d)
-        if d.pop("format", None) != FORMAT_VERSION:
-            raise ValueError(f"checkpoint format {d.get('format')} is not {FORMAT_VERSION}; "
-                             "it was written by another zerojax version.")
-        tup = lambda x: tuple(tup(i) for i in x) if isinstance(x, list) else x
-        return cls(**{k: tup(v) for k, v in d.items()})
+        version = d.pop("format", None)
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"this checkpoint has format {version}; this zerojax reads format {FORMAT_VERSION} "
+                "(arrays stored in their own shapes). Format 1 checkpoints (flattened storage) were "
+                "written by earlier zerojax versions: restore them with that version and save again.")
+        return cls(paths=tuple(d["paths"]), layouts=tuple(d["layouts"]), opt_layouts=tuple(d["opt_layouts"]),
+                   opt_treedef=d["opt_treedef"], stage=d["stage"], n=d["n"], compute_dtype=d["compute_dtype"],
+                   scaled=d["scaled"])
 
     def layout(self, i: int, n: int | None = None) -> LeafLayout:
-        lead, inner, n0, dtype = self.layouts[i]
-        return LeafLayout(lead=tuple(lead), inner=tuple(inner), n=n0 if n is None else n, dtype=dtype)
+        """Parameter ``i``'s saved layout, for ``n`` shards (default: as saved)."""
+        l = LeafLayout.from_json(self.layouts[i])
+        return l if n is None else l.with_n(n)
+
+    def opt_layout(self, k: int, n: int | None = None) -> LeafLayout:
+        l = LeafLayout.from_json(self.opt_layouts[k])
+        return l if n is None else l.with_n(n)
 
 
-def leaf_paths(tree: Any) -> list[str]:
-    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
-def opt_layout_index(plan: ZeroPlan, opt_state: Any) -> list[int | None]:
-    """For each optimizer leaf, the parameter it belongs to, or None.
-
-    Optax keeps per-parameter state in subtrees shaped like the params (Adam's ``mu`` and
-    ``nu``), so a leaf belongs to parameter i when its path ends with parameter i's path
-    and its shape is that parameter's (storage) shape. Independent of the device count.
-    """
-    param_paths = [jax.tree_util.keystr(p) for p, _ in
-                   jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(plan.treedef, plan.layouts))[0]]
-    shapes = [l.shape if plan.stage == 0 else l.storage_shape for l in plan.layouts]
-    out: list[int | None] = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
-        key, shape = jax.tree_util.keystr(path), tuple(np.shape(leaf))
-        match = [i for i, pp in enumerate(param_paths) if pp and key.endswith(pp) and shapes[i] == shape]
-        out.append(max(match, key=lambda i: len(param_paths[i])) if match else None)
-    return out
+def relayout(src: LeafLayout, dst: LeafLayout, x: jax.Array) -> jax.Array:
+    """An array stored by ``src``, stored by ``dst`` instead (same shape, any layouts)."""
+    return x if src == dst else dst.to_storage(src.from_storage(x))
 
 
 def to_canonical(state: ZeroState) -> tuple[dict, Meta]:
     """The checkpoint form of ``state`` (sharded arrays) and its metadata."""
     plan = state.plan
-    opt_leaves, opt_def = jax.tree.flatten(state.opt_state)
-    index = opt_layout_index(plan, state.opt_state)
-    storage_sh = plan.storage_shardings()
+    stage = stage_of(plan)
+    leaves = lambda t: None if t is None else jax.tree.leaves(t)
 
-    def convert(params, master, opt_leaves):
-        leaves = jax.tree.leaves(params)
-        if plan.stage == 3:
-            masters = leaves
-        elif master is not None:
-            masters = jax.tree.leaves(master)
-        else:
-            masters = [l.to_storage(x) for l, x in zip(plan.layouts, leaves)]
-        opt = [plan.layouts[i].to_storage(x) if (i is not None and plan.stage == 0) else x
-               for i, x in zip(index, opt_leaves)]
+    def convert(params, master, opt):
+        masters = stage.masters(plan, leaves(params), leaves(master))
+        masters = [relayout(s, d, x) for s, d, x in zip(plan.master_layouts, plan.layouts, masters)]
+        opt = [relayout(s, d, x) for s, d, x in zip(plan.opt_storage_layouts, plan.opt_layouts, leaves(opt))]
         return masters, opt
 
-    opt_sh = [storage_sh[i] if i is not None else plan.replicated for i in index]
-    masters, opt = jax.jit(convert, out_shardings=(storage_sh, opt_sh))(state.params, state.master, opt_leaves)
+    out = (plan.shardings(plan.layouts), plan.shardings(plan.opt_layouts))
+    masters, opt = jax.jit(convert, out_shardings=out)(state.params, state.master, state.opt_state)
     arrays = {
         "master": {str(i): x for i, x in enumerate(masters)},
         "opt": {str(i): x for i, x in enumerate(opt)},
@@ -112,75 +96,41 @@ def to_canonical(state: ZeroState) -> tuple[dict, Meta]:
     if state.loss_scale is not None:
         arrays["loss_scale"] = state.loss_scale._asdict()
     meta = Meta(
-        paths=tuple(leaf_paths(jax.tree.unflatten(plan.treedef, masters))),
-        layouts=tuple((l.lead, l.inner, l.n, l.dtype) for l in plan.layouts),
-        opt_layout=tuple(index),
-        opt_shapes=tuple(tuple(int(d) for d in np.shape(x)) for x in opt),
-        opt_dtypes=tuple(jnp.dtype(x.dtype).name for x in opt),
-        opt_treedef=str(opt_def),
-        stage=plan.stage, n=plan.n, compute_dtype=plan.config.compute_dtype,
-        scaled=state.loss_scale is not None,
+        paths=plan.paths, layouts=tuple(l.to_json() for l in plan.layouts),
+        opt_layouts=tuple(l.to_json() for l in plan.opt_layouts), opt_treedef=str(plan.opt_treedef),
+        stage=plan.stage, n=plan.n, compute_dtype=plan.config.compute_dtype, scaled=state.loss_scale is not None,
     )
     return arrays, meta
 
 
 def restore_targets(meta: Meta, plan: ZeroPlan) -> dict:
     """``jax.ShapeDtypeStruct`` targets to read each saved array into on ``plan``'s mesh:
-    the saved layout with the target's padding, sharded over the target data axis."""
-    def storage_sds(i):
-        l = meta.layout(i, plan.n)
-        return jax.ShapeDtypeStruct(l.storage_shape, jnp.dtype(_master_dtype(l.dtype)),
-                                    sharding=NamedSharding(plan.mesh, l.partition_spec(plan.axis)))
+    the saved layout for the target's device count, sharded over the target data axis."""
+    def target(layout: LeafLayout, dtype) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(layout.storage_shape, jnp.dtype(dtype), sharding=plan.sharding(layout))
 
-    rep = plan.replicated
-    opt = {}
-    for k, (i, shape) in enumerate(zip(meta.opt_layout, meta.opt_shapes)):
-        if i is None:
-            opt[str(k)] = jax.ShapeDtypeStruct(shape, jnp.dtype(meta.opt_dtypes[k]), sharding=rep)
-        else:
-            sds = storage_sds(i)
-            opt[str(k)] = sds
-    return {"master": {str(i): storage_sds(i) for i in range(len(meta.layouts))}, "opt": opt}
+    return {
+        "master": {str(i): target(meta.layout(i, plan.n), master_dtype(meta.layout(i).dtype))
+                   for i in range(len(meta.layouts))},
+        "opt": {str(k): target(meta.opt_layout(k, plan.n), meta.opt_layout(k).dtype)
+                for k in range(len(meta.opt_layouts))},
+    }
 
 
-def _master_dtype(dtype: str):
-    return jnp.promote_types(jnp.dtype(dtype), jnp.float32)
-
-
-def from_canonical(arrays: dict, meta: Meta, plan: ZeroPlan, opt_template: Any, config_scaled: bool) -> ZeroState:
+def from_canonical(arrays: dict, meta: Meta, plan: ZeroPlan) -> ZeroState:
     """A state laid out for ``plan`` from restored checkpoint arrays (see ``restore_targets``)."""
-    opt_leaves_t, opt_def = jax.tree.flatten(opt_template)
-    saved_layouts = [meta.layout(i, plan.n) for i in range(len(meta.layouts))]
-    compute = jnp.dtype(plan.config.compute_dtype)
-
-    def relayout(x, i):  # saved layout (target padding) -> target layout
-        src, dst = saved_layouts[i], plan.layouts[i]
-        return x if src == dst else dst.to_storage(src.from_storage(x))
+    stage = stage_of(plan)
 
     def build(masters, opt):
-        masters = [relayout(masters[str(i)], i) for i in range(len(plan.layouts))]
-        opt_out = []
-        for k, i in enumerate(meta.opt_layout):
-            x = opt[str(k)]
-            if i is not None:
-                x = relayout(x, i)
-                if plan.stage == 0:
-                    x = plan.layouts[i].from_storage(x)
-            opt_out.append(x.astype(opt_leaves_t[k].dtype))
-        unflat = lambda xs: jax.tree.unflatten(plan.treedef, xs)
-        if plan.stage == 0:
-            params, master = unflat([l.from_storage(x) for l, x in zip(plan.layouts, masters)]), None
-        elif plan.stage == 3:
-            params, master = unflat(masters), None
-        elif has_master(plan):
-            params = unflat([l.from_storage(x).astype(compute) for l, x in zip(plan.layouts, masters)])
-            master = unflat(masters)
-        else:
-            params, master = unflat([l.from_storage(x) for l, x in zip(plan.layouts, masters)]), None
-        return params, master, jax.tree.unflatten(opt_def, opt_out)
+        masters = [relayout(meta.layout(i, plan.n), l, masters[str(i)]) for i, l in enumerate(plan.master_layouts)]
+        opt = [relayout(meta.opt_layout(k, plan.n), l, opt[str(k)]).astype(l.dtype)
+               for k, l in enumerate(plan.opt_storage_layouts)]
+        params, master = stage.fields(plan, masters)
+        return (None if params is None else plan.unflatten(params), None if master is None else plan.unflatten(master),
+                plan.unflatten_opt(opt))
 
     scaler = ls.init(plan.config)
-    sh = state_shardings(plan, opt_template, scaler)
+    sh = state_shardings(plan, scaler)
     params, master, opt_state = jax.jit(build, out_shardings=(sh.params, sh.master, sh.opt_state))(
         arrays["master"], arrays["opt"])
     if scaler is not None and meta.scaled and "loss_scale" in arrays:

@@ -108,9 +108,7 @@ def export_weights(directory: str | os.PathLike, out: str | os.PathLike, *, step
                 item={"master": {key: 0}},
                 restore_args={"master": {key: ocp.RestoreArgs(restore_type=np.ndarray)}},
                 partial_restore=True)))["state"]["master"]
-            layout = meta.layout(i)
-            x = np.asarray(arrays[key])
-            yield name, x[..., : layout.inner_size].reshape(layout.shape).astype(target)
+            yield name, meta.layout(i).from_storage(np.asarray(arrays[key])).astype(target)
 
     write_safetensors(out, leaves(), dtype, shapes, {"format": "zerojax", "step": step,
                                                      "source_stage": meta.stage, "source_devices": meta.n})

@@ -263,13 +263,10 @@ def restore_checkpoint(directory: Directory, target: Any, tx: optax.GradientTran
     mngr = _manager(directory)
     meta = canonical.Meta.from_json(mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
     _check_params(meta, params)
-    if isinstance(target, ZeroState):
-        opt_template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), target.opt_state)
-    else:
-        plan = make_plan(params, mesh, config)
+    if not isinstance(target, ZeroState):
         check_optimizer(tx)
-        opt_template = _opt_template(plan, tx)
-    _check_optimizer(meta, plan, opt_template)
+        plan = make_plan(params, mesh, config, tx)
+    _check_optimizer(meta, plan)
     targets = canonical.restore_targets(meta, plan)
     restore_args = jax.tree.map(
         lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype, strict=False),
@@ -286,20 +283,14 @@ def restore_checkpoint(directory: Directory, target: Any, tx: optax.GradientTran
         restore_args["loss_scale"] = {k: scalar(t)[1] for k, t in names.items()}
     arrays = mngr.restore(step, args=ocp.args.Composite(
         state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args)))["state"]
-    return canonical.from_canonical(arrays, meta, plan, opt_template, config.scaling)
+    return canonical.from_canonical(arrays, meta, plan)
 
 
-def _opt_template(plan, tx):
-    sds = [jax.ShapeDtypeStruct(l.shape if plan.stage == 0 else l.storage_shape,
-                                jnp.promote_types(jnp.dtype(l.dtype), jnp.float32)) for l in plan.layouts]
-    return jax.eval_shape(tx.init, jax.tree.unflatten(plan.treedef, sds))
-
-
-def _check_optimizer(meta, plan, opt_template) -> None:
-    leaves, treedef = jax.tree.flatten(opt_template)
-    index = canonical.opt_layout_index(plan, opt_template)
-    if str(treedef) != meta.opt_treedef or list(index) != list(meta.opt_layout):
+def _check_optimizer(meta: canonical.Meta, plan) -> None:
+    saved = [(meta.opt_layout(k).shape, meta.opt_layout(k).dtype) for k in range(len(meta.opt_layouts))]
+    mine = [(l.shape, l.dtype) for l in plan.opt_layouts]
+    if str(plan.opt_treedef) != meta.opt_treedef or saved != mine:
         raise ValueError(
             "the optimizer does not match the checkpoint's: the checkpoint holds optimizer "
-            f"state {meta.opt_treedef} ({len(meta.opt_layout)} arrays), this tx.init gives "
-            f"{treedef} ({len(leaves)} arrays). Restore with the optimizer that was saved.")
+            f"state {meta.opt_treedef} ({len(saved)} arrays), this tx.init gives "
+            f"{plan.opt_treedef} ({len(mine)} arrays). Restore with the optimizer that was saved.")

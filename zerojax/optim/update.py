@@ -1,9 +1,19 @@
-"""Applying any optax transformation to sharded parameters.
+"""Applying any optax transformation to sharded state, with every array in its own shape.
 
-The update runs outside ``shard_map``, on global arrays whose storage is sharded over the
-data axis. Elementwise optimizer math then stays local to each device's shard, and any
-reduction an optimizer makes (``clip_by_global_norm``'s norm, a trust ratio) is computed
-by XLA over all shards: the true global value, not a per-device one.
+The optimizer never sees the storage layout. Each array (parameter, gradient, optimizer
+state) is viewed in its own shape before ``tx.update`` and stored back after it
+(:mod:`zerojax.sharding.layout`):
+
+* a ``dim`` array is its storage without the padding, split over the devices along the
+  same dimension: elementwise math stays local to each device's shard, with no copy;
+* a ``flat`` array is all-gathered whole for the update (the exact path for arrays whose
+  every dimension is too small to split evenly), then each device keeps its shard again;
+* a replicated array (a scalar) is used as it is.
+
+The update runs outside ``shard_map``, on global arrays, so anything an optimizer computes
+across an array (Adafactor's row and column means, Muon's Newton–Schulz matmuls, LAMB's
+trust ratio, a global-norm clip) is computed by XLA over all shards: the same value as on
+one device, whatever the transform.
 """
 
 from __future__ import annotations
@@ -13,7 +23,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
 
+from zerojax.sharding.layout import LeafLayout
 from zerojax.sharding.plan import ZeroPlan
 
 
@@ -26,18 +38,37 @@ def check_optimizer(tx: Any) -> None:
             f"update(updates, state, params) (e.g. optax.adamw(1e-3)), got {tx!r}.")
 
 
-def apply_optimizer(
-    plan: ZeroPlan, tx: optax.GradientTransformation, grads: list[jax.Array],
-    opt_state: Any, arrays: list[jax.Array],
-) -> tuple[list[jax.Array], Any]:
-    """One optax step on the arrays the optimizer owns; returns new arrays and state."""
-    unflat = lambda leaves: jax.tree.unflatten(plan.treedef, leaves)
-    params = unflat(arrays)
-    updates, opt_state = tx.update(unflat(grads), opt_state, params)
-    new = optax.apply_updates(params, updates)
-    new = [x.astype(a.dtype) for x, a in zip(jax.tree.leaves(new), arrays)]
-    opt_state = jax.lax.with_sharding_constraint(opt_state, plan.opt_shardings(opt_state))
-    return new, opt_state
+def view(plan: ZeroPlan, layouts: tuple[LeafLayout, ...], storage: list[jax.Array]) -> list[jax.Array]:
+    """Each stored array in its own shape, laid out for the optimizer (see the module docstring)."""
+    out = []
+    for l, x in zip(layouts, storage):
+        v = l.from_storage(x)
+        if l.kind != "replicated":
+            v = jax.lax.with_sharding_constraint(v, NamedSharding(plan.mesh, l.view_spec(plan.axis)))
+        out.append(v)
+    return out
+
+
+def store(plan: ZeroPlan, layouts: tuple[LeafLayout, ...], arrays: list[jax.Array]) -> list[jax.Array]:
+    """The inverse of :func:`view`: each array in its storage layout."""
+    return [jax.lax.with_sharding_constraint(l.to_storage(x), plan.sharding(l)) for l, x in zip(layouts, arrays)]
+
+
+def apply_optimizer(plan: ZeroPlan, tx: Any, grads: list[jax.Array], opt_state: Any,
+                    masters: list[jax.Array]) -> tuple[list[jax.Array], Any]:
+    """One optax step on the fp32 masters (all in the stage's storage layouts); returns the
+    new masters and optimizer state, stored the same way."""
+    layouts, opt_layouts = plan.master_layouts, plan.opt_storage_layouts
+    params = plan.unflatten(view(plan, layouts, masters))
+    updates, new_opt = tx.update(plan.unflatten(view(plan, layouts, grads)),
+                                 plan.unflatten_opt(view(plan, opt_layouts, jax.tree.leaves(opt_state))), params)
+    new = [x.astype(m.dtype) for x, m in zip(jax.tree.leaves(optax.apply_updates(params, updates)), masters)]
+    opt_leaves, treedef = jax.tree.flatten(new_opt)
+    if treedef != plan.opt_treedef:
+        raise ValueError(f"the optimizer's update changed its state's structure from {plan.opt_treedef} to "
+                         f"{treedef}; zerojax stores the state tx.init creates and needs it to keep its shape.")
+    opt_leaves = [x.astype(l.dtype) for x, l in zip(opt_leaves, opt_layouts)]
+    return store(plan, layouts, new), plan.unflatten_opt(store(plan, opt_layouts, opt_leaves))
 
 
 def clip_by_global_norm(grads: list[jax.Array], norm: jax.Array, max_norm: float) -> list[jax.Array]:

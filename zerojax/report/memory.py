@@ -38,10 +38,10 @@ def state_bytes_per_device(state: ZeroState) -> dict[str, int]:
     an :func:`zerojax.abstract_state`, from the shardings of its leaves).
 
     Returns the largest per-device figure for ``params`` (with the fp32 masters where they
-    are separate) and ``opt_state``, and the ``total`` of the whole state; ``replicated`` is the part of ``total`` held whole on every device (stage 3
-    has none but the step counters), and ``padding`` the per-device bytes of the zeros
-    that make every stage-3 parameter leaf divide over the data axis (its optimizer state
-    carries the same padding per moment).
+    are separate) and ``opt_state``, and the ``total`` of the whole state; ``replicated``
+    is the part of ``total`` held whole on every device (at stage 3 only the scalars:
+    step counters, scalar parameters), and ``padding`` the per-device bytes of the zeros
+    stored to make sharded arrays (masters and optimizer state) divide over the data axis.
 
     Example:
       >>> import jax.numpy as jnp, optax, zerojax as zj
@@ -60,16 +60,16 @@ def state_bytes_per_device(state: ZeroState) -> dict[str, int]:
         if x.sharding.is_fully_replicated and len(x.sharding.device_set) > 1:
             replicated += math.prod(x.shape) * np.dtype(x.dtype).itemsize
     plan = state.plan
-    if plan.stage == 3:
-        pad_elems = sum(l.padding * jax.numpy.dtype(l.dtype).itemsize for l in plan.layouts)
-    else:
-        pad_elems = 0
+    stored = list(zip(plan.opt_storage_layouts, jax.tree.leaves(state.opt_state)))
+    if state.master is not None:
+        stored += list(zip(plan.master_layouts, jax.tree.leaves(state.master)))
+    pad_bytes = sum(l.padding * np.dtype(x.dtype).itemsize for l, x in stored if l.kind != "replicated")
     return {
         "params": max(params.values()),
         "opt_state": max(opt.values()) if opt else 0,
         "total": max(totals.values()),
         "replicated": replicated if plan.n > 1 else 0,
-        "padding": pad_elems // plan.n,
+        "padding": pad_bytes // plan.n,
     }
 
 

@@ -1,4 +1,4 @@
-"""The static plan of a ZeRO state: config, mesh, tree structure and leaf layouts."""
+"""The static plan of a ZeRO state: config, mesh, tree structures and array layouts."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -18,13 +17,21 @@ from zerojax.sharding.mesh import auto_axes, axis_size
 
 @dataclasses.dataclass(frozen=True)
 class ZeroPlan:
-    """Everything static about a ZeRO state; hashable, so it rides in the pytree structure."""
+    """Everything static about a ZeRO state; hashable, so it rides in the pytree structure.
+
+    ``layouts`` (one per parameter) and ``opt_layouts`` (one per optimizer-state array) are
+    the sharded layouts (:mod:`zerojax.sharding.layout`) chosen from each array's shape:
+    what stages 1–3 store and what checkpoints hold. Stage 0 stores the same arrays
+    replicated (:meth:`stored`).
+    """
 
     config: ZeroConfig
     mesh: Mesh
     treedef: Any  # jax.tree_util.PyTreeDef of the user's params
     layouts: tuple[LeafLayout, ...]
-    paths: tuple[str, ...] = ()  # each leaf's path (jax.tree_util.keystr), for messages
+    paths: tuple[str, ...] = ()  # each parameter's path (jax.tree_util.keystr), for messages
+    opt_treedef: Any = None  # the optimizer state's structure (set by with_optimizer)
+    opt_layouts: tuple[LeafLayout, ...] = ()
 
     @property
     def axis(self) -> str:
@@ -42,35 +49,47 @@ class ZeroPlan:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
 
-    def storage_shardings(self) -> list[NamedSharding]:
-        return [NamedSharding(self.mesh, l.partition_spec(self.axis)) for l in self.layouts]
+    def stored(self, layout: LeafLayout) -> LeafLayout:
+        """How this stage stores an array: replicated at stage 0, sharded from stage 1 on."""
+        return layout.replicated() if self.stage == 0 else layout
 
-    def param_shardings(self) -> list[NamedSharding]:
-        """Shardings of ``state.params`` leaves: storage for stage 3, replicated otherwise."""
-        if self.stage == 3:
-            return self.storage_shardings()
-        return [self.replicated] * len(self.layouts)
+    @property
+    def master_layouts(self) -> tuple[LeafLayout, ...]:
+        """Layouts of the fp32 master weights as this stage stores them."""
+        return tuple(self.stored(l) for l in self.layouts)
 
-    def update_shapes(self) -> set[tuple[int, ...]]:
-        """Shapes of the arrays the optimizer updates (storage from stage 1 on)."""
-        if self.stage == 0:
-            return {l.shape for l in self.layouts}
-        return {l.storage_shape for l in self.layouts}
+    @property
+    def opt_storage_layouts(self) -> tuple[LeafLayout, ...]:
+        return tuple(self.stored(l) for l in self.opt_layouts)
 
-    def opt_sharding(self, leaf: Any) -> NamedSharding:
-        """Optimizer state leaves shaped like a parameter's storage are sharded like it
-        from stage 1 on; everything else (step counts, scalars) is replicated."""
-        shape = tuple(np.shape(leaf))
-        if self.stage >= 1 and shape in self.update_shapes() and len(shape) >= 1:
-            return NamedSharding(self.mesh, P(*([None] * (len(shape) - 1)), self.axis))
-        return self.replicated
+    def sharding(self, layout: LeafLayout) -> NamedSharding:
+        return NamedSharding(self.mesh, layout.partition_spec(self.axis))
 
-    def opt_shardings(self, opt_state: Any) -> Any:
-        return jax.tree.map(self.opt_sharding, opt_state)
+    def shardings(self, layouts) -> list[NamedSharding]:
+        return [self.sharding(l) for l in layouts]
+
+    def unflatten(self, leaves) -> Any:
+        return jax.tree.unflatten(self.treedef, list(leaves))
+
+    def unflatten_opt(self, leaves) -> Any:
+        return jax.tree.unflatten(self.opt_treedef, list(leaves))
+
+    def with_optimizer(self, tx: Any) -> ZeroPlan:
+        """This plan with the layouts of ``tx``'s state over these parameters (fp32 masters)."""
+        masters = self.unflatten(jax.ShapeDtypeStruct(l.shape, master_dtype(l.dtype)) for l in self.layouts)
+        leaves, treedef = jax.tree.flatten(jax.eval_shape(tx.init, masters))
+        layouts = tuple(layout_for(x.shape, x.dtype, self.n) for x in leaves)
+        return dataclasses.replace(self, opt_treedef=treedef, opt_layouts=layouts)
 
 
-def make_plan(params: Any, mesh: Mesh, config: ZeroConfig) -> ZeroPlan:
-    """Validates ``params`` and chooses the layout of every leaf."""
+def master_dtype(dtype) -> jnp.dtype:
+    """fp32 for narrow float params (bf16/fp16), the params' own dtype otherwise."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def make_plan(params: Any, mesh: Mesh, config: ZeroConfig, tx: Any = None) -> ZeroPlan:
+    """Validates ``params`` and chooses the layout of every parameter (and, given ``tx``, of
+    every optimizer-state array)."""
     if not isinstance(config, ZeroConfig):
         raise TypeError(f"config must be a zj.ZeroConfig, got {type(config).__name__}.")
     n = axis_size(mesh, config.axis)
@@ -98,4 +117,5 @@ def make_plan(params: Any, mesh: Mesh, config: ZeroConfig) -> ZeroPlan:
                 "are trained. Keep integer or boolean state (counters, masks) out of params."
             )
         layouts.append(layout_for(tuple(leaf.shape), leaf.dtype, n))
-    return ZeroPlan(config=config, mesh=mesh, treedef=treedef, layouts=tuple(layouts), paths=tuple(paths))
+    plan = ZeroPlan(config=config, mesh=mesh, treedef=treedef, layouts=tuple(layouts), paths=tuple(paths))
+    return plan if tx is None else plan.with_optimizer(tx)

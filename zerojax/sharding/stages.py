@@ -1,0 +1,149 @@
+"""What differs between the ZeRO stages, in one place: one object per stage.
+
+A state's fields mean the same thing at every stage (see :class:`zerojax.ZeroState`):
+``params`` are the full parameters forward reads, replicated (stages 0–2), and ``master``
+the fp32 master weights in sharded storage where they are kept apart from ``params``.
+Each stage says:
+
+* :meth:`Stage.fields`: the ``(params, master)`` fields that hold a set of fp32 masters
+  (given in the stage's storage layouts, ``plan.master_layouts``);
+* :meth:`Stage.masters`: the fp32 masters of a state, in those layouts (what the optimizer
+  updates and checkpoints save);
+* :meth:`Stage.grads`: the loss, aux and the gradient in the same layouts;
+* :meth:`Stage.field_shardings`: where ``params`` and ``master`` live.
+
+Initialisation, the optimizer step and checkpoint restore are the same for every stage:
+they go through these four. A new variant is a new class here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zerojax.sharding import per_use
+from zerojax.sharding.gradients import Loss, per_use_grads, replicated_grads
+from zerojax.sharding.plan import ZeroPlan
+
+Leaves = list[jax.Array]
+
+
+class Stage:
+    """Base: the stage's four operations (see the module docstring)."""
+
+    number: int
+
+    def fields(self, plan: ZeroPlan, masters: Leaves) -> tuple[Leaves | None, Leaves | None]:
+        raise NotImplementedError
+
+    def field_shardings(self, plan: ZeroPlan) -> tuple[list[NamedSharding] | None, list[NamedSharding] | None]:
+        raise NotImplementedError
+
+    def masters(self, plan: ZeroPlan, params: Leaves | None, master: Leaves | None) -> Leaves:
+        raise NotImplementedError
+
+    def grads(self, loss: Loss, params: Leaves | None, masters: Leaves, batch: Any, scale: jax.Array):
+        raise NotImplementedError
+
+
+class Stage0(Stage):
+    """Plain data parallelism: replicated fp32 params are the masters; gradients all-reduced."""
+
+    number = 0
+
+    def fields(self, plan, masters):
+        return masters, None
+
+    def field_shardings(self, plan):
+        return [plan.replicated] * len(plan.layouts), None
+
+    def masters(self, plan, params, master):
+        return params
+
+    def grads(self, loss, params, masters, batch, scale):
+        compute = loss.plan.config.compute_dtype
+        return replicated_grads(loss, scatter=False)([x.astype(compute) for x in params], batch, scale)
+
+
+class _ReplicatedCopy(Stage):
+    """Stages 1–2: forward reads a replicated copy in the compute dtype; the fp32 masters
+    are sharded (kept in ``master`` with bf16/fp16 compute; with fp32 compute the copy *is*
+    the masters and each device slices out the shard it owns, with no traffic)."""
+
+    def fields(self, plan, masters):
+        compute = jnp.dtype(plan.config.compute_dtype)
+        params = _all_gather(plan, masters, compute if plan.config.mixed else None)
+        return params, (masters if plan.config.mixed else None)
+
+    def field_shardings(self, plan):
+        master = plan.shardings(plan.master_layouts) if plan.config.mixed else None
+        return [plan.replicated] * len(plan.layouts), master
+
+    def masters(self, plan, params, master):
+        if plan.config.mixed:
+            return master
+        return [jax.lax.with_sharding_constraint(l.to_storage(x), s)
+                for l, x, s in zip(plan.master_layouts, params, plan.shardings(plan.master_layouts))]
+
+
+class Stage1(_ReplicatedCopy):
+    """ZeRO-1: the whole gradient, reduce-scattered after backward."""
+
+    number = 1
+
+    def grads(self, loss, params, masters, batch, scale):
+        return replicated_grads(loss, scatter=True)(params, batch, scale)
+
+
+class Stage2(_ReplicatedCopy):
+    """ZeRO-2: each parameter's gradient reduce-scattered where backward produces it."""
+
+    number = 2
+
+    def grads(self, loss, params, masters, batch, scale):
+        cfg = loss.plan.config
+        source = per_use.Scattered(cfg.axis, loss.plan.n, cfg.reduce_dtype)
+        return per_use_grads(loss, source)(params, masters, batch, scale)
+
+
+class Stage3(Stage):
+    """ZeRO-3: only the sharded masters exist; each use gathers its parameter."""
+
+    number = 3
+
+    def fields(self, plan, masters):
+        return None, masters
+
+    def field_shardings(self, plan):
+        return None, plan.shardings(plan.master_layouts)
+
+    def masters(self, plan, params, master):
+        return master
+
+    def grads(self, loss, params, masters, batch, scale):
+        cfg = loss.plan.config
+        source = per_use.Gathered(cfg.axis, loss.plan.n, cfg.compute_dtype, cfg.reduce_dtype)
+        return per_use_grads(loss, source)([], masters, batch, scale)
+
+
+STAGES: dict[int, Stage] = {s.number: s for s in (Stage0(), Stage1(), Stage2(), Stage3())}
+
+
+def stage_of(plan: ZeroPlan) -> Stage:
+    return STAGES[plan.stage]
+
+
+def _all_gather(plan: ZeroPlan, storage: Leaves, dtype) -> Leaves:
+    """Sharded storage -> full, replicated leaves, cast to ``dtype`` (if given) before the
+    gather so that a bf16/fp16 copy moves half the bytes."""
+    layouts = plan.master_layouts
+    cast = (lambda s: s.astype(dtype)) if dtype is not None else (lambda s: s)
+    return jax.shard_map(
+        lambda shards: [l.gather(cast(s), plan.axis) for l, s in zip(layouts, shards)],
+        mesh=plan.mesh, in_specs=([l.partition_spec(plan.axis) for l in layouts],),
+        out_specs=[P()] * len(layouts), check_vma=False,
+    )(storage)
