@@ -30,9 +30,15 @@ class GPTConfig:
     n_heads: int = 4
     mlp_ratio: int = 4
     remat: str = "none"  # a zerojax.remat policy name, applied per block
+    dropout: float = 0.0  # residual dropout of each block's attention and MLP outputs
+    lora_rank: int = 0  # > 0: LoRA adapters (nnx.LoRALinear) on every block's linear layers
 
     def __post_init__(self) -> None:
         zj.remat.resolve(self.remat)  # unknown names raise here, with the valid ones
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}.")
+        if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ValueError(f"GPTConfig.lora_rank must be an int >= 0, got {self.lora_rank!r}.")
         for name in ("vocab", "seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -61,12 +67,15 @@ class Block(nnx.Module):
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         d = cfg.d_model
         self.n_heads = cfg.n_heads
+        linear = (lambda i, o: nnx.LoRALinear(i, o, lora_rank=cfg.lora_rank, rngs=rngs)) if cfg.lora_rank else (
+            lambda i, o: nnx.Linear(i, o, rngs=rngs))
         self.ln1 = nnx.LayerNorm(d, rngs=rngs)
-        self.qkv = nnx.Linear(d, 3 * d, rngs=rngs)
-        self.proj = nnx.Linear(d, d, rngs=rngs)
+        self.qkv = linear(d, 3 * d)
+        self.proj = linear(d, d)
         self.ln2 = nnx.LayerNorm(d, rngs=rngs)
-        self.fc = nnx.Linear(d, cfg.mlp_ratio * d, rngs=rngs)
-        self.out = nnx.Linear(cfg.mlp_ratio * d, d, rngs=rngs)
+        self.fc = linear(d, cfg.mlp_ratio * d)
+        self.out = linear(cfg.mlp_ratio * d, d)
+        self.drop = nnx.Dropout(cfg.dropout)
 
     def attention(self, x: jax.Array) -> jax.Array:
         b, t, d = x.shape
@@ -78,9 +87,12 @@ class Block(nnx.Module):
         out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
         return self.proj(out.reshape(b, t, d))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + checkpoint_name(self.attention(self.ln1(x)), "attn_out")
-        return x + checkpoint_name(self.out(jax.nn.gelu(self.fc(self.ln2(x)))), "mlp_out")
+    def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
+        """``key``: this layer's dropout key (None: no dropout)."""
+        keys = (None, None) if key is None else jax.random.split(key)
+        drop = lambda y, k: y if k is None else self.drop(y, rngs=k)
+        x = x + drop(checkpoint_name(self.attention(self.ln1(x)), "attn_out"), keys[0])
+        return x + drop(checkpoint_name(self.out(jax.nn.gelu(self.fc(self.ln2(x)))), "mlp_out"), keys[1])
 
 
 class GPT(nnx.Module):
@@ -102,14 +114,22 @@ class GPT(nnx.Module):
         self.ln_f = nnx.LayerNorm(cfg.d_model, rngs=rngs)
         self.head = nnx.Linear(cfg.d_model, cfg.vocab, use_bias=False, rngs=rngs)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, key: jax.Array | None = None) -> jax.Array:
+        """``key``: dropout key (None, or ``cfg.dropout == 0``: no dropout)."""
         x = self.wte(tokens) + self.wpe[: tokens.shape[1]]
+        if key is None or not self.cfg.dropout:
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def run(x, block):
+                return block(x)
 
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        def run(x, block):
-            return block(x)
+            return self.head(self.ln_f(run(x, self.blocks)))
 
-        return self.head(self.ln_f(run(x, self.blocks)))
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry)
+        def run_dropout(x, block, key):
+            return block(x, key)
+
+        keys = jax.random.split(key, self.cfg.n_layers)
+        return self.head(self.ln_f(run_dropout(x, self.blocks, keys)))
 
 
 def init(cfg: GPTConfig, seed: int = 0):
@@ -130,12 +150,21 @@ def zero_setup(cfg: GPTConfig, tx: optax.GradientTransformation, *, mesh, config
     return state, zj.make_train_step(make_loss(graphdef), tx, mesh=mesh, config=config)
 
 
-def make_loss(graphdef):
-    """Next-token cross-entropy: ``loss_fn(params, {"tokens": int32[B, T + 1]})``."""
+def make_loss(graphdef, with_rng: bool = False):
+    """Next-token cross-entropy: ``loss_fn(params, {"tokens": int32[B, T + 1]})``, or with
+    ``with_rng`` ``loss_fn(params, batch, rng)`` (dropout, for
+    ``zj.make_train_step(..., with_rng=True)``)."""
 
-    def loss_fn(params, batch):
+    def loss_fn(params, batch, rng=None):
         tokens = batch["tokens"]
-        logits = nnx.merge(graphdef, params)(tokens[:, :-1])
+        logits = nnx.merge(graphdef, params)(tokens[:, :-1], rng)
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
-    return loss_fn
+    if with_rng:
+        return loss_fn
+    return lambda params, batch: loss_fn(params, batch)
+
+
+def is_lora(params):
+    """``trainable=`` mask of a LoRA fine-tune: the adapters train, the base is frozen."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: "lora" in jax.tree_util.keystr(path), params)

@@ -46,6 +46,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     model.add_argument("--layers", type=int, default=4)
     model.add_argument("--heads", type=int, default=4)
     model.add_argument("--seq-len", type=int, default=64)
+    model.add_argument("--dropout", type=float, default=0.0,
+                       help="residual dropout per block (a key per step, device and micro-batch)")
     opt = ap.add_argument_group("optimization")
     opt.add_argument("--steps", type=int, default=200)
     opt.add_argument("--batch", type=int, default=32, help="global batch (sequences per step)")
@@ -66,6 +68,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0 or args.eval_every < 0:
         ap.error("--warmup and --eval-every must be >= 0")
+    if not 0.0 <= args.dropout < 1.0:
+        ap.error(f"--dropout must be in [0, 1), got {args.dropout}")
     if args.batch % (args.devices * args.accum):
         ap.error(f"--batch {args.batch} must be a multiple of --devices x --accum = {args.devices * args.accum}")
     return args
@@ -103,18 +107,19 @@ def train(args: argparse.Namespace) -> list[dict]:
     if args.batch % (len(devices) * args.accum):
         raise SystemExit(f"--batch {args.batch} must be a multiple of {len(devices)} devices x --accum {args.accum}")
     cfg = gpt.GPTConfig(vocab=256, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
-                        n_heads=args.heads, remat=args.remat)
+                        n_heads=args.heads, remat=args.remat, dropout=args.dropout)
     graphdef, params = gpt.init(cfg, args.seed)
     lr = schedule(args)
     tx = optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=args.weight_decay)
     zc = zj.ZeroConfig(stage=args.stage, grad_accum_steps=args.accum,
                        grad_clip=args.grad_clip or None, **PRECISIONS[args.precision])
     mesh = zj.make_mesh(devices)
-    state = zj.init_state(params, tx, mesh=mesh, config=zc)
-    loss_fn = gpt.make_loss(graphdef)
-    step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=zc)
-    # Held-out loss under the run's own layout: at stage 3 one layer is gathered at a time.
-    eval_loss = zj.make_eval_step(loss_fn, mesh=mesh, config=zc)
+    dropout = args.dropout > 0
+    state = zj.init_state(params, tx, mesh=mesh, config=zc, rng=jax.random.key(args.seed) if dropout else None)
+    step = zj.make_train_step(gpt.make_loss(graphdef, with_rng=dropout), tx, mesh=mesh, config=zc,
+                              with_rng=dropout)
+    # Held-out loss under the run's own layout (no dropout): at stage 3 one layer is gathered at a time.
+    eval_loss = zj.make_eval_step(gpt.make_loss(graphdef), mesh=mesh, config=zc)
 
     corpus = data.stdlib_bytes()
     split = int(len(corpus) * 0.95)

@@ -52,7 +52,7 @@ def test_loss_not_scalar(stage):
     state = zj.init_state(models.mlp_params(), TX, mesh=mesh, config=cfg)
     vector_loss = lambda p, b: (b["x"] @ p["inp"]["w"]).sum(axis=1)
     step = zj.make_train_step(vector_loss, TX, mesh=mesh, config=cfg)
-    with pytest.raises(ValueError, match=r"loss_fn must return a floating scalar, got .* shape \(2,\)"):
+    with pytest.raises(ValueError, match=r"loss_fn must return a floating scalar loss, got .* shape \(2,\)"):
         step(state, models.batch(16))
 
 

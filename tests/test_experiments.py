@@ -82,11 +82,12 @@ def test_comm_volumes_match_the_paper():
 def test_train_script_logs_json_lines_and_the_loss_falls(tmp_path):
     log, png = tmp_path / "run.jsonl", tmp_path / "run.png"
     out = run_script("train.py", "--stage", "3", "--precision", "bf16", "--steps", "40", "--batch", "16",
-                     "--d-model", "64", "--layers", "2", "--heads", "2", "--eval-every", "20",
+                     "--d-model", "64", "--layers", "2", "--heads", "2", "--eval-every", "20", "--dropout", "0.1",
                      "--log", str(log), "--plot", str(png))
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert records[0]["kind"] == "config" and records[0]["stage"] == 3 and records[0]["n_devices"] == 8
+    assert records[0]["dropout"] == 0.1
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in train] == list(range(40))
@@ -209,3 +210,16 @@ def test_optimizer_view_costs(capsys):
         full = 4 * flat["psi"]
         assert flat["temp"] - div["temp"] * flat["psi"] / div["psi"] <= 3.2 * full
     assert "| 3 | 121 | flattened, padded by 7 |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_lora_fine_tune_memory_follows_the_formula():
+    from experiments import lora
+
+    rows = lora.main(["--d-model", "64", "--layers", "2", "--rank", "4", "--steps", "6", "--stages", "0,3"])
+    by = {(r["stage"], r["run"]): r for r in rows}
+    for r in rows:
+        assert r["state"] == pytest.approx(r["formula"] + 12, abs=64)  # + the int32 counters
+        assert r["loss_last"] < r["loss_first"]
+    assert by[(3, "LoRA")]["state"] < by[(3, "full")]["state"] / 3
+    assert by[(0, "LoRA")]["psi_t"] < 0.1 * by[(0, "LoRA")]["psi_f"]

@@ -5,6 +5,8 @@ import re
 
 import numpy as np
 
+import zerojax as zj
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
@@ -29,9 +31,17 @@ def test_readme_python_blocks_run(capsys):
     np.testing.assert_allclose(np.asarray(out["pred"]), np.asarray(model(batch["x"])), rtol=1e-5, atol=1e-6)
     want = np.mean((np.asarray(model(batch["x"])) - np.asarray(batch["y"])) ** 2)
     np.testing.assert_allclose(float(out["loss"]), want, rtol=1e-5)
+    # Dropout, BatchNorm, frozen weights and init_fn, as the README shows them.
+    assert np.isfinite(float(namespace["dm"]["loss"])) and namespace["dstate"].rng is not None
+    stats = namespace["bstate"].model_state["batch_stats"]
+    assert not np.allclose(np.asarray(jax.tree.leaves(stats)[0]), 0.0)  # the running mean moved
+    frozen, params = zj.gather_params(namespace["fstate"]), namespace["params"]
+    np.testing.assert_array_equal(np.asarray(frozen["l1"]["kernel"][...]), np.asarray(params["l1"]["kernel"][...]))
+    assert not np.array_equal(np.asarray(frozen["l2"]["kernel"][...]), np.asarray(params["l2"]["kernel"][...]))
+    assert zj.state_bytes_per_device(namespace["fstate"])["frozen"] == 4 * (13 * 64 + 64) // 8
+    born = zj.gather_params(namespace["born_sharded"])
+    assert models_equal(born, params)
     # The ahead-of-time figure is the compiled step's own, to the byte.
-    import zerojax as zj
-
     compiled = namespace["train_step"].lower(namespace["state"], namespace["batch"]).compile()
     assert namespace["mem"].total == zj.compiled_bytes(compiled)["total"]
     assert namespace["mem"].state == zj.state_bytes_per_device(namespace["state"])["total"]
@@ -45,3 +55,9 @@ def test_readme_commands_match_ci():
     demo_cmd = re.findall(r"```bash\n(.*?)\n```", README, flags=re.S)[0]
     script = demo_cmd.split("python ")[-1].strip()
     assert (ROOT / script).is_file()
+
+
+def models_equal(a, b) -> bool:
+    import jax
+
+    return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))

@@ -12,11 +12,11 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.config import ZeroConfig
 from zerojax.sharding import outputs, per_use
-from zerojax.sharding.gradients import cast_batch
+from zerojax.sharding.gradients import cast_batch, local_shapes
 from zerojax.sharding.mesh import auto_axes, axis_size
 from zerojax.sharding.plan import ZeroPlan
 from zerojax.state import ZeroState
-from zerojax.step import check_batch
+from zerojax.step import check_batch, check_keywords
 
 
 class EvalStep:
@@ -30,13 +30,16 @@ class EvalStep:
     default; per-example outputs take ``"concat"``.
     """
 
-    def __init__(self, fn: Callable, *, mesh: Mesh, config: ZeroConfig, reduce: Any = None):
+    def __init__(self, fn: Callable, *, mesh: Mesh, config: ZeroConfig, reduce: Any = None,
+                 with_model_state: bool = False):
         if not callable(fn):
             raise TypeError(f"fn must be callable as fn(params, batch), got {fn!r}.")
         if not isinstance(config, ZeroConfig):
             raise TypeError(f"config must be a zj.ZeroConfig, got {type(config).__name__}.")
         self.n = axis_size(mesh, config.axis)
         self.mesh, self.config, self.fn, self.reduce = auto_axes(mesh), config, fn, reduce
+        self.with_model_state = with_model_state
+        check_keywords(fn, "fn", model_state=with_model_state)
         self._jitted: dict[ZeroPlan, Any] = {}
         self._compiles = 0
 
@@ -48,39 +51,52 @@ class EvalStep:
                 f"state was built for {state.plan.config} on mesh {dict(state.plan.mesh.shape)}, "
                 f"but this eval step uses {self.config} on mesh {dict(self.mesh.shape)}. "
                 "Build both with the same mesh and config.")
+        if self.with_model_state and state.model_state is None:
+            raise ValueError("make_eval_step(..., with_model_state=True) needs a state built with "
+                             "zj.init_state(..., model_state=...).")
         check_batch(batch, self.n, self.config.axis)
 
     def _run(self, state: ZeroState, batch: Any) -> Any:
         self._compiles += 1
         plan = state.plan
         axis, n, compute = plan.axis, plan.n, jnp.dtype(plan.config.compute_dtype)
-        unflat = lambda leaves: jax.tree.unflatten(plan.treedef, leaves)
         shapes = [jax.ShapeDtypeStruct(l.shape, compute) for l in plan.layouts]
 
-        def user_fn(leaves, b):
-            return self.fn(unflat(leaves), cast_batch(b, compute))
+        def user_fn(leaves, inputs):
+            b, ms = inputs
+            kwargs = {"model_state": jax.tree.map(lambda x: x, ms)} if self.with_model_state else {}
+            return self.fn(plan.unflatten(leaves), cast_batch(b, compute), **kwargs)
 
+        ms = state.model_state if self.with_model_state else None
         local = jax.tree.map(lambda b: jax.ShapeDtypeStruct((b.shape[0] // n,) + b.shape[1:], b.dtype), batch)
-        combine = outputs.plan(self.reduce, jax.eval_shape(user_fn, shapes, local), "outputs", "reduce")
+        combine = outputs.plan(self.reduce, local_shapes(plan, user_fn, shapes, (local, ms)), "outputs", "reduce")
         batch_spec = jax.tree.map(lambda _: P(axis), batch)
+        frozen = jax.tree.leaves(state.frozen) if state.frozen is not None else []
+        frozen_specs = [l.partition_spec(axis) for l in plan.frozen_layouts]
+        train_names, frozen_names = plan.split(plan.paths)
 
         if plan.stage == 3:  # only the sharded masters exist: gather each where it is used
-            source = per_use.Gathered(axis, n, plan.config.compute_dtype, plan.config.reduce_dtype)
+            cfg = plan.config
+            source = per_use.Gathered(axis, n, cfg.compute_dtype, cfg.reduce_dtype)
+            frozen_source = per_use.Frozen(axis, cfg.compute_dtype)
             run = per_use.traced(user_fn, shapes)
 
-            def body(shards, b):
-                pending = [per_use.Pending(arrays=(s,), layout=l, source=source, name=name)
-                           for s, l, name in zip(shards, plan.master_layouts, plan.paths)]
-                return combine.over_devices(run(pending, b), axis)
+            def body(shards, frozen, b, ms):
+                train = [per_use.Pending(arrays=(s,), layout=l, source=source, name=name)
+                         for s, l, name in zip(shards, plan.master_layouts, train_names)]
+                fro = [per_use.Pending(arrays=(x,), layout=l, source=frozen_source, name=name)
+                       for x, l, name in zip(frozen, plan.frozen_layouts, frozen_names)]
+                return combine.over_devices(run(plan.join(train, fro), (b, ms)), axis)
 
             specs, arrays = [l.partition_spec(axis) for l in plan.master_layouts], state.master
         else:  # the replicated params forward reads
-            def body(leaves, b):
-                return combine.over_devices(user_fn([x.astype(compute) for x in leaves], b), axis)
+            def body(leaves, frozen, b, ms):
+                cast = lambda xs: [x.astype(compute) for x in xs]
+                return combine.over_devices(user_fn(plan.join(cast(leaves), cast(frozen)), (b, ms)), axis)
 
-            specs, arrays = [P()] * len(plan.layouts), state.params
-        return jax.shard_map(body, mesh=plan.mesh, in_specs=(specs, batch_spec),
-                             out_specs=combine.specs(axis), check_vma=False)(jax.tree.leaves(arrays), batch)
+            specs, arrays = [P()] * len(plan.master_layouts), state.params
+        return jax.shard_map(body, mesh=plan.mesh, in_specs=(specs, frozen_specs, batch_spec, P()),
+                             out_specs=combine.specs(axis), check_vma=False)(jax.tree.leaves(arrays), frozen, batch, ms)
 
     def _jit_for(self, state: ZeroState):
         fn = self._jitted.get(state.plan)
@@ -102,10 +118,13 @@ class EvalStep:
         return self._compiles
 
 
-def make_eval_step(fn: Callable, *, mesh: Mesh, config: ZeroConfig, reduce: Any = None) -> EvalStep:
+def make_eval_step(fn: Callable, *, mesh: Mesh, config: ZeroConfig, reduce: Any = None,
+                   with_model_state: bool = False) -> EvalStep:
     """Builds a forward-only step for ``fn(params, batch)`` (a held-out loss, per-example
     predictions) that reads the parameters where they live: at stage 3, gathered layer by
-    layer as in training, never the whole model on one device.
+    layer as in training, never the whole model on one device. ``with_model_state=True``
+    calls ``fn(params, batch, model_state=state.model_state)`` (BatchNorm in inference
+    mode reads its running statistics) and leaves the state as it is.
 
     Example:
       >>> import jax.numpy as jnp, optax, zerojax as zj
@@ -119,4 +138,4 @@ def make_eval_step(fn: Callable, *, mesh: Mesh, config: ZeroConfig, reduce: Any 
       >>> float(out["loss"]), out["pred"].shape
       (9.0, (8, 1))
     """
-    return EvalStep(fn, mesh=mesh, config=config, reduce=reduce)
+    return EvalStep(fn, mesh=mesh, config=config, reduce=reduce, with_model_state=with_model_state)

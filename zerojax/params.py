@@ -16,7 +16,8 @@ def gather_params(state: ZeroState) -> Any:
     """The full parameter tree, same structure, shapes and dtypes as given to ``init_state``.
 
     The fp32 masters are returned (all-gathered and unpadded where sharded), cast to the
-    dtypes the params had when given to ``init_state``. Every device (and process) gets the
+    dtypes the params had when given to ``init_state``, with the frozen parameters as
+    stored (rounded to the compute dtype where that is narrower). Every device (and process) gets the
     full values, in new arrays at every stage: a later (donating) train step does not
     invalidate them.
 
@@ -29,17 +30,20 @@ def gather_params(state: ZeroState) -> Any:
     """
     if not isinstance(state, ZeroState):
         raise TypeError(f"gather_params takes a zj.init_state state, got {type(state).__name__}.")
-    if state.master is None:  # the replicated params are the fp32 masters
-        return _gather_fn(state.plan, False)(jax.tree.leaves(state.params))
-    return _gather_fn(state.plan, True)(jax.tree.leaves(state.master))
+    from_storage = state.master is not None  # else the replicated params are the fp32 masters
+    train = jax.tree.leaves(state.master if from_storage else state.params)
+    frozen = jax.tree.leaves(state.frozen) if state.frozen is not None else []
+    return _gather_fn(state.plan, from_storage)(train, frozen)
 
 
 @functools.lru_cache(maxsize=64)
 def _gather_fn(plan: ZeroPlan, from_storage: bool):
-    def full(arrays):
-        unpad = (lambda l, s: l.from_storage(s)) if from_storage else (lambda l, x: x)
+    dtypes = [l.dtype for l in plan.layouts]
+
+    def full(train, frozen):
+        train = [l.from_storage(x) if from_storage else x for l, x in zip(plan.master_layouts, train)]
+        frozen = [l.from_storage(x) for l, x in zip(plan.frozen_layouts, frozen)]
         # An explicit copy: an unchanged input would otherwise come back as the same buffer.
-        return plan.unflatten(jnp.array(unpad(l, s).astype(l.dtype), copy=True)
-                              for l, s in zip(plan.master_layouts, arrays))
+        return plan.unflatten(jnp.array(x.astype(d), copy=True) for x, d in zip(plan.join(train, frozen), dtypes))
 
     return jax.jit(full, out_shardings=plan.unflatten([plan.replicated] * len(plan.layouts)))

@@ -21,18 +21,28 @@ from zerojax.sharding.stages import stage_of
 class ZeroState:
     """Train state: a pytree of arrays plus a static ``plan``. Each field means one thing at
     every stage; which fields a stage keeps is :mod:`zerojax.sharding.stages`' business.
+    Trees of parameters have the user's structure, with ``optax.MaskedNode()`` in the place
+    of the parameters a field does not hold (frozen ones in ``params``/``master``, trainable
+    ones in ``frozen``), as ``optax.masked`` does.
 
     Fields:
       step: int32[], train-step calls so far (skipped ones included).
-      params: the full parameters forward reads, replicated on every device, in the user's
-        tree: stage 0 (fp32, cast to the compute dtype in the step) and stages 1–2 (in the
+      params: the full trainable parameters forward reads, replicated on every device:
+        stage 0 (fp32, cast to the compute dtype in the step) and stages 1–2 (in the
         compute dtype). ``None`` at stage 3, where forward gathers each layer from ``master``.
-      master: the fp32 master weights in sharded storage (one array per parameter, laid out
-        by ``plan.layouts``, see :mod:`zerojax.sharding.layout`); ``None`` where ``params``
-        are the masters themselves (stage 0, and stages 1–2 with fp32 compute).
-      opt_state: the optax state of the masters, in optax's own tree; each array stored by
-        its own layout (``plan.opt_layouts``): sharded from stage 1 on, replicated at
-        stage 0; scalars (step counts, injected hyperparameters) are plain scalars.
+      master: the fp32 master weights of the trainable parameters in sharded storage (laid
+        out by ``plan.layouts``, see :mod:`zerojax.sharding.layout`); ``None`` where
+        ``params`` are the masters themselves (stage 0, and stages 1–2 with fp32 compute).
+      frozen: the frozen parameters (``init_state(..., trainable=...)``), in the compute
+        dtype where it is narrower than theirs: replicated at stages 0–2, sharded at stage 3.
+        They never change. ``None`` when every parameter trains.
+      opt_state: the optax state of the trainable masters, in optax's own tree; each array
+        stored by its own layout (``plan.opt_layouts``): sharded from stage 1 on, replicated
+        at stage 0; scalars (step counts, injected hyperparameters) are plain scalars.
+      model_state: non-trained model state (BatchNorm statistics, ...), replicated, or
+        ``None``.
+      rng: the run's base key (``jax.random.key``), or ``None``; each step, device and
+        micro-batch folds its own key from it.
       loss_scale: the fp16 loss scaler's state, or ``None``.
       skipped: int32[], steps skipped for non-finite gradients so far.
 
@@ -42,64 +52,92 @@ class ZeroState:
     step: jax.Array
     params: Any
     master: Any
+    frozen: Any
     opt_state: Any
+    model_state: Any
+    rng: Any
     loss_scale: ls.LossScaleState | None
     skipped: jax.Array
     plan: ZeroPlan = dataclasses.field(metadata=dict(static=True))
 
 
-def state_shardings(plan: ZeroPlan, scaler: Any) -> ZeroState:
+def state_shardings(plan: ZeroPlan, scaler: Any, model_state: Any = None, rng: Any = None) -> ZeroState:
     """Where every field of a state of ``plan`` lives."""
     params, master = stage_of(plan).field_shardings(plan)
     rep = plan.replicated
     return ZeroState(
         step=rep,
-        params=None if params is None else plan.unflatten(params),
-        master=None if master is None else plan.unflatten(master),
+        params=None if params is None else plan.unflatten_train(params),
+        master=None if master is None else plan.unflatten_train(master),
+        frozen=plan.unflatten_frozen(plan.shardings(plan.frozen_layouts)) if plan.has_frozen else None,
         opt_state=plan.unflatten_opt(plan.shardings(plan.opt_storage_layouts)),
+        model_state=jax.tree.map(lambda _: rep, model_state),
+        rng=None if rng is None else rep,
         loss_scale=jax.tree.map(lambda _: rep, scaler),
         skipped=rep,
         plan=plan,
     )
 
 
-def init_state(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig) -> ZeroState:
-    """Builds a sharded train state from full ``params`` (the initial master weights).
+def init_state(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig, rng: Any = None,
+               model_state: Any = None, trainable: Any = None) -> ZeroState:
+    """Builds a sharded train state.
 
-    ``tx`` is any optax optimizer (an object with ``init`` and ``update``). The optimizer
-    state and masters are created directly in their sharded layout (``jax.jit`` with
-    ``out_shardings``): no device ever holds more than its share of them.
+    Args:
+      params: the initial parameters (a tree of arrays), or a function of no arguments
+        that returns them (``init_fn``): it is traced under ``jax.jit`` with the sharded
+        storage as outputs, so each device creates only its own shards and a model larger
+        than one device is never built whole.
+      tx: any optax optimizer (an object with ``init`` and ``update``).
+      rng: a key (``jax.random.key(seed)``) for stochastic layers; ``make_train_step(...,
+        with_rng=True)`` hands the loss a key of its own per step, device and micro-batch.
+      model_state: state the model updates but does not train (BatchNorm statistics), a
+        tree of arrays or a function returning one; kept replicated.
+      trainable: which parameters train: a tree of bools shaped like ``params`` or a
+        callable on ``params`` returning one (default: all). Frozen parameters get no
+        optimizer state and no gradient, and are stored in the compute dtype where it is
+        narrower (see :class:`ZeroState`).
+
+    The optimizer state and masters are created directly in their sharded layout (``jax.jit``
+    with ``out_shardings``): no device ever holds more than its share of them.
 
     Example:
-      >>> import jax.numpy as jnp, optax, zerojax as zj
+      >>> import jax, jax.numpy as jnp, optax, zerojax as zj
       >>> params = {"w": jnp.ones((13, 7)), "b": jnp.zeros((7,))}
       >>> state = zj.init_state(params, optax.adam(1e-3), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3))
       >>> int(state.step), zj.gather_params(state)["w"].shape
       (0, (13, 7))
+      >>> init_fn = lambda: {"w": jax.random.normal(jax.random.key(0), (4096, 512))}
+      >>> big = zj.init_state(init_fn, optax.adam(1e-3), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3))
+      >>> big.master["w"].addressable_shards[0].data.shape   # born sharded
+      (4096, 64)
     """
-    build, leaves, plan, out = _init_program(params, tx, mesh=mesh, config=config)
-    p, master, opt_state = jax.jit(build, out_shardings=out)(leaves)
+    build, args, plan, out = _init_program(params, tx, mesh=mesh, config=config, model_state=model_state,
+                                           trainable=trainable, rng=rng)
+    p, master, frozen, opt_state, ms = jax.jit(build, out_shardings=out)(*args)
     rep = plan.replicated
     return ZeroState(
-        step=jax.device_put(jnp.zeros((), jnp.int32), rep), params=p, master=master,
-        opt_state=opt_state, loss_scale=jax.device_put(ls.init(config), rep),
-        skipped=jax.device_put(jnp.zeros((), jnp.int32), rep), plan=plan,
+        step=jax.device_put(jnp.zeros((), jnp.int32), rep), params=p, master=master, frozen=frozen,
+        opt_state=opt_state, model_state=ms, rng=None if rng is None else jax.device_put(_key(rng), rep),
+        loss_scale=jax.device_put(ls.init(config), rep), skipped=jax.device_put(jnp.zeros((), jnp.int32), rep),
+        plan=plan,
     )
 
 
-def lower_init(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig):
+def lower_init(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig, **kwargs):
     """The lowered program ``init_state`` runs, to inspect its memory before running it."""
-    build, leaves, _, out = _init_program(params, tx, mesh=mesh, config=config)
-    return jax.jit(build, out_shardings=out).lower(leaves)
+    build, args, _, out = _init_program(params, tx, mesh=mesh, config=config, **kwargs)
+    return jax.jit(build, out_shardings=out).lower(*args)
 
 
-def abstract_state(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig) -> ZeroState:
+def abstract_state(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig, rng: Any = None,
+                   model_state: Any = None, trainable: Any = None) -> ZeroState:
     """The state ``init_state`` would build, as ``jax.ShapeDtypeStruct`` leaves with shardings.
 
     Nothing is allocated: ``params`` may itself be abstract (``jax.eval_shape`` /
-    ``nnx.eval_shape``), so a model far larger than the machine can be planned.
-    ``train_step.lower(abstract, batch).compile()`` then gives the compiled step and its
-    ``memory_analysis()`` before any array exists (see :func:`zerojax.step_memory`).
+    ``nnx.eval_shape``) or an ``init_fn``, so a model far larger than the machine can be
+    planned. ``train_step.lower(abstract, batch).compile()`` then gives the compiled step
+    and its ``memory_analysis()`` before any array exists (see :func:`zerojax.step_memory`).
 
     Example:
       >>> import jax, optax, zerojax as zj
@@ -108,33 +146,63 @@ def abstract_state(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig) -> Z
       >>> st.master["w"].shape, st.master["w"].sharding.shard_shape(st.master["w"].shape)
       ((4096, 4096), (4096, 512))
     """
-    build, leaves, plan, out = _init_program(params, tx, mesh=mesh, config=config)
-    shapes = jax.eval_shape(build, leaves)
+    build, args, plan, out = _init_program(params, tx, mesh=mesh, config=config, model_state=model_state,
+                                           trainable=trainable, rng=rng)
+    shapes = jax.eval_shape(build, *args)
     abstract = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
-    p, master, opt_state = jax.tree.map(abstract, shapes, out)
+    p, master, frozen, opt_state, ms = jax.tree.map(abstract, shapes, out)
     rep = plan.replicated
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+    key = None if rng is None else jax.ShapeDtypeStruct((), _key(rng).dtype, sharding=rep)
     return ZeroState(
-        step=scalar, params=p, master=master, opt_state=opt_state,
+        step=scalar, params=p, master=master, frozen=frozen, opt_state=opt_state, model_state=ms, rng=key,
         loss_scale=jax.tree.map(lambda x: abstract(x, rep), ls.init(config)), skipped=scalar, plan=plan,
     )
 
 
-def _init_program(params, tx, *, mesh, config):
-    check_optimizer(tx)
-    plan = make_plan(params, mesh, config, tx)
-    stage = stage_of(plan)
-    leaves = jax.tree.leaves(params)
+def is_init_fn(x: Any) -> bool:
+    """Whether ``x`` is a function that builds a tree (rather than the tree itself)."""
+    return callable(x) and not hasattr(x, "shape") and not isinstance(x, (dict, list, tuple))
 
-    def build(leaves):
-        masters = [jnp.asarray(x).astype(master_dtype(x.dtype)) for x in leaves]
-        opt = jax.tree.leaves(tx.init(plan.unflatten(masters)))
+
+def _key(rng: Any) -> jax.Array:
+    """A typed key from ``jax.random.key(...)`` or a raw ``jax.random.PRNGKey(...)``."""
+    dtype = getattr(rng, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        return rng
+    if dtype == jnp.uint32 and jnp.shape(rng) == (2,):
+        return jax.random.wrap_key_data(rng)
+    raise TypeError(f"rng must be a key from jax.random.key(seed) (or jax.random.PRNGKey(seed)), got {rng!r}.")
+
+
+def _init_program(params, tx, *, mesh, config, model_state=None, trainable=None, rng=None):
+    check_optimizer(tx)
+    if rng is not None:
+        _key(rng)
+    make = params if is_init_fn(params) else None
+    make_ms = model_state if is_init_fn(model_state) else None
+    shapes = jax.eval_shape(make) if make is not None else params
+    plan = make_plan(shapes, mesh, config, tx, trainable)
+    stage = stage_of(plan)
+
+    def build(leaves, ms):
+        if make is not None:
+            leaves = jax.tree.leaves(make())
+        if make_ms is not None:
+            ms = make_ms()
+        ms = jax.tree.map(jnp.asarray, ms)
+        train, frozen = plan.split(leaves)
+        masters = [jnp.asarray(x).astype(master_dtype(x.dtype)) for x in train]
+        opt = jax.tree.leaves(tx.init(plan.unflatten_train(masters)))
         storage = [jax.lax.with_sharding_constraint(l.to_storage(x), s)
                    for l, x, s in zip(plan.master_layouts, masters, plan.shardings(plan.master_layouts))]
         p, m = stage.fields(plan, storage)
+        frozen = [l.to_storage(jnp.asarray(x).astype(l.dtype)) for l, x in zip(plan.frozen_layouts, frozen)]
         opt = [l.to_storage(x) for l, x in zip(plan.opt_storage_layouts, opt)]
-        return (None if p is None else plan.unflatten(p), None if m is None else plan.unflatten(m),
-                plan.unflatten_opt(opt))
+        return (None if p is None else plan.unflatten_train(p), None if m is None else plan.unflatten_train(m),
+                plan.unflatten_frozen(frozen) if plan.has_frozen else None, plan.unflatten_opt(opt), ms)
 
-    sh = state_shardings(plan, ls.init(config))
-    return build, leaves, plan, (sh.params, sh.master, sh.opt_state)
+    ms_shapes = jax.eval_shape(make_ms) if make_ms is not None else model_state
+    sh = state_shardings(plan, ls.init(config), ms_shapes, rng)
+    args = ([] if make is not None else jax.tree.leaves(params), None if make_ms is not None else model_state)
+    return build, args, plan, (sh.params, sh.master, sh.frozen, sh.opt_state, sh.model_state)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
 import sys
 import threading
@@ -39,16 +41,20 @@ def _leaves(tree: Any) -> list | None:
     return None if tree is None else jax.tree.leaves(tree)
 
 
-def _step(loss_fn: Callable, tx: Any, has_aux: bool, aux_reduce: Any,
-          state: ZeroState, batch: Any) -> tuple[ZeroState, dict[str, Any]]:
+def _step(loss_fn: Callable, tx: Any, options: dict, state: ZeroState, batch: Any) -> tuple[ZeroState, dict[str, Any]]:
     plan = state.plan
     cfg = plan.config
     stage = stage_of(plan)
     scale = state.loss_scale.scale if cfg.scaling else jnp.float32(1.0)
     params = _leaves(state.params)
     masters = stage.masters(plan, params, _leaves(state.master))  # what the optimizer updates
-    loss = Loss.build(plan, loss_fn, has_aux, batch, aux_reduce)
-    value, aux, grads = stage.grads(loss, params, masters, batch, scale)
+    frozen = _leaves(state.frozen) or []
+    rng = jax.random.fold_in(state.rng, state.step) if options["with_rng"] else None
+    model_state = state.model_state if options["with_model_state"] else None
+    loss = Loss.build(plan, loss_fn, batch, has_aux=options["has_aux"], with_rng=options["with_rng"],
+                      with_model_state=options["with_model_state"], aux_reduce=options["aux_reduce"], rng=rng,
+                      model_state=model_state)
+    value, aux, new_model_state, grads = stage.grads(loss, params, masters, frozen, batch, scale, rng, model_state)
 
     grads = [g / scale for g in grads]
     grad_norm = optax.tree.norm(grads)  # over all shards (storage padding is zero): XLA reduces
@@ -60,14 +66,18 @@ def _step(loss_fn: Callable, tx: Any, has_aux: bool, aux_reduce: Any,
     if cfg.checks_finite:  # a non-finite step changes nothing, bit for bit
         new_masters = keep_if(skip, masters, new_masters)
         opt_state = keep_if(skip, state.opt_state, opt_state)
+        if options["with_model_state"]:
+            new_model_state = keep_if(skip, state.model_state, new_model_state)
     new_params, new_master = stage.fields(plan, new_masters)
 
     scaler, at_min = (ls.update(state.loss_scale, skip, cfg) if cfg.scaling
                       else (None, jnp.asarray(False)))
-    new_state = ZeroState(
-        step=state.step + 1, params=None if new_params is None else plan.unflatten(new_params),
-        master=None if new_master is None else plan.unflatten(new_master), opt_state=opt_state,
-        loss_scale=scaler, skipped=state.skipped + skip.astype(jnp.int32), plan=plan,
+    new_state = dataclasses.replace(
+        state, step=state.step + 1,
+        params=None if new_params is None else plan.unflatten_train(new_params),
+        master=None if new_master is None else plan.unflatten_train(new_master), opt_state=opt_state,
+        model_state=new_model_state if options["with_model_state"] else state.model_state,
+        loss_scale=scaler, skipped=state.skipped + skip.astype(jnp.int32),
     )
     metrics = {
         "step": state.step,
@@ -78,7 +88,7 @@ def _step(loss_fn: Callable, tx: Any, has_aux: bool, aux_reduce: Any,
         "skipped_steps": new_state.skipped,
         "overflow_at_min_scale": at_min,
     }
-    if has_aux:
+    if options["has_aux"]:
         metrics["aux"] = aux
     return new_state, metrics
 
@@ -136,8 +146,8 @@ class TrainStep:
     """
 
     def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation, *, mesh: Mesh,
-                 config: ZeroConfig, has_aux: bool = False, aux_reduce: Any = None,
-                 timeout_s: float | None = None):
+                 config: ZeroConfig, has_aux: bool = False, aux_reduce: Any = None, with_rng: bool = False,
+                 with_model_state: bool = False, timeout_s: float | None = None):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(params, batch), got {loss_fn!r}.")
         check_optimizer(tx)
@@ -153,10 +163,16 @@ class TrainStep:
         self._jitted: dict[ZeroPlan, Any] = {}
         self._compiles = 0
         self._unchecked: tuple[jax.Array, int] | None = None  # (overflow_at_min_scale, step)
+        for name, flag in (("has_aux", has_aux), ("with_rng", with_rng), ("with_model_state", with_model_state)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}.")
+        self.options = dict(has_aux=has_aux, aux_reduce=aux_reduce, with_rng=with_rng,
+                            with_model_state=with_model_state)
+        check_keywords(loss_fn, "loss_fn", rng=with_rng, model_state=with_model_state)
 
         def step(state, batch):
             self._compiles += 1  # runs once per trace: once per compiled program
-            return _step(loss_fn, tx, has_aux, aux_reduce, state, batch)
+            return _step(loss_fn, tx, self.options, state, batch)
 
         self._step = step
 
@@ -169,7 +185,7 @@ class TrainStep:
                     f"state holds the optimizer state {plan.opt_treedef}, but this train step's tx "
                     f"creates {plan.with_optimizer(self.tx).opt_treedef}. Build the state and the "
                     "step with the same optimizer.")
-            out = state_shardings(plan, state.loss_scale)
+            out = state_shardings(plan, state.loss_scale, state.model_state, state.rng)
             fn = jax.jit(self._step, out_shardings=(out, plan.replicated),
                          donate_argnums=(0,) if self.config.donate else ())
             self._jitted[plan] = fn
@@ -185,6 +201,12 @@ class TrainStep:
                 f"but this train step uses {self.config} on mesh {dict(self.mesh.shape)}. "
                 "Build both with the same mesh and config."
             )
+        if self.options["with_rng"] and state.rng is None:
+            raise ValueError("make_train_step(..., with_rng=True) hands the loss a key: build the state with "
+                             "zj.init_state(..., rng=jax.random.key(seed)).")
+        if self.options["with_model_state"] and state.model_state is None:
+            raise ValueError("make_train_step(..., with_model_state=True) hands the loss the model state: build "
+                             "the state with zj.init_state(..., model_state=...).")
         check_batch(batch, self.n, self.config.axis, self.config.grad_accum_steps)
 
     def __call__(self, state: ZeroState, batch: Any) -> tuple[ZeroState, dict[str, jax.Array]]:
@@ -227,6 +249,25 @@ class TrainStep:
         return self._compiles
 
 
+def check_keywords(fn: Callable, name: str, **wanted: bool) -> None:
+    """Raises if ``fn(params, batch, **keywords)`` cannot take the keywords asked for."""
+    keywords = {k: None for k, on in wanted.items() if on}
+    if not keywords:
+        return
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (a builtin): the call will tell
+        return
+    try:
+        sig.bind(None, None, **keywords)
+    except TypeError as e:
+        flags = ", ".join(f"with_{k}=True" for k in keywords)
+        raise TypeError(
+            f"{name} is called as {name}(params, batch, {', '.join(f'{k}=...' for k in keywords)}) with {flags}, "
+            f"but its signature {sig} does not take that ({e}). Add the parameter(s), e.g. "
+            f"def {name}(params, batch, {', '.join(keywords)}).") from None
+
+
 def check_batch(batch: Any, n: int, axis: str, k: int = 1) -> None:
     """Raises a clear error for a global batch that does not split over ``n`` devices and
     ``k`` micro-batches."""
@@ -257,6 +298,7 @@ def check_batch(batch: Any, n: int, axis: str, k: int = 1) -> None:
 
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, mesh: Mesh,
                     config: ZeroConfig, has_aux: bool = False, aux_reduce: Any = None,
+                    with_rng: bool = False, with_model_state: bool = False,
                     timeout_s: float | None = None) -> TrainStep:
     """Builds the train step for ``loss_fn(params, batch)`` and optimizer ``tx``.
 
@@ -272,6 +314,16 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, mesh
     all leaves or as a tree (prefix) of those names (see :mod:`zerojax.sharding.outputs`).
     By default floating scalars are averaged and any other leaf is refused until a rule
     is given.
+
+    ``with_rng=True`` calls ``loss_fn(params, batch, rng=key)`` with a key of its own for
+    every step, device and micro-batch, folded from ``state.rng`` (the same at every stage).
+    ``with_model_state=True`` calls ``loss_fn(params, batch, model_state=state)`` and expects
+    ``(loss, new_model_state)`` back (``(loss, (new_model_state, aux))`` with ``has_aux``);
+    the data axis is bound inside the loss, so ``nn.BatchNorm(axis_name=config.axis)``
+    syncs its statistics over devices. The new state is carried from micro-batch to
+    micro-batch, then averaged over the devices (floating leaves; integer ones are taken
+    from the first device), and kept unchanged by a skipped step. The keywords are the
+    whole contract: declare them as ordinary parameters if you like.
 
     ``timeout_s`` bounds each step in multi-process jobs: a step that has not finished by
     then (a peer stalled or died inside a collective) ends this process with status 1 and
@@ -291,4 +343,4 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, mesh
       1.0
     """
     return TrainStep(loss_fn, tx, mesh=mesh, config=config, has_aux=has_aux, aux_reduce=aux_reduce,
-                     timeout_s=timeout_s)
+                     with_rng=with_rng, with_model_state=with_model_state, timeout_s=timeout_s)

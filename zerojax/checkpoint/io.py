@@ -26,7 +26,7 @@ from zerojax.checkpoint import canonical
 from zerojax.config import ZeroConfig
 from zerojax.optim.update import check_optimizer
 from zerojax.sharding.plan import make_plan
-from zerojax.state import ZeroState
+from zerojax.state import ZeroState, is_init_fn
 
 Directory = str | os.PathLike | ocp.CheckpointManager
 
@@ -219,17 +219,19 @@ def _check_params(meta: canonical.Meta, params: Any) -> None:
 
 
 def restore_checkpoint(directory: Directory, target: Any, tx: optax.GradientTransformation | None = None, *,
-                       mesh: Mesh | None = None, config: ZeroConfig | None = None,
-                       step: int | None = None) -> ZeroState:
+                       mesh: Mesh | None = None, config: ZeroConfig | None = None, step: int | None = None,
+                       trainable: Any = None, model_state: Any = None) -> ZeroState:
     """Restores checkpoint ``step`` (default: the latest) of ``directory`` (a path or an
     orbax ``CheckpointManager``).
 
     ``target`` says what to restore onto, either as orbax does, a state of the wanted
     layout (``zj.abstract_state(params, tx, mesh=..., config=...)``: shapes only), or as
-    the parameter tree (arrays or ``jax.ShapeDtypeStruct``) with ``tx``, ``mesh`` and
-    ``config``. The stage, the device count and the precision may differ from the saved
-    run's: the optimizer state, master weights, loss scale and step counter carry over.
-    Each process reads only the shards its devices hold.
+    the parameter tree (arrays, ``jax.ShapeDtypeStruct`` or an ``init_fn``) with ``tx``,
+    ``mesh`` and ``config`` (and ``trainable`` and a ``model_state`` of the right structure,
+    arrays or shapes, when the run had them). The stage, the device count and the precision
+    may differ from the saved run's: the optimizer state, master weights, frozen weights,
+    model state, key, loss scale and step counter carry over. Each process reads only the
+    shards its devices hold.
 
     Example:
       >>> import tempfile, jax.numpy as jnp, optax, zerojax as zj
@@ -241,18 +243,18 @@ def restore_checkpoint(directory: Directory, target: Any, tx: optax.GradientTran
       0
     """
     if isinstance(target, ZeroState):
-        if tx is not None or mesh is not None or config is not None:
+        if any(v is not None for v in (tx, mesh, config, trainable, model_state)):
             raise ValueError("restore_checkpoint takes either a state target (zj.abstract_state(...)) alone, "
                              "or params with tx, mesh and config; got a state and more.")
         plan = target.plan
-        params = jax.tree.unflatten(plan.treedef, [jax.ShapeDtypeStruct(l.shape, l.dtype) for l in plan.layouts])
-        config = plan.config
+        params = plan.unflatten(jax.ShapeDtypeStruct(l.shape, l.dtype) for l in plan.layouts)
+        model_state = target.model_state
     else:
         missing = [n for n, v in (("tx", tx), ("mesh", mesh), ("config", config)) if v is None]
         if missing:
             raise TypeError(f"restoring onto a params tree needs tx, mesh and config (missing {missing}); "
                             "or pass a state target built by zj.abstract_state(params, tx, mesh=..., config=...).")
-        params = target
+        params = jax.eval_shape(target) if is_init_fn(target) else target
     steps = checkpoint_steps(directory)
     if not steps:
         raise FileNotFoundError(f"no checkpoint in {_describe(directory)}: it has no complete saved step.")
@@ -265,7 +267,8 @@ def restore_checkpoint(directory: Directory, target: Any, tx: optax.GradientTran
     _check_params(meta, params)
     if not isinstance(target, ZeroState):
         check_optimizer(tx)
-        plan = make_plan(params, mesh, config, tx)
+        plan = make_plan(params, mesh, config, tx, trainable)
+    _check_extras(meta, plan, model_state)
     _check_optimizer(meta, plan)
     targets = canonical.restore_targets(meta, plan)
     restore_args = jax.tree.map(
@@ -283,7 +286,25 @@ def restore_checkpoint(directory: Directory, target: Any, tx: optax.GradientTran
         restore_args["loss_scale"] = {k: scalar(t)[1] for k, t in names.items()}
     arrays = mngr.restore(step, args=ocp.args.Composite(
         state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args)))["state"]
-    return canonical.from_canonical(arrays, meta, plan)
+    return canonical.from_canonical(arrays, meta, plan, jax.tree.structure(model_state))
+
+
+def _check_extras(meta: canonical.Meta, plan, model_state: Any) -> None:
+    if tuple(meta.trainable) != tuple(plan.trainable):
+        frozen = lambda mask: [p for i, p in enumerate(meta.paths) if mask and not mask[i]]
+        raise ValueError(f"the checkpoint's frozen parameters are {frozen(meta.trainable)}; this restore freezes "
+                         f"{frozen(plan.trainable)}. Pass the trainable= mask the run was saved with.")
+    if meta.model_state is None:
+        if model_state is not None:
+            raise ValueError("model_state was given, but the checkpoint holds no model state.")
+        return
+    if model_state is None:
+        raise ValueError("the checkpoint holds a model state: pass model_state= (arrays or jax.ShapeDtypeStruct "
+                         "of its structure), or a target built by zj.abstract_state(..., model_state=...).")
+    mine = tuple((tuple(int(d) for d in jnp.shape(x)), jnp.dtype(x.dtype).name) for x in jax.tree.leaves(model_state))
+    if str(jax.tree.structure(model_state)) != meta.model_state_treedef or mine != meta.model_state:
+        raise ValueError(f"model_state does not match the checkpoint's: it holds {meta.model_state_treedef} "
+                         f"{list(meta.model_state)}, model_state has {jax.tree.structure(model_state)} {list(mine)}.")
 
 
 def _check_optimizer(meta: canonical.Meta, plan) -> None:

@@ -56,11 +56,13 @@ def store(plan: ZeroPlan, layouts: tuple[LeafLayout, ...], arrays: list[jax.Arra
 
 def apply_optimizer(plan: ZeroPlan, tx: Any, grads: list[jax.Array], opt_state: Any,
                     masters: list[jax.Array]) -> tuple[list[jax.Array], Any]:
-    """One optax step on the fp32 masters (all in the stage's storage layouts); returns the
-    new masters and optimizer state, stored the same way."""
+    """One optax step on the fp32 masters of the trainable parameters (all in the stage's
+    storage layouts; the frozen ones are ``optax.MaskedNode()`` in the trees the optimizer
+    sees, as inside ``optax.masked``); returns the new masters and optimizer state, stored
+    the same way."""
     layouts, opt_layouts = plan.master_layouts, plan.opt_storage_layouts
-    params = plan.unflatten(view(plan, layouts, masters))
-    updates, new_opt = tx.update(plan.unflatten(view(plan, layouts, grads)),
+    params = plan.unflatten_train(view(plan, layouts, masters))
+    updates, new_opt = tx.update(plan.unflatten_train(view(plan, layouts, grads)),
                                  plan.unflatten_opt(view(plan, opt_layouts, jax.tree.leaves(opt_state))), params)
     new = [x.astype(m.dtype) for x, m in zip(jax.tree.leaves(optax.apply_updates(params, updates)), masters)]
     opt_leaves, treedef = jax.tree.flatten(new_opt)

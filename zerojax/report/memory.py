@@ -23,7 +23,7 @@ def _bytes_per_device(tree: Any) -> dict[Any, int]:
         if isinstance(x, jax.ShapeDtypeStruct):
             if x.sharding is None:
                 raise ValueError(f"abstract leaf {x} has no sharding; build it with zj.abstract_state.")
-            itemsize = np.dtype(x.dtype).itemsize
+            itemsize = _itemsize(x.dtype)
             for device, index in x.sharding.devices_indices_map(x.shape).items():
                 size = math.prod(len(range(*sl.indices(dim))) for sl, dim in zip(index, x.shape))
                 out[device] = out.get(device, 0) + size * itemsize
@@ -33,12 +33,18 @@ def _bytes_per_device(tree: Any) -> dict[Any, int]:
     return out
 
 
+def _itemsize(dtype) -> int:
+    """Bytes per element, keys (extended dtypes) included."""
+    return getattr(dtype, "itemsize", None) or np.dtype(dtype).itemsize
+
+
 def state_bytes_per_device(state: ZeroState) -> dict[str, int]:
     """Bytes each device holds for the state, read from ``addressable_shards`` (or, for
     an :func:`zerojax.abstract_state`, from the shardings of its leaves).
 
     Returns the largest per-device figure for ``params`` (with the fp32 masters where they
-    are separate) and ``opt_state``, and the ``total`` of the whole state; ``replicated``
+    are separate, and the frozen parameters, also counted apart in ``frozen``) and
+    ``opt_state``, and the ``total`` of the whole state; ``replicated``
     is the part of ``total`` held whole on every device (at stage 3 only the scalars:
     step counters, scalar parameters), and ``padding`` the per-device bytes of the zeros
     stored to make sharded arrays (masters and optimizer state) divide over the data axis.
@@ -50,22 +56,26 @@ def state_bytes_per_device(state: ZeroState) -> dict[str, int]:
       >>> zj.state_bytes_per_device(st)["total"] == 12 * 64 * 64 // 8 + 4 + 4 + 4
       True
     """
-    params = _bytes_per_device((state.params, state.master))
+    params = _bytes_per_device((state.params, state.master, state.frozen))
+    frozen = _bytes_per_device(state.frozen)
     opt = _bytes_per_device(state.opt_state)
-    step = _bytes_per_device((state.step, state.skipped, state.loss_scale))
+    other = _bytes_per_device((state.step, state.skipped, state.loss_scale, state.model_state, state.rng))
     devices = set(params) | set(opt)
-    totals = {d: params.get(d, 0) + opt.get(d, 0) + step.get(d, 0) for d in devices}
+    totals = {d: params.get(d, 0) + opt.get(d, 0) + other.get(d, 0) for d in devices}
     replicated = 0
     for x in jax.tree.leaves(state):
         if x.sharding.is_fully_replicated and len(x.sharding.device_set) > 1:
-            replicated += math.prod(x.shape) * np.dtype(x.dtype).itemsize
+            replicated += math.prod(x.shape) * _itemsize(x.dtype)
     plan = state.plan
     stored = list(zip(plan.opt_storage_layouts, jax.tree.leaves(state.opt_state)))
     if state.master is not None:
         stored += list(zip(plan.master_layouts, jax.tree.leaves(state.master)))
+    if state.frozen is not None:
+        stored += list(zip(plan.frozen_layouts, jax.tree.leaves(state.frozen)))
     pad_bytes = sum(l.padding * np.dtype(x.dtype).itemsize for l, x in stored if l.kind != "replicated")
     return {
         "params": max(params.values()),
+        "frozen": max(frozen.values()) if frozen else 0,
         "opt_state": max(opt.values()) if opt else 0,
         "total": max(totals.values()),
         "replicated": replicated if plan.n > 1 else 0,
@@ -74,12 +84,16 @@ def state_bytes_per_device(state: ZeroState) -> dict[str, int]:
 
 
 def zero_formula_bytes(num_params: int, n: int, stage: int, *, compute_dtype: str = "float32",
-                       opt_bytes: int = 8) -> float:
+                       opt_bytes: int = 8, frozen_params: int = 0) -> float:
     """Persistent bytes per device with fp32 masters and ``opt_bytes`` of optimizer state per
-    parameter (8 for Adam's m and v).
+    trainable parameter (8 for Adam's m and v); ``num_params`` trainable parameters (Ψ_t) and
+    ``frozen_params`` fp32 frozen ones (Ψ_f).
 
     fp32 compute: 12Ψ, 4Ψ + 8Ψ/N, 4Ψ + 8Ψ/N, 12Ψ/N. bf16/fp16 compute: stages 1–2 keep a
-    replicated compute copy instead of replicated fp32 params: 2Ψ + 12Ψ/N.
+    replicated compute copy instead of replicated fp32 params: 2Ψ + 12Ψ/N. Frozen
+    parameters add c·Ψ_f at stages 0–2 and c·Ψ_f/N at stage 3, c the bytes of the compute
+    dtype (2 for bf16/fp16, 4 for fp32): they are stored in it, with no master and no
+    optimizer state.
 
     Example:
       >>> import zerojax as zj
@@ -89,14 +103,15 @@ def zero_formula_bytes(num_params: int, n: int, stage: int, *, compute_dtype: st
     if compute_dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"compute_dtype must be 'float32', 'bfloat16' or 'float16', got {compute_dtype!r}.")
     psi, master = float(num_params), 4
+    frozen = (4 if compute_dtype == "float32" else 2) * float(frozen_params)
     if stage == 0:
-        return (master + opt_bytes) * psi
+        return (master + opt_bytes) * psi + frozen
     if stage in (1, 2):
         if compute_dtype == "float32":
-            return master * psi + opt_bytes * psi / n
-        return 2 * psi + (master + opt_bytes) * psi / n
+            return master * psi + opt_bytes * psi / n + frozen
+        return 2 * psi + (master + opt_bytes) * psi / n + frozen
     if stage == 3:
-        return (master + opt_bytes) * psi / n
+        return (master + opt_bytes) * psi / n + frozen / n
     raise ValueError(f"stage must be 0..3, got {stage!r}")
 
 

@@ -35,20 +35,14 @@ from zerojax.sharding import collectives, outputs, per_use
 from zerojax.sharding.plan import ZeroPlan
 
 
-def _check_loss(out: Any, has_aux: bool) -> None:
-    loss = out[0] if has_aux else out
-    if has_aux and not (isinstance(out, tuple) and len(out) == 2):
-        raise ValueError(
-            f"loss_fn was declared has_aux=True but returned {type(out).__name__}; "
-            "return (loss, aux)."
-        )
+def _check_loss(loss: Any, expected: str) -> None:
     shape = getattr(loss, "shape", None)
     if shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
         hint = " If it returns (loss, aux), pass has_aux=True." if isinstance(loss, tuple) else ""
         raise ValueError(
-            f"loss_fn must return a floating scalar, got {type(loss).__name__} with shape "
-            f"{shape} and dtype {getattr(loss, 'dtype', None)}. Reduce it (e.g. jnp.mean)."
-            + hint
+            f"loss_fn must return a floating scalar loss{'' if expected == 'loss' else f' as the first of {expected}'}, "
+            f"got {type(loss).__name__} with shape {shape} and dtype {getattr(loss, 'dtype', None)}. Reduce it "
+            "(e.g. jnp.mean)." + hint
         )
 
 
@@ -59,86 +53,165 @@ def cast_batch(batch: Any, dtype) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Loss:
-    """The user's loss as the gradient programs call it: on parameter leaves in the compute
-    dtype and one device's micro-batch, returning ``(fp32 loss, aux)``."""
+    """The user's loss as the gradient programs call it: on all parameter leaves in the
+    compute dtype, one device's micro-batch, and (when asked for) a key and the model
+    state; returning ``(fp32 loss, aux, new model state)``.
+
+    The loss is called ``fn(params, batch, **extras)`` with ``rng=`` (``with_rng``) and
+    ``model_state=`` (``with_model_state``) as keywords. It returns ``loss``, ``(loss, aux)``
+    (``has_aux``), ``(loss, new_model_state)`` (``with_model_state``) or
+    ``(loss, (new_model_state, aux))`` (both)."""
 
     plan: ZeroPlan
     fn: Callable
-    has_aux: bool
-    aux: outputs.Combine | None  # how aux combines (has_aux only)
+    has_aux: bool = False
+    with_rng: bool = False
+    with_model_state: bool = False
+    aux: outputs.Combine | None = None  # how aux combines (has_aux only)
 
     @classmethod
-    def build(cls, plan: ZeroPlan, fn: Callable, has_aux: bool, batch: Any, aux_reduce: Any) -> Loss:
-        loss = cls(plan, fn, has_aux, None)
-        if not has_aux:
-            return loss
+    def build(cls, plan: ZeroPlan, fn: Callable, batch: Any, *, has_aux: bool = False, with_rng: bool = False,
+              with_model_state: bool = False, aux_reduce: Any = None, rng: Any = None, model_state: Any = None) -> Loss:
+        """The loss, checked once on abstract values of one device's micro-batch."""
+        loss = cls(plan, fn, has_aux, with_rng, with_model_state)
         cfg = plan.config
-        rows = lambda b: jax.ShapeDtypeStruct((b.shape[0] // (plan.n * cfg.grad_accum_steps),) + b.shape[1:],
-                                              b.dtype)
-        out = jax.eval_shape(lambda p, b: fn(plan.unflatten(p), cast_batch(b, cfg.compute_dtype)),
-                             loss.param_shapes, jax.tree.map(rows, batch))
-        _check_loss(out, True)
-        return dataclasses.replace(loss, aux=outputs.plan(aux_reduce, out[1]))
+        rows = lambda b: jax.ShapeDtypeStruct((b.shape[0] // (plan.n * cfg.grad_accum_steps),) + b.shape[1:], b.dtype)
+        abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), t)
+        _, aux, new_ms = local_shapes(plan, loss.__call__, loss.param_shapes, jax.tree.map(rows, batch),
+                                      abstract(rng), abstract(model_state))
+        if with_model_state:
+            _check_model_state(model_state, new_ms)
+        return dataclasses.replace(loss, aux=outputs.plan(aux_reduce, aux)) if has_aux else loss
 
     @property
     def param_shapes(self) -> list[jax.ShapeDtypeStruct]:
         return [jax.ShapeDtypeStruct(l.shape, self.plan.config.compute_dtype) for l in self.plan.layouts]
 
-    def __call__(self, leaves: list, batch: Any) -> tuple[jax.Array, Any]:
-        out = self.fn(self.plan.unflatten(leaves), cast_batch(batch, self.plan.config.compute_dtype))
-        _check_loss(out, self.has_aux)
-        loss, aux = (out[0], out[1]) if self.has_aux else (out, None)
-        return loss.astype(jnp.float32), aux
+    def __call__(self, leaves: list, batch: Any, rng: Any = None, model_state: Any = None) -> tuple:
+        kwargs = {}
+        if self.with_rng:
+            kwargs["rng"] = rng
+        if self.with_model_state:
+            # New tree nodes at this trace: NNX Variables (nnx.BatchStat) refuse updates in a
+            # trace other than the one that built them, and the state comes from outside grad.
+            kwargs["model_state"] = jax.tree.map(lambda x: x, model_state)
+        out = self.fn(self.plan.unflatten(leaves), cast_batch(batch, self.plan.config.compute_dtype), **kwargs)
+        return _parse(out, self.has_aux, self.with_model_state)
 
     def traced(self) -> Callable:
-        """The loss re-evaluated from its jaxpr: parameters may be pending, and every layer
-        loop becomes a remat region when a policy is configured."""
-        return per_use.traced(self, self.param_shapes, per_use.Context(scan_remat=self.plan.config.remat))
+        """``f(leaves, (batch, rng, model_state))``: the loss re-evaluated from its jaxpr, so
+        that parameters may be pending, with every layer loop a remat region when a policy
+        is configured."""
+        return per_use.traced(lambda leaves, inputs: self(leaves, *inputs), self.param_shapes,
+                              per_use.Context(scan_remat=self.plan.config.remat))
 
     # Across devices and micro-batches.
-    def aux_spec(self, axis: str) -> Any:
-        return self.aux.specs(axis) if self.has_aux else P()
+    def out_specs(self, axis: str) -> tuple:
+        """``shard_map`` output specs of (loss, aux, model state)."""
+        return P(), (self.aux.specs(axis) if self.has_aux else P()), P()
 
-    def reduce_metrics(self, loss: jax.Array, aux: Any) -> tuple[jax.Array, Any]:
-        """Mean loss over the data axis (``loss`` is this device's mean); aux by its rules."""
+    def combine(self, value: jax.Array, aux: Any, model_state: Any) -> tuple:
+        """Over the data axis: the mean loss (each device's is its mean), aux by its rules,
+        the model state averaged (floating leaves; others taken from device 0)."""
         axis = self.plan.axis
-        return jax.lax.pmean(loss, axis), (self.aux.over_devices(aux, axis) if self.has_aux else None)
+        aux = self.aux.over_devices(aux, axis) if self.has_aux else None
+        return jax.lax.pmean(value, axis), aux, jax.tree.map(lambda x: _from_all(x, axis), model_state)
 
-    def accumulate(self, fn: Callable, batch: Any):
-        """Runs ``fn`` on k micro-batches of ``batch``, sums the gradients (fp32), averages
-        the loss and combines the aux by its rules."""
+    def accumulate(self, fn: Callable, batch: Any, key: Any, model_state: Any):
+        """Runs ``fn(micro_batch, key, model_state) -> (loss, aux, grads, model_state)`` on the
+        k micro-batches of ``batch`` in order, with ``key`` folded with each micro-batch's
+        index and the model state carried from one to the next; sums the gradients (fp32),
+        averages the loss and combines the aux by its rules."""
         k = self.plan.config.grad_accum_steps
+        key_of = lambda j: None if key is None else jax.random.fold_in(key, j)
         if k == 1:
-            return fn(batch)
+            return fn(batch, key_of(0), model_state)
         micro = jax.tree.map(lambda b: b.reshape((k, b.shape[0] // k) + b.shape[1:]), batch)
-        _, _, grads_s = jax.eval_shape(fn, jax.tree.map(lambda b: b[0], micro))
+        _, _, grads_s, _ = jax.eval_shape(fn, jax.tree.map(lambda b: b[0], micro), key_of(0), model_state)
 
-        def step(acc, mb):
-            loss, aux, grads = fn(mb)
-            return [a + g for a, g in zip(acc, grads)], (loss, aux)
+        def step(carry, xs):
+            acc, ms = carry
+            mb, j = xs
+            value, aux, grads, ms = fn(mb, key_of(j), ms)
+            return ([a + g for a, g in zip(acc, grads)], ms), (value, aux)
 
         zeros = [jnp.zeros(g.shape, g.dtype) for g in grads_s]
-        grads, (losses, auxes) = jax.lax.scan(step, zeros, micro)
-        return jnp.mean(losses), (self.aux.over_micro_batches(auxes) if self.has_aux else None), grads
+        (grads, ms), (values, auxes) = jax.lax.scan(step, (zeros, model_state), (micro, jnp.arange(k)))
+        return jnp.mean(values), (self.aux.over_micro_batches(auxes) if self.has_aux else None), grads, ms
+
+
+def local_shapes(plan: ZeroPlan, fn: Callable, *args: Any) -> Any:
+    """The output shapes of ``fn`` called on one device with ``args`` (shapes of that device's
+    inputs), with the data axis bound, as in the step (a BatchNorm may ``pmean`` over it)."""
+    run = jax.shard_map(fn, mesh=plan.mesh, in_specs=P(), out_specs=P(), check_vma=False)
+    return jax.eval_shape(run, *args)
+
+
+def _parse(out: Any, has_aux: bool, with_model_state: bool) -> tuple:
+    shape = "(loss, (new_model_state, aux))" if has_aux and with_model_state else (
+        "(loss, new_model_state)" if with_model_state else "(loss, aux)" if has_aux else "loss")
+    if has_aux or with_model_state:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ValueError(f"loss_fn must return {shape} (has_aux={has_aux}, with_model_state="
+                             f"{with_model_state}), got {type(out).__name__}.")
+        loss, rest = out
+        if has_aux and with_model_state:
+            if not (isinstance(rest, tuple) and len(rest) == 2):
+                raise ValueError(f"loss_fn must return {shape}; its second element is a {type(rest).__name__}.")
+            model_state, aux = rest
+        else:
+            model_state, aux = (rest, None) if with_model_state else (None, rest)
+    else:
+        loss, aux, model_state = out, None, None
+    _check_loss(loss, shape)
+    return loss.astype(jnp.float32), aux, model_state
+
+
+def _check_model_state(given: Any, new: Any) -> None:
+    a, b = jax.tree.structure(given), jax.tree.structure(new)
+    if a != b:
+        raise ValueError(f"loss_fn returned a model state of structure {b}; it was given {a}. Return the "
+                         "updated model state with the structure it came in.")
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(given)[0], jax.tree.leaves(new)):
+        if tuple(jnp.shape(x)) != tuple(y.shape) or jnp.dtype(x.dtype) != jnp.dtype(y.dtype):
+            raise ValueError(f"model_state{jax.tree_util.keystr(path)} came in as {jnp.shape(x)} {x.dtype} and "
+                             f"came back as {y.shape} {y.dtype}; keep each leaf's shape and dtype.")
+
+
+def _from_all(x: jax.Array, axis: str) -> jax.Array:
+    """A model-state leaf over the data axis: the mean of a floating one, device 0's otherwise."""
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jax.lax.pmean(x, axis)
+    first = jax.lax.axis_index(axis) == 0
+    as_int = x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
+    return jax.lax.psum(jnp.where(first, as_int, jnp.zeros_like(as_int)), axis).astype(x.dtype)
+
+
+def _device_key(rng: Any, axis: str) -> Any:
+    return None if rng is None else jax.random.fold_in(rng, jax.lax.axis_index(axis))
 
 
 def replicated_grads(loss: Loss, *, scatter: bool) -> Callable:
-    """``f(leaves, batch, scale) -> (loss, aux, grads)`` for resident, replicated parameter
-    leaves in the compute dtype. ``grads`` are fp32, averaged over the devices, times
-    ``scale``: full and replicated (``scatter=False``: all-reduce), or each device's shard of
-    the masters' storage (``scatter=True``: reduce-scatter once the whole gradient exists)."""
+    """``f(train, frozen, batch, scale, rng, model_state) -> (loss, aux, model_state, grads)``
+    for resident, replicated parameter leaves in the compute dtype (the trainable ones, then
+    the frozen ones, which get no gradient). ``grads`` are fp32, averaged over the devices,
+    times ``scale``: full and replicated (``scatter=False``: all-reduce), or each device's
+    shard of the masters' storage (``scatter=True``: reduce-scatter once the whole gradient
+    exists). ``rng`` is this step's key (folded with each device's index and micro-batch)."""
     plan = loss.plan
     axis, n, k = plan.axis, plan.n, plan.config.grad_accum_steps
     reduce = plan.config.reduce_dtype
-    direct = loss.traced() if plan.config.remat.active else loss
+    traced = loss.traced() if plan.config.remat.active else None
 
-    def loss_and_grad(leaves, batch, scale):
-        def f(leaves):
-            value, aux = direct(leaves, batch)
-            return value * scale / k, (value, aux)
+    def loss_and_grad(train, frozen, batch, key, model_state, scale):
+        def f(train):
+            leaves = plan.join(train, frozen)
+            value, aux, ms = (traced(leaves, (batch, key, model_state)) if traced
+                              else loss(leaves, batch, key, model_state))
+            return value * scale / k, (value, aux, ms)
 
-        (_, (value, aux)), g = jax.value_and_grad(f, has_aux=True)(leaves)
-        return value, aux, [x.astype(jnp.float32) for x in g]
+        (_, (value, aux, ms)), g = jax.value_and_grad(f, has_aux=True)(train)
+        return value, aux, [x.astype(jnp.float32) for x in g], ms
 
     def reduce_all(grads):
         if not scatter:
@@ -146,54 +219,70 @@ def replicated_grads(loss: Loss, *, scatter: bool) -> Callable:
         grads = per_use.after_all(grads)  # ZeRO-1: the whole gradient exists first
         return [collectives.reduce_grad(g, axis, n, reduce, l) for l, g in zip(plan.master_layouts, grads)]
 
-    def body(leaves, batch, scale):
-        value, aux, grads = loss.accumulate(lambda b: loss_and_grad(leaves, b, scale), batch)
-        return (*loss.reduce_metrics(value, aux), reduce_all(grads))
+    def body(train, frozen, batch, scale, rng, model_state):
+        value, aux, grads, ms = loss.accumulate(
+            lambda b, key, ms: loss_and_grad(train, frozen, b, key, ms, scale), batch, _device_key(rng, axis),
+            model_state)
+        return (*loss.combine(value, aux, ms), reduce_all(grads))
 
-    full = [P()] * len(plan.layouts)
-    grad_specs = [l.partition_spec(axis) for l in plan.master_layouts] if scatter else full
+    grad_specs = [l.partition_spec(axis) for l in plan.master_layouts] if scatter else [P()] * len(plan.master_layouts)
 
-    def run(leaves, batch, scale):
+    def run(train, frozen, batch, scale, rng, model_state):
         batch_spec = jax.tree.map(lambda _: P(axis), batch)
-        return jax.shard_map(body, mesh=plan.mesh, in_specs=(full, batch_spec, P()),
-                             out_specs=(P(), loss.aux_spec(axis), grad_specs), check_vma=False)(leaves, batch, scale)
+        return jax.shard_map(body, mesh=plan.mesh,
+                             in_specs=([P()] * len(train), [P()] * len(frozen), batch_spec, P(), P(), P()),
+                             out_specs=(*loss.out_specs(axis), grad_specs), check_vma=False)(
+            train, frozen, batch, scale, rng, model_state)
 
     return run
 
 
-def per_use_grads(loss: Loss, source: per_use.Gathered | per_use.Scattered) -> Callable:
-    """``f(resident, sinks, batch, scale) -> (loss, aux, grads)``: the loss evaluated with
-    every parameter pending, made of ``(*resident[i], sinks[i])`` as ``source`` needs
-    (stage 3: ``resident=[]``, the sinks are the master shards; stage 2: ``resident`` are
-    the full compute-dtype leaves). ``grads`` come out shaped like the
-    sinks: each device's shard of the masters' storage, fp32, averaged, times ``scale``."""
+def per_use_grads(loss: Loss, source: per_use.Gathered | per_use.Scattered,
+                  frozen_source: per_use.Frozen | None = None) -> Callable:
+    """``f(resident, sinks, frozen, batch, scale, rng, model_state) -> (loss, aux,
+    model_state, grads)``: the loss evaluated with every trainable parameter pending, made
+    of ``(*resident[i], sinks[i])`` as ``source`` needs (stage 3: ``resident=[]``, the sinks
+    are the master shards; stage 2: ``resident`` are the full compute-dtype leaves), and the
+    frozen ones pending from ``frozen_source`` (stage 3: their shards) or resident
+    (``frozen_source=None``: full, replicated). ``grads`` come out shaped like the sinks:
+    each device's shard of the masters' storage, fp32, averaged, times ``scale``."""
     plan = loss.plan
     axis, k = plan.axis, plan.config.grad_accum_steps
     traced = loss.traced()
-    layouts = plan.master_layouts
+    compute = plan.config.compute_dtype
+    train_names, frozen_names = plan.split(plan.paths)
 
-    def shard_grads(resident, sinks, batch, scale):
+    def shard_grads(resident, sinks, frozen, batch, key, model_state, scale):
+        if frozen_source is None:
+            fro = [x.astype(compute) for x in frozen]
+        else:
+            fro = [per_use.Pending(arrays=(x,), layout=l, source=frozen_source, name=name)
+                   for x, l, name in zip(frozen, plan.frozen_layouts, frozen_names)]
+
         def f(sinks):
             arrays = [(r, s) for r, s in zip(resident, sinks)] if resident else [(s,) for s in sinks]
-            pending = [per_use.Pending(arrays=a, layout=l, source=source, name=name)
-                       for a, l, name in zip(arrays, layouts, plan.paths)]
-            value, aux = traced(pending, batch)
-            return value * scale / k, (value, aux)
+            train = [per_use.Pending(arrays=a, layout=l, source=source, name=name)
+                     for a, l, name in zip(arrays, plan.master_layouts, train_names)]
+            value, aux, ms = traced(plan.join(train, fro), (batch, key, model_state))
+            return value * scale / k, (value, aux, ms)
 
-        (_, (value, aux)), g = jax.value_and_grad(f, has_aux=True)(sinks)
-        return value, aux, [x.astype(jnp.float32) for x in g]
+        (_, (value, aux, ms)), g = jax.value_and_grad(f, has_aux=True)(sinks)
+        return value, aux, [x.astype(jnp.float32) for x in g], ms
 
-    def body(resident, sinks, batch, scale):
-        value, aux, grads = loss.accumulate(lambda b: shard_grads(resident, sinks, b, scale), batch)
-        return (*loss.reduce_metrics(value, aux), grads)
+    def body(resident, sinks, frozen, batch, scale, rng, model_state):
+        value, aux, grads, ms = loss.accumulate(
+            lambda b, key, ms: shard_grads(resident, sinks, frozen, b, key, ms, scale), batch,
+            _device_key(rng, axis), model_state)
+        return (*loss.combine(value, aux, ms), grads)
 
-    storage = [l.partition_spec(axis) for l in layouts]
+    storage = [l.partition_spec(axis) for l in plan.master_layouts]
+    frozen_specs = [l.partition_spec(axis) for l in plan.frozen_layouts]
 
-    def run(resident, sinks, batch, scale):
+    def run(resident, sinks, frozen, batch, scale, rng, model_state):
         batch_spec = jax.tree.map(lambda _: P(axis), batch)
-        resident_spec = [P()] * len(resident)
-        return jax.shard_map(body, mesh=plan.mesh, in_specs=(resident_spec, storage, batch_spec, P()),
-                             out_specs=(P(), loss.aux_spec(axis), storage), check_vma=False)(
-            resident, sinks, batch, scale)
+        return jax.shard_map(body, mesh=plan.mesh,
+                             in_specs=([P()] * len(resident), storage, frozen_specs, batch_spec, P(), P(), P()),
+                             out_specs=(*loss.out_specs(axis), storage), check_vma=False)(
+            resident, sinks, frozen, batch, scale, rng, model_state)
 
     return run

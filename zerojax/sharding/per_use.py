@@ -137,12 +137,26 @@ class Scattered:
 
 
 @dataclasses.dataclass(frozen=True)
+class Frozen:
+    """A frozen parameter at stage 3: only its shard exists; materialise = all-gather in the
+    compute dtype, again in backward (for the gradient of what it multiplies), but never a
+    reduce-scatter of its own gradient: it has none."""
+
+    axis: str
+    compute_dtype: str = "float32"
+    remat = True
+
+    def materialize(self, layout: LeafLayout, arrays: Sequence[jax.Array]) -> jax.Array:
+        return jax.lax.stop_gradient(layout.gather(arrays[0].astype(self.compute_dtype), self.axis))
+
+
+@dataclasses.dataclass(frozen=True)
 class Pending:
     """A parameter that is not materialised yet: its storage arrays and what to do."""
 
     arrays: tuple[jax.Array, ...]
     layout: LeafLayout
-    source: Gathered | Scattered
+    source: Gathered | Scattered | Frozen
     ops: tuple[tuple[jcore.Primitive, dict], ...] = ()
     name: str = ""  # the parameter's path, for messages
 

@@ -7,8 +7,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from optax import MaskedNode
 
 from zerojax.config import ZeroConfig
 from zerojax.sharding.layout import LeafLayout, layout_for
@@ -32,6 +35,7 @@ class ZeroPlan:
     paths: tuple[str, ...] = ()  # each parameter's path (jax.tree_util.keystr), for messages
     opt_treedef: Any = None  # the optimizer state's structure (set by with_optimizer)
     opt_layouts: tuple[LeafLayout, ...] = ()
+    trainable: tuple[bool, ...] = ()  # per parameter; empty: every parameter trains
 
     @property
     def axis(self) -> str:
@@ -53,10 +57,61 @@ class ZeroPlan:
         """How this stage stores an array: replicated at stage 0, sharded from stage 1 on."""
         return layout.replicated() if self.stage == 0 else layout
 
+    # Trainable and frozen parameters.
+    def is_trainable(self, i: int) -> bool:
+        return not self.trainable or self.trainable[i]
+
+    @property
+    def train_layouts(self) -> tuple[LeafLayout, ...]:
+        """The sharded layouts of the parameters that train (all but the frozen ones)."""
+        return tuple(l for i, l in enumerate(self.layouts) if self.is_trainable(i))
+
+    @property
+    def has_frozen(self) -> bool:
+        return not all(self.is_trainable(i) for i in range(len(self.layouts)))
+
     @property
     def master_layouts(self) -> tuple[LeafLayout, ...]:
-        """Layouts of the fp32 master weights as this stage stores them."""
-        return tuple(self.stored(l) for l in self.layouts)
+        """Layouts of the fp32 master weights (trainable parameters) as this stage stores them."""
+        return tuple(self.stored(l) for l in self.train_layouts)
+
+    @property
+    def frozen_sharded_layouts(self) -> tuple[LeafLayout, ...]:
+        """Sharded layouts of the frozen parameters (what stage 3 stores and checkpoints
+        hold), in the dtype they are stored in: the compute dtype when it is narrower."""
+        compute = jnp.dtype(self.config.compute_dtype)
+        out = []
+        for i, l in enumerate(self.layouts):
+            if not self.is_trainable(i):
+                narrow = compute.itemsize < jnp.dtype(l.dtype).itemsize
+                out.append(dataclasses.replace(l, dtype=compute.name if narrow else l.dtype))
+        return tuple(out)
+
+    @property
+    def frozen_layouts(self) -> tuple[LeafLayout, ...]:
+        """Layouts of the frozen parameters as stored: replicated at stages 0–2, sharded at
+        stage 3 (see :attr:`frozen_sharded_layouts`)."""
+        return tuple(l.replicated() if self.stage < 3 else l for l in self.frozen_sharded_layouts)
+
+    def split(self, leaves) -> tuple[list, list]:
+        """All parameter leaves -> (trainable ones, frozen ones)."""
+        leaves = list(leaves)
+        return ([x for i, x in enumerate(leaves) if self.is_trainable(i)],
+                [x for i, x in enumerate(leaves) if not self.is_trainable(i)])
+
+    def join(self, train, frozen) -> list:
+        """The inverse of :meth:`split`."""
+        train, frozen = iter(train), iter(frozen)
+        return [next(train) if self.is_trainable(i) else next(frozen) for i in range(len(self.layouts))]
+
+    def unflatten_train(self, leaves) -> Any:
+        """The user's tree with the trainable ``leaves`` and ``optax.MaskedNode()`` in place of
+        each frozen parameter (what the optimizer sees, as inside ``optax.masked``)."""
+        return self.unflatten(self.join(leaves, [MaskedNode()] * (len(self.layouts) - len(self.train_layouts))))
+
+    def unflatten_frozen(self, leaves) -> Any:
+        """The user's tree with the frozen ``leaves`` and ``optax.MaskedNode()`` elsewhere."""
+        return self.unflatten(self.join([MaskedNode()] * len(self.train_layouts), leaves))
 
     @property
     def opt_storage_layouts(self) -> tuple[LeafLayout, ...]:
@@ -75,8 +130,9 @@ class ZeroPlan:
         return jax.tree.unflatten(self.opt_treedef, list(leaves))
 
     def with_optimizer(self, tx: Any) -> ZeroPlan:
-        """This plan with the layouts of ``tx``'s state over these parameters (fp32 masters)."""
-        masters = self.unflatten(jax.ShapeDtypeStruct(l.shape, master_dtype(l.dtype)) for l in self.layouts)
+        """This plan with the layouts of ``tx``'s state over the trainable parameters' fp32
+        masters (frozen ones are ``optax.MaskedNode()``: they get no optimizer state)."""
+        masters = self.unflatten_train(jax.ShapeDtypeStruct(l.shape, master_dtype(l.dtype)) for l in self.train_layouts)
         leaves, treedef = jax.tree.flatten(jax.eval_shape(tx.init, masters))
         layouts = tuple(layout_for(x.shape, x.dtype, self.n) for x in leaves)
         return dataclasses.replace(self, opt_treedef=treedef, opt_layouts=layouts)
@@ -87,9 +143,10 @@ def master_dtype(dtype) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def make_plan(params: Any, mesh: Mesh, config: ZeroConfig, tx: Any = None) -> ZeroPlan:
+def make_plan(params: Any, mesh: Mesh, config: ZeroConfig, tx: Any = None, trainable: Any = None) -> ZeroPlan:
     """Validates ``params`` and chooses the layout of every parameter (and, given ``tx``, of
-    every optimizer-state array)."""
+    every optimizer-state array). ``trainable`` marks the parameters that train (a tree of
+    bools shaped like ``params``, or a callable on ``params`` returning one; None: all)."""
     if not isinstance(config, ZeroConfig):
         raise TypeError(f"config must be a zj.ZeroConfig, got {type(config).__name__}.")
     n = axis_size(mesh, config.axis)
@@ -117,5 +174,28 @@ def make_plan(params: Any, mesh: Mesh, config: ZeroConfig, tx: Any = None) -> Ze
                 "are trained. Keep integer or boolean state (counters, masks) out of params."
             )
         layouts.append(layout_for(tuple(leaf.shape), leaf.dtype, n))
-    plan = ZeroPlan(config=config, mesh=mesh, treedef=treedef, layouts=tuple(layouts), paths=tuple(paths))
+    mask = _trainable_mask(trainable, params, treedef, paths)
+    plan = ZeroPlan(config=config, mesh=mesh, treedef=treedef, layouts=tuple(layouts), paths=tuple(paths),
+                    trainable=() if all(mask) else mask)
     return plan if tx is None else plan.with_optimizer(tx)
+
+
+def _trainable_mask(trainable: Any, params: Any, treedef: Any, paths: list[str]) -> tuple[bool, ...]:
+    if trainable is None:
+        return (True,) * len(paths)
+    mask = trainable(params) if callable(trainable) else trainable
+    try:
+        leaves = treedef.flatten_up_to(mask)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"trainable must be a tree of bools with the structure of params (or a callable on params "
+            f"returning one): {e}") from None
+    out = []
+    for path, m in zip(paths, leaves):
+        m = bool(m) if isinstance(m, (bool, np.bool_)) else m
+        if not isinstance(m, bool):
+            raise TypeError(f"trainable{path} must be a bool (True: train, False: frozen), got {m!r}.")
+        out.append(m)
+    if not any(out):
+        raise ValueError("trainable marks every parameter frozen: nothing would train. Mark at least one True.")
+    return tuple(out)

@@ -9,7 +9,9 @@ Each stage says:
   (given in the stage's storage layouts, ``plan.master_layouts``);
 * :meth:`Stage.masters`: the fp32 masters of a state, in those layouts (what the optimizer
   updates and checkpoints save);
-* :meth:`Stage.grads`: the loss, aux and the gradient in the same layouts;
+* :meth:`Stage.grads`: the loss, aux, new model state and the gradient in the same
+  layouts (frozen parameters, stored in ``state.frozen`` by ``plan.frozen_layouts``, are
+  read but get no gradient);
 * :meth:`Stage.field_shardings`: where ``params`` and ``master`` live.
 
 Initialisation, the optimizer step and checkpoint restore are the same for every stage:
@@ -46,7 +48,9 @@ class Stage:
     def masters(self, plan: ZeroPlan, params: Leaves | None, master: Leaves | None) -> Leaves:
         raise NotImplementedError
 
-    def grads(self, loss: Loss, params: Leaves | None, masters: Leaves, batch: Any, scale: jax.Array):
+    def grads(self, loss: Loss, params: Leaves | None, masters: Leaves, frozen: Leaves, batch: Any,
+              scale: jax.Array, rng: Any, model_state: Any):
+        """``(loss, aux, model_state, grads)``: see :mod:`zerojax.sharding.gradients`."""
         raise NotImplementedError
 
 
@@ -59,14 +63,15 @@ class Stage0(Stage):
         return masters, None
 
     def field_shardings(self, plan):
-        return [plan.replicated] * len(plan.layouts), None
+        return [plan.replicated] * len(plan.master_layouts), None
 
     def masters(self, plan, params, master):
         return params
 
-    def grads(self, loss, params, masters, batch, scale):
+    def grads(self, loss, params, masters, frozen, batch, scale, rng, model_state):
         compute = loss.plan.config.compute_dtype
-        return replicated_grads(loss, scatter=False)([x.astype(compute) for x in params], batch, scale)
+        cast = lambda xs: [x.astype(compute) for x in xs]
+        return replicated_grads(loss, scatter=False)(cast(params), cast(frozen), batch, scale, rng, model_state)
 
 
 class _ReplicatedCopy(Stage):
@@ -81,7 +86,7 @@ class _ReplicatedCopy(Stage):
 
     def field_shardings(self, plan):
         master = plan.shardings(plan.master_layouts) if plan.config.mixed else None
-        return [plan.replicated] * len(plan.layouts), master
+        return [plan.replicated] * len(plan.master_layouts), master
 
     def masters(self, plan, params, master):
         if plan.config.mixed:
@@ -95,8 +100,10 @@ class Stage1(_ReplicatedCopy):
 
     number = 1
 
-    def grads(self, loss, params, masters, batch, scale):
-        return replicated_grads(loss, scatter=True)(params, batch, scale)
+    def grads(self, loss, params, masters, frozen, batch, scale, rng, model_state):
+        compute = loss.plan.config.compute_dtype
+        frozen = [x.astype(compute) for x in frozen]
+        return replicated_grads(loss, scatter=True)(params, frozen, batch, scale, rng, model_state)
 
 
 class Stage2(_ReplicatedCopy):
@@ -104,10 +111,10 @@ class Stage2(_ReplicatedCopy):
 
     number = 2
 
-    def grads(self, loss, params, masters, batch, scale):
+    def grads(self, loss, params, masters, frozen, batch, scale, rng, model_state):
         cfg = loss.plan.config
         source = per_use.Scattered(cfg.axis, loss.plan.n, cfg.reduce_dtype)
-        return per_use_grads(loss, source)(params, masters, batch, scale)
+        return per_use_grads(loss, source)(params, masters, frozen, batch, scale, rng, model_state)
 
 
 class Stage3(Stage):
@@ -124,10 +131,11 @@ class Stage3(Stage):
     def masters(self, plan, params, master):
         return master
 
-    def grads(self, loss, params, masters, batch, scale):
+    def grads(self, loss, params, masters, frozen, batch, scale, rng, model_state):
         cfg = loss.plan.config
         source = per_use.Gathered(cfg.axis, loss.plan.n, cfg.compute_dtype, cfg.reduce_dtype)
-        return per_use_grads(loss, source)([], masters, batch, scale)
+        frozen_source = per_use.Frozen(cfg.axis, cfg.compute_dtype)
+        return per_use_grads(loss, source, frozen_source)([], masters, frozen, batch, scale, rng, model_state)
 
 
 STAGES: dict[int, Stage] = {s.number: s for s in (Stage0(), Stage1(), Stage2(), Stage3())}
