@@ -1,6 +1,7 @@
 """Tokens per second and MFU of the experiments' GPT on one accelerator, ZeRO stages 0 and 3.
 
-Each configuration (stage × remat policy, bf16 compute on fp32 masters) is compiled, warmed
+Each configuration (stage × remat policy, and for stage 3 each ``--prefetch`` depth; bf16
+compute on fp32 masters) is compiled, warmed
 up, then timed over ``--steps`` steps; the table gives step time, tokens/s, model FLOPs
 utilisation (``GPTConfig.flops_per_token()`` × tokens/s ÷ the chip's peak; recompute is
 not counted as useful work) and the device's peak memory where the backend reports it.
@@ -12,6 +13,9 @@ After the throughput table it prints the remat policies' memory table with the o
 policies (``experiments/remat_table.py --policies none,names,offload_names,dots_no_batch,
 offload_dots --check-offload``): host bytes and device bytes of each, and whether each
 offload policy really moved its values to host memory (``--no-remat-table`` skips it).
+
+XLA's GPU overlap flags (``zerojax.xla_flags``) are set before JAX starts (set
+``ZEROJAX_NO_OVERLAP_FLAGS=1`` to measure without them); the table header prints them.
 
 Peak bf16 FLOP/s is looked up from the device kind (H100/H200: 989 TFLOP/s dense, A100:
 312); elsewhere pass ``--peak-tflops``. On a CPU it runs too (use a small ``--d-model``),
@@ -27,11 +31,17 @@ import statistics
 import sys
 import time
 
-import jax
-import numpy as np
-import optax
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from zerojax.xla_flags import apply_gpu_overlap_flags  # noqa: E402
+
+# XLA reads its flags once, when JAX starts its backends: the overlap flags go first.
+if not os.environ.get("ZEROJAX_NO_OVERLAP_FLAGS"):
+    apply_gpu_overlap_flags()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
 import zerojax as zj  # noqa: E402
 from experiments import gpt, remat_table  # noqa: E402
 from experiments.progress import bar  # noqa: E402
@@ -50,11 +60,11 @@ def peak_flops(device, override: float | None) -> float | None:
     return None
 
 
-def measure(cfg: gpt.GPTConfig, stage: int, batch: int, steps: int, device) -> dict:
+def measure(cfg: gpt.GPTConfig, stage: int, batch: int, steps: int, device, prefetch: int = 0) -> dict:
     graphdef, params = gpt.init(cfg)
     tx = optax.adamw(1e-4, b2=0.95, weight_decay=0.1)
     mesh = zj.make_mesh([device])
-    zc = zj.ZeroConfig(stage=stage, compute_dtype="bfloat16", grad_clip=1.0)
+    zc = zj.ZeroConfig(stage=stage, compute_dtype="bfloat16", grad_clip=1.0, prefetch=prefetch)
     state = zj.init_state(params, tx, mesh=mesh, config=zc)
     del params
     step = zj.make_train_step(gpt.make_loss(graphdef), tx, mesh=mesh, config=zc)
@@ -76,7 +86,8 @@ def measure(cfg: gpt.GPTConfig, stage: int, batch: int, steps: int, device) -> d
     stats = device.memory_stats() or {}
     del state, step
     t = statistics.median(times)
-    return {"stage": stage, "remat": cfg.remat, "step_s": t, "tokens_per_s": batch * cfg.seq_len / t,
+    return {"stage": stage, "remat": cfg.remat, "prefetch": prefetch, "step_s": t,
+            "tokens_per_s": batch * cfg.seq_len / t,
             "compile_s": compile_s, "loss": float(m["loss"]),
             "peak_bytes": stats.get("peak_bytes_in_use")}
 
@@ -92,6 +103,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--stages", default="0,3")
     ap.add_argument("--remat", default="none,dots_no_batch,full")
+    ap.add_argument("--prefetch", default="0,1", help="stage-3 prefetch depths to measure")
     ap.add_argument("--peak-tflops", type=float, default=None, help="peak bf16 TFLOP/s of the device")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--no-remat-table", action="store_true", help="skip the remat/offload memory table")
@@ -100,30 +112,32 @@ def main(argv=None) -> list[dict]:
     peak = peak_flops(device, args.peak_tflops)
     rows = []
     remats, stages = args.remat.split(","), [int(s) for s in args.stages.split(",")]
-    progress = bar(len(remats) * len(stages), "gpu_throughput")
-    for remat in remats:
+    prefetches = [int(p) for p in args.prefetch.split(",")]
+    runs = [(remat, stage, pf) for remat in remats for stage in stages for pf in (prefetches if stage == 3 else [0])]
+    progress = bar(len(runs), "gpu_throughput")
+    for remat, stage, pf in runs:
         cfg = gpt.GPTConfig(vocab=args.vocab, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
                             n_heads=args.heads, remat=remat)
-        for stage in stages:
-            progress.set_postfix_str(f"stage {stage} remat {remat}")
-            r = measure(cfg, stage, args.batch, args.steps, device)
-            r["model_tflops_per_s"] = cfg.flops_per_token() * r["tokens_per_s"] / 1e12
-            r["mfu"] = cfg.flops_per_token() * r["tokens_per_s"] / peak if peak else None
-            rows.append(r)
-            progress.update(1)
+        progress.set_postfix_str(f"stage {stage} remat {remat} prefetch {pf}")
+        r = measure(cfg, stage, args.batch, args.steps, device, pf)
+        r["model_tflops_per_s"] = cfg.flops_per_token() * r["tokens_per_s"] / 1e12
+        r["mfu"] = cfg.flops_per_token() * r["tokens_per_s"] / peak if peak else None
+        rows.append(r)
+        progress.update(1)
     progress.close()
     print(f"{device.device_kind} ({device.platform}), jax {jax.__version__}, "
           f"{time.strftime('%Y-%m-%d')}; GPT {cfg.num_params() / 1e6:.0f}M parameters (d{args.d_model} "
           f"L{args.layers}, seq {args.seq_len}, vocab {args.vocab}), batch {args.batch} x {args.seq_len} tokens, "
           f"bf16 compute, fp32 masters, AdamW; {cfg.flops_per_token() / 1e9:.2f} GFLOP per token; peak "
           f"{'%.1f TFLOP/s' % (peak / 1e12) if peak else 'unknown (pass --peak-tflops)'}\n")
-    print("| stage | remat | step time | tokens/s | model TFLOP/s | MFU | peak memory | compile |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"XLA_FLAGS: {os.environ.get('XLA_FLAGS', '')}\n")
+    print("| stage | remat | prefetch | step time | tokens/s | model TFLOP/s | MFU | peak memory | compile |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         mem = f"{r['peak_bytes'] / 2**30:.1f} GiB" if r["peak_bytes"] else "n/a"
-        print(f"| {r['stage']} | {r['remat']} | {1e3 * r['step_s']:.1f} ms | {r['tokens_per_s']:,.0f} | "
-              f"{r['model_tflops_per_s']:.1f} | {mfu} | {mem} | {r['compile_s']:.1f} s |")
+        print(f"| {r['stage']} | {r['remat']} | {r['prefetch']} | {1e3 * r['step_s']:.1f} ms | "
+              f"{r['tokens_per_s']:,.0f} | {r['model_tflops_per_s']:.1f} | {mfu} | {mem} | {r['compile_s']:.1f} s |")
     offload = None
     if not args.no_remat_table:
         print("\nRemat policies, ZeRO-3 (device and host bytes from memory_analysis):\n")
@@ -135,6 +149,7 @@ def main(argv=None) -> list[dict]:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device.device_kind, "jax": jax.__version__, "args": vars(args), "rows": rows,
+                       "xla_flags": os.environ.get("XLA_FLAGS", ""),
                        "remat_offload": offload}, f, indent=1)
     return rows
 

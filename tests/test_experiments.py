@@ -114,7 +114,8 @@ def test_gpu_throughput_script_runs_on_cpu(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out_json.read_text())
     rows = result["rows"]
-    assert [(r["stage"], r["remat"]) for r in rows] == [(0, "full"), (3, "full")]
+    assert [(r["stage"], r["remat"], r["prefetch"]) for r in rows] == [(0, "full", 0), (3, "full", 0), (3, "full", 1)]
+    assert "--xla_gpu_enable_pipelined_all_gather=true" in result["xla_flags"]
     # The offload check runs too; on the CPU backend it reports, as it must, no host bytes.
     assert set(result["remat_offload"]["rows"]) == {"none", "names", "offload_names", "dots_no_batch", "offload_dots"}
     failures = result["remat_offload"]["failures"]
@@ -223,3 +224,19 @@ def test_lora_fine_tune_memory_follows_the_formula():
         assert r["loss_last"] < r["loss_first"]
     assert by[(3, "LoRA")]["state"] < by[(3, "full")]["state"] / 3
     assert by[(0, "LoRA")]["psi_t"] < 0.1 * by[(0, "LoRA")]["psi_f"]
+
+
+def test_prefetch_script_structure(capsys):
+    """The script's compiled-program columns: with prefetch every gather in the layer loops
+    is independent of the loops' matmuls, without it they are not; each layer is gathered
+    once per direction, as with full remat."""
+    from experiments import prefetch
+
+    rows = {(r["run"], r["remat"]): r for r in prefetch.main(["--d-model", "64", "--layers", "6", "--batch", "8",
+                                                               "--repeats", "1"])}
+    for key in (("3, prefetch 1", "none"), ("3, prefetch 2", "none")):
+        assert rows[key]["independent"] == rows[key]["pairs"] > 0
+        assert rows[key]["gathers"] == rows[("3", "full")]["gathers"]
+    assert rows[("3", "none")]["independent"] < rows[("3", "none")]["pairs"]
+    assert all(r["vs_stage0"] > 0 for r in rows.values())
+    assert "| 3, prefetch 1 | none |" in capsys.readouterr().out

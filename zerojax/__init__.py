@@ -1,6 +1,6 @@
 """zerojax: ZeRO (stages 0-3) for JAX and Flax over a jax.sharding mesh."""
 
-from zerojax import checkpoint, distributed, remat
+from zerojax import checkpoint, distributed, remat, xla_flags
 from zerojax.checkpoint import export_weights, restore_checkpoint, save_checkpoint
 from zerojax.config import ZeroConfig
 from zerojax.evaluate import EvalStep, make_eval_step
@@ -40,6 +40,7 @@ __all__ = [
     "make_train_step",
     "state_bytes_per_device",
     "step_memory",
+    "xla_flags",
     "zero_formula_bytes",
 ]
 __version__ = "0.1.0"

@@ -60,6 +60,12 @@ class ZeroConfig:
       grad_clip: clip by the global norm over all shards, after unscaling (None: off).
       grad_accum_steps: micro-batches per optimizer step, inside one compiled step.
 
+    Overlap (stage 3):
+      prefetch: gather this many layers ahead of their use, so that a gather overlaps the
+        compute of the layers before it (0: each layer is gathered when it is reached). A
+        ``scan`` over stacked layers then recomputes each layer's forward in backward, as
+        ``remat="full"`` does (see :mod:`zerojax.sharding.prefetch`).
+
     Example:
       >>> import zerojax as zj
       >>> zj.ZeroConfig(stage=3, compute_dtype="float16").resolved_loss_scale
@@ -89,6 +95,7 @@ class ZeroConfig:
     grad_clip: float | None = None
     grad_accum_steps: int = 1
     remat: Any = None
+    prefetch: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in STAGES:
@@ -109,7 +116,7 @@ class ZeroConfig:
         set_("reduce_dtype", _dtype_name(self.reduce_dtype, "reduce_dtype", REDUCE_DTYPES))
         self._check_loss_scale()
         set_("remat", resolve_remat(self.remat))
-        for name in ("initial_scale_power", "loss_scale_window", "hysteresis", "grad_accum_steps"):
+        for name in ("initial_scale_power", "loss_scale_window", "hysteresis", "grad_accum_steps", "prefetch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"ZeroConfig.{name} must be an int, got {value!r}.")
@@ -121,6 +128,8 @@ class ZeroConfig:
             raise ValueError(f"ZeroConfig.min_loss_scale must be > 0, got {self.min_loss_scale!r}.")
         if self.initial_scale_power < 0:
             raise ValueError(f"ZeroConfig.initial_scale_power must be >= 0, got {self.initial_scale_power}.")
+        if self.prefetch < 0:
+            raise ValueError(f"ZeroConfig.prefetch must be >= 0 (layers gathered ahead; 0: none), got {self.prefetch}.")
         if self.grad_accum_steps < 1:
             raise ValueError(
                 f"ZeroConfig.grad_accum_steps must be >= 1 (1 = no accumulation), got {self.grad_accum_steps}."

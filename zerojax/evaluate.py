@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.config import ZeroConfig
 from zerojax.sharding import outputs, per_use
-from zerojax.sharding.gradients import cast_batch, local_shapes
+from zerojax.sharding.gradients import cast_batch, context, local_shapes
 from zerojax.sharding.mesh import auto_axes, axis_size
 from zerojax.sharding.plan import ZeroPlan
 from zerojax.state import ZeroState
@@ -79,7 +79,7 @@ class EvalStep:
             cfg = plan.config
             source = per_use.Gathered(axis, n, cfg.compute_dtype, cfg.reduce_dtype)
             frozen_source = per_use.Frozen(axis, cfg.compute_dtype)
-            run = per_use.traced(user_fn, shapes)
+            run = per_use.traced(user_fn, shapes, context(plan, remat=False))
 
             def body(shards, frozen, b, ms):
                 train = [per_use.Pending(arrays=(s,), layout=l, source=source, name=name)

@@ -6,7 +6,8 @@ Starts ``--nprocs`` copies of the command with the environment that
 ``zj.distributed.initialize()`` reads (coordinator on a free localhost port, process
 count and id, simulated CPU devices per process), prefixes each output line with
 ``[rank i]``, and exits with a non-zero status as soon as any process fails, stopping the
-others; ``--timeout`` bounds the whole job.
+others; ``--timeout`` bounds the whole job; ``--gpu-overlap`` adds XLA's GPU flags that
+overlap collectives with compute (:mod:`zerojax.xla_flags`) to every process.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 from collections.abc import Sequence
 
 from zerojax.distributed.init import ENV_COORDINATOR, ENV_LOCAL_DEVICES, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from zerojax.xla_flags import with_gpu_overlap_flags
 
 
 def free_port() -> int:
@@ -52,8 +54,9 @@ def _stop(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
 
 
 def launch(cmd: Sequence[str], nprocs: int, devices_per_proc: int | None = None, port: int | None = None,
-           timeout_s: float | None = None, grace_s: float = 5.0, out=None) -> int:
-    """Runs ``cmd`` in ``nprocs`` processes; returns the job's exit status."""
+           timeout_s: float | None = None, grace_s: float = 5.0, out=None, gpu_overlap: bool = False) -> int:
+    """Runs ``cmd`` in ``nprocs`` processes; returns the job's exit status. ``gpu_overlap``
+    adds XLA's GPU overlap flags (:mod:`zerojax.xla_flags`) to every process's ``XLA_FLAGS``."""
     if nprocs < 1:
         raise ValueError(f"--nprocs must be >= 1, got {nprocs}")
     if not cmd:
@@ -68,6 +71,8 @@ def launch(cmd: Sequence[str], nprocs: int, devices_per_proc: int | None = None,
                     ENV_PROCESS_ID: str(rank), "PYTHONUNBUFFERED": "1"})
         if devices_per_proc is not None:
             env[ENV_LOCAL_DEVICES] = str(devices_per_proc)
+        if gpu_overlap:
+            env["XLA_FLAGS"] = with_gpu_overlap_flags(env.get("XLA_FLAGS", ""))
         p = subprocess.Popen(list(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, start_new_session=True)
         t = threading.Thread(target=_pump, args=(rank, p.stdout, out, lock), daemon=True)
@@ -121,10 +126,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="simulated CPU devices per process (CPU runs)")
     ap.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
     ap.add_argument("--timeout", type=float, default=None, help="stop the job after this many seconds")
+    ap.add_argument("--gpu-overlap", action="store_true",
+                    help="add XLA's GPU flags that overlap collectives with compute (zerojax.xla_flags)")
     args = ap.parse_args(argv)
     if not cmd:
         ap.error("give the command after --, e.g. -- python experiments/train.py")
-    return launch(cmd, args.nprocs, args.devices_per_proc, args.port, args.timeout)
+    return launch(cmd, args.nprocs, args.devices_per_proc, args.port, args.timeout, gpu_overlap=args.gpu_overlap)
 
 
 if __name__ == "__main__":

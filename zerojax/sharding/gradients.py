@@ -103,7 +103,7 @@ class Loss:
         that parameters may be pending, with every layer loop a remat region when a policy
         is configured."""
         return per_use.traced(lambda leaves, inputs: self(leaves, *inputs), self.param_shapes,
-                              per_use.Context(scan_remat=self.plan.config.remat))
+                              context(self.plan))
 
     # Across devices and micro-batches.
     def out_specs(self, axis: str) -> tuple:
@@ -138,6 +138,18 @@ class Loss:
         zeros = [jnp.zeros(g.shape, g.dtype) for g in grads_s]
         (grads, ms), (values, auxes) = jax.lax.scan(step, (zeros, model_state), (micro, jnp.arange(k)))
         return jnp.mean(values), (self.aux.over_micro_batches(auxes) if self.has_aux else None), grads, ms
+
+
+def on_cpu(plan: ZeroPlan) -> bool:
+    return plan.mesh.devices.flat[0].platform == "cpu"
+
+
+def context(plan: ZeroPlan, remat: bool = True) -> per_use.Context:
+    """How the loss is re-evaluated for ``plan``: the remat policy of every layer loop, the
+    prefetch depth (stage 3), and the backend's ordering."""
+    cfg = plan.config
+    return per_use.Context(scan_remat=cfg.remat if remat else None, cpu=on_cpu(plan),
+                           prefetch=cfg.prefetch if plan.stage == 3 else 0)
 
 
 def local_shapes(plan: ZeroPlan, fn: Callable, *args: Any) -> Any:
@@ -216,7 +228,7 @@ def replicated_grads(loss: Loss, *, scatter: bool) -> Callable:
     def reduce_all(grads):
         if not scatter:
             return [collectives.reduce_grad(g, axis, n, reduce) for g in grads]
-        grads = per_use.after_all(grads)  # ZeRO-1: the whole gradient exists first
+        grads = per_use.after_all(grads, on_cpu(plan))  # ZeRO-1: the whole gradient exists first
         return [collectives.reduce_grad(g, axis, n, reduce, l) for l, g in zip(plan.master_layouts, grads)]
 
     def body(train, frozen, batch, scale, rng, model_state):

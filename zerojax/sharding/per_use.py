@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from zerojax.sharding import collectives
+from zerojax.sharding import collectives, prefetch
 from zerojax.sharding.layout import LeafLayout
 
 # The primitives this module dispatches on, by their names in jax.extend.core.primitives.
@@ -231,6 +231,10 @@ class Context:
     in_remat: bool = False  # inside a remat region: backward recomputes, gathers included
     # Stacked storage split into its layers, once per evaluation (see ``_row``).
     rows: dict | None = dataclasses.field(default=None, compare=False)
+    cpu: bool = True  # XLA's CPU backend drops optimization barriers: order by data there too
+    prefetch: int = 0  # gather this many layers ahead (stage 3; see zerojax.sharding.prefetch)
+    # The activation inputs of the gathers so far in this jaxpr (forward prefetch of unrolled layers).
+    deps: list | None = dataclasses.field(default=None, compare=False)
 
 
 _PLAIN = Context()
@@ -262,8 +266,8 @@ def _eqn_with_pending(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> l
     if prim in _NO_RESIDUALS or ctx.in_remat:
         # Inside a remat region the gathered value is recomputed (gathered again) for this
         # layer's backward anyway; a second re-gather would only add traffic.
-        return _bind(eqn, _materialize_all(_tied_to_inputs(invals)))
-    return _regathered(eqn, invals)
+        return _bind(eqn, _materialize_all(_tied_to_inputs(invals, ctx)))
+    return _regathered(eqn, invals, ctx)
 
 
 def _warn_if_stack_gathered_whole(eqn: jcore.JaxprEqn, pending: list[Pending], how: str = "") -> None:
@@ -319,38 +323,71 @@ def _first_float(vals: Sequence[Any]) -> jax.Array | None:
     return None
 
 
-def _tied_to_inputs(invals: list[Any]) -> list[Any]:
+def _tied_to_inputs(invals: list[Any], ctx: Context) -> list[Any]:
     """Pending values whose gather waits for the equation's other (activation) input, so
-    the compiler gathers a layer when the layer is reached, not all layers up front."""
-    dep = _first_float(invals)
+    the compiler gathers a layer when the layer is reached, not all layers up front (with
+    prefetch, when the layer ``ctx.prefetch`` uses earlier is reached)."""
+    dep = _order_after(_first_float(invals), ctx, record=False)
     if dep is None:
         return invals
-    return [v.rebuild([_after(a, dep) for a in v.arrays]) if isinstance(v, Pending) else v
+    return [v.rebuild([_after(a, dep, ctx.cpu) for a in v.arrays]) if isinstance(v, Pending) else v
             for v in invals]
 
 
-def _after(x: jax.Array, dep: jax.Array) -> jax.Array:
-    """``x``, made to depend on ``dep`` so the compiler cannot compute it earlier or merge
-    it with an identical value computed in forward (XLA's CPU pipeline drops the
-    optimization barriers that ``jax.checkpoint`` relies on for that)."""
-    return x + (jnp.ravel(dep)[0] * 0).astype(x.dtype)
+def _order_after(dep: jax.Array | None, ctx: Context, record: bool = True) -> jax.Array | None:
+    """What a gather used with activation input ``dep`` waits for: ``dep`` itself, or with
+    prefetch d the input of the d-th layer before it in this jaxpr, so that the gather
+    runs while those layers compute. A layer is a use that keeps its parameter for
+    backward (a matmul: ``record``); lighter uses (adding a bias) wait with the last one."""
+    if not ctx.prefetch or ctx.deps is None or dep is None:
+        return dep
+    back = ctx.prefetch if record else ctx.prefetch - 1
+    earlier = ctx.deps[-back] if back and len(ctx.deps) >= back else dep
+    if record:
+        ctx.deps.append(dep)
+    return earlier
 
 
-def after_all(xs: Sequence[jax.Array]) -> list[jax.Array]:
-    """Each of ``xs``, made to depend on all of them (nothing proceeds until all exist)."""
-    dep = sum(jnp.ravel(x)[0].astype(jnp.float32) for x in xs)
-    return [_after(x, dep) for x in xs]
+def _after(x: jax.Array, dep: jax.Array, cpu: bool = True) -> jax.Array:
+    """``x``, scheduled after ``dep`` exists, its value unchanged whatever ``dep`` holds.
+
+    An optimization barrier orders them where the backend honours it. XLA's CPU pipeline
+    drops barriers, so there a data dependency does it too, one that cannot change a
+    value: ``x`` plus a negative zero computed from ``dep``'s first element
+    (-|d * 0| if d is finite, else -|0|: -0.0 for every d, NaN and infinities included,
+    and x + -0.0 is x for every x, signed zeros included), so that the compiler cannot
+    gather a layer before the layer is reached, or merge a backward re-gather with the
+    forward one."""
+    dep = jax.lax.stop_gradient(dep)  # an order, not a value: no gradient flows through it
+    x, _ = jax.lax.optimization_barrier((x, dep))
+    if cpu:
+        d = jnp.ravel(dep)[0]
+        zero = -jnp.abs(jnp.where(jnp.isfinite(d), d * 0, jnp.zeros_like(d)))
+        x = x + zero.astype(x.dtype)
+    return x
 
 
-def _regathered(eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any]:
+def after_all(xs: Sequence[jax.Array], cpu: bool = True) -> list[jax.Array]:
+    """Each of ``xs``, scheduled after all of them exist (nothing proceeds until all do)."""
+    dep = sum(jnp.ravel(x)[0].astype(jnp.float32) for x in xs)  # needs every one of them
+    return [_after(x, dep, cpu) for x in xs]
+
+
+def _regathered(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any]:
     """Applies ``eqn`` to freshly gathered parameters, in forward and again in backward.
 
     Only the shards and the equation's other inputs are kept for backward; backward
     gathers again, once the output cotangent exists, and differentiates the equation there.
-    The transpose of the gather reduce-scatters the parameter's gradient.
+    The transpose of the gather reduce-scatters the parameter's gradient. With prefetch,
+    the forward gather waits only for an earlier layer's input (see ``_order_after``).
     """
     flat, rebuild = _split_pending(invals)
     traced = [i for i, v in enumerate(invals) if not isinstance(v, Pending) and _is_array(v)]
+    # The forward gather waits for the input (or, with prefetch, an earlier layer's input),
+    # with or without differentiation (an eval step runs the region's primal alone). The
+    # untied shards are what backward keeps.
+    dep = _order_after(_first_float([invals[i] for i in traced]), ctx)
+    tie = lambda flat, dep: flat if dep is None else [_after(a, dep, ctx.cpu) for a in flat]
 
     def compute(flat, traced_vals):
         vals = rebuild(flat)
@@ -359,24 +396,20 @@ def _regathered(eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any]:
         return _bind(eqn, _materialize_all(vals))
 
     @jax.custom_vjp
-    def region(flat, traced_vals):
-        return compute(flat, traced_vals)
+    def region(flat, traced_vals, dep):
+        return compute(tie(flat, dep), traced_vals)
 
-    def fwd(flat, traced_vals):
-        dep = _first_float(traced_vals)
-        tied = [_after(a, dep) for a in flat] if dep is not None else flat
-        return compute(tied, traced_vals), (flat, traced_vals)
+    def fwd(flat, traced_vals, dep):
+        return compute(tie(flat, dep), traced_vals), (flat, traced_vals)
 
     def bwd(res, cts):
         flat, traced_vals = res
-        dep = _first_float(cts)
-        if dep is not None:
-            flat = [_after(a, dep) for a in flat]
+        flat = tie(flat, _first_float(cts))  # gathered again once the cotangent exists
         _, vjp = jax.vjp(compute, flat, traced_vals)
-        return vjp(list(cts))
+        return (*vjp(list(cts)), None)
 
     region.defvjp(fwd, bwd)
-    return region(flat, [invals[i] for i in traced])
+    return region(flat, [invals[i] for i in traced], dep)
 
 
 def _checkpoint(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any]:
@@ -413,6 +446,21 @@ def _scan(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any]:
     xs_in = [v if isinstance(v, Pending) and v.sliceable else
              (v.materialize() if isinstance(v, Pending) else v) for v in xs_in]
     xs_arrays = [v.arrays if isinstance(v, Pending) else v for v in xs_in]
+    stack_pos = [k for k, v in enumerate(xs_in) if isinstance(v, Pending) and v.source.remat]
+    if ctx.prefetch and stack_pos and not p["reverse"]:
+        others = [v for k, v in enumerate(xs_in) if k not in stack_pos]
+        if prefetch.applies(carry, others, [v.aval for v in body.jaxpr.outvars]):
+            inner = Context(cpu=ctx.cpu)
+
+            def run_body(consts, carry, xs_vals):
+                return eval_jaxpr(body.jaxpr, body.consts, [*consts, *carry, *xs_vals], inner)
+
+            return prefetch.prefetched_scan(run_body, n_carry, p["length"], ctx.prefetch,
+                                            [xs_in[k] for k in stack_pos], stack_pos, consts, carry, others,
+                                            len(xs_in))
+        warnings.warn("zerojax: prefetch skipped for a layer loop whose carry, scanned inputs or outputs are "
+                      "not all floating; its layers are gathered one at a time without prefetch.",
+                      stacklevel=2)
 
     remat = ctx.scan_remat is not None and ctx.scan_remat.active
     body_ctx = dataclasses.replace(ctx, in_remat=True) if remat else ctx
@@ -435,6 +483,8 @@ def eval_jaxpr(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
                ctx: Context = _PLAIN) -> list[Any]:
     """Evaluates ``jaxpr`` like ``jax.core.eval_jaxpr``, keeping parameters pending."""
     env: dict[Any, Any] = {}
+    if ctx.prefetch:
+        ctx = dataclasses.replace(ctx, deps=[])  # this jaxpr's own order of gathered uses
 
     def read(v):
         return v.val if isinstance(v, jcore.Literal) else env[v]
