@@ -16,7 +16,7 @@ from zerojax.sharding.gradients import cast_batch, context, local_shapes
 from zerojax.sharding.mesh import auto_axes, axis_size
 from zerojax.sharding.plan import ZeroPlan
 from zerojax.state import ZeroState
-from zerojax.step import check_batch, check_keywords
+from zerojax.step import check_batch, check_keywords, check_state
 
 
 class EvalStep:
@@ -44,13 +44,7 @@ class EvalStep:
         self._compiles = 0
 
     def check(self, state: ZeroState, batch: Any) -> None:
-        if not isinstance(state, ZeroState):
-            raise TypeError(f"state must come from zj.init_state, got {type(state).__name__}.")
-        if state.plan.config != self.config or state.plan.mesh != self.mesh:
-            raise ValueError(
-                f"state was built for {state.plan.config} on mesh {dict(state.plan.mesh.shape)}, "
-                f"but this eval step uses {self.config} on mesh {dict(self.mesh.shape)}. "
-                "Build both with the same mesh and config.")
+        check_state(state, self.config, self.mesh, "eval step")
         if self.with_model_state and state.model_state is None:
             raise ValueError("make_eval_step(..., with_model_state=True) needs a state built with "
                              "zj.init_state(..., model_state=...).")

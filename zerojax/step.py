@@ -193,14 +193,7 @@ class TrainStep:
 
     def check(self, state: ZeroState, batch: Any) -> None:
         """Raises a clear error for a state or batch this step cannot take."""
-        if not isinstance(state, ZeroState):
-            raise TypeError(f"state must come from zj.init_state, got {type(state).__name__}.")
-        if state.plan.config != self.config or state.plan.mesh != self.mesh:
-            raise ValueError(
-                f"state was built for {state.plan.config} on mesh {dict(state.plan.mesh.shape)}, "
-                f"but this train step uses {self.config} on mesh {dict(self.mesh.shape)}. "
-                "Build both with the same mesh and config."
-            )
+        check_state(state, self.config, self.mesh, "train step")
         if self.options["with_rng"] and state.rng is None:
             raise ValueError("make_train_step(..., with_rng=True) hands the loss a key: build the state with "
                              "zj.init_state(..., rng=jax.random.key(seed)).")
@@ -247,6 +240,16 @@ class TrainStep:
         """Number of programs this step has traced and compiled (one per state layout and
         batch shape; ``lower`` counts too)."""
         return self._compiles
+
+
+def check_state(state: Any, config: ZeroConfig, mesh: Mesh, what: str) -> None:
+    """Raises a clear error for a state that is not one, or not of this config and mesh."""
+    if not isinstance(state, ZeroState):
+        raise TypeError(f"state must come from zj.init_state, got {type(state).__name__}.")
+    if state.plan.config != config or state.plan.mesh != mesh:
+        raise ValueError(
+            f"state was built for {state.plan.config} on mesh {dict(state.plan.mesh.shape)}, "
+            f"but this {what} uses {config} on mesh {dict(mesh.shape)}. Build both with the same mesh and config.")
 
 
 def check_keywords(fn: Callable, name: str, **wanted: bool) -> None:
