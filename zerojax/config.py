@@ -60,6 +60,20 @@ class ZeroConfig:
       grad_clip: clip by the global norm over all shards, after unscaling (None: off).
       grad_accum_steps: micro-batches per optimizer step, inside one compiled step.
 
+    Host memory (ZeRO-Offload; see :mod:`zerojax.optim.offload`):
+      offload_optimizer: keep the optimizer state, and the fp32 masters where they are
+        kept apart from what forward reads (stages 1–2 with bf16/fp16 compute), in host
+        memory ("pinned_host"), sharded as on the device (stages 1–3).
+      offload_params: stage 3: keep the fp32 masters (the only copy of the parameters) in
+        host memory; each layer's shard moves to the device where it is gathered.
+      offload_update: where the optimizer update of offloaded state runs: "host" (inside
+        ``compute_on("device_host")``: only gradients go down and parameters come up),
+        "device" (the state moves to the device for the update and back), or "auto" (host
+        where the backend compiles the update there, device otherwise).
+      offload_group_size: with the update on the device, the offloaded state streams
+        there and back in groups of at most this many parameter elements (DeepSpeed's
+        ``sub_group_size``); leaves whose update reads one another stay in one group.
+
     Overlap (stage 3):
       prefetch: gather this many layers ahead of their use, so that a gather overlaps the
         compute of the layers before it (0: each layer is gathered when it is reached). A
@@ -96,6 +110,10 @@ class ZeroConfig:
     grad_accum_steps: int = 1
     remat: Any = None
     prefetch: int = 0
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    offload_update: str = "auto"
+    offload_group_size: int = 1_000_000_000
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in STAGES:
@@ -108,7 +126,8 @@ class ZeroConfig:
             raise TypeError(
                 f"ZeroConfig.axis must be a non-empty mesh axis name (str), got {self.axis!r}."
             )
-        for name in ("donate", "consecutive_hysteresis", "raise_at_min_scale", "skip_nonfinite"):
+        for name in ("donate", "consecutive_hysteresis", "raise_at_min_scale", "skip_nonfinite",
+                     "offload_optimizer", "offload_params"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ZeroConfig.{name} must be a bool, got {getattr(self, name)!r}.")
         set_ = lambda k, v: object.__setattr__(self, k, v)
@@ -128,8 +147,24 @@ class ZeroConfig:
             raise ValueError(f"ZeroConfig.min_loss_scale must be > 0, got {self.min_loss_scale!r}.")
         if self.initial_scale_power < 0:
             raise ValueError(f"ZeroConfig.initial_scale_power must be >= 0, got {self.initial_scale_power}.")
+        if self.offload_optimizer and self.stage == 0:
+            raise ValueError("ZeroConfig.offload_optimizer needs a sharded optimizer state: use stage 1, 2 or 3 "
+                             "(stage 0 replicates it on every device).")
+        if self.offload_params and self.stage != 3:
+            raise ValueError(f"ZeroConfig.offload_params keeps stage 3's sharded parameters in host memory; "
+                             f"stage {self.stage} keeps a replicated copy on every device. Use stage=3.")
+        if self.offload_update not in ("auto", "host", "device"):
+            raise ValueError(f"ZeroConfig.offload_update must be 'auto', 'host' or 'device', got {self.offload_update!r}.")
+        if isinstance(self.offload_group_size, bool) or not isinstance(self.offload_group_size, int) \
+                or self.offload_group_size < 1:
+            raise ValueError(f"ZeroConfig.offload_group_size must be a positive int (parameter elements per "
+                             f"streamed group), got {self.offload_group_size!r}.")
         if self.prefetch < 0:
             raise ValueError(f"ZeroConfig.prefetch must be >= 0 (layers gathered ahead; 0: none), got {self.prefetch}.")
+        if self.prefetch and self.offload_params:
+            raise ValueError(f"ZeroConfig.prefetch={self.prefetch} with offload_params=True is not supported: the "
+                             f"prefetched scan gathers device shards, and offloaded ones are in host memory. "
+                             f"Use prefetch=0 with offload_params, or keep the parameters on the device.")
         if self.grad_accum_steps < 1:
             raise ValueError(
                 f"ZeroConfig.grad_accum_steps must be >= 1 (1 = no accumulation), got {self.grad_accum_steps}."

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import os
 import sys
@@ -17,7 +18,9 @@ from jax.sharding import Mesh
 
 from zerojax.config import ZeroConfig
 from zerojax.optim import loss_scale as ls
-from zerojax.optim.update import apply_optimizer, check_optimizer, clip_by_global_norm, keep_if
+from zerojax.optim.apply import apply_optimizer
+from zerojax.optim.offload import choose_place
+from zerojax.optim.update import check_optimizer, clip_by_global_norm, keep_if
 from zerojax.sharding.gradients import Loss
 from zerojax.sharding.mesh import auto_axes, axis_size
 from zerojax.sharding.plan import ZeroPlan
@@ -61,13 +64,12 @@ def _step(loss_fn: Callable, tx: Any, options: dict, state: ZeroState, batch: An
     finite = jnp.isfinite(grad_norm) & jnp.isfinite(value)
     if cfg.grad_clip is not None:
         grads = clip_by_global_norm(grads, grad_norm, cfg.grad_clip)
-    new_masters, opt_state = apply_optimizer(plan, tx, grads, state.opt_state, masters)
     skip = jnp.logical_not(finite) if cfg.checks_finite else jnp.asarray(False)
-    if cfg.checks_finite:  # a non-finite step changes nothing, bit for bit
-        new_masters = keep_if(skip, masters, new_masters)
-        opt_state = keep_if(skip, state.opt_state, opt_state)
-        if options["with_model_state"]:
-            new_model_state = keep_if(skip, state.model_state, new_model_state)
+    # A non-finite step changes nothing, bit for bit.
+    new_masters, opt_state = apply_optimizer(plan, tx, grads, state.opt_state, masters,
+                                             skip if cfg.checks_finite else None, options["update_place"])
+    if cfg.checks_finite and options["with_model_state"]:
+        new_model_state = keep_if(skip, state.model_state, new_model_state)
     new_params, new_master = stage.fields(plan, new_masters)
 
     scaler, at_min = (ls.update(state.loss_scale, skip, cfg) if cfg.scaling
@@ -161,6 +163,7 @@ class TrainStep:
         self.mesh, self.config, self.tx, self.loss_fn = auto_axes(mesh), config, tx, loss_fn
         self.timeout_s = timeout_s
         self._jitted: dict[ZeroPlan, Any] = {}
+        self._places: dict[ZeroPlan, str] = {}
         self._compiles = 0
         self._unchecked: tuple[jax.Array, int] | None = None  # (overflow_at_min_scale, step)
         for name, flag in (("has_aux", has_aux), ("with_rng", with_rng), ("with_model_state", with_model_state)):
@@ -170,9 +173,9 @@ class TrainStep:
                             with_model_state=with_model_state)
         check_keywords(loss_fn, "loss_fn", rng=with_rng, model_state=with_model_state)
 
-        def step(state, batch):
+        def step(state, batch, place="device"):
             self._compiles += 1  # runs once per trace: once per compiled program
-            return _step(loss_fn, tx, self.options, state, batch)
+            return _step(loss_fn, tx, {**self.options, "update_place": place}, state, batch)
 
         self._step = step
 
@@ -186,8 +189,8 @@ class TrainStep:
                     f"creates {plan.with_optimizer(self.tx).opt_treedef}. Build the state and the "
                     "step with the same optimizer.")
             out = state_shardings(plan, state.loss_scale, state.model_state, state.rng)
-            fn = jax.jit(self._step, out_shardings=(out, plan.replicated),
-                         donate_argnums=(0,) if self.config.donate else ())
+            step = functools.partial(self._step, place=self.update_place(state))
+            fn = jax.jit(step, out_shardings=(out, plan.replicated), donate_argnums=(0,) if self.config.donate else ())
             self._jitted[plan] = fn
         return fn
 
@@ -235,6 +238,24 @@ class TrainStep:
         """``jax.jit(...).lower`` of the step: ``.compile()`` it to inspect the program."""
         self.check(state, batch)
         return self._jit_for(state).lower(state, batch)
+
+    def update_place(self, state: ZeroState) -> str:
+        """Where this step runs the optimizer update of ``state`` (see
+        ``ZeroConfig.offload_update``): "device" without offloaded state, else "host" or
+        "device", with "auto" resolved once per plan by compiling the update in host memory.
+
+        Example:
+          >>> import jax.numpy as jnp, optax, zerojax as zj
+          >>> cfg = zj.ZeroConfig(stage=2, offload_optimizer=True)
+          >>> st = zj.init_state({"w": jnp.ones((8, 4))}, optax.adam(1e-3), mesh=zj.make_mesh(), config=cfg)
+          >>> step = zj.make_train_step(lambda p, x: jnp.sum(x @ p["w"]), optax.adam(1e-3), mesh=zj.make_mesh(), config=cfg)
+          >>> step.update_place(st)   # the CPU backend compiles it in host memory
+          'host'
+        """
+        plan = state.plan
+        if plan not in self._places:
+            self._places[plan] = choose_place(plan, self.tx, jax.tree.leaves(state.opt_state))
+        return self._places[plan]
 
     def compile_count(self) -> int:
         """Number of programs this step has traced and compiled (one per state layout and

@@ -1,5 +1,5 @@
 """Applying optax transformations to sharded state."""
 
-from zerojax.optim.update import apply_optimizer
+from zerojax.optim.apply import apply_optimizer
 
 __all__ = ["apply_optimizer"]

@@ -15,11 +15,21 @@ from zerojax.config import ZeroConfig
 from zerojax.state import ZeroState, abstract_state
 
 
-def _bytes_per_device(tree: Any) -> dict[Any, int]:
+def _in_host(x: Any) -> bool:
+    """Whether an array (or abstract leaf) lives in host memory (offloaded)."""
+    kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+    return kind in ("pinned_host", "unpinned_host")
+
+
+def _bytes_per_device(tree: Any, memory: str | None = None) -> dict[Any, int]:
     """Bytes per device of arrays (their addressable shards) or of abstract
-    ``ShapeDtypeStruct`` leaves (from their shardings)."""
+    ``ShapeDtypeStruct`` leaves (from their shardings); ``memory="device"`` / ``"host"``
+    counts only the arrays in that memory (offloaded state is in host memory, attributed to
+    the device whose shard it is)."""
     out: dict[Any, int] = {}
     for x in jax.tree.leaves(tree):
+        if memory is not None and _in_host(x) != (memory == "host"):
+            continue
         if isinstance(x, jax.ShapeDtypeStruct):
             if x.sharding is None:
                 raise ValueError(f"abstract leaf {x} has no sharding; build it with zj.abstract_state.")
@@ -47,7 +57,9 @@ def state_bytes_per_device(state: ZeroState) -> dict[str, int]:
     ``opt_state``, and the ``total`` of the whole state; ``replicated``
     is the part of ``total`` held whole on every device (at stage 3 only the scalars:
     step counters, scalar parameters), and ``padding`` the per-device bytes of the zeros
-    stored to make sharded arrays (masters and optimizer state) divide over the data axis.
+    stored to make sharded arrays (masters and optimizer state) divide over the data axis;
+    ``device`` and ``host`` split ``total`` by memory: offloaded state
+    (``ZeroConfig(offload_optimizer=...)``) counts in ``host``.
 
     Example:
       >>> import jax.numpy as jnp, optax, zerojax as zj
@@ -73,6 +85,7 @@ def state_bytes_per_device(state: ZeroState) -> dict[str, int]:
     if state.frozen is not None:
         stored += list(zip(plan.frozen_layouts, jax.tree.leaves(state.frozen)))
     pad_bytes = sum(l.padding * np.dtype(x.dtype).itemsize for l, x in stored if l.kind != "replicated")
+    on = lambda memory: max(_bytes_per_device(state, memory).values(), default=0)
     return {
         "params": max(params.values()),
         "frozen": max(frozen.values()) if frozen else 0,
@@ -80,11 +93,14 @@ def state_bytes_per_device(state: ZeroState) -> dict[str, int]:
         "total": max(totals.values()),
         "replicated": replicated if plan.n > 1 else 0,
         "padding": pad_bytes // plan.n,
+        "device": on("device"),
+        "host": on("host"),
     }
 
 
 def zero_formula_bytes(num_params: int, n: int, stage: int, *, compute_dtype: str = "float32",
-                       opt_bytes: int = 8, frozen_params: int = 0) -> float:
+                       opt_bytes: int = 8, frozen_params: int = 0, offload_optimizer: bool = False,
+                       offload_params: bool = False, memory: str = "total") -> float:
     """Persistent bytes per device with fp32 masters and ``opt_bytes`` of optimizer state per
     trainable parameter (8 for Adam's m and v); ``num_params`` trainable parameters (Ψ_t) and
     ``frozen_params`` fp32 frozen ones (Ψ_f).
@@ -95,24 +111,38 @@ def zero_formula_bytes(num_params: int, n: int, stage: int, *, compute_dtype: st
     dtype (2 for bf16/fp16, 4 for fp32): they are stored in it, with no master and no
     optimizer state.
 
+    With offload (``ZeroConfig.offload_optimizer`` / ``offload_params``), ``memory`` picks
+    the part in ``"device"`` or ``"host"`` memory (``"total"``: both): offloading the
+    optimizer moves the optimizer state (opt_bytes·Ψ/N) and, at stages 1–2 in bf16/fp16,
+    the sharded masters (4Ψ/N) to the host; offloading the parameters (stage 3) moves the
+    masters (4Ψ/N).
+
     Example:
       >>> import zerojax as zj
       >>> zj.zero_formula_bytes(7.5e9, 64, 1) / 1e9
       30.9375
+      >>> zj.zero_formula_bytes(7.5e9, 64, 3, offload_optimizer=True, memory="device") / 1e9
+      0.46875
     """
     if compute_dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"compute_dtype must be 'float32', 'bfloat16' or 'float16', got {compute_dtype!r}.")
-    psi, master = float(num_params), 4
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0..3, got {stage!r}")
+    if memory not in ("total", "device", "host"):
+        raise ValueError(f"memory must be 'total', 'device' or 'host', got {memory!r}.")
+    if (offload_optimizer and stage == 0) or (offload_params and stage != 3):
+        raise ValueError(f"stage {stage} cannot offload that (offload_optimizer: stages 1-3; offload_params: stage 3).")
+    psi, mixed = float(num_params), compute_dtype != "float32"
     frozen = (4 if compute_dtype == "float32" else 2) * float(frozen_params)
+    # (bytes, in host memory?) of each part of the state.
     if stage == 0:
-        return (master + opt_bytes) * psi + frozen
-    if stage in (1, 2):
-        if compute_dtype == "float32":
-            return master * psi + opt_bytes * psi / n + frozen
-        return 2 * psi + (master + opt_bytes) * psi / n + frozen
-    if stage == 3:
-        return (master + opt_bytes) * psi / n + frozen / n
-    raise ValueError(f"stage must be 0..3, got {stage!r}")
+        parts = [((4 + opt_bytes) * psi + frozen, False)]
+    elif stage in (1, 2):
+        forward = [(2 * psi, False), (4 * psi / n, offload_optimizer)] if mixed else [(4 * psi, False)]
+        parts = forward + [(opt_bytes * psi / n, offload_optimizer), (frozen, False)]
+    else:
+        parts = [(4 * psi / n, offload_params), (opt_bytes * psi / n, offload_optimizer), (frozen / n, False)]
+    return sum(b for b, host in parts if memory == "total" or host == (memory == "host"))
 
 
 def compiled_bytes(compiled) -> dict[str, int]:
@@ -128,6 +158,7 @@ def compiled_bytes(compiled) -> dict[str, int]:
         "alias": int(m.alias_size_in_bytes),
         "temp": int(m.temp_size_in_bytes),
         "host_temp": int(getattr(m, "host_temp_size_in_bytes", 0)),
+        "host_argument": int(getattr(m, "host_argument_size_in_bytes", 0)),
     }
     out["total"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
     return out
@@ -141,6 +172,14 @@ class StepMemory:
     :func:`zerojax.state_bytes_per_device` reports once it exists), ``batch`` this device's
     share of the batch; the rest is ``compiled.memory_analysis()`` (see
     :func:`compiled_bytes`). ``total`` = argument + output − alias + temp.
+
+    ``state_host`` is the part of ``state`` offloaded to host memory
+    (``ZeroConfig(offload_optimizer=..., offload_params=...)``), read from the state's
+    shardings. Where the backend reports host arguments apart
+    (``host_argument_size_in_bytes``), ``argument`` is device memory only; where it does not
+    (the CPU backend reports every argument together), the offloaded state is counted in
+    ``argument`` (and, donated, in ``output`` and ``alias``), and :attr:`device_total`
+    takes it out.
     """
 
     state: int
@@ -150,21 +189,32 @@ class StepMemory:
     alias: int
     temp: int
     host_temp: int
+    state_host: int = 0
+    host_argument: int = 0
 
     @property
     def total(self) -> int:
         return self.argument + self.output - self.alias + self.temp
 
+    @property
+    def device_total(self) -> int:
+        """``total`` less the offloaded state where the backend counted it with the rest."""
+        lumped = self.host_argument == 0
+        return self.total - (self.state_host if lumped else 0)
+
     def fits(self, budget_bytes: float) -> bool:
-        """Whether the step's ``total`` is at most ``budget_bytes`` per device."""
-        return self.total <= budget_bytes
+        """Whether the step's device memory (:attr:`device_total`) is at most
+        ``budget_bytes`` per device."""
+        return self.device_total <= budget_bytes
 
     def __str__(self) -> str:
         mib = lambda b: f"{b / 2**20:,.1f} MiB"
         return (f"per device: total {mib(self.total)} = state {mib(self.state)} + batch "
                 f"{mib(self.batch)} + temp {mib(self.temp)} (+ outputs not donated "
                 f"{mib(self.output - self.alias)}, arguments other than state and batch "
-                f"{mib(self.argument - self.state - self.batch)}); host temp {mib(self.host_temp)}")
+                f"{mib(self.argument - self.state - self.batch)}); host temp {mib(self.host_temp)}"
+                + (f"; offloaded state {mib(self.state_host)}, device total {mib(self.device_total)}"
+                   if self.state_host else ""))
 
 
 def step_memory(loss_fn, params: Any, tx, batch: Any, *, mesh: Mesh, config: ZeroConfig,
@@ -207,5 +257,6 @@ def step_memory(loss_fn, params: Any, tx, batch: Any, *, mesh: Mesh, config: Zer
         state=max(_bytes_per_device(state).values()),
         batch=max(batch_bytes.values()),
         argument=m["argument"], output=m["output"], alias=m["alias"], temp=m["temp"],
-        host_temp=m["host_temp"],
+        host_temp=m["host_temp"], host_argument=m["host_argument"],
+        state_host=max(_bytes_per_device(state, "host").values(), default=0),
     )

@@ -10,6 +10,9 @@
   fp32 for bf16/fp16); its backward is :func:`reduce_grad` of the cotangent.
 * :func:`scatter_grad` is the identity on a resident parameter whose backward
   reduce-scatters the cotangent into a shard-shaped sink.
+* :func:`gather_from_host` gathers a shard kept in host memory (stage 3 with
+  ``offload_params``): the shard moves to the device first, and backward reduce-scatters
+  the cotangent into a device-resident sink.
 """
 
 from __future__ import annotations
@@ -66,3 +69,22 @@ def scatter_grad(layout: LeafLayout, axis: str, n: int, full: jax.Array, sink: j
 
     ident.defvjp(fwd, bwd)
     return ident(full, sink)
+
+
+def gather_from_host(layout: LeafLayout, axis: str, n: int, host_shard: jax.Array, sink: jax.Array,
+                     compute_dtype, reduce_dtype) -> jax.Array:
+    """Full leaf in ``compute_dtype`` from a shard in host memory; its gradient goes to ``sink``."""
+
+    @jax.custom_vjp
+    def g(host_shard, sink):
+        shard = jax.device_put(host_shard, jax.memory.Space.Device)
+        return layout.gather(shard.astype(compute_dtype), axis)
+
+    def fwd(host_shard, sink):
+        return g(host_shard, sink), None
+
+    def bwd(_, ct):
+        return None, reduce_grad(ct, axis, n, reduce_dtype, layout).astype(sink.dtype)
+
+    g.defvjp(fwd, bwd)
+    return g(host_shard, sink)

@@ -290,10 +290,14 @@ def per_use_grads(loss: Loss, source: per_use.Gathered | per_use.Scattered,
     storage = [l.partition_spec(axis) for l in plan.master_layouts]
     frozen_specs = [l.partition_spec(axis) for l in plan.frozen_layouts]
 
+    # Resident leaves: full and replicated (stage 2), or host-memory shards (offload_params).
+    resident_specs = storage if getattr(source, "host", False) else [P()] * len(plan.master_layouts)
+
     def run(resident, sinks, frozen, batch, scale, rng, model_state):
         batch_spec = jax.tree.map(lambda _: P(axis), batch)
         return jax.shard_map(body, mesh=plan.mesh,
-                             in_specs=([P()] * len(resident), storage, frozen_specs, batch_spec, P(), P(), P()),
+                             in_specs=(resident_specs[: len(resident)], storage, frozen_specs, batch_spec, P(), P(),
+                                       P()),
                              out_specs=(*loss.out_specs(axis), storage), check_vma=False)(
             resident, sinks, frozen, batch, scale, rng, model_state)
 

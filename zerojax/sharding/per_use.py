@@ -118,7 +118,10 @@ class Gathered:
     remat = True
 
     def materialize(self, layout: LeafLayout, arrays: Sequence[jax.Array]) -> jax.Array:
-        return collectives.gather(layout, self.axis, self.n, arrays[0], self.compute_dtype, self.reduce_dtype)
+        shard = arrays[0]
+        if _in_host_memory(shard):  # offload_params, read without a gradient (the eval step)
+            shard = jax.device_put(shard, jax.memory.Space.Device)
+        return collectives.gather(layout, self.axis, self.n, shard, self.compute_dtype, self.reduce_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +137,25 @@ class Scattered:
     def materialize(self, layout: LeafLayout, arrays: Sequence[jax.Array]) -> jax.Array:
         full, sink = arrays
         return collectives.scatter_grad(layout, self.axis, self.n, full, sink, self.reduce_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class GatheredFromHost:
+    """ZeRO-3 source with ``offload_params``: the shard lives in host memory; materialise =
+    move it to the device and all-gather there; the gradient is reduce-scattered into a
+    device-resident sink (arrays: ``(host_shard, sink)``)."""
+
+    axis: str
+    n: int
+    compute_dtype: str = "float32"
+    reduce_dtype: str = "float32"
+    remat = True
+    host = True
+
+    def materialize(self, layout: LeafLayout, arrays: Sequence[jax.Array]) -> jax.Array:
+        host_shard, sink = arrays
+        return collectives.gather_from_host(layout, self.axis, self.n, host_shard, sink, self.compute_dtype,
+                                            self.reduce_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +178,7 @@ class Pending:
 
     arrays: tuple[jax.Array, ...]
     layout: LeafLayout
-    source: Gathered | Scattered | Frozen
+    source: Gathered | GatheredFromHost | Scattered | Frozen
     ops: tuple[tuple[jcore.Primitive, dict], ...] = ()
     name: str = ""  # the parameter's path, for messages
 
@@ -348,6 +370,10 @@ def _order_after(dep: jax.Array | None, ctx: Context, record: bool = True) -> ja
     return earlier
 
 
+def _in_host_memory(x: jax.Array) -> bool:
+    return str(getattr(jax.typeof(x), "memory_space", "")).endswith("Host")
+
+
 def _after(x: jax.Array, dep: jax.Array, cpu: bool = True) -> jax.Array:
     """``x``, scheduled after ``dep`` exists, its value unchanged whatever ``dep`` holds.
 
@@ -360,7 +386,7 @@ def _after(x: jax.Array, dep: jax.Array, cpu: bool = True) -> jax.Array:
     forward one."""
     dep = jax.lax.stop_gradient(dep)  # an order, not a value: no gradient flows through it
     x, _ = jax.lax.optimization_barrier((x, dep))
-    if cpu:
+    if cpu and not _in_host_memory(x):  # no arithmetic on arrays in host memory
         d = jnp.ravel(dep)[0]
         zero = -jnp.abs(jnp.where(jnp.isfinite(d), d * 0, jnp.zeros_like(d)))
         x = x + zero.astype(x.dtype)
@@ -406,7 +432,10 @@ def _regathered(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> list[An
         flat, traced_vals = res
         flat = tie(flat, _first_float(cts))  # gathered again once the cotangent exists
         _, vjp = jax.vjp(compute, flat, traced_vals)
-        return (*vjp(list(cts)), None)
+        d_flat, d_traced = vjp(list(cts))
+        # Shards in host memory (offload_params) get no cotangent: their gradient goes to a sink.
+        d_flat = [None if _in_host_memory(x) else d for x, d in zip(flat, d_flat)]
+        return d_flat, d_traced, None
 
     region.defvjp(fwd, bwd)
     return region(flat, [invals[i] for i in traced], dep)

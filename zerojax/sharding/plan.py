@@ -18,6 +18,9 @@ from zerojax.sharding.layout import LeafLayout, layout_for
 from zerojax.sharding.mesh import auto_axes, axis_size
 
 
+HOST = "pinned_host"  # the memory kind of offloaded state
+
+
 @dataclasses.dataclass(frozen=True)
 class ZeroPlan:
     """Everything static about a ZeRO state; hashable, so it rides in the pytree structure.
@@ -117,11 +120,26 @@ class ZeroPlan:
     def opt_storage_layouts(self) -> tuple[LeafLayout, ...]:
         return tuple(self.stored(l) for l in self.opt_layouts)
 
-    def sharding(self, layout: LeafLayout) -> NamedSharding:
-        return NamedSharding(self.mesh, layout.partition_spec(self.axis))
+    def sharding(self, layout: LeafLayout, memory_kind: str | None = None) -> NamedSharding:
+        return NamedSharding(self.mesh, layout.partition_spec(self.axis), memory_kind=memory_kind)
 
-    def shardings(self, layouts) -> list[NamedSharding]:
-        return [self.sharding(l) for l in layouts]
+    def shardings(self, layouts, memory_kind: str | None = None) -> list[NamedSharding]:
+        return [self.sharding(l, memory_kind) for l in layouts]
+
+    # Host memory (ZeroConfig.offload_*).
+    @property
+    def opt_memory(self) -> str | None:
+        """Where the optimizer state lives: host memory with ``offload_optimizer``."""
+        return HOST if self.config.offload_optimizer else None
+
+    @property
+    def master_memory(self) -> str | None:
+        """Where the fp32 masters live: host memory when offloaded, if they are kept apart
+        (stages 1–2 in bf16/fp16) or are the parameters (stage 3 with ``offload_params``)."""
+        cfg = self.config
+        if (cfg.offload_params and self.stage == 3) or (cfg.offload_optimizer and self.stage in (1, 2) and cfg.mixed):
+            return HOST
+        return None
 
     def unflatten(self, leaves) -> Any:
         return jax.tree.unflatten(self.treedef, list(leaves))

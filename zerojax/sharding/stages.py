@@ -81,11 +81,14 @@ class _ReplicatedCopy(Stage):
 
     def fields(self, plan, masters):
         compute = jnp.dtype(plan.config.compute_dtype)
-        params = _all_gather(plan, masters, compute if plan.config.mixed else None)
+        on_device = masters
+        if plan.master_memory is not None:  # offloaded masters: gather from a device copy
+            on_device = [jax.device_put(x, s) for x, s in zip(masters, plan.shardings(plan.master_layouts))]
+        params = _all_gather(plan, on_device, compute if plan.config.mixed else None)
         return params, (masters if plan.config.mixed else None)
 
     def field_shardings(self, plan):
-        master = plan.shardings(plan.master_layouts) if plan.config.mixed else None
+        master = plan.shardings(plan.master_layouts, plan.master_memory) if plan.config.mixed else None
         return [plan.replicated] * len(plan.master_layouts), master
 
     def masters(self, plan, params, master):
@@ -114,7 +117,8 @@ class Stage2(_ReplicatedCopy):
     def grads(self, loss, params, masters, frozen, batch, scale, rng, model_state):
         cfg = loss.plan.config
         source = per_use.Scattered(cfg.axis, loss.plan.n, cfg.reduce_dtype)
-        return per_use_grads(loss, source)(params, masters, frozen, batch, scale, rng, model_state)
+        return per_use_grads(loss, source)(params, _device_sinks(loss.plan, masters), frozen, batch, scale, rng,
+                                           model_state)
 
 
 class Stage3(Stage):
@@ -126,16 +130,22 @@ class Stage3(Stage):
         return None, masters
 
     def field_shardings(self, plan):
-        return None, plan.shardings(plan.master_layouts)
+        return None, plan.shardings(plan.master_layouts, plan.master_memory)
 
     def masters(self, plan, params, master):
         return master
 
     def grads(self, loss, params, masters, frozen, batch, scale, rng, model_state):
-        cfg = loss.plan.config
-        source = per_use.Gathered(cfg.axis, loss.plan.n, cfg.compute_dtype, cfg.reduce_dtype)
+        plan, cfg = loss.plan, loss.plan.config
         frozen_source = per_use.Frozen(cfg.axis, cfg.compute_dtype)
-        return per_use_grads(loss, source, frozen_source)([], masters, frozen, batch, scale, rng, model_state)
+        if plan.master_memory is None:
+            source = per_use.Gathered(cfg.axis, plan.n, cfg.compute_dtype, cfg.reduce_dtype)
+            return per_use_grads(loss, source, frozen_source)([], masters, frozen, batch, scale, rng, model_state)
+        # Parameters in host memory: each use moves its shard to the device and gathers it
+        # there; the gradient is reduce-scattered into a device-resident shard.
+        source = per_use.GatheredFromHost(cfg.axis, plan.n, cfg.compute_dtype, cfg.reduce_dtype)
+        return per_use_grads(loss, source, frozen_source)(masters, _device_sinks(plan, masters), frozen, batch, scale,
+                                                          rng, model_state)
 
 
 STAGES: dict[int, Stage] = {s.number: s for s in (Stage0(), Stage1(), Stage2(), Stage3())}
@@ -143,6 +153,14 @@ STAGES: dict[int, Stage] = {s.number: s for s in (Stage0(), Stage1(), Stage2(), 
 
 def stage_of(plan: ZeroPlan) -> Stage:
     return STAGES[plan.stage]
+
+
+def _device_sinks(plan: ZeroPlan, masters: Leaves) -> Leaves:
+    """What gradients are reduce-scattered into: the masters themselves, or, where they are
+    in host memory, device-resident zeros of their shape (gradients are made on the device)."""
+    if plan.master_memory is None:
+        return masters
+    return [jax.device_put(jnp.zeros(x.shape, x.dtype), s) for x, s in zip(masters, plan.shardings(plan.master_layouts))]
 
 
 def _all_gather(plan: ZeroPlan, storage: Leaves, dtype) -> Leaves:

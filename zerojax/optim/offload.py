@@ -1,0 +1,206 @@
+"""The optimizer update of state kept in host memory (ZeRO-Offload).
+
+With ``ZeroConfig(offload_optimizer=True)`` the optimizer state, and the fp32 masters where
+they are kept apart, live in host memory (memory kind ``"pinned_host"``), sharded as they
+would be on the device. The update runs in one of two places
+(``ZeroConfig.offload_update``):
+
+* ``"host"``: inside ``jax.experimental.compute_on("device_host")``. Only the gradients go
+  down to host memory and only the new parameters come back; the state never touches the
+  accelerator. This is DeepSpeed's CPU-Adam arrangement.
+* ``"device"``: the state streams to the device and back in groups of at most
+  ``ZeroConfig.offload_group_size`` parameter elements (DeepSpeed's ``sub_group_size``),
+  group after group: group g's update waits for group g−2's, so at most two groups of
+  state are on the device at once (one updating while the next arrives).
+
+``"auto"`` compiles the host update once per state layout and takes it where the backend
+accepts it.
+
+Groups have to be independent for the streamed update to equal the whole one. optax
+transforms are traced once and each output traced back to the inputs it reads: leaves
+whose update reads one another (a global-norm clip inside ``tx``, for instance) form one
+group, however large. Scalars (step counts, injected hyperparameters) are read by every
+group and sent with each. A group's update is the whole ``tx.update`` given that group's
+arrays and zeros elsewhere; XLA drops everything the group's outputs do not read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.compute_on import compute_on
+from jax.extend.core import Literal
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zerojax.optim.update import keep_if, update
+from zerojax.sharding.plan import HOST, ZeroPlan
+
+PLACES = ("auto", "host", "device")
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateGroups:
+    """How the streamed update splits: ``groups[g]`` is ``(inputs, outputs)``, indices into
+    the update's flat inputs ``grads + opt_state + masters`` and flat outputs
+    ``masters + opt_state``; ``shared`` are the inputs every group reads (scalars)."""
+
+    groups: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+    shared: tuple[int, ...]
+
+
+def _dependencies(jaxpr: Any) -> list[int]:
+    """For each output of ``jaxpr``, the set of inputs it reads, as a bit set (each
+    equation's outputs read all of its inputs: nested calls and loops count whole)."""
+    deps: dict[Any, int] = {v: 1 << i for i, v in enumerate(jaxpr.invars)}
+    for eqn in jaxpr.eqns:
+        d = 0
+        for v in eqn.invars:
+            if not isinstance(v, Literal):
+                d |= deps.get(v, 0)
+        for v in eqn.outvars:
+            deps[v] = d
+    return [0 if isinstance(v, Literal) else deps.get(v, 0) for v in jaxpr.outvars]
+
+
+def _sds(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+
+def update_groups(plan: ZeroPlan, tx: Any, group_size: int) -> UpdateGroups:
+    """Splits the update of ``tx`` into independent groups of at most ``group_size``
+    parameter elements each (a set of leaves that read one another stays together)."""
+    layouts, opt_layouts = plan.master_layouts, plan.opt_storage_layouts
+    n, m = len(layouts), len(opt_layouts)
+    shared = [n + j for j, l in enumerate(opt_layouts) if l.kind == "replicated"]
+    masters = [jax.ShapeDtypeStruct(l.storage_shape, jnp.float32, sharding=plan.sharding(l)) for l in layouts]
+    opt = [jax.ShapeDtypeStruct(l.storage_shape, l.dtype, sharding=plan.sharding(l)) for l in opt_layouts]
+    jaxpr = jax.make_jaxpr(lambda g, o, w: update(plan, tx, g, o, w))(masters, opt, masters).jaxpr
+    deps = _dependencies(jaxpr)
+
+    # Units: leaf i (its gradient, its master) is unit i; optimizer-state leaf j is unit n+j.
+    unit_of_input = list(range(n)) + [n + j for j in range(m)] + list(range(n))
+    parent = list(range(n + m))
+
+    def find(u):
+        while parent[u] != u:
+            parent[u] = parent[parent[u]]
+            u = parent[u]
+        return u
+
+    out_units: list[int | None] = []
+    shared_set = set(shared)
+    for k, d in enumerate(deps):
+        own = None if k in shared_set else k  # output k belongs to unit k (opt leaf j: input and output n+j)
+        units = {unit_of_input[i] for i in range(2 * n + m) if d >> i & 1 and i not in shared_set}
+        if own is not None:
+            units.add(own)
+        units = sorted(units)
+        for u in units[1:]:
+            parent[find(u)] = find(units[0])
+        out_units.append(units[0] if units else None)
+
+    sizes: dict[int, int] = {}
+    for u in range(n + m):
+        if u in shared_set:
+            continue
+        size = plan.master_layouts[u].size if u < n else opt_layouts[u - n].size
+        sizes[find(u)] = sizes.get(find(u), 0) + size
+    # Components in order of their first unit, packed into groups up to group_size elements.
+    buckets: list[list[int]] = []
+    filled = 0
+    for root in sorted(sizes, key=lambda r: min(u for u in range(n + m) if find(u) == r)):
+        if not buckets or filled + sizes[root] > group_size:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(root)
+        filled += sizes[root]
+    if not buckets:
+        buckets = [[]]
+    bucket_of = {root: b for b, roots in enumerate(buckets) for root in roots}
+    groups = []
+    for b in range(len(buckets)):
+        ins = tuple(i for i in range(2 * n + m)
+                    if i not in shared_set and bucket_of[find(unit_of_input[i])] == b)
+        outs = tuple(k for k, u in enumerate(out_units) if (0 if u is None else bucket_of[find(u)]) == b)
+        groups.append((ins, outs))
+    return UpdateGroups(tuple(groups), tuple(shared))
+
+
+def apply_on_host(plan: ZeroPlan, tx: Any, grads: list, opt: list, masters: list, skip: jax.Array | None):
+    """The update inside ``compute_on("device_host")``, on host-memory copies."""
+    g, m, o = _move(plan, grads, plan.master_layouts, HOST), _move(plan, masters, plan.master_layouts, HOST), \
+        _move(plan, opt, plan.opt_storage_layouts, HOST)
+    flag = None if skip is None else jax.device_put(skip, NamedSharding(plan.mesh, P(), memory_kind=HOST))
+    with compute_on("device_host"):
+        new_m, new_o = update(plan, tx, g, o, m, HOST)
+        return keep_if(flag, m, new_m), keep_if(flag, o, new_o)
+
+
+def apply_streamed(plan: ZeroPlan, tx: Any, grads: list, opt: list, masters: list, skip: jax.Array | None):
+    """The update on the device, the offloaded state streamed in groups (module docstring)."""
+    n, m = len(masters), len(opt)
+    groups = update_groups(plan, tx, plan.config.offload_group_size)
+    layouts = list(plan.master_layouts) + list(plan.opt_storage_layouts) + list(plan.master_layouts)
+    inputs = list(grads) + list(opt) + list(masters)
+    device = lambda i: plan.sharding(layouts[i])
+    on_device = {i: jax.device_put(inputs[i], device(i)) for i in groups.shared}
+    outputs: list[Any] = [None] * (n + m)
+    done: list[list[jax.Array]] = []
+    for ins, outs in groups.groups:
+        moved = [jax.device_put(inputs[i], device(i)) for i in ins]
+        if len(done) >= 2 and moved and done[-2]:  # at most two groups on the device at once
+            moved, _ = jax.lax.optimization_barrier((moved, done[-2]))
+        args = dict(on_device)
+        args.update(zip(ins, moved))
+        full = [args[i] if i in args else jax.lax.with_sharding_constraint(
+            jnp.zeros(inputs[i].shape, inputs[i].dtype), device(i)) for i in range(2 * n + m)]
+        new_m, new_o = update(plan, tx, full[:n], full[n:n + m], full[n + m:])
+        new = list(new_m) + list(new_o)
+        old = full[n + m:] + full[n:n + m]
+        results = [new[k] if skip is None else jnp.where(skip, old[k], new[k]) for k in outs]
+        for k, r in zip(outs, results):
+            outputs[k] = r
+        done.append(results)
+    new_m, new_o = outputs[:n], outputs[n:]
+    return new_m, new_o
+
+
+def _move(plan: ZeroPlan, xs: list, layouts, kind: str | None) -> list:
+    return [jax.device_put(x, plan.sharding(l, kind)) for x, l in zip(xs, layouts)]
+
+
+def apply_offloaded(plan: ZeroPlan, tx: Any, grads: list, opt: list, masters: list, skip: jax.Array | None,
+                    place: str) -> tuple[list, list]:
+    """New masters and optimizer-state leaves of offloaded state, each back where it lives."""
+    if place == "host":
+        new_m, new_o = apply_on_host(plan, tx, grads, opt, masters, skip)
+    else:
+        new_m, new_o = apply_streamed(plan, tx, grads, opt, masters, skip)
+    return (_move(plan, new_m, plan.master_layouts, plan.master_memory),
+            _move(plan, new_o, plan.opt_storage_layouts, plan.opt_memory))
+
+
+def choose_place(plan: ZeroPlan, tx: Any, opt: list) -> str:
+    """Where the update of offloaded state runs: ``"device"`` when nothing is offloaded,
+    else ``ZeroConfig.offload_update``, with ``"auto"`` resolved by compiling the host
+    update for these shapes (``"host"`` if the backend accepts it)."""
+    cfg = plan.config
+    if plan.opt_memory is None and plan.master_memory is None:
+        return "device"
+    if cfg.offload_update != "auto":
+        return cfg.offload_update
+    grads = [jax.ShapeDtypeStruct(l.storage_shape, jnp.float32, sharding=plan.sharding(l))
+             for l in plan.master_layouts]
+    masters = [jax.ShapeDtypeStruct(l.storage_shape, jnp.float32, sharding=plan.sharding(l, plan.master_memory))
+               for l in plan.master_layouts]
+    probe = lambda g, o, w, skip: apply_on_host(plan, tx, g, o, w, skip)
+    try:
+        jax.jit(probe).lower(grads, [_sds(x) for x in opt], masters,
+                             jax.ShapeDtypeStruct((), jnp.bool_, sharding=plan.replicated)).compile()
+    except Exception:  # noqa: BLE001 - any refusal of the backend means: update on the device
+        return "device"
+    return "host"
