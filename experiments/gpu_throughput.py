@@ -1,7 +1,7 @@
 """Tokens per second and MFU of the experiments' GPT on one accelerator, ZeRO stages 0 and 3.
 
-Each configuration (stage × remat policy, and for stage 3 each ``--prefetch`` depth; bf16
-compute on fp32 masters) is compiled, warmed
+Each configuration (stage × remat policy, and for stage 3 each ``--prefetch`` depth and each
+``--offload`` setting; bf16 compute on fp32 masters) is compiled, warmed
 up, then timed over ``--steps`` steps; the table gives step time, tokens/s, model FLOPs
 utilisation (``GPTConfig.flops_per_token()`` × tokens/s ÷ the chip's peak; recompute is
 not counted as useful work) and the device's peak memory where the backend reports it.
@@ -13,6 +13,11 @@ After the throughput table it prints the remat policies' memory table with the o
 policies (``experiments/remat_table.py --policies none,names,offload_names,dots_no_batch,
 offload_dots --check-offload``): host bytes and device bytes of each, and whether each
 offload policy really moved its values to host memory (``--no-remat-table`` skips it).
+
+The offload rows (stage 3, the last ``--remat`` policy, prefetch 0) keep the optimizer state
+in host memory with the update on the host (``optimizer``) or streamed through the device
+(``optimizer-device``), and also the parameters (``params``); their "state on device / in
+host memory" columns come from the arrays, their peak memory from the device's counters.
 
 XLA's GPU overlap flags (``zerojax.xla_flags``) are set before JAX starts (set
 ``ZEROJAX_NO_OVERLAP_FLAGS=1`` to measure without them); the table header prints them.
@@ -60,16 +65,24 @@ def peak_flops(device, override: float | None) -> float | None:
     return None
 
 
-def measure(cfg: gpt.GPTConfig, stage: int, batch: int, steps: int, device, prefetch: int = 0) -> dict:
+OFFLOAD = {"none": {}, "optimizer": dict(offload_optimizer=True, offload_update="auto"),
+           "optimizer-device": dict(offload_optimizer=True, offload_update="device"),
+           "params": dict(offload_optimizer=True, offload_params=True, offload_update="auto")}
+
+
+def measure(cfg: gpt.GPTConfig, stage: int, batch: int, steps: int, device, prefetch: int = 0,
+            offload: str = "none") -> dict:
     graphdef, params = gpt.init(cfg)
     tx = optax.adamw(1e-4, b2=0.95, weight_decay=0.1)
     mesh = zj.make_mesh([device])
-    zc = zj.ZeroConfig(stage=stage, compute_dtype="bfloat16", grad_clip=1.0, prefetch=prefetch)
+    zc = zj.ZeroConfig(stage=stage, compute_dtype="bfloat16", grad_clip=1.0, prefetch=prefetch, **OFFLOAD[offload])
     state = zj.init_state(params, tx, mesh=mesh, config=zc)
+    placed = zj.state_bytes_per_device(state)
     del params
     step = zj.make_train_step(gpt.make_loss(graphdef), tx, mesh=mesh, config=zc)
     rng = np.random.default_rng(0)
     tokens = jax.device_put(rng.integers(0, cfg.vocab, (batch, cfg.seq_len + 1), dtype=np.int32), device)
+    place = step.update_place(state) if offload != "none" else "device"
     t0 = time.perf_counter()
     state, m = step(state, {"tokens": tokens})
     float(m["loss"])
@@ -86,7 +99,8 @@ def measure(cfg: gpt.GPTConfig, stage: int, batch: int, steps: int, device, pref
     stats = device.memory_stats() or {}
     del state, step
     t = statistics.median(times)
-    return {"stage": stage, "remat": cfg.remat, "prefetch": prefetch, "step_s": t,
+    return {"stage": stage, "remat": cfg.remat, "prefetch": prefetch, "offload": offload, "update": place,
+            "state_device": placed["device"], "state_host": placed["host"], "step_s": t,
             "tokens_per_s": batch * cfg.seq_len / t,
             "compile_s": compile_s, "loss": float(m["loss"]),
             "peak_bytes": stats.get("peak_bytes_in_use")}
@@ -104,6 +118,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--stages", default="0,3")
     ap.add_argument("--remat", default="none,dots_no_batch,full")
     ap.add_argument("--prefetch", default="0,1", help="stage-3 prefetch depths to measure")
+    ap.add_argument("--offload", default="optimizer,optimizer-device,params",
+                    help=f"stage-3 offload rows ({', '.join(o for o in OFFLOAD if o != 'none')}; '' for none)")
     ap.add_argument("--peak-tflops", type=float, default=None, help="peak bf16 TFLOP/s of the device")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--no-remat-table", action="store_true", help="skip the remat/offload memory table")
@@ -113,13 +129,19 @@ def main(argv=None) -> list[dict]:
     rows = []
     remats, stages = args.remat.split(","), [int(s) for s in args.stages.split(",")]
     prefetches = [int(p) for p in args.prefetch.split(",")]
-    runs = [(remat, stage, pf) for remat in remats for stage in stages for pf in (prefetches if stage == 3 else [0])]
+    offloads = [o for o in args.offload.split(",") if o]
+    for o in offloads:
+        if o not in OFFLOAD:
+            raise SystemExit(f"--offload: unknown setting {o!r}; choose from {', '.join(OFFLOAD)}")
+    runs = [(remat, stage, pf, "none") for remat in remats for stage in stages
+            for pf in (prefetches if stage == 3 else [0])]
+    runs += [(remats[-1], 3, 0, o) for o in offloads if o != "none"]
     progress = bar(len(runs), "gpu_throughput")
-    for remat, stage, pf in runs:
+    for remat, stage, pf, offload in runs:
         cfg = gpt.GPTConfig(vocab=args.vocab, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
                             n_heads=args.heads, remat=remat)
-        progress.set_postfix_str(f"stage {stage} remat {remat} prefetch {pf}")
-        r = measure(cfg, stage, args.batch, args.steps, device, pf)
+        progress.set_postfix_str(f"stage {stage} remat {remat} prefetch {pf} offload {offload}")
+        r = measure(cfg, stage, args.batch, args.steps, device, pf, offload)
         r["model_tflops_per_s"] = cfg.flops_per_token() * r["tokens_per_s"] / 1e12
         r["mfu"] = cfg.flops_per_token() * r["tokens_per_s"] / peak if peak else None
         rows.append(r)
@@ -131,13 +153,17 @@ def main(argv=None) -> list[dict]:
           f"bf16 compute, fp32 masters, AdamW; {cfg.flops_per_token() / 1e9:.2f} GFLOP per token; peak "
           f"{'%.1f TFLOP/s' % (peak / 1e12) if peak else 'unknown (pass --peak-tflops)'}\n")
     print(f"XLA_FLAGS: {os.environ.get('XLA_FLAGS', '')}\n")
-    print("| stage | remat | prefetch | step time | tokens/s | model TFLOP/s | MFU | peak memory | compile |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| stage | remat | prefetch | offload (update on) | step time | tokens/s | model TFLOP/s | MFU | "
+          "peak memory | state on device | state in host memory | compile |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    gib = lambda b: f"{b / 2**30:.2f} GiB"
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
-        mem = f"{r['peak_bytes'] / 2**30:.1f} GiB" if r["peak_bytes"] else "n/a"
-        print(f"| {r['stage']} | {r['remat']} | {r['prefetch']} | {1e3 * r['step_s']:.1f} ms | "
-              f"{r['tokens_per_s']:,.0f} | {r['model_tflops_per_s']:.1f} | {mfu} | {mem} | {r['compile_s']:.1f} s |")
+        mem = gib(r["peak_bytes"]) if r["peak_bytes"] else "n/a"
+        off = "none" if r["offload"] == "none" else f"{r['offload']} ({r['update']})"
+        print(f"| {r['stage']} | {r['remat']} | {r['prefetch']} | {off} | {1e3 * r['step_s']:.1f} ms | "
+              f"{r['tokens_per_s']:,.0f} | {r['model_tflops_per_s']:.1f} | {mfu} | {mem} | {gib(r['state_device'])} | "
+              f"{gib(r['state_host'])} | {r['compile_s']:.1f} s |")
     offload = None
     if not args.no_remat_table:
         print("\nRemat policies, ZeRO-3 (device and host bytes from memory_analysis):\n")

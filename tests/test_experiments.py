@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+import zerojax as zj
 from experiments import gpt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,7 +115,18 @@ def test_gpu_throughput_script_runs_on_cpu(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out_json.read_text())
     rows = result["rows"]
-    assert [(r["stage"], r["remat"], r["prefetch"]) for r in rows] == [(0, "full", 0), (3, "full", 0), (3, "full", 1)]
+    assert [(r["stage"], r["remat"], r["prefetch"], r["offload"]) for r in rows] == [
+        (0, "full", 0, "none"), (3, "full", 0, "none"), (3, "full", 1, "none"), (3, "full", 0, "optimizer"),
+        (3, "full", 0, "optimizer-device"), (3, "full", 0, "params")]
+    # The offload rows: state bytes from the arrays, split as the formulas say.
+    psi = gpt.GPTConfig(d_model=64, n_layers=2, n_heads=1, seq_len=32, vocab=256).num_params()
+    by = {r["offload"]: r for r in rows[1:] if r["prefetch"] == 0}
+    assert [by[o]["update"] for o in ("optimizer", "optimizer-device", "params")] == ["host", "device", "host"]
+    assert by["none"]["state_host"] == 0 and by["params"]["state_device"] < 64
+    for o, kw in (("optimizer", {}), ("params", {"offload_params": True})):
+        want = zj.zero_formula_bytes(psi, 1, 3, offload_optimizer=True, memory="host", **kw)
+        assert want <= by[o]["state_host"] <= 1.03 * want + 64
+        assert by[o]["state_device"] + by[o]["state_host"] == by["none"]["state_device"]
     assert "--xla_gpu_enable_pipelined_all_gather=true" in result["xla_flags"]
     # The offload check runs too; on the CPU backend it reports, as it must, no host bytes.
     assert set(result["remat_offload"]["rows"]) == {"none", "names", "offload_names", "dots_no_batch", "offload_dots"}
