@@ -383,12 +383,17 @@ def _after(x: jax.Array, dep: jax.Array, cpu: bool = True) -> jax.Array:
     (-|d * 0| if d is finite, else -|0|: -0.0 for every d, NaN and infinities included,
     and x + -0.0 is x for every x, signed zeros included), so that the compiler cannot
     gather a layer before the layer is reached, or merge a backward re-gather with the
-    forward one."""
+    forward one. A shard in host memory (``offload_params``) gets the same sum on a device
+    copy, moved back (moves are no-ops on CPU): the program, and so its rounding, stays
+    that of the run without offload."""
     dep = jax.lax.stop_gradient(dep)  # an order, not a value: no gradient flows through it
     x, _ = jax.lax.optimization_barrier((x, dep))
-    if cpu and not _in_host_memory(x):  # no arithmetic on arrays in host memory
+    if cpu:
         d = jnp.ravel(dep)[0]
         zero = -jnp.abs(jnp.where(jnp.isfinite(d), d * 0, jnp.zeros_like(d)))
+        if _in_host_memory(x):  # offload_params: the same sum, on a device copy (a no-op move on CPU)
+            return jax.device_put(jax.device_put(x, jax.memory.Space.Device) + zero.astype(x.dtype),
+                                  jax.memory.Space.Host)
         x = x + zero.astype(x.dtype)
     return x
 
