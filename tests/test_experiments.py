@@ -252,3 +252,19 @@ def test_prefetch_script_structure(capsys):
     assert rows[("3", "none")]["independent"] < rows[("3", "none")]["pairs"]
     assert all(r["vs_stage0"] > 0 for r in rows.values())
     assert "| 3, prefetch 1 | none |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_offload_script_matches_the_formulas_and_the_run_without():
+    from experiments import offload
+
+    rows = offload.main(["--d-model", "32", "--layers", "1", "--steps", "3", "--runs", "1,4,6"])
+    psi, n = gpt.GPTConfig(vocab=256, seq_len=64, d_model=32, n_layers=1, n_heads=1).num_params(), 8
+    for r in rows[:2]:  # offloaded rows: bytes as the formulas, training bit for bit
+        for memory in ("device", "host"):
+            want = zj.zero_formula_bytes(psi, n, r["stage"], compute_dtype=r["dtype"], offload_optimizer=True,
+                                         offload_params=r["offload_params"], memory=memory)
+            assert want <= r[memory] <= 1.03 * want + 64
+        assert r["max_abs_diff"] == 0.0 and r["max_loss_diff"] == 0.0
+        assert r["place"] == "host" and r["step_device_total"] < r["plain_step_total"]
+    assert rows[2]["host"] == 0 and rows[2]["place"] == "stage 2"

@@ -39,6 +39,10 @@ def test_readme_python_blocks_run(capsys):
     np.testing.assert_array_equal(np.asarray(frozen["l1"]["kernel"][...]), np.asarray(params["l1"]["kernel"][...]))
     assert not np.array_equal(np.asarray(frozen["l2"]["kernel"][...]), np.asarray(params["l2"]["kernel"][...]))
     assert zj.state_bytes_per_device(namespace["fstate"])["frozen"] == 4 * (13 * 64 + 64) // 8
+    # Offload: everything but a step count in host memory, and the same first step.
+    split = zj.state_bytes_per_device(namespace["state_off"])
+    assert split["device"] <= 16 and split["host"] == split["total"] - split["device"] > 0
+    assert namespace["step_off"].update_place(namespace["state_off"]) == "host"
     born = zj.gather_params(namespace["born_sharded"])
     assert models_equal(born, params)
     # The ahead-of-time figure is the compiled step's own, to the byte.
