@@ -25,7 +25,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     es.add_argument("--model", default=None, help="a model config: " + ", ".join(_model_names()))
     es.add_argument("--devices", type=int, required=True, help="devices on the data axis")
     es.add_argument("--largest-layer", type=float, default=0.0, help="parameters of the largest layer")
+    fd = sub.add_parser("from-deepspeed", help="the ZeroConfig of a DeepSpeed JSON config")
+    fd.add_argument("config", help="a DeepSpeed JSON config, e.g. ds_config.json")
     args = ap.parse_args(argv)
+    if args.command == "from-deepspeed":
+        from zerojax.deepspeed import translate
+
+        try:
+            t = translate(args.config)
+        except (OSError, ValueError, TypeError) as e:
+            print(f"zerojax from-deepspeed: {e}", file=sys.stderr)
+            return 2
+        print(f"config = {t.code()}")
+        if t.optimizer:
+            print(f"tx = {t.optimizer}")
+        if t.message():
+            print(t.message(), file=sys.stderr)
+        return 0
     if args.command == "estimate":
         from zerojax.report import estimate
 

@@ -1,0 +1,223 @@
+"""DeepSpeed configs, written in the shape of DeepSpeed's documented examples, translated."""
+
+import json
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zerojax as zj
+from tests import models
+from zerojax import cli
+from zerojax.deepspeed import translate
+
+# ZeRO-3 with CPU offload, as in DeepSpeed's ZeRO-Infinity / ZeRO-Offload tutorials.
+ZERO3_OFFLOAD = {
+    "train_batch_size": 64, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+    "steps_per_print": 2000, "wall_clock_breakdown": False,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-5, "betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 3e-7}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-5, "warmup_num_steps": 500}},
+    "fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 500, "initial_scale_power": 12, "hysteresis": 2,
+             "min_loss_scale": 1},
+    "gradient_clipping": 1.0,
+    "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True, "contiguous_gradients": True,
+        "sub_group_size": 1e9, "reduce_bucket_size": 1e6, "stage3_prefetch_bucket_size": 0.94e6,
+        "stage3_param_persistence_threshold": 1e4, "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True},
+}
+
+# ZeRO-2 in bf16, as in DeepSpeed's config-json documentation.
+ZERO2_BF16 = {
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 5e8,
+                          "overlap_comm": False, "reduce_scatter": True, "reduce_bucket_size": 5e8,
+                          "contiguous_gradients": True, "offload_optimizer": {"device": "cpu"}},
+    "communication_data_type": "bf16",
+    "gradient_clipping": 0.0,
+    "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+    "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False,
+                                 "contiguous_memory_optimization": False, "number_checkpoints": None},
+}
+
+# ZeRO-1 with a static fp16 loss scale (DeepSpeed's "loss_scale": 128), no clipping key.
+ZERO1_STATIC = {"train_micro_batch_size_per_gpu": 8, "fp16": {"enabled": True, "loss_scale": 128},
+                "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e8}}
+
+# Hybrid sharding and quantized collectives (ZeRO++), not in zerojax yet.
+ZEROPP = {"bf16": {"enabled": True}, "gradient_clipping": 1.0,
+          "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8, "zero_quantized_weights": True,
+                                "zero_quantized_gradients": True, "mics_shard_size": 16}}
+
+
+def test_zero3_offload_config():
+    with pytest.warns(UserWarning) as caught:
+        cfg = zj.ZeroConfig.from_deepspeed(ZERO3_OFFLOAD)
+    assert cfg == zj.ZeroConfig(stage=3, compute_dtype="float16", loss_scale="auto", initial_scale_power=12,
+                                loss_scale_window=500, hysteresis=2, min_loss_scale=1.0, grad_clip=1.0,
+                                grad_accum_steps=4, offload_optimizer=True, offload_params=True,
+                                offload_group_size=10**9)
+    assert cfg.resolved_loss_scale == "dynamic"
+    assert len(caught) == 1  # one warning names them all
+    text = str(caught[0].message)
+    for key in ("zero_optimization.overlap_comm", "zero_optimization.stage3_prefetch_bucket_size",
+                "zero_optimization.offload_optimizer.pin_memory", "train_batch_size", "scheduler", "steps_per_print"):
+        assert key in text
+    assert "the data loader's job" in text and "XLA schedules" in text
+
+
+def test_zero2_bf16_config_and_its_optimizer():
+    t = translate(ZERO2_BF16)
+    assert t.config == zj.ZeroConfig(stage=2, compute_dtype="bfloat16", reduce_dtype="bfloat16", grad_clip=None,
+                                     offload_optimizer=True, remat="full")
+    assert "activation_checkpointing.partition_activations" in t.unmapped
+    assert any("remat='full'" in n for n in t.notes)
+    # DeepSpeed's Adam is AdamW unless adam_w_mode is false.
+    assert t.optimizer == "optax.adamw(learning_rate=0.0001, b1=0.9, b2=0.999, eps=1e-08, weight_decay=0.01)"
+    classic = translate({**ZERO2_BF16, "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "weight_decay": 0.01,
+                                                                                 "adam_w_mode": False}}})
+    assert classic.optimizer.startswith("optax.chain(optax.add_decayed_weights(0.01), optax.adam(")
+
+
+def test_static_loss_scale_and_the_clipping_default():
+    with pytest.warns(UserWarning, match=r"gradient_clipping is absent.*PR #8068.*grad_clip=1.0"):
+        cfg = zj.ZeroConfig.from_deepspeed(ZERO1_STATIC)
+    assert cfg.stage == 1 and cfg.compute_dtype == "float16"
+    assert cfg.resolved_loss_scale == 128.0 and not cfg.dynamic_scaling
+    assert cfg.grad_clip == 1.0
+
+
+def test_hybrid_and_quantized_keys_are_named_as_not_there_yet():
+    with pytest.warns(UserWarning) as caught:
+        cfg = zj.ZeroConfig.from_deepspeed(ZEROPP)
+    text = str(caught[0].message)
+    for key in ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients", "mics_shard_size"):
+        assert f"zero_optimization.{key}: not in zerojax yet" in text
+    assert cfg == zj.ZeroConfig(stage=3, compute_dtype="bfloat16", grad_clip=1.0)
+
+
+def test_old_forms_and_a_clean_config():
+    assert translate({"zero_optimization": True, "gradient_clipping": 0}).config.stage == 1
+    assert translate({"zero_optimization": {"stage": 2, "cpu_offload": True},
+                      "gradient_clipping": 0}).config.offload_optimizer
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing unmapped: no warning
+        cfg = zj.ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 0}, "gradient_clipping": 0.5})
+    assert cfg == zj.ZeroConfig(stage=0, grad_clip=0.5)
+    nvme = translate({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",
+                                                                              "nvme_path": "/nvme"}}})
+    assert nvme.config.offload_optimizer and any("nvme" in n for n in nvme.notes)
+    assert "zero_optimization.offload_optimizer.nvme_path" in nvme.unmapped
+
+
+def test_unknown_keys_warn_by_name():
+    with pytest.warns(UserWarning, match=r"my_custom_key: unknown to this mapping"):
+        zj.ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 1}, "gradient_clipping": 1.0,
+                                      "my_custom_key": 3})
+    with pytest.warns(UserWarning, match=r"zero_optimization.stage4_magic: unknown"):
+        zj.ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 1, "stage4_magic": 1}, "gradient_clipping": 1.0})
+
+
+@pytest.mark.parametrize("ds,match", [
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enables both fp16 and bf16"),
+    ({"zero_optimization": {"stage": 4}}, r"'zero_optimization.stage' must be 0, 1, 2 or 3, got 4"),
+    ({"fp16": {"enabled": True, "loss_scale_window": -1}}, r"'fp16.loss_scale_window' must be > 0, got -1"),
+    ({"fp16": {"enabled": True, "loss_scale": -2}}, r"'fp16.loss_scale' must be >= 0"),
+    ({"fp16": {"enabled": True, "hysteresis": 0}}, r"'fp16.hysteresis' must be >= 1"),
+    ({"fp16": {"enabled": True, "min_loss_scale": 0}}, r"'fp16.min_loss_scale' must be > 0"),
+    ({"gradient_clipping": -1.0}, r"'gradient_clipping' must be >= 0"),
+    ({"gradient_accumulation_steps": "auto"}, "placeholder the Hugging Face Trainer fills in"),
+    ({"fp16": {"enabled": "auto"}}, r"'fp16.enabled' is 'auto'"),
+    ({"gradient_accumulation_steps": 0}, r"'gradient_accumulation_steps' must be >= 1"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "offload_param' needs ZeRO stage 3"),
+    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "needs ZeRO stage 1, 2 or 3"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "gpu"}}}, "must be 'cpu', 'nvme' or 'none'"),
+    ({"communication_data_type": "int8"}, "'communication_data_type' must be one of"),
+    ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, "train_batch_size 30 is not"),
+])
+def test_contradictions_raise(ds, match):
+    with pytest.raises(ValueError, match=match):
+        zj.ZeroConfig.from_deepspeed(ds)
+
+
+def test_files(tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(ZERO3_OFFLOAD))
+    with pytest.warns(UserWarning):
+        assert zj.ZeroConfig.from_deepspeed(path) == zj.ZeroConfig.from_deepspeed(str(path))
+    dup = tmp_path / "dup.json"
+    dup.write_text('{"gradient_clipping": 1.0, "gradient_clipping": 0.0}')
+    with pytest.raises(ValueError, match=r"repeats the key\(s\) \['gradient_clipping'\]"):
+        zj.ZeroConfig.from_deepspeed(dup)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{stage: 3}")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        zj.ZeroConfig.from_deepspeed(bad)
+    with pytest.raises(TypeError, match="a path to a DeepSpeed JSON config or a dict"):
+        zj.ZeroConfig.from_deepspeed(3)
+
+
+def test_printed_code_builds_the_same_config_and_optimizer():
+    for ds in (ZERO3_OFFLOAD, ZERO2_BF16, ZERO1_STATIC, ZEROPP):
+        t = translate(ds)
+        assert eval(t.code(), {"zj": zj}) == t.config
+    tx = eval(translate(ZERO3_OFFLOAD).optimizer, {"optax": optax})
+    ref = optax.adamw(3e-5, b1=0.8, b2=0.999, eps=1e-8, weight_decay=3e-7)
+    p, g = {"w": jnp.ones((3,))}, {"w": jnp.asarray([0.1, -0.2, 0.3])}
+    np.testing.assert_array_equal(tx.update(g, tx.init(p), p)[0]["w"], ref.update(g, ref.init(p), p)[0]["w"])
+
+
+def test_weight_decay_is_deepspeeds_default_not_optaxs():
+    """DeepSpeed's AdamW decays by 0.0 unless told; optax.adamw by 1e-4. With a zero
+    gradient the translated optimizer must leave the weights alone."""
+    tx = eval(translate({"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}).optimizer, {"optax": optax})
+    p = {"w": jnp.ones((4,))}
+    zero = {"w": jnp.zeros((4,))}
+    assert np.all(np.asarray(tx.update(zero, tx.init(p), p)[0]["w"]) == 0.0)
+    default = optax.adamw(1e-2)
+    assert np.all(np.asarray(default.update(zero, default.init(p), p)[0]["w"]) != 0.0)  # what we avoid
+
+
+def test_translated_fp16_scaler_is_what_the_step_uses():
+    """initial_scale_power 12 from the DeepSpeed config: the first step scales by 2^12."""
+    with pytest.warns(UserWarning):
+        cfg = zj.ZeroConfig.from_deepspeed({**ZERO3_OFFLOAD, "zero_optimization": {"stage": 2}})
+    tx = optax.adamw(3e-5)
+    mesh = zj.make_mesh()
+    state = zj.init_state(models.mlp_params(), tx, mesh=mesh, config=cfg)
+    _, m = zj.make_train_step(models.mlp_loss, tx, mesh=mesh, config=cfg)(state, models.batch(32))
+    assert float(m["loss_scale"]) == 2.0 ** 12
+    assert jax.tree.leaves(state.opt_state)  # built with the translated config
+
+
+def test_cli(tmp_path, capsys):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(ZERO2_BF16))
+    assert cli.main(["from-deepspeed", str(path)]) == 0
+    out = capsys.readouterr()
+    assert "config = zj.ZeroConfig(stage=2, compute_dtype='bfloat16', reduce_dtype='bfloat16'" in out.out
+    assert "tx = optax.adamw(" in out.out
+    assert "zero_optimization.overlap_comm" in out.err
+    path.write_text(json.dumps({"fp16": {"enabled": True}, "bf16": {"enabled": True}}))
+    assert cli.main(["from-deepspeed", str(path)]) == 2
+    assert "enables both fp16 and bf16" in capsys.readouterr().err
+
+
+def test_the_guide_shows_what_the_translation_prints():
+    """docs/migrating.md's example output is the translation of its example config."""
+    import pathlib
+
+    guide = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "migrating.md").read_text()
+    shown: dict = {}
+    for line in guide.splitlines():  # the first of each: the printed output, before the loop
+        if line.startswith(("config = zj.ZeroConfig(", "tx = optax.")):
+            shown.setdefault(*line.split(" = ", 1))
+    t = translate({k: v for k, v in ZERO3_OFFLOAD.items() if k in (
+        "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer", "fp16",
+        "gradient_clipping")} | {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                                        "offload_param": {"device": "cpu"}}})
+    assert shown == {"config": t.code(), "tx": t.optimizer}

@@ -1,0 +1,418 @@
+"""DeepSpeed JSON configs, translated into :class:`zerojax.ZeroConfig`.
+
+:func:`translate` reads a DeepSpeed config (a path or a dict) and returns a
+:class:`Translation`: the ``ZeroConfig``, the keys it did not map with the reason for
+each, and the optax equivalent of the ``optimizer`` section as code.
+``zj.ZeroConfig.from_deepspeed`` returns the config and names every unmapped key in one
+warning; ``zerojax from-deepspeed ds_config.json`` prints both.
+
+What maps: ``zero_optimization.stage``, ``fp16`` (``loss_scale`` 0 is dynamic scaling,
+otherwise a static scale, and DeepSpeed's scaler knobs), ``bf16.enabled``,
+``gradient_clipping``, ``gradient_accumulation_steps``, ``communication_data_type``,
+``zero_optimization.offload_optimizer`` / ``offload_param`` / ``sub_group_size``
+(host memory; NVMe is mapped to host memory, with a note) and ``activation_checkpointing``
+(full rematerialization of every scanned layer stack). Hybrid sharding
+(``zero_hpz_partition_size``, ``mics_shard_size``) and quantized weights
+(``zero_quantized_weights``) are not in zerojax yet: they are named in the warning.
+
+DeepSpeed's ``gradient_clipping`` default was 0.0 (off) until PR #8068 (merged
+2026-06-23) made it 1.0, so that configs which omit it are clipped. zerojax follows the
+current default, 1.0, and the warning says so whenever the key is absent: set it to say
+which you mean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from zerojax.config import ZeroConfig
+
+DEFAULT_GRAD_CLIP = 1.0  # DeepSpeed's GRADIENT_CLIPPING_DEFAULT since PR #8068 (0.0 before)
+
+_COMM_DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
+                "bf16": "bfloat16", "bfp16": "bfloat16", "bfloat16": "bfloat16"}
+
+_XLA = "no equivalent: XLA schedules and fuses the collectives"
+_LOADER = "the data loader's job: train_step takes the global batch (micro-batch x accumulation x devices) and splits it"
+_LOGGING = "logging: the train step returns its metrics (experiments/train.py --log writes them)"
+_NOT_YET_HYBRID = "not in zerojax yet: hybrid sharding (shard within a node, replicate across nodes) is planned"
+_NOT_YET_INT8 = "not in zerojax yet: int8 weight and gradient collectives are planned"
+
+# Reasons for keys that are understood but not mapped (paths as "section.key").
+REASONS: dict[str, str] = {
+    "train_batch_size": _LOADER,
+    "train_micro_batch_size_per_gpu": _LOADER,
+    "steps_per_print": _LOGGING, "wall_clock_breakdown": _LOGGING, "dump_state": _LOGGING,
+    "memory_breakdown": _LOGGING, "tensorboard": _LOGGING, "wandb": _LOGGING, "csv_monitor": _LOGGING,
+    "comet": _LOGGING, "comms_logger": _LOGGING, "flops_profiler": _LOGGING, "timers": _LOGGING,
+    "scheduler": "write the schedule with optax (optax.linear_schedule, optax.warmup_cosine_decay_schedule, ...) and "
+                 "pass it as the optimizer's learning rate; DeepSpeed's WarmupLR warms up logarithmically by default",
+    "prescale_gradients": "zerojax averages gradients in fp32 after the reduction (a float16 reduction divides first)",
+    "gradient_predivide_factor": "zerojax averages gradients in fp32 after the reduction (a float16 reduction "
+                                 "divides first)",
+    "sparse_gradients": "no equivalent: gradients are dense",
+    "amp": "no equivalent: set compute_dtype",
+    "zero_allow_untested_optimizer": "any optax transformation works at every stage",
+    "zero_force_ds_cpu_optimizer": "the offloaded update runs whatever optax transformation you give",
+    "checkpoint": "zj.save_checkpoint / zj.restore_checkpoint restore onto any stage and device count",
+    "load_universal_checkpoint": "zj.restore_checkpoint restores onto any stage and device count",
+    "data_types": "gradients accumulate in fp32",
+    "fp16.auto_cast": "zerojax always casts floating batch leaves to the compute dtype",
+    "fp16.fp16_master_weights_and_grads": "the masters are always fp32",
+    "bf16.immediate_grad_update": "no equivalent: gradients are reduced inside the compiled step",
+    "bf16.check_grad_overflow": "set ZeroConfig(skip_nonfinite=True) to skip steps with non-finite gradients",
+    "zero_optimization.overlap_comm": _XLA,
+    "zero_optimization.contiguous_gradients": _XLA,
+    "zero_optimization.reduce_bucket_size": _XLA,
+    "zero_optimization.allgather_bucket_size": _XLA,
+    "zero_optimization.allgather_partitions": _XLA,
+    "zero_optimization.reduce_scatter": _XLA,
+    "zero_optimization.round_robin_gradients": _XLA,
+    "zero_optimization.use_multi_rank_bucket_allreduce": _XLA,
+    "zero_optimization.stage3_prefetch_bucket_size": "zerojax prefetches whole layers: ZeroConfig(prefetch=1)",
+    "zero_optimization.stage3_max_live_parameters": "stage 3 gathers each layer where it is used; "
+                                                    "ZeroConfig(prefetch=d) bounds the layers live at once",
+    "zero_optimization.stage3_max_reuse_distance": "stage 3 gathers each layer where it is used, again in backward",
+    "zero_optimization.stage3_param_persistence_threshold": "every parameter is sharded, small ones too",
+    "zero_optimization.stage3_model_persistence_threshold": "every parameter is sharded, small ones too",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "zerojax export --dtype bfloat16 writes the "
+                                                                    "consolidated weights",
+    "zero_optimization.gather_16bit_weights_on_model_save": "zerojax export --dtype bfloat16 writes the "
+                                                             "consolidated weights",
+    "zero_optimization.elastic_checkpoint": "zj.restore_checkpoint restores onto any device count",
+    "zero_optimization.load_from_fp32_weights": "checkpoints hold the fp32 masters",
+    "zero_optimization.ignore_unused_parameters": "an unused parameter gets a zero gradient",
+    "zero_optimization.legacy_stage1": "no equivalent",
+    "zero_optimization.memory_efficient_linear": "no equivalent",
+    "zero_optimization.zero_hpz_partition_size": _NOT_YET_HYBRID,
+    "zero_optimization.mics_shard_size": _NOT_YET_HYBRID,
+    "zero_optimization.mics_hierarchical_params_gather": _NOT_YET_HYBRID,
+    "zero_optimization.zero_quantized_weights": _NOT_YET_INT8,
+    "zero_optimization.zero_quantized_nontrainable_weights": _NOT_YET_INT8,
+    "zero_optimization.zero_quantized_gradients": _NOT_YET_INT8,
+    "zero_optimization.offload_optimizer.pin_memory": "offloaded state is always in pinned host memory",
+    "zero_optimization.offload_optimizer.ratio": "all of the optimizer state is offloaded",
+    "zero_optimization.offload_optimizer.buffer_count": _XLA,
+    "zero_optimization.offload_optimizer.fast_init": "no equivalent",
+    "zero_optimization.offload_optimizer.pipeline_read": "no NVMe offload",
+    "zero_optimization.offload_optimizer.pipeline_write": "no NVMe offload",
+    "zero_optimization.offload_optimizer.nvme_path": "no NVMe offload: host memory instead",
+    "zero_optimization.offload_param.pin_memory": "offloaded parameters are always in pinned host memory",
+    "zero_optimization.offload_param.buffer_count": _XLA,
+    "zero_optimization.offload_param.buffer_size": _XLA,
+    "zero_optimization.offload_param.max_in_cpu": "all of the parameters are offloaded",
+    "zero_optimization.offload_param.nvme_path": "no NVMe offload: host memory instead",
+    "activation_checkpointing.partition_activations": "no equivalent: no model parallelism to partition over",
+    "activation_checkpointing.cpu_checkpointing": "the nearest is a host-offload policy: ZeroConfig(remat="
+                                                  "'offload_dots') or zj.remat.Remat('offload_names', ...)",
+    "activation_checkpointing.contiguous_memory_optimization": _XLA,
+    "activation_checkpointing.number_checkpoints": "every layer of a scanned stack is one remat region",
+    "activation_checkpointing.synchronize_checkpoint_boundary": "no equivalent",
+    "activation_checkpointing.profile": _LOGGING,
+}
+for _k in ("pipeline", "tensor_parallel", "moe", "sequence_parallel_size", "seq_parallel_communication_data_type"):
+    REASONS[_k] = "no equivalent: zerojax is data parallel (ZeRO) only"
+for _k in ("compression_training", "data_efficiency", "curriculum_learning", "autotuning", "elasticity", "aio",
+           "nebula", "compile", "eigenvalue", "progressive_layer_drop", "quantize_training", "hybrid_engine",
+           "weight_quantization", "zero_config", "communication_compression"):
+    REASONS.setdefault(_k, "no equivalent in zerojax")
+
+_FP16_MAPPED = ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                "consecutive_hysteresis", "min_loss_scale")
+_ZERO_MAPPED = ("stage", "offload_optimizer", "offload_param", "sub_group_size", "cpu_offload")
+
+
+@dataclasses.dataclass(frozen=True)
+class Translation:
+    """A DeepSpeed config in zerojax terms.
+
+    Attributes:
+      config: the :class:`ZeroConfig`.
+      unmapped: each DeepSpeed key (``"section.key"``) not mapped, with the reason.
+      notes: choices made where the DeepSpeed config is silent or maps only in part
+        (the ``gradient_clipping`` default, NVMe offload mapped to host memory).
+      optimizer: the optax equivalent of the ``optimizer`` section, as code (None if absent).
+    """
+
+    config: ZeroConfig
+    unmapped: dict[str, str]
+    notes: tuple[str, ...] = ()
+    optimizer: str | None = None
+
+    def code(self) -> str:
+        """``zj.ZeroConfig(...)`` with the fields that differ from zerojax's defaults."""
+        args, default = [], ZeroConfig()
+        for f in dataclasses.fields(ZeroConfig):
+            value = getattr(self.config, f.name)
+            if value != getattr(default, f.name) or f.name == "stage":
+                if f.name == "remat" and not value.names:
+                    value = value.kind  # the policy's name is what ZeroConfig takes
+                args.append(f"{f.name}={value!r}")
+        return f"zj.ZeroConfig({', '.join(args)})"
+
+    def message(self) -> str:
+        """The warning: every unmapped key with its reason, then the notes."""
+        lines = [f"  {k}: {why}" for k, why in self.unmapped.items()]
+        text = ""
+        if lines:
+            text += f"{len(lines)} DeepSpeed key(s) not mapped to ZeroConfig:\n" + "\n".join(lines)
+        if self.notes:
+            text += ("\n" if text else "") + "Notes:\n" + "\n".join(f"  {n}" for n in self.notes)
+        return text
+
+
+def _load(source: Any) -> dict:
+    if isinstance(source, Mapping):
+        return dict(source)
+    if isinstance(source, (str, os.PathLike)):
+        def no_duplicates(pairs):
+            keys = [k for k, _ in pairs]
+            dup = sorted({k for k in keys if keys.count(k) > 1})
+            if dup:
+                raise ValueError(f"DeepSpeed config {os.fspath(source)!r} repeats the key(s) {dup}; DeepSpeed refuses "
+                                 "duplicate keys too. Keep one of each.")
+            return dict(pairs)
+
+        try:
+            with open(source) as f:
+                return json.load(f, object_pairs_hook=no_duplicates)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"DeepSpeed config {os.fspath(source)!r} is not valid JSON: {e}") from None
+    raise TypeError(f"from_deepspeed takes a path to a DeepSpeed JSON config or a dict, got {type(source).__name__}.")
+
+
+def _number(value: Any, key: str, *, integer: bool = False, minimum: float | None = None,
+            strict: bool = False) -> Any:
+    if value == "auto":
+        raise ValueError(f"DeepSpeed key {key!r} is 'auto', a placeholder the Hugging Face Trainer fills in; "
+                         "give its value.")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"DeepSpeed key {key!r} must be a number, got {value!r}.")
+    if integer:
+        if float(value) != int(value):
+            raise ValueError(f"DeepSpeed key {key!r} must be a whole number, got {value!r}.")
+        value = int(value)
+    if minimum is not None and (value <= minimum if strict else value < minimum):
+        raise ValueError(f"DeepSpeed key {key!r} must be {'>' if strict else '>='} {minimum}, got {value!r}.")
+    return value
+
+
+def _flag(value: Any, key: str) -> bool:
+    if value == "auto":
+        raise ValueError(f"DeepSpeed key {key!r} is 'auto', a placeholder the Hugging Face Trainer fills in; "
+                         "give true or false.")
+    if not isinstance(value, bool):
+        raise ValueError(f"DeepSpeed key {key!r} must be true or false, got {value!r}.")
+    return value
+
+
+def _section(ds: dict, key: str) -> dict:
+    value = ds.get(key, {})
+    if not isinstance(value, Mapping):
+        raise ValueError(f"DeepSpeed key {key!r} must be an object, got {value!r}.")
+    return dict(value)
+
+
+def _offload_device(section: Any, key: str, notes: list[str]) -> bool:
+    if not isinstance(section, Mapping):
+        raise ValueError(f"DeepSpeed key {key!r} must be an object like {{\"device\": \"cpu\"}}, got {section!r}.")
+    device = section.get("device", "none")
+    if device not in ("cpu", "nvme", "none", None):
+        raise ValueError(f"DeepSpeed key '{key}.device' must be 'cpu', 'nvme' or 'none', got {device!r}.")
+    if device == "nvme":
+        notes.append(f"{key}.device 'nvme' is mapped to host memory (zerojax has no NVMe offload).")
+    return device in ("cpu", "nvme")
+
+
+def translate(source: Any) -> Translation:
+    """Reads a DeepSpeed config (path or dict) into a :class:`Translation`; raises
+    ``ValueError`` for a config DeepSpeed would refuse or that contradicts itself.
+
+    Example:
+      >>> from zerojax.deepspeed import translate
+      >>> t = translate({"zero_optimization": {"stage": 2, "overlap_comm": True},
+      ...                "bf16": {"enabled": True}, "gradient_clipping": 1.0})
+      >>> t.code()
+      "zj.ZeroConfig(stage=2, compute_dtype='bfloat16', grad_clip=1.0)"
+      >>> t.unmapped
+      {'zero_optimization.overlap_comm': 'no equivalent: XLA schedules and fuses the collectives'}
+    """
+    ds = _load(source)
+    unmapped: dict[str, str] = {}
+    notes: list[str] = []
+    kw: dict[str, Any] = {}
+
+    # ZeRO stage and offload.
+    zero = ds.get("zero_optimization", {})
+    if isinstance(zero, bool):  # DeepSpeed's old form: true means stage 1
+        zero = {"stage": 1 if zero else 0}
+    if not isinstance(zero, Mapping):
+        raise ValueError(f"DeepSpeed key 'zero_optimization' must be an object, got {zero!r}.")
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"DeepSpeed key 'zero_optimization.stage' must be 0, 1, 2 or 3, got {stage!r}.")
+    kw["stage"] = int(stage)
+    offload_opt = False
+    if "offload_optimizer" in zero:
+        offload_opt = _offload_device(zero["offload_optimizer"], "zero_optimization.offload_optimizer", notes)
+    if "cpu_offload" in zero:  # DeepSpeed's old stage-2 key
+        offload_opt = offload_opt or _flag(zero["cpu_offload"], "zero_optimization.cpu_offload")
+    offload_par = False
+    if "offload_param" in zero:
+        offload_par = _offload_device(zero["offload_param"], "zero_optimization.offload_param", notes)
+    if offload_opt and stage == 0:
+        raise ValueError("DeepSpeed key 'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3, "
+                         "but the stage is 0.")
+    if offload_par and stage != 3:
+        raise ValueError(f"DeepSpeed key 'zero_optimization.offload_param' needs ZeRO stage 3, but the stage is "
+                         f"{stage}.")
+    if offload_opt:
+        kw["offload_optimizer"] = True
+    if offload_par:
+        kw["offload_params"] = True
+    if "sub_group_size" in zero:
+        kw["offload_group_size"] = _number(zero["sub_group_size"], "zero_optimization.sub_group_size",
+                                           integer=True, minimum=1)
+    for key, value in zero.items():
+        if key in _ZERO_MAPPED:
+            if key in ("offload_optimizer", "offload_param") and isinstance(value, Mapping):
+                for sub in value:
+                    if sub != "device":
+                        path = f"zero_optimization.{key}.{sub}"
+                        unmapped[path] = REASONS.get(path, "no equivalent")
+            continue
+        path = f"zero_optimization.{key}"
+        unmapped[path] = REASONS.get(path, "unknown to this mapping (not a DeepSpeed key zerojax knows)")
+
+    # Precision.
+    fp16, bf16 = _section(ds, "fp16"), _section(ds, "bf16") or _section(ds, "bfloat16")
+    fp16_on = _flag(fp16.get("enabled", False), "fp16.enabled")
+    bf16_on = _flag(bf16.get("enabled", False), "bf16.enabled")
+    if fp16_on and bf16_on:
+        raise ValueError("DeepSpeed config enables both fp16 and bf16; enable one (DeepSpeed refuses both too).")
+    if fp16_on:
+        kw["compute_dtype"] = "float16"
+        scale = _number(fp16.get("loss_scale", 0), "fp16.loss_scale", minimum=0)
+        if scale:
+            kw["loss_scale"] = float(scale)
+        for key, field, integer, minimum, strict in (
+                ("initial_scale_power", "initial_scale_power", True, 0, False),
+                ("loss_scale_window", "loss_scale_window", True, 0, True),
+                ("hysteresis", "hysteresis", True, 1, False),
+                ("min_loss_scale", "min_loss_scale", False, 0, True)):
+            if key in fp16:
+                kw[field] = _number(fp16[key], f"fp16.{key}", integer=integer, minimum=minimum, strict=strict)
+        if "min_loss_scale" in kw:
+            kw["min_loss_scale"] = float(kw["min_loss_scale"])
+        if "consecutive_hysteresis" in fp16:
+            kw["consecutive_hysteresis"] = _flag(fp16["consecutive_hysteresis"], "fp16.consecutive_hysteresis")
+    elif bf16_on:
+        kw["compute_dtype"] = "bfloat16"
+    for name, section, on in (("fp16", fp16, fp16_on), ("bf16", bf16, bf16_on)):
+        for key in section:
+            if key == "enabled" or (name == "fp16" and on and key in _FP16_MAPPED):
+                continue
+            path = f"{name}.{key}"
+            unmapped[path] = (REASONS.get(path, "no equivalent") if on else
+                              f"{name} is not enabled (DeepSpeed ignores it too)")
+
+    # Gradients.
+    if "gradient_clipping" in ds:
+        clip = _number(ds["gradient_clipping"], "gradient_clipping", minimum=0)
+        if clip:
+            kw["grad_clip"] = float(clip)
+    else:
+        kw["grad_clip"] = DEFAULT_GRAD_CLIP
+        notes.append("gradient_clipping is absent: DeepSpeed's default is 1.0 since PR #8068 (2026-06-23), 0.0 (off) "
+                     "before; zerojax follows the current default, grad_clip=1.0. Set gradient_clipping to say which.")
+    if "gradient_accumulation_steps" in ds:
+        kw["grad_accum_steps"] = _number(ds["gradient_accumulation_steps"], "gradient_accumulation_steps",
+                                         integer=True, minimum=1)
+    if "communication_data_type" in ds and ds["communication_data_type"] is not None:
+        name = ds["communication_data_type"]
+        if name not in _COMM_DTYPES:
+            raise ValueError(f"DeepSpeed key 'communication_data_type' must be one of {sorted(_COMM_DTYPES)}, "
+                             f"got {name!r}.")
+        kw["reduce_dtype"] = _COMM_DTYPES[name]
+    batch = [ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu")]
+    if all(isinstance(b, int) and not isinstance(b, bool) for b in batch):
+        accum = kw.get("grad_accum_steps", 1)
+        if batch[0] % (batch[1] * accum):
+            raise ValueError(f"DeepSpeed config: train_batch_size {batch[0]} is not train_micro_batch_size_per_gpu "
+                             f"{batch[1]} x gradient_accumulation_steps {accum} x a number of devices.")
+
+    # Activations.
+    ac = ds.get("activation_checkpointing")
+    if ac is not None:
+        if not isinstance(ac, Mapping):
+            raise ValueError(f"DeepSpeed key 'activation_checkpointing' must be an object, got {ac!r}.")
+        kw["remat"] = "full"
+        notes.append("activation_checkpointing is mapped to remat='full': every layer of a scanned stack is "
+                     "recomputed in backward (DeepSpeed recomputes what the model wraps in its checkpoint call).")
+        for key in ac:
+            path = f"activation_checkpointing.{key}"
+            unmapped[path] = REASONS.get(path, "no equivalent")
+
+    # Everything else at the top level.
+    handled = {"zero_optimization", "fp16", "bf16", "bfloat16", "gradient_clipping", "gradient_accumulation_steps",
+               "communication_data_type", "activation_checkpointing", "optimizer"}
+    for key in ds:
+        if key not in handled:
+            unmapped[key] = REASONS.get(key, "unknown to this mapping (not a DeepSpeed key zerojax knows)")
+
+    optimizer = None
+    if "optimizer" in ds:
+        optimizer, why = optax_code(ds["optimizer"])
+        if why:
+            unmapped["optimizer"] = why
+    try:
+        config = ZeroConfig(**kw)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"the DeepSpeed config maps to an invalid ZeroConfig: {e}") from None
+    return Translation(config, unmapped, tuple(notes), optimizer)
+
+
+def optax_code(section: Any) -> tuple[str | None, str | None]:
+    """The optax equivalent of a DeepSpeed ``optimizer`` section, as code, or None and the
+    reason. Weight decay is always written out: DeepSpeed's Adam/AdamW default to 0.0,
+    ``optax.adamw`` to 1e-4."""
+    if not isinstance(section, Mapping) or "type" not in section:
+        return None, "the optimizer section needs a 'type'"
+    kind, p = str(section["type"]).lower(), dict(section.get("params", {}))
+    lr = p.get("lr", 1e-3)
+    b1, b2 = p.get("betas", (0.9, 0.999))
+    eps, wd = p.get("eps", 1e-8), p.get("weight_decay", 0.0)
+    if kind in ("adam", "adamw", "fusedadam", "cpuadam"):
+        if p.get("amsgrad"):
+            return None, "AMSGrad: build optax.amsgrad yourself (with optax.add_decayed_weights for weight decay)"
+        decoupled = kind != "adam" or p.get("adam_w_mode", True)  # DeepSpeed's Adam is AdamW by default
+        if decoupled:
+            return f"optax.adamw(learning_rate={lr!r}, b1={b1!r}, b2={b2!r}, eps={eps!r}, weight_decay={wd!r})", None
+        return (f"optax.chain(optax.add_decayed_weights({wd!r}), optax.adam(learning_rate={lr!r}, b1={b1!r}, "
+                f"b2={b2!r}, eps={eps!r}))"), None
+    if kind == "lamb":
+        return f"optax.lamb(learning_rate={lr!r}, b1={b1!r}, b2={b2!r}, eps={eps!r}, weight_decay={wd!r})", None
+    if kind == "lion":
+        b1, b2 = p.get("betas", (0.9, 0.99))
+        return f"optax.lion(learning_rate={lr!r}, b1={b1!r}, b2={b2!r}, weight_decay={wd!r})", None
+    if kind == "sgd":
+        momentum = p.get("momentum", 0.0) or None
+        code = f"optax.sgd(learning_rate={lr!r}, momentum={momentum!r}, nesterov={bool(p.get('nesterov', False))!r})"
+        return (f"optax.chain(optax.add_decayed_weights({wd!r}), {code})" if wd else code), None
+    return None, (f"optimizer type {section['type']!r} has no optax equivalent written here: build the optax "
+                  "transformation yourself (any works)")
+
+
+def from_deepspeed(source: Any) -> ZeroConfig:
+    """:class:`ZeroConfig` for a DeepSpeed config; every key not mapped is named, with its
+    reason, in one ``warnings.warn`` (see :func:`translate`)."""
+    t = translate(source)
+    message = t.message()
+    if message:
+        warnings.warn(message, stacklevel=3)
+    return t.config
