@@ -95,13 +95,15 @@ def test_streamed_update_of_coupled_and_shape_aware_transforms(tx):
 
 
 def test_fp16_skipped_steps_change_nothing_in_host_memory():
-    """fp16 at DeepSpeed's 2^16 overflows first: the skipped steps keep the offloaded
-    state bit for bit, on either update path, as without offload."""
-    base = zj.ZeroConfig(stage=2, compute_dtype="float16")
-    ref, _, _ = train(base)
-    assert int(ref.skipped) > 0
+    """fp16 at DeepSpeed's 2^16 overflows the first two steps, then trains: the skipped
+    steps keep the offloaded state bit for bit and the rest update it, on either update
+    path, as without offload."""
+    base = zj.ZeroConfig(stage=2, compute_dtype="float16", hysteresis=1)
+    batches = BATCHES * 2
+    ref, _, _ = train(base, batches=batches)
+    assert 0 < int(ref.skipped) < len(batches)
     for place in ("host", "device"):
-        state, _, _ = train(dataclasses.replace(base, offload_optimizer=True, offload_update=place))
+        state, _, _ = train(dataclasses.replace(base, offload_optimizer=True, offload_update=place), batches=batches)
         assert int(state.skipped) == int(ref.skipped)
         assert models.abs_errors(zj.gather_params(state), zj.gather_params(ref)).max() == 0.0
 
@@ -112,6 +114,8 @@ def test_update_groups_follow_what_each_leaf_reads():
     n_leaves = len(jax.tree.leaves(params))
     for tx, size, expected in [(optax.adam(1e-2), 1, n_leaves),        # elementwise: a group per leaf
                                (optax.adam(1e-2), 10**9, 1),           # everything fits one group
+                               # the size counts parameter elements (not Adam's moments too)
+                               (optax.adam(1e-2), sum(x.size for x in jax.tree.leaves(params)), 1),
                                (optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), 1, 1)]:
         plan = zj.init_state(params, tx, mesh=zj.make_mesh(), config=cfg).plan
         g = update_groups(plan, tx, size)
@@ -144,7 +148,8 @@ def test_auto_update_place():
     without offloaded state the update is on the device."""
     for cfg, place in [(zj.ZeroConfig(stage=2, offload_optimizer=True), "host"),
                        (zj.ZeroConfig(stage=3, offload_optimizer=True, offload_update="device"), "device"),
-                       (zj.ZeroConfig(stage=3), "device")]:
+                       (zj.ZeroConfig(stage=3), "device"),
+                       (zj.ZeroConfig(stage=3, offload_params=True), "device")]:  # the moments are on the device
         state = zj.init_state(models.stacked_params(), TX, mesh=zj.make_mesh(), config=cfg)
         step = zj.make_train_step(models.stacked_loss, TX, mesh=zj.make_mesh(), config=cfg)
         assert step.update_place(state) == place

@@ -10,11 +10,17 @@ would be on the device. The update runs in one of two places
   accelerator. This is DeepSpeed's CPU-Adam arrangement.
 * ``"device"``: the state streams to the device and back in groups of at most
   ``ZeroConfig.offload_group_size`` parameter elements (DeepSpeed's ``sub_group_size``),
-  group after group: group g's update waits for group g−2's, so at most two groups of
-  state are on the device at once (one updating while the next arrives).
+  group after group: each group's results go back to host memory as soon as they are
+  made, and group g's state waits for group g−2's update, so that one group updates while
+  the next arrives.
 
 ``"auto"`` compiles the host update once per state layout and takes it where the backend
-accepts it.
+accepts it; with only the parameters offloaded (the optimizer state on the device) it
+updates on the device, streaming the masters.
+
+Each group traces ``tx.update`` whole (XLA then drops what the group does not need), so
+tracing and compiling grow with the number of groups: with the default group size most
+models are one group.
 
 Groups have to be independent for the streamed update to equal the whole one. optax
 transforms are traced once and each output traced back to the inputs it reads: leaves
@@ -103,12 +109,11 @@ def update_groups(plan: ZeroPlan, tx: Any, group_size: int) -> UpdateGroups:
             parent[find(u)] = find(units[0])
         out_units.append(units[0] if units else None)
 
-    sizes: dict[int, int] = {}
+    sizes: dict[int, int] = {}  # parameter elements per component (DeepSpeed's sub_group_size counts those)
     for u in range(n + m):
         if u in shared_set:
             continue
-        size = plan.master_layouts[u].size if u < n else opt_layouts[u - n].size
-        sizes[find(u)] = sizes.get(find(u), 0) + size
+        sizes[find(u)] = sizes.get(find(u), 0) + (layouts[u].size if u < n else 0)
     # Components in order of their first unit, packed into groups up to group_size elements.
     buckets: list[list[int]] = []
     filled = 0
@@ -148,6 +153,8 @@ def apply_streamed(plan: ZeroPlan, tx: Any, grads: list, opt: list, masters: lis
     inputs = list(grads) + list(opt) + list(masters)
     device = lambda i: plan.sharding(layouts[i])
     on_device = {i: jax.device_put(inputs[i], device(i)) for i in groups.shared}
+    homes = [plan.master_memory] * n + [plan.opt_memory] * m
+    out_layouts = list(plan.master_layouts) + list(plan.opt_storage_layouts)
     outputs: list[Any] = [None] * (n + m)
     done: list[list[jax.Array]] = []
     for ins, outs in groups.groups:
@@ -162,11 +169,10 @@ def apply_streamed(plan: ZeroPlan, tx: Any, grads: list, opt: list, masters: lis
         new = list(new_m) + list(new_o)
         old = full[n + m:] + full[n:n + m]
         results = [new[k] if skip is None else jnp.where(skip, old[k], new[k]) for k in outs]
-        for k, r in zip(outs, results):
-            outputs[k] = r
+        for k, r in zip(outs, results):  # back where it lives as soon as it is made
+            outputs[k] = jax.device_put(r, plan.sharding(out_layouts[k], homes[k]))
         done.append(results)
-    new_m, new_o = outputs[:n], outputs[n:]
-    return new_m, new_o
+    return outputs[:n], outputs[n:]
 
 
 def _move(plan: ZeroPlan, xs: list, layouts, kind: str | None) -> list:
@@ -178,19 +184,21 @@ def apply_offloaded(plan: ZeroPlan, tx: Any, grads: list, opt: list, masters: li
     """New masters and optimizer-state leaves of offloaded state, each back where it lives."""
     if place == "host":
         new_m, new_o = apply_on_host(plan, tx, grads, opt, masters, skip)
-    else:
-        new_m, new_o = apply_streamed(plan, tx, grads, opt, masters, skip)
-    return (_move(plan, new_m, plan.master_layouts, plan.master_memory),
-            _move(plan, new_o, plan.opt_storage_layouts, plan.opt_memory))
+        return (_move(plan, new_m, plan.master_layouts, plan.master_memory),
+                _move(plan, new_o, plan.opt_storage_layouts, plan.opt_memory))
+    return apply_streamed(plan, tx, grads, opt, masters, skip)
 
 
 def choose_place(plan: ZeroPlan, tx: Any, opt: list) -> str:
     """Where the update of offloaded state runs: ``"device"`` when nothing is offloaded,
     else ``ZeroConfig.offload_update``, with ``"auto"`` resolved by compiling the host
-    update for these shapes (``"host"`` if the backend accepts it)."""
+    update for these shapes (``"host"`` if the backend accepts it; ``"device"`` when only
+    the parameters are offloaded)."""
     cfg = plan.config
     if plan.opt_memory is None and plan.master_memory is None:
         return "device"
+    if cfg.offload_update == "auto" and plan.opt_memory is None:
+        return "device"  # offload_params alone: the optimizer state is on the device already
     if cfg.offload_update != "auto":
         return cfg.offload_update
     grads = [jax.ShapeDtypeStruct(l.storage_shape, jnp.float32, sharding=plan.sharding(l))

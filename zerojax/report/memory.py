@@ -202,6 +202,12 @@ class StepMemory:
         lumped = self.host_argument == 0
         return self.total - (self.state_host if lumped else 0)
 
+    @property
+    def _state_in_argument(self) -> int:
+        """The state bytes that ``argument`` counts (all, or the device part where the
+        backend reports host arguments apart)."""
+        return self.state - (0 if self.host_argument == 0 else self.state_host)
+
     def fits(self, budget_bytes: float) -> bool:
         """Whether the step's device memory (:attr:`device_total`) is at most
         ``budget_bytes`` per device."""
@@ -212,7 +218,7 @@ class StepMemory:
         return (f"per device: total {mib(self.total)} = state {mib(self.state)} + batch "
                 f"{mib(self.batch)} + temp {mib(self.temp)} (+ outputs not donated "
                 f"{mib(self.output - self.alias)}, arguments other than state and batch "
-                f"{mib(self.argument - self.state - self.batch)}); host temp {mib(self.host_temp)}"
+                f"{mib(self.argument - self._state_in_argument - self.batch)}); host temp {mib(self.host_temp)}"
                 + (f"; offloaded state {mib(self.state_host)}, device total {mib(self.device_total)}"
                    if self.state_host else ""))
 
