@@ -74,6 +74,14 @@ class ZeroConfig:
         there and back in groups of at most this many parameter elements (DeepSpeed's
         ``sub_group_size``); leaves whose update reads one another stay in one group.
 
+    Weight gathers (stage 3; ZeRO++'s qwZ):
+      gather_dtype: None (gather in the compute dtype) or "int8": each shard is quantized
+        blockwise (symmetric, one fp32 scale per block), all-gathered as int8 plus scales and
+        dequantized to the compute dtype, in forward and again in backward; gradients still
+        reduce-scatter in ``reduce_dtype`` and the masters stay fp32.
+      quant_block_size: elements per quantization block (DeepSpeed's quantizer aims at
+        groups of at most 8,000 elements, noting about 4k as best: 4096).
+
     Overlap (stage 3):
       prefetch: gather this many layers ahead of their use, so that a gather overlaps the
         compute of the layers before it (0: each layer is gathered when it is reached). A
@@ -114,6 +122,8 @@ class ZeroConfig:
     offload_params: bool = False
     offload_update: str = "auto"
     offload_group_size: int = 1_000_000_000
+    gather_dtype: Any = None
+    quant_block_size: int = 4096
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in STAGES:
@@ -159,6 +169,17 @@ class ZeroConfig:
                 or self.offload_group_size < 1:
             raise ValueError(f"ZeroConfig.offload_group_size must be a positive int (parameter elements per "
                              f"streamed group), got {self.offload_group_size!r}.")
+        if self.gather_dtype is not None:
+            if self.gather_dtype != "int8":
+                raise ValueError(f"ZeroConfig.gather_dtype must be None (gather in the compute dtype) or 'int8', "
+                                 f"got {self.gather_dtype!r}.")
+            if self.stage != 3:
+                raise ValueError(f"ZeroConfig.gather_dtype='int8' quantizes stage 3's weight gathers; stage "
+                                 f"{self.stage} gathers none per use. Use stage=3.")
+        if isinstance(self.quant_block_size, bool) or not isinstance(self.quant_block_size, int) \
+                or self.quant_block_size < 1:
+            raise ValueError(f"ZeroConfig.quant_block_size must be a positive int (elements per int8 block), "
+                             f"got {self.quant_block_size!r}.")
         if self.prefetch < 0:
             raise ValueError(f"ZeroConfig.prefetch must be >= 0 (layers gathered ahead; 0: none), got {self.prefetch}.")
         if self.prefetch and self.offload_params:
@@ -211,6 +232,11 @@ class ZeroConfig:
         from zerojax.deepspeed import from_deepspeed
 
         return from_deepspeed(source)
+
+    @property
+    def quant_block(self) -> int | None:
+        """Elements per int8 block of stage 3's weight gathers; None without quantization."""
+        return self.quant_block_size if self.gather_dtype == "int8" else None
 
     @property
     def resolved_loss_scale(self) -> str | float | None:

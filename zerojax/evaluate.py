@@ -71,7 +71,7 @@ class EvalStep:
 
         if plan.stage == 3:  # only the sharded masters exist: gather each where it is used
             cfg = plan.config
-            source = per_use.Gathered(axis, n, cfg.compute_dtype, cfg.reduce_dtype)
+            source = per_use.Gathered(axis, n, cfg.compute_dtype, cfg.reduce_dtype, cfg.quant_block)
             frozen_source = per_use.Frozen(axis, cfg.compute_dtype)
             run = per_use.traced(user_fn, shapes, context(plan, remat=False))
 

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from zerojax.sharding.layout import LeafLayout
+from zerojax.sharding.quantize import gather_int8
 
 
 def reduce_grad(g: jax.Array, axis: str, n: int, reduce_dtype, layout: LeafLayout | None = None) -> jax.Array:
@@ -36,12 +37,22 @@ def reduce_grad(g: jax.Array, axis: str, n: int, reduce_dtype, layout: LeafLayou
     return summed if predivide else summed / n
 
 
-def gather(layout: LeafLayout, axis: str, n: int, shard: jax.Array, compute_dtype, reduce_dtype) -> jax.Array:
+def gather_values(layout: LeafLayout, axis: str, shard: jax.Array, compute_dtype,
+                  quant_block: int | None = None) -> jax.Array:
+    """The full leaf in ``compute_dtype`` from this device's shard: cast, then all-gathered;
+    or, with ``quant_block``, all-gathered as blockwise int8 (:mod:`zerojax.sharding.quantize`)."""
+    if quant_block:
+        return gather_int8(layout, shard, axis, quant_block, compute_dtype)
+    return layout.gather(shard.astype(compute_dtype), axis)
+
+
+def gather(layout: LeafLayout, axis: str, n: int, shard: jax.Array, compute_dtype, reduce_dtype,
+           quant_block: int | None = None) -> jax.Array:
     """Full leaf in ``compute_dtype`` from this device's shard (see module docstring)."""
 
     @jax.custom_vjp
     def g(shard):
-        return layout.gather(shard.astype(compute_dtype), axis)
+        return gather_values(layout, axis, shard, compute_dtype, quant_block)
 
     def fwd(shard):
         return g(shard), None
@@ -72,13 +83,13 @@ def scatter_grad(layout: LeafLayout, axis: str, n: int, full: jax.Array, sink: j
 
 
 def gather_from_host(layout: LeafLayout, axis: str, n: int, host_shard: jax.Array, sink: jax.Array,
-                     compute_dtype, reduce_dtype) -> jax.Array:
+                     compute_dtype, reduce_dtype, quant_block: int | None = None) -> jax.Array:
     """Full leaf in ``compute_dtype`` from a shard in host memory; its gradient goes to ``sink``."""
 
     @jax.custom_vjp
     def g(host_shard, sink):
         shard = jax.device_put(host_shard, jax.memory.Space.Device)
-        return layout.gather(shard.astype(compute_dtype), axis)
+        return gather_values(layout, axis, shard, compute_dtype, quant_block)
 
     def fwd(host_shard, sink):
         return g(host_shard, sink), None

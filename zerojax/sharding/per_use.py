@@ -115,13 +115,15 @@ class Gathered:
     n: int
     compute_dtype: str = "float32"
     reduce_dtype: str = "float32"
+    quant_block: int | None = None  # gather as blockwise int8 (ZeroConfig.gather_dtype)
     remat = True
 
     def materialize(self, layout: LeafLayout, arrays: Sequence[jax.Array]) -> jax.Array:
         shard = arrays[0]
         if _in_host_memory(shard):  # offload_params, read without a gradient (the eval step)
             shard = jax.device_put(shard, jax.memory.Space.Device)
-        return collectives.gather(layout, self.axis, self.n, shard, self.compute_dtype, self.reduce_dtype)
+        return collectives.gather(layout, self.axis, self.n, shard, self.compute_dtype, self.reduce_dtype,
+                                  self.quant_block)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,13 +151,14 @@ class GatheredFromHost:
     n: int
     compute_dtype: str = "float32"
     reduce_dtype: str = "float32"
+    quant_block: int | None = None
     remat = True
     host = True
 
     def materialize(self, layout: LeafLayout, arrays: Sequence[jax.Array]) -> jax.Array:
         host_shard, sink = arrays
         return collectives.gather_from_host(layout, self.axis, self.n, host_shard, sink, self.compute_dtype,
-                                            self.reduce_dtype)
+                                            self.reduce_dtype, self.quant_block)
 
 
 @dataclasses.dataclass(frozen=True)

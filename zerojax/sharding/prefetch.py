@@ -135,7 +135,7 @@ def _join(first: list, second: list) -> list:
 def _gather(row, shard: jax.Array) -> jax.Array:
     """One layer's full parameter in the compute dtype, from this device's shard."""
     src = row.source
-    return row.layout.gather(shard.astype(src.compute_dtype), src.axis)
+    return collectives.gather_values(row.layout, src.axis, shard, src.compute_dtype, getattr(src, "quant_block", None))
 
 
 def _apply_ops(rows, gathered: list) -> list:

@@ -139,11 +139,11 @@ class Stage3(Stage):
         plan, cfg = loss.plan, loss.plan.config
         frozen_source = per_use.Frozen(cfg.axis, cfg.compute_dtype)
         if plan.master_memory is None:
-            source = per_use.Gathered(cfg.axis, plan.n, cfg.compute_dtype, cfg.reduce_dtype)
+            source = per_use.Gathered(cfg.axis, plan.n, cfg.compute_dtype, cfg.reduce_dtype, cfg.quant_block)
             return per_use_grads(loss, source, frozen_source)([], masters, frozen, batch, scale, rng, model_state)
         # Parameters in host memory: each use moves its shard to the device and gathers it
         # there; the gradient is reduce-scattered into a device-resident shard.
-        source = per_use.GatheredFromHost(cfg.axis, plan.n, cfg.compute_dtype, cfg.reduce_dtype)
+        source = per_use.GatheredFromHost(cfg.axis, plan.n, cfg.compute_dtype, cfg.reduce_dtype, cfg.quant_block)
         return per_use_grads(loss, source, frozen_source)(masters, _device_sinks(plan, masters), frozen, batch, scale,
                                                           rng, model_state)
 
