@@ -91,13 +91,14 @@ def test_static_loss_scale_and_the_clipping_default():
     assert cfg.grad_clip == 1.0
 
 
-def test_hybrid_and_quantized_keys_are_named_as_not_there_yet():
+def test_quantized_weights_map_and_hybrid_keys_are_named_as_not_there_yet():
     with pytest.warns(UserWarning) as caught:
         cfg = zj.ZeroConfig.from_deepspeed(ZEROPP)
     text = str(caught[0].message)
-    for key in ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients", "mics_shard_size"):
+    for key in ("zero_hpz_partition_size", "zero_quantized_gradients", "mics_shard_size"):
         assert f"zero_optimization.{key}: not in zerojax yet" in text
-    assert cfg == zj.ZeroConfig(stage=3, compute_dtype="bfloat16", grad_clip=1.0)
+    assert "zero_quantized_weights" not in text  # mapped: int8 weight gathers
+    assert cfg == zj.ZeroConfig(stage=3, compute_dtype="bfloat16", grad_clip=1.0, gather_dtype="int8")
 
 
 def test_old_forms_and_a_clean_config():
@@ -137,6 +138,7 @@ def test_unknown_keys_warn_by_name():
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "needs ZeRO stage 1, 2 or 3"),
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "gpu"}}}, "must be 'cpu', 'nvme' or 'none'"),
     ({"communication_data_type": "int8"}, "'communication_data_type' must be one of"),
+    ({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}}, "quantizes ZeRO-3's weight gathers"),
     ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, "train_batch_size 30 is not"),
 ])
 def test_contradictions_raise(ds, match):
@@ -169,6 +171,26 @@ def test_printed_code_builds_the_same_config_and_optimizer():
     ref = optax.adamw(3e-5, b1=0.8, b2=0.999, eps=1e-8, weight_decay=3e-7)
     p, g = {"w": jnp.ones((3,))}, {"w": jnp.asarray([0.1, -0.2, 0.3])}
     np.testing.assert_array_equal(tx.update(g, tx.init(p), p)[0]["w"], ref.update(g, ref.init(p), p)[0]["w"])
+
+
+def test_optimizer_sections_that_do_not_translate_whole():
+    t = translate({"gradient_clipping": 1.0, "optimizer": {"type": "Adam", "params": {
+        "lr": 1e-3, "bias_correction": False, "torch_adam": True}}})
+    assert t.optimizer.startswith("optax.adamw(") and "bias_correction" in t.unmapped["optimizer"]
+    t = translate({"gradient_clipping": 1.0, "optimizer": {"type": "Adan", "params": {"betas": [0.9, 0.9, 0.9]}}})
+    assert t.optimizer is None and "'Adan' has no optax equivalent" in t.unmapped["optimizer"]
+    with pytest.raises(ValueError, match=r"'optimizer.params.lr' is 'auto'"):
+        translate({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
+    with pytest.raises(ValueError, match=r"'optimizer.params.betas' must be two numbers"):
+        translate({"optimizer": {"type": "AdamW", "params": {"betas": "auto2"}}})
+
+
+def test_bf16_alias_and_derived_accumulation():
+    both = translate({"gradient_clipping": 1.0, "bf16": {}, "bfloat16": {"enabled": True}})
+    assert both.config.compute_dtype == "float32" and "bfloat16" in both.unmapped  # DeepSpeed reads "bf16"
+    assert translate({"gradient_clipping": 1.0, "bfloat16": {"enabled": True}}).config.compute_dtype == "bfloat16"
+    t = translate({"gradient_clipping": 1.0, "train_batch_size": 64, "train_micro_batch_size_per_gpu": 2})
+    assert t.config.grad_accum_steps == 1 and any("DeepSpeed derives it" in n for n in t.notes)
 
 
 def test_weight_decay_is_deepspeeds_default_not_optaxs():

@@ -10,10 +10,11 @@ What maps: ``zero_optimization.stage``, ``fp16`` (``loss_scale`` 0 is dynamic sc
 otherwise a static scale, and DeepSpeed's scaler knobs), ``bf16.enabled``,
 ``gradient_clipping``, ``gradient_accumulation_steps``, ``communication_data_type``,
 ``zero_optimization.offload_optimizer`` / ``offload_param`` / ``sub_group_size``
-(host memory; NVMe is mapped to host memory, with a note) and ``activation_checkpointing``
-(full rematerialization of every scanned layer stack). Hybrid sharding
-(``zero_hpz_partition_size``, ``mics_shard_size``) and quantized weights
-(``zero_quantized_weights``) are not in zerojax yet: they are named in the warning.
+(host memory; NVMe is mapped to host memory, with a note), ``zero_quantized_weights``
+(int8 weight gathers) and ``activation_checkpointing`` (full rematerialization of every
+scanned layer stack). Hybrid sharding (``zero_hpz_partition_size``, ``mics_shard_size``)
+and quantized gradients (``zero_quantized_gradients``) are not in zerojax yet: they are
+named in the warning.
 
 DeepSpeed's ``gradient_clipping`` default was 0.0 (off) until PR #8068 (merged
 2026-06-23) made it 1.0, so that configs which omit it are clipped. zerojax follows the
@@ -41,7 +42,7 @@ _XLA = "no equivalent: XLA schedules and fuses the collectives"
 _LOADER = "the data loader's job: train_step takes the global batch (micro-batch x accumulation x devices) and splits it"
 _LOGGING = "logging: the train step returns its metrics (experiments/train.py --log writes them)"
 _NOT_YET_HYBRID = "not in zerojax yet: hybrid sharding (shard within a node, replicate across nodes) is planned"
-_NOT_YET_INT8 = "not in zerojax yet: int8 weight and gradient collectives are planned"
+_NOT_YET_INT8 = "not in zerojax yet: int8 gradient reduce-scatters (qgZ) are planned"
 
 # Reasons for keys that are understood but not mapped (paths as "section.key").
 REASONS: dict[str, str] = {
@@ -92,8 +93,8 @@ REASONS: dict[str, str] = {
     "zero_optimization.zero_hpz_partition_size": _NOT_YET_HYBRID,
     "zero_optimization.mics_shard_size": _NOT_YET_HYBRID,
     "zero_optimization.mics_hierarchical_params_gather": _NOT_YET_HYBRID,
-    "zero_optimization.zero_quantized_weights": _NOT_YET_INT8,
-    "zero_optimization.zero_quantized_nontrainable_weights": _NOT_YET_INT8,
+    "zero_optimization.zero_quantized_nontrainable_weights": "frozen parameters are gathered in the compute "
+                                                             "dtype (int8 gathers cover the trained ones)",
     "zero_optimization.zero_quantized_gradients": _NOT_YET_INT8,
     "zero_optimization.offload_optimizer.pin_memory": "offloaded state is always in pinned host memory",
     "zero_optimization.offload_optimizer.ratio": "all of the optimizer state is offloaded",
@@ -124,7 +125,8 @@ for _k in ("compression_training", "data_efficiency", "curriculum_learning", "au
 
 _FP16_MAPPED = ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
                 "consecutive_hysteresis", "min_loss_scale")
-_ZERO_MAPPED = ("stage", "offload_optimizer", "offload_param", "sub_group_size", "cpu_offload")
+_ZERO_MAPPED = ("stage", "offload_optimizer", "offload_param", "sub_group_size", "cpu_offload",
+                "zero_quantized_weights")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,6 +277,12 @@ def translate(source: Any) -> Translation:
         kw["offload_optimizer"] = True
     if offload_par:
         kw["offload_params"] = True
+    if "zero_quantized_weights" in zero and _flag(zero["zero_quantized_weights"],
+                                                  "zero_optimization.zero_quantized_weights"):
+        if stage != 3:
+            raise ValueError(f"DeepSpeed key 'zero_optimization.zero_quantized_weights' quantizes ZeRO-3's weight "
+                             f"gathers, but the stage is {stage}.")
+        kw["gather_dtype"] = "int8"
     if "sub_group_size" in zero:
         kw["offload_group_size"] = _number(zero["sub_group_size"], "zero_optimization.sub_group_size",
                                            integer=True, minimum=1)
@@ -290,7 +298,10 @@ def translate(source: Any) -> Translation:
         unmapped[path] = REASONS.get(path, "unknown to this mapping (not a DeepSpeed key zerojax knows)")
 
     # Precision.
-    fp16, bf16 = _section(ds, "fp16"), _section(ds, "bf16") or _section(ds, "bfloat16")
+    fp16 = _section(ds, "fp16")
+    bf16 = _section(ds, "bf16" if "bf16" in ds else "bfloat16")  # DeepSpeed reads "bf16" when both are given
+    if "bf16" in ds and "bfloat16" in ds:
+        unmapped["bfloat16"] = "DeepSpeed reads the 'bf16' section when both are given; this one is ignored"
     fp16_on = _flag(fp16.get("enabled", False), "fp16.enabled")
     bf16_on = _flag(bf16.get("enabled", False), "bf16.enabled")
     if fp16_on and bf16_on:
@@ -342,6 +353,11 @@ def translate(source: Any) -> Translation:
     batch = [ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu")]
     if all(isinstance(b, int) and not isinstance(b, bool) for b in batch):
         accum = kw.get("grad_accum_steps", 1)
+        if "gradient_accumulation_steps" not in ds and batch[0] > batch[1]:
+            notes.append(f"gradient_accumulation_steps is absent: DeepSpeed derives it from train_batch_size "
+                         f"{batch[0]} / (train_micro_batch_size_per_gpu {batch[1]} x devices); zerojax keeps "
+                         "grad_accum_steps=1 (the same gradients from one larger micro-batch; set it to bound "
+                         "activation memory).")
         if batch[0] % (batch[1] * accum):
             raise ValueError(f"DeepSpeed config: train_batch_size {batch[0]} is not train_micro_batch_size_per_gpu "
                              f"{batch[1]} x gradient_accumulation_steps {accum} x a number of devices.")
@@ -383,29 +399,48 @@ def optax_code(section: Any) -> tuple[str | None, str | None]:
     ``optax.adamw`` to 1e-4."""
     if not isinstance(section, Mapping) or "type" not in section:
         return None, "the optimizer section needs a 'type'"
-    kind, p = str(section["type"]).lower(), dict(section.get("params", {}))
-    lr = p.get("lr", 1e-3)
-    b1, b2 = p.get("betas", (0.9, 0.999))
-    eps, wd = p.get("eps", 1e-8), p.get("weight_decay", 0.0)
-    if kind in ("adam", "adamw", "fusedadam", "cpuadam"):
+    name, p = section["type"], dict(section.get("params", {}))
+    kind = str(name).lower()
+    known = {"adam": {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "amsgrad"},
+             "lamb": {"lr", "betas", "eps", "weight_decay"}, "lion": {"lr", "betas", "weight_decay"},
+             "sgd": {"lr", "momentum", "nesterov", "weight_decay"}}
+    family = "adam" if kind in ("adam", "adamw", "fusedadam", "cpuadam") else kind
+    if family not in known:
+        return None, (f"optimizer type {name!r} has no optax equivalent written here: build the optax "
+                      "transformation yourself (any works)")
+    for key, value in p.items():
+        if value == "auto":
+            raise ValueError(f"DeepSpeed key 'optimizer.params.{key}' is 'auto', a placeholder the Hugging Face "
+                             "Trainer fills in; give its value.")
+    betas = p.get("betas", (0.9, 0.99) if kind == "lion" else (0.9, 0.999))
+    if not (isinstance(betas, (list, tuple)) and len(betas) == 2):
+        raise ValueError(f"DeepSpeed key 'optimizer.params.betas' must be two numbers, got {betas!r}.")
+    lr = _number(p.get("lr", 1e-3), "optimizer.params.lr", minimum=0)
+    b1, b2 = (_number(b, "optimizer.params.betas", minimum=0) for b in betas)
+    eps = _number(p.get("eps", 1e-8), "optimizer.params.eps", minimum=0)
+    wd = _number(p.get("weight_decay", 0.0), "optimizer.params.weight_decay", minimum=0)
+    if family == "adam":
         if p.get("amsgrad"):
             return None, "AMSGrad: build optax.amsgrad yourself (with optax.add_decayed_weights for weight decay)"
         decoupled = kind != "adam" or p.get("adam_w_mode", True)  # DeepSpeed's Adam is AdamW by default
         if decoupled:
-            return f"optax.adamw(learning_rate={lr!r}, b1={b1!r}, b2={b2!r}, eps={eps!r}, weight_decay={wd!r})", None
-        return (f"optax.chain(optax.add_decayed_weights({wd!r}), optax.adam(learning_rate={lr!r}, b1={b1!r}, "
-                f"b2={b2!r}, eps={eps!r}))"), None
-    if kind == "lamb":
-        return f"optax.lamb(learning_rate={lr!r}, b1={b1!r}, b2={b2!r}, eps={eps!r}, weight_decay={wd!r})", None
-    if kind == "lion":
-        b1, b2 = p.get("betas", (0.9, 0.99))
-        return f"optax.lion(learning_rate={lr!r}, b1={b1!r}, b2={b2!r}, weight_decay={wd!r})", None
-    if kind == "sgd":
-        momentum = p.get("momentum", 0.0) or None
+            code = f"optax.adamw(learning_rate={lr!r}, b1={b1!r}, b2={b2!r}, eps={eps!r}, weight_decay={wd!r})"
+        else:
+            code = (f"optax.chain(optax.add_decayed_weights({wd!r}), optax.adam(learning_rate={lr!r}, b1={b1!r}, "
+                    f"b2={b2!r}, eps={eps!r}))")
+    elif family == "lamb":
+        code = f"optax.lamb(learning_rate={lr!r}, b1={b1!r}, b2={b2!r}, eps={eps!r}, weight_decay={wd!r})"
+    elif family == "lion":
+        code = f"optax.lion(learning_rate={lr!r}, b1={b1!r}, b2={b2!r}, weight_decay={wd!r})"
+    else:
+        momentum = _number(p.get("momentum", 0.0), "optimizer.params.momentum", minimum=0) or None
         code = f"optax.sgd(learning_rate={lr!r}, momentum={momentum!r}, nesterov={bool(p.get('nesterov', False))!r})"
-        return (f"optax.chain(optax.add_decayed_weights({wd!r}), {code})" if wd else code), None
-    return None, (f"optimizer type {section['type']!r} has no optax equivalent written here: build the optax "
-                  "transformation yourself (any works)")
+        code = f"optax.chain(optax.add_decayed_weights({wd!r}), {code})" if wd else code
+    left = sorted(set(p) - known[family])
+    if left:
+        return code, (f"params {left} have no counterpart in the printed optax optimizer (e.g. bias_correction, "
+                      "torch_adam, max_coeff): check it")
+    return code, None
 
 
 def from_deepspeed(source: Any) -> ZeroConfig:
