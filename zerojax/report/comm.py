@@ -15,6 +15,8 @@ from collections import defaultdict
 
 import numpy as np
 
+from zerojax.report.groups import group_axes, replica_groups
+
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
@@ -35,6 +37,18 @@ class Collective:
     dtype: str
     bytes: int  # of the full buffer: output of all-gather, input of reduce-scatter
     count: int  # executions per step
+    groups: tuple[tuple[int, ...], ...] | None = None  # device groups (logical ids); None: not listed
+
+    @property
+    def group_size(self) -> int | None:
+        return len(self.groups[0]) if self.groups else None
+
+    def axes(self, mesh) -> tuple[str, ...]:
+        """The axes of ``mesh`` (the mesh the program was compiled over) this collective
+        runs over, from its device groups (see :mod:`zerojax.report.groups`)."""
+        if self.groups is None:
+            raise ValueError(f"this {self.kind} lists no device groups; its mesh axes are unknown.")
+        return group_axes([list(g) for g in self.groups], dict(mesh.shape))
 
     @property
     def total_bytes(self) -> int:
@@ -56,17 +70,6 @@ def _shape_bytes(text: str) -> tuple[str, int]:
         total += size * _DTYPE_BYTES[dt]
         dtype = dtype or dt
     return dtype, total
-
-
-def _group_size(attrs: str) -> int:
-    """Devices per replica group, from ``replica_groups={{0,1,..},..}`` or ``=[g,s]<=[n]``."""
-    m = re.search(r"replica_groups=\{\{([0-9,]*)\}", attrs)
-    if m:
-        return len(m.group(1).split(","))
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]", attrs)
-    if m:
-        return int(m.group(2))
-    raise ValueError(f"cannot read the replica groups of a reduce-scatter: {attrs[:200]}")
 
 
 def collectives(hlo_text: str) -> list[Collective]:
@@ -124,17 +127,23 @@ def collectives(hlo_text: str) -> list[Collective]:
             if kind not in COLLECTIVES or op.endswith("-done"):
                 continue
             dtype, nbytes = _shape_bytes(shape)
+            groups = replica_groups(rest)
+            groups = None if groups is None else tuple(tuple(g) for g in groups)
             if kind == "reduce-scatter":  # count the input buffer (the full gradient)
-                nbytes *= _group_size(rest)
-            found.append(Collective(kind=kind, dtype=dtype, bytes=nbytes, count=runs[name]))
+                if not groups:
+                    raise ValueError(f"cannot read the replica groups of a reduce-scatter: {rest[:200]}")
+                nbytes *= len(groups[0])
+            found.append(Collective(kind=kind, dtype=dtype, bytes=nbytes, count=runs[name], groups=groups))
     return found
 
 
-def communication_report(compiled) -> dict[str, dict[str, int]]:
+def communication_report(compiled, mesh=None) -> dict[str, dict]:
     """Bytes per device per step by collective kind and dtype, from a compiled step.
 
     Returns ``{kind: {"count": runs, "bytes": payload bytes, "zero_bytes": paper units}}``
-    plus a ``"total"`` entry.
+    plus a ``"total"`` entry. Given the ``mesh`` the step was compiled over, it also has
+    ``"by_axis"``: the same counts per set of mesh axes a collective runs over (``"data"``,
+    ``"replica"``, ``"replica+data"``; a hybrid mesh's data axis stays inside a group).
 
     Example:
       >>> import jax.numpy as jnp, optax, zerojax as zj
@@ -149,14 +158,32 @@ def communication_report(compiled) -> dict[str, dict[str, int]]:
       2
       >>> sorted(k for k in rep if k != "total")
       ['all-gather:f32', 'all-reduce:f32', 'reduce-scatter:f32']
+
+      Per mesh axis, on a hybrid mesh (only gradient shards, Ψ/(N/R), cross groups):
+      >>> mesh = zj.make_mesh(replicas=2)
+      >>> state = zj.init_state(params, tx, mesh=mesh, config=cfg)
+      >>> step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=cfg)
+      >>> rep = communication_report(step.lower(state, jnp.ones((8, 64))).compile(), mesh=mesh)
+      >>> rep["by_axis"]["replica"]["bytes"] == 64 * 64 * 4 // 4
+      True
     """
     text = compiled.as_text() if hasattr(compiled, "as_text") else str(compiled)
     report: dict[str, dict[str, int]] = {}
-    for c in collectives(text):
+    found = collectives(text)
+    for c in found:
         key = f"{c.kind}:{c.dtype}"
         r = report.setdefault(key, {"count": 0, "bytes": 0, "zero_bytes": 0})
         r["count"] += c.count
         r["bytes"] += c.total_bytes
         r["zero_bytes"] += c.zero_units_bytes
     report["total"] = {k: sum(r[k] for r in report.values()) for k in ("count", "bytes", "zero_bytes")}
+    if mesh is not None:
+        by_axis: dict[str, dict[str, int]] = {}
+        for c in found:
+            key = "+".join(c.axes(mesh)) or "none"
+            r = by_axis.setdefault(key, {"count": 0, "bytes": 0, "zero_bytes": 0})
+            r["count"] += c.count
+            r["bytes"] += c.total_bytes
+            r["zero_bytes"] += c.zero_units_bytes
+        report["by_axis"] = by_axis
     return report
