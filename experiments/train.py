@@ -41,6 +41,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     run.add_argument("--devices", type=int, default=8,
                      help="simulated CPU devices when JAX runs on the CPU; on GPUs all are used")
     run.add_argument("--accum", type=int, default=1, help="gradient accumulation micro-batches")
+    run.add_argument("--replicas", type=int, default=1,
+                     help="hybrid sharding: replica groups (state sharded over devices/replicas, see docs/hybrid.md)")
     model = ap.add_argument_group("model")
     model.add_argument("--d-model", type=int, default=128)
     model.add_argument("--layers", type=int, default=4)
@@ -63,13 +65,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     out.add_argument("--plot", default=None, help="PNG of the loss curve (matplotlib)")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
-    for name in ("devices", "steps", "batch", "accum", "d_model", "layers", "heads", "seq_len", "eval_batches"):
+    for name in ("devices", "steps", "batch", "accum", "d_model", "layers", "heads", "seq_len", "eval_batches",
+                 "replicas"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0 or args.eval_every < 0:
         ap.error("--warmup and --eval-every must be >= 0")
     if not 0.0 <= args.dropout < 1.0:
         ap.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.devices % args.replicas:
+        ap.error(f"--replicas {args.replicas} must divide --devices {args.devices}")
     if args.batch % (args.devices * args.accum):
         ap.error(f"--batch {args.batch} must be a multiple of --devices x --accum = {args.devices * args.accum}")
     return args
@@ -113,7 +118,7 @@ def train(args: argparse.Namespace) -> list[dict]:
     tx = optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=args.weight_decay)
     zc = zj.ZeroConfig(stage=args.stage, grad_accum_steps=args.accum,
                        grad_clip=args.grad_clip or None, **PRECISIONS[args.precision])
-    mesh = zj.make_mesh(devices)
+    mesh = zj.make_mesh(devices, replicas=args.replicas)
     dropout = args.dropout > 0
     state = zj.init_state(params, tx, mesh=mesh, config=zc, rng=jax.random.key(args.seed) if dropout else None)
     step = zj.make_train_step(gpt.make_loss(graphdef, with_rng=dropout), tx, mesh=mesh, config=zc,

@@ -129,13 +129,13 @@ def reference_run(loss_fn, params, tx, batches, grad_norms=None):
     return params, losses
 
 
-def zero_run(loss_fn, params, tx, batches, stage, n_devices=8, grad_norms=None, **config):
+def zero_run(loss_fn, params, tx, batches, stage, n_devices=8, grad_norms=None, replicas=1, **config):
     """The same training with zerojax: full params after it, and the losses (and each
     step's ``grad_norm`` metric appended to ``grad_norms``). The step must compile once and
     count every call."""
     import zerojax as zj
 
-    mesh = zj.make_mesh(jax.devices()[:n_devices])
+    mesh = zj.make_mesh(jax.devices()[:n_devices], replicas=replicas)
     cfg = zj.ZeroConfig(stage=stage, **config)
     state = zj.init_state(params, tx, mesh=mesh, config=cfg)
     step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=cfg)

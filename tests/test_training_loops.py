@@ -31,8 +31,8 @@ def dropout_loss(p, b, rng):
     return jnp.mean((pred - b["y"]) ** 2), keep
 
 
-def run_dropout(stage, k=1, steps=2, seed=7):
-    mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=stage, grad_accum_steps=k)
+def run_dropout(stage, k=1, steps=2, seed=7, replicas=1):
+    mesh, cfg = zj.make_mesh(replicas=replicas), zj.ZeroConfig(stage=stage, grad_accum_steps=k)
     state = zj.init_state(small_params(), SGD, mesh=mesh, config=cfg, rng=jax.random.key(seed))
     step = zj.make_train_step(dropout_loss, SGD, mesh=mesh, config=cfg, has_aux=True, aux_reduce="concat",
                               with_rng=True)
@@ -196,7 +196,7 @@ def bn_reference(steps):
     return p, bs
 
 
-def bn_run(stage, axis_name, steps=2):
+def bn_run(stage, axis_name, steps=2, replicas=1):
     net = BNNet(axis_name=axis_name)
     v = BNNet().init(jax.random.key(0), jnp.ones((2, models.IN)))
 
@@ -204,7 +204,7 @@ def bn_run(stage, axis_name, steps=2):
         pred, new = net.apply({"params": p, **model_state}, b["x"], mutable=["batch_stats"])
         return jnp.mean((pred - b["y"]) ** 2), new
 
-    mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=stage)
+    mesh, cfg = zj.make_mesh(replicas=replicas), zj.ZeroConfig(stage=stage)
     state = zj.init_state(v["params"], SGD, mesh=mesh, config=cfg, model_state={"batch_stats": v["batch_stats"]})
     step = zj.make_train_step(loss, SGD, mesh=mesh, config=cfg, with_model_state=True)
     for t in range(steps):

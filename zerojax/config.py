@@ -33,7 +33,12 @@ class ZeroConfig:
       stage: 0 (plain data parallelism), 1 (optimizer state sharded), 2 (optimizer
         state and gradients sharded) or 3 (optimizer state, gradients and parameters
         sharded; parameters are gathered where each layer uses them).
-      axis: name of the mesh axis that the batch and the state are split over.
+      axis: name of the mesh axis that the state is sharded over (and the batch split over).
+      replica_axis: name of the mesh axis of replica groups, used where the mesh has it
+        (``zj.make_mesh(replicas=R)``; hybrid sharding, FSDP's HSDP, ZeRO++'s hpZ): each
+        group of ``N/R`` devices holds one sharded copy of the state, the batch is split
+        over all N devices, gathers and reduce-scatters stay inside a group, and only
+        gradient shards are all-reduced across groups (Ψ/(N/R) elements per device).
       donate: let the train step reuse the buffers of the state it is given.
 
     Precision (the optimizer always updates fp32 master weights):
@@ -124,6 +129,7 @@ class ZeroConfig:
     offload_group_size: int = 1_000_000_000
     gather_dtype: Any = None
     quant_block_size: int = 4096
+    replica_axis: str = "replica"
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in STAGES:
@@ -136,6 +142,9 @@ class ZeroConfig:
             raise TypeError(
                 f"ZeroConfig.axis must be a non-empty mesh axis name (str), got {self.axis!r}."
             )
+        if not isinstance(self.replica_axis, str) or not self.replica_axis or self.replica_axis == self.axis:
+            raise ValueError(f"ZeroConfig.replica_axis must be a mesh axis name other than axis={self.axis!r}, "
+                             f"got {self.replica_axis!r}.")
         for name in ("donate", "consecutive_hysteresis", "raise_at_min_scale", "skip_nonfinite",
                      "offload_optimizer", "offload_params"):
             if not isinstance(getattr(self, name), bool):

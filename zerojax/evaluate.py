@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from zerojax.config import ZeroConfig
 from zerojax.sharding import outputs, per_use
 from zerojax.sharding.gradients import cast_batch, context, local_shapes
-from zerojax.sharding.mesh import auto_axes, axis_size
+from zerojax.sharding.mesh import auto_axes, batch_axes, batch_devices
 from zerojax.sharding.plan import ZeroPlan
 from zerojax.state import ZeroState
 from zerojax.step import check_batch, check_keywords, check_state
@@ -36,7 +36,7 @@ class EvalStep:
             raise TypeError(f"fn must be callable as fn(params, batch), got {fn!r}.")
         if not isinstance(config, ZeroConfig):
             raise TypeError(f"config must be a zj.ZeroConfig, got {type(config).__name__}.")
-        self.n = axis_size(mesh, config.axis)
+        self.n = batch_devices(mesh, config.axis, config.replica_axis)
         self.mesh, self.config, self.fn, self.reduce = auto_axes(mesh), config, fn, reduce
         self.with_model_state = with_model_state
         check_keywords(fn, "fn", model_state=with_model_state)
@@ -48,12 +48,13 @@ class EvalStep:
         if self.with_model_state and state.model_state is None:
             raise ValueError("make_eval_step(..., with_model_state=True) needs a state built with "
                              "zj.init_state(..., model_state=...).")
-        check_batch(batch, self.n, self.config.axis)
+        check_batch(batch, self.n, batch_axes(self.mesh, self.config.axis, self.config.replica_axis))
 
     def _run(self, state: ZeroState, batch: Any) -> Any:
         self._compiles += 1
         plan = state.plan
-        axis, n, compute = plan.axis, plan.n, jnp.dtype(plan.config.compute_dtype)
+        axis, n, compute = plan.axis, plan.world, jnp.dtype(plan.config.compute_dtype)
+        over = plan.batch_axes
         shapes = [jax.ShapeDtypeStruct(l.shape, compute) for l in plan.layouts]
 
         def user_fn(leaves, inputs):
@@ -64,14 +65,15 @@ class EvalStep:
         ms = state.model_state if self.with_model_state else None
         local = jax.tree.map(lambda b: jax.ShapeDtypeStruct((b.shape[0] // n,) + b.shape[1:], b.dtype), batch)
         combine = outputs.plan(self.reduce, local_shapes(plan, user_fn, shapes, (local, ms)), "outputs", "reduce")
-        batch_spec = jax.tree.map(lambda _: P(axis), batch)
+        batch_spec = jax.tree.map(lambda _: P(over), batch)
         frozen = jax.tree.leaves(state.frozen) if state.frozen is not None else []
         frozen_specs = [l.partition_spec(axis) for l in plan.frozen_layouts]
         train_names, frozen_names = plan.split(plan.paths)
 
         if plan.stage == 3:  # only the sharded masters exist: gather each where it is used
             cfg = plan.config
-            source = per_use.Gathered(axis, n, cfg.compute_dtype, cfg.reduce_dtype, cfg.quant_block)
+            source = per_use.Gathered(axis, plan.world, cfg.compute_dtype, cfg.reduce_dtype, cfg.quant_block,
+                                      plan.replica)
             frozen_source = per_use.Frozen(axis, cfg.compute_dtype)
             run = per_use.traced(user_fn, shapes, context(plan, remat=False))
 
@@ -80,17 +82,17 @@ class EvalStep:
                          for s, l, name in zip(shards, plan.master_layouts, train_names)]
                 fro = [per_use.Pending(arrays=(x,), layout=l, source=frozen_source, name=name)
                        for x, l, name in zip(frozen, plan.frozen_layouts, frozen_names)]
-                return combine.over_devices(run(plan.join(train, fro), (b, ms)), axis)
+                return combine.over_devices(run(plan.join(train, fro), (b, ms)), over)
 
             specs, arrays = [l.partition_spec(axis) for l in plan.master_layouts], state.master
         else:  # the replicated params forward reads
             def body(leaves, frozen, b, ms):
                 cast = lambda xs: [x.astype(compute) for x in xs]
-                return combine.over_devices(user_fn(plan.join(cast(leaves), cast(frozen)), (b, ms)), axis)
+                return combine.over_devices(user_fn(plan.join(cast(leaves), cast(frozen)), (b, ms)), over)
 
             specs, arrays = [P()] * len(plan.master_layouts), state.params
         return jax.shard_map(body, mesh=plan.mesh, in_specs=(specs, frozen_specs, batch_spec, P()),
-                             out_specs=combine.specs(axis), check_vma=False)(jax.tree.leaves(arrays), frozen, batch, ms)
+                             out_specs=combine.specs(over), check_vma=False)(jax.tree.leaves(arrays), frozen, batch, ms)
 
     def _jit_for(self, state: ZeroState):
         fn = self._jitted.get(state.plan)

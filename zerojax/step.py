@@ -22,7 +22,7 @@ from zerojax.optim.apply import apply_optimizer
 from zerojax.optim.offload import choose_place
 from zerojax.optim.update import check_optimizer, clip_by_global_norm, keep_if
 from zerojax.sharding.gradients import Loss
-from zerojax.sharding.mesh import auto_axes, axis_size
+from zerojax.sharding.mesh import auto_axes, batch_axes, batch_devices
 from zerojax.sharding.plan import ZeroPlan
 from zerojax.sharding.stages import stage_of
 from zerojax.state import ZeroState, state_shardings
@@ -159,7 +159,7 @@ class TrainStep:
             raise ValueError(f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}.")
         if aux_reduce is not None and not has_aux:
             raise ValueError("aux_reduce says how the loss's aux combines; it needs has_aux=True.")
-        self.n = axis_size(mesh, config.axis)
+        self.n = batch_devices(mesh, config.axis, config.replica_axis)
         self.mesh, self.config, self.tx, self.loss_fn = auto_axes(mesh), config, tx, loss_fn
         self.timeout_s = timeout_s
         self._jitted: dict[ZeroPlan, Any] = {}
@@ -203,7 +203,8 @@ class TrainStep:
         if self.options["with_model_state"] and state.model_state is None:
             raise ValueError("make_train_step(..., with_model_state=True) hands the loss the model state: build "
                              "the state with zj.init_state(..., model_state=...).")
-        check_batch(batch, self.n, self.config.axis, self.config.grad_accum_steps)
+        check_batch(batch, self.n, batch_axes(self.mesh, self.config.axis, self.config.replica_axis),
+                    self.config.grad_accum_steps)
 
     def __call__(self, state: ZeroState, batch: Any) -> tuple[ZeroState, dict[str, jax.Array]]:
         self.check(state, batch)
@@ -292,9 +293,10 @@ def check_keywords(fn: Callable, name: str, **wanted: bool) -> None:
             f"def {name}(params, batch, {', '.join(keywords)}).") from None
 
 
-def check_batch(batch: Any, n: int, axis: str, k: int = 1) -> None:
-    """Raises a clear error for a global batch that does not split over ``n`` devices and
-    ``k`` micro-batches."""
+def check_batch(batch: Any, n: int, axis: str | tuple[str, ...], k: int = 1) -> None:
+    """Raises a clear error for a global batch that does not split over the ``n`` devices of
+    ``axis`` (one mesh axis, or several) and ``k`` micro-batches."""
+    axis = axis if isinstance(axis, str) else " x ".join(axis)
     leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
     if not leaves:
         raise ValueError("batch has no arrays; pass the global batch (leading axis = examples).")

@@ -31,7 +31,12 @@ ap.add_argument("--global-batch-helper", action="store_true")
 ap.add_argument("--checkpoint", default=None, help="save the last stage's state here")
 ap.add_argument("--stall-after", type=int, default=None, help="process 1 hangs after K steps")
 ap.add_argument("--step-timeout", type=float, default=None)
+ap.add_argument("--replicas", type=int, default=1, help="hybrid sharding: replica groups of the mesh")
 args = ap.parse_args()
+if args.replicas > 1:
+    mesh = zj.make_mesh(replicas=args.replicas)
+    print(f"hybrid mesh {dict(mesh.shape)}: groups hold the devices of processes "
+          f"{[sorted({d.process_index for d in row}) for row in mesh.devices]}", flush=True)
 
 rank = jax.process_index()
 print(f"process {rank} of {jax.process_count()}: {jax.local_device_count()} local devices, "

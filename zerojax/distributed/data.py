@@ -10,18 +10,33 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
-def process_rows(global_batch_size: int, mesh: Mesh, axis: str = "data") -> slice:
+def _axes(mesh: Mesh, axis: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    axes = tuple(mesh.axis_names) if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
+    for a in axes:
+        if a not in mesh.axis_names:
+            raise ValueError(f"mesh has axes {mesh.axis_names}; the batch cannot be split over {a!r}.")
+    if np.prod([mesh.shape[a] for a in axes]) != mesh.devices.size:
+        raise ValueError(f"the batch is split over every device: axes {axes} cover "
+                         f"{int(np.prod([mesh.shape[a] for a in axes]))} of the mesh's {mesh.devices.size}. "
+                         f"Pass axis=None (all of {mesh.axis_names}).")
+    return axes
+
+
+def process_rows(global_batch_size: int, mesh: Mesh, axis: str | tuple[str, ...] | None = None) -> slice:
     """The rows of the global batch this process loads: its devices' contiguous block.
 
-    The data axis lists devices process by process, so process p owns rows
-    ``[p * B / P, (p + 1) * B / P)`` of a global batch of B rows over P processes.
+    The batch is split over every axis of the mesh (``axis=None``: the data axis, and the
+    replica axis of a hybrid mesh, in the mesh's order), which lists devices process by
+    process, so process p owns rows ``[p * B / P, (p + 1) * B / P)`` of a global batch of
+    B rows over P processes.
 
     Example:
       >>> import zerojax as zj
       >>> zj.distributed.process_rows(64, zj.make_mesh())   # one process owns all rows
       slice(0, 64, None)
     """
-    n = int(mesh.shape[axis])
+    _axes(mesh, axis)
+    n = mesh.devices.size
     if global_batch_size % n:
         raise ValueError(f"global batch of {global_batch_size} rows does not divide over {n} devices.")
     per_device = global_batch_size // n
@@ -32,8 +47,9 @@ def process_rows(global_batch_size: int, mesh: Mesh, axis: str = "data") -> slic
     return slice(mine[0] * per_device, (mine[-1] + 1) * per_device)
 
 
-def global_batch(local_batch: Any, mesh: Mesh, axis: str = "data") -> Any:
-    """A global batch (leading axis split over ``axis``) from this process's own rows
+def global_batch(local_batch: Any, mesh: Mesh, axis: str | tuple[str, ...] | None = None) -> Any:
+    """A global batch (leading axis split over ``axis``, default every mesh axis, as the
+    train step splits it) from this process's own rows
     (``jax.make_array_from_process_local_data``); see :func:`process_rows` for which rows.
 
     Example:
@@ -44,7 +60,7 @@ def global_batch(local_batch: Any, mesh: Mesh, axis: str = "data") -> Any:
       >>> b["x"].shape
       (16,)
     """
-    sharding = NamedSharding(mesh, P(axis))
+    sharding = NamedSharding(mesh, P(_axes(mesh, axis)))
     n_proc = len({d.process_index for d in mesh.devices.flat})
 
     def one(x):

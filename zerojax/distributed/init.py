@@ -52,9 +52,11 @@ def detect(coordinator_address: str | None = None, num_processes: int | None = N
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, local_cpu_devices: int | None = None,
-               timeout_s: int = 120, heartbeat_timeout_s: int = 30, axis: str = "data") -> Mesh:
+               timeout_s: int = 120, heartbeat_timeout_s: int = 30, axis: str = "data",
+               replicas: int = 1) -> Mesh:
     """Joins the job (``jax.distributed.initialize``) and returns the mesh over every
-    process's devices, one ``axis``.
+    process's devices: one ``axis``, or ``replicas`` groups of it (hybrid sharding, see
+    :func:`zerojax.make_mesh`; with one group per process, each group is a host's devices).
 
     Call it first, before anything else touches JAX. Launchers are detected (see
     :func:`detect`); on CPU, collectives use gloo and ``local_cpu_devices`` (or
@@ -86,4 +88,4 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                                        launch.process_id, **kwargs)
         else:  # JAX's own cluster detection reads SLURM / Open MPI's variables
             jax.distributed.initialize(**kwargs)
-    return make_mesh(axis=axis)
+    return make_mesh(axis=axis, replicas=replicas)

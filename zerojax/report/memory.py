@@ -248,7 +248,7 @@ def step_memory(loss_fn, params: Any, tx, batch: Any, *, mesh: Mesh, config: Zer
     from zerojax.step import make_train_step
 
     state = abstract_state(params, tx, mesh=mesh, config=config)
-    split = NamedSharding(state.plan.mesh, P(config.axis))
+    split = NamedSharding(state.plan.mesh, P(state.plan.batch_axes))
 
     def abstract(x):
         if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None:

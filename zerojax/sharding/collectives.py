@@ -2,6 +2,9 @@
 
 * :func:`reduce_grad` sums a gradient over the data axis (all-reduce, or reduce-scatter
   into this device's shard) in the reduce dtype and divides by the number of devices.
+  With replica groups (hybrid sharding) the shard is then summed over the replica axis
+  (an all-reduce of Ψ/(N/R) elements across groups; a replicated gradient is all-reduced
+  over both axes at once).
   Every device's gradient enters it at the full loss scale (DeepSpeed's semantics); the
   division by N happens after the sum, in fp32, except for a float16 reduction, where it
   happens before the sum, as DeepSpeed's reduce-scatter does, so that the sum cannot
@@ -24,15 +27,22 @@ from zerojax.sharding.layout import LeafLayout
 from zerojax.sharding.quantize import gather_int8
 
 
-def reduce_grad(g: jax.Array, axis: str, n: int, reduce_dtype, layout: LeafLayout | None = None) -> jax.Array:
-    """fp32 mean over the ``axis`` devices of ``g``: replicated (``layout=None``: all-reduce)
-    or this device's shard of ``layout``'s storage (reduce-scatter)."""
+def reduce_grad(g: jax.Array, axis: str, n: int, reduce_dtype, layout: LeafLayout | None = None,
+                replica: str | None = None) -> jax.Array:
+    """fp32 mean of ``g`` over the ``n`` devices of ``axis`` (and ``replica``, when given):
+    replicated (``layout=None``: all-reduce) or this device's shard of ``layout``'s storage
+    (reduce-scatter within the group, then all-reduce of the shard across groups)."""
     predivide = jnp.dtype(reduce_dtype) == jnp.float16
     x = g.astype(jnp.float32)
     if predivide:
         x = x / n
     x = x.astype(reduce_dtype)
-    summed = jax.lax.psum(x, axis) if layout is None else layout.scatter(x, axis)
+    if layout is None:
+        summed = jax.lax.psum(x, (replica, axis) if replica else axis)
+    else:
+        summed = layout.scatter(x, axis)
+        if replica:
+            summed = jax.lax.psum(summed, replica)
     summed = summed.astype(jnp.float32)
     return summed if predivide else summed / n
 
@@ -47,7 +57,7 @@ def gather_values(layout: LeafLayout, axis: str, shard: jax.Array, compute_dtype
 
 
 def gather(layout: LeafLayout, axis: str, n: int, shard: jax.Array, compute_dtype, reduce_dtype,
-           quant_block: int | None = None) -> jax.Array:
+           quant_block: int | None = None, replica: str | None = None) -> jax.Array:
     """Full leaf in ``compute_dtype`` from this device's shard (see module docstring)."""
 
     @jax.custom_vjp
@@ -58,14 +68,14 @@ def gather(layout: LeafLayout, axis: str, n: int, shard: jax.Array, compute_dtyp
         return g(shard), None
 
     def bwd(_, ct):
-        return (reduce_grad(ct, axis, n, reduce_dtype, layout).astype(shard.dtype),)
+        return (reduce_grad(ct, axis, n, reduce_dtype, layout, replica).astype(shard.dtype),)
 
     g.defvjp(fwd, bwd)
     return g(shard)
 
 
 def scatter_grad(layout: LeafLayout, axis: str, n: int, full: jax.Array, sink: jax.Array,
-                 reduce_dtype) -> jax.Array:
+                 reduce_dtype, replica: str | None = None) -> jax.Array:
     """``full``, whose cotangent is reduce-scattered (averaged) into ``sink``'s shape and dtype."""
 
     @jax.custom_vjp
@@ -76,14 +86,15 @@ def scatter_grad(layout: LeafLayout, axis: str, n: int, full: jax.Array, sink: j
         return full, None
 
     def bwd(_, ct):
-        return None, reduce_grad(ct, axis, n, reduce_dtype, layout).astype(sink.dtype)
+        return None, reduce_grad(ct, axis, n, reduce_dtype, layout, replica).astype(sink.dtype)
 
     ident.defvjp(fwd, bwd)
     return ident(full, sink)
 
 
 def gather_from_host(layout: LeafLayout, axis: str, n: int, host_shard: jax.Array, sink: jax.Array,
-                     compute_dtype, reduce_dtype, quant_block: int | None = None) -> jax.Array:
+                     compute_dtype, reduce_dtype, quant_block: int | None = None,
+                     replica: str | None = None) -> jax.Array:
     """Full leaf in ``compute_dtype`` from a shard in host memory; its gradient goes to ``sink``."""
 
     @jax.custom_vjp
@@ -95,7 +106,7 @@ def gather_from_host(layout: LeafLayout, axis: str, n: int, host_shard: jax.Arra
         return g(host_shard, sink), None
 
     def bwd(_, ct):
-        return None, reduce_grad(ct, axis, n, reduce_dtype, layout).astype(sink.dtype)
+        return None, reduce_grad(ct, axis, n, reduce_dtype, layout, replica).astype(sink.dtype)
 
     g.defvjp(fwd, bwd)
     return g(host_shard, sink)

@@ -75,7 +75,7 @@ class Loss:
         """The loss, checked once on abstract values of one device's micro-batch."""
         loss = cls(plan, fn, has_aux, with_rng, with_model_state)
         cfg = plan.config
-        rows = lambda b: jax.ShapeDtypeStruct((b.shape[0] // (plan.n * cfg.grad_accum_steps),) + b.shape[1:], b.dtype)
+        rows = lambda b: jax.ShapeDtypeStruct((b.shape[0] // (plan.world * cfg.grad_accum_steps),) + b.shape[1:], b.dtype)
         abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), t)
         _, aux, new_ms = local_shapes(plan, loss.__call__, loss.param_shapes, jax.tree.map(rows, batch),
                                       abstract(rng), abstract(model_state))
@@ -106,14 +106,15 @@ class Loss:
                               context(self.plan))
 
     # Across devices and micro-batches.
-    def out_specs(self, axis: str) -> tuple:
+    def out_specs(self) -> tuple:
         """``shard_map`` output specs of (loss, aux, model state)."""
-        return P(), (self.aux.specs(axis) if self.has_aux else P()), P()
+        return P(), (self.aux.specs(self.plan.batch_axes) if self.has_aux else P()), P()
 
     def combine(self, value: jax.Array, aux: Any, model_state: Any) -> tuple:
-        """Over the data axis: the mean loss (each device's is its mean), aux by its rules,
-        the model state averaged (floating leaves; others taken from device 0)."""
-        axis = self.plan.axis
+        """Over the devices of the batch (the data axis, and the replica axis where the mesh
+        has one): the mean loss (each device's is its mean), aux by its rules, the model
+        state averaged (floating leaves; others taken from device 0)."""
+        axis = self.plan.batch_axes
         aux = self.aux.over_devices(aux, axis) if self.has_aux else None
         return jax.lax.pmean(value, axis), aux, jax.tree.map(lambda x: _from_all(x, axis), model_state)
 
@@ -190,7 +191,7 @@ def _check_model_state(given: Any, new: Any) -> None:
                              f"came back as {y.shape} {y.dtype}; keep each leaf's shape and dtype.")
 
 
-def _from_all(x: jax.Array, axis: str) -> jax.Array:
+def _from_all(x: jax.Array, axis) -> jax.Array:
     """A model-state leaf over the data axis: the mean of a floating one, device 0's otherwise."""
     if jnp.issubdtype(x.dtype, jnp.inexact):
         return jax.lax.pmean(x, axis)
@@ -199,7 +200,7 @@ def _from_all(x: jax.Array, axis: str) -> jax.Array:
     return jax.lax.psum(jnp.where(first, as_int, jnp.zeros_like(as_int)), axis).astype(x.dtype)
 
 
-def _device_key(rng: Any, axis: str) -> Any:
+def _device_key(rng: Any, axis) -> Any:
     return None if rng is None else jax.random.fold_in(rng, jax.lax.axis_index(axis))
 
 
@@ -211,7 +212,7 @@ def replicated_grads(loss: Loss, *, scatter: bool) -> Callable:
     shard of the masters' storage (``scatter=True``: reduce-scatter once the whole gradient
     exists). ``rng`` is this step's key (folded with each device's index and micro-batch)."""
     plan = loss.plan
-    axis, n, k = plan.axis, plan.n, plan.config.grad_accum_steps
+    axis, n, k, replica = plan.axis, plan.world, plan.config.grad_accum_steps, plan.replica
     reduce = plan.config.reduce_dtype
     traced = loss.traced() if plan.config.remat.active else None
 
@@ -227,23 +228,23 @@ def replicated_grads(loss: Loss, *, scatter: bool) -> Callable:
 
     def reduce_all(grads):
         if not scatter:
-            return [collectives.reduce_grad(g, axis, n, reduce) for g in grads]
+            return [collectives.reduce_grad(g, axis, n, reduce, None, replica) for g in grads]
         grads = per_use.after_all(grads, on_cpu(plan))  # ZeRO-1: the whole gradient exists first
-        return [collectives.reduce_grad(g, axis, n, reduce, l) for l, g in zip(plan.master_layouts, grads)]
+        return [collectives.reduce_grad(g, axis, n, reduce, l, replica) for l, g in zip(plan.master_layouts, grads)]
 
     def body(train, frozen, batch, scale, rng, model_state):
         value, aux, grads, ms = loss.accumulate(
-            lambda b, key, ms: loss_and_grad(train, frozen, b, key, ms, scale), batch, _device_key(rng, axis),
+            lambda b, key, ms: loss_and_grad(train, frozen, b, key, ms, scale), batch, _device_key(rng, plan.batch_axes),
             model_state)
         return (*loss.combine(value, aux, ms), reduce_all(grads))
 
     grad_specs = [l.partition_spec(axis) for l in plan.master_layouts] if scatter else [P()] * len(plan.master_layouts)
 
     def run(train, frozen, batch, scale, rng, model_state):
-        batch_spec = jax.tree.map(lambda _: P(axis), batch)
+        batch_spec = jax.tree.map(lambda _: P(plan.batch_axes), batch)
         return jax.shard_map(body, mesh=plan.mesh,
                              in_specs=([P()] * len(train), [P()] * len(frozen), batch_spec, P(), P(), P()),
-                             out_specs=(*loss.out_specs(axis), grad_specs), check_vma=False)(
+                             out_specs=(*loss.out_specs(), grad_specs), check_vma=False)(
             train, frozen, batch, scale, rng, model_state)
 
     return run
@@ -284,7 +285,7 @@ def per_use_grads(loss: Loss, source: per_use.Gathered | per_use.Scattered,
     def body(resident, sinks, frozen, batch, scale, rng, model_state):
         value, aux, grads, ms = loss.accumulate(
             lambda b, key, ms: shard_grads(resident, sinks, frozen, b, key, ms, scale), batch,
-            _device_key(rng, axis), model_state)
+            _device_key(rng, plan.batch_axes), model_state)
         return (*loss.combine(value, aux, ms), grads)
 
     storage = [l.partition_spec(axis) for l in plan.master_layouts]
@@ -294,11 +295,11 @@ def per_use_grads(loss: Loss, source: per_use.Gathered | per_use.Scattered,
     resident_specs = storage if getattr(source, "host", False) else [P()] * len(plan.master_layouts)
 
     def run(resident, sinks, frozen, batch, scale, rng, model_state):
-        batch_spec = jax.tree.map(lambda _: P(axis), batch)
+        batch_spec = jax.tree.map(lambda _: P(plan.batch_axes), batch)
         return jax.shard_map(body, mesh=plan.mesh,
                              in_specs=(resident_specs[: len(resident)], storage, frozen_specs, batch_spec, P(), P(),
                                        P()),
-                             out_specs=(*loss.out_specs(axis), storage), check_vma=False)(
+                             out_specs=(*loss.out_specs(), storage), check_vma=False)(
             resident, sinks, frozen, batch, scale, rng, model_state)
 
     return run

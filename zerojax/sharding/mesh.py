@@ -1,29 +1,80 @@
-"""Meshes for ZeRO: every device on one data axis."""
+"""Meshes for ZeRO: one data axis, or replicas of it (hybrid sharding).
+
+A zerojax mesh has the data axis that state is sharded over and, for hybrid sharding
+(FSDP's HSDP, DeepSpeed's MiCS and ZeRO++'s hpZ), a replica axis outside it: each replica
+group of ``N/R`` devices holds one sharded copy of the state, and the batch is split over
+every device. Devices are laid out in ``jax.devices()`` order (process by process), so
+row ``r`` of the ``(R, N/R)`` grid is ``devices[r·N/R : (r+1)·N/R]``: when a process's
+devices fill whole groups (or a group's devices fill whole processes), the data axis,
+whose gathers and reduce-scatters run every layer, stays inside a host, and only the
+gradient shards' all-reduce crosses hosts.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh
 
 
-def make_mesh(devices: Sequence[jax.Device] | None = None, axis: str = "data") -> Mesh:
-    """Builds a one-axis mesh named ``axis`` over ``devices`` (default: all devices).
+def make_mesh(devices: Sequence[jax.Device] | None = None, axis: str = "data", *, replicas: int = 1,
+              replica_axis: str = "replica") -> Mesh:
+    """Builds the mesh zerojax shards over: ``(N,)`` named ``axis``, or with ``replicas=R``,
+    ``(R, N/R)`` named ``(replica_axis, axis)``: every stage shards over ``axis`` within a
+    group of ``N/R`` devices and replicates over ``replica_axis`` (hybrid sharding).
 
-    The axis uses ``AxisType.Auto`` so that the optimizer update, which zerojax leaves to
-    XLA's partitioner, stays local to each shard and reduces only where it must.
+    Axes use ``AxisType.Auto`` so that the optimizer update, which zerojax leaves to XLA's
+    partitioner, stays local to each shard and reduces only where it must. On a multi-host
+    job with one replica group per process (``R == jax.process_count()``), the grid comes
+    from ``mesh_utils.create_hybrid_device_mesh`` (each group one process's devices, laid out
+    for its interconnect); otherwise devices are taken in ``jax.devices()`` order, process by
+    process, ``N/R`` per group (see the module docstring).
 
     Example:
       >>> import zerojax as zj
-      >>> mesh = zj.make_mesh()
-      >>> mesh.axis_names
+      >>> zj.make_mesh().axis_names
       ('data',)
+      >>> mesh = zj.make_mesh(replicas=2)
+      >>> mesh.axis_names, dict(mesh.shape)
+      (('replica', 'data'), {'replica': 2, 'data': 4})
+      >>> zj.make_mesh(replicas=3)
+      Traceback (most recent call last):
+      ...
+      ValueError: make_mesh(replicas=3): 8 devices do not split into 3 equal replica groups. ...
     """
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("make_mesh needs at least one device; got an empty list.")
-    return jax.make_mesh((len(devices),), (axis,), axis_types=(AxisType.Auto,), devices=devices)
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"make_mesh(replicas=...) must be a positive int (replica groups), got {replicas!r}.")
+    if replicas == 1:
+        return jax.make_mesh((len(devices),), (axis,), axis_types=(AxisType.Auto,), devices=devices)
+    if not isinstance(replica_axis, str) or not replica_axis or replica_axis == axis:
+        raise ValueError(f"make_mesh(replica_axis={replica_axis!r}) must be a non-empty name other than the data "
+                         f"axis {axis!r}.")
+    if len(devices) % replicas:
+        ok = [r for r in range(1, len(devices) + 1) if len(devices) % r == 0]
+        raise ValueError(f"make_mesh(replicas={replicas}): {len(devices)} devices do not split into {replicas} "
+                         f"equal replica groups. Use one of {ok}.")
+    grid = _hybrid_grid(devices, replicas)
+    return Mesh(grid, (replica_axis, axis), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def _hybrid_grid(devices: list[jax.Device], replicas: int) -> np.ndarray:
+    per_group = len(devices) // replicas
+    processes = sorted({d.process_index for d in devices})
+    if len(processes) == replicas > 1 and all(
+            sum(d.process_index == p for d in devices) == per_group for p in processes):
+        from jax.experimental import mesh_utils
+        try:
+            return mesh_utils.create_hybrid_device_mesh((1, per_group), (replicas, 1), devices,
+                                                        process_is_granule=True)
+        except (ValueError, NotImplementedError, AssertionError):
+            pass  # topologies mesh_utils does not lay out: process order below is still per host
+    ordered = [d for _, d in sorted(enumerate(devices), key=lambda t: (t[1].process_index, t[0]))]
+    return np.array(ordered, dtype=object).reshape(replicas, per_group)
 
 
 def axis_size(mesh: Mesh, axis: str) -> int:
@@ -37,6 +88,19 @@ def axis_size(mesh: Mesh, axis: str) -> int:
             "to one of the mesh's axes."
         )
     return int(mesh.shape[axis])
+
+
+def batch_axes(mesh: Mesh, axis: str, replica_axis: str) -> str | tuple[str, str]:
+    """The mesh axes a batch is split over: ``axis``, or ``(replica_axis, axis)`` when the
+    mesh has replica groups (the order of ``mesh.devices``, so that device ``i`` of the
+    flattened grid holds rows ``i·B/N`` on)."""
+    return (replica_axis, axis) if replica_axis in mesh.axis_names else axis
+
+
+def batch_devices(mesh: Mesh, axis: str, replica_axis: str) -> int:
+    """How many devices a batch is split over (every device of a zerojax mesh)."""
+    n = axis_size(mesh, axis)
+    return n * int(mesh.shape[replica_axis]) if replica_axis in mesh.axis_names else n
 
 
 def auto_axes(mesh: Mesh) -> Mesh:

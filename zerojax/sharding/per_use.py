@@ -116,6 +116,7 @@ class Gathered:
     compute_dtype: str = "float32"
     reduce_dtype: str = "float32"
     quant_block: int | None = None  # gather as blockwise int8 (ZeroConfig.gather_dtype)
+    replica: str | None = None  # replica-group axis: gradient shards are all-reduced over it
     remat = True
 
     def materialize(self, layout: LeafLayout, arrays: Sequence[jax.Array]) -> jax.Array:
@@ -123,7 +124,7 @@ class Gathered:
         if _in_host_memory(shard):  # offload_params, read without a gradient (the eval step)
             shard = jax.device_put(shard, jax.memory.Space.Device)
         return collectives.gather(layout, self.axis, self.n, shard, self.compute_dtype, self.reduce_dtype,
-                                  self.quant_block)
+                                  self.quant_block, self.replica)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,11 +135,12 @@ class Scattered:
     axis: str
     n: int
     reduce_dtype: str = "float32"
+    replica: str | None = None
     remat = False
 
     def materialize(self, layout: LeafLayout, arrays: Sequence[jax.Array]) -> jax.Array:
         full, sink = arrays
-        return collectives.scatter_grad(layout, self.axis, self.n, full, sink, self.reduce_dtype)
+        return collectives.scatter_grad(layout, self.axis, self.n, full, sink, self.reduce_dtype, self.replica)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,13 +154,14 @@ class GatheredFromHost:
     compute_dtype: str = "float32"
     reduce_dtype: str = "float32"
     quant_block: int | None = None
+    replica: str | None = None
     remat = True
     host = True
 
     def materialize(self, layout: LeafLayout, arrays: Sequence[jax.Array]) -> jax.Array:
         host_shard, sink = arrays
         return collectives.gather_from_host(layout, self.axis, self.n, host_shard, sink, self.compute_dtype,
-                                            self.reduce_dtype, self.quant_block)
+                                            self.reduce_dtype, self.quant_block, self.replica)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ from optax import MaskedNode
 
 from zerojax.config import ZeroConfig
 from zerojax.sharding.layout import LeafLayout, layout_for
-from zerojax.sharding.mesh import auto_axes, axis_size
+from zerojax.sharding.mesh import auto_axes, axis_size, batch_axes, batch_devices
 
 
 HOST = "pinned_host"  # the memory kind of offloaded state
@@ -46,7 +46,27 @@ class ZeroPlan:
 
     @property
     def n(self) -> int:
+        """Devices the state is sharded over (one replica group)."""
         return int(self.mesh.shape[self.config.axis])
+
+    @property
+    def replica(self) -> str | None:
+        """The mesh axis of replica groups (hybrid sharding), or None on a 1-D mesh."""
+        return self.config.replica_axis if self.config.replica_axis in self.mesh.axis_names else None
+
+    @property
+    def replicas(self) -> int:
+        return int(self.mesh.shape[self.replica]) if self.replica else 1
+
+    @property
+    def world(self) -> int:
+        """Devices the batch is split over and gradients are averaged over: all of them."""
+        return self.n * self.replicas
+
+    @property
+    def batch_axes(self) -> str | tuple[str, str]:
+        """The mesh axes of the batch (and of every mean over devices)."""
+        return batch_axes(self.mesh, self.config.axis, self.config.replica_axis)
 
     @property
     def stage(self) -> int:
@@ -169,10 +189,11 @@ def make_plan(params: Any, mesh: Mesh, config: ZeroConfig, tx: Any = None, train
         raise TypeError(f"config must be a zj.ZeroConfig, got {type(config).__name__}.")
     n = axis_size(mesh, config.axis)
     mesh = auto_axes(mesh)
-    if mesh.devices.size != n:
+    if mesh.devices.size != batch_devices(mesh, config.axis, config.replica_axis):
         raise ValueError(
-            f"mesh {dict(mesh.shape)} has axes other than {config.axis!r} with size > 1; "
-            f"zerojax shards over one data axis. Build the mesh with zj.make_mesh()."
+            f"mesh {dict(mesh.shape)} has axes other than {config.axis!r} (the data axis) and "
+            f"{config.replica_axis!r} (replica groups) with size > 1; zerojax shards over one data axis, "
+            f"optionally replicated. Build the mesh with zj.make_mesh() or zj.make_mesh(replicas=R)."
         )
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
     if not leaves_with_path:

@@ -153,4 +153,5 @@ def _reduce(row, ct: jax.Array, shard_stack: jax.Array) -> jax.Array:
     src = row.source
     if not hasattr(src, "reduce_dtype"):  # Frozen
         return jnp.zeros(shard_stack.shape[1:], shard_stack.dtype)
-    return collectives.reduce_grad(ct, src.axis, src.n, src.reduce_dtype, row.layout).astype(shard_stack.dtype)
+    return collectives.reduce_grad(ct, src.axis, src.n, src.reduce_dtype, row.layout,
+                                   getattr(src, "replica", None)).astype(shard_stack.dtype)

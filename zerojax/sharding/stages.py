@@ -116,7 +116,7 @@ class Stage2(_ReplicatedCopy):
 
     def grads(self, loss, params, masters, frozen, batch, scale, rng, model_state):
         cfg = loss.plan.config
-        source = per_use.Scattered(cfg.axis, loss.plan.n, cfg.reduce_dtype)
+        source = per_use.Scattered(cfg.axis, loss.plan.world, cfg.reduce_dtype, loss.plan.replica)
         return per_use_grads(loss, source)(params, _device_sinks(loss.plan, masters), frozen, batch, scale, rng,
                                            model_state)
 
@@ -139,11 +139,13 @@ class Stage3(Stage):
         plan, cfg = loss.plan, loss.plan.config
         frozen_source = per_use.Frozen(cfg.axis, cfg.compute_dtype)
         if plan.master_memory is None:
-            source = per_use.Gathered(cfg.axis, plan.n, cfg.compute_dtype, cfg.reduce_dtype, cfg.quant_block)
+            source = per_use.Gathered(cfg.axis, plan.world, cfg.compute_dtype, cfg.reduce_dtype, cfg.quant_block,
+                                      plan.replica)
             return per_use_grads(loss, source, frozen_source)([], masters, frozen, batch, scale, rng, model_state)
         # Parameters in host memory: each use moves its shard to the device and gathers it
         # there; the gradient is reduce-scattered into a device-resident shard.
-        source = per_use.GatheredFromHost(cfg.axis, plan.n, cfg.compute_dtype, cfg.reduce_dtype, cfg.quant_block)
+        source = per_use.GatheredFromHost(cfg.axis, plan.world, cfg.compute_dtype, cfg.reduce_dtype,
+                                          cfg.quant_block, plan.replica)
         return per_use_grads(loss, source, frozen_source)(masters, _device_sinks(plan, masters), frozen, batch, scale,
                                                           rng, model_state)
 
