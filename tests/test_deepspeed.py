@@ -48,10 +48,13 @@ ZERO2_BF16 = {
 ZERO1_STATIC = {"train_micro_batch_size_per_gpu": 8, "fp16": {"enabled": True, "loss_scale": 128},
                 "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e8}}
 
-# Hybrid sharding and quantized collectives (ZeRO++), not in zerojax yet.
+# ZeRO++: hpZ groups of 8 and int8 weight gathers (mapped), int8 gradients (not in zerojax yet).
 ZEROPP = {"bf16": {"enabled": True}, "gradient_clipping": 1.0,
           "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8, "zero_quantized_weights": True,
-                                "zero_quantized_gradients": True, "mics_shard_size": 16}}
+                                "zero_quantized_gradients": True}}
+# MiCS: shard groups of 4 devices.
+MICS = {"bf16": {"enabled": True}, "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 3, "mics_shard_size": 4, "mics_hierarchical_params_gather": False}}
 
 
 def test_zero3_offload_config():
@@ -91,14 +94,31 @@ def test_static_loss_scale_and_the_clipping_default():
     assert cfg.grad_clip == 1.0
 
 
-def test_quantized_weights_map_and_hybrid_keys_are_named_as_not_there_yet():
+def test_zeropp_maps_int8_gathers_and_hpz_groups_and_names_what_is_not_there():
     with pytest.warns(UserWarning) as caught:
         cfg = zj.ZeroConfig.from_deepspeed(ZEROPP)
     text = str(caught[0].message)
-    for key in ("zero_hpz_partition_size", "zero_quantized_gradients", "mics_shard_size"):
-        assert f"zero_optimization.{key}: not in zerojax yet" in text
-    assert "zero_quantized_weights" not in text  # mapped: int8 weight gathers
+    assert "zero_optimization.zero_quantized_gradients: not in zerojax yet" in text
+    assert "zero_quantized_weights" not in text.split("Notes:")[0]  # mapped: int8 weight gathers
+    assert "zero_hpz_partition_size=8 is mapped to hybrid sharding" in text
+    assert "zj.make_mesh(replicas=jax.device_count() // 8)" in text
     assert cfg == zj.ZeroConfig(stage=3, compute_dtype="bfloat16", grad_clip=1.0, gather_dtype="int8")
+    assert translate(ZEROPP).shard_size == 8
+
+
+def test_mics_shard_size_is_the_mesh_of_replica_groups():
+    t = translate(MICS)
+    assert t.shard_size == 4 and t.mesh_code() == "zj.make_mesh(replicas=jax.device_count() // 4)"
+    assert "XLA schedules" in t.unmapped["zero_optimization.mics_hierarchical_params_gather"]
+    assert "zero_optimization.mics_shard_size" not in t.unmapped
+    # The printed mesh is the layout MiCS describes: groups of 4 devices, 2 replicas on 8.
+    mesh = eval(t.mesh_code(), {"zj": zj, "jax": __import__("jax")})
+    assert dict(mesh.shape) == {"replica": 2, "data": 4}
+    assert translate({"zero_optimization": {"stage": 3, "mics_shard_size": -1}}).shard_size is None
+    with pytest.raises(ValueError, match="mics_shard_size.*-1 \\(off\\) or a positive"):
+        translate({"zero_optimization": {"stage": 3, "mics_shard_size": 0}})
+    with pytest.raises(ValueError, match="ask for different shard groups"):
+        translate({"zero_optimization": {"stage": 3, "mics_shard_size": 4, "zero_hpz_partition_size": 8}})
 
 
 def test_old_forms_and_a_clean_config():
@@ -224,6 +244,10 @@ def test_cli(tmp_path, capsys):
     assert "config = zj.ZeroConfig(stage=2, compute_dtype='bfloat16', reduce_dtype='bfloat16'" in out.out
     assert "tx = optax.adamw(" in out.out
     assert "zero_optimization.overlap_comm" in out.err
+    assert "mesh =" not in out.out  # no replica groups: the mesh is zj.make_mesh()
+    path.write_text(json.dumps(MICS))
+    assert cli.main(["from-deepspeed", str(path)]) == 0
+    assert "mesh = zj.make_mesh(replicas=jax.device_count() // 4)" in capsys.readouterr().out
     path.write_text(json.dumps({"fp16": {"enabled": True}, "bf16": {"enabled": True}}))
     assert cli.main(["from-deepspeed", str(path)]) == 2
     assert "enables both fp16 and bf16" in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """The ``zerojax`` command line.
 
     zerojax export CHECKPOINT_DIR OUT.safetensors [--step N] [--dtype float32|bfloat16]
-    zerojax estimate --params 7.5e9 --devices 64 [--largest-layer N]
+    zerojax estimate --params 7.5e9 --devices 64 [--largest-layer N] [--replicas R]
     zerojax estimate --model gpt2-xl --devices 8
 """
 
@@ -25,6 +25,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     es.add_argument("--model", default=None, help="a model config: " + ", ".join(_model_names()))
     es.add_argument("--devices", type=int, required=True, help="devices on the data axis")
     es.add_argument("--largest-layer", type=float, default=0.0, help="parameters of the largest layer")
+    es.add_argument("--replicas", type=int, default=1,
+                    help="hybrid sharding: replica groups (the state is sharded over devices/replicas)")
     fd = sub.add_parser("from-deepspeed", help="the ZeroConfig of a DeepSpeed JSON config")
     fd.add_argument("config", help="a DeepSpeed JSON config, e.g. ds_config.json")
     args = ap.parse_args(argv)
@@ -37,6 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"zerojax from-deepspeed: {e}", file=sys.stderr)
             return 2
         print(f"config = {t.code()}")
+        if t.shard_size is not None:
+            print(f"mesh = {t.mesh_code()}")
         if t.optimizer:
             print(f"tx = {t.optimizer}")
         if t.message():
@@ -49,13 +53,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error("give exactly one of --params or --model")
         if args.devices < 1:
             ap.error(f"--devices must be >= 1, got {args.devices}")
+        if args.replicas < 1 or args.devices % args.replicas:
+            ap.error(f"--replicas must be >= 1 and divide --devices {args.devices}, got {args.replicas}")
         psi, layer = args.params, args.largest_layer
         if args.model is not None:
             if args.model not in estimate.MODELS:
                 ap.error(f"unknown --model {args.model!r}; choose from {', '.join(estimate.MODELS)}")
             shape = estimate.MODELS[args.model]
             psi, layer = shape.num_params(), layer or shape.largest_layer_params()
-        print(estimate.table(psi, args.devices, layer))
+        print(estimate.table(psi, args.devices, layer, replicas=args.replicas))
         return 0
     if args.command == "export":
         from zerojax.checkpoint.export import export_weights

@@ -11,10 +11,14 @@ otherwise a static scale, and DeepSpeed's scaler knobs), ``bf16.enabled``,
 ``gradient_clipping``, ``gradient_accumulation_steps``, ``communication_data_type``,
 ``zero_optimization.offload_optimizer`` / ``offload_param`` / ``sub_group_size``
 (host memory; NVMe is mapped to host memory, with a note), ``zero_quantized_weights``
-(int8 weight gathers) and ``activation_checkpointing`` (full rematerialization of every
-scanned layer stack). Hybrid sharding (``zero_hpz_partition_size``, ``mics_shard_size``)
-and quantized gradients (``zero_quantized_gradients``) are not in zerojax yet: they are
-named in the warning.
+(int8 weight gathers), ``activation_checkpointing`` (full rematerialization of every
+scanned layer stack) and hybrid sharding: ``mics_shard_size`` (MiCS: shard over groups of
+that many devices, replicate across groups) and ``zero_hpz_partition_size`` (mapped, with a
+note, to the same layout) give :attr:`Translation.shard_size`, which lives in the mesh,
+not the config: ``zj.make_mesh(replicas=jax.device_count() // shard_size)``
+(:meth:`Translation.mesh_code`, printed by the CLI and named in the warning). Quantized
+gradients (``zero_quantized_gradients``) are not in zerojax yet: they are named in the
+warning.
 
 DeepSpeed's ``gradient_clipping`` default was 0.0 (off) until PR #8068 (merged
 2026-06-23) made it 1.0, so that configs which omit it are clipped. zerojax follows the
@@ -41,7 +45,6 @@ _COMM_DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "flo
 _XLA = "no equivalent: XLA schedules and fuses the collectives"
 _LOADER = "the data loader's job: train_step takes the global batch (micro-batch x accumulation x devices) and splits it"
 _LOGGING = "logging: the train step returns its metrics (experiments/train.py --log writes them)"
-_NOT_YET_HYBRID = "not in zerojax yet: hybrid sharding (shard within a node, replicate across nodes) is planned"
 _NOT_YET_INT8 = "not in zerojax yet: int8 gradient reduce-scatters (qgZ) are planned"
 
 # Reasons for keys that are understood but not mapped (paths as "section.key").
@@ -90,9 +93,7 @@ REASONS: dict[str, str] = {
     "zero_optimization.ignore_unused_parameters": "an unused parameter gets a zero gradient",
     "zero_optimization.legacy_stage1": "no equivalent",
     "zero_optimization.memory_efficient_linear": "no equivalent",
-    "zero_optimization.zero_hpz_partition_size": _NOT_YET_HYBRID,
-    "zero_optimization.mics_shard_size": _NOT_YET_HYBRID,
-    "zero_optimization.mics_hierarchical_params_gather": _NOT_YET_HYBRID,
+    "zero_optimization.mics_hierarchical_params_gather": _XLA,
     "zero_optimization.zero_quantized_nontrainable_weights": "frozen parameters are gathered in the compute "
                                                              "dtype (int8 gathers cover the trained ones)",
     "zero_optimization.zero_quantized_gradients": _NOT_YET_INT8,
@@ -126,7 +127,7 @@ for _k in ("compression_training", "data_efficiency", "curriculum_learning", "au
 _FP16_MAPPED = ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
                 "consecutive_hysteresis", "min_loss_scale")
 _ZERO_MAPPED = ("stage", "offload_optimizer", "offload_param", "sub_group_size", "cpu_offload",
-                "zero_quantized_weights")
+                "zero_quantized_weights", "mics_shard_size", "zero_hpz_partition_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,12 +140,23 @@ class Translation:
       notes: choices made where the DeepSpeed config is silent or maps only in part
         (the ``gradient_clipping`` default, NVMe offload mapped to host memory).
       optimizer: the optax equivalent of the ``optimizer`` section, as code (None if absent).
+      shard_size: devices per replica group for hybrid sharding (``mics_shard_size`` or
+        ``zero_hpz_partition_size``), or None: the state is sharded over every device. It is
+        a property of the mesh: see :meth:`mesh_code`.
     """
 
     config: ZeroConfig
     unmapped: dict[str, str]
     notes: tuple[str, ...] = ()
     optimizer: str | None = None
+    shard_size: int | None = None
+
+    def mesh_code(self) -> str:
+        """The mesh to build: ``zj.make_mesh()``, or with replica groups of ``shard_size``
+        devices, ``zj.make_mesh(replicas=jax.device_count() // shard_size)``."""
+        if self.shard_size is None:
+            return "zj.make_mesh()"
+        return f"zj.make_mesh(replicas=jax.device_count() // {self.shard_size})"
 
     def code(self) -> str:
         """``zj.ZeroConfig(...)`` with the fields that differ from zerojax's defaults."""
@@ -283,6 +295,7 @@ def translate(source: Any) -> Translation:
             raise ValueError(f"DeepSpeed key 'zero_optimization.zero_quantized_weights' quantizes ZeRO-3's weight "
                              f"gathers, but the stage is {stage}.")
         kw["gather_dtype"] = "int8"
+    shard_size = _shard_size(zero, notes)
     if "sub_group_size" in zero:
         kw["offload_group_size"] = _number(zero["sub_group_size"], "zero_optimization.sub_group_size",
                                            integer=True, minimum=1)
@@ -390,7 +403,36 @@ def translate(source: Any) -> Translation:
         config = ZeroConfig(**kw)
     except (TypeError, ValueError) as e:
         raise ValueError(f"the DeepSpeed config maps to an invalid ZeroConfig: {e}") from None
-    return Translation(config, unmapped, tuple(notes), optimizer)
+    return Translation(config, unmapped, tuple(notes), optimizer, shard_size)
+
+
+def _shard_size(zero: Mapping, notes: list[str]) -> int | None:
+    """Devices per replica group from MiCS's or hpZ's key (None: off, DeepSpeed's -1 / 1)."""
+    mics = _number(zero.get("mics_shard_size", -1), "zero_optimization.mics_shard_size", integer=True)
+    hpz = _number(zero.get("zero_hpz_partition_size", 1), "zero_optimization.zero_hpz_partition_size",
+                  integer=True, minimum=1)
+    if mics == 0 or mics < -1:
+        raise ValueError(f"DeepSpeed key 'zero_optimization.mics_shard_size' must be -1 (off) or a positive number "
+                         f"of devices, got {mics}.")
+    mics = mics if mics > 0 else None
+    hpz = hpz if hpz > 1 else None
+    if mics and hpz and mics != hpz:
+        raise ValueError(f"DeepSpeed keys 'zero_optimization.mics_shard_size' ({mics}) and 'zero_hpz_partition_size' "
+                         f"({hpz}) ask for different shard groups; keep one.")
+    size = mics or hpz
+    if size is None:
+        return None
+    mesh = f"zj.make_mesh(replicas=jax.device_count() // {size})"
+    if hpz and not mics:
+        notes.append(f"zero_hpz_partition_size={hpz} is mapped to hybrid sharding over groups of {hpz} devices: "
+                     f"build the mesh with {mesh}. hpZ keeps only a secondary copy of the weights per group and "
+                     f"shards the optimizer state over every device; zerojax's groups hold the whole state "
+                     f"(12Ψ/{hpz} per device for Adam instead of 12Ψ/N) and no gather or reduce-scatter leaves a "
+                     f"group.")
+    else:
+        notes.append(f"mics_shard_size={mics}: hybrid sharding over groups of {mics} devices, replicated across "
+                     f"groups. It is the mesh's: build it with {mesh}.")
+    return size
 
 
 def optax_code(section: Any) -> tuple[str | None, str | None]:

@@ -153,15 +153,33 @@ MODELS = {
 }
 
 
-def table(num_params: float, n: int, largest_layer: float = 0.0) -> str:
-    """The paper's table and DeepSpeed's estimates as text (what ``zerojax estimate`` prints)."""
+def table(num_params: float, n: int, largest_layer: float = 0.0, replicas: int = 1) -> str:
+    """The paper's table and DeepSpeed's estimates as text (what ``zerojax estimate`` prints).
+
+    With ``replicas=R`` (hybrid sharding) the state is sharded over a group of ``N/R``
+    devices: the formulas take ``N/R``, and the lines after the table give the gradient
+    all-reduce across groups, the only traffic that leaves a group.
+
+    Example:
+      >>> from zerojax.report.estimate import table
+      >>> print(table(1e9, 16, replicas=2).splitlines()[0])
+      Model states per device, Ψ = 1,000,000,000 parameters, N = 16 devices in 2 replica groups of 8
+    """
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1 or n % replicas:
+        raise ValueError(f"replicas must be a positive int dividing the {n} devices, got {replicas!r}.")
+    shard = n // replicas
     gb = lambda b: f"{b / 1e9:,.1f} GB"
-    lines = [f"Model states per device, Ψ = {num_params:,.0f} parameters, N = {n} devices",
+    where = f"N = {n} devices" + (f" in {replicas} replica groups of {shard}" if replicas > 1 else "")
+    lines = [f"Model states per device, Ψ = {num_params:,.0f} parameters, {where}",
              "", f"{'stage':>5}  {'ZeRO paper (K=12)':>18}  {'DeepSpeed estimator':>20}"]
     for s in range(4):
-        ds = gb(deepspeed_bytes(num_params, n, s, largest_layer=largest_layer).gpu) if s >= 2 else "-"
-        lines.append(f"{s:>5}  {gb(paper_bytes(num_params, n, s)):>18}  {ds:>20}")
+        ds = gb(deepspeed_bytes(num_params, shard, s, largest_layer=largest_layer).gpu) if s >= 2 else "-"
+        lines.append(f"{s:>5}  {gb(paper_bytes(num_params, shard, s)):>18}  {ds:>20}")
     lines.append("")
     lines.append(f"DeepSpeed ZeRO-3 uses 4 x largest layer = {gb(4 * largest_layer)}"
                  if largest_layer else "DeepSpeed ZeRO-3 without --largest-layer counts no gathered layer.")
+    if replicas > 1:
+        lines.append(f"Across replica groups, per device and step: an all-reduce of a buffer of Ψ/{shard} gradient elements "
+                     f"({gb(2 * num_params / shard)} in fp16, {gb(4 * num_params / shard)} in fp32; "
+                     f"a 1-D mesh runs every gather and reduce-scatter across all {n} devices).")
     return "\n".join(lines)
