@@ -281,3 +281,20 @@ def test_int8_gathers_train_the_gpt_within_one_percent_of_bf16_gathers():
     assert res["last"]["int8"] < 0.6 * res["losses"]["int8"][0]  # it trained
     fp32, int8 = res["traffic"]["fp32"]["f32"], res["traffic"]["int8"]
     assert int8["s8"] * 4 == fp32 and 0.25 < (int8["s8"] + int8["f32"]) / fp32 < 0.27
+
+
+@pytest.mark.slow
+def test_hybrid_traffic_table_per_mesh_axis():
+    """Across groups only the gradient shards' all-reduce: Ψ/(N/R) fp32 elements, whatever
+    the gather dtype; inside a group the traffic of the 1-D mesh."""
+    from experiments import hybrid
+
+    rows = hybrid.main(["--d-model", "32", "--layers", "1", "--replicas", "1,2"])
+    psi = gpt.GPTConfig(vocab=256, seq_len=64, d_model=32, n_layers=1, n_heads=1).num_params()
+    by = {(r["replicas"], r["gathers"]): r for r in rows}
+    for g in ("fp32", "bf16", "int8"):
+        assert by[(1, g)]["replica"] == 0
+        assert by[(2, g)]["data"] + by[(2, g)]["all"] == by[(1, g)]["total"]
+        assert 4 * psi // 4 <= by[(2, g)]["replica"] <= 1.01 * 4 * psi // 4 + 64  # padded shards
+        assert by[(2, g)]["spans_nodes"] < 0.2 * by[(1, g)]["spans_nodes"]
+    assert by[(1, "int8")]["data"] < by[(1, "bf16")]["data"] < by[(1, "fp32")]["data"]
