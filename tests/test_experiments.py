@@ -286,7 +286,7 @@ def test_int8_gathers_train_the_gpt_within_one_percent_of_bf16_gathers():
 @pytest.mark.slow
 def test_hybrid_traffic_table_per_mesh_axis():
     """Across groups only the gradient shards' all-reduce: Ψ/(N/R) fp32 elements, whatever
-    the gather dtype; inside a group the traffic of the 1-D mesh."""
+    the gather dtype; inside a group the traffic of the 1-D mesh (up to padding)."""
     from experiments import hybrid
 
     rows = hybrid.main(["--d-model", "32", "--layers", "1", "--replicas", "1,2"])
@@ -294,7 +294,9 @@ def test_hybrid_traffic_table_per_mesh_axis():
     by = {(r["replicas"], r["gathers"]): r for r in rows}
     for g in ("fp32", "bf16", "int8"):
         assert by[(1, g)]["replica"] == 0
-        assert by[(2, g)]["data"] + by[(2, g)]["all"] == by[(1, g)]["total"]
+        # The same collectives inside a group; a leaf padded to 8 shards pads less for 4.
+        inside = by[(2, g)]["data"] + by[(2, g)]["all"]
+        assert 0.99 * by[(1, g)]["total"] <= inside <= by[(1, g)]["total"]
         assert 4 * psi // 4 <= by[(2, g)]["replica"] <= 1.01 * 4 * psi // 4 + 64  # padded shards
         assert by[(2, g)]["spans_nodes"] < 0.2 * by[(1, g)]["spans_nodes"]
     assert by[(1, "int8")]["data"] < by[(1, "bf16")]["data"] < by[(1, "fp32")]["data"]
