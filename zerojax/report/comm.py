@@ -168,22 +168,20 @@ def communication_report(compiled, mesh=None) -> dict[str, dict]:
       True
     """
     text = compiled.as_text() if hasattr(compiled, "as_text") else str(compiled)
-    report: dict[str, dict[str, int]] = {}
     found = collectives(text)
+    report: dict[str, dict] = _tally(found, lambda c: f"{c.kind}:{c.dtype}")
+    report["total"] = {k: sum(r[k] for r in report.values()) for k in ("count", "bytes", "zero_bytes")}
+    if mesh is not None:
+        report["by_axis"] = _tally(found, lambda c: "+".join(c.axes(mesh)) or "none")
+    return report
+
+
+def _tally(found: list[Collective], key) -> dict[str, dict[str, int]]:
+    """Runs, bytes and paper-unit bytes of ``found``, summed per ``key(collective)``."""
+    out: dict[str, dict[str, int]] = {}
     for c in found:
-        key = f"{c.kind}:{c.dtype}"
-        r = report.setdefault(key, {"count": 0, "bytes": 0, "zero_bytes": 0})
+        r = out.setdefault(key(c), {"count": 0, "bytes": 0, "zero_bytes": 0})
         r["count"] += c.count
         r["bytes"] += c.total_bytes
         r["zero_bytes"] += c.zero_units_bytes
-    report["total"] = {k: sum(r[k] for r in report.values()) for k in ("count", "bytes", "zero_bytes")}
-    if mesh is not None:
-        by_axis: dict[str, dict[str, int]] = {}
-        for c in found:
-            key = "+".join(c.axes(mesh)) or "none"
-            r = by_axis.setdefault(key, {"count": 0, "bytes": 0, "zero_bytes": 0})
-            r["count"] += c.count
-            r["bytes"] += c.total_bytes
-            r["zero_bytes"] += c.zero_units_bytes
-        report["by_axis"] = by_axis
-    return report
+    return out

@@ -154,4 +154,4 @@ def _reduce(row, ct: jax.Array, shard_stack: jax.Array) -> jax.Array:
     if not hasattr(src, "reduce_dtype"):  # Frozen
         return jnp.zeros(shard_stack.shape[1:], shard_stack.dtype)
     return collectives.reduce_grad(ct, src.axis, src.n, src.reduce_dtype, row.layout,
-                                   getattr(src, "replica", None)).astype(shard_stack.dtype)
+                                   src.replica).astype(shard_stack.dtype)
