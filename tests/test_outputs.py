@@ -141,3 +141,54 @@ def test_stage3_eval_gathers_one_layer_at_a_time():
     gathers = [c for c in zj.report.comm.collectives(compiled.as_text()) if c.kind == "all-gather"]
     assert sum(c.count for c in gathers if c.bytes == d * d * 4) == layers  # once per layer, forward only
     np.testing.assert_allclose(float(ev(state, x)), float(models.deep_loss(params, x)), rtol=1e-5)
+
+
+def _big_batch(rows=32):
+    """Rows whose per-device mean is about 10,000: exact in fp16, but eight of them sum to
+    80,000, past fp16's largest value."""
+    x = 10_000.0 + 16.0 * (np.arange(rows, dtype=np.float32) % 4 >= 2)  # each device's mean: 10,008
+    return {"x": jnp.asarray(x[:, None]), "y": jnp.ones((rows, 1), jnp.float32),
+            "c": jnp.full((rows,), 257.25, jnp.float32)}
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_fp16_eval_outputs_combine_in_fp32(replicas):
+    """Per-device means of 10,008 averaged over 8 devices: 10,008, not inf; a "sum" of
+    floats is exact past fp16's 2,048 (each device's 1,029 is exact, 3,087 is not);
+    floating results come back as float32."""
+    b = _big_batch()
+    mesh, cfg = zj.make_mesh(replicas=replicas), zj.ZeroConfig(stage=3, compute_dtype="float16")
+    state = zj.init_state({"w": jnp.ones((1, 1))}, TX, mesh=mesh, config=cfg)
+    fn = lambda p, b: {"loss": jnp.mean(b["x"] * p["w"][0, 0]), "n": jnp.sum(b["c"]),
+                       "rows": b["x"][:, 0]}
+    out = zj.make_eval_step(fn, mesh=mesh, config=cfg, reduce={"loss": "mean", "n": "sum", "rows": "concat"})(state, b)
+    assert float(out["loss"]) == float(np.mean(np.asarray(b["x"], np.float64))) == 10008.0
+    assert float(out["n"]) == 32 * 257.25
+    assert out["loss"].dtype == jnp.float32 and out["n"].dtype == jnp.float32
+    assert out["rows"].dtype == jnp.float16  # concatenated rows keep their dtype
+
+
+@pytest.mark.parametrize("replicas,k", [(1, 1), (2, 2)])
+def test_fp16_train_aux_combines_in_fp32(replicas, k):
+    b = _big_batch()
+    mesh = zj.make_mesh(replicas=replicas)
+    cfg = zj.ZeroConfig(stage=2, compute_dtype="float16", grad_accum_steps=k)
+    state = zj.init_state({"w": jnp.ones((1, 1))}, TX, mesh=mesh, config=cfg)
+    loss_fn = lambda p, b: (jnp.mean((p["w"][0, 0] - b["y"]) ** 2), {"mse": jnp.mean(b["x"]), "n": jnp.sum(b["y"])})
+    step = zj.make_train_step(loss_fn, TX, mesh=mesh, config=cfg, has_aux=True, aux_reduce={"mse": "mean", "n": "sum"})
+    _, m = step(state, b)
+    assert float(m["loss"]) == 0.0
+    assert float(m["aux"]["mse"]) == 10008.0 and float(m["aux"]["n"]) == 32.0
+    assert m["aux"]["mse"].dtype == jnp.float32
+
+
+def test_bf16_eval_loss_equals_the_train_steps_loss():
+    """The same parameters and batch give the same loss from the eval step as from the train
+    step (both combine per-device values in fp32; in bf16 they differed by one ulp)."""
+    params, b = models.stacked_params(), models.batch(32, 2)
+    mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=3, compute_dtype="bfloat16", donate=False)
+    state = zj.init_state(params, TX, mesh=mesh, config=cfg)
+    want = zj.make_eval_step(models.stacked_loss, mesh=mesh, config=cfg)(state, b)
+    _, m = zj.make_train_step(models.stacked_loss, TX, mesh=mesh, config=cfg)(state, b)
+    assert float(want) == float(m["loss"])
+    assert want.dtype == jnp.float32

@@ -12,6 +12,11 @@ Every output leaf says how those per-device values make one result:
 By default a floating scalar is averaged; every other leaf must be given a rule, because
 averaging per-example predictions element by element, or an integer count into a float,
 would be silently wrong.
+
+Dtypes: floating "mean" and "sum" leaves are combined, and returned, in float32 (or wider),
+whatever the compute dtype: eight fp16 losses of 10,000 sum to 80,000, past fp16's
+largest value (65,504), and an fp16 count is exact only up to 2,048. Integer and boolean
+"sum" leaves come back as int32 (booleans) or their own dtype; "concat" leaves keep theirs.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ class Combine:
         """Leaves stacked on a leading micro-batch axis (from ``lax.scan``) -> one value."""
         def one(rule, x):
             if rule == "mean":
-                return jnp.mean(x, axis=0)
+                return jnp.mean(_summable(x), axis=0)
             if rule == "sum":
                 return jnp.sum(_summable(x), axis=0)
             return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
@@ -49,7 +54,7 @@ class Combine:
         ``shard_map`` output spec joins them, see :meth:`specs`)."""
         def one(rule, x):
             if rule == "mean":
-                return jax.lax.pmean(x, axis)
+                return jax.lax.pmean(_summable(x), axis)
             if rule == "sum":
                 return jax.lax.psum(_summable(x), axis)
             return x
@@ -66,7 +71,13 @@ class Combine:
 
 
 def _summable(x: jax.Array) -> jax.Array:
-    return x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
+    """``x`` in the dtype its sum or mean is taken in: float32 for narrower floats
+    (bf16/fp16 overflow or round: see the module docstring), int32 for booleans."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.int32)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    return x
 
 
 def plan(spec: Any, shapes: Any, what: str = "aux", arg: str = "aux_reduce") -> Combine:
