@@ -295,3 +295,67 @@ def test_layouts_that_change_with_the_device_count_restore_exactly(tmp_path):
         got = zj.restore_checkpoint(tmp_path, params, tx, mesh=mesh3, config=zj.ZeroConfig(stage=stage))
         assert got.plan.layouts[1].describe() == "split along dim 0"
         np.testing.assert_array_equal(np.asarray(zj.gather_params(got)["w"]), np.asarray(params["w"]))
+
+
+def test_export_keeps_a_parameter_whose_dict_key_is_value(tmp_path):
+    """Only a flax.nnx Variable's ``.value`` attribute is dropped from a tensor name; a dict
+    key named "value" (attention's query/key/value) is a parameter of its own."""
+    from safetensors.numpy import load_file
+
+    from zerojax.checkpoint.export import leaf_name
+
+    rng = np.random.default_rng(0)
+    params = {"attn": {k: jnp.asarray(rng.normal(size=(8, 4)), jnp.float32) for k in ("query", "key", "value")},
+              "out": {"value": jnp.asarray(rng.normal(size=(4,)), jnp.float32)}}
+    mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=3)
+    zj.save_checkpoint(tmp_path / "ck", zj.init_state(params, TX, mesh=mesh, config=cfg), step=0, wait=True)
+    zj.export_weights(tmp_path / "ck", tmp_path / "w.safetensors")
+    weights = load_file(tmp_path / "w.safetensors")
+    assert sorted(weights) == ["attn.key", "attn.query", "attn.value", "out.value"]
+    for k in ("query", "key", "value"):
+        np.testing.assert_array_equal(weights[f"attn.{k}"], np.asarray(params["attn"][k]))
+    np.testing.assert_array_equal(weights["out.value"], np.asarray(params["out"]["value"]))
+    assert leaf_name("['blocks']['linear']['kernel'].value") == "blocks.linear.kernel"
+    assert leaf_name("['attn']['value'].value") == "attn.value"
+
+
+@pytest.mark.parametrize("stage,compute", [(0, "float32"), (1, "bfloat16"), (3, "float32"), (3, "bfloat16")])
+def test_export_with_frozen_weights_writes_every_tensor(tmp_path, stage, compute):
+    """LoRA-style runs: frozen weights are exported too (as the run stores them), and the
+    file loads with safetensors, every tensor equal to gather_params'."""
+    from safetensors.numpy import load_file
+
+    params = models.stacked_params()
+    mask = jax.tree.map(lambda _: True, params)
+    mask["inp"] = mask["layers"] = {"w": False, "b": False}
+    mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=stage, compute_dtype=compute)
+    state = zj.init_state(params, TX, mesh=mesh, config=cfg, trainable=mask)
+    state, _ = zj.make_train_step(models.stacked_loss, TX, mesh=mesh, config=cfg)(state, models.batch(16))
+    want = {k: np.asarray(v) for k, v in zip(
+        ["inp.b", "inp.w", "layers.b", "layers.w", "out.b", "out.w", "skip", "temp"],
+        jax.tree.leaves(zj.gather_params(state)))}
+    zj.save_checkpoint(tmp_path / "ck", state, step=1, wait=True)
+    shapes = zj.export_weights(tmp_path / "ck", tmp_path / "w.safetensors")
+    weights = load_file(tmp_path / "w.safetensors")  # refused a file not fully covered
+    assert set(weights) == set(shapes) == set(want)
+    for name, x in want.items():
+        np.testing.assert_array_equal(weights[name], x, err_msg=name)
+
+
+def test_safetensors_writer_refuses_missing_or_wrong_tensors(tmp_path):
+    from zerojax.checkpoint.export import write_safetensors
+
+    shapes = {"a": (2, 3), "b": (4,), "c": ()}
+    a, c = ("a", np.ones((2, 3), np.float32)), ("c", np.float32(2.5))
+    out = tmp_path / "w.safetensors"
+    with pytest.raises(ValueError, match=r"no data came for tensors \['b', 'c'\]"):
+        write_safetensors(out, [a], "float32", shapes)
+    with pytest.raises(ValueError, match=r"got tensor 'b' \(3,\) float32 where the header has 'b' \(4,\)"):
+        write_safetensors(out, [a, ("b", np.ones(3, np.float32)), c], "float32", shapes)
+    assert not list(tmp_path.iterdir())
+    write_safetensors(out, [a, ("b", np.arange(4, dtype=np.float32)), c], "float32", shapes)
+    from safetensors.numpy import load_file
+
+    back = load_file(out)
+    np.testing.assert_array_equal(back["b"], np.arange(4))
+    assert back["c"].shape == () and float(back["c"]) == 2.5

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 
 import jax
@@ -25,13 +26,39 @@ from zerojax.checkpoint.io import _manager, checkpoint_steps
 _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64"}
 
 
+# One key of a ``jax.tree_util.keystr`` path: a dict key (``['w']``, the repr of a str), another
+# key or sequence index (``[0]``), or an attribute (``.value``).
+_KEY = re.compile(r"""\[(?P<q>['"])(?P<str>.*?)(?P=q)\]|\[(?P<other>[^\]]*)\]|\.(?P<attr>[A-Za-z_]\w*)""")
+
+
+def path_keys(path: str) -> list[tuple[str, str]]:
+    """A ``keystr`` path as ``(kind, name)`` keys, kind ``"key"`` (dict key or index) or
+    ``"attr"`` (attribute); raises on a path it cannot read."""
+    keys, pos = [], 0
+    for m in _KEY.finditer(path):
+        if m.start() != pos:
+            break
+        pos = m.end()
+        if m.group("attr") is not None:
+            keys.append(("attr", m.group("attr")))
+        else:
+            keys.append(("key", m.group("str") if m.group("q") else m.group("other")))
+    if pos != len(path):
+        raise ValueError(f"cannot read the parameter path {path!r} (at character {pos}).")
+    return keys
+
+
 def leaf_name(path: str) -> str:
-    """``"['layers']['w']"`` / ``"['blocks'].linear.kernel.value"`` -> ``"layers.w"`` /
-    ``"blocks.linear.kernel"``."""
-    parts = [p for p in path.replace("[", ".").replace("]", "").replace("'", "").split(".") if p]
-    if parts and parts[-1] == "value":  # flax.nnx Variable values
-        parts = parts[:-1]
-    return ".".join(parts)
+    """``"['layers']['w']"`` / ``"['blocks']['linear']['kernel'].value"`` -> ``"layers.w"`` /
+    ``"blocks.linear.kernel"``: the keys joined by dots, without a trailing ``.value``
+    attribute (a flax.nnx Variable's value). A dict key named ``"value"`` stays:
+    ``"['attn']['value']"`` -> ``"attn.value"``."""
+    if path == "<root>":  # a single array as the whole parameter tree
+        return path
+    keys = path_keys(path)
+    if keys and keys[-1] == ("attr", "value"):
+        keys = keys[:-1]
+    return ".".join(name for _, name in keys)
 
 
 def tensor_names(paths: list[str]) -> list[str]:
@@ -63,19 +90,57 @@ def write_safetensors(path: str | os.PathLike, tensors, dtype: str, shapes: dict
                       metadata: dict | None = None) -> None:
     """Writes the safetensors file ``path`` (atomically: temp file, then rename) from
     ``tensors``, an iterable of ``(name, array)`` in the order of ``shapes``, consumed one
-    at a time."""
+    at a time. Each array is checked against its header entry as it is written, and the
+    header is read back from the finished file and checked against its size before the
+    file is renamed into place: a file that would not load is never left at ``path``."""
     blob = _header(shapes, dtype, metadata or {})
     tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
+    want = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
     try:
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(blob)))
             f.write(blob)
-            for _, x in tensors:
-                f.write(np.ascontiguousarray(x).tobytes())
+            expected = iter(shapes.items())
+            for name, x in tensors:
+                x = np.asarray(x, order="C")  # (ascontiguousarray makes 0-d arrays 1-d)
+                want_name, want_shape = next(expected, (None, None))
+                if name != want_name or tuple(x.shape) != tuple(want_shape) or x.dtype != want:
+                    raise ValueError(f"writing {os.fspath(path)!r}: got tensor {name!r} {x.shape} {x.dtype} where "
+                                     f"the header has {want_name!r} {want_shape} {want}.")
+                f.write(x.tobytes())
+            missing = [n for n, _ in expected]
+            if missing:
+                raise ValueError(f"writing {os.fspath(path)!r}: no data came for tensors {missing}.")
+        check_safetensors(tmp, shapes)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def check_safetensors(path: str | os.PathLike, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Reads back the header of the safetensors file ``path`` and checks that it lists the
+    tensors of ``shapes``, each with the bytes its shape and dtype need, contiguous, and
+    that the file holds exactly those bytes; raises ``ValueError`` saying what is wrong."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    itemsize = {v: np.dtype(ml_dtypes.bfloat16 if k == "bfloat16" else k).itemsize for k, v in _ST_DTYPES.items()}
+    if list(header) != list(shapes):
+        raise ValueError(f"{os.fspath(path)!r} lists tensors {list(header)}, expected {list(shapes)}.")
+    offset = 0
+    for name, entry in header.items():
+        begin, end = entry["data_offsets"]
+        nbytes = int(np.prod(entry["shape"], dtype=np.int64)) * itemsize[entry["dtype"]]
+        if tuple(entry["shape"]) != tuple(shapes[name]) or begin != offset or end - begin != nbytes:
+            raise ValueError(f"{os.fspath(path)!r}: tensor {name!r} has shape {entry['shape']} and data offsets "
+                             f"{[begin, end]}; expected shape {list(shapes[name])} at [{offset}, {offset + nbytes}].")
+        offset = end
+    if size != 8 + n + offset:
+        raise ValueError(f"{os.fspath(path)!r} has {size} bytes; its header describes {8 + n + offset} "
+                         f"({offset} bytes of tensor data).")
 
 
 def export_weights(directory: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None,
@@ -101,14 +166,18 @@ def export_weights(directory: str | os.PathLike, out: str | os.PathLike, *, step
         return shapes
     target = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
 
+    frozen = {i: j for j, i in enumerate(i for i in range(len(names)) if not meta.is_trainable(i))}
+
     def leaves():
         for i, name in enumerate(names):
             key = str(i)
+            # Trainable parameters: their fp32 masters; frozen ones: as the run stored them.
+            group, layout = ("frozen", meta.frozen_layout(frozen[i])) if i in frozen else ("master", meta.layout(i))
             arrays = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                item={"master": {key: 0}},
-                restore_args={"master": {key: ocp.RestoreArgs(restore_type=np.ndarray)}},
-                partial_restore=True)))["state"]["master"]
-            yield name, meta.layout(i).from_storage(np.asarray(arrays[key])).astype(target)
+                item={group: {key: 0}},
+                restore_args={group: {key: ocp.RestoreArgs(restore_type=np.ndarray)}},
+                partial_restore=True)))["state"][group]
+            yield name, layout.from_storage(np.asarray(arrays[key])).astype(target)
 
     write_safetensors(out, leaves(), dtype, shapes, {"format": "zerojax", "step": step,
                                                      "source_stage": meta.stage, "source_devices": meta.n})
