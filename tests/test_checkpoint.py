@@ -359,3 +359,25 @@ def test_safetensors_writer_refuses_missing_or_wrong_tensors(tmp_path):
     back = load_file(out)
     np.testing.assert_array_equal(back["b"], np.arange(4))
     assert back["c"].shape == () and float(back["c"]) == 2.5
+
+
+def test_reads_right_after_an_async_save_see_that_step(tmp_path):
+    """save_checkpoint returns while the save is in flight; restore_checkpoint and
+    export_weights on the same directory wait for it: they read the step just saved."""
+    from safetensors.numpy import load_file
+
+    params = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(256, 512)), jnp.float32)}
+    mesh, cfg, tx = zj.make_mesh(), zj.ZeroConfig(stage=3), optax.sgd(0.1)
+    state = zj.init_state(params, tx, mesh=mesh, config=cfg)
+    step = zj.make_train_step(lambda p, b: jnp.mean((b @ p["w"]) ** 2), tx, mesh=mesh, config=cfg)
+    x = jnp.ones((8, 256))
+    for i in range(3):
+        state, _ = step(state, x)
+        zj.save_checkpoint(tmp_path / "ck", state, step=10 * (i + 1))
+        out = tmp_path / f"w{i}.safetensors"
+        zj.export_weights(tmp_path / "ck", out)
+        restored = zj.restore_checkpoint(tmp_path / "ck", params, tx, mesh=mesh, config=cfg)
+        assert int(restored.step) == i + 1
+        want = np.asarray(zj.gather_params(state)["w"])
+        np.testing.assert_array_equal(load_file(out)["w"], want)
+        np.testing.assert_array_equal(np.asarray(zj.gather_params(restored)["w"]), want)

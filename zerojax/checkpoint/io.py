@@ -191,7 +191,10 @@ def _wait_at_exit() -> None:
 
 
 def checkpoint_steps(directory: Directory) -> list[int]:
-    """The complete checkpoints in ``directory``, oldest first."""
+    """The complete checkpoints in ``directory``, oldest first. A save to it still in flight
+    from this process is waited for first, so that a read right after
+    ``save_checkpoint(...)`` sees that step, never the one before it."""
+    wait(directory)
     if not isinstance(directory, ocp.CheckpointManager) and not os.path.isdir(directory):
         return []
     mngr = _manager(directory)
