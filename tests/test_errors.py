@@ -1,5 +1,9 @@
 """Bad input is rejected before any compute, with a message naming the value and the fix."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -96,3 +100,55 @@ def test_not_an_optimizer():
 def test_formula_refuses_an_unknown_compute_dtype():
     with pytest.raises(ValueError, match="compute_dtype must be 'float32', 'bfloat16' or 'float16', got 'fp16'"):
         zj.zero_formula_bytes(1e9, 8, 1, compute_dtype="fp16")
+
+
+DONATED = r"""
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import jax.numpy as jnp, optax, tempfile, zerojax as zj
+
+mesh, tx = zj.make_mesh(), optax.adam(1e-3)
+loss_fn = lambda p, b: jnp.mean((b @ p["w"]) ** 2)
+x = jnp.ones((8, 16))
+for stage in (0, 3):
+    cfg = zj.ZeroConfig(stage=stage)
+    state = zj.init_state({"w": jnp.ones((16, 4))}, tx, mesh=mesh, config=cfg)
+    step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=cfg)
+    new, _ = step(state, x)
+    calls = {"train step": lambda: step(state, x),
+             "eval step": lambda: zj.make_eval_step(loss_fn, mesh=mesh, config=cfg)(state, x),
+             "gather_params": lambda: zj.gather_params(state),
+             "save_checkpoint": lambda: zj.save_checkpoint(tempfile.mkdtemp(), state, step=0)}
+    for name, call in calls.items():
+        try:
+            call()
+        except ValueError as e:
+            assert "donated" in str(e) and "ZeroConfig(donate=False)" in str(e), e
+            print(stage, name, "refused")
+        else:
+            print(stage, name, "ran")
+    print(stage, "new state", float(step(new, x)[1]["loss"]))
+cfg = zj.ZeroConfig(stage=3, donate=False)
+state = zj.init_state({"w": jnp.ones((16, 4))}, tx, mesh=mesh, config=cfg)
+step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=cfg)
+print("kept", float(step(state, x)[1]["loss"]), float(step(state, x)[1]["loss"]))
+"""
+
+
+def test_a_donated_state_is_refused_not_a_crash(tmp_path):
+    """A train step consumes (donates) its input state; passing that state again used to
+    crash the interpreter (segmentation fault). Every entry point refuses it with a
+    Python error naming donation and the fix."""
+    script = tmp_path / "donated.py"
+    script.write_text(DONATED)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-3000:])
+    lines = r.stdout.splitlines()
+    for stage in (0, 3):
+        for name in ("train step", "eval step", "gather_params", "save_checkpoint"):
+            assert f"{stage} {name} refused" in lines, r.stdout
+        # The state the step returned is the one to use: Adam's first step moves w = 1 by 1e-3.
+        loss = float(next(l for l in lines if l.startswith(f"{stage} new state")).split()[-1])
+        np.testing.assert_allclose(loss, np.mean((np.ones((8, 16)) @ np.full((16, 4), 1 - 1e-3)) ** 2), rtol=1e-5)
+    assert "kept 256.0 256.0" in r.stdout

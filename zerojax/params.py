@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from zerojax.sharding.plan import ZeroPlan
-from zerojax.state import ZeroState
+from zerojax.state import ZeroState, check_alive
 
 
 def gather_params(state: ZeroState) -> Any:
@@ -30,6 +30,7 @@ def gather_params(state: ZeroState) -> Any:
     """
     if not isinstance(state, ZeroState):
         raise TypeError(f"gather_params takes a zj.init_state state, got {type(state).__name__}.")
+    check_alive(state, "gather_params")
     from_storage = state.master is not None  # else the replicated params are the fp32 masters
     train = jax.tree.leaves(state.master if from_storage else state.params)
     frozen = jax.tree.leaves(state.frozen) if state.frozen is not None else []

@@ -61,6 +61,18 @@ class ZeroState:
     plan: ZeroPlan = dataclasses.field(metadata=dict(static=True))
 
 
+def check_alive(state: ZeroState, what: str) -> None:
+    """Raises a clear error for a state whose arrays were donated to (consumed by) an
+    earlier train step: running a program on deleted buffers crashes the interpreter."""
+    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if isinstance(x, jax.Array) and x.is_deleted():
+            raise ValueError(
+                f"this state's array state{jax.tree_util.keystr(path)} has been deleted: the state was donated to "
+                f"a train step, which consumed it (its buffers now hold the state that step returned). Pass "
+                f"{what} the state the last step returned (state, metrics = train_step(state, batch)), or build "
+                "the step and state with zj.ZeroConfig(donate=False) to keep every input state usable.")
+
+
 def state_shardings(plan: ZeroPlan, scaler: Any, model_state: Any = None, rng: Any = None) -> ZeroState:
     """Where every field of a state of ``plan`` lives."""
     params, master = stage_of(plan).field_shardings(plan)

@@ -25,7 +25,7 @@ from zerojax.sharding.gradients import Loss
 from zerojax.sharding.mesh import auto_axes, batch_axes, batch_devices
 from zerojax.sharding.plan import ZeroPlan
 from zerojax.sharding.stages import stage_of
-from zerojax.state import ZeroState, state_shardings
+from zerojax.state import ZeroState, check_alive, state_shardings
 
 
 class LossScaleError(RuntimeError):
@@ -272,6 +272,7 @@ def check_state(state: Any, config: ZeroConfig, mesh: Mesh, what: str) -> None:
         raise ValueError(
             f"state was built for {state.plan.config} on mesh {dict(state.plan.mesh.shape)}, "
             f"but this {what} uses {config} on mesh {dict(mesh.shape)}. Build both with the same mesh and config.")
+    check_alive(state, f"the {what}")
 
 
 def check_keywords(fn: Callable, name: str, **wanted: bool) -> None:

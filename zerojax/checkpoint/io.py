@@ -26,7 +26,7 @@ from zerojax.checkpoint import canonical
 from zerojax.config import ZeroConfig
 from zerojax.optim.update import check_optimizer
 from zerojax.sharding.plan import make_plan
-from zerojax.state import ZeroState, is_init_fn
+from zerojax.state import ZeroState, check_alive, is_init_fn
 
 Directory = str | os.PathLike | ocp.CheckpointManager
 
@@ -114,6 +114,7 @@ def save_checkpoint(directory: Directory, state: ZeroState, step: int, *,
     """
     if not isinstance(state, ZeroState):
         raise TypeError(f"save_checkpoint takes a zj.init_state state, got {type(state).__name__}.")
+    check_alive(state, "save_checkpoint")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}.")
     if isinstance(directory, ocp.CheckpointManager) and (keep_last or keep_every):
