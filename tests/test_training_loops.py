@@ -460,3 +460,41 @@ def test_linen_init_fn_and_model_state_fn():
     abstract = zj.abstract_state(init_fn, SGD, mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3))
     assert zj.state_bytes_per_device(abstract)["total"] == zj.state_bytes_per_device(
         dataclasses.replace(state, model_state=None))["total"]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_frozen_dtype_is_a_visible_choice(tmp_path, stage):
+    """A frozen fp32 base in a bf16 run: stored as its bf16 rounding by default, and
+    gather_params and the export say so by their dtype; frozen_dtype="param" keeps it
+    exact. The step computes the same in both (the base is read in bf16 either way)."""
+    from safetensors.numpy import load_file
+
+    from zerojax.checkpoint.export import stored_dtypes
+
+    params = models.deep_params(4, 128, stacked=True)
+    base = np.asarray(params["w"])
+    mask, x, mesh = {"w": False, "b": True}, jnp.ones((16, 128)), zj.make_mesh()
+    losses, bytes_ = {}, {}
+    for frozen_dtype, want_dtype in (("compute", jnp.bfloat16), ("param", jnp.float32)):
+        cfg = zj.ZeroConfig(stage=stage, compute_dtype="bfloat16", frozen_dtype=frozen_dtype)
+        state = zj.init_state(params, optax.adam(1e-3), mesh=mesh, config=cfg, trainable=mask)
+        got = zj.gather_params(state)["w"]
+        assert got.dtype == want_dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), base.astype(want_dtype).astype(np.float32))
+        d = tmp_path / frozen_dtype
+        zj.save_checkpoint(d, state, step=0, wait=True)
+        zj.export_weights(d, d / "w.safetensors")
+        assert stored_dtypes(d / "w.safetensors") == {"w": jnp.dtype(want_dtype).name, "b": "float32"}
+        np.testing.assert_array_equal(load_file(d / "w.safetensors")["w"], base.astype(want_dtype).astype(np.float32))
+        bytes_[frozen_dtype] = zj.state_bytes_per_device(state)["frozen"]
+        assert bytes_[frozen_dtype] == (zj.zero_formula_bytes(params["b"].size, N, stage, compute_dtype="bfloat16",
+                                                              frozen_params=base.size, frozen_dtype=frozen_dtype)
+                                        - zj.zero_formula_bytes(params["b"].size, N, stage, compute_dtype="bfloat16"))
+        step = zj.make_train_step(models.deep_loss, optax.adam(1e-3), mesh=mesh, config=cfg)
+        _, m = step(state, x)
+        losses[frozen_dtype] = float(m["loss"])
+    assert np.abs(base - base.astype(jnp.bfloat16).astype(np.float32)).max() > 1e-4  # rounding is visible
+    assert bytes_["param"] == 2 * bytes_["compute"]
+    assert losses["param"] == losses["compute"]
+    with pytest.raises(ValueError, match=r"ZeroConfig.frozen_dtype must be 'compute' .* or 'param' .* got 'bf16'"):
+        zj.ZeroConfig(frozen_dtype="bf16")

@@ -73,6 +73,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         n = sum(int(__import__("math").prod(s)) for s in shapes.values())
         print(f"wrote {len(shapes)} tensors, {n:,} parameters ({args.dtype}) to {args.out}")
+        from zerojax.checkpoint.export import stored_dtypes
+
+        narrow = {k: v for k, v in stored_dtypes(args.out).items() if v not in ("float32", "float64")}
+        if narrow:
+            print(f"{len(narrow)} frozen tensors were stored by the run in {', '.join(sorted(set(narrow.values())))} "
+                  f"(ZeroConfig.frozen_dtype='compute') and hold that rounding: {', '.join(narrow)}")
     return 0
 
 

@@ -79,6 +79,13 @@ class ZeroConfig:
         there and back in groups of at most this many parameter elements (DeepSpeed's
         ``sub_group_size``); leaves whose update reads one another stay in one group.
 
+    Frozen parameters (``init_state(..., trainable=...)``):
+      frozen_dtype: the dtype they are stored in. "compute" (the default): the compute dtype
+        where it is narrower than theirs (a bf16 run keeps a frozen fp32 base in bf16, half
+        the bytes; forward only reads it in bf16, but ``gather_params`` and exports then
+        hold the bf16 rounding, not the weights given). "param": their own dtype, exactly
+        as given (cast to the compute dtype where used).
+
     Weight gathers (stage 3; ZeRO++'s qwZ):
       gather_dtype: None (gather in the compute dtype) or "int8": each shard is quantized
         blockwise (symmetric, one fp32 scale per block), all-gathered as int8 plus scales and
@@ -130,6 +137,7 @@ class ZeroConfig:
     gather_dtype: Any = None
     quant_block_size: int = 4096
     replica_axis: str = "replica"
+    frozen_dtype: str = "compute"
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in STAGES:
@@ -189,6 +197,9 @@ class ZeroConfig:
                 or self.quant_block_size < 1:
             raise ValueError(f"ZeroConfig.quant_block_size must be a positive int (elements per int8 block), "
                              f"got {self.quant_block_size!r}.")
+        if self.frozen_dtype not in ("compute", "param"):
+            raise ValueError(f"ZeroConfig.frozen_dtype must be 'compute' (frozen parameters stored in the compute "
+                             f"dtype where narrower) or 'param' (in their own dtype), got {self.frozen_dtype!r}.")
         if self.prefetch < 0:
             raise ValueError(f"ZeroConfig.prefetch must be >= 0 (layers gathered ahead; 0: none), got {self.prefetch}.")
         if self.prefetch and self.offload_params:

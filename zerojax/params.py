@@ -13,11 +13,14 @@ from zerojax.state import ZeroState, check_alive
 
 
 def gather_params(state: ZeroState) -> Any:
-    """The full parameter tree, same structure, shapes and dtypes as given to ``init_state``.
+    """The full parameter tree, same structure and shapes as given to ``init_state``.
 
-    The fp32 masters are returned (all-gathered and unpadded where sharded), cast to the
-    dtypes the params had when given to ``init_state``, with the frozen parameters as
-    stored (rounded to the compute dtype where that is narrower). Every device (and process) gets the
+    The trainable parameters are their fp32 masters (all-gathered and unpadded where
+    sharded), cast to the dtypes the params had when given to ``init_state``. The frozen
+    parameters come back as stored, in the dtype they are stored in, so that the dtype says
+    what they hold: with ``ZeroConfig(frozen_dtype="compute")`` (the default) in a bf16 or
+    fp16 run, a frozen fp32 weight comes back as its bf16/fp16 rounding, in bf16/fp16;
+    ``frozen_dtype="param"`` keeps it exactly as given. Every device (and process) gets the
     full values, in new arrays at every stage: a later (donating) train step does not
     invalidate them.
 
@@ -39,7 +42,7 @@ def gather_params(state: ZeroState) -> Any:
 
 @functools.lru_cache(maxsize=64)
 def _gather_fn(plan: ZeroPlan, from_storage: bool):
-    dtypes = [l.dtype for l in plan.layouts]
+    dtypes = plan.join([l.dtype for l in plan.train_layouts], [l.dtype for l in plan.frozen_layouts])
 
     def full(train, frozen):
         train = [l.from_storage(x) if from_storage else x for l, x in zip(plan.master_layouts, train)]

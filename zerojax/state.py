@@ -34,7 +34,8 @@ class ZeroState:
         out by ``plan.layouts``, see :mod:`zerojax.sharding.layout`); ``None`` where
         ``params`` are the masters themselves (stage 0, and stages 1–2 with fp32 compute).
       frozen: the frozen parameters (``init_state(..., trainable=...)``), in the compute
-        dtype where it is narrower than theirs: replicated at stages 0–2, sharded at stage 3.
+        dtype where it is narrower than theirs, or their own (``ZeroConfig.frozen_dtype``):
+        replicated at stages 0–2, sharded at stage 3.
         They never change. ``None`` when every parameter trains.
       opt_state: the optax state of the trainable masters, in optax's own tree; each array
         stored by its own layout (``plan.opt_layouts``): sharded from stage 1 on, replicated
@@ -108,7 +109,8 @@ def init_state(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig, rng: Any
       trainable: which parameters train: a tree of bools shaped like ``params`` or a
         callable on ``params`` returning one (default: all). Frozen parameters get no
         optimizer state and no gradient, and are stored in the compute dtype where it is
-        narrower (see :class:`ZeroState`).
+        narrower, or in their own with ``ZeroConfig(frozen_dtype="param")`` (see
+        :class:`ZeroState`).
 
     The optimizer state and masters are created directly in their sharded layout (``jax.jit``
     with ``out_shardings``): no device ever holds more than its share of them.

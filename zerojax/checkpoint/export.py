@@ -143,10 +143,23 @@ def check_safetensors(path: str | os.PathLike, shapes: dict[str, tuple[int, ...]
                          f"({offset} bytes of tensor data).")
 
 
+def stored_dtypes(path: str | os.PathLike) -> dict[str, str]:
+    """``{tensor name: dtype it was stored in by the run}`` of a file ``export_weights``
+    wrote (frozen parameters narrower than the file's dtype hold that dtype's rounding)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(json.loads(f.read(n)).get("__metadata__", {}).get("stored_dtypes", "{}"))
+
+
 def export_weights(directory: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None,
                    dtype: str = "float32") -> dict[str, tuple[int, ...]]:
     """Writes checkpoint ``step`` (default: latest) of ``directory`` to ``out`` as full
     weights in ``dtype`` (float32 or bfloat16); returns ``{name: shape}``.
+
+    Trainable parameters are written from their fp32 masters; frozen ones as the run
+    stored them (``ZeroConfig.frozen_dtype``: in a bf16 run with the default "compute",
+    the bf16 rounding of the weights given). The file's metadata ``stored_dtypes`` (JSON)
+    names each tensor's stored dtype; :func:`stored_dtypes` reads it back.
 
     Load it with ``safetensors.numpy.load_file(out)`` (or torch / flax loaders).
     """
@@ -179,6 +192,10 @@ def export_weights(directory: str | os.PathLike, out: str | os.PathLike, *, step
                 partial_restore=True)))["state"][group]
             yield name, layout.from_storage(np.asarray(arrays[key])).astype(target)
 
+    # What each tensor was stored as: float32 masters, frozen parameters as the run kept them
+    # (ZeroConfig.frozen_dtype: the compute dtype's rounding where "compute" narrowed them).
+    stored = {name: (meta.frozen_layout(frozen[i]).dtype if i in frozen else "float32") for i, name in enumerate(names)}
     write_safetensors(out, leaves(), dtype, shapes, {"format": "zerojax", "step": step,
-                                                     "source_stage": meta.stage, "source_devices": meta.n})
+                                                     "source_stage": meta.stage, "source_devices": meta.n,
+                                                     "stored_dtypes": json.dumps(stored)})
     return shapes

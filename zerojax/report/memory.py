@@ -100,7 +100,7 @@ def state_bytes_per_device(state: ZeroState) -> dict[str, int]:
 
 def zero_formula_bytes(num_params: int, n: int, stage: int, *, compute_dtype: str = "float32",
                        opt_bytes: int = 8, frozen_params: int = 0, offload_optimizer: bool = False,
-                       offload_params: bool = False, memory: str = "total") -> float:
+                       offload_params: bool = False, memory: str = "total", frozen_dtype: str = "compute") -> float:
     """Persistent bytes per device with fp32 masters and ``opt_bytes`` of optimizer state per
     trainable parameter (8 for Adam's m and v); ``num_params`` trainable parameters (Ψ_t) and
     ``frozen_params`` fp32 frozen ones (Ψ_f).
@@ -108,8 +108,9 @@ def zero_formula_bytes(num_params: int, n: int, stage: int, *, compute_dtype: st
     fp32 compute: 12Ψ, 4Ψ + 8Ψ/N, 4Ψ + 8Ψ/N, 12Ψ/N. bf16/fp16 compute: stages 1–2 keep a
     replicated compute copy instead of replicated fp32 params: 2Ψ + 12Ψ/N. Frozen
     parameters add c·Ψ_f at stages 0–2 and c·Ψ_f/N at stage 3, c the bytes of the compute
-    dtype (2 for bf16/fp16, 4 for fp32): they are stored in it, with no master and no
-    optimizer state.
+    dtype (2 for bf16/fp16, 4 for fp32) with ``frozen_dtype="compute"`` (as
+    ``ZeroConfig.frozen_dtype``), 4 with ``"param"``: they are stored in it, with no master
+    and no optimizer state.
 
     With offload (``ZeroConfig.offload_optimizer`` / ``offload_params``), ``memory`` picks
     the part in ``"device"`` or ``"host"`` memory (``"total"``: both): offloading the
@@ -133,7 +134,9 @@ def zero_formula_bytes(num_params: int, n: int, stage: int, *, compute_dtype: st
     if (offload_optimizer and stage == 0) or (offload_params and stage != 3):
         raise ValueError(f"stage {stage} cannot offload that (offload_optimizer: stages 1-3; offload_params: stage 3).")
     psi, mixed = float(num_params), compute_dtype != "float32"
-    frozen = (4 if compute_dtype == "float32" else 2) * float(frozen_params)
+    if frozen_dtype not in ("compute", "param"):
+        raise ValueError(f"frozen_dtype must be 'compute' or 'param' (as ZeroConfig.frozen_dtype), got {frozen_dtype!r}.")
+    frozen = (4 if compute_dtype == "float32" or frozen_dtype == "param" else 2) * float(frozen_params)
     # (bytes, in host memory?) of each part of the state.
     if stage == 0:
         parts = [((4 + opt_bytes) * psi + frozen, False)]

@@ -101,12 +101,13 @@ class ZeroPlan:
     @property
     def frozen_sharded_layouts(self) -> tuple[LeafLayout, ...]:
         """Sharded layouts of the frozen parameters (what stage 3 stores and checkpoints
-        hold), in the dtype they are stored in: the compute dtype when it is narrower."""
+        hold), in the dtype they are stored in (``ZeroConfig.frozen_dtype``): the compute
+        dtype when it is narrower ("compute"), or their own ("param")."""
         compute = jnp.dtype(self.config.compute_dtype)
         out = []
         for i, l in enumerate(self.layouts):
             if not self.is_trainable(i):
-                narrow = compute.itemsize < jnp.dtype(l.dtype).itemsize
+                narrow = self.config.frozen_dtype == "compute" and compute.itemsize < jnp.dtype(l.dtype).itemsize
                 out.append(dataclasses.replace(l, dtype=compute.name if narrow else l.dtype))
         return tuple(out)
 
