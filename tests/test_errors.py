@@ -152,3 +152,16 @@ def test_a_donated_state_is_refused_not_a_crash(tmp_path):
         loss = float(next(l for l in lines if l.startswith(f"{stage} new state")).split()[-1])
         np.testing.assert_allclose(loss, np.mean((np.ones((8, 16)) @ np.full((16, 4), 1 - 1e-3)) ** 2), rtol=1e-5)
     assert "kept 256.0 256.0" in r.stdout
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_stage3_only_settings_are_refused_alike_below_stage_3(stage):
+    """prefetch and int8 gathers both act on stage 3's per-use weight gathers: below stage 3
+    both are refused (prefetch used to be accepted and ignored), naming the stage."""
+    with pytest.raises(ValueError, match=rf"ZeroConfig.prefetch=2 gathers stage 3's weights .* stage {stage} gathers "
+                                         r"none per use. Use stage=3"):
+        zj.ZeroConfig(stage=stage, prefetch=2)
+    with pytest.raises(ValueError, match=rf"gather_dtype='int8' quantizes stage 3's weight gathers; stage {stage} "
+                                         r"gathers none per use. Use stage=3"):
+        zj.ZeroConfig(stage=stage, gather_dtype="int8")
+    assert zj.ZeroConfig(stage=3, prefetch=2).prefetch == 2

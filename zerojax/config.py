@@ -94,7 +94,7 @@ class ZeroConfig:
       quant_block_size: elements per quantization block (DeepSpeed's quantizer aims at
         groups of at most 8,000 elements, noting about 4k as best: 4096).
 
-    Overlap (stage 3):
+    Overlap (stage 3; refused at other stages, which gather nothing per use):
       prefetch: gather this many layers ahead of their use, so that a gather overlaps the
         compute of the layers before it (0: each layer is gathered when it is reached). A
         ``scan`` over stacked layers then recomputes each layer's forward in backward, as
@@ -202,6 +202,9 @@ class ZeroConfig:
                              f"dtype where narrower) or 'param' (in their own dtype), got {self.frozen_dtype!r}.")
         if self.prefetch < 0:
             raise ValueError(f"ZeroConfig.prefetch must be >= 0 (layers gathered ahead; 0: none), got {self.prefetch}.")
+        if self.prefetch and self.stage != 3:
+            raise ValueError(f"ZeroConfig.prefetch={self.prefetch} gathers stage 3's weights ahead of their use; stage "
+                             f"{self.stage} gathers none per use. Use stage=3, or prefetch=0.")
         if self.prefetch and self.offload_params:
             raise ValueError(f"ZeroConfig.prefetch={self.prefetch} with offload_params=True is not supported: the "
                              f"prefetched scan gathers device shards, and offloaded ones are in host memory. "
