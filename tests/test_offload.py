@@ -225,3 +225,32 @@ def test_eval_step_reads_offloaded_parameters():
 def test_offload_config_errors(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         zj.ZeroConfig(**kwargs)
+
+
+def test_auto_update_place_falls_back_only_when_the_backend_refuses(monkeypatch):
+    """offload_update="auto" probes the host update: a backend that refuses to compile it
+    (a JaxRuntimeError from its compiler) means "device"; an error in the code being
+    traced (a bug on the host path) is raised, not turned into "device"."""
+    import jax.numpy as jnp
+
+    from zerojax.optim import offload
+
+    mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=2, offload_optimizer=True)
+    params = {"w": jnp.ones((8, 4))}
+    state = zj.init_state(params, TX, mesh=mesh, config=cfg)
+    place = lambda: offload.choose_place(state.plan, TX, jax.tree.leaves(state.opt_state))
+    assert place() == "host"  # the CPU backend compiles it
+
+    def refused(self, *a, **k):
+        raise jax.errors.JaxRuntimeError("UNIMPLEMENTED: host compute is not supported on this backend")
+
+    with monkeypatch.context() as m:
+        m.setattr(jax.stages.Lowered, "compile", refused)
+        assert place() == "device"
+
+    def buggy(*a, **k):
+        raise TypeError("unsupported operand type(s) for +: 'MaskedNode' and 'float'")
+
+    monkeypatch.setattr(offload, "apply_on_host", buggy)
+    with pytest.raises(TypeError, match="unsupported operand"):
+        place()

@@ -206,9 +206,12 @@ def choose_place(plan: ZeroPlan, tx: Any, opt: list) -> str:
     masters = [jax.ShapeDtypeStruct(l.storage_shape, jnp.float32, sharding=plan.sharding(l, plan.master_memory))
                for l in plan.master_layouts]
     probe = lambda g, o, w, skip: apply_on_host(plan, tx, g, o, w, skip)
+    # Tracing and lowering run zerojax's and the optimizer's own code: an error there is a
+    # bug to report, not a backend's refusal, and propagates.
+    lowered = jax.jit(probe).lower(grads, [_sds(x) for x in opt], masters,
+                                   jax.ShapeDtypeStruct((), jnp.bool_, sharding=plan.replicated))
     try:
-        jax.jit(probe).lower(grads, [_sds(x) for x in opt], masters,
-                             jax.ShapeDtypeStruct((), jnp.bool_, sharding=plan.replicated)).compile()
-    except Exception:  # noqa: BLE001 - any refusal of the backend means: update on the device
+        lowered.compile()
+    except jax.errors.JaxRuntimeError:  # the backend's compiler refuses host computation: not supported here
         return "device"
     return "host"
