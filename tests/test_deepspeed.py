@@ -197,8 +197,8 @@ def test_optimizer_sections_that_do_not_translate_whole():
     t = translate({"gradient_clipping": 1.0, "optimizer": {"type": "Adam", "params": {
         "lr": 1e-3, "bias_correction": False, "torch_adam": True}}})
     assert t.optimizer.startswith("optax.adamw(") and "bias_correction" in t.unmapped["optimizer"]
-    t = translate({"gradient_clipping": 1.0, "optimizer": {"type": "Adan", "params": {"betas": [0.9, 0.9, 0.9]}}})
-    assert t.optimizer is None and "'Adan' has no optax equivalent" in t.unmapped["optimizer"]
+    t = translate({"gradient_clipping": 1.0, "optimizer": {"type": "OneBitAdam", "params": {"freeze_step": 10}}})
+    assert t.optimizer is None and "'OneBitAdam' has no optax equivalent" in t.unmapped["optimizer"]
     with pytest.raises(ValueError, match=r"'optimizer.params.lr' is 'auto'"):
         translate({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
     with pytest.raises(ValueError, match=r"'optimizer.params.betas' must be two numbers"):
@@ -267,3 +267,71 @@ def test_the_guide_shows_what_the_translation_prints():
         "gradient_clipping")} | {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
                                                         "offload_param": {"device": "cpu"}}})
     assert shown == {"config": t.code(), "tx": t.optimizer}
+
+
+def test_shard_groups_must_divide_the_devices_and_are_stage_3_only():
+    """mics_shard_size 3 on 8 devices: DeepSpeed refuses it; floor division made groups of
+    4. MiCS and hpZ are ZeRO-3 features that DeepSpeed ignores at stages 1-2: not mapped,
+    and the reason says so."""
+    t = translate({"zero_optimization": {"stage": 3, "mics_shard_size": 3}})
+    assert t.shard_size == 3 and "3 must divide the device count" in t.message()
+    with pytest.raises(ValueError, match=r"groups of 3 devices .* do not divide the 8 devices; DeepSpeed refuses"):
+        t.make_mesh()
+    mesh = translate({"zero_optimization": {"stage": 3, "mics_shard_size": 4}}).make_mesh()
+    assert dict(mesh.shape) == {"replica": 2, "data": 4}
+    assert dict(translate({"zero_optimization": {"stage": 3}}).make_mesh().shape) == {"data": 8}
+    for stage in (1, 2):
+        for key in ("mics_shard_size", "zero_hpz_partition_size"):
+            t = translate({"zero_optimization": {"stage": stage, key: 4}})
+            assert t.shard_size is None and t.mesh_code() == "zj.make_mesh()"
+            assert f"at ZeRO stage 3 only and ignores it at stage {stage}" in t.unmapped[f"zero_optimization.{key}"]
+
+
+@pytest.mark.parametrize("name", ["sgd", "fusedadam", "FusedAdam", "cpuadam", "Adan"])
+def test_optimizer_names_deepspeed_refuses_are_refused(name):
+    with pytest.raises(ValueError, match=rf"'optimizer.type' is '{name}', which DeepSpeed refuses: .* 'SGD'"):
+        translate({"gradient_clipping": 1.0, "optimizer": {"type": name, "params": {"lr": 0.1}}})
+    for ok in ("SGD", "adamw", "ADAM", "Lamb", "lion"):
+        assert translate({"gradient_clipping": 1.0, "optimizer": {"type": ok, "params": {"lr": 0.1}}}).optimizer
+
+
+def test_lion_and_lamb_carry_deepspeeds_defaults():
+    """Lion without betas is DeepSpeed's (0.9, 0.999); Lamb's trust-ratio bounds, which
+    optax.lamb lacks, are named with their values."""
+    import optax
+
+    t = translate({"gradient_clipping": 1.0, "optimizer": {"type": "Lion", "params": {"lr": 1e-4}}})
+    assert t.optimizer == "optax.lion(learning_rate=0.0001, b1=0.9, b2=0.999, weight_decay=0.0)"
+    tx = eval(t.optimizer, {"optax": optax})
+    state = tx.init({"w": jnp.zeros(3)})
+    g = {"w": jnp.asarray([1.0, -2.0, 0.0])}
+    _, state = tx.update(g, state, {"w": jnp.zeros(3)})
+    np.testing.assert_allclose(np.asarray(state[0].mu["w"]), 0.001 * np.asarray(g["w"]), rtol=1e-6)  # (1 - b2) g
+    t = translate({"gradient_clipping": 1.0, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}})
+    assert "clips each layer's trust ratio to [min_coeff, max_coeff] = [0.01, 10.0]" in t.unmapped["optimizer"]
+    t = translate({"gradient_clipping": 1.0, "optimizer": {"type": "Lamb", "params": {"max_coeff": 0.3}}})
+    assert "[0.01, 0.3]" in t.unmapped["optimizer"] and "max_coeff" not in t.unmapped["optimizer"].split("[")[0]
+
+
+@pytest.mark.parametrize("section,dtype,ds", [("bf16", "bfloat16", "bf16"), ("fp16", "float16", "fp16")])
+def test_compute_dtype_reduction_default_is_named(section, dtype, ds):
+    """DeepSpeed reduces gradients in the compute dtype when communication_data_type is
+    absent; zerojax keeps float32 and says so."""
+    t = translate({"gradient_clipping": 1.0, section: {"enabled": True}})
+    assert t.config.reduce_dtype == "float32"
+    assert (f"communication_data_type is absent: DeepSpeed then reduces gradients in the compute dtype ({dtype})"
+            in t.message()) and f"Set communication_data_type to '{ds}'" in t.message()
+    t = translate({"gradient_clipping": 1.0, section: {"enabled": True}, "communication_data_type": ds})
+    assert t.config.reduce_dtype == dtype and "communication_data_type" not in t.message()
+    assert "communication_data_type" not in translate({"gradient_clipping": 1.0}).message()
+
+
+def test_migration_guide_says_how_stock_deepspeeds_fp16_step_differs():
+    """The guide used to promise "DeepSpeed's scaler, same sequence": stock DeepSpeed's ZeRO
+    step updates the scale before unscaling, so curves differ after each doubling."""
+    import pathlib
+
+    guide = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "migrating.md").read_text()
+    assert "same sequence" not in guide
+    assert "updates the scale first and unscales the gradients" in guide
+    assert "with the *new* value" in guide and "agree step for step" in guide

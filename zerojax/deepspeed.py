@@ -158,6 +158,24 @@ class Translation:
             return "zj.make_mesh()"
         return f"zj.make_mesh(replicas=jax.device_count() // {self.shard_size})"
 
+    def make_mesh(self, devices: Any = None) -> Any:
+        """The mesh :meth:`mesh_code` describes, on ``devices`` (default: all), refused as
+        DeepSpeed refuses it when ``shard_size`` does not divide the number of devices
+        (``jax.device_count() // shard_size`` would silently make larger groups)."""
+        import jax
+
+        from zerojax.sharding.mesh import make_mesh
+
+        devices = list(jax.devices() if devices is None else devices)
+        if self.shard_size is None:
+            return make_mesh(devices)
+        if len(devices) % self.shard_size:
+            raise ValueError(
+                f"the DeepSpeed config shards over groups of {self.shard_size} devices (mics_shard_size / "
+                f"zero_hpz_partition_size), which do not divide the {len(devices)} devices; DeepSpeed refuses it "
+                f"too. Use a group size that divides {len(devices)}, or that many devices.")
+        return make_mesh(devices, replicas=len(devices) // self.shard_size)
+
     def code(self) -> str:
         """``zj.ZeroConfig(...)`` with the fields that differ from zerojax's defaults."""
         args, default = [], ZeroConfig()
@@ -295,7 +313,7 @@ def translate(source: Any) -> Translation:
             raise ValueError(f"DeepSpeed key 'zero_optimization.zero_quantized_weights' quantizes ZeRO-3's weight "
                              f"gathers, but the stage is {stage}.")
         kw["gather_dtype"] = "int8"
-    shard_size = _shard_size(zero, notes)
+    shard_size = _shard_size(zero, notes, kw["stage"], unmapped)
     if "sub_group_size" in zero:
         kw["offload_group_size"] = _number(zero["sub_group_size"], "zero_optimization.sub_group_size",
                                            integer=True, minimum=1)
@@ -363,6 +381,11 @@ def translate(source: Any) -> Translation:
             raise ValueError(f"DeepSpeed key 'communication_data_type' must be one of {sorted(_COMM_DTYPES)}, "
                              f"got {name!r}.")
         kw["reduce_dtype"] = _COMM_DTYPES[name]
+    elif "compute_dtype" in kw:
+        notes.append(f"communication_data_type is absent: DeepSpeed then reduces gradients in the compute dtype "
+                     f"({kw['compute_dtype']}); zerojax keeps reduce_dtype='float32' (exact sums, twice the bytes "
+                     f"of a {kw['compute_dtype']} reduction). Set communication_data_type to "
+                     f"'{'bf16' if kw['compute_dtype'] == 'bfloat16' else 'fp16'}' to reduce as DeepSpeed does.")
     batch = [ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu")]
     if all(isinstance(b, int) and not isinstance(b, bool) for b in batch):
         accum = kw.get("grad_accum_steps", 1)
@@ -406,8 +429,10 @@ def translate(source: Any) -> Translation:
     return Translation(config, unmapped, tuple(notes), optimizer, shard_size)
 
 
-def _shard_size(zero: Mapping, notes: list[str]) -> int | None:
-    """Devices per replica group from MiCS's or hpZ's key (None: off, DeepSpeed's -1 / 1)."""
+def _shard_size(zero: Mapping, notes: list[str], stage: int, unmapped: dict[str, str]) -> int | None:
+    """Devices per replica group from MiCS's or hpZ's key (None: off, DeepSpeed's -1 / 1).
+    Both are ZeRO-3 features in DeepSpeed, which ignores them at stages 0-2: so does this
+    mapping, and says so."""
     mics = _number(zero.get("mics_shard_size", -1), "zero_optimization.mics_shard_size", integer=True)
     hpz = _number(zero.get("zero_hpz_partition_size", 1), "zero_optimization.zero_hpz_partition_size",
                   integer=True, minimum=1)
@@ -422,17 +447,34 @@ def _shard_size(zero: Mapping, notes: list[str]) -> int | None:
     size = mics or hpz
     if size is None:
         return None
+    if stage != 3:
+        for key, value in (("mics_shard_size", mics), ("zero_hpz_partition_size", hpz)):
+            if value:
+                unmapped[f"zero_optimization.{key}"] = (
+                    f"DeepSpeed applies it at ZeRO stage 3 only and ignores it at stage {stage}; so does zerojax "
+                    f"(the state is sharded over every device). Use stage 3 for {value}-device groups")
+        return None
     mesh = f"zj.make_mesh(replicas=jax.device_count() // {size})"
+    divides = (f"{size} must divide the device count (DeepSpeed refuses other sizes; Translation.make_mesh() "
+               f"checks it)")
     if hpz and not mics:
         notes.append(f"zero_hpz_partition_size={hpz} is mapped to hybrid sharding over groups of {hpz} devices: "
                      f"build the mesh with {mesh}. hpZ keeps only a secondary copy of the weights per group and "
                      f"shards the optimizer state over every device; zerojax's groups hold the whole state "
                      f"(12Ψ/{hpz} per device for Adam instead of 12Ψ/N) and no gather or reduce-scatter leaves a "
-                     f"group.")
+                     f"group; {divides}.")
     else:
         notes.append(f"mics_shard_size={mics}: hybrid sharding over groups of {mics} devices, replicated across "
-                     f"groups. It is the mesh's: build it with {mesh}.")
+                     f"groups. It is the mesh's: build it with {mesh}; {divides}.")
     return size
+
+
+# DeepSpeed's own optimizer names (runtime/config.py DEEPSPEED_OPTIMIZERS, compared lower-cased).
+_DS_OPTIMIZERS = frozenset({"adam", "adamw", "lamb", "lion", "adagrad", "onebitadam", "onebitlamb", "zerooneadam",
+                            "muadam", "muadamw", "musgd", "muon"})
+# torch.optim classes DeepSpeed builds by their exact names when the type is none of its own.
+_TORCH_OPTIMIZERS = frozenset({"SGD", "Adadelta", "Adamax", "ASGD", "LBFGS", "NAdam", "RAdam", "RMSprop", "Rprop",
+                               "SparseAdam"})
 
 
 def optax_code(section: Any) -> tuple[str | None, str | None]:
@@ -444,9 +486,19 @@ def optax_code(section: Any) -> tuple[str | None, str | None]:
     name, p = section["type"], dict(section.get("params", {}))
     kind = str(name).lower()
     known = {"adam": {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "amsgrad"},
-             "lamb": {"lr", "betas", "eps", "weight_decay"}, "lion": {"lr", "betas", "weight_decay"},
-             "sgd": {"lr", "momentum", "nesterov", "weight_decay"}}
-    family = "adam" if kind in ("adam", "adamw", "fusedadam", "cpuadam") else kind
+             "lamb": {"lr", "betas", "eps", "weight_decay", "max_coeff", "min_coeff"},
+             "lion": {"lr", "betas", "weight_decay"}, "sgd": {"lr", "momentum", "nesterov", "weight_decay"}}
+    # DeepSpeed reads its own optimizers' names in any case, and otherwise a torch.optim
+    # class by its exact name ("SGD"); it refuses anything else ("sgd", "FusedAdam", "CPUAdam").
+    if kind in _DS_OPTIMIZERS:
+        family = "adam" if kind in ("adam", "adamw") else kind
+    elif name in _TORCH_OPTIMIZERS:
+        family = "sgd" if name == "SGD" else name
+    else:
+        raise ValueError(
+            f"DeepSpeed key 'optimizer.type' is {name!r}, which DeepSpeed refuses: it takes its own optimizers "
+            f"({', '.join(sorted(_DS_OPTIMIZERS))}, in any case) or a torch.optim class by its exact name (e.g. "
+            f"'SGD'). FusedAdam and CPUAdam are what 'Adam' runs as (with or without offload): write 'Adam'.")
     if family not in known:
         return None, (f"optimizer type {name!r} has no optax equivalent written here: build the optax "
                       "transformation yourself (any works)")
@@ -454,7 +506,7 @@ def optax_code(section: Any) -> tuple[str | None, str | None]:
         if value == "auto":
             raise ValueError(f"DeepSpeed key 'optimizer.params.{key}' is 'auto', a placeholder the Hugging Face "
                              "Trainer fills in; give its value.")
-    betas = p.get("betas", (0.9, 0.99) if kind == "lion" else (0.9, 0.999))
+    betas = p.get("betas", (0.9, 0.999))  # DeepSpeed's default for Adam, Lamb and Lion alike
     if not (isinstance(betas, (list, tuple)) and len(betas) == 2):
         raise ValueError(f"DeepSpeed key 'optimizer.params.betas' must be two numbers, got {betas!r}.")
     lr = _number(p.get("lr", 1e-3), "optimizer.params.lr", minimum=0)
@@ -472,6 +524,11 @@ def optax_code(section: Any) -> tuple[str | None, str | None]:
                     f"b2={b2!r}, eps={eps!r}))")
     elif family == "lamb":
         code = f"optax.lamb(learning_rate={lr!r}, b1={b1!r}, b2={b2!r}, eps={eps!r}, weight_decay={wd!r})"
+        bounds = (_number(p.get("min_coeff", 0.01), "optimizer.params.min_coeff", minimum=0),
+                  _number(p.get("max_coeff", 10.0), "optimizer.params.max_coeff", minimum=0))
+        lamb_note = (f"DeepSpeed's Lamb (FusedLamb) clips each layer's trust ratio to [min_coeff, max_coeff] = "
+                     f"[{bounds[0]!r}, {bounds[1]!r}]; optax.lamb does not clip it, so layers whose ratio falls "
+                     f"outside step differently: check it")
     elif family == "lion":
         code = f"optax.lion(learning_rate={lr!r}, b1={b1!r}, b2={b2!r}, weight_decay={wd!r})"
     else:
@@ -479,10 +536,13 @@ def optax_code(section: Any) -> tuple[str | None, str | None]:
         code = f"optax.sgd(learning_rate={lr!r}, momentum={momentum!r}, nesterov={bool(p.get('nesterov', False))!r})"
         code = f"optax.chain(optax.add_decayed_weights({wd!r}), {code})" if wd else code
     left = sorted(set(p) - known[family])
+    why = None
     if left:
-        return code, (f"params {left} have no counterpart in the printed optax optimizer (e.g. bias_correction, "
-                      "torch_adam, max_coeff): check it")
-    return code, None
+        why = (f"params {left} have no counterpart in the printed optax optimizer (e.g. bias_correction, "
+               "torch_adam): check it")
+    if family == "lamb":
+        why = lamb_note if why is None else f"{why}; {lamb_note}"
+    return code, why
 
 
 def from_deepspeed(source: Any) -> ZeroConfig:
