@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -32,8 +33,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pump(rank: int, stream, out, lock: threading.Lock) -> None:
+# Gloo's note for every communicator it connects (several per collective group): noise, hidden
+# unless the launcher is run with --verbose. Threads print its two halves, which may interleave
+# ("[Gloo] Rank 7[Gloo] Rank 6 is connected ..."): a line made only of those pieces is dropped.
+_GLOO_PIECES = re.compile(r"\[Gloo\] Rank \d+|is connected to \d+ peer ranks\. Expected number of connected peer "
+                          r"ranks is : \d+")
+
+
+def _gloo_noise(line: str) -> bool:
+    return bool(_GLOO_PIECES.search(line)) and not _GLOO_PIECES.sub("", line).strip()
+
+
+def _pump(rank: int, stream, out, lock: threading.Lock, verbose: bool = True) -> None:
     for line in iter(stream.readline, ""):
+        if not verbose and _gloo_noise(line):
+            continue
         with lock:
             out.write(f"[rank {rank}] {line}")
             out.flush()
@@ -54,9 +68,11 @@ def _stop(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
 
 
 def launch(cmd: Sequence[str], nprocs: int, devices_per_proc: int | None = None, port: int | None = None,
-           timeout_s: float | None = None, grace_s: float = 5.0, out=None, gpu_overlap: bool = False) -> int:
+           timeout_s: float | None = None, grace_s: float = 5.0, out=None, gpu_overlap: bool = False,
+           verbose: bool = False) -> int:
     """Runs ``cmd`` in ``nprocs`` processes; returns the job's exit status. ``gpu_overlap``
-    adds XLA's GPU overlap flags (:mod:`zerojax.xla_flags`) to every process's ``XLA_FLAGS``."""
+    adds XLA's GPU overlap flags (:mod:`zerojax.xla_flags`) to every process's ``XLA_FLAGS``.
+    Gloo's "Rank i is connected to k peer ranks" lines are dropped unless ``verbose``."""
     if nprocs < 1:
         raise ValueError(f"--nprocs must be >= 1, got {nprocs}")
     if not cmd:
@@ -75,7 +91,7 @@ def launch(cmd: Sequence[str], nprocs: int, devices_per_proc: int | None = None,
             env["XLA_FLAGS"] = with_gpu_overlap_flags(env.get("XLA_FLAGS", ""))
         p = subprocess.Popen(list(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, start_new_session=True)
-        t = threading.Thread(target=_pump, args=(rank, p.stdout, out, lock), daemon=True)
+        t = threading.Thread(target=_pump, args=(rank, p.stdout, out, lock, verbose), daemon=True)
         t.start()
         procs.append(p)
         pumps.append(t)
@@ -128,10 +144,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=None, help="stop the job after this many seconds")
     ap.add_argument("--gpu-overlap", action="store_true",
                     help="add XLA's GPU flags that overlap collectives with compute (zerojax.xla_flags)")
+    ap.add_argument("--verbose", action="store_true",
+                    help="also show gloo's connection messages (one per communicator and process)")
     args = ap.parse_args(argv)
     if not cmd:
         ap.error("give the command after --, e.g. -- python experiments/train.py")
-    return launch(cmd, args.nprocs, args.devices_per_proc, args.port, args.timeout, gpu_overlap=args.gpu_overlap)
+    return launch(cmd, args.nprocs, args.devices_per_proc, args.port, args.timeout, gpu_overlap=args.gpu_overlap,
+                  verbose=args.verbose)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ ap.add_argument("--stall-after", type=int, default=None, help="process 1 hangs a
 ap.add_argument("--step-timeout", type=float, default=None)
 ap.add_argument("--replicas", type=int, default=1, help="hybrid sharding: replica groups of the mesh")
 args = ap.parse_args()
+os.makedirs(args.out, exist_ok=True)
 if args.replicas > 1:
     mesh = zj.make_mesh(replicas=args.replicas)
     print(f"hybrid mesh {dict(mesh.shape)}: groups hold the devices of processes "
