@@ -65,3 +65,28 @@ def models_equal(a, b) -> bool:
     import jax
 
     return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_readme_says_how_to_get_simulated_devices_and_what_the_report_total_is(tmp_path):
+    """Snippets run on one CPU device unless the reader sets the device count: the README
+    says how, and the way it gives works. Its communication_report line prints a number of
+    bytes (the report's "total" is a dict of count, bytes and paper units)."""
+    import subprocess
+    import sys
+
+    import jax.numpy as jnp
+    import optax
+
+    assert "JAX_NUM_CPU_DEVICES=8 python train.py" in README and 'jax_num_cpu_devices", 8' in README
+    r = subprocess.run([sys.executable, "-c", "import jax; print(jax.device_count())"], capture_output=True,
+                       text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu",
+                                                     "JAX_NUM_CPU_DEVICES": "8"})
+    assert r.stdout.strip() == "8", r.stderr[-2000:]
+    (line,) = [l for l in README.splitlines() if "zj.communication_report(compiled)" in l and l.startswith("print(")]
+    expr = line[len("print("):line.index("  #")].rstrip()[:-1]
+    mesh, cfg, tx = zj.make_mesh(), zj.ZeroConfig(stage=2), optax.sgd(0.1)
+    state = zj.init_state({"w": jnp.zeros((64, 64))}, tx, mesh=mesh, config=cfg)
+    step = zj.make_train_step(lambda p, b: jnp.mean(jnp.tanh(b @ p["w"])), tx, mesh=mesh, config=cfg)
+    compiled = step.lower(state, jnp.ones((8, 64))).compile()
+    value = eval(expr, {"zj": zj, "compiled": compiled})
+    assert isinstance(value, int) and value == zj.communication_report(compiled)["total"]["bytes"] > 0
