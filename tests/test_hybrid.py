@@ -241,3 +241,24 @@ def test_estimate_takes_the_group_size(capsys):
     assert "an all-reduce of a buffer of Ψ/8 gradient elements" in out
     with pytest.raises(SystemExit):
         cli.main(["estimate", "--params", "1e9", "--devices", "64", "--replicas", "7"])
+
+
+def test_a_batchnorm_synced_over_one_batch_axis_is_warned_about():
+    """On a hybrid mesh, BatchNorm(axis_name="data") normalises each replica group on its
+    own (its statistics differ from the global batch's): the step warns, naming the fix;
+    naming both axes is silent and exact (test above)."""
+    import warnings
+
+    from zerojax.sharding.partial_axes import PartialBatchCollective
+
+    ref_p, ref_bs = bn_reference(2)
+    with pytest.warns(PartialBatchCollective, match=r"loss_fn makes a psum over mesh axes \('data',\), but the batch "
+                                                    r"is split over \('replica', 'data'\).*axis_name=\('replica', "
+                                                    r"'data'\)"):
+        state = bn_run(3, "data", replicas=2)
+    # What the warning is about: the statistics are not the global batch's.
+    assert models.abs_errors(state.model_state["batch_stats"], ref_bs).max() > 1e-3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PartialBatchCollective)
+        bn_run(3, ("replica", "data"), replicas=2)
+        bn_run(3, "data")  # a 1-D mesh: "data" is the whole batch

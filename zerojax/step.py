@@ -23,6 +23,7 @@ from zerojax.optim.offload import choose_place
 from zerojax.optim.update import check_optimizer, clip_by_global_norm, keep_if
 from zerojax.sharding.gradients import Loss
 from zerojax.sharding.mesh import auto_axes, batch_axes, batch_devices
+from zerojax.sharding.partial_axes import warn_partial
 from zerojax.sharding.plan import ZeroPlan
 from zerojax.sharding.stages import stage_of
 from zerojax.state import ZeroState, check_alive, state_shardings
@@ -57,6 +58,12 @@ def _step(loss_fn: Callable, tx: Any, options: dict, state: ZeroState, batch: An
     loss = Loss.build(plan, loss_fn, batch, has_aux=options["has_aux"], with_rng=options["with_rng"],
                       with_model_state=options["with_model_state"], aux_reduce=options["aux_reduce"], rng=rng,
                       model_state=model_state)
+    if plan.replica:  # hybrid mesh: a collective over one batch axis only sees part of the batch
+        shape = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), t)
+        rows = lambda b: jax.ShapeDtypeStruct((b.shape[0] // (plan.world * cfg.grad_accum_steps),) + b.shape[1:],
+                                              b.dtype)
+        warn_partial(loss, plan.mesh, plan.batch_axes,
+                     (loss.param_shapes, jax.tree.map(rows, batch), shape(rng), shape(model_state)))
     value, aux, new_model_state, grads = stage.grads(loss, params, masters, frozen, batch, scale, rng, model_state)
 
     grads = [g / scale for g in grads]

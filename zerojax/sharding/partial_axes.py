@@ -1,0 +1,76 @@
+"""Collectives in the user's loss that cover only part of the batch.
+
+On a hybrid mesh (``zj.make_mesh(replicas=R)``) the batch is split over two axes,
+``("replica", "data")``. A collective inside the loss that names only one of them, such as
+``nn.BatchNorm(axis_name="data")``, reduces within each replica group: its statistics are
+those of 1/R of the batch, and nothing fails. The step traces the loss anyway, so it looks
+at every collective the loss makes and warns about those.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+# Primitives that reduce or gather over named axes (axis_index only reads a device's position).
+_SKIP = frozenset({"axis_index"})
+
+
+class PartialBatchCollective(UserWarning):
+    """A collective in the loss names only some of the mesh axes the batch is split over."""
+
+
+def _named_axes(params: dict) -> tuple[str, ...]:
+    names: list[str] = []
+    for key in ("axes", "axis_name"):
+        value = params.get(key)
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, str):
+                names.append(v)
+    return tuple(names)
+
+
+def _sub_jaxprs(value: Any) -> Iterator[Any]:
+    if hasattr(value, "eqns"):
+        yield value
+    elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
+        yield value.jaxpr
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _sub_jaxprs(v)
+
+
+def collectives(jaxpr: Any) -> Iterator[tuple[str, tuple[str, ...]]]:
+    """``(primitive name, mesh axes)`` of every collective in ``jaxpr`` and the jaxprs inside it."""
+    for eqn in jaxpr.eqns:
+        names = _named_axes(eqn.params)
+        if names and eqn.primitive.name not in _SKIP:
+            yield eqn.primitive.name, names
+        for value in eqn.params.values():
+            for sub in _sub_jaxprs(value):
+                yield from collectives(sub)
+
+
+def warn_partial(fn: Callable, mesh: Any, batch_axes: tuple[str, ...], args: tuple, what: str = "loss_fn") -> None:
+    """Traces ``fn(*args)`` with ``mesh``'s axes bound and warns (:class:`PartialBatchCollective`)
+    about each collective that names some but not all of ``batch_axes``."""
+    if isinstance(batch_axes, str) or len(batch_axes) < 2:
+        return
+    run = jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+    jaxpr = jax.make_jaxpr(run)(*args).jaxpr
+    seen = set()
+    for prim, names in collectives(jaxpr):
+        covered = set(names) & set(batch_axes)
+        if covered and covered != set(batch_axes) and (prim, names) not in seen:
+            seen.add((prim, names))
+            warnings.warn(
+                f"{what} makes a {prim} over mesh axes {names}, but the batch is split over {tuple(batch_axes)}: it "
+                f"reduces within each group of the {', '.join(a for a in batch_axes if a not in names)} axis, over "
+                f"part of the batch (a BatchNorm with axis_name={names[0]!r} normalises each replica group on its "
+                f"own). Name every batch axis, e.g. axis_name={tuple(batch_axes)!r}, if you mean the global batch. "
+                "Integer leaves of a model state are taken from the first device, whatever the others hold.",
+                PartialBatchCollective, stacklevel=2)
