@@ -228,9 +228,10 @@ def test_offload_config_errors(kwargs, match):
 
 
 def test_auto_update_place_falls_back_only_when_the_backend_refuses(monkeypatch):
-    """offload_update="auto" probes the host update: a backend that refuses to compile it
-    (a JaxRuntimeError from its compiler) means "device"; an error in the code being
-    traced (a bug on the host path) is raised, not turned into "device"."""
+    """offload_update="auto" probes the host update: a refusal to run it in host memory (a
+    JaxRuntimeError from the backend's compiler, or JAX's memory-space error while tracing)
+    means "device"; any other error in the code being traced (a bug on the host path) is
+    raised, not turned into "device"."""
     import jax.numpy as jnp
 
     from zerojax.optim import offload
@@ -247,6 +248,11 @@ def test_auto_update_place_falls_back_only_when_the_backend_refuses(monkeypatch)
     with monkeypatch.context() as m:
         m.setattr(jax.stages.Lowered, "compile", refused)
         assert place() == "device"
+    # JAX refusing, while tracing, an operation that mixes host and device memory (optax's
+    # clip_by_global_norm makes its norm in device memory) is such a refusal too.
+    clip = optax.chain(optax.clip_by_global_norm(1.0), TX)
+    clipped = zj.init_state(params, clip, mesh=mesh, config=cfg)
+    assert offload.choose_place(clipped.plan, clip, jax.tree.leaves(clipped.opt_state)) == "device"
 
     def buggy(*a, **k):
         raise TypeError("unsupported operand type(s) for +: 'MaskedNode' and 'float'")

@@ -206,12 +206,19 @@ def choose_place(plan: ZeroPlan, tx: Any, opt: list) -> str:
     masters = [jax.ShapeDtypeStruct(l.storage_shape, jnp.float32, sharding=plan.sharding(l, plan.master_memory))
                for l in plan.master_layouts]
     probe = lambda g, o, w, skip: apply_on_host(plan, tx, g, o, w, skip)
-    # Tracing and lowering run zerojax's and the optimizer's own code: an error there is a
-    # bug to report, not a backend's refusal, and propagates.
-    lowered = jax.jit(probe).lower(grads, [_sds(x) for x in opt], masters,
-                                   jax.ShapeDtypeStruct((), jnp.bool_, sharding=plan.replicated))
+    # Only the two refusals that mean "this update cannot run in host memory here" choose the
+    # device: JAX's, while tracing, of an operation mixing host and device memory (the
+    # optimizer makes a device array, as optax.clip_by_global_norm's norm does), and the
+    # backend compiler's. Any other error is a bug to report, and propagates.
+    try:
+        lowered = jax.jit(probe).lower(grads, [_sds(x) for x in opt], masters,
+                                       jax.ShapeDtypeStruct((), jnp.bool_, sharding=plan.replicated))
+    except ValueError as e:
+        if "memory_space" not in str(e):
+            raise
+        return "device"
     try:
         lowered.compile()
-    except jax.errors.JaxRuntimeError:  # the backend's compiler refuses host computation: not supported here
+    except jax.errors.JaxRuntimeError:
         return "device"
     return "host"
