@@ -12,9 +12,10 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.config import ZeroConfig
 from zerojax.sharding import outputs, per_use
-from zerojax.sharding.gradients import cast_batch, context, local_shapes
+from zerojax.sharding.gradients import cast_batch, context, local_shapes, pending
 from zerojax.sharding.mesh import auto_axes, batch_axes, batch_devices
 from zerojax.sharding.plan import ZeroPlan
+from zerojax.sharding.stages import stage_of
 from zerojax.state import ZeroState
 from zerojax.step import check_batch, check_keywords, check_state
 
@@ -69,29 +70,20 @@ class EvalStep:
         frozen = jax.tree.leaves(state.frozen) if state.frozen is not None else []
         frozen_specs = [l.partition_spec(axis) for l in plan.frozen_layouts]
         train_names, frozen_names = plan.split(plan.paths)
+        read = stage_of(plan).forward(plan)
+        # Leaves with a source are used pending (gathered where used); the others as they are.
+        run = per_use.traced(user_fn, shapes, context(plan, remat=False)) if read.source else user_fn
 
-        if plan.stage == 3:  # only the sharded masters exist: gather each where it is used
-            cfg = plan.config
-            source = per_use.Gathered(axis, plan.world, cfg.compute_dtype, cfg.reduce_dtype, cfg.quant_block,
-                                      plan.replica)
-            frozen_source = per_use.Frozen(axis, cfg.compute_dtype)
-            run = per_use.traced(user_fn, shapes, context(plan, remat=False))
+        def body(train, frozen, b, ms):
+            cast = lambda xs: [x.astype(compute) for x in xs]
+            train = pending([(x,) for x in train], plan.master_layouts, read.source, train_names) \
+                if read.source else cast(train)
+            frozen = pending([(x,) for x in frozen], plan.frozen_layouts, read.frozen_source, frozen_names) \
+                if read.frozen_source else cast(frozen)
+            return combine.over_devices(run(plan.join(train, frozen), (b, ms)), over)
 
-            def body(shards, frozen, b, ms):
-                train = [per_use.Pending(arrays=(s,), layout=l, source=source, name=name)
-                         for s, l, name in zip(shards, plan.master_layouts, train_names)]
-                fro = [per_use.Pending(arrays=(x,), layout=l, source=frozen_source, name=name)
-                       for x, l, name in zip(frozen, plan.frozen_layouts, frozen_names)]
-                return combine.over_devices(run(plan.join(train, fro), (b, ms)), over)
-
-            specs, arrays = [l.partition_spec(axis) for l in plan.master_layouts], state.master
-        else:  # the replicated params forward reads
-            def body(leaves, frozen, b, ms):
-                cast = lambda xs: [x.astype(compute) for x in xs]
-                return combine.over_devices(user_fn(plan.join(cast(leaves), cast(frozen)), (b, ms)), over)
-
-            specs, arrays = [P()] * len(plan.master_layouts), state.params
-        return jax.shard_map(body, mesh=plan.mesh, in_specs=(specs, frozen_specs, batch_spec, P()),
+        arrays = getattr(state, read.field)
+        return jax.shard_map(body, mesh=plan.mesh, in_specs=(read.specs, frozen_specs, batch_spec, P()),
                              out_specs=combine.specs(over), check_vma=False)(jax.tree.leaves(arrays), frozen, batch, ms)
 
     def _jit_for(self, state: ZeroState):

@@ -9,13 +9,11 @@
   division by N happens after the sum, in fp32, except for a float16 reduction, where it
   happens before the sum, as DeepSpeed's reduce-scatter does, so that the sum cannot
   overflow where the gradients themselves do not.
-* :func:`gather` all-gathers a parameter shard in the compute dtype (half the bytes of
-  fp32 for bf16/fp16); its backward is :func:`reduce_grad` of the cotangent.
-* :func:`scatter_grad` is the identity on a resident parameter whose backward
-  reduce-scatters the cotangent into a shard-shaped sink.
-* :func:`gather_from_host` gathers a shard kept in host memory (stage 3 with
-  ``offload_params``): the shard moves to the device first, and backward reduce-scatters
-  the cotangent into a device-resident sink.
+* :func:`gather_values` all-gathers a parameter shard in the compute dtype (half the bytes
+  of fp32 for bf16/fp16), or as blockwise int8.
+
+Which of them a use of a parameter runs, in forward and in backward, is said by its
+:class:`zerojax.sharding.sources.Source`.
 """
 
 from __future__ import annotations
@@ -54,59 +52,3 @@ def gather_values(layout: LeafLayout, axis: str, shard: jax.Array, compute_dtype
     if quant_block:
         return gather_int8(layout, shard, axis, quant_block, compute_dtype)
     return layout.gather(shard.astype(compute_dtype), axis)
-
-
-def gather(layout: LeafLayout, axis: str, n: int, shard: jax.Array, compute_dtype, reduce_dtype,
-           quant_block: int | None = None, replica: str | None = None) -> jax.Array:
-    """Full leaf in ``compute_dtype`` from this device's shard (see module docstring)."""
-
-    @jax.custom_vjp
-    def g(shard):
-        return gather_values(layout, axis, shard, compute_dtype, quant_block)
-
-    def fwd(shard):
-        return g(shard), None
-
-    def bwd(_, ct):
-        return (reduce_grad(ct, axis, n, reduce_dtype, layout, replica).astype(shard.dtype),)
-
-    g.defvjp(fwd, bwd)
-    return g(shard)
-
-
-def scatter_grad(layout: LeafLayout, axis: str, n: int, full: jax.Array, sink: jax.Array,
-                 reduce_dtype, replica: str | None = None) -> jax.Array:
-    """``full``, whose cotangent is reduce-scattered (averaged) into ``sink``'s shape and dtype."""
-
-    @jax.custom_vjp
-    def ident(full, sink):
-        return full
-
-    def fwd(full, sink):
-        return full, None
-
-    def bwd(_, ct):
-        return None, reduce_grad(ct, axis, n, reduce_dtype, layout, replica).astype(sink.dtype)
-
-    ident.defvjp(fwd, bwd)
-    return ident(full, sink)
-
-
-def gather_from_host(layout: LeafLayout, axis: str, n: int, host_shard: jax.Array, sink: jax.Array,
-                     compute_dtype, reduce_dtype, quant_block: int | None = None,
-                     replica: str | None = None) -> jax.Array:
-    """Full leaf in ``compute_dtype`` from a shard in host memory; its gradient goes to ``sink``."""
-
-    @jax.custom_vjp
-    def g(host_shard, sink):
-        shard = jax.device_put(host_shard, jax.memory.Space.Device)
-        return gather_values(layout, axis, shard, compute_dtype, quant_block)
-
-    def fwd(host_shard, sink):
-        return g(host_shard, sink), None
-
-    def bwd(_, ct):
-        return None, reduce_grad(ct, axis, n, reduce_dtype, layout, replica).astype(sink.dtype)
-
-    g.defvjp(fwd, bwd)
-    return g(host_shard, sink)

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.sharding import collectives, outputs, per_use
 from zerojax.sharding.plan import ZeroPlan
+from zerojax.sharding.sources import Source
 
 
 def _check_loss(loss: Any, expected: str) -> None:
@@ -149,7 +150,7 @@ def context(plan: ZeroPlan, remat: bool = True) -> per_use.Context:
     """How the loss is re-evaluated for ``plan``: the remat policy of every layer loop, the
     prefetch depth (stage 3), and the backend's ordering."""
     cfg = plan.config
-    return per_use.Context(scan_remat=cfg.remat if remat else None, cpu=on_cpu(plan),
+    return per_use.Context(scan_remat=cfg.remat if remat else None, order_by_data=on_cpu(plan),
                            prefetch=cfg.prefetch if plan.stage == 3 else 0)
 
 
@@ -250,8 +251,12 @@ def replicated_grads(loss: Loss, *, scatter: bool) -> Callable:
     return run
 
 
-def per_use_grads(loss: Loss, source: per_use.Gathered | per_use.Scattered,
-                  frozen_source: per_use.Frozen | None = None) -> Callable:
+def pending(arrays: list[tuple], layouts: list, source: Source, names: list[str]) -> list[per_use.Pending]:
+    """Parameter leaves kept pending: stored ``arrays`` (a tuple each), used as ``source`` says."""
+    return [per_use.Pending(arrays=a, layout=l, source=source, name=name) for a, l, name in zip(arrays, layouts, names)]
+
+
+def per_use_grads(loss: Loss, source: Source, frozen_source: Source | None = None) -> Callable:
     """``f(resident, sinks, frozen, batch, scale, rng, model_state) -> (loss, aux,
     model_state, grads)``: the loss evaluated with every trainable parameter pending, made
     of ``(*resident[i], sinks[i])`` as ``source`` needs (stage 3: ``resident=[]``, the sinks
@@ -269,13 +274,11 @@ def per_use_grads(loss: Loss, source: per_use.Gathered | per_use.Scattered,
         if frozen_source is None:
             fro = [x.astype(compute) for x in frozen]
         else:
-            fro = [per_use.Pending(arrays=(x,), layout=l, source=frozen_source, name=name)
-                   for x, l, name in zip(frozen, plan.frozen_layouts, frozen_names)]
+            fro = pending([(x,) for x in frozen], plan.frozen_layouts, frozen_source, frozen_names)
 
         def f(sinks):
             arrays = [(r, s) for r, s in zip(resident, sinks)] if resident else [(s,) for s in sinks]
-            train = [per_use.Pending(arrays=a, layout=l, source=source, name=name)
-                     for a, l, name in zip(arrays, plan.master_layouts, train_names)]
+            train = pending(arrays, plan.master_layouts, source, train_names)
             value, aux, ms = traced(plan.join(train, fro), (batch, key, model_state))
             return value * scale / k, (value, aux, ms)
 
@@ -292,7 +295,7 @@ def per_use_grads(loss: Loss, source: per_use.Gathered | per_use.Scattered,
     frozen_specs = [l.partition_spec(axis) for l in plan.frozen_layouts]
 
     # Resident leaves: full and replicated (stage 2), or host-memory shards (offload_params).
-    resident_specs = storage if getattr(source, "host", False) else [P()] * len(plan.master_layouts)
+    resident_specs = [P()] * len(plan.master_layouts) if source.resident else storage
 
     def run(resident, sinks, frozen, batch, scale, rng, model_state):
         batch_spec = jax.tree.map(lambda _: P(plan.batch_axes), batch)

@@ -18,18 +18,19 @@ consumes it:
   remat region with that policy;
 * nested ``jit`` calls are evaluated inline and ``checkpoint`` (remat) regions are
   rebuilt around their pending inputs, so a rematerialised layer re-gathers in backward;
-* any other equation materialises the parameter right there. With ``Gathered`` sources the
-  gather and the equation run inside ``jax.checkpoint``, so backward gathers the
-  parameter again instead of keeping the full copy alive (a ``custom_vjp`` whose
+* any other equation materialises the parameter right there. With a source that gathers
+  (:class:`zerojax.sharding.sources.Source`), the gather and the equation run so that
+  backward gathers the parameter again instead of keeping the full copy alive (a ``custom_vjp`` whose
   backward gathers once the cotangent exists, so no compiler pass can merge the two).
 
 Everything else in the program is evaluated unchanged.
 
 Equations are recognised by primitive object, from ``jax.extend.core.primitives`` (JAX's
-public extension API), and evaluated through ``jax.extend.core.jaxpr_as_fun``. At import
-a self-check traces ``jit``, ``scan`` and ``checkpoint`` and verifies that they produce the
-primitives and parameters this module reads; a JAX release that renames one fails here,
-naming the JAX version and the primitive, instead of silently gathering whole parameters.
+public extension API). Every parameter of a JAX construct this module reads (a call's
+body, a scan's operand split, a checkpoint's options, a slice's bounds) is read through
+:mod:`zerojax.sharding.jax_compat`, which knows each supported JAX release's form and
+checks them at import: a JAX release that moves one fails there, naming the JAX version
+and the construct, instead of silently gathering whole parameters.
 A stacked parameter that reaches a higher-order primitive this module does not handle
 (``while``, ``cond``, ...) is gathered whole there, with a warning that says so.
 """
@@ -45,29 +46,14 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from zerojax.sharding import collectives, prefetch
+from zerojax.sharding import prefetch
 from zerojax.sharding.layout import LeafLayout
+from zerojax.sharding.sources import Source, in_host_memory
 
-# The primitives this module dispatches on, by their names in jax.extend.core.primitives.
-_NEEDED = ("jit_p", "closed_call_p", "scan_p", "remat_p", "slice_p", "reshape_p", "transpose_p",
-           "convert_element_type_p", "squeeze_p", "broadcast_in_dim_p", "copy_p", "add_p", "sub_p",
-           "add_jaxvals_p", "neg_p", "concatenate_p", "pad_p", "reduce_sum_p", "dynamic_slice_p",
-           "gather_p", "select_n_p")
+from zerojax.sharding import jax_compat
 
-
-def _primitives():
-    from jax.extend.core import primitives
-
-    missing = [name for name in _NEEDED if not hasattr(primitives, name)]
-    if missing:
-        raise ImportError(
-            f"zerojax needs the JAX primitives {missing}, which jax {jax.__version__} does not "
-            "export from jax.extend.core.primitives. Install a JAX release in the range "
-            "pyproject.toml lists.")
-    return primitives
-
-
-_P = _primitives()
+jax_compat.self_check()
+_P = jax_compat.P
 # Equations of one operand that only change a value's shape or dtype; a parameter passing
 # through them stays pending and the equation is applied after materialisation.
 _SHAPE_ONLY = frozenset({_P.reshape_p, _P.transpose_p, _P.convert_element_type_p, _P.squeeze_p,
@@ -82,109 +68,13 @@ _SLICE_SAFE = frozenset({_P.convert_element_type_p, _P.copy_p})
 _CALLS = frozenset({_P.jit_p, _P.closed_call_p})
 
 
-def _self_check() -> None:
-    """Traces each construct this module rewrites and checks the primitive and the
-    parameters it reads, so that a renamed primitive fails loudly at import."""
-    x = jax.ShapeDtypeStruct((2,), jnp.float32)  # abstract: importing must not start a backend
-    cases = [
-        ("jax.jit", lambda x: jax.jit(jnp.sin)(x), _P.jit_p, ("jaxpr",)),
-        ("jax.lax.scan", lambda x: jax.lax.scan(lambda c, r: (c + r, None), x[0], x)[0], _P.scan_p,
-         ("jaxpr", "num_consts", "num_carry", "length", "reverse", "unroll")),
-        ("jax.checkpoint", lambda x: jax.checkpoint(jnp.sin)(x), _P.remat_p, ("jaxpr", "prevent_cse", "policy")),
-    ]
-    for what, fn, prim, params in cases:
-        eqns = [e for e in jax.make_jaxpr(fn)(x).jaxpr.eqns if e.primitive is prim]
-        missing = [k for k in params if eqns and k not in eqns[0].params]
-        if not eqns or missing:
-            raise ImportError(
-                f"zerojax's per-use gathering does not recognise {what} in jax {jax.__version__}: "
-                + (f"it no longer traces to the primitive {prim.name!r}" if not eqns else
-                   f"primitive {prim.name!r} has no parameters {missing}")
-                + ". Install a JAX release in the range pyproject.toml lists.")
-
-
-_self_check()
-
-
-@dataclasses.dataclass(frozen=True)
-class Gathered:
-    """ZeRO-3 source: only the local shard exists; materialise = all-gather in the
-    compute dtype (backward: reduce-scatter in the reduce dtype)."""
-
-    axis: str
-    n: int
-    compute_dtype: str = "float32"
-    reduce_dtype: str = "float32"
-    quant_block: int | None = None  # gather as blockwise int8 (ZeroConfig.gather_dtype)
-    replica: str | None = None  # replica-group axis: gradient shards are all-reduced over it
-    remat = True
-
-    def materialize(self, layout: LeafLayout, arrays: Sequence[jax.Array]) -> jax.Array:
-        shard = arrays[0]
-        if _in_host_memory(shard):  # offload_params, read without a gradient (the eval step)
-            shard = jax.device_put(shard, jax.memory.Space.Device)
-        return collectives.gather(layout, self.axis, self.n, shard, self.compute_dtype, self.reduce_dtype,
-                                  self.quant_block, self.replica)
-
-
-@dataclasses.dataclass(frozen=True)
-class Scattered:
-    """ZeRO-2 source: the full parameter is resident; its gradient is reduce-scattered
-    into a shard-shaped sink as soon as backward produces it."""
-
-    axis: str
-    n: int
-    reduce_dtype: str = "float32"
-    replica: str | None = None
-    remat = False
-
-    def materialize(self, layout: LeafLayout, arrays: Sequence[jax.Array]) -> jax.Array:
-        full, sink = arrays
-        return collectives.scatter_grad(layout, self.axis, self.n, full, sink, self.reduce_dtype, self.replica)
-
-
-@dataclasses.dataclass(frozen=True)
-class GatheredFromHost:
-    """ZeRO-3 source with ``offload_params``: the shard lives in host memory; materialise =
-    move it to the device and all-gather there; the gradient is reduce-scattered into a
-    device-resident sink (arrays: ``(host_shard, sink)``)."""
-
-    axis: str
-    n: int
-    compute_dtype: str = "float32"
-    reduce_dtype: str = "float32"
-    quant_block: int | None = None
-    replica: str | None = None
-    remat = True
-    host = True
-
-    def materialize(self, layout: LeafLayout, arrays: Sequence[jax.Array]) -> jax.Array:
-        host_shard, sink = arrays
-        return collectives.gather_from_host(layout, self.axis, self.n, host_shard, sink, self.compute_dtype,
-                                            self.reduce_dtype, self.quant_block, self.replica)
-
-
-@dataclasses.dataclass(frozen=True)
-class Frozen:
-    """A frozen parameter at stage 3: only its shard exists; materialise = all-gather in the
-    compute dtype, again in backward (for the gradient of what it multiplies), but never a
-    reduce-scatter of its own gradient: it has none."""
-
-    axis: str
-    compute_dtype: str = "float32"
-    remat = True
-
-    def materialize(self, layout: LeafLayout, arrays: Sequence[jax.Array]) -> jax.Array:
-        return jax.lax.stop_gradient(layout.gather(arrays[0].astype(self.compute_dtype), self.axis))
-
-
 @dataclasses.dataclass(frozen=True)
 class Pending:
     """A parameter that is not materialised yet: its storage arrays and what to do."""
 
     arrays: tuple[jax.Array, ...]
     layout: LeafLayout
-    source: Gathered | GatheredFromHost | Scattered | Frozen
+    source: Source
     ops: tuple[tuple[jcore.Primitive, dict], ...] = ()
     name: str = ""  # the parameter's path, for messages
 
@@ -207,20 +97,7 @@ class Pending:
         return dataclasses.replace(self, arrays=tuple(arrays), layout=layout)
 
 
-_DEBUG_INFO = jcore.DebugInfo("zerojax per-use evaluation", None, None, None)
-
-
-def _bind(eqn: jcore.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
-    """Evaluates one equation on ``invals`` the way JAX evaluates a jaxpr (its own
-    ``jaxpr_as_fun``), through a one-equation jaxpr."""
-    variables, values = [], []
-    for v, x in zip(eqn.invars, invals):
-        if isinstance(v, jcore.Literal) or any(v is u for u in variables):
-            continue
-        variables.append(v)
-        values.append(x)
-    jaxpr = jcore.Jaxpr([], variables, eqn.outvars, [eqn], eqn.effects, debug_info=_DEBUG_INFO)
-    return list(jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, []))(*values))
+_bind = jax_compat.bind
 
 
 def _materialize_all(vals: Sequence[Any]) -> list[Any]:
@@ -259,7 +136,8 @@ class Context:
     in_remat: bool = False  # inside a remat region: backward recomputes, gathers included
     # Stacked storage split into its layers, once per evaluation (see ``_row``).
     rows: dict | None = dataclasses.field(default=None, compare=False)
-    cpu: bool = True  # XLA's CPU backend drops optimization barriers: order by data there too
+    # XLA's CPU backend drops optimization barriers: there, also order by a data dependency.
+    order_by_data: bool = True
     prefetch: int = 0  # gather this many layers ahead (stage 3; see zerojax.sharding.prefetch)
     # The activation inputs of the gathers so far in this jaxpr (forward prefetch of unrolled layers).
     deps: list | None = dataclasses.field(default=None, compare=False)
@@ -275,21 +153,18 @@ def _eqn_with_pending(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> l
     if prim in _SHAPE_ONLY and len(invals) == 1:
         return [invals[0].then(prim, dict(eqn.params))]
     if prim in _CALLS:
-        closed = eqn.params["jaxpr"]
-        if isinstance(closed, jcore.ClosedJaxpr):
-            return eval_jaxpr(closed.jaxpr, closed.consts, invals, ctx)
-        return eval_jaxpr(closed, (), invals, ctx)
+        return eval_jaxpr(*jax_compat.call_body(eqn), invals, ctx)
     if prim is _P.scan_p:
         return _scan(eqn, invals, ctx)
     if prim is _P.slice_p and len(invals) == 1 and _is_row(eqn, invals[0]):
-        return [_row(invals[0], eqn.params["start_indices"][0], ctx)]
+        return [_row(invals[0], jax_compat.static_slice(eqn).start[0], ctx)]
     if prim is _P.remat_p:
         return _checkpoint(eqn, invals, ctx)
     _warn_if_stack_gathered_whole(eqn, pending)
 
     # Any other consumer: materialise here. Gathered sources are gathered again in backward
     # rather than kept alive from forward.
-    if not any(p.source.remat for p in pending):
+    if not any(p.source.regathers for p in pending):
         return _bind(eqn, _materialize_all(invals))
     if prim in _NO_RESIDUALS or ctx.in_remat:
         # Inside a remat region the gathered value is recomputed (gathered again) for this
@@ -301,7 +176,7 @@ def _eqn_with_pending(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> l
 def _warn_if_stack_gathered_whole(eqn: jcore.JaxprEqn, pending: list[Pending], how: str = "") -> None:
     """A stacked parameter entering a loop or branch this module cannot look into is
     materialised whole for all of it: say so, once per trace."""
-    if not how and not any(True for _ in jcore.jaxprs_in_params(eqn.params)):
+    if not how and not jax_compat.has_sub_programs(eqn):
         return
     for p in pending:
         if p.layout.can_slice_layers:
@@ -316,9 +191,10 @@ def _warn_if_stack_gathered_whole(eqn: jcore.JaxprEqn, pending: list[Pending], h
 def _is_row(eqn: jcore.JaxprEqn, v: Pending) -> bool:
     """Whether ``eqn`` takes one whole layer of a stacked parameter (``w[i]`` in a Python
     loop over layers: ``slice`` of one row along the layer axis, everything else whole)."""
-    if not v.sliceable or eqn.params.get("strides") not in (None, (1,) * len(v.layout.shape)):
+    sl = jax_compat.static_slice(eqn)
+    if not v.sliceable or sl.strides not in (None, (1,) * len(v.layout.shape)):
         return False
-    start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+    start, limit = sl.start, sl.limit
     return (limit[0] - start[0] == 1 and all(s == 0 for s in start[1:])
             and tuple(limit[1:]) == v.layout.shape[1:])
 
@@ -332,7 +208,7 @@ def _row(v: Pending, i: int, ctx: Context) -> Pending:
     concatenation): slicing each layer on its own would give every layer's gradient a
     zero-padded copy of the whole stack's shard in backward."""
     key = tuple(id(a) for a in v.arrays)
-    cache = ctx.rows if ctx.rows is not None else {}
+    cache = ctx.rows
     if key not in cache:
         split = [[jnp.squeeze(r, 0) for r in jax.lax.split(a, [1] * a.shape[0], axis=0)] for a in v.arrays]
         cache[key] = (v.arrays, split)  # the arrays are kept so their ids stay unique
@@ -358,7 +234,7 @@ def _tied_to_inputs(invals: list[Any], ctx: Context) -> list[Any]:
     dep = _order_after(_first_float(invals), ctx, record=False)
     if dep is None:
         return invals
-    return [v.rebuild([_after(a, dep, ctx.cpu) for a in v.arrays]) if isinstance(v, Pending) else v
+    return [v.rebuild([_after(a, dep, ctx.order_by_data) for a in v.arrays]) if isinstance(v, Pending) else v
             for v in invals]
 
 
@@ -376,11 +252,7 @@ def _order_after(dep: jax.Array | None, ctx: Context, record: bool = True) -> ja
     return earlier
 
 
-def _in_host_memory(x: jax.Array) -> bool:
-    return str(getattr(jax.typeof(x), "memory_space", "")).endswith("Host")
-
-
-def _after(x: jax.Array, dep: jax.Array, cpu: bool = True) -> jax.Array:
+def _after(x: jax.Array, dep: jax.Array, order_by_data: bool = True) -> jax.Array:
     """``x``, scheduled after ``dep`` exists, its value unchanged whatever ``dep`` holds.
 
     An optimization barrier orders them where the backend honours it. XLA's CPU pipeline
@@ -394,20 +266,20 @@ def _after(x: jax.Array, dep: jax.Array, cpu: bool = True) -> jax.Array:
     that of the run without offload."""
     dep = jax.lax.stop_gradient(dep)  # an order, not a value: no gradient flows through it
     x, _ = jax.lax.optimization_barrier((x, dep))
-    if cpu:
+    if order_by_data:
         d = jnp.ravel(dep)[0]
         zero = -jnp.abs(jnp.where(jnp.isfinite(d), d * 0, jnp.zeros_like(d)))
-        if _in_host_memory(x):  # offload_params: the same sum, on a device copy (a no-op move on CPU)
+        if in_host_memory(x):  # offload_params: the same sum, on a device copy (a no-op move on CPU)
             return jax.device_put(jax.device_put(x, jax.memory.Space.Device) + zero.astype(x.dtype),
                                   jax.memory.Space.Host)
         x = x + zero.astype(x.dtype)
     return x
 
 
-def after_all(xs: Sequence[jax.Array], cpu: bool = True) -> list[jax.Array]:
+def after_all(xs: Sequence[jax.Array], order_by_data: bool = True) -> list[jax.Array]:
     """Each of ``xs``, scheduled after all of them exist (nothing proceeds until all do)."""
     dep = sum(jnp.ravel(x)[0].astype(jnp.float32) for x in xs)  # needs every one of them
-    return [_after(x, dep, cpu) for x in xs]
+    return [_after(x, dep, order_by_data) for x in xs]
 
 
 def _regathered(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any]:
@@ -424,7 +296,7 @@ def _regathered(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> list[An
     # with or without differentiation (an eval step runs the region's primal alone). The
     # untied shards are what backward keeps.
     dep = _order_after(_first_float([invals[i] for i in traced]), ctx)
-    tie = lambda flat, dep: flat if dep is None else [_after(a, dep, ctx.cpu) for a in flat]
+    tie = lambda flat, dep: flat if dep is None else [_after(a, dep, ctx.order_by_data) for a in flat]
 
     def compute(flat, traced_vals):
         vals = rebuild(flat)
@@ -445,7 +317,7 @@ def _regathered(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> list[An
         _, vjp = jax.vjp(compute, flat, traced_vals)
         d_flat, d_traced = vjp(list(cts))
         # Shards in host memory (offload_params) get no cotangent: their gradient goes to a sink.
-        d_flat = [None if _in_host_memory(x) else d for x, d in zip(flat, d_flat)]
+        d_flat = [None if in_host_memory(x) else d for x, d in zip(flat, d_flat)]
         return d_flat, d_traced, None
 
     region.defvjp(fwd, bwd)
@@ -453,7 +325,7 @@ def _regathered(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> list[An
 
 
 def _checkpoint(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any]:
-    jaxpr = eqn.params["jaxpr"]
+    spec = jax_compat.remat(eqn)
     flat, rebuild = _split_pending(invals)
     others_idx = [i for i, v in enumerate(invals) if not isinstance(v, Pending)]
 
@@ -463,20 +335,15 @@ def _checkpoint(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> list[An
         vals = rebuild(flat)
         for i, o in zip(others_idx, others):
             vals[i] = o
-        if isinstance(jaxpr, jcore.ClosedJaxpr):
-            return eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, vals, inner_ctx)
-        return eval_jaxpr(jaxpr, (), vals, inner_ctx)
+        return eval_jaxpr(spec.body, spec.body_consts, vals, inner_ctx)
 
-    inner = jax.checkpoint(
-        inner, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy")
-    )
+    inner = jax.checkpoint(inner, prevent_cse=spec.prevent_cse, policy=spec.policy)
     return list(inner(flat, [invals[i] for i in others_idx]))
 
 
 def _scan(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any]:
-    p = eqn.params
-    n_consts, n_carry = p["num_consts"], p["num_carry"]
-    body: jcore.ClosedJaxpr = p["jaxpr"]
+    p = jax_compat.scan(eqn)
+    n_consts, n_carry = p.n_consts, p.n_carry
     _warn_if_stack_gathered_whole(eqn, [v for v in invals[: n_consts + n_carry] if isinstance(v, Pending)],
                                   " as a loop constant or carry (not scanned over)")
     consts = _materialize_all(invals[:n_consts])
@@ -486,16 +353,16 @@ def _scan(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any]:
     xs_in = [v if isinstance(v, Pending) and v.sliceable else
              (v.materialize() if isinstance(v, Pending) else v) for v in xs_in]
     xs_arrays = [v.arrays if isinstance(v, Pending) else v for v in xs_in]
-    stack_pos = [k for k, v in enumerate(xs_in) if isinstance(v, Pending) and v.source.remat]
-    if ctx.prefetch and stack_pos and not p["reverse"]:
+    stack_pos = [k for k, v in enumerate(xs_in) if isinstance(v, Pending) and v.source.regathers]
+    if ctx.prefetch and stack_pos and not p.reverse:
         others = [v for k, v in enumerate(xs_in) if k not in stack_pos]
-        if prefetch.applies(carry, others, [v.aval for v in body.jaxpr.outvars]):
-            inner = Context(cpu=ctx.cpu)
+        if prefetch.applies(carry, others, [v.aval for v in p.body.outvars]):
+            inner = Context(order_by_data=ctx.order_by_data)
 
             def run_body(consts, carry, xs_vals):
-                return eval_jaxpr(body.jaxpr, body.consts, [*consts, *carry, *xs_vals], inner)
+                return eval_jaxpr(p.body, p.body_consts, [*consts, *carry, *xs_vals], inner)
 
-            return prefetch.prefetched_scan(run_body, n_carry, p["length"], ctx.prefetch,
+            return prefetch.prefetched_scan(run_body, n_carry, p.length, ctx.prefetch,
                                             [xs_in[k] for k in stack_pos], stack_pos, consts, carry, others,
                                             len(xs_in))
         warnings.warn("zerojax: prefetch skipped for a layer loop whose carry, scanned inputs or outputs are "
@@ -508,13 +375,13 @@ def _scan(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any]:
     def step(carry, xs_slices):
         xs_vals = [orig.rebuild(sl, sliced=True) if isinstance(orig, Pending) else sl
                    for orig, sl in zip(xs_in, xs_slices)]
-        outs = eval_jaxpr(body.jaxpr, body.consts, [*consts, *carry, *xs_vals], body_ctx)
+        outs = eval_jaxpr(p.body, p.body_consts, [*consts, *carry, *xs_vals], body_ctx)
         return outs[:n_carry], outs[n_carry:]
 
     if remat:
         step = jax.checkpoint(step, policy=ctx.scan_remat.jax_policy(), prevent_cse=False)
     carry_out, ys = jax.lax.scan(
-        step, carry, xs_arrays, length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
+        step, carry, xs_arrays, length=p.length, reverse=p.reverse, unroll=p.unroll
     )
     return [*carry_out, *ys]
 
@@ -523,6 +390,8 @@ def eval_jaxpr(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
                ctx: Context = _PLAIN) -> list[Any]:
     """Evaluates ``jaxpr`` like ``jax.core.eval_jaxpr``, keeping parameters pending."""
     env: dict[Any, Any] = {}
+    if ctx.rows is None:  # one split of each stack per evaluation (see ``_row``)
+        ctx = dataclasses.replace(ctx, rows={})
     if ctx.prefetch:
         ctx = dataclasses.replace(ctx, deps=[])  # this jaxpr's own order of gathered uses
 
@@ -547,12 +416,12 @@ def eval_jaxpr(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
     return _materialize_all([read(v) for v in jaxpr.outvars])
 
 
-def call_per_use(closed: jcore.ClosedJaxpr, params: Sequence[Any], args: Sequence[Any],
+def call_per_use(closed: Any, params: Sequence[Any], args: Sequence[Any],
                  ctx: Context = _PLAIN) -> list[Any]:
     """Evaluates ``closed`` (traced with full parameters first, then ``args``) with the
     parameters given as pending values (or plain arrays)."""
-    ctx = dataclasses.replace(ctx, rows={})
-    return eval_jaxpr(closed.jaxpr, closed.consts, [*params, *args], ctx)
+    ctx = dataclasses.replace(ctx, rows=None)
+    return eval_jaxpr(*jax_compat.open_jaxpr(closed), [*params, *args], ctx)
 
 
 def traced(fn: Callable, param_shapes: Sequence[jax.ShapeDtypeStruct], ctx: Context = _PLAIN) -> Callable:

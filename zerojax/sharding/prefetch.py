@@ -28,8 +28,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zerojax.sharding import collectives
-
 
 def applies(carry: Sequence[Any], others: Sequence[Any], out_avals: Sequence[Any]) -> bool:
     """Whether the prefetching scan can run this stack: every carry, scanned input and
@@ -44,7 +42,7 @@ def prefetched_scan(body: Callable[[list, list, list], list], n_carry: int, leng
     """Runs ``body(consts, carry, xs_vals) -> carry + ys`` over ``length`` layers.
 
     ``stacks`` are the pending stacked parameters scanned over (``Pending`` with one storage
-    array each and a ``Gathered`` or ``Frozen`` source), at positions ``stack_pos`` of the
+    array each and a source that gathers: stage 3's, trained or frozen), at positions ``stack_pos`` of the
     ``n_xs`` scanned inputs; ``others`` are the other scanned inputs, in order. Returns the
     scan's outputs (final carry, then the stacked ys)."""
     depth = min(depth, length)
@@ -134,8 +132,7 @@ def _join(first: list, second: list) -> list:
 
 def _gather(row, shard: jax.Array) -> jax.Array:
     """One layer's full parameter in the compute dtype, from this device's shard."""
-    src = row.source
-    return collectives.gather_values(row.layout, src.axis, shard, src.compute_dtype, getattr(src, "quant_block", None))
+    return row.source.values(row.layout, shard)
 
 
 def _apply_ops(rows, gathered: list) -> list:
@@ -150,8 +147,6 @@ def _apply_ops(rows, gathered: list) -> list:
 def _reduce(row, ct: jax.Array, shard_stack: jax.Array) -> jax.Array:
     """The gathered layer's cotangent, reduce-scattered into the layer's gradient shard (zero
     for a frozen stack: it has no gradient, and nothing is reduced)."""
-    src = row.source
-    if not hasattr(src, "reduce_dtype"):  # Frozen
+    if not row.source.trains:
         return jnp.zeros(shard_stack.shape[1:], shard_stack.dtype)
-    return collectives.reduce_grad(ct, src.axis, src.n, src.reduce_dtype, row.layout,
-                                   src.replica).astype(shard_stack.dtype)
+    return row.source.grad(row.layout, ct, shard_stack.dtype)

@@ -12,14 +12,16 @@ Each stage says:
 * :meth:`Stage.grads`: the loss, aux, new model state and the gradient in the same
   layouts (frozen parameters, stored in ``state.frozen`` by ``plan.frozen_layouts``, are
   read but get no gradient);
-* :meth:`Stage.field_shardings`: where ``params`` and ``master`` live.
+* :meth:`Stage.field_shardings`: where ``params`` and ``master`` live;
+* :meth:`Stage.forward`: what a forward-only pass (the eval step) reads, and how.
 
-Initialisation, the optimizer step and checkpoint restore are the same for every stage:
-they go through these four. A new variant is a new class here.
+Initialisation, the optimizer step, evaluation and checkpoint restore are the same for
+every stage: they go through these five. A new variant is a new class here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -27,11 +29,23 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerojax.sharding import per_use
 from zerojax.sharding.gradients import Loss, per_use_grads, replicated_grads
 from zerojax.sharding.plan import ZeroPlan
+from zerojax.sharding.sources import Source
 
 Leaves = list[jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Forward:
+    """What a forward pass reads: the state's ``field`` (``"params"`` or ``"master"``),
+    with these per-device specs; trainable and frozen leaves are used pending from
+    ``source`` / ``frozen_source``, or as they are (cast to the compute dtype) when None."""
+
+    field: str
+    specs: list
+    source: Source | None = None
+    frozen_source: Source | None = None
 
 
 class Stage:
@@ -52,6 +66,10 @@ class Stage:
               scale: jax.Array, rng: Any, model_state: Any):
         """``(loss, aux, model_state, grads)``: see :mod:`zerojax.sharding.gradients`."""
         raise NotImplementedError
+
+    def forward(self, plan: ZeroPlan) -> Forward:
+        """Stages 0–2: the replicated ``params``, used as they are."""
+        return Forward("params", [P()] * len(plan.master_layouts))
 
 
 class Stage0(Stage):
@@ -116,7 +134,7 @@ class Stage2(_ReplicatedCopy):
 
     def grads(self, loss, params, masters, frozen, batch, scale, rng, model_state):
         cfg = loss.plan.config
-        source = per_use.Scattered(cfg.axis, loss.plan.world, cfg.reduce_dtype, loss.plan.replica)
+        source = Source.scattered(cfg.axis, loss.plan.world, cfg.reduce_dtype, loss.plan.replica)
         return per_use_grads(loss, source)(params, _device_sinks(loss.plan, masters), frozen, batch, scale, rng,
                                            model_state)
 
@@ -135,19 +153,27 @@ class Stage3(Stage):
     def masters(self, plan, params, master):
         return master
 
+    def forward(self, plan):
+        """The master shards, each gathered where it is used (from host memory too)."""
+        return Forward("master", [l.partition_spec(plan.axis) for l in plan.master_layouts],
+                       _gathered(plan), Source.frozen(plan.axis, plan.config.compute_dtype))
+
     def grads(self, loss, params, masters, frozen, batch, scale, rng, model_state):
-        plan, cfg = loss.plan, loss.plan.config
-        frozen_source = per_use.Frozen(cfg.axis, cfg.compute_dtype)
+        plan = loss.plan
+        frozen_source = Source.frozen(plan.axis, plan.config.compute_dtype)
         if plan.master_memory is None:
-            source = per_use.Gathered(cfg.axis, plan.world, cfg.compute_dtype, cfg.reduce_dtype, cfg.quant_block,
-                                      plan.replica)
-            return per_use_grads(loss, source, frozen_source)([], masters, frozen, batch, scale, rng, model_state)
+            return per_use_grads(loss, _gathered(plan), frozen_source)([], masters, frozen, batch, scale, rng,
+                                                                       model_state)
         # Parameters in host memory: each use moves its shard to the device and gathers it
         # there; the gradient is reduce-scattered into a device-resident shard.
-        source = per_use.GatheredFromHost(cfg.axis, plan.world, cfg.compute_dtype, cfg.reduce_dtype,
-                                          cfg.quant_block, plan.replica)
-        return per_use_grads(loss, source, frozen_source)(masters, _device_sinks(plan, masters), frozen, batch, scale,
-                                                          rng, model_state)
+        return per_use_grads(loss, _gathered(plan, host=True), frozen_source)(
+            masters, _device_sinks(plan, masters), frozen, batch, scale, rng, model_state)
+
+
+def _gathered(plan: ZeroPlan, host: bool = False) -> Source:
+    cfg = plan.config
+    return Source.gathered(cfg.axis, plan.world, cfg.compute_dtype, cfg.reduce_dtype, cfg.quant_block, plan.replica,
+                           host=host)
 
 
 STAGES: dict[int, Stage] = {s.number: s for s in (Stage0(), Stage1(), Stage2(), Stage3())}

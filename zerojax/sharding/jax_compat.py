@@ -1,0 +1,184 @@
+"""Everything zerojax reads of JAX's program representation (jaxprs), in one place.
+
+Per-use gathering (:mod:`zerojax.sharding.per_use`) re-evaluates a traced loss equation
+by equation, so it reads a few constructs of JAX's internal program form: the body of a
+call, the split of a ``scan``'s operands, a ``checkpoint``'s options, a ``slice``'s bounds,
+and how to evaluate one equation. Their parameters move between JAX releases; this module
+holds one small function per construct, each reading every supported release's form:
+
+============  ====================================  ===================================
+construct     jax 0.10                              jax 0.11 - 0.12
+============  ====================================  ===================================
+sub-program   ``ClosedJaxpr(jaxpr, consts)``        ``Jaxpr`` carrying its ``consts``
+scan split    ``num_consts``, ``num_carry``         ``ft_in`` (consts, carry, xs trees)
+one equation  ``ClosedJaxpr(Jaxpr(...), [])``       ``Jaxpr(..., consts=[])``
+============  ====================================  ===================================
+
+Supporting a new JAX release means updating the functions below; nothing else in
+zerojax names a JAX primitive parameter. At import :func:`self_check` traces each construct
+and runs it through these functions: a release that moves one fails there with one
+``ImportError`` naming the JAX version and the construct, instead of zerojax silently
+gathering whole parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+# The primitives zerojax dispatches on, by their names in jax.extend.core.primitives.
+NEEDED = ("jit_p", "closed_call_p", "scan_p", "remat_p", "slice_p", "reshape_p", "transpose_p",
+          "convert_element_type_p", "squeeze_p", "broadcast_in_dim_p", "copy_p", "add_p", "sub_p",
+          "add_jaxvals_p", "neg_p", "concatenate_p", "pad_p", "reduce_sum_p", "dynamic_slice_p",
+          "gather_p", "select_n_p")
+
+# jax >= 0.11 merged ClosedJaxpr into Jaxpr (the name stays, as an alias).
+_MERGED = jcore.ClosedJaxpr is jcore.Jaxpr
+
+
+def _unsupported(what: str, detail: str) -> ImportError:
+    return ImportError(
+        f"zerojax's per-use gathering does not recognise {what} in jax {jax.__version__}: {detail}. "
+        "zerojax reads JAX's program form in zerojax/sharding/jax_compat.py; install a JAX release "
+        "in the range pyproject.toml lists (jax>=0.10,<0.13).")
+
+
+def _primitives():
+    from jax.extend.core import primitives
+
+    missing = [name for name in NEEDED if not hasattr(primitives, name)]
+    if missing:
+        raise _unsupported("its primitives", f"jax.extend.core.primitives does not export {missing}")
+    return primitives
+
+
+P = _primitives()
+
+
+def open_jaxpr(program: Any) -> tuple[jcore.Jaxpr, tuple]:
+    """``(jaxpr, consts)`` of a sub-program, as ``eval_jaxpr`` takes them: a 0.10
+    ``ClosedJaxpr``, a 0.11+ ``Jaxpr`` with its consts, or an open ``Jaxpr`` (no consts)."""
+    if not _MERGED and isinstance(program, jcore.ClosedJaxpr):
+        return program.jaxpr, tuple(program.consts)
+    consts = getattr(program, "consts", None) if _MERGED else None
+    return program, tuple(consts or ())
+
+
+def call_body(eqn: jcore.JaxprEqn) -> tuple[jcore.Jaxpr, tuple]:
+    """The body of an inlined call (``jit``, ``closed_call``)."""
+    return open_jaxpr(eqn.params["jaxpr"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Scan:
+    """A ``scan`` equation's operands: ``consts + carry + xs``, body ``(consts, carry, x) ->
+    (carry, y)``."""
+
+    body: jcore.Jaxpr
+    body_consts: tuple
+    n_consts: int
+    n_carry: int
+    length: int
+    reverse: bool
+    unroll: int | bool
+
+
+def scan(eqn: jcore.JaxprEqn) -> Scan:
+    p = eqn.params
+    if "num_consts" in p:  # jax 0.10
+        n_consts, n_carry = p["num_consts"], p["num_carry"]
+    else:  # jax 0.11+: flat trees of (consts, carry, xs)
+        consts_tree, carry_tree, _ = p["ft_in"].unpack()
+        n_consts, n_carry = len(consts_tree), len(carry_tree)
+    body, body_consts = open_jaxpr(p["jaxpr"])
+    return Scan(body, body_consts, n_consts, n_carry, p["length"], p["reverse"], p["unroll"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Remat:
+    """A ``checkpoint`` equation: its body and the options to rebuild it with."""
+
+    body: jcore.Jaxpr
+    body_consts: tuple
+    prevent_cse: bool
+    policy: Any
+
+
+def remat(eqn: jcore.JaxprEqn) -> Remat:
+    body, consts = open_jaxpr(eqn.params["jaxpr"])
+    return Remat(body, consts, eqn.params.get("prevent_cse", True), eqn.params.get("policy"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    start: tuple[int, ...]
+    limit: tuple[int, ...]
+    strides: tuple[int, ...] | None
+
+
+def static_slice(eqn: jcore.JaxprEqn) -> Slice:
+    p = eqn.params
+    return Slice(tuple(p["start_indices"]), tuple(p["limit_indices"]), p.get("strides"))
+
+
+def has_sub_programs(eqn: jcore.JaxprEqn) -> bool:
+    """Whether ``eqn`` runs programs of its own (a loop, a branch, a custom rule, ...)."""
+    return any(True for _ in jcore.jaxprs_in_params(eqn.params))
+
+
+_DEBUG_INFO = jcore.DebugInfo("zerojax per-use evaluation", None, None, None)
+
+
+def bind(eqn: jcore.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    """Evaluates one equation on ``invals`` the way JAX evaluates a jaxpr (its own
+    ``jaxpr_as_fun``), through a one-equation program."""
+    variables, values = [], []
+    for v, x in zip(eqn.invars, invals):
+        if isinstance(v, jcore.Literal) or any(v is u for u in variables):
+            continue
+        variables.append(v)
+        values.append(x)
+    if _MERGED:
+        closed = jcore.Jaxpr([], variables, eqn.outvars, [eqn], eqn.effects, debug_info=_DEBUG_INFO, consts=[])
+    else:
+        closed = jcore.ClosedJaxpr(jcore.Jaxpr([], variables, eqn.outvars, [eqn], eqn.effects,
+                                               debug_info=_DEBUG_INFO), [])
+    return list(jcore.jaxpr_as_fun(closed)(*values))
+
+
+def self_check() -> None:
+    """Traces each construct zerojax rewrites and reads it through this module, so that a
+    JAX release that moves one fails at import, naming the construct."""
+    x = jax.ShapeDtypeStruct((3, 2), jnp.float32)  # abstract: importing must not start a backend
+    w = jnp.ones((2,), jnp.float32)
+
+    def scanned(x):
+        return jax.lax.scan(lambda c, r: (c * w + r, jnp.sum(r)), x[0], x)[0]
+
+    def checks():
+        yield "jax.jit", lambda x: jax.jit(jnp.sin)(x), P.jit_p, lambda e: call_body(e)[0].eqns
+        yield ("jax.lax.scan", scanned, P.scan_p,
+               lambda e: (s := scan(e)) and (s.n_consts, s.n_carry, s.length) == (1, 1, 3)
+               and len(s.body.invars) == 3 and len(s.body.outvars) == 2)
+        yield ("jax.checkpoint", lambda x: jax.checkpoint(jnp.sin)(x), P.remat_p,
+               lambda e: (r := remat(e)) and r.body.eqns and isinstance(r.prevent_cse, bool))
+        yield ("slicing (x[0])", lambda x: x[0], P.slice_p,
+               lambda e: static_slice(e).limit == (1, 2))
+
+    for what, fn, prim, ok in checks():
+        eqns = [e for e in jax.make_jaxpr(fn)(x).jaxpr.eqns if e.primitive is prim]
+        if not eqns:
+            raise _unsupported(what, f"it no longer traces to the primitive {prim.name!r}")
+        try:
+            good = bool(ok(eqns[0]))
+        except (KeyError, AttributeError, TypeError, ValueError) as e:
+            raise _unsupported(what, f"primitive {prim.name!r} has parameters {sorted(eqns[0].params)}, "
+                                     f"read as {type(e).__name__}: {e}") from e
+        if not good:
+            raise _unsupported(what, f"primitive {prim.name!r} has parameters {sorted(eqns[0].params)} "
+                                     "that read differently than expected")
