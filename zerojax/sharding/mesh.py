@@ -25,17 +25,21 @@ def make_mesh(devices: Sequence[jax.Device] | None = None, axis: str = "data", *
     ``(R, N/R)`` named ``(replica_axis, axis)``: every stage shards over ``axis`` within a
     group of ``N/R`` devices and replicates over ``replica_axis`` (hybrid sharding).
 
-    Axes use ``AxisType.Auto`` so that the optimizer update, which zerojax leaves to XLA's
-    partitioner, stays local to each shard and reduces only where it must. On a multi-host
+    Every axis is ``AxisType.Auto`` (classic GSPMD), on every JAX version, so that the
+    optimizer update, which zerojax leaves to XLA's partitioner, stays local to each shard
+    and reduces only where it must. (``jax.make_mesh`` itself defaults to ``Explicit`` axes
+    on jax 0.12; zerojax uses such a mesh in its ``Auto`` form, see :func:`auto_axes`.) On a multi-host
     job with one replica group per process (``R == jax.process_count()``), the grid comes
     from ``mesh_utils.create_hybrid_device_mesh`` (each group one process's devices, laid out
     for its interconnect); otherwise devices are taken in ``jax.devices()`` order, process by
     process, ``N/R`` per group (see the module docstring).
 
     Example:
-      >>> import zerojax as zj
+      >>> import jax, zerojax as zj
       >>> zj.make_mesh().axis_names
       ('data',)
+      >>> zj.make_mesh().axis_types == (jax.sharding.AxisType.Auto,)
+      True
       >>> mesh = zj.make_mesh(replicas=2)
       >>> mesh.axis_names, dict(mesh.shape)
       (('replica', 'data'), {'replica': 2, 'data': 4})
