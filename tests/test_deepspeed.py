@@ -59,7 +59,7 @@ MICS = {"bf16": {"enabled": True}, "gradient_clipping": 1.0,
 
 def test_zero3_offload_config():
     with pytest.warns(UserWarning) as caught:
-        cfg = zj.ZeroConfig.from_deepspeed(ZERO3_OFFLOAD)
+        cfg = zj.from_deepspeed(ZERO3_OFFLOAD)
     assert cfg == zj.ZeroConfig(stage=3, compute_dtype="float16", loss_scale="auto", initial_scale_power=12,
                                 loss_scale_window=500, hysteresis=2, min_loss_scale=1.0, grad_clip=1.0,
                                 grad_accum_steps=4, offload_optimizer=True, offload_params=True,
@@ -88,7 +88,7 @@ def test_zero2_bf16_config_and_its_optimizer():
 
 def test_static_loss_scale_and_the_clipping_default():
     with pytest.warns(UserWarning, match=r"gradient_clipping is absent.*PR #8068.*grad_clip=1.0"):
-        cfg = zj.ZeroConfig.from_deepspeed(ZERO1_STATIC)
+        cfg = zj.from_deepspeed(ZERO1_STATIC)
     assert cfg.stage == 1 and cfg.compute_dtype == "float16"
     assert cfg.resolved_loss_scale == 128.0 and not cfg.dynamic_scaling
     assert cfg.grad_clip == 1.0
@@ -96,7 +96,7 @@ def test_static_loss_scale_and_the_clipping_default():
 
 def test_zeropp_maps_int8_gathers_and_hpz_groups_and_names_what_is_not_there():
     with pytest.warns(UserWarning) as caught:
-        cfg = zj.ZeroConfig.from_deepspeed(ZEROPP)
+        cfg = zj.from_deepspeed(ZEROPP)
     text = str(caught[0].message)
     assert "zero_optimization.zero_quantized_gradients: not in zerojax yet" in text
     assert "zero_quantized_weights" not in text.split("Notes:")[0]  # mapped: int8 weight gathers
@@ -127,7 +127,7 @@ def test_old_forms_and_a_clean_config():
                       "gradient_clipping": 0}).config.offload_optimizer
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing unmapped: no warning
-        cfg = zj.ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 0}, "gradient_clipping": 0.5})
+        cfg = zj.from_deepspeed({"zero_optimization": {"stage": 0}, "gradient_clipping": 0.5})
     assert cfg == zj.ZeroConfig(stage=0, grad_clip=0.5)
     nvme = translate({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",
                                                                               "nvme_path": "/nvme"}}})
@@ -137,10 +137,10 @@ def test_old_forms_and_a_clean_config():
 
 def test_unknown_keys_warn_by_name():
     with pytest.warns(UserWarning, match=r"my_custom_key: unknown to this mapping"):
-        zj.ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 1}, "gradient_clipping": 1.0,
+        zj.from_deepspeed({"zero_optimization": {"stage": 1}, "gradient_clipping": 1.0,
                                       "my_custom_key": 3})
     with pytest.warns(UserWarning, match=r"zero_optimization.stage4_magic: unknown"):
-        zj.ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 1, "stage4_magic": 1}, "gradient_clipping": 1.0})
+        zj.from_deepspeed({"zero_optimization": {"stage": 1, "stage4_magic": 1}, "gradient_clipping": 1.0})
 
 
 @pytest.mark.parametrize("ds,match", [
@@ -163,24 +163,24 @@ def test_unknown_keys_warn_by_name():
 ])
 def test_contradictions_raise(ds, match):
     with pytest.raises(ValueError, match=match):
-        zj.ZeroConfig.from_deepspeed(ds)
+        zj.from_deepspeed(ds)
 
 
 def test_files(tmp_path):
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(ZERO3_OFFLOAD))
     with pytest.warns(UserWarning):
-        assert zj.ZeroConfig.from_deepspeed(path) == zj.ZeroConfig.from_deepspeed(str(path))
+        assert zj.from_deepspeed(path) == zj.from_deepspeed(str(path))
     dup = tmp_path / "dup.json"
     dup.write_text('{"gradient_clipping": 1.0, "gradient_clipping": 0.0}')
     with pytest.raises(ValueError, match=r"repeats the key\(s\) \['gradient_clipping'\]"):
-        zj.ZeroConfig.from_deepspeed(dup)
+        zj.from_deepspeed(dup)
     bad = tmp_path / "bad.json"
     bad.write_text("{stage: 3}")
     with pytest.raises(ValueError, match="is not valid JSON"):
-        zj.ZeroConfig.from_deepspeed(bad)
+        zj.from_deepspeed(bad)
     with pytest.raises(TypeError, match="a path to a DeepSpeed JSON config or a dict"):
-        zj.ZeroConfig.from_deepspeed(3)
+        zj.from_deepspeed(3)
 
 
 def test_printed_code_builds_the_same_config_and_optimizer():
@@ -227,7 +227,7 @@ def test_weight_decay_is_deepspeeds_default_not_optaxs():
 def test_translated_fp16_scaler_is_what_the_step_uses():
     """initial_scale_power 12 from the DeepSpeed config: the first step scales by 2^12."""
     with pytest.warns(UserWarning):
-        cfg = zj.ZeroConfig.from_deepspeed({**ZERO3_OFFLOAD, "zero_optimization": {"stage": 2}})
+        cfg = zj.from_deepspeed({**ZERO3_OFFLOAD, "zero_optimization": {"stage": 2}})
     tx = optax.adamw(3e-5)
     mesh = zj.make_mesh()
     state = zj.init_state(models.mlp_params(), tx, mesh=mesh, config=cfg)

@@ -3,6 +3,7 @@
 from zerojax import checkpoint, distributed, remat, xla_flags
 from zerojax.checkpoint import export_weights, restore_checkpoint, save_checkpoint
 from zerojax.config import ZeroConfig
+from zerojax.deepspeed import from_deepspeed
 from zerojax.evaluate import EvalStep, make_eval_step
 from zerojax.params import gather_params
 from zerojax.report.comm import communication_report
@@ -27,6 +28,7 @@ __all__ = [
     "abstract_state",
     "distributed",
     "export_weights",
+    "from_deepspeed",
     "remat",
     "restore_checkpoint",
     "save_checkpoint",

@@ -238,24 +238,6 @@ class ZeroConfig:
             )
         object.__setattr__(self, "loss_scale", float(ls))
 
-    @classmethod
-    def from_deepspeed(cls, source: Any) -> ZeroConfig:
-        """The ZeroConfig of a DeepSpeed JSON config (a path or a dict): stage, fp16 and its
-        scaler, bf16, gradient clipping and accumulation, communication dtype, offload and
-        activation checkpointing. Every key it does not map is named, with the reason, in
-        one warning; contradictions raise ``ValueError``. See :mod:`zerojax.deepspeed`.
-
-        Example:
-          >>> import zerojax as zj
-          >>> zj.ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 3},
-          ...     "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12},
-          ...     "gradient_clipping": 1.0}).initial_scale_power
-          12
-        """
-        from zerojax.deepspeed import from_deepspeed
-
-        return from_deepspeed(source)
-
     @property
     def quant_block(self) -> int | None:
         """Elements per int8 block of stage 3's weight gathers; None without quantization."""

@@ -3,7 +3,7 @@
 :func:`translate` reads a DeepSpeed config (a path or a dict) and returns a
 :class:`Translation`: the ``ZeroConfig``, the keys it did not map with the reason for
 each, and the optax equivalent of the ``optimizer`` section as code.
-``zj.ZeroConfig.from_deepspeed`` returns the config and names every unmapped key in one
+``zj.from_deepspeed`` returns the config and names every unmapped key in one
 warning; ``zerojax from-deepspeed ds_config.json`` prints both.
 
 What maps: ``zero_optimization.stage``, ``fp16`` (``loss_scale`` 0 is dynamic scaling,
@@ -546,10 +546,20 @@ def optax_code(section: Any) -> tuple[str | None, str | None]:
 
 
 def from_deepspeed(source: Any) -> ZeroConfig:
-    """:class:`ZeroConfig` for a DeepSpeed config; every key not mapped is named, with its
-    reason, in one ``warnings.warn`` (see :func:`translate`)."""
+    """The :class:`ZeroConfig` of a DeepSpeed JSON config (a path or a dict): stage, fp16
+    and its scaler, bf16, gradient clipping and accumulation, communication dtype, offload
+    and activation checkpointing. Every key it does not map is named, with the reason, in
+    one warning; contradictions raise ``ValueError`` (see :func:`translate`).
+
+    Example:
+      >>> import zerojax as zj
+      >>> zj.from_deepspeed({"zero_optimization": {"stage": 3},
+      ...     "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12},
+      ...     "gradient_clipping": 1.0}).initial_scale_power
+      12
+    """
     t = translate(source)
     message = t.message()
     if message:
-        warnings.warn(message, stacklevel=3)
+        warnings.warn(message, stacklevel=2)
     return t.config
