@@ -130,7 +130,7 @@ def to_canonical(state: ZeroState) -> tuple[dict, Meta]:
     meta = Meta(
         paths=plan.paths, layouts=tuple(l.to_json() for l in plan.layouts),
         opt_layouts=tuple(l.to_json() for l in plan.opt_layouts), opt_treedef=str(plan.opt_treedef),
-        stage=plan.stage, n=plan.n, compute_dtype=plan.config.compute_dtype, scaled=state.loss_scale is not None,
+        stage=plan.stage, n=plan.shards, compute_dtype=plan.config.compute_dtype, scaled=state.loss_scale is not None,
         trainable=plan.trainable, frozen_layouts=tuple(l.to_json() for l in plan.frozen_sharded_layouts),
         model_state=None if state.model_state is None else tuple(
             (tuple(int(d) for d in x.shape), jnp.dtype(x.dtype).name) for x in ms_leaves),
@@ -148,13 +148,13 @@ def restore_targets(meta: Meta, plan: ZeroPlan) -> dict:
 
     frozen_idx = [i for i in range(len(meta.layouts)) if not meta.is_trainable(i)]
     out = {
-        "master": {str(i): target(meta.layout(i, plan.n), master_dtype(meta.layout(i).dtype))
+        "master": {str(i): target(meta.layout(i, plan.shards), master_dtype(meta.layout(i).dtype))
                    for i in range(len(meta.layouts)) if meta.is_trainable(i)},
-        "opt": {str(k): target(meta.opt_layout(k, plan.n), meta.opt_layout(k).dtype)
+        "opt": {str(k): target(meta.opt_layout(k, plan.shards), meta.opt_layout(k).dtype)
                 for k in range(len(meta.opt_layouts))},
     }
     if frozen_idx:
-        out["frozen"] = {str(i): target(meta.frozen_layout(j, plan.n), meta.frozen_layout(j).dtype)
+        out["frozen"] = {str(i): target(meta.frozen_layout(j, plan.shards), meta.frozen_layout(j).dtype)
                          for j, i in enumerate(frozen_idx)}
     if meta.model_state is not None:
         out["model_state"] = {str(i): jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=plan.replicated)
@@ -173,10 +173,10 @@ def from_canonical(arrays: dict, meta: Meta, plan: ZeroPlan, model_state_def: An
     frozen_idx = [i for i in range(len(plan.layouts)) if not plan.is_trainable(i)]
 
     def build(masters, frozen, opt):
-        masters = [relayout(meta.layout(i, plan.n), l, masters[str(i)]) for i, l in zip(train_idx, plan.master_layouts)]
-        frozen = [relayout(meta.frozen_layout(j, plan.n), l, frozen[str(i)]).astype(l.dtype)
+        masters = [relayout(meta.layout(i, plan.shards), l, masters[str(i)]) for i, l in zip(train_idx, plan.master_layouts)]
+        frozen = [relayout(meta.frozen_layout(j, plan.shards), l, frozen[str(i)]).astype(l.dtype)
                   for j, (i, l) in enumerate(zip(frozen_idx, plan.frozen_layouts))]
-        opt = [relayout(meta.opt_layout(k, plan.n), l, opt[str(k)]).astype(l.dtype)
+        opt = [relayout(meta.opt_layout(k, plan.shards), l, opt[str(k)]).astype(l.dtype)
                for k, l in enumerate(plan.opt_storage_layouts)]
         params, master = stage.fields(plan, masters)
         return (None if params is None else plan.unflatten_train(params),

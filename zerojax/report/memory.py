@@ -91,8 +91,8 @@ def state_bytes_per_device(state: ZeroState) -> dict[str, int]:
         "frozen": max(frozen.values()) if frozen else 0,
         "opt_state": max(opt.values()) if opt else 0,
         "total": max(totals.values()),
-        "replicated": replicated if plan.n > 1 else 0,
-        "padding": pad_bytes // plan.n,
+        "replicated": replicated if plan.shards > 1 else 0,
+        "padding": pad_bytes // plan.shards,
         "device": on("device"),
         "host": on("host"),
     }

@@ -46,7 +46,8 @@ class LeafLayout:
     Attributes:
       shape: the array's own shape.
       dtype: its dtype name.
-      n: number of shards (devices on the data axis).
+      n: number of shards (``ZeroPlan.shards``: devices on the data axis); the name is
+        part of the checkpoint format (``to_json``).
       kind: ``"dim"``, ``"flat"`` or ``"replicated"``.
       dim: ``dim`` layout: the dimension it is split along.
       lead: ``flat`` layout: leading dimensions kept whole (0, or 1 for row by row).

@@ -45,8 +45,8 @@ class ZeroPlan:
         return self.config.axis
 
     @property
-    def n(self) -> int:
-        """Devices the state is sharded over (one replica group)."""
+    def shards(self) -> int:
+        """Devices the state is sharded over (one replica group): every leaf's shard count."""
         return int(self.mesh.shape[self.config.axis])
 
     @property
@@ -61,7 +61,7 @@ class ZeroPlan:
     @property
     def world(self) -> int:
         """Devices the batch is split over and gradients are averaged over: all of them."""
-        return self.n * self.replicas
+        return self.shards * self.replicas
 
     @property
     def batch_axes(self) -> str | tuple[str, str]:
@@ -173,7 +173,7 @@ class ZeroPlan:
         masters (frozen ones are ``optax.MaskedNode()``: they get no optimizer state)."""
         masters = self.unflatten_train(jax.ShapeDtypeStruct(l.shape, master_dtype(l.dtype)) for l in self.train_layouts)
         leaves, treedef = jax.tree.flatten(jax.eval_shape(tx.init, masters))
-        layouts = tuple(layout_for(x.shape, x.dtype, self.n) for x in leaves)
+        layouts = tuple(layout_for(x.shape, x.dtype, self.shards) for x in leaves)
         return dataclasses.replace(self, opt_treedef=treedef, opt_layouts=layouts)
 
 
