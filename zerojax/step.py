@@ -146,7 +146,11 @@ class TrainStep:
     ``grad_norm`` (global, after unscaling, before clipping), ``loss_scale`` (the scale
     this step's backward ran at), ``skipped`` (this step was skipped for non-finite
     gradients), ``skipped_steps`` (so far), ``overflow_at_min_scale``, and ``aux`` with
-    ``has_aux=True``.
+    ``has_aux=True`` (its floating "mean" and "sum" leaves combined and returned in
+    float32, whatever the compute dtype: see :mod:`zerojax.sharding.outputs`).
+
+    The step consumes (donates) the state it is given unless ``ZeroConfig(donate=False)``:
+    continue from the state it returns; passing a consumed state raises ``ValueError``.
 
     With fp16 dynamic scaling and ``raise_at_min_scale``, an overflow at the minimum scale
     raises :class:`LossScaleError` from the *next* call (or from :meth:`check_loss_scale`),
