@@ -18,8 +18,7 @@ def masked_loss(p, b):
     return jnp.mean((jax.nn.softmax(jnp.maximum(b["x"], p["floor"]), -1) @ p["w"]) ** 2)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("prefetch", [0, 1])
+@pytest.mark.parametrize("stage,prefetch", [(0, 0), (1, 0), (2, 0), (3, 0), (3, 1)])  # prefetch: stage 3 only
 def test_a_non_finite_activation_does_not_reach_the_parameters(stage, prefetch):
     """Ordering the gathers used to add input[0] * 0 to the shard: -inf * 0 made every
     stage-3 parameter NaN. Now the run equals single-device training at every stage."""
