@@ -231,7 +231,8 @@ def test_auto_update_place_falls_back_only_when_the_backend_refuses(monkeypatch)
     """offload_update="auto" probes the host update: a refusal to run it in host memory (a
     JaxRuntimeError from the backend's compiler, or JAX's memory-space error while tracing)
     means "device"; any other error in the code being traced (a bug on the host path) is
-    raised, not turned into "device"."""
+    raised, not turned into "device". A jax without the compute_on context manager (0.11+)
+    has no host update: "auto" says "device" without probing, "host" is refused."""
     import jax.numpy as jnp
 
     from zerojax.optim import offload
@@ -240,6 +241,16 @@ def test_auto_update_place_falls_back_only_when_the_backend_refuses(monkeypatch)
     params = {"w": jnp.ones((8, 4))}
     state = zj.init_state(params, TX, mesh=mesh, config=cfg)
     place = lambda: offload.choose_place(state.plan, TX, jax.tree.leaves(state.opt_state))
+
+    def buggy(*a, **k):
+        raise TypeError("unsupported operand type(s) for +: 'MaskedNode' and 'float'")
+
+    if not offload.host_update_available():
+        assert place() == "device"
+        host = zj.init_state(params, TX, mesh=mesh, config=dataclasses.replace(cfg, offload_update="host"))
+        with pytest.raises(ValueError, match=r"offload_update='host' .* Use offload_update='device' or 'auto'"):
+            offload.choose_place(host.plan, TX, jax.tree.leaves(host.opt_state))
+        return
     assert place() == "host"  # the CPU backend compiles it
 
     def refused(self, *a, **k):
@@ -253,9 +264,6 @@ def test_auto_update_place_falls_back_only_when_the_backend_refuses(monkeypatch)
     clip = optax.chain(optax.clip_by_global_norm(1.0), TX)
     clipped = zj.init_state(params, clip, mesh=mesh, config=cfg)
     assert offload.choose_place(clipped.plan, clip, jax.tree.leaves(clipped.opt_state)) == "device"
-
-    def buggy(*a, **k):
-        raise TypeError("unsupported operand type(s) for +: 'MaskedNode' and 'float'")
 
     monkeypatch.setattr(offload, "apply_on_host", buggy)
     with pytest.raises(TypeError, match="unsupported operand"):

@@ -33,6 +33,7 @@ arrays and zeros elsewhere; XLA drops everything the group's outputs do not read
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 import jax
@@ -189,6 +190,16 @@ def apply_offloaded(plan: ZeroPlan, tx: Any, grads: list, opt: list, masters: li
     return apply_streamed(plan, tx, grads, opt, masters, skip)
 
 
+def host_update_available() -> bool:
+    """Whether this jax has ``compute_on(compute_type)`` as a context manager (jax 0.10);
+    jax 0.11 made it a function transformation with ``out_memory_spaces``."""
+    try:
+        params = inspect.signature(compute_on).parameters
+    except (TypeError, ValueError):  # no signature to read: assume the context manager
+        return True
+    return "compute_type" not in params or params["compute_type"].kind != inspect.Parameter.KEYWORD_ONLY
+
+
 def choose_place(plan: ZeroPlan, tx: Any, opt: list) -> str:
     """Where the update of offloaded state runs: ``"device"`` when nothing is offloaded,
     else ``ZeroConfig.offload_update``, with ``"auto"`` resolved by compiling the host
@@ -199,8 +210,14 @@ def choose_place(plan: ZeroPlan, tx: Any, opt: list) -> str:
         return "device"
     if cfg.offload_update == "auto" and plan.opt_memory is None:
         return "device"  # offload_params alone: the optimizer state is on the device already
+    if cfg.offload_update == "host" and not host_update_available():
+        raise ValueError(f"ZeroConfig.offload_update='host' runs the update inside compute_on('device_host'), "
+                         f"which this jax ({jax.__version__}) offers only as a function transformation; "
+                         "zerojax uses the context manager of jax 0.10. Use offload_update='device' or 'auto'.")
     if cfg.offload_update != "auto":
         return cfg.offload_update
+    if not host_update_available():  # not supported here: the update streams to the device
+        return "device"
     grads = [jax.ShapeDtypeStruct(l.storage_shape, jnp.float32, sharding=plan.sharding(l))
              for l in plan.master_layouts]
     masters = [jax.ShapeDtypeStruct(l.storage_shape, jnp.float32, sharding=plan.sharding(l, plan.master_memory))
