@@ -1,5 +1,8 @@
 """The jaxpr interpreter behind per-use gathering: its JAX self-check and its warnings."""
 
+import os
+import subprocess
+import sys
 import types
 import warnings
 
@@ -45,8 +48,17 @@ def test_moved_parameter_fails_the_self_check_naming_the_construct(monkeypatch):
         jax_compat.self_check()
 
 
-def test_self_check_passes_and_starts_no_backend():
+def test_import_and_self_check_start_no_backend():
+    """Importing zerojax (which runs the self-check) must leave JAX unstarted: a multi-host
+    job calls jax.distributed.initialize after importing zerojax, and device settings are
+    still free to change."""
     jax_compat.self_check()
+    code = ("import jax, zerojax\n"
+            "jax.config.update('jax_num_cpu_devices', 3)  # refused once a backend has started\n"
+            "assert len(jax.devices()) == 3, jax.devices()\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 class _FlatTrees:

@@ -155,9 +155,9 @@ def self_check() -> None:
     """Traces each construct zerojax rewrites and reads it through this module, so that a
     JAX release that moves one fails at import, naming the construct."""
     x = jax.ShapeDtypeStruct((3, 2), jnp.float32)  # abstract: importing must not start a backend
-    w = jnp.ones((2,), jnp.float32)
 
     def scanned(x):
+        w = x[1] * 2.0  # a loop constant computed in the trace (a concrete array would start a backend)
         return jax.lax.scan(lambda c, r: (c * w + r, jnp.sum(r)), x[0], x)[0]
 
     def checks():
