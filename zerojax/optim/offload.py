@@ -141,9 +141,22 @@ def apply_on_host(plan: ZeroPlan, tx: Any, grads: list, opt: list, masters: list
     g, m, o = _move(plan, grads, plan.master_layouts, HOST), _move(plan, masters, plan.master_layouts, HOST), \
         _move(plan, opt, plan.opt_storage_layouts, HOST)
     flag = None if skip is None else jax.device_put(skip, NamedSharding(plan.mesh, P(), memory_kind=HOST))
-    with compute_on("device_host"):
+
+    def run(g, o, m, flag):
         new_m, new_o = update(plan, tx, g, o, m, HOST)
         return keep_if(flag, m, new_m), keep_if(flag, o, new_o)
+
+    return on_host(run, g, o, m, flag)
+
+
+def on_host(fn, *args):
+    """``fn(*args)`` compiled for the host (``compute_on("device_host")``), its outputs in
+    host memory: jax 0.10's context manager, or jax 0.11+'s function transformation."""
+    if _compute_on_is_context_manager():
+        with compute_on("device_host"):
+            return fn(*args)
+    host = jax.tree.map(lambda _: jax.memory.Space.Host, jax.eval_shape(fn, *args))
+    return compute_on(fn, compute_type="device_host", out_memory_spaces=host)(*args)
 
 
 def apply_streamed(plan: ZeroPlan, tx: Any, grads: list, opt: list, masters: list, skip: jax.Array | None):
@@ -190,7 +203,7 @@ def apply_offloaded(plan: ZeroPlan, tx: Any, grads: list, opt: list, masters: li
     return apply_streamed(plan, tx, grads, opt, masters, skip)
 
 
-def host_update_available() -> bool:
+def _compute_on_is_context_manager() -> bool:
     """Whether this jax has ``compute_on(compute_type)`` as a context manager (jax 0.10);
     jax 0.11 made it a function transformation with ``out_memory_spaces``."""
     try:
@@ -210,14 +223,8 @@ def choose_place(plan: ZeroPlan, tx: Any, opt: list) -> str:
         return "device"
     if cfg.offload_update == "auto" and plan.opt_memory is None:
         return "device"  # offload_params alone: the optimizer state is on the device already
-    if cfg.offload_update == "host" and not host_update_available():
-        raise ValueError(f"ZeroConfig.offload_update='host' runs the update inside compute_on('device_host'), "
-                         f"which this jax ({jax.__version__}) offers only as a function transformation; "
-                         "zerojax uses the context manager of jax 0.10. Use offload_update='device' or 'auto'.")
     if cfg.offload_update != "auto":
         return cfg.offload_update
-    if not host_update_available():  # not supported here: the update streams to the device
-        return "device"
     grads = [jax.ShapeDtypeStruct(l.storage_shape, jnp.float32, sharding=plan.sharding(l))
              for l in plan.master_layouts]
     masters = [jax.ShapeDtypeStruct(l.storage_shape, jnp.float32, sharding=plan.sharding(l, plan.master_memory))
