@@ -263,7 +263,13 @@ def test_step_timeout_finishes_the_save_in_flight_and_says_so(tmp_path):
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 1, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
     assert "did not finish within timeout_s=0.001s" in r.stderr
-    assert f"an asynchronous checkpoint save to {tmp_path} was in progress; it completed (latest step 5)" in r.stderr
+    in_flight = f"an asynchronous checkpoint save to {tmp_path} was in progress; it completed (latest step 5)"
+    from zerojax.checkpoint import io
+
+    if io._EXIT_CANNOT_FINISH_SAVES:  # CPython 3.12.0-3.12.1: the save completed before it returned
+        assert in_flight not in r.stderr and "save_checkpoint waits for each save to complete" in r.stderr
+    else:
+        assert in_flight in r.stderr
     assert zj.checkpoint.checkpoint_steps(tmp_path) == [5]
 
 

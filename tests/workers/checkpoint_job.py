@@ -16,6 +16,8 @@ import argparse
 import os
 import signal
 import sys
+import threading
+import time
 
 ap = argparse.ArgumentParser()
 ap.add_argument("mode")
@@ -61,9 +63,16 @@ elif args.mode == "save-and-die":
     zj.save_checkpoint(args.dir, state, step=1, wait=True)
     big = {"w": jnp.ones((64, 64)), "big": [jnp.full((2048, 2048), float(i)) for i in range(8)]}
     state = zj.init_state(big, TX, mesh=mesh, config=zj.ZeroConfig(stage=3))
+
+    def die_once_step_2_is_being_written():  # whether the save runs in the background or not
+        while not any(n.startswith("2.") and "tmp" in n for n in os.listdir(args.dir)):
+            time.sleep(0.001)
+        print("killing myself mid-save", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=die_once_step_2_is_being_written, daemon=True).start()
     zj.save_checkpoint(args.dir, state, step=2)
-    print("killing myself mid-save", flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(600)
 elif args.mode == "save-then-time-out":
     big = {"w": [jnp.full((1024, 1024), float(i)) for i in range(16)]}
     cfg = zj.ZeroConfig(stage=3, donate=False)

@@ -4,7 +4,10 @@ Each process writes only the shards it holds; orbax writes a step into a tempora
 directory and renames it when complete, so a save killed half-way is never listed as a
 checkpoint and the previous one stays restorable. Saves are asynchronous: training goes
 on while the arrays are written; :func:`wait` (also run at interpreter exit) blocks until
-they are on disk.
+they are on disk. On CPython 3.12.0 and 3.12.1, which refuse to start a thread once the
+interpreter has begun to exit (CPython issue gh-113964, fixed in 3.12.2), a save still in
+flight at exit could not finish, so there every save completes before it returns (with one
+warning saying so).
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import sys
 import threading
 import time
+import warnings
 from typing import Any
 
 import jax
@@ -99,7 +104,7 @@ def save_checkpoint(directory: Directory, state: ZeroState, step: int, *,
     written. ``keep_last`` / ``keep_every`` set the retention of the directory for this
     save: a call without them keeps every step. ``wait=True`` blocks until the checkpoint
     is complete; otherwise it completes in the background, and at the latest when the
-    interpreter exits.
+    interpreter exits (on CPython 3.12.0–3.12.1, before it returns: see the module docstring).
 
     Example:
       >>> import tempfile, jax.numpy as jnp, optax, zerojax as zj
@@ -125,8 +130,25 @@ def save_checkpoint(directory: Directory, state: ZeroState, step: int, *,
     arrays, meta = canonical.to_canonical(state)
     mngr.save(step, args=ocp.args.Composite(
         state=ocp.args.PyTreeSave(arrays), meta=ocp.args.JsonSave(meta.to_json())))
-    if wait:
+    if not wait and _EXIT_CANNOT_FINISH_SAVES:
+        _warn_synchronous()
+    if wait or _EXIT_CANNOT_FINISH_SAVES:
         mngr.wait_until_finished()
+
+
+# CPython 3.12.0 and 3.12.1 refuse new threads once exit begins (gh-113964), and finishing an
+# asynchronous orbax save needs new threads: on them, saves complete before returning.
+_EXIT_CANNOT_FINISH_SAVES = (3, 12) <= sys.version_info[:3] < (3, 12, 2)
+_WARNED: list[bool] = []
+
+
+def _warn_synchronous() -> None:
+    if not _WARNED:
+        _WARNED.append(True)
+        warnings.warn(f"zerojax: on Python {sys.version.split()[0]} a save still running when the interpreter exits "
+                      "cannot finish (CPython gh-113964: no new threads at exit; fixed in 3.12.2), so "
+                      "save_checkpoint waits for each save to complete. Upgrade to Python 3.12.2 or newer for "
+                      "asynchronous saves.", stacklevel=3)
 
 
 def wait(directory: Directory | None = None) -> None:
