@@ -93,8 +93,8 @@ class Source:
         def use(stored, sink):
             return self.values(layout, stored)
 
-        def fwd(stored, sink):
-            return use(stored, sink), None
+        def fwd(stored, sink):  # the forward value itself, not a nested call of ``use``: for a
+            return self.values(layout, stored), None  # resident parameter that is no copy at all
 
         def bwd(_, ct):
             g = self.grad(layout, ct, target)
