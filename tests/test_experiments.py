@@ -207,7 +207,8 @@ def test_optimizer_view_costs(capsys):
     split in its own shape costs only its padding; a flat one is all-gathered for the
     update (master, gradient, two Adam moments: 4Ψ of it at stage 3, 3Ψ at stage 1, where
     the gathered update doubles as the new replicated copy) and holds at most about 3 full
-    copies of itself in temporaries."""
+    copies of itself in temporaries (3.2 with jax 0.10's CPU buffer assignment, 3.4 with
+    jax 0.12's: the bound is the larger)."""
     from experiments import optimizer_view
 
     rows = {(r["stage"], r["width"]): r for r in optimizer_view.main(["--widths", "120,121,400,401", "--layers", "2"])}
@@ -221,7 +222,7 @@ def test_optimizer_view_costs(capsys):
         assert flat["all_gather"] == pytest.approx(div["all_gather"] + extra, abs=0.02)
         assert padded["all_gather"] == pytest.approx(rows[(stage, 400)]["all_gather"], rel=0.02)
         full = 4 * flat["psi"]
-        assert flat["temp"] - div["temp"] * flat["psi"] / div["psi"] <= 3.2 * full
+        assert flat["temp"] - div["temp"] * flat["psi"] / div["psi"] <= 3.5 * full
     assert "| 3 | 121 | flattened, padded by 7 |" in capsys.readouterr().out
 
 
