@@ -36,12 +36,13 @@ def free_port() -> int:
 # Gloo's note for every communicator it connects (several per collective group): noise, hidden
 # unless the launcher is run with --verbose. Threads print its two halves, which may interleave
 # ("[Gloo] Rank 7[Gloo] Rank 6 is connected ..."): a line made only of those pieces is dropped.
-_GLOO_PIECES = re.compile(r"\[Gloo\] Rank \d+|is connected to \d+ peer ranks\. Expected number of connected peer "
-                          r"ranks is : \d+")
+_GLOO_PIECES = re.compile(r"\[Gloo\] Rank \d+|is connected to \d+ peer ranks\.|Expected number of connected peer "
+                          r"ranks is :")
 
 
 def _gloo_noise(line: str) -> bool:
-    return bool(_GLOO_PIECES.search(line)) and not _GLOO_PIECES.sub("", line).strip()
+    # What is left once the pieces are gone: nothing, or the counts they were split from.
+    return bool(_GLOO_PIECES.search(line)) and not _GLOO_PIECES.sub("", line).replace(" ", "").strip("0123456789\n")
 
 
 def _pump(rank: int, stream, out, lock: threading.Lock, verbose: bool = True) -> None:
