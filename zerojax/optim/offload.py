@@ -44,6 +44,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax.optim.update import keep_if, update
+from zerojax.sharding import jax_compat
 from zerojax.sharding.plan import HOST, ZeroPlan
 
 PLACES = ("auto", "host", "device")
@@ -59,18 +60,25 @@ class UpdateGroups:
     shared: tuple[int, ...]
 
 
-def _dependencies(jaxpr: Any) -> list[int]:
-    """For each output of ``jaxpr``, the set of inputs it reads, as a bit set (each
-    equation's outputs read all of its inputs: nested calls and loops count whole)."""
-    deps: dict[Any, int] = {v: 1 << i for i, v in enumerate(jaxpr.invars)}
+def _dependencies(jaxpr: Any, given: list[int] | None = None) -> list[int]:
+    """For each output of ``jaxpr``, the set of inputs it reads, as a bit set. A call (``jit``:
+    jax 0.12's optax runs its tree maps through one) is followed inside; any other equation's
+    outputs read all of its inputs (loops count whole)."""
+    given = [1 << i for i in range(len(jaxpr.invars))] if given is None else given
+    deps: dict[Any, int] = dict(zip(jaxpr.invars, given))
+    read = lambda v: 0 if isinstance(v, Literal) else deps.get(v, 0)
     for eqn in jaxpr.eqns:
-        d = 0
-        for v in eqn.invars:
-            if not isinstance(v, Literal):
-                d |= deps.get(v, 0)
-        for v in eqn.outvars:
+        ins = [read(v) for v in eqn.invars]
+        if eqn.primitive in (jax_compat.P.jit_p, jax_compat.P.closed_call_p):
+            outs = _dependencies(jax_compat.call_body(eqn)[0], ins)
+        else:
+            d = 0
+            for x in ins:
+                d |= x
+            outs = [d] * len(eqn.outvars)
+        for v, d in zip(eqn.outvars, outs):
             deps[v] = d
-    return [0 if isinstance(v, Literal) else deps.get(v, 0) for v in jaxpr.outvars]
+    return [read(v) for v in jaxpr.outvars]
 
 
 def _sds(x: Any) -> jax.ShapeDtypeStruct:
