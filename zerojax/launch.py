@@ -34,15 +34,17 @@ def free_port() -> int:
 
 
 # Gloo's note for every communicator it connects (several per collective group): noise, hidden
-# unless the launcher is run with --verbose. Threads print its two halves, which may interleave
-# ("[Gloo] Rank 7[Gloo] Rank 6 is connected ..."): a line made only of those pieces is dropped.
-_GLOO_PIECES = re.compile(r"\[Gloo\] Rank \d+|is connected to \d+ peer ranks\.|Expected number of connected peer "
-                          r"ranks is :")
+# unless the launcher is run with --verbose. Threads print its pieces, which may interleave
+# anywhere ("[Gloo] Rank 1 is connected to [Gloo] Rank 7 peer ranks. ..."): a line that
+# holds "[Gloo]" and nothing but the words and numbers of that message is dropped.
+_GLOO_WORDS = frozenset("Rank is connected to peer ranks Expected number of".split())
 
 
 def _gloo_noise(line: str) -> bool:
-    # What is left once the pieces are gone: nothing, or the counts they were split from.
-    return bool(_GLOO_PIECES.search(line)) and not _GLOO_PIECES.sub("", line).replace(" ", "").strip("0123456789\n")
+    if "[Gloo]" not in line:
+        return False
+    words = re.sub(r"\[Gloo\]|[\d.:]", " ", line).split()
+    return all(w in _GLOO_WORDS for w in words)
 
 
 def _pump(rank: int, stream, out, lock: threading.Lock, verbose: bool = True) -> None:
