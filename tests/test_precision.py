@@ -328,10 +328,10 @@ def test_backward_runs_at_the_full_loss_scale(monkeypatch, stage, k):
     seen = []
     reduce_grad = collectives.reduce_grad
 
-    def spy(g, axis, n, reduce_dtype, layout=None, replica=None):
+    def spy(g, axis, n, reduce_dtype, layout=None, replica=None, block=None):
         jax.debug.callback(lambda i, x: seen.append((int(i), np.asarray(x, np.float32))),
                            jax.lax.axis_index(axis), g)
-        return reduce_grad(g, axis, n, reduce_dtype, layout, replica)
+        return reduce_grad(g, axis, n, reduce_dtype, layout, replica, block)
 
     monkeypatch.setattr(collectives, "reduce_grad", spy)
     rng = np.random.default_rng(0)

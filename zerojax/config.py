@@ -11,7 +11,7 @@ from zerojax.remat.policy import resolve as resolve_remat
 
 STAGES = (0, 1, 2, 3)
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
-REDUCE_DTYPES = ("float32", "bfloat16", "float16")
+REDUCE_DTYPES = ("float32", "bfloat16", "float16", "int8")
 _AUTO = "auto"
 
 
@@ -44,7 +44,13 @@ class ZeroConfig:
     Precision (the optimizer always updates fp32 master weights):
       compute_dtype: "float32", "bfloat16" or "float16" for forward and backward. Floating
         batch leaves are cast to it too (as DeepSpeed's engine does); integer ones are not.
-      reduce_dtype: dtype of the gradient collective (default float32).
+      reduce_dtype: dtype of the gradient collective (default float32), or "int8" at
+        stages 1–3 (ZeRO++'s qgZ): each device quantizes the piece of its gradient that
+        each device owns blockwise (one fp32 scale per ``reduce_quant_block_size``
+        elements), an all-to-all exchanges them and the owner sums them in fp32; on a
+        hybrid mesh the shard then crosses groups the same way. About a quarter of an fp32
+        reduction's bytes. Loss scaling, clipping and accumulation see fp32 gradients.
+      reduce_quant_block_size: elements per int8 block of an int8 gradient reduction.
       loss_scale: "dynamic", a positive float (static scale), None, or "auto" (the default:
         "dynamic" for float16, None otherwise, decided when read, so that
         ``dataclasses.replace(cfg, compute_dtype=...)`` keeps it right). Scaling bf16 or
@@ -136,6 +142,7 @@ class ZeroConfig:
     offload_group_size: int = 1_000_000_000
     gather_dtype: Any = None
     quant_block_size: int = 4096
+    reduce_quant_block_size: int = 4096
     replica_axis: str = "replica"
     frozen_dtype: str = "compute"
 
@@ -193,10 +200,14 @@ class ZeroConfig:
             if self.stage != 3:
                 raise ValueError(f"ZeroConfig.gather_dtype='int8' quantizes stage 3's weight gathers; stage "
                                  f"{self.stage} gathers none per use. Use stage=3.")
-        if isinstance(self.quant_block_size, bool) or not isinstance(self.quant_block_size, int) \
-                or self.quant_block_size < 1:
-            raise ValueError(f"ZeroConfig.quant_block_size must be a positive int (elements per int8 block), "
-                             f"got {self.quant_block_size!r}.")
+        for name in ("quant_block_size", "reduce_quant_block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ZeroConfig.{name} must be a positive int (elements per int8 block), got {value!r}.")
+        if self.reduce_dtype == "int8" and self.stage == 0:
+            raise ValueError("ZeroConfig.reduce_dtype='int8' quantizes the gradient reduce-scatter of stages 1–3 "
+                             "(ZeRO++'s qgZ); stage 0 all-reduces full gradients. Use stage=1, 2 or 3, or a "
+                             "float reduce_dtype.")
         if self.frozen_dtype not in ("compute", "param"):
             raise ValueError(f"ZeroConfig.frozen_dtype must be 'compute' (frozen parameters stored in the compute "
                              f"dtype where narrower) or 'param' (in their own dtype), got {self.frozen_dtype!r}.")
@@ -237,6 +248,11 @@ class ZeroConfig:
                 "(DeepSpeed's loss_scale: 0 means dynamic: write 'dynamic'.)"
             )
         object.__setattr__(self, "loss_scale", float(ls))
+
+    @property
+    def reduce_block(self) -> int | None:
+        """Elements per int8 block of the gradient reduction; None when it is not int8."""
+        return self.reduce_quant_block_size if self.reduce_dtype == "int8" else None
 
     @property
     def quant_block(self) -> int | None:

@@ -8,7 +8,8 @@
   Every device's gradient enters it at the full loss scale (DeepSpeed's semantics); the
   division by N happens after the sum, in fp32, except for a float16 reduction, where it
   happens before the sum, as DeepSpeed's reduce-scatter does, so that the sum cannot
-  overflow where the gradients themselves do not.
+  overflow where the gradients themselves do not. An ``"int8"`` reduction (ZeRO++'s qgZ)
+  moves blockwise int8 and sums in fp32 (:mod:`zerojax.sharding.int8_reduce`).
 * :func:`gather_values` all-gathers a parameter shard in the compute dtype (half the bytes
   of fp32 for bf16/fp16), or as blockwise int8.
 
@@ -21,15 +22,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from zerojax.sharding import int8_reduce
 from zerojax.sharding.layout import LeafLayout
 from zerojax.sharding.quantize import gather_int8
 
 
 def reduce_grad(g: jax.Array, axis: str, n: int, reduce_dtype, layout: LeafLayout | None = None,
-                replica: str | None = None) -> jax.Array:
+                replica: str | None = None, block: int | None = None) -> jax.Array:
     """fp32 mean of ``g`` over the ``n`` devices of ``axis`` (and ``replica``, when given):
     replicated (``layout=None``: all-reduce) or this device's shard of ``layout``'s storage
-    (reduce-scatter within the group, then all-reduce of the shard across groups)."""
+    (reduce-scatter within the group, then all-reduce of the shard across groups).
+    ``reduce_dtype="int8"`` moves blockwise int8 with ``block`` elements per fp32 scale
+    (:mod:`zerojax.sharding.int8_reduce`), one quantized hop per axis."""
+    if reduce_dtype == "int8":
+        return _reduce_int8(g, axis, n, layout, replica, block)
     predivide = jnp.dtype(reduce_dtype) == jnp.float16
     x = g.astype(jnp.float32)
     if predivide:
@@ -43,6 +49,20 @@ def reduce_grad(g: jax.Array, axis: str, n: int, reduce_dtype, layout: LeafLayou
             summed = jax.lax.psum(summed, replica)
     summed = summed.astype(jnp.float32)
     return summed if predivide else summed / n
+
+
+def _reduce_int8(g: jax.Array, axis: str, n: int, layout: LeafLayout | None, replica: str | None,
+                 block: int | None) -> jax.Array:
+    if not block:
+        raise ValueError("reduce_dtype='int8' needs a block size (ZeroConfig.reduce_quant_block_size).")
+    x = g.astype(jnp.float32)
+    if layout is None:
+        summed = int8_reduce.all_reduce_int8(x, axis, jax.lax.axis_size(axis), block)
+    else:
+        summed = int8_reduce.reduce_scatter_int8(layout, x, axis, jax.lax.axis_size(axis), block)
+    if replica:  # hybrid mesh: the group's sum, then across groups (ZeRO++'s hierarchical exchange)
+        summed = int8_reduce.all_reduce_int8(summed, replica, jax.lax.axis_size(replica), block)
+    return summed / n
 
 
 def gather_values(layout: LeafLayout, axis: str, shard: jax.Array, compute_dtype,

@@ -214,7 +214,7 @@ def replicated_grads(loss: Loss, *, scatter: bool) -> Callable:
     exists). ``rng`` is this step's key (folded with each device's index and micro-batch)."""
     plan = loss.plan
     axis, n, k, replica = plan.axis, plan.world, plan.config.grad_accum_steps, plan.replica
-    reduce = plan.config.reduce_dtype
+    reduce, block = plan.config.reduce_dtype, plan.config.reduce_block
     traced = loss.traced() if plan.config.remat.active else None
 
     def loss_and_grad(train, frozen, batch, key, model_state, scale):
@@ -229,9 +229,10 @@ def replicated_grads(loss: Loss, *, scatter: bool) -> Callable:
 
     def reduce_all(grads):
         if not scatter:
-            return [collectives.reduce_grad(g, axis, n, reduce, None, replica) for g in grads]
+            return [collectives.reduce_grad(g, axis, n, reduce, None, replica, block) for g in grads]
         grads = per_use.after_all(grads, on_cpu(plan))  # ZeRO-1: the whole gradient exists first
-        return [collectives.reduce_grad(g, axis, n, reduce, l, replica) for l, g in zip(plan.master_layouts, grads)]
+        return [collectives.reduce_grad(g, axis, n, reduce, l, replica, block)
+                for l, g in zip(plan.master_layouts, grads)]
 
     def body(train, frozen, batch, scale, rng, model_state):
         value, aux, grads, ms = loss.accumulate(

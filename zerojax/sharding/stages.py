@@ -134,7 +134,7 @@ class Stage2(_ReplicatedCopy):
 
     def grads(self, loss, params, masters, frozen, batch, scale, rng, model_state):
         cfg = loss.plan.config
-        source = Source.scattered(cfg.axis, loss.plan.world, cfg.reduce_dtype, loss.plan.replica)
+        source = Source.scattered(cfg.axis, loss.plan.world, cfg.reduce_dtype, loss.plan.replica, cfg.reduce_block)
         return per_use_grads(loss, source)(params, _device_sinks(loss.plan, masters), frozen, batch, scale, rng,
                                            model_state)
 
@@ -173,7 +173,7 @@ class Stage3(Stage):
 def _gathered(plan: ZeroPlan, host: bool = False) -> Source:
     cfg = plan.config
     return Source.gathered(cfg.axis, plan.world, cfg.compute_dtype, cfg.reduce_dtype, cfg.quant_block, plan.replica,
-                           host=host)
+                           host=host, reduce_block=cfg.reduce_block)
 
 
 STAGES: dict[int, Stage] = {s.number: s for s in (Stage0(), Stage1(), Stage2(), Stage3())}
