@@ -48,7 +48,7 @@ ZERO2_BF16 = {
 ZERO1_STATIC = {"train_micro_batch_size_per_gpu": 8, "fp16": {"enabled": True, "loss_scale": 128},
                 "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e8}}
 
-# ZeRO++: hpZ groups of 8 and int8 weight gathers (mapped), int8 gradients (not in zerojax yet).
+# ZeRO++: hpZ groups of 8, int8 weight gathers and int8 gradients (all mapped).
 ZEROPP = {"bf16": {"enabled": True}, "gradient_clipping": 1.0,
           "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8, "zero_quantized_weights": True,
                                 "zero_quantized_gradients": True}}
@@ -94,15 +94,15 @@ def test_static_loss_scale_and_the_clipping_default():
     assert cfg.grad_clip == 1.0
 
 
-def test_zeropp_maps_int8_gathers_and_hpz_groups_and_names_what_is_not_there():
+def test_zeropp_maps_int8_gathers_int8_gradients_and_hpz_groups():
     with pytest.warns(UserWarning) as caught:
         cfg = zj.from_deepspeed(ZEROPP)
     text = str(caught[0].message)
-    assert "zero_optimization.zero_quantized_gradients: not in zerojax yet" in text
-    assert "zero_quantized_weights" not in text.split("Notes:")[0]  # mapped: int8 weight gathers
+    assert "zero_quantized" not in text.split("Notes:")[0]  # mapped: int8 weights and gradients
     assert "zero_hpz_partition_size=8 is mapped to hybrid sharding" in text
     assert "zj.make_mesh(replicas=jax.device_count() // 8)" in text
-    assert cfg == zj.ZeroConfig(stage=3, compute_dtype="bfloat16", grad_clip=1.0, gather_dtype="int8")
+    assert cfg == zj.ZeroConfig(stage=3, compute_dtype="bfloat16", grad_clip=1.0, gather_dtype="int8",
+                                reduce_dtype="int8")
     assert translate(ZEROPP).shard_size == 8
 
 

@@ -16,9 +16,11 @@ scanned layer stack) and hybrid sharding: ``mics_shard_size`` (MiCS: shard over 
 that many devices, replicate across groups) and ``zero_hpz_partition_size`` (mapped, with a
 note, to the same layout) give :attr:`Translation.shard_size`, which lives in the mesh,
 not the config: ``zj.make_mesh(replicas=jax.device_count() // shard_size)``
-(:meth:`Translation.mesh_code`, printed by the CLI and named in the warning). Quantized
-gradients (``zero_quantized_gradients``) are not in zerojax yet: they are named in the
-warning.
+(:meth:`Translation.mesh_code`, printed by the CLI and named in the warning).
+``zero_quantized_gradients`` (qgZ) maps to ``reduce_dtype="int8"`` at stage 3 (DeepSpeed
+ignores it at stages 1–2, and so does the mapping): its exchange is
+hierarchical wherever the mesh has replica groups (inside a group, then across groups),
+which is what DeepSpeed's intra-node/inter-node all-to-all does.
 
 DeepSpeed's ``gradient_clipping`` default was 0.0 (off) until PR #8068 (merged
 2026-06-23) made it 1.0, so that configs which omit it are clipped. zerojax follows the
@@ -45,7 +47,6 @@ _COMM_DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "flo
 _XLA = "no equivalent: XLA schedules and fuses the collectives"
 _LOADER = "the data loader's job: train_step takes the global batch (micro-batch x accumulation x devices) and splits it"
 _LOGGING = "logging: the train step returns its metrics (experiments/train.py --log writes them)"
-_NOT_YET_INT8 = "not in zerojax yet: int8 gradient reduce-scatters (qgZ) are planned"
 
 # Reasons for keys that are understood but not mapped (paths as "section.key").
 REASONS: dict[str, str] = {
@@ -96,7 +97,6 @@ REASONS: dict[str, str] = {
     "zero_optimization.mics_hierarchical_params_gather": _XLA,
     "zero_optimization.zero_quantized_nontrainable_weights": "frozen parameters are gathered in the compute "
                                                              "dtype (int8 gathers cover the trained ones)",
-    "zero_optimization.zero_quantized_gradients": _NOT_YET_INT8,
     "zero_optimization.offload_optimizer.pin_memory": "offloaded state is always in pinned host memory",
     "zero_optimization.offload_optimizer.ratio": "all of the optimizer state is offloaded",
     "zero_optimization.offload_optimizer.buffer_count": _XLA,
@@ -127,7 +127,7 @@ for _k in ("compression_training", "data_efficiency", "curriculum_learning", "au
 _FP16_MAPPED = ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
                 "consecutive_hysteresis", "min_loss_scale")
 _ZERO_MAPPED = ("stage", "offload_optimizer", "offload_param", "sub_group_size", "cpu_offload",
-                "zero_quantized_weights", "mics_shard_size", "zero_hpz_partition_size")
+                "zero_quantized_weights", "zero_quantized_gradients", "mics_shard_size", "zero_hpz_partition_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,6 +313,17 @@ def translate(source: Any) -> Translation:
             raise ValueError(f"DeepSpeed key 'zero_optimization.zero_quantized_weights' quantizes ZeRO-3's weight "
                              f"gathers, but the stage is {stage}.")
         kw["gather_dtype"] = "int8"
+    if "zero_quantized_gradients" in zero and _flag(zero["zero_quantized_gradients"],
+                                                    "zero_optimization.zero_quantized_gradients") and stage != 3:
+        unmapped["zero_optimization.zero_quantized_gradients"] = (
+            f"DeepSpeed quantizes gradients at ZeRO stage 3 only and ignores it at stage {stage}, so gradients stay "
+            f"as they are; zerojax's reduce_dtype='int8' works at stages 1-3 if you want it")
+    elif "zero_quantized_gradients" in zero and _flag(zero["zero_quantized_gradients"],
+                                                      "zero_optimization.zero_quantized_gradients"):
+        if "communication_data_type" in ds and ds["communication_data_type"] is not None:
+            notes.append(f"zero_quantized_gradients moves gradients as int8 (reduce_dtype='int8'); "
+                         f"communication_data_type={ds['communication_data_type']!r} does not apply to them.")
+        kw["reduce_dtype"] = "int8"
     shard_size = _shard_size(zero, notes, kw["stage"], unmapped)
     if "sub_group_size" in zero:
         kw["offload_group_size"] = _number(zero["sub_group_size"], "zero_optimization.sub_group_size",
@@ -380,8 +391,9 @@ def translate(source: Any) -> Translation:
         if name not in _COMM_DTYPES:
             raise ValueError(f"DeepSpeed key 'communication_data_type' must be one of {sorted(_COMM_DTYPES)}, "
                              f"got {name!r}.")
-        kw["reduce_dtype"] = _COMM_DTYPES[name]
-    elif "compute_dtype" in kw:
+        if kw.get("reduce_dtype") != "int8":  # zero_quantized_gradients wins (noted above)
+            kw["reduce_dtype"] = _COMM_DTYPES[name]
+    elif "compute_dtype" in kw and kw.get("reduce_dtype") != "int8":
         notes.append(f"communication_data_type is absent: DeepSpeed then reduces gradients in the compute dtype "
                      f"({kw['compute_dtype']}); zerojax keeps reduce_dtype='float32' (exact sums, twice the bytes "
                      f"of a {kw['compute_dtype']} reduction). Set communication_data_type to "
