@@ -132,10 +132,14 @@ def grad_bound(params_seq, batches, lr, rounds=3):
     return total
 
 
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize("stage,replicas,kw", [
-    (1, 1, {}), (2, 1, {}), (3, 1, {}), (3, 2, {}), (2, 1, {"grad_accum_steps": 2}),
-    (3, 1, {"gather_dtype": "int8"}), (3, 1, {"prefetch": 1}),
-    (3, 1, {"offload_params": True, "offload_optimizer": True}), (1, 2, {"offload_optimizer": True}),
+    (1, 1, {}), (2, 1, {}), (3, 1, {}), (3, 2, {}), pytest.param(2, 1, {"grad_accum_steps": 2}, marks=SLOW),
+    pytest.param(3, 1, {"gather_dtype": "int8"}, marks=SLOW), pytest.param(3, 1, {"prefetch": 1}, marks=SLOW),
+    pytest.param(3, 1, {"offload_params": True, "offload_optimizer": True}, marks=SLOW),
+    pytest.param(1, 2, {"offload_optimizer": True}, marks=SLOW),
 ], ids=["s1", "s2", "s3", "s3-hybrid", "s2-accum", "s3-int8-weights", "s3-prefetch", "s3-offload",
         "s1-hybrid-offload"])
 def test_sgd_stays_within_the_quantization_bound_of_single_device_optax(stage, replicas, kw):
