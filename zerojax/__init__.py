@@ -1,6 +1,6 @@
 """zerojax: ZeRO (stages 0-3) for JAX and Flax over a jax.sharding mesh."""
 
-from zerojax import checkpoint, distributed, remat, xla_flags
+from zerojax import checkpoint, distributed, nnx, remat, xla_flags
 from zerojax.checkpoint import export_weights, restore_checkpoint, save_checkpoint
 from zerojax.config import ZeroConfig
 from zerojax.deepspeed import from_deepspeed
@@ -40,6 +40,7 @@ __all__ = [
     "make_eval_step",
     "make_mesh",
     "make_train_step",
+    "nnx",
     "state_bytes_per_device",
     "step_memory",
     "xla_flags",

@@ -106,8 +106,10 @@ def init_state(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig, rng: Any
         with_rng=True)`` hands the loss a key of its own per step, device and micro-batch.
       model_state: state the model updates but does not train (BatchNorm statistics), a
         tree of arrays or a function returning one; kept replicated.
-      trainable: which parameters train: a tree of bools shaped like ``params`` or a
-        callable on ``params`` returning one (default: all). Frozen parameters get no
+      trainable: which parameters train: a tree of bools shaped like ``params``, a
+        callable on ``params`` returning one, or an NNX filter (``nnx.LoRAParam``,
+        ``nnx.Not(...)``, a path predicate ``fn(path, variable)``) applied to the
+        ``nnx.State`` given as ``params`` (default: all). Frozen parameters get no
         optimizer state and no gradient, and are stored in the compute dtype where it is
         narrower, or in their own with ``ZeroConfig(frozen_dtype="param")`` (see
         :class:`ZeroState`).
@@ -189,7 +191,24 @@ def _key(rng: Any) -> jax.Array:
     raise TypeError(f"rng must be a key from jax.random.key(seed) (or jax.random.PRNGKey(seed)), got {rng!r}.")
 
 
+def refuse_module(params: Any) -> None:
+    """Raises a clear error for a Flax module passed where its parameters are wanted (a
+    module is callable, and would otherwise be taken for an init function)."""
+    from flax import linen, nnx
+
+    if isinstance(params, nnx.Module):
+        raise TypeError(
+            f"params is an NNX module ({type(params).__name__}), not its parameters. Pass them: "
+            "graphdef, params, rest = nnx.split(model, nnx.Param, ...) and zj.init_state(params, ...); "
+            "or let zerojax split the module: zj.nnx.Optimizer(model, tx, mesh=mesh, config=config).")
+    if isinstance(params, linen.Module):
+        raise TypeError(
+            f"params is a linen module ({type(params).__name__}), not its parameters. Pass "
+            "model.init(key, x)['params'], or an init function: lambda: model.init(key, x)['params'].")
+
+
 def _init_program(params, tx, *, mesh, config, model_state=None, trainable=None, rng=None):
+    refuse_module(params)
     check_optimizer(tx)
     if rng is not None:
         _key(rng)

@@ -185,7 +185,8 @@ def master_dtype(dtype) -> jnp.dtype:
 def make_plan(params: Any, mesh: Mesh, config: ZeroConfig, tx: Any = None, trainable: Any = None) -> ZeroPlan:
     """Validates ``params`` and chooses the layout of every parameter (and, given ``tx``, of
     every optimizer-state array). ``trainable`` marks the parameters that train (a tree of
-    bools shaped like ``params``, or a callable on ``params`` returning one; None: all)."""
+    bools shaped like ``params``, a callable on ``params`` returning one, or an NNX filter
+    such as ``nnx.LoRAParam``; None: all)."""
     if not isinstance(config, ZeroConfig):
         raise TypeError(f"config must be a zj.ZeroConfig, got {type(config).__name__}.")
     n = axis_size(mesh, config.axis)
@@ -223,6 +224,10 @@ def make_plan(params: Any, mesh: Mesh, config: ZeroConfig, tx: Any = None, train
 def _trainable_mask(trainable: Any, params: Any, treedef: Any, paths: list[str]) -> tuple[bool, ...]:
     if trainable is None:
         return (True,) * len(paths)
+    from zerojax.nnx.filters import is_filter, select
+
+    if is_filter(trainable):
+        return select(trainable, params, name="trainable")
     mask = trainable(params) if callable(trainable) else trainable
     try:
         leaves = treedef.flatten_up_to(mask)

@@ -1,0 +1,172 @@
+"""zj.nnx: an NNX module, optimizer and steps as NNX writes them, against single-device
+NNX training (nnx.Optimizer + nnx.value_and_grad) on the same module."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import zerojax as zj
+
+
+class Net(nnx.Module):
+    """Linear + LoRA, BatchNorm (synced over ``axis_name``) and dropout."""
+
+    def __init__(self, rngs, *, axis_name=None, dropout=0.0):
+        self.inp = nnx.Linear(6, 16, rngs=rngs)
+        self.lora = nnx.LoRA(16, 4, 16, base_module=nnx.Linear(16, 16, rngs=rngs), rngs=rngs)
+        self.bn = nnx.BatchNorm(16, axis_name=axis_name, rngs=rngs)
+        self.drop = nnx.Dropout(dropout, rngs=rngs)
+        self.out = nnx.Linear(16, 1, rngs=rngs)
+
+    def __call__(self, x):
+        h = jax.nn.relu(self.bn(self.inp(x)))
+        return self.out(self.drop(jnp.tanh(self.lora(h))))
+
+
+def loss_fn(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def batches(n=3, rows=16):
+    ks = jax.random.split(jax.random.key(7), n)
+    return [{"x": jax.random.normal(k, (rows, 6)), "y": jax.random.normal(jax.random.fold_in(k, 1), (rows, 1))}
+            for k in ks]
+
+
+def reference(model, tx, wrt, data):
+    """Single-device NNX, as NNX's docs write it."""
+    opt = nnx.Optimizer(model, tx, wrt=wrt)
+
+    @nnx.jit
+    def step(model, opt, batch):
+        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt))(model, batch)
+        opt.update(model, grads)
+        return loss
+
+    losses = [float(step(model, opt, b)) for b in data]
+    return model, losses
+
+
+def max_diff(a, b):
+    return max(float(jnp.max(jnp.abs(jnp.asarray(x, jnp.float32) - jnp.asarray(y, jnp.float32))))
+               for x, y in zip(jax.tree.leaves(nnx.state(a, nnx.Not(nnx.RngState))),
+                                 jax.tree.leaves(nnx.state(b, nnx.Not(nnx.RngState)))))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("wrt", [nnx.Param, nnx.LoRAParam], ids=["all", "lora"])
+def test_optimizer_matches_single_device_nnx(stage, wrt):
+    data, tx = batches(), optax.sgd(0.1, momentum=0.9)
+    ref, ref_losses = reference(Net(nnx.Rngs(0)), tx, wrt, data)
+    opt = zj.nnx.Optimizer(Net(nnx.Rngs(0), axis_name="data"), tx, wrt=wrt, mesh=zj.make_mesh(),
+                           config=zj.ZeroConfig(stage=stage))
+    train_step = zj.nnx.make_train_step(loss_fn)
+    losses = [float(train_step(opt, b)["loss"]) for b in data]
+    got = opt.gathered_model()
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    assert max_diff(got, ref) <= 1e-5          # parameters and BatchNorm statistics
+    assert opt.step == 3
+    if wrt is nnx.LoRAParam:                   # the base stays as it was, with no optimizer state
+        base = Net(nnx.Rngs(0))
+        np.testing.assert_array_equal(got.inp.kernel.get_value(), base.inp.kernel.get_value())
+        assert not any(x.size > 1 for x in jax.tree.leaves(opt.state.opt_state)
+                       if x.shape[-1:] != (4,) and x.shape[:1] != (4,) and x.size > 16) or stage == 0
+
+
+def test_dropout_through_the_modules_own_streams():
+    """Each device, micro-batch and step draws its own mask, the same at every stage; the
+    stream's counter advances once per draw and micro-batch, its key stays the module's."""
+
+    class Masks(nnx.Module):  # returns the dropout mask itself, one row per example
+        def __init__(self, rngs):
+            self.w = nnx.Param(jnp.ones((1, 32)))
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(jnp.ones((x.shape[0], 32)) * self.w[...])
+
+    def mask_loss(model, batch):
+        m = model(batch)
+        return jnp.mean(m), m
+
+    runs = {}
+    for stage in (0, 3):
+        cfg = zj.ZeroConfig(stage=stage, grad_accum_steps=2)
+        opt = zj.nnx.Optimizer(Masks(nnx.Rngs(0, dropout=1)), optax.sgd(0.0), mesh=zj.make_mesh(), config=cfg)
+        key0 = jax.random.key_data(opt.gathered_model().drop.rngs.key.get_value())
+        step = zj.nnx.make_train_step(mask_loss, has_aux=True, aux_reduce="concat")
+        runs[stage] = [np.asarray(step(opt, jnp.zeros((32, 1)))["aux"]) for _ in range(2)]
+        model = opt.gathered_model()
+        assert int(model.drop.rngs.count.get_value()) == 2 * 2          # 2 steps x 2 micro-batches x 1 draw
+        np.testing.assert_array_equal(jax.random.key_data(model.drop.rngs.key.get_value()), key0)
+    np.testing.assert_array_equal(runs[0][0], runs[3][0])
+    np.testing.assert_array_equal(runs[0][1], runs[3][1])
+    first, second = runs[0]
+    rows = first.reshape(16, 2, 32)                              # 8 devices x 2 micro-batches, 2 rows each
+    assert set(np.unique(first)) <= {0.0, 2.0}
+    distinct = {r.tobytes() for r in rows[:, 0]}
+    assert len(distinct) == 16                                   # every device and micro-batch its own
+    assert not np.array_equal(first, second)                     # and every step
+
+
+def test_eval_step_runs_in_eval_mode_and_leaves_the_optimizer():
+    data = batches(1)[0]
+    opt = zj.nnx.Optimizer(Net(nnx.Rngs(0), dropout=0.5), optax.adam(1e-3), mesh=zj.make_mesh(),
+                           config=zj.ZeroConfig(stage=3))
+    zj.nnx.make_train_step(loss_fn)(opt, data)
+    before = opt.gathered_model()
+    ev = zj.nnx.make_eval_step(lambda model, b: {"pred": model(b["x"])}, reduce="concat")
+    pred = ev(opt, data)["pred"]
+    before.eval()
+    np.testing.assert_allclose(pred, before(data["x"]), rtol=1e-5, atol=1e-6)  # no dropout, running stats
+    assert max_diff(opt.gathered_model(), before) == 0.0
+
+
+def test_sharded_build_and_checkpoint_across_stages(tmp_path):
+    """Built from a function, never whole; saved at stage 3, restored at stage 1."""
+    make = lambda: Net(nnx.Rngs(0), axis_name="data")
+    tx, data = optax.adam(1e-2), batches(2)
+    opt = zj.nnx.Optimizer(make, tx, mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3))
+    assert opt.state.master["inp"]["kernel"].get_value().addressable_shards[0].data.size < 6 * 16
+    step = zj.nnx.make_train_step(loss_fn)
+    step(opt, data[0])
+    opt.save(tmp_path, wait=True)
+    expected = float(step(opt, data[1])["loss"])
+    again = zj.nnx.Optimizer(make, tx, mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=1))
+    again.restore(tmp_path)
+    assert again.step == 1
+    assert abs(float(zj.nnx.make_train_step(loss_fn)(again, data[1])["loss"]) - expected) < 1e-6
+
+
+def test_functional_api_takes_nnx_filters():
+    model = Net(nnx.Rngs(0))
+    _, params, _ = nnx.split(model, nnx.Param, ...)
+    st = zj.init_state(params, optax.adam(1e-3), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=2),
+                       trainable=nnx.LoRAParam)
+    assert st.plan.trainable == zj.nnx.select(nnx.LoRAParam, params, name="trainable")
+    assert sum(st.plan.trainable) == 2
+    path_pred = lambda path, v: "out" in path
+    st2 = zj.init_state(params, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=2),
+                        trainable=path_pred)
+    assert sum(st2.plan.trainable) == 2
+
+
+def test_bad_input():
+    model, mesh, cfg, tx = Net(nnx.Rngs(0)), zj.make_mesh(), zj.ZeroConfig(stage=3), optax.sgd(0.1)
+    with pytest.raises(ValueError, match=r"wrt=nnx.Intermediate selects none of the 10 parameter arrays"):
+        zj.nnx.Optimizer(model, tx, wrt=nnx.Intermediate, mesh=mesh, config=cfg)
+    with pytest.raises(TypeError, match=r"wrt=Any\(.*selects the rng stream variable RngCount"):
+        zj.nnx.Optimizer(Net(nnx.Rngs(0), dropout=0.1), tx, wrt=nnx.Any(nnx.Param, nnx.RngCount), mesh=mesh,
+                         config=cfg)
+    _, params, _ = nnx.split(model, nnx.Param, ...)
+    with pytest.raises(TypeError, match=r"trainable=nnx.LoRAParam selects nnx.Variable types.*to_pure_dict"):
+        zj.init_state(params.to_pure_dict(), tx, mesh=mesh, config=cfg, trainable=nnx.LoRAParam)
+    with pytest.raises(TypeError, match=r"params is an NNX module \(Net\).*nnx.split"):
+        zj.init_state(model, tx, mesh=mesh, config=cfg)
+    with pytest.raises(TypeError, match="wrt must be an NNX filter"):
+        zj.nnx.Optimizer(model, tx, wrt={"inp": True}, mesh=mesh, config=cfg)
+    with pytest.raises(TypeError, match="takes a zj.nnx.Optimizer"):
+        zj.nnx.make_train_step(loss_fn)(model, batches(1)[0])
