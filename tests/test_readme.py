@@ -19,6 +19,11 @@ def test_readme_python_blocks_run(capsys):
         exec(compile(block, "README.md", "exec"), namespace)
     # The NNX example trained and gathered full params in the original structure.
     import jax
+    from flax import nnx
+
+    assert namespace["optimizer"].step == 3 and np.isfinite(float(namespace["nnx_metrics"]["loss"]))
+    assert isinstance(namespace["tagger"], nnx.Module)
+    assert not np.allclose(np.asarray(namespace["tagger"].bn.mean[...]), 0.0)  # BatchNorm's statistics moved
 
     trained, params = namespace["trained"], namespace["params"]
     assert jax.tree.structure(trained) == jax.tree.structure(params)

@@ -111,6 +111,14 @@ class Parts:
         return {"rngs": rngs, "rest": jax.tree.map(cast, rest, given["rest"])}
 
 
+def sync_batch_norms(model: nnx.Module, axes: str | tuple[str, ...]) -> None:
+    """Binds every ``nnx.BatchNorm`` of ``model`` that has no ``axis_name`` to the batch
+    axes, so that its batch statistics are those of the global batch, as on one device."""
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, nnx.BatchNorm) and module.axis_name is None:
+            module.axis_name = axes
+
+
 def _key_impl(key: Any) -> Any:
     """The implementation of a key array, or of an abstract one (from ``nnx.eval_shape``)."""
     if isinstance(key, jax.Array):

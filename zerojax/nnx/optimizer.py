@@ -31,6 +31,10 @@ class Optimizer:
         optimizer state, no gradient. It may also select non-Param floating Variables.
       mesh, config: as for :func:`zerojax.init_state`.
       seed: the base key that salts the module's rng streams per step, device and micro-batch.
+      sync_batch_stats: whether each ``nnx.BatchNorm`` without an ``axis_name`` normalizes
+        over the global batch (its statistics reduced over the batch axes), as the same
+        module does on one device (default); with False, each device normalizes its own
+        rows and the step keeps the mean of the devices' new running statistics.
 
     The module's ``nnx.BatchStat`` (and any other Variable that is neither a parameter nor
     an rng stream) are the model state, and its ``nnx.Rngs`` streams drive dropout: see
@@ -48,10 +52,14 @@ class Optimizer:
     """
 
     def __init__(self, model: nnx.Module | Callable[[], nnx.Module], tx: optax.GradientTransformation, *,
-                 mesh: Mesh, config: ZeroConfig, wrt: Any = nnx.Param, seed: int = 0):
+                 mesh: Mesh, config: ZeroConfig, wrt: Any = nnx.Param, seed: int = 0,
+                 sync_batch_stats: bool = True):
         module, init_fn = build(model)
         self.parts = Parts.of(module, wrt)
         self.tx, self.mesh, self.config, self.wrt = tx, mesh, config, wrt
+        if not isinstance(sync_batch_stats, bool):
+            raise TypeError(f"sync_batch_stats must be a bool, got {sync_batch_stats!r}.")
+        self.sync_batch_stats = sync_batch_stats
         trainable = None if all(self.parts.trainable) else wrt
         rng = jax.random.key(seed) if self.parts.has_rngs else None
         if init_fn is None:

@@ -4,7 +4,9 @@
 each device from the parameters where ZeRO keeps them (at stage 3, each layer gathered
 where it runs), with this device's rows of the batch. The train step runs it in training
 mode (``model.train()``: dropout on, BatchNorm batch statistics), the eval step in
-evaluation mode (``model.eval()``).
+evaluation mode (``model.eval()``). An ``nnx.BatchNorm`` without an ``axis_name`` takes
+the global batch's statistics, as on one device, unless the optimizer was built with
+``sync_batch_stats=False``.
 """
 
 from __future__ import annotations
@@ -16,9 +18,17 @@ from typing import Any
 import jax
 
 from zerojax.evaluate import EvalStep as ZeroEvalStep
+from zerojax.nnx.model import sync_batch_norms
 from zerojax.nnx.optimizer import Optimizer
+from zerojax.sharding.mesh import batch_axes
 from zerojax.step import LossScaleError
 from zerojax.step import TrainStep as ZeroTrainStep
+
+
+def _batch_axes(optimizer: Optimizer) -> str | tuple[str, ...] | None:
+    """The axes BatchNorm statistics reduce over, or None when they stay per device."""
+    cfg = optimizer.config
+    return batch_axes(optimizer.mesh, cfg.axis, cfg.replica_axis) if optimizer.sync_batch_stats else None
 
 
 def _check_optimizer(optimizer: Any, what: str) -> None:
@@ -45,10 +55,13 @@ class TrainStep:
         step = self._steps.get(optimizer)
         if step is None:
             parts, user, has_aux = optimizer.parts, self.loss_fn, self.has_aux
+            sync = _batch_axes(optimizer)
 
             def loss(params, batch, rng=None, model_state=None):
                 model = parts.merge(params, model_state, salt=rng)
                 model.train()
+                if sync:
+                    sync_batch_norms(model, sync)
                 out = user(model, batch)
                 new = parts.new_model_state(model, model_state)
                 if has_aux:
