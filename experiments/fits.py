@@ -28,8 +28,9 @@ def fmt(nbytes: float) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from zerojax.report.estimate import MODELS
+    from zerojax.report.estimate import MODELS, GPTShape
 
+    MODELS = {name: shape for name, shape in MODELS.items() if isinstance(shape, GPTShape)}  # what gpt.py builds
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt2-small", help="one of: " + ", ".join(MODELS))
     ap.add_argument("--devices", type=int, default=8, help="devices on the data axis")
@@ -41,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--budget-gib", type=float, default=None, help="device memory, to answer fits / does not")
     args = ap.parse_args(argv)
     if args.model not in MODELS:
-        ap.error(f"unknown --model {args.model!r}; choose from {', '.join(MODELS)}")
+        ap.error(f"unknown --model {args.model!r}; this script builds the experiments' GPT, one of {', '.join(MODELS)}")
     if args.devices < 1:
         ap.error(f"--devices must be >= 1, got {args.devices}")
     args.batch = args.batch or args.devices

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
 from experiments import data, gpt  # noqa: E402
 from zerojax.report.comm import collectives  # noqa: E402
+from zerojax.report.progress import progress  # noqa: E402
 
 GATHERS = {"fp32": dict(compute_dtype="float32"), "bf16": dict(compute_dtype="bfloat16"),
            "int8": dict(compute_dtype="bfloat16", gather_dtype="int8")}
@@ -63,11 +64,12 @@ def main(argv=None) -> list[dict]:
                         n_heads=max(1, args.d_model // 32))
     n = len(jax.devices())
     rows = []
-    for r in [int(x) for x in args.replicas.split(",")]:
-        for g in GATHERS:
-            t = traffic(cfg, r, g, args.batch)
-            rows.append({"replicas": r, "gathers": g, "data": t.get("data", 0), "replica": t.get("replica", 0),
-                         "all": t.get("replica+data", 0) if r > 1 else 0, "total": sum(t.values())})
+    # One compile per configuration: a bar on a terminal, nothing when piped or in CI.
+    configs = [(int(x), g) for x in args.replicas.split(",") for g in GATHERS]
+    for r, g in progress(configs, "hybrid", unit="config"):
+        t = traffic(cfg, r, g, args.batch)
+        rows.append({"replicas": r, "gathers": g, "data": t.get("data", 0), "replica": t.get("replica", 0),
+                     "all": t.get("replica+data", 0) if r > 1 else 0, "total": sum(t.values())})
     psi = cfg.num_params()
     print(f"GPT d{args.d_model} L{args.layers} ({psi:,} parameters), ZeRO-3, AdamW, batch {args.batch} x "
           f"{cfg.seq_len}, {n} x {jax.devices()[0].platform}, jax {jax.__version__}\n")

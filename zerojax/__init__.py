@@ -1,7 +1,7 @@
 """zerojax: ZeRO (stages 0-3) for JAX and Flax over a jax.sharding mesh."""
 
 from zerojax import checkpoint, distributed, nnx, remat, xla_flags
-from zerojax.checkpoint import export_weights, restore_checkpoint, save_checkpoint
+from zerojax.checkpoint import export_weights, load_weights, restore_checkpoint, save_checkpoint
 from zerojax.config import ZeroConfig
 from zerojax.deepspeed import from_deepspeed
 from zerojax.evaluate import EvalStep, make_eval_step
@@ -29,6 +29,7 @@ __all__ = [
     "distributed",
     "export_weights",
     "from_deepspeed",
+    "load_weights",
     "remat",
     "restore_checkpoint",
     "save_checkpoint",

@@ -1,30 +1,49 @@
 """The ``zerojax`` command line.
 
-    zerojax export CHECKPOINT_DIR OUT.safetensors [--step N] [--dtype float32|bfloat16]
-    zerojax estimate --params 7.5e9 --devices 64 [--largest-layer N] [--replicas R]
-    zerojax estimate --model gpt2-xl --devices 8
+    zerojax export CHECKPOINT_DIR OUT.safetensors [--step N] [--dtype float32|bfloat16|float16]
+    zerojax estimate --params 7B --devices 64 [--largest-layer N] [--replicas R]
+                     [--dtype float32|bfloat16|float16] [--optimizer adam|adamw|sgd|adafactor]
+    zerojax estimate --model llama3-8b --devices 8
+    zerojax launch --nprocs 2 [--devices-per-proc 4] -- python train.py [args...]
+    zerojax --version
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:  # its own parser: everything after "--" is the command to run
+        from zerojax.launch import main as launch_main
+
+        return launch_main(argv[1:], prog="zerojax launch")
     ap = argparse.ArgumentParser(prog="zerojax", description="zerojax tools")
+    ap.add_argument("--version", action="version", version=f"zerojax {version()}")
     sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("launch", add_help=False,
+                   help="start a local multi-process job: zerojax launch --nprocs N ... -- command [args...]")
     ex = sub.add_parser("export", help="consolidated weights from a checkpoint (zero_to_fp32)")
     ex.add_argument("checkpoint_dir")
     ex.add_argument("out", help="output .safetensors file")
     ex.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-    ex.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    es = sub.add_parser("estimate", help="model-state memory per device: ZeRO paper and DeepSpeed")
-    es.add_argument("--params", type=float, default=None, help="parameter count, e.g. 7.5e9")
+    ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    es = sub.add_parser("estimate", help="model-state memory per device: ZeRO paper, DeepSpeed and zerojax")
+    es.add_argument("--params", type=_count, default=None,
+                    help="parameter count: 7B, 1.3b, 350M, 125k, 1.5e9, 7_000_000 (K/M/B/T suffixes)")
     es.add_argument("--model", default=None, help="a model config: " + ", ".join(_model_names()))
     es.add_argument("--devices", type=int, required=True, help="devices on the data axis")
-    es.add_argument("--largest-layer", type=float, default=0.0, help="parameters of the largest layer")
+    es.add_argument("--largest-layer", type=_count_or_zero, default=0,
+                    help="parameters of the largest layer (DeepSpeed's ZeRO-3 figure), e.g. 500M")
+    es.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                    help="compute dtype of the zerojax column (fp32 masters either way)")
+    es.add_argument("--optimizer", choices=["adam", "adamw", "sgd", "adafactor"], default="adam",
+                    help="optimizer of the zerojax column: adam/adamw 8 bytes of state per parameter, "
+                         "sgd (no momentum) 0, adafactor ~0 (factored moments; a lower bound)")
     es.add_argument("--replicas", type=int, default=1,
                     help="hybrid sharding: replica groups (the state is sharded over devices/replicas)")
     fd = sub.add_parser("from-deepspeed", help="the ZeroConfig of a DeepSpeed JSON config")
@@ -61,17 +80,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ap.error(f"unknown --model {args.model!r}; choose from {', '.join(estimate.MODELS)}")
             shape = estimate.MODELS[args.model]
             psi, layer = shape.num_params(), layer or shape.largest_layer_params()
-        print(estimate.table(psi, args.devices, layer, replicas=args.replicas))
+        print(estimate.table(psi, args.devices, layer, replicas=args.replicas, compute_dtype=args.dtype,
+                             optimizer=args.optimizer))
         return 0
     if args.command == "export":
         from zerojax.checkpoint.export import export_weights
 
         try:
-            shapes = export_weights(args.checkpoint_dir, args.out, step=args.step, dtype=args.dtype)
-        except (FileNotFoundError, ValueError) as e:
+            shapes = export_weights(args.checkpoint_dir, args.out, step=args.step, dtype=args.dtype,
+                                    show_progress=None)
+        except (OSError, ValueError) as e:
             print(f"zerojax export: {e}", file=sys.stderr)
             return 1
-        n = sum(int(__import__("math").prod(s)) for s in shapes.values())
+        n = sum(math.prod(s) for s in shapes.values())
         print(f"wrote {len(shapes)} tensors, {n:,} parameters ({args.dtype}) to {args.out}")
         from zerojax.checkpoint.export import stored_dtypes
 
@@ -80,6 +101,46 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{len(narrow)} frozen tensors were stored by the run in {', '.join(sorted(set(narrow.values())))} "
                   f"(ZeroConfig.frozen_dtype='compute') and hold that rounding: {', '.join(narrow)}")
     return 0
+
+
+def version() -> str:
+    """The installed zerojax's version (its package metadata; ``zerojax.__version__`` where
+    the package is not installed).
+
+    Example:
+      >>> import zerojax
+      >>> from zerojax.cli import version
+      >>> version() == zerojax.__version__
+      True
+    """
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("zerojax")
+    except PackageNotFoundError:
+        import zerojax
+
+        return zerojax.__version__
+
+
+def _count(text: str) -> int:
+    """argparse type of a parameter count (7B, 1.5e9, ...): its errors name the forms taken."""
+    from zerojax.report.estimate import parse_count
+
+    try:
+        return parse_count(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _count_or_zero(text: str) -> int:
+    from zerojax.report.estimate import parse_count
+
+    try:
+        return parse_count(text, allow_zero=True)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _model_names() -> list[str]:

@@ -1,5 +1,6 @@
 """Local multi-process launcher, in the spirit of ``torchrun --standalone``.
 
+    zerojax launch --nprocs 2 --devices-per-proc 4 -- python experiments/train.py ...
     python -m zerojax.launch --nprocs 2 --devices-per-proc 4 -- python experiments/train.py ...
 
 Starts ``--nprocs`` copies of the command with the environment that
@@ -79,7 +80,7 @@ def launch(cmd: Sequence[str], nprocs: int, devices_per_proc: int | None = None,
     if nprocs < 1:
         raise ValueError(f"--nprocs must be >= 1, got {nprocs}")
     if not cmd:
-        raise ValueError("no command given: python -m zerojax.launch --nprocs 2 -- python train.py")
+        raise ValueError("no command given: zerojax launch --nprocs 2 -- python train.py")
     out = out or sys.stdout
     port = port or free_port()
     lock = threading.Lock()
@@ -132,24 +133,36 @@ def launch(cmd: Sequence[str], nprocs: int, devices_per_proc: int | None = None,
     return status
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+USAGE = ("%(prog)s [-h] --nprocs N [--devices-per-proc D] [--port PORT] [--timeout SECONDS] [--gpu-overlap] "
+         "[--verbose] -- command [args...]")
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m zerojax.launch") -> int:
+    """The launcher's command line (``zerojax launch`` / ``python -m zerojax.launch``):
+    options, then ``--``, then the command every process runs; returns the job's status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" in argv:
         i = argv.index("--")
         argv, cmd = argv[:i], argv[i + 1:]
     else:
         cmd = []
-    ap = argparse.ArgumentParser(prog="python -m zerojax.launch", description=__doc__.splitlines()[0])
-    ap.add_argument("--nprocs", type=int, required=True, help="processes to start")
-    ap.add_argument("--devices-per-proc", type=int, default=None,
+    ap = argparse.ArgumentParser(prog=prog, usage=USAGE, description=__doc__.splitlines()[0],
+                                 epilog="Everything after -- is the command each process runs, e.g. "
+                                        f"{prog} --nprocs 2 --devices-per-proc 4 -- python train.py --steps 10")
+    ap.add_argument("--nprocs", type=int, required=True, metavar="N", help="processes to start")
+    ap.add_argument("--devices-per-proc", type=int, default=None, metavar="D",
                     help="simulated CPU devices per process (CPU runs)")
     ap.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
-    ap.add_argument("--timeout", type=float, default=None, help="stop the job after this many seconds")
+    ap.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                    help="stop the job after this many seconds")
     ap.add_argument("--gpu-overlap", action="store_true",
                     help="add XLA's GPU flags that overlap collectives with compute (zerojax.xla_flags)")
     ap.add_argument("--verbose", action="store_true",
                     help="also show gloo's connection messages (one per communicator and process)")
-    args = ap.parse_args(argv)
+    args, extra = ap.parse_known_args(argv)
+    if extra:
+        ap.error(f"unrecognized arguments: {' '.join(extra)} (the command to run goes after --, "
+                 f"e.g. -- {' '.join(extra)})")
     if not cmd:
         ap.error("give the command after --, e.g. -- python experiments/train.py")
     return launch(cmd, args.nprocs, args.devices_per_proc, args.port, args.timeout, gpu_overlap=args.gpu_overlap,

@@ -1,11 +1,12 @@
 """Consolidated weights from a checkpoint: one ``.safetensors`` file, loadable without
 zerojax (the ``zero_to_fp32.py`` equivalent).
 
-The file holds each parameter's fp32 master (or its bf16 rounding) under a dotted name
+The file holds each parameter's fp32 master (or its bf16 / fp16 rounding) under a dotted name
 (``layers.w``, ``blocks.linear.kernel``), in the parameter's own shape. Process 0 reads
 the checkpoint one leaf at a time and streams each into the file, so the host holds one
 full leaf at a time; other processes read nothing. Two parameter paths that would get the
 same name (``['a']['b']`` and ``['a.b']``) are refused before anything is written.
+:func:`zerojax.load_weights` reads such a file back into a model's parameter tree.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import orbax.checkpoint as ocp
 
 from zerojax.checkpoint import canonical
 from zerojax.checkpoint.io import _manager, checkpoint_steps
+from zerojax.report.progress import progress
 
 _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64"}
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 # One key of a ``jax.tree_util.keystr`` path: a dict key (``['w']``, the repr of a str), another
@@ -152,19 +155,25 @@ def stored_dtypes(path: str | os.PathLike) -> dict[str, str]:
 
 
 def export_weights(directory: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None,
-                   dtype: str = "float32") -> dict[str, tuple[int, ...]]:
+                   dtype: str = "float32", show_progress: bool | None = False) -> dict[str, tuple[int, ...]]:
     """Writes checkpoint ``step`` (default: latest) of ``directory`` to ``out`` as full
-    weights in ``dtype`` (float32 or bfloat16); returns ``{name: shape}``.
+    weights in ``dtype`` (float32, bfloat16 or float16); returns ``{name: shape}``.
+    A float16 export refuses a parameter with finite values beyond float16's range
+    (65504) rather than write them as inf; bfloat16 has float32's range.
 
     Trainable parameters are written from their fp32 masters; frozen ones as the run
     stored them (``ZeroConfig.frozen_dtype``: in a bf16 run with the default "compute",
     the bf16 rounding of the weights given). The file's metadata ``stored_dtypes`` (JSON)
     names each tensor's stored dtype; :func:`stored_dtypes` reads it back.
 
-    Load it with ``safetensors.numpy.load_file(out)`` (or torch / flax loaders).
+    Load it into a model's parameter tree with :func:`zerojax.load_weights`, or with
+    ``safetensors.numpy.load_file(out)`` (or torch / flax loaders). ``show_progress``: a
+    progress bar over the tensors on stderr (``None``: on a terminal only, as the
+    ``zerojax export`` command does).
     """
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}.")
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}.")
+    _check_paths(directory, out)
     steps = checkpoint_steps(directory)
     if not steps:
         raise FileNotFoundError(f"no checkpoint in {os.fspath(directory)!r}: it has no complete saved step.")
@@ -177,12 +186,13 @@ def export_weights(directory: str | os.PathLike, out: str | os.PathLike, *, step
     shapes = {name: meta.layout(i).shape for i, name in enumerate(names)}
     if jax.process_index() != 0:
         return shapes
-    target = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    target = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
 
     frozen = {i: j for j, i in enumerate(i for i in range(len(names)) if not meta.is_trainable(i))}
 
     def leaves():
-        for i, name in enumerate(names):
+        for i, name in progress(list(enumerate(names)), "export", unit="tensor",
+                                disable=None if show_progress is None else not show_progress):
             key = str(i)
             # Trainable parameters: their fp32 masters; frozen ones: as the run stored them.
             group, layout = ("frozen", meta.frozen_layout(frozen[i])) if i in frozen else ("master", meta.layout(i))
@@ -190,7 +200,7 @@ def export_weights(directory: str | os.PathLike, out: str | os.PathLike, *, step
                 item={group: {key: 0}},
                 restore_args={group: {key: ocp.RestoreArgs(restore_type=np.ndarray)}},
                 partial_restore=True)))["state"][group]
-            yield name, layout.from_storage(np.asarray(arrays[key])).astype(target)
+            yield name, _cast(name, layout.from_storage(np.asarray(arrays[key])), target)
 
     # What each tensor was stored as: float32 masters, frozen parameters as the run kept them
     # (ZeroConfig.frozen_dtype: the compute dtype's rounding where "compute" narrowed them).
@@ -199,3 +209,25 @@ def export_weights(directory: str | os.PathLike, out: str | os.PathLike, *, step
                                                      "source_stage": meta.stage, "source_devices": meta.n,
                                                      "stored_dtypes": json.dumps(stored)})
     return shapes
+
+
+def _check_paths(directory, out: str | os.PathLike) -> None:
+    """Refuses a checkpoint directory or an output folder that does not exist, saying which."""
+    if isinstance(directory, (str, os.PathLike)):
+        if not os.path.exists(directory):
+            raise FileNotFoundError(f"checkpoint directory {os.fspath(directory)!r} does not exist.")
+        if not os.path.isdir(directory):
+            raise NotADirectoryError(f"checkpoint directory {os.fspath(directory)!r} is not a directory.")
+    folder = os.path.dirname(os.path.abspath(os.fspath(out)))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"the folder {folder!r} for the output file does not exist; create it first.")
+
+
+def _cast(name: str, x: np.ndarray, target) -> np.ndarray:
+    """``x`` in ``target``; refuses finite values that ``target`` (float16) would make inf."""
+    with np.errstate(over="ignore"):
+        y = x.astype(target)
+    if np.dtype(target) == np.float16 and not np.array_equal(np.isfinite(x), np.isfinite(y)):
+        raise ValueError(f"tensor {name!r} has values up to {float(np.nanmax(np.abs(x[np.isfinite(x)]))):.4g}, beyond "
+                         "float16's range (65504); export it in bfloat16 or float32.")
+    return y

@@ -1,26 +1,37 @@
 """Closed-form per-device memory of model states, before anything is compiled.
 
-Two models side by side:
+Three models side by side:
 
 * the ZeRO paper's (mixed precision: fp16 params 2Ψ, fp16 grads 2Ψ, K·Ψ optimizer state with
   K = 12 for Adam: fp32 master, m, v): (2+2+K)Ψ, (2+2)Ψ + KΨ/N, 2Ψ + (2+K)Ψ/N, (2+2+K)Ψ/N;
 * DeepSpeed's estimators (``estimate_zero2/3_model_states_mem_needs``): ZeRO-2 2Ψ + 18Ψ/N
   (CPU offload: 2Ψ on the GPU, Ψ·max(4·GPUs, 16)·1.5 on the host); ZeRO-3
   4·largest_layer + 18Ψ/N (optimizer offload: 4·largest_layer + 2Ψ/N; both offloaded:
-  4·largest_layer), largest_layer in parameters.
+  4·largest_layer), largest_layer in parameters;
+* zerojax's own (:func:`zerojax.zero_formula_bytes`): the persistent bytes of a zerojax
+  state, fp32 masters plus the optimizer's state (:data:`OPTIMIZER_BYTES` per parameter)
+  plus a compute-dtype copy of the parameters where a stage keeps one (fp32 Adam: 12Ψ,
+  4Ψ + 8Ψ/N, 4Ψ + 8Ψ/N, 12Ψ/N); gradients are transient in JAX (the step's temporaries)
+  and not counted.
 
-For the persistent bytes of a zerojax state (gradients are transient in JAX) see
-:func:`zerojax.zero_formula_bytes`; for the compiled step's own figure, ahead of time,
-:func:`zerojax.compiled_bytes` on ``train_step.lower(state, batch).compile()``.
+For the compiled step's own figure, ahead of time, see :func:`zerojax.step_memory` or :func:`zerojax.compiled_bytes` on
+``train_step.lower(state, batch).compile()``.
+
+Model shapes (:data:`MODELS`, ``zerojax estimate --model``) compute Ψ from the architecture:
+:class:`GPTShape` (GPT-2 / GPT-3 layout) and :class:`LlamaShape` (Llama / Mistral layout).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import math
+import re
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
+
+from zerojax.report.memory import zero_formula_bytes
 
 ADDITIONAL_BUFFER_FACTOR = 1.5  # DeepSpeed's default
 
@@ -79,13 +90,22 @@ def deepspeed_bytes(num_params: float, n: int, stage: int, *, largest_layer: flo
 
 @dataclasses.dataclass(frozen=True)
 class GPTShape:
-    """Sizes of a GPT (the experiments' GPT layout: untied head, learned positions)."""
+    """Sizes of a GPT (the experiments' GPT layout: LayerNorms with biases, biased linears,
+    learned positions, an untied head; ``tied=True`` shares the head with the token
+    embedding, as GPT-2 and GPT-3 do).
+
+    Example:
+      >>> from zerojax.report.estimate import GPTShape
+      >>> GPTShape(vocab=50257, seq_len=1024, d_model=768, n_layers=12, tied=True).num_params()  # GPT-2
+      124439808
+    """
 
     vocab: int
     seq_len: int
     d_model: int
     n_layers: int
     mlp_ratio: int = 4
+    tied: bool = False
 
     def block_params(self) -> int:
         d, m = self.d_model, self.mlp_ratio
@@ -93,13 +113,69 @@ class GPTShape:
 
     def num_params(self) -> int:
         d, V = self.d_model, self.vocab
-        return V * d + self.seq_len * d + self.n_layers * self.block_params() + 2 * d + d * V
+        head = 0 if self.tied else d * V
+        return V * d + self.seq_len * d + self.n_layers * self.block_params() + 2 * d + head
 
     def largest_layer_params(self) -> int:
         """The largest module's own parameters, as DeepSpeed counts a layer: the embedding
         or head (vocab × d_model) or the MLP's first linear (d_model × 4·d_model + bias)."""
         d, m = self.d_model, self.mlp_ratio
         return max(self.vocab * d, self.seq_len * d, m * d * d + m * d)
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaShape:
+    """Sizes of a Llama-style decoder: RMSNorm (a scale, no bias) before attention, before
+    the MLP and at the end; grouped-query attention without biases (``n_kv_heads`` key/value
+    heads shared by ``n_heads`` query heads; rotary positions have no parameters); a SwiGLU
+    MLP (gate, up and down projections, ``d_model x d_ff`` each); a head tied to the token
+    embedding or not (``tied``). ``head_dim`` defaults to ``d_model // n_heads``.
+
+    Example (Llama 3 8B; Meta's published count is 8,030,261,248):
+      >>> from zerojax.report.estimate import LlamaShape
+      >>> LlamaShape(vocab=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336).num_params()
+      8030261248
+    """
+
+    vocab: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    tied: bool = False
+    head_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"LlamaShape.{name} must be a positive int, got {v!r}.")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads {self.n_kv_heads} must divide n_heads {self.n_heads} (grouped-query attention).")
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ValueError(f"n_heads {self.n_heads} must divide d_model {self.d_model}, or give head_dim.")
+
+    def _head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    def block_params(self) -> int:
+        """One decoder layer: q and o projections, k and v for the key/value heads, the
+        three SwiGLU projections and two RMSNorm scales."""
+        d, hd = self.d_model, self._head_dim()
+        attention = 2 * d * self.n_heads * hd + 2 * d * self.n_kv_heads * hd
+        return attention + 3 * d * self.d_ff + 2 * d
+
+    def num_params(self) -> int:
+        d, V = self.d_model, self.vocab
+        return V * d * (1 if self.tied else 2) + self.n_layers * self.block_params() + d
+
+    def largest_layer_params(self) -> int:
+        """The largest module's own parameters, as DeepSpeed counts a layer: the embedding
+        or head (vocab x d_model), an MLP projection (d_model x d_ff) or the query
+        projection (d_model x n_heads·head_dim)."""
+        d = self.d_model
+        return max(self.vocab * d, d * self.d_ff, d * self.n_heads * self._head_dim())
 
 
 def from_params(params: Any, *, stacked: Sequence[str] = ()) -> tuple[int, int]:
@@ -150,11 +226,89 @@ MODELS = {
     "gpt2-large": GPTShape(vocab=50257, seq_len=1024, d_model=1280, n_layers=36),
     "gpt2-xl": GPTShape(vocab=50257, seq_len=1024, d_model=1600, n_layers=48),
     "gpt-7.5b": GPTShape(vocab=50257, seq_len=2048, d_model=4096, n_layers=37),
+    "gpt3-175b": GPTShape(vocab=50257, seq_len=2048, d_model=12288, n_layers=96, tied=True),
+    "llama2-7b": LlamaShape(vocab=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, d_ff=11008),
+    "llama2-13b": LlamaShape(vocab=32000, d_model=5120, n_layers=40, n_heads=40, n_kv_heads=40, d_ff=13824),
+    "llama2-70b": LlamaShape(vocab=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672),
+    "llama3-8b": LlamaShape(vocab=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336),
+    "llama3-70b": LlamaShape(vocab=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672),
+    "llama3.2-1b": LlamaShape(vocab=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, d_ff=8192,
+                              tied=True),
+    "mistral-7b": LlamaShape(vocab=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336),
+}
+"""Model shapes by name (``zerojax estimate --model NAME``). The ``gpt*`` entries up to
+``gpt-7.5b`` are the experiments' GPT (untied head); ``gpt3-175b`` ties it, as GPT-3 does; the
+Llama and Mistral entries use their published configurations (``config.json``)."""
+
+# Optimizer state bytes per trainable parameter (fp32 state), as zerojax keeps it.
+OPTIMIZER_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "adafactor": 0}
+
+_OPTIMIZER_NOTES = {
+    "adam": "Adam's m and v in fp32",
+    "adamw": "AdamW's m and v in fp32",
+    "sgd": "plain SGD, optax.sgd without momentum, keeps none; momentum would add 4",
+    "adafactor": ("Adafactor's factored second moments, taken as ~0, a lower bound: a (rows, cols) matrix keeps "
+                  "4·(rows + cols) bytes, vectors and small matrices 4 per parameter, which Ψ alone does not tell"),
 }
 
 
-def table(num_params: float, n: int, largest_layer: float = 0.0, replicas: int = 1) -> str:
-    """The paper's table and DeepSpeed's estimates as text (what ``zerojax estimate`` prints).
+def optimizer_bytes(optimizer: str) -> int:
+    """Bytes of optimizer state per trainable parameter that zerojax keeps for ``optimizer``
+    (``adam``, ``adamw``: 8; ``sgd``, taken without momentum: 0; ``adafactor``: ~0, its
+    factored moments are not a per-parameter cost).
+
+    Example:
+      >>> from zerojax.report.estimate import optimizer_bytes
+      >>> optimizer_bytes("adamw"), optimizer_bytes("sgd")
+      (8, 0)
+    """
+    if optimizer not in OPTIMIZER_BYTES:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_BYTES)}, got {optimizer!r}.")
+    return OPTIMIZER_BYTES[optimizer]
+
+
+_SUFFIXES = {"": 0, "k": 3, "m": 6, "b": 9, "t": 12}
+_COUNT = re.compile(r"(?P<num>(?:\d+(?:_\d+)*(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)(?P<suffix>[kmbt]?)", re.IGNORECASE)
+COUNT_FORMS = "a number with an optional K/M/B/T suffix (case-insensitive): 7B, 1.3b, 350M, 125k, 1.5e9, 7_000_000"
+
+
+def parse_count(text: str, *, allow_zero: bool = False) -> int:
+    """A parameter count from text: ``7B``, ``1.3b``, ``350M``, ``125k``, ``1.5e9``,
+    ``7_000_000`` (K, M, B, T: thousand, million, billion, trillion; any case). Raises
+    ``ValueError`` naming the text for anything else, or a count that is not a positive whole
+    number (zero allowed with ``allow_zero``).
+
+    Example:
+      >>> from zerojax.report.estimate import parse_count
+      >>> [parse_count(s) for s in ("7B", "1.3b", "350M", "125k", "7.5e9", "7_000_000")]
+      [7000000000, 1300000000, 350000000, 125000, 7500000000, 7000000]
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"a parameter count is parsed from a str, got {type(text).__name__} {text!r}.")
+    m = _COUNT.fullmatch(text.strip())
+    if m is None:
+        raise ValueError(f"{text!r} is not a parameter count; give {COUNT_FORMS}.")
+    try:
+        value = decimal.Decimal(m["num"]).scaleb(_SUFFIXES[m["suffix"].lower()])
+    except decimal.DecimalException:
+        raise ValueError(f"{text!r} is not a parameter count; give {COUNT_FORMS}.") from None
+    if value > 10**18:
+        raise ValueError(f"{text!r} is more than 10^18 parameters; give a parameter count, e.g. 7B.")
+    if value != value.to_integral_value():
+        raise ValueError(f"{text!r} is {value.normalize():f} parameters, not a whole number.")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{text!r}: a parameter count must be {'>= 0' if allow_zero else 'positive'}.")
+    return int(value)
+
+
+def table(num_params: float, n: int, largest_layer: float = 0.0, replicas: int = 1, *,
+          compute_dtype: str = "float32", optimizer: str = "adam") -> str:
+    """The paper's table, DeepSpeed's estimates and zerojax's own per-device state as text
+    (what ``zerojax estimate`` prints), with a line per column saying what it assumes.
+
+    The paper's column is always mixed-precision Adam (K = 12) and DeepSpeed's its fp16
+    Adam estimator; ``compute_dtype`` (float32, bfloat16, float16) and ``optimizer``
+    (:data:`OPTIMIZER_BYTES`) set zerojax's column (:func:`zerojax.zero_formula_bytes`).
 
     With ``replicas=R`` (hybrid sharding) the state is sharded over a group of ``N/R``
     devices: the formulas take ``N/R``, and the lines after the table give the gradient
@@ -164,18 +318,27 @@ def table(num_params: float, n: int, largest_layer: float = 0.0, replicas: int =
       >>> from zerojax.report.estimate import table
       >>> print(table(1e9, 16, replicas=2).splitlines()[0])
       Model states per device, Ψ = 1,000,000,000 parameters, N = 16 devices in 2 replica groups of 8
+      >>> print("\\n".join(table(7.5e9, 64).splitlines()[2:7]))
+      stage   ZeRO paper (K=12)   DeepSpeed estimator  zerojax (float32, adam)
+          0            120.0 GB                     -                  90.0 GB
+          1             31.4 GB                     -                  30.9 GB
+          2             16.6 GB               17.1 GB                  30.9 GB
+          3              1.9 GB                2.1 GB                   1.4 GB
     """
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1 or n % replicas:
         raise ValueError(f"replicas must be a positive int dividing the {n} devices, got {replicas!r}.")
+    opt_bytes = optimizer_bytes(optimizer)
     shard = n // replicas
     gb = lambda b: f"{b / 1e9:,.1f} GB"
     where = f"N = {n} devices" + (f" in {replicas} replica groups of {shard}" if replicas > 1 else "")
+    ours = f"zerojax ({compute_dtype}, {optimizer})"
     lines = [f"Model states per device, Ψ = {num_params:,.0f} parameters, {where}",
-             "", f"{'stage':>5}  {'ZeRO paper (K=12)':>18}  {'DeepSpeed estimator':>20}"]
+             "", f"{'stage':>5}  {'ZeRO paper (K=12)':>18}  {'DeepSpeed estimator':>20}  {ours:>{len(ours)}}"]
     for s in range(4):
         ds = gb(deepspeed_bytes(num_params, shard, s, largest_layer=largest_layer).gpu) if s >= 2 else "-"
-        lines.append(f"{s:>5}  {gb(paper_bytes(num_params, shard, s)):>18}  {ds:>20}")
-    lines.append("")
+        zj = gb(zero_formula_bytes(num_params, shard, s, compute_dtype=compute_dtype, opt_bytes=opt_bytes))
+        lines.append(f"{s:>5}  {gb(paper_bytes(num_params, shard, s)):>18}  {ds:>20}  {zj:>{len(ours)}}")
+    lines += ["", *assumptions(compute_dtype, optimizer)]
     lines.append(f"DeepSpeed ZeRO-3 uses 4 x largest layer = {gb(4 * largest_layer)}"
                  if largest_layer else "DeepSpeed ZeRO-3 without --largest-layer counts no gathered layer.")
     if replicas > 1:
@@ -183,3 +346,25 @@ def table(num_params: float, n: int, largest_layer: float = 0.0, replicas: int =
                      f"({gb(2 * num_params / shard)} in fp16, {gb(4 * num_params / shard)} in fp32; "
                      f"a 1-D mesh runs every gather and reduce-scatter across all {n} devices).")
     return "\n".join(lines)
+
+
+def assumptions(compute_dtype: str = "float32", optimizer: str = "adam") -> list[str]:
+    """One line per column of :func:`table`: what its bytes count.
+
+    Example:
+      >>> from zerojax.report.estimate import assumptions
+      >>> print(assumptions("bfloat16", "sgd")[2])
+      zerojax: the state kept between steps: fp32 masters (4 bytes per parameter), a replicated bfloat16 copy for forward at stages 1-2 (2 bytes), optimizer state 0 bytes per parameter (plain SGD, optax.sgd without momentum, keeps none; momentum would add 4); gradients are the step's temporaries, not counted (zj.step_memory gives the compiled step's total).
+    """
+    if compute_dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"compute_dtype must be 'float32', 'bfloat16' or 'float16', got {compute_dtype!r}.")
+    copy = "" if compute_dtype == "float32" else f", a replicated {compute_dtype} copy for forward at stages 1-2 (2 bytes)"
+    return [
+        "ZeRO paper: mixed-precision Adam: fp16 parameters and gradients (2 + 2 bytes per parameter), "
+        "K = 12 bytes of optimizer state (fp32 master, m, v).",
+        "DeepSpeed estimator: estimate_zero2/3_model_states_mem_needs (fp16 parameters, 18 bytes per parameter "
+        "sharded); it has no estimate for stages 0 and 1.",
+        f"zerojax: the state kept between steps: fp32 masters (4 bytes per parameter){copy}, optimizer state "
+        f"{optimizer_bytes(optimizer)} bytes per parameter ({_OPTIMIZER_NOTES[optimizer]}); gradients are the step's temporaries, "
+        "not counted (zj.step_memory gives the compiled step's total).",
+    ]
