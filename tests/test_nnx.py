@@ -174,6 +174,9 @@ def test_bad_input():
     with pytest.raises(TypeError, match=r"wrt=Any\(.*selects the rng stream variable RngCount"):
         zj.nnx.Optimizer(Net(nnx.Rngs(0), dropout=0.1), tx, wrt=nnx.Any(nnx.Param, nnx.RngCount), mesh=mesh,
                          config=cfg)
+    everything = nnx.Any(nnx.LoRAParam, nnx.PathContains("bn"), nnx.PathContains("kernel"), nnx.PathContains("bias"))
+    with pytest.raises(ValueError, match=r"wrt=Any\(.*selects all 12 parameter arrays.*nothing would be frozen"):
+        zj.nnx.Optimizer(model, tx, wrt=everything, mesh=mesh, config=cfg)
     _, params, _ = nnx.split(model, nnx.Param, ...)
     with pytest.raises(TypeError, match=r"trainable=nnx.LoRAParam selects nnx.Variable types.*to_pure_dict"):
         zj.init_state(params.to_pure_dict(), tx, mesh=mesh, config=cfg, trainable=nnx.LoRAParam)
@@ -206,3 +209,21 @@ def test_nnx_doc_scripts_run_and_differ_by_five_lines(capsys):
     (loss1, eval1), (loss8, eval8) = results
     assert max(loss1, loss8) < 1.0 and max(eval1, eval8) < 1.0      # from ln(32) = 3.47 at the start
     assert abs(eval8 - eval1) < 0.1                                  # dropout masks differ, nothing else
+
+
+def test_nnx_with_bf16_prefetch_and_the_compiled_program():
+    """The engine's options apply unchanged: bf16 compute on fp32 masters and prefetch at
+    stage 3 (accumulation is in the dropout test: BatchNorm over a micro-batch is not
+    BatchNorm over the batch); the step lowers for the reports."""
+    data, tx = batches(2), optax.sgd(0.1, momentum=0.9)
+    ref, ref_losses = reference(Net(nnx.Rngs(0)), tx, nnx.Param, data)
+    cfg = zj.ZeroConfig(stage=3, compute_dtype="bfloat16", prefetch=1)
+    opt = zj.nnx.Optimizer(Net(nnx.Rngs(0)), tx, mesh=zj.make_mesh(), config=cfg)
+    step = zj.nnx.make_train_step(loss_fn)
+    compiled = step.lower(opt, data[0]).compile()
+    gathers = zj.communication_report(compiled)
+    assert gathers["total"]["bytes"] > 0
+    losses = [float(step(opt, b)["loss"]) for b in data]
+    np.testing.assert_allclose(losses, ref_losses, rtol=5e-3)       # bf16 rounding of fp32 training
+    assert max_diff(opt.gathered_model(), ref) < 5e-3
+    assert opt.gathered_model().inp.kernel[...].dtype == jnp.float32      # the fp32 masters come back

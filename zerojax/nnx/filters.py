@@ -87,6 +87,15 @@ def _names_types(f: Any) -> bool:
     return one is not None and _names_types(one)
 
 
+def _names_a_subset(pred: Any) -> bool:
+    """Whether a predicate leaves a plain ``nnx.Param`` at an ordinary path unselected (so
+    that selecting every parameter of a model is a surprise, not the intent)."""
+    try:
+        return not pred(("zerojax_probe",), nnx.Param(0.0))
+    except Exception:  # a path predicate that expects the model's own paths: no opinion
+        return False
+
+
 def select(f: Any, tree: Any, *, name: str) -> tuple[bool, ...]:
     """One bool per array leaf of ``tree``: whether filter ``f`` selects the Variable (or
     array) holding it. ``tree`` is an ``nnx.State`` (leaves are ``nnx.Variable`` s) or any
@@ -114,6 +123,11 @@ def select(f: Any, tree: Any, *, name: str) -> tuple[bool, ...]:
             f"{name}={describe(f)} selects nnx.Variable types, but the tree it is applied to holds plain arrays "
             "(no nnx.Variable), so it cannot tell them apart. Pass the nnx.State that nnx.split(model, nnx.Param) "
             "returns (not state.to_pure_dict()), or a path predicate such as lambda path, x: 'lora' in path.")
+    if all(out) and len(out) > 1 and _names_a_subset(pred):
+        raise ValueError(
+            f"{name}={describe(f)} selects a subset of parameters (it does not select a plain nnx.Param), yet it "
+            f"selects all {len(out)} parameter arrays of this model: nothing would be frozen. If every parameter "
+            f"should train, pass {name}=nnx.Param; otherwise check the filter's types and paths.")
     if not any(out):
         kinds = sorted({type(leaf).__name__ for _, leaf in flat})
         raise ValueError(
