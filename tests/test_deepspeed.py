@@ -12,7 +12,7 @@ import pytest
 import zerojax as zj
 from tests import models
 from zerojax import cli
-from zerojax.deepspeed import translate
+from zerojax.deepspeed import optax_code, translate
 
 # ZeRO-3 with CPU offload, as in DeepSpeed's ZeRO-Infinity / ZeRO-Offload tutorials.
 ZERO3_OFFLOAD = {
@@ -151,8 +151,9 @@ def test_unknown_keys_warn_by_name():
     ({"fp16": {"enabled": True, "hysteresis": 0}}, r"'fp16.hysteresis' must be >= 1"),
     ({"fp16": {"enabled": True, "min_loss_scale": 0}}, r"'fp16.min_loss_scale' must be > 0"),
     ({"gradient_clipping": -1.0}, r"'gradient_clipping' must be >= 0"),
-    ({"gradient_accumulation_steps": "auto"}, "placeholder the Hugging Face Trainer fills in"),
-    ({"fp16": {"enabled": "auto"}}, r"'fp16.enabled' is 'auto'"),
+    ({"zero_optimization": {"stage": "auto"}}, r"zero_optimization.stage: the HF Trainer does not fill this key"),
+    ({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}},
+     r"scheduler.params.total_num_steps: the HF Trainer computes it"),
     ({"gradient_accumulation_steps": 0}, r"'gradient_accumulation_steps' must be >= 1"),
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "offload_param' needs ZeRO stage 3"),
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "needs ZeRO stage 1, 2 or 3"),
@@ -187,7 +188,7 @@ def test_printed_code_builds_the_same_config_and_optimizer():
     for ds in (ZERO3_OFFLOAD, ZERO2_BF16, ZERO1_STATIC, ZEROPP):
         t = translate(ds)
         assert eval(t.code(), {"zj": zj}) == t.config
-    tx = eval(translate(ZERO3_OFFLOAD).optimizer, {"optax": optax})
+    tx = eval(translate({k: v for k, v in ZERO3_OFFLOAD.items() if k != "scheduler"}).optimizer, {"optax": optax})
     ref = optax.adamw(3e-5, b1=0.8, b2=0.999, eps=1e-8, weight_decay=3e-7)
     p, g = {"w": jnp.ones((3,))}, {"w": jnp.asarray([0.1, -0.2, 0.3])}
     np.testing.assert_array_equal(tx.update(g, tx.init(p), p)[0]["w"], ref.update(g, ref.init(p), p)[0]["w"])
@@ -199,8 +200,8 @@ def test_optimizer_sections_that_do_not_translate_whole():
     assert t.optimizer.startswith("optax.adamw(") and "bias_correction" in t.unmapped["optimizer"]
     t = translate({"gradient_clipping": 1.0, "optimizer": {"type": "OneBitAdam", "params": {"freeze_step": 10}}})
     assert t.optimizer is None and "'OneBitAdam' has no optax equivalent" in t.unmapped["optimizer"]
-    with pytest.raises(ValueError, match=r"'optimizer.params.lr' is 'auto'"):
-        translate({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
+    with pytest.raises(ValueError, match=r"'optimizer.params.lr' is 'auto'"):  # translate fills it (auto=)
+        optax_code({"type": "AdamW", "params": {"lr": "auto"}})
     with pytest.raises(ValueError, match=r"'optimizer.params.betas' must be two numbers"):
         translate({"optimizer": {"type": "AdamW", "params": {"betas": "auto2"}}})
 

@@ -48,12 +48,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="hybrid sharding: replica groups (the state is sharded over devices/replicas)")
     fd = sub.add_parser("from-deepspeed", help="the ZeroConfig of a DeepSpeed JSON config")
     fd.add_argument("config", help="a DeepSpeed JSON config, e.g. ds_config.json")
+    fd.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="auto",
+                    help='fill an "auto" value: a DeepSpeed key (scheduler.params.total_num_steps=1000) or a '
+                         "TrainingArguments field (learning_rate=3e-4); VALUE is read as JSON when it parses, "
+                         "else as a string; repeatable")
     args = ap.parse_args(argv)
     if args.command == "from-deepspeed":
+        import json
+
         from zerojax.deepspeed import translate
 
+        auto = {}
+        for item in args.auto:
+            key, sep, text = item.partition("=")
+            if not sep or not key:
+                ap.error(f"--set takes KEY=VALUE (e.g. --set scheduler.params.total_num_steps=1000), got {item!r}")
+            try:
+                auto[key] = json.loads(text)
+            except json.JSONDecodeError:
+                auto[key] = text
         try:
-            t = translate(args.config)
+            t = translate(args.config, auto=auto)
         except (OSError, ValueError, TypeError) as e:
             print(f"zerojax from-deepspeed: {e}", file=sys.stderr)
             return 2
@@ -62,6 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"mesh = {t.mesh_code()}  # {t.shard_size} must divide the device count")
         if t.optimizer:
             print(f"tx = {t.optimizer}")
+        elif t.schedule:
+            print(f"schedule = {t.schedule}  # the optimizer's learning_rate")
         if t.message():
             print(t.message(), file=sys.stderr)
         return 0
