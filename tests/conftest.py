@@ -6,18 +6,28 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-# One persistent compilation cache for the test workers: many tests compile the same
-# program (the same model under single-device optax, the same step at another
+# One persistent compilation cache for the test workers of one run: many tests compile the
+# same program (the same model under single-device optax, the same step at another
 # parametrisation). A cached executable is the one XLA compiled, with the same HLO text,
 # memory and cost analysis. Set in this process only, not through the environment: a
 # multi-process job on these 8 device ids must not load a single-process executable.
-# ZEROJAX_TEST_COMPILE_CACHE="" turns it off.
+# Each run has its own directory (the workers share it; older runs' are removed): an
+# executable loaded from an earlier run deadlocked once in XLA's CPU collectives (a stage-2
+# fp16 step with 4 micro-batches: the devices met different collectives), which a fresh
+# compile in the same run never did. ZEROJAX_TEST_COMPILE_CACHE="" turns the cache off.
 _CACHE = os.environ.get(
     "ZEROJAX_TEST_COMPILE_CACHE",
     os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "jax-tests"),
 )
 if _CACHE:
-    jax.config.update("jax_compilation_cache_dir", _CACHE)
+    _RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+    if "PYTEST_XDIST_WORKER" not in os.environ and os.path.isdir(_CACHE):  # the controller, before workers
+        import shutil
+
+        for _old in os.listdir(_CACHE):
+            if _old != _RUN:
+                shutil.rmtree(os.path.join(_CACHE, _old), ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", os.path.join(_CACHE, _RUN))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 jax.config.update("jax_num_cpu_devices", 8)
