@@ -1,0 +1,427 @@
+"""A DeepSpeed config translated: :func:`translate` maps its ``zero_optimization``,
+precision, gradient and activation sections onto :class:`ZeroConfig`, with the
+optimizer and scheduler sections as optax, into a :class:`Translation`;
+:func:`from_deepspeed` returns the config and warns."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from zerojax.config import ZeroConfig
+from zerojax.deepspeed.auto import _resolve_auto
+from zerojax.deepspeed.optimizer import _optimizer_lr, _parse_optimizer
+from zerojax.deepspeed.reasons import REASONS
+from zerojax.deepspeed.scheduler import _Schedule, _scheduler
+from zerojax.deepspeed.values import _flag, _number, _section
+
+DEFAULT_GRAD_CLIP = 1.0  # DeepSpeed's GRADIENT_CLIPPING_DEFAULT since PR #8068 (0.0 before)
+
+_COMM_DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
+                "bf16": "bfloat16", "bfp16": "bfloat16", "bfloat16": "bfloat16"}
+
+_FP16_MAPPED = ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                "consecutive_hysteresis", "min_loss_scale")
+_ZERO_MAPPED = ("stage", "offload_optimizer", "offload_param", "sub_group_size", "cpu_offload", "cpu_offload_param",
+                "zero_quantized_weights", "zero_quantized_gradients", "mics_shard_size", "zero_hpz_partition_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class Translation:
+    """A DeepSpeed config in zerojax terms.
+
+    Attributes:
+      config: the :class:`ZeroConfig`.
+      unmapped: each DeepSpeed key (``"section.key"``) not mapped, with the reason.
+      notes: choices made where the DeepSpeed config is silent or maps only in part
+        (the ``gradient_clipping`` default, NVMe offload mapped to host memory).
+      optimizer: the optax equivalent of the ``optimizer`` section, with the ``scheduler``
+        section as its learning rate, as code (None if absent or not translated).
+      shard_size: devices per replica group for hybrid sharding (``mics_shard_size`` or
+        ``zero_hpz_partition_size``), or None: the state is sharded over every device. It is
+        a property of the mesh: see :meth:`mesh_code`.
+      resolved: each ``"auto"`` value filled in, as ``(key, value, source)``: ``source`` is
+        ``"given"``, ``"given (TrainingArguments.x)"``, ``"HF Trainer default
+        (TrainingArguments.x = v)"`` or how the Hugging Face Trainer derives it.
+      tx: the optax ``GradientTransformation`` that :attr:`optimizer` prints (None when
+        :attr:`optimizer` is None).
+      schedule: the ``scheduler`` section as an optax schedule, as code (None if absent or
+        not translated); it is already the learning rate of :attr:`optimizer` and :attr:`tx`.
+    """
+
+    config: ZeroConfig
+    unmapped: dict[str, str]
+    notes: tuple[str, ...] = ()
+    optimizer: str | None = None
+    shard_size: int | None = None
+    resolved: tuple[tuple[str, Any, str], ...] = ()
+    tx: Any = None
+    schedule: str | None = None
+
+    def mesh_code(self) -> str:
+        """The mesh to build: ``zj.make_mesh()``, or with replica groups of ``shard_size``
+        devices, ``zj.make_mesh(replicas=jax.device_count() // shard_size)``."""
+        if self.shard_size is None:
+            return "zj.make_mesh()"
+        return f"zj.make_mesh(replicas=jax.device_count() // {self.shard_size})"
+
+    def make_mesh(self, devices: Any = None) -> Any:
+        """The mesh :meth:`mesh_code` describes, on ``devices`` (default: all), refused as
+        DeepSpeed refuses it when ``shard_size`` does not divide the number of devices
+        (``jax.device_count() // shard_size`` would silently make larger groups)."""
+        import jax
+
+        from zerojax.sharding.mesh import make_mesh
+
+        devices = list(jax.devices() if devices is None else devices)
+        if self.shard_size is None:
+            return make_mesh(devices)
+        if len(devices) % self.shard_size:
+            raise ValueError(
+                f"the DeepSpeed config shards over groups of {self.shard_size} devices (mics_shard_size / "
+                f"zero_hpz_partition_size), which do not divide the {len(devices)} devices; DeepSpeed refuses it "
+                f"too. Use a group size that divides {len(devices)}, or that many devices.")
+        return make_mesh(devices, replicas=len(devices) // self.shard_size)
+
+    def code(self) -> str:
+        """``zj.ZeroConfig(...)`` with the fields that differ from zerojax's defaults."""
+        args, default = [], ZeroConfig()
+        for f in dataclasses.fields(ZeroConfig):
+            value = getattr(self.config, f.name)
+            if value != getattr(default, f.name) or f.name == "stage":
+                if f.name == "remat" and not value.names:
+                    value = value.kind  # the policy's name is what ZeroConfig takes
+                args.append(f"{f.name}={value!r}")
+        return f"zj.ZeroConfig({', '.join(args)})"
+
+    def message(self) -> str:
+        """The warning: every unmapped key with its reason, the ``"auto"`` values filled in
+        with their sources, then the notes."""
+        lines = [f"  {k}: {why}" for k, why in self.unmapped.items()]
+        text = ""
+        if lines:
+            text += f"{len(lines)} DeepSpeed key(s) not mapped to ZeroConfig:\n" + "\n".join(lines)
+        if self.resolved:
+            text += (("\n" if text else "") + f'{len(self.resolved)} "auto" value(s) filled in:\n'
+                     + "\n".join(f"  {k} = {v!r}: {source}" for k, v, source in self.resolved))
+        if self.notes:
+            text += ("\n" if text else "") + "Notes:\n" + "\n".join(f"  {n}" for n in self.notes)
+        return text
+
+
+def _load(source: Any) -> dict:
+    if isinstance(source, Mapping):
+        return dict(source)
+    if isinstance(source, (str, os.PathLike)):
+        def no_duplicates(pairs):
+            keys = [k for k, _ in pairs]
+            dup = sorted({k for k in keys if keys.count(k) > 1})
+            if dup:
+                raise ValueError(f"DeepSpeed config {os.fspath(source)!r} repeats the key(s) {dup}; DeepSpeed refuses "
+                                 "duplicate keys too. Keep one of each.")
+            return dict(pairs)
+
+        try:
+            with open(source) as f:
+                return json.load(f, object_pairs_hook=no_duplicates)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"DeepSpeed config {os.fspath(source)!r} is not valid JSON: {e}") from None
+    raise TypeError(f"from_deepspeed takes a path to a DeepSpeed JSON config or a dict, got {type(source).__name__}.")
+
+
+def _offload_device(section: Any, key: str, notes: list[str]) -> bool:
+    if not isinstance(section, Mapping):
+        raise ValueError(f"DeepSpeed key {key!r} must be an object like {{\"device\": \"cpu\"}}, got {section!r}.")
+    device = section.get("device", "none")
+    if device not in ("cpu", "nvme", "none", None):
+        raise ValueError(f"DeepSpeed key '{key}.device' must be 'cpu', 'nvme' or 'none', got {device!r}.")
+    if device == "nvme":
+        notes.append(f"{key}.device 'nvme' is mapped to host memory (zerojax has no NVMe offload).")
+    return device in ("cpu", "nvme")
+
+
+def translate(source: Any, *, auto: Mapping[str, Any] | None = None) -> Translation:
+    """Reads a DeepSpeed config (path or dict) into a :class:`Translation`; raises
+    ``ValueError`` for a config DeepSpeed would refuse or that contradicts itself.
+
+    ``"auto"`` values (the Hugging Face Trainer's placeholders) are filled in as the
+    Trainer fills them: from ``auto``, by key (``{"optimizer.params.lr": 3e-4}``) or by the
+    ``TrainingArguments`` field the Trainer maps to the key (``learning_rate``,
+    ``adam_beta1``, ``adam_beta2``, ``adam_epsilon``, ``weight_decay``, ``warmup_steps``,
+    ``warmup_ratio``, ``max_steps``, ``per_device_train_batch_size``,
+    ``gradient_accumulation_steps``, ``max_grad_norm``, ``fp16``, ``bf16``, ``world_size``,
+    ``hidden_size``), else from the field's default (:data:`HF_DEFAULTS`).
+    :attr:`Translation.resolved` lists each value with its source. The keys zerojax reads
+    that have no default (``scheduler.params.total_num_steps``, which the Trainer computes
+    from the dataset) are named together in one ``ValueError``; so are ``auto`` entries that
+    match no ``"auto"`` key and values that contradict the config.
+
+    Example:
+      >>> from zerojax.deepspeed import translate
+      >>> t = translate({"zero_optimization": {"stage": 2, "overlap_comm": True},
+      ...                "bf16": {"enabled": True}, "gradient_clipping": 1.0})
+      >>> t.code()
+      "zj.ZeroConfig(stage=2, compute_dtype='bfloat16', grad_clip=1.0)"
+      >>> t.unmapped
+      {'zero_optimization.overlap_comm': 'no equivalent: XLA schedules and fuses the collectives'}
+      >>> t = translate({"gradient_clipping": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+      ...                "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto",
+      ...                              "warmup_num_steps": 100, "warmup_max_lr": "auto"}}},
+      ...               auto={"learning_rate": 3e-4, "max_steps": 1000})
+      >>> for key, value, source in t.resolved:
+      ...     print(key, value, source)
+      gradient_clipping 1.0 HF Trainer default (TrainingArguments.max_grad_norm = 1.0)
+      optimizer.params.lr 0.0003 given (TrainingArguments.learning_rate)
+      scheduler.params.total_num_steps 1000 given (TrainingArguments.max_steps)
+      scheduler.params.warmup_max_lr 0.0003 given (TrainingArguments.learning_rate)
+      >>> t.optimizer
+      "optax.adamw(learning_rate=zj.optim.schedules.warmup_decay_lr(total_num_steps=1000, warmup_min_lr=0.0, \
+warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999, eps=1e-08, weight_decay=0.0)"
+    """
+    unmapped: dict[str, str] = {}
+    notes: list[str] = []
+    kw: dict[str, Any] = {}
+    ds, resolved = _resolve_auto(_load(source), auto, notes)
+
+    # ZeRO stage and offload.
+    zero = ds.get("zero_optimization", {})
+    if isinstance(zero, bool):  # DeepSpeed's old form: true means stage 1
+        zero = {"stage": 1 if zero else 0}
+    if not isinstance(zero, Mapping):
+        raise ValueError(f"DeepSpeed key 'zero_optimization' must be an object, got {zero!r}.")
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"DeepSpeed key 'zero_optimization.stage' must be 0, 1, 2 or 3, got {stage!r}.")
+    kw["stage"] = int(stage)
+    offload_opt = False
+    for legacy, current in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param"),
+                            ("stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save")):
+        if legacy in zero and (current in zero or current.replace("stage3_", "") in zero):
+            raise ValueError(f"DeepSpeed config sets both 'zero_optimization.{legacy}' (the legacy name) and "
+                             f"'zero_optimization.{current}'; DeepSpeed refuses both together. Keep {current!r}.")
+    if "offload_optimizer" in zero:
+        offload_opt = _offload_device(zero["offload_optimizer"], "zero_optimization.offload_optimizer", notes)
+    if "cpu_offload" in zero:  # DeepSpeed's legacy key for offload_optimizer {"device": "cpu"}
+        offload_opt = _flag(zero["cpu_offload"], "zero_optimization.cpu_offload")
+    offload_par = False
+    if "offload_param" in zero:
+        offload_par = _offload_device(zero["offload_param"], "zero_optimization.offload_param", notes)
+    if "cpu_offload_param" in zero:  # DeepSpeed's legacy key for offload_param {"device": "cpu"}
+        offload_par = _flag(zero["cpu_offload_param"], "zero_optimization.cpu_offload_param")
+    if offload_opt and stage == 0:
+        raise ValueError("DeepSpeed key 'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3, "
+                         "but the stage is 0.")
+    if offload_par and stage != 3:
+        raise ValueError(f"DeepSpeed key 'zero_optimization.offload_param' needs ZeRO stage 3, but the stage is "
+                         f"{stage}.")
+    if offload_opt:
+        kw["offload_optimizer"] = True
+    if offload_par:
+        kw["offload_params"] = True
+    if "zero_quantized_weights" in zero and _flag(zero["zero_quantized_weights"],
+                                                  "zero_optimization.zero_quantized_weights"):
+        if stage != 3:
+            raise ValueError(f"DeepSpeed key 'zero_optimization.zero_quantized_weights' quantizes ZeRO-3's weight "
+                             f"gathers, but the stage is {stage}.")
+        kw["gather_dtype"] = "int8"
+    if "zero_quantized_gradients" in zero and _flag(zero["zero_quantized_gradients"],
+                                                    "zero_optimization.zero_quantized_gradients") and stage != 3:
+        unmapped["zero_optimization.zero_quantized_gradients"] = (
+            f"DeepSpeed quantizes gradients at ZeRO stage 3 only and ignores it at stage {stage}, so gradients stay "
+            f"as they are; zerojax's reduce_dtype='int8' works at stages 1-3 if you want it")
+    elif "zero_quantized_gradients" in zero and _flag(zero["zero_quantized_gradients"],
+                                                      "zero_optimization.zero_quantized_gradients"):
+        if "communication_data_type" in ds and ds["communication_data_type"] is not None:
+            notes.append(f"zero_quantized_gradients moves gradients as int8 (reduce_dtype='int8'); "
+                         f"communication_data_type={ds['communication_data_type']!r} does not apply to them.")
+        kw["reduce_dtype"] = "int8"
+    shard_size = _shard_size(zero, notes, kw["stage"], unmapped)
+    if "sub_group_size" in zero:
+        kw["offload_group_size"] = _number(zero["sub_group_size"], "zero_optimization.sub_group_size",
+                                           integer=True, minimum=1)
+    for key, value in zero.items():
+        if key in _ZERO_MAPPED:
+            if key in ("offload_optimizer", "offload_param") and isinstance(value, Mapping):
+                for sub in value:
+                    if sub != "device":
+                        path = f"zero_optimization.{key}.{sub}"
+                        unmapped[path] = REASONS.get(path, "no equivalent")
+            continue
+        path = f"zero_optimization.{key}"
+        unmapped[path] = REASONS.get(path, "unknown to this mapping (not a DeepSpeed key zerojax knows)")
+
+    # Precision.
+    fp16 = _section(ds, "fp16")
+    bf16 = _section(ds, "bf16" if "bf16" in ds else "bfloat16")  # DeepSpeed reads "bf16" when both are given
+    if "bf16" in ds and "bfloat16" in ds:
+        unmapped["bfloat16"] = "DeepSpeed reads the 'bf16' section when both are given; this one is ignored"
+    fp16_on = _flag(fp16.get("enabled", False), "fp16.enabled")
+    bf16_on = _flag(bf16.get("enabled", False), "bf16.enabled")
+    if fp16_on and bf16_on:
+        raise ValueError("DeepSpeed config enables both fp16 and bf16; enable one (DeepSpeed refuses both too).")
+    if fp16_on:
+        kw["compute_dtype"] = "float16"
+        scale = _number(fp16.get("loss_scale", 0), "fp16.loss_scale", minimum=0)
+        if scale:
+            kw["loss_scale"] = float(scale)
+        for key, field, integer, minimum, strict in (
+                ("initial_scale_power", "initial_scale_power", True, 0, False),
+                ("loss_scale_window", "loss_scale_window", True, 0, True),
+                ("hysteresis", "hysteresis", True, 1, False),
+                ("min_loss_scale", "min_loss_scale", False, 0, True)):
+            if key in fp16:
+                kw[field] = _number(fp16[key], f"fp16.{key}", integer=integer, minimum=minimum, strict=strict)
+        if "min_loss_scale" in kw:
+            kw["min_loss_scale"] = float(kw["min_loss_scale"])
+        if "consecutive_hysteresis" in fp16:
+            kw["consecutive_hysteresis"] = _flag(fp16["consecutive_hysteresis"], "fp16.consecutive_hysteresis")
+    elif bf16_on:
+        kw["compute_dtype"] = "bfloat16"
+    for name, section, on in (("fp16", fp16, fp16_on), ("bf16", bf16, bf16_on)):
+        for key in section:
+            if key == "enabled" or (name == "fp16" and on and key in _FP16_MAPPED):
+                continue
+            path = f"{name}.{key}"
+            unmapped[path] = (REASONS.get(path, "no equivalent") if on else
+                              f"{name} is not enabled (DeepSpeed ignores it too)")
+
+    # Gradients.
+    if "gradient_clipping" in ds:
+        clip = _number(ds["gradient_clipping"], "gradient_clipping", minimum=0)
+        if clip:
+            kw["grad_clip"] = float(clip)
+    else:
+        kw["grad_clip"] = DEFAULT_GRAD_CLIP
+        notes.append("gradient_clipping is absent: DeepSpeed's default is 1.0 since PR #8068 (2026-06-23), 0.0 (off) "
+                     "before; zerojax follows the current default, grad_clip=1.0. Set gradient_clipping to say which.")
+    if "gradient_accumulation_steps" in ds:
+        kw["grad_accum_steps"] = _number(ds["gradient_accumulation_steps"], "gradient_accumulation_steps",
+                                         integer=True, minimum=1)
+    if "communication_data_type" in ds and ds["communication_data_type"] is not None:
+        name = ds["communication_data_type"]
+        if name not in _COMM_DTYPES:
+            raise ValueError(f"DeepSpeed key 'communication_data_type' must be one of {sorted(_COMM_DTYPES)}, "
+                             f"got {name!r}.")
+        if kw.get("reduce_dtype") != "int8":  # zero_quantized_gradients wins (noted above)
+            kw["reduce_dtype"] = _COMM_DTYPES[name]
+    elif "compute_dtype" in kw and kw.get("reduce_dtype") != "int8":
+        notes.append(f"communication_data_type is absent: DeepSpeed then reduces gradients in the compute dtype "
+                     f"({kw['compute_dtype']}); zerojax keeps reduce_dtype='float32' (exact sums, twice the bytes "
+                     f"of a {kw['compute_dtype']} reduction). Set communication_data_type to "
+                     f"'{'bf16' if kw['compute_dtype'] == 'bfloat16' else 'fp16'}' to reduce as DeepSpeed does.")
+    batch = [ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu")]
+    if all(isinstance(b, int) and not isinstance(b, bool) for b in batch):
+        accum = kw.get("grad_accum_steps", 1)
+        if "gradient_accumulation_steps" not in ds and batch[0] > batch[1]:
+            notes.append(f"gradient_accumulation_steps is absent: DeepSpeed derives it from train_batch_size "
+                         f"{batch[0]} / (train_micro_batch_size_per_gpu {batch[1]} x devices); zerojax keeps "
+                         "grad_accum_steps=1 (the same gradients from one larger micro-batch; set it to bound "
+                         "activation memory).")
+        if batch[0] % (batch[1] * accum):
+            raise ValueError(f"DeepSpeed config: train_batch_size {batch[0]} is not train_micro_batch_size_per_gpu "
+                             f"{batch[1]} x gradient_accumulation_steps {accum} x a number of devices.")
+
+    # Activations.
+    ac = ds.get("activation_checkpointing")
+    if ac is not None:
+        if not isinstance(ac, Mapping):
+            raise ValueError(f"DeepSpeed key 'activation_checkpointing' must be an object, got {ac!r}.")
+        kw["remat"] = "full"
+        notes.append("activation_checkpointing is mapped to remat='full': every layer of a scanned stack is "
+                     "recomputed in backward (DeepSpeed recomputes what the model wraps in its checkpoint call).")
+        for key in ac:
+            path = f"activation_checkpointing.{key}"
+            unmapped[path] = REASONS.get(path, "no equivalent")
+
+    # Everything else at the top level.
+    handled = {"zero_optimization", "fp16", "bf16", "bfloat16", "gradient_clipping", "gradient_accumulation_steps",
+               "communication_data_type", "activation_checkpointing", "optimizer", "scheduler"}
+    for key in ds:
+        if key not in handled:
+            unmapped[key] = REASONS.get(key, "unknown to this mapping (not a DeepSpeed key zerojax knows)")
+
+    # Optimizer, with the scheduler as its learning rate.
+    opt = None
+    if "optimizer" in ds:
+        opt, why = _parse_optimizer(ds["optimizer"])
+        if why:
+            unmapped["optimizer"] = why
+    sched = _Schedule()
+    if "scheduler" in ds:
+        sched = _scheduler(ds["scheduler"], _optimizer_lr(ds.get("optimizer")),
+                           None if opt is None else opt.has_betas, notes)
+        if sched.why:
+            unmapped["scheduler"] = sched.why
+    tx = None if opt is None else opt.expr(sched.lr, sched.momentum)
+    try:
+        config = ZeroConfig(**kw)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"the DeepSpeed config maps to an invalid ZeroConfig: {e}") from None
+    return Translation(config, unmapped, tuple(notes), None if tx is None else tx.code(), shard_size, resolved,
+                       None if tx is None else tx.build(), None if sched.lr is None else sched.lr.code())
+
+
+def _shard_size(zero: Mapping, notes: list[str], stage: int, unmapped: dict[str, str]) -> int | None:
+    """Devices per replica group from MiCS's or hpZ's key (None: off, DeepSpeed's -1 / 1).
+    Both are ZeRO-3 features in DeepSpeed, which ignores them at stages 0-2: so does this
+    mapping, and says so."""
+    mics = _number(zero.get("mics_shard_size", -1), "zero_optimization.mics_shard_size", integer=True)
+    hpz = _number(zero.get("zero_hpz_partition_size", 1), "zero_optimization.zero_hpz_partition_size",
+                  integer=True, minimum=1)
+    if mics == 0 or mics < -1:
+        raise ValueError(f"DeepSpeed key 'zero_optimization.mics_shard_size' must be -1 (off) or a positive number "
+                         f"of devices, got {mics}.")
+    mics = mics if mics > 0 else None
+    hpz = hpz if hpz > 1 else None
+    if mics and hpz and mics != hpz:
+        raise ValueError(f"DeepSpeed keys 'zero_optimization.mics_shard_size' ({mics}) and 'zero_hpz_partition_size' "
+                         f"({hpz}) ask for different shard groups; keep one.")
+    size = mics or hpz
+    if size is None:
+        return None
+    if stage != 3:
+        for key, value in (("mics_shard_size", mics), ("zero_hpz_partition_size", hpz)):
+            if value:
+                unmapped[f"zero_optimization.{key}"] = (
+                    f"DeepSpeed applies it at ZeRO stage 3 only and ignores it at stage {stage}; so does zerojax "
+                    f"(the state is sharded over every device). Use stage 3 for {value}-device groups")
+        return None
+    mesh = f"zj.make_mesh(replicas=jax.device_count() // {size})"
+    divides = (f"{size} must divide the device count (DeepSpeed refuses other sizes; Translation.make_mesh() "
+               f"checks it)")
+    if hpz and not mics:
+        notes.append(f"zero_hpz_partition_size={hpz} is mapped to hybrid sharding over groups of {hpz} devices: "
+                     f"build the mesh with {mesh}. hpZ keeps only a secondary copy of the weights per group and "
+                     f"shards the optimizer state over every device; zerojax's groups hold the whole state "
+                     f"(12Ψ/{hpz} per device for Adam instead of 12Ψ/N) and no gather or reduce-scatter leaves a "
+                     f"group; {divides}.")
+    else:
+        notes.append(f"mics_shard_size={mics}: hybrid sharding over groups of {mics} devices, replicated across "
+                     f"groups. It is the mesh's: build it with {mesh}; {divides}.")
+    return size
+
+
+def from_deepspeed(source: Any, *, auto: Mapping[str, Any] | None = None) -> ZeroConfig:
+    """The :class:`ZeroConfig` of a DeepSpeed JSON config (a path or a dict): stage, fp16
+    and its scaler, bf16, gradient clipping and accumulation, communication dtype, offload
+    and activation checkpointing. Every key it does not map is named, with the reason, in
+    one warning, with the ``"auto"`` values filled in (``auto``: see :func:`translate`);
+    contradictions raise ``ValueError``. The optimizer and its schedule are
+    ``translate(source).tx``.
+
+    Example:
+      >>> import zerojax as zj
+      >>> zj.from_deepspeed({"zero_optimization": {"stage": 3},
+      ...     "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12},
+      ...     "gradient_clipping": 1.0}).initial_scale_power
+      12
+    """
+    t = translate(source, auto=auto)
+    message = t.message()
+    if message:
+        warnings.warn(message, stacklevel=2)
+    return t.config
