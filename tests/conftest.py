@@ -11,7 +11,7 @@ import jax  # noqa: E402
 # parametrisation). A cached executable is the one XLA compiled, with the same HLO text,
 # memory and cost analysis. Set in this process only, not through the environment: a
 # multi-process job on these 8 device ids must not load a single-process executable.
-# Each run has its own directory (the workers share it; older runs' are removed): an
+# Each run has its own directory (the workers share it; a day-old run's is removed): an
 # executable loaded from an earlier run deadlocked once in XLA's CPU collectives (a stage-2
 # fp16 step with 4 micro-batches: the devices met different collectives), which a fresh
 # compile in the same run never did. ZEROJAX_TEST_COMPILE_CACHE="" turns the cache off.
@@ -23,10 +23,12 @@ if _CACHE:
     _RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
     if "PYTEST_XDIST_WORKER" not in os.environ and os.path.isdir(_CACHE):  # the controller, before workers
         import shutil
+        import time
 
-        for _old in os.listdir(_CACHE):
-            if _old != _RUN:
-                shutil.rmtree(os.path.join(_CACHE, _old), ignore_errors=True)
+        for _old in os.listdir(_CACHE):  # runs of over a day ago (a run in progress keeps its own)
+            _path = os.path.join(_CACHE, _old)
+            if _old != _RUN and time.time() - os.path.getmtime(_path) > 86400:
+                shutil.rmtree(_path, ignore_errors=True)
     jax.config.update("jax_compilation_cache_dir", os.path.join(_CACHE, _RUN))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
