@@ -159,6 +159,7 @@ def test_scaling_stage3_trains_a_larger_model_within_the_budget(tmp_path):
     assert res["times"]["0"] > 0 and len(res["times"]) == 4
 
 
+@pytest.mark.slow  # a script's table: once per CI run (the engine it measures is tested on every JAX)
 def test_fits_compiles_for_a_larger_mesh_than_the_tests_use():
     """16 simulated devices in a fresh process: the compiled state is the formula's, and the
     budget answer follows the compiled total."""
@@ -176,6 +177,7 @@ def test_fits_compiles_for_a_larger_mesh_than_the_tests_use():
     assert [r[-1] for r in rows] == ["no", "yes"]
 
 
+@pytest.mark.slow  # a script's table: once per CI run (the engine it measures is tested on every JAX)
 def test_stage_table_numbers(capsys):
     """The table of docs/stages.md: state = formula (byte-level vocabulary and widths that
     divide 8: no padding), the traffic of each stage, the collectives that carry it, and
@@ -202,6 +204,7 @@ def test_stage_table_numbers(capsys):
     assert rows[1]["temp"] - rows[2]["temp"] > 0.6 * 4 * psi
 
 
+@pytest.mark.slow  # a script's table: once per CI run (the engine it measures is tested on every JAX)
 def test_optimizer_view_costs(capsys):
     """The exact path's cost, measured against a twin of a width that divides 8: a leaf
     split in its own shape costs only its padding; a flat one is all-gathered for the
@@ -239,6 +242,7 @@ def test_lora_fine_tune_memory_follows_the_formula():
     assert by[(0, "LoRA")]["psi_t"] < 0.1 * by[(0, "LoRA")]["psi_f"]
 
 
+@pytest.mark.slow  # a script's table: once per CI run (the engine it measures is tested on every JAX)
 def test_prefetch_script_structure(capsys):
     """The script's compiled-program columns: with prefetch every gather in the layer loops
     is independent of the loops' matmuls, without it they are not; each layer is gathered
