@@ -182,6 +182,8 @@ def test_bad_input():
         zj.init_state(params.to_pure_dict(), tx, mesh=mesh, config=cfg, trainable=nnx.LoRAParam)
     with pytest.raises(TypeError, match=r"params is an NNX module \(Net\).*nnx.split"):
         zj.init_state(model, tx, mesh=mesh, config=cfg)
+    with pytest.raises(TypeError, match=r"abstract Net \(from nnx.eval_shape.*lambda: Model"):
+        zj.nnx.Optimizer(nnx.eval_shape(lambda: Net(nnx.Rngs(0))), tx, mesh=mesh, config=cfg)
     with pytest.raises(TypeError, match="wrt must be an NNX filter"):
         zj.nnx.Optimizer(model, tx, wrt={"inp": True}, mesh=mesh, config=cfg)
     with pytest.raises(TypeError, match="takes a zj.nnx.Optimizer"):

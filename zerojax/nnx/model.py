@@ -141,6 +141,11 @@ def build(model: nnx.Module | Callable[[], nnx.Module]) -> tuple[nnx.Module, Cal
     """``(module, init_fn)``: a concrete module and ``None``, or for a function that builds
     one, the abstract module (``nnx.eval_shape``: nothing allocated) and the function."""
     if isinstance(model, nnx.Module):
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(model))):
+            raise TypeError(
+                f"model is an abstract {type(model).__name__} (from nnx.eval_shape: shapes, no values). Pass the "
+                "function that builds it instead, e.g. zj.nnx.Optimizer(lambda: Model(...), tx, ...): zerojax "
+                "plans it with nnx.eval_shape and each device builds only its own shards.")
         return model, None
     if callable(model):
         abstract = nnx.eval_shape(model)
