@@ -229,3 +229,27 @@ def test_nnx_with_bf16_prefetch_and_the_compiled_program():
     np.testing.assert_allclose(losses, ref_losses, rtol=5e-3)       # bf16 rounding of fp32 training
     assert max_diff(opt.gathered_model(), ref) < 5e-3
     assert opt.gathered_model().inp.kernel[...].dtype == jnp.float32      # the fp32 masters come back
+
+
+def test_scanned_layer_stack_through_the_optimizer():
+    """An nnx.vmap-built, nnx.scan-run stack trains as single-device NNX does, through zj.nnx."""
+    from tests import models
+
+    data = [models.batch(16, seed=s) for s in range(2)]
+    loss = lambda model, b: jnp.mean((model(b["x"]) - b["y"]) ** 2)
+    tx = optax.sgd(0.05, momentum=0.9)
+    ref = models.NNXModel(nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(ref, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def ref_step(model, opt, batch):
+        value, grads = nnx.value_and_grad(loss)(model, batch)
+        opt.update(model, grads)
+        return value
+
+    ref_losses = [float(ref_step(ref, ref_opt, b)) for b in data]
+    opt = zj.nnx.Optimizer(models.NNXModel(nnx.Rngs(0)), tx, mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3))
+    step = zj.nnx.make_train_step(loss)
+    losses = [float(step(opt, b)["loss"]) for b in data]
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    assert max_diff(opt.gathered_model(), ref) <= 1e-5
