@@ -52,7 +52,11 @@ class Parts:
     wrt: Any
     trainable: tuple[bool, ...]
     key_impls: tuple[Any, ...]
-    has_rngs: bool
+
+    @property
+    def has_rngs(self) -> bool:
+        """Whether the module keeps rng streams (each has a key)."""
+        return bool(self.key_impls)
 
     @classmethod
     def of(cls, model: nnx.Module, wrt: Any) -> Parts:
@@ -78,7 +82,7 @@ class Parts:
                     f"wrt={describe(wrt)} selects {type(v).__name__} {jax.tree_util.keystr(path)} of dtype {dtype}, "
                     "which cannot train (not floating). Narrow the filter, e.g. nnx.All(wrt, nnx.Param).")
         impls = tuple(_key_impl(x) for x in jax.tree.leaves(rngs) if _is_key(x))
-        return cls(graphdef, wrt, trainable, impls, bool(jax.tree.leaves(rngs)))
+        return cls(graphdef, wrt, trainable, impls)
 
     def split(self, model: nnx.Module) -> tuple[nnx.State, dict]:
         """``model`` -> (parameters, model state ``{"rngs": ..., "rest": ...}``)."""
