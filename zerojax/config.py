@@ -25,6 +25,29 @@ def _dtype_name(value: Any, field: str, allowed: tuple[str, ...]) -> str:
     return name
 
 
+def _check_rules(rules: Any) -> tuple:
+    """``axis_rules`` as a tuple of ``(logical name, mesh axis | tuple of axes | None)``."""
+    if isinstance(rules, dict):
+        rules = tuple(rules.items())
+    bad = ValueError(f"ZeroConfig.axis_rules must be a sequence of (logical name, mesh axis or None) pairs, "
+                     f"e.g. (('mlp', 'tensor'), ('embed', None)), got {rules!r}.")
+    if isinstance(rules, str) or not isinstance(rules, (tuple, list)):
+        raise bad
+    out = []
+    for rule in rules:
+        if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
+            raise bad
+        name, target = rule
+        if isinstance(target, list):
+            target = tuple(target)
+        ok = target is None or isinstance(target, str) or (
+            isinstance(target, tuple) and all(isinstance(t, str) for t in target))
+        if not ok:
+            raise bad
+        out.append((name, target))
+    return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class ZeroConfig:
     """How a train step shards model state and in which precision it computes.
@@ -39,6 +62,16 @@ class ZeroConfig:
         group of ``N/R`` devices holds one sharded copy of the state, the batch is split
         over all N devices, gathers and reduce-scatters stay inside a group, and only
         gradient shards are all-reduced across groups (Ψ/(N/R) elements per device).
+      tensor_axis: name of the mesh axis of tensor parallelism, used where the mesh has it
+        (``zj.make_mesh(tensor=T)``): each parameter whose annotation names it (Flax's
+        ``with_partitioning`` / ``with_logical_partitioning`` metadata, or
+        ``init_state(..., tensor_specs=...)``) is split over it on that dimension, and ZeRO
+        shards it over the data axes on another; the loss runs with this axis automatic,
+        so XLA inserts the Megatron collectives (see :mod:`zerojax.sharding.annotations`).
+      axis_rules: logical axis rules for models annotated with logical names (linen's
+        ``nn.with_logical_partitioning``, MaxText style): ``(("mlp", "tensor"),
+        ("heads", "tensor"), ("embed", None), ...)``, each logical name mapped to a mesh
+        axis or None (not split). A logical name without a rule is an error.
       donate: let the train step reuse the buffers of the state it is given.
 
     Precision (the optimizer always updates fp32 master weights):
@@ -145,6 +178,8 @@ class ZeroConfig:
     reduce_quant_block_size: int = 4096
     replica_axis: str = "replica"
     frozen_dtype: str = "compute"
+    tensor_axis: str = "tensor"
+    axis_rules: Any = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in STAGES:
@@ -160,6 +195,11 @@ class ZeroConfig:
         if not isinstance(self.replica_axis, str) or not self.replica_axis or self.replica_axis == self.axis:
             raise ValueError(f"ZeroConfig.replica_axis must be a mesh axis name other than axis={self.axis!r}, "
                              f"got {self.replica_axis!r}.")
+        if not isinstance(self.tensor_axis, str) or not self.tensor_axis or self.tensor_axis in (
+                self.axis, self.replica_axis):
+            raise ValueError(f"ZeroConfig.tensor_axis must be a mesh axis name other than axis={self.axis!r} and "
+                             f"replica_axis={self.replica_axis!r}, got {self.tensor_axis!r}.")
+        object.__setattr__(self, "axis_rules", _check_rules(self.axis_rules))
         for name in ("donate", "consecutive_hysteresis", "raise_at_min_scale", "skip_nonfinite",
                      "offload_optimizer", "offload_params"):
             if not isinstance(getattr(self, name), bool):

@@ -84,7 +84,8 @@ class EvalStep:
 
         arrays = getattr(state, read.field)
         return jax.shard_map(body, mesh=plan.mesh, in_specs=(read.specs, frozen_specs, batch_spec, P()),
-                             out_specs=combine.specs(over), check_vma=False)(jax.tree.leaves(arrays), frozen, batch, ms)
+                             out_specs=combine.specs(over), axis_names=plan.manual_axes,
+                             check_vma=False)(jax.tree.leaves(arrays), frozen, batch, ms)
 
     def _jit_for(self, state: ZeroState):
         fn = self._jitted.get(state.plan)

@@ -93,7 +93,7 @@ def state_shardings(plan: ZeroPlan, scaler: Any, model_state: Any = None, rng: A
 
 
 def init_state(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig, rng: Any = None,
-               model_state: Any = None, trainable: Any = None) -> ZeroState:
+               model_state: Any = None, trainable: Any = None, tensor_specs: Any = None) -> ZeroState:
     """Builds a sharded train state.
 
     Args:
@@ -113,6 +113,11 @@ def init_state(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig, rng: Any
         optimizer state and no gradient, and are stored in the compute dtype where it is
         narrower, or in their own with ``ZeroConfig(frozen_dtype="param")`` (see
         :class:`ZeroState`).
+      tensor_specs: with a tensor axis in the mesh (``zj.make_mesh(tensor=T)``), a tree of
+        ``PartitionSpec`` (or None) shaped like ``params`` naming the dimension of each
+        parameter split over it, for parameters without Flax annotations (annotated NNX
+        Variables and linen's ``nn.Partitioned`` boxes are read without it; see
+        :mod:`zerojax.sharding.annotations`).
 
     The optimizer state and masters are created directly in their sharded layout (``jax.jit``
     with ``out_shardings``): no device ever holds more than its share of them.
@@ -129,7 +134,7 @@ def init_state(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig, rng: Any
       (4096, 64)
     """
     build, args, plan, out = _init_program(params, tx, mesh=mesh, config=config, model_state=model_state,
-                                           trainable=trainable, rng=rng)
+                                           trainable=trainable, rng=rng, tensor_specs=tensor_specs)
     p, master, frozen, opt_state, ms = jax.jit(build, out_shardings=out)(*args)
     rep = plan.replicated
     return ZeroState(
@@ -147,7 +152,7 @@ def lower_init(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig, **kwargs
 
 
 def abstract_state(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig, rng: Any = None,
-                   model_state: Any = None, trainable: Any = None) -> ZeroState:
+                   model_state: Any = None, trainable: Any = None, tensor_specs: Any = None) -> ZeroState:
     """The state ``init_state`` would build, as ``jax.ShapeDtypeStruct`` leaves with shardings.
 
     Nothing is allocated: ``params`` may itself be abstract (``jax.eval_shape`` /
@@ -163,7 +168,7 @@ def abstract_state(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig, rng:
       ((4096, 4096), (4096, 512))
     """
     build, args, plan, out = _init_program(params, tx, mesh=mesh, config=config, model_state=model_state,
-                                           trainable=trainable, rng=rng)
+                                           trainable=trainable, rng=rng, tensor_specs=tensor_specs)
     shapes = jax.eval_shape(build, *args)
     abstract = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
     p, master, frozen, opt_state, ms = jax.tree.map(abstract, shapes, out)
@@ -207,7 +212,7 @@ def refuse_module(params: Any) -> None:
             "model.init(key, x)['params'], or an init function: lambda: model.init(key, x)['params'].")
 
 
-def _init_program(params, tx, *, mesh, config, model_state=None, trainable=None, rng=None):
+def _init_program(params, tx, *, mesh, config, model_state=None, trainable=None, rng=None, tensor_specs=None):
     refuse_module(params)
     check_optimizer(tx)
     if rng is not None:
@@ -215,7 +220,7 @@ def _init_program(params, tx, *, mesh, config, model_state=None, trainable=None,
     make = params if is_init_fn(params) else None
     make_ms = model_state if is_init_fn(model_state) else None
     shapes = jax.eval_shape(make) if make is not None else params
-    plan = make_plan(shapes, mesh, config, tx, trainable)
+    plan = make_plan(shapes, mesh, config, tx, trainable, tensor_specs)
     stage = stage_of(plan)
 
     def build(leaves, ms):

@@ -157,7 +157,8 @@ def context(plan: ZeroPlan, remat: bool = True) -> per_use.Context:
 def local_shapes(plan: ZeroPlan, fn: Callable, *args: Any) -> Any:
     """The output shapes of ``fn`` called on one device with ``args`` (shapes of that device's
     inputs), with the data axis bound, as in the step (a BatchNorm may ``pmean`` over it)."""
-    run = jax.shard_map(fn, mesh=plan.mesh, in_specs=P(), out_specs=P(), check_vma=False)
+    run = jax.shard_map(fn, mesh=plan.mesh, in_specs=P(), out_specs=P(), axis_names=plan.manual_axes,
+                        check_vma=False)
     return jax.eval_shape(run, *args)
 
 
@@ -229,7 +230,8 @@ def replicated_grads(loss: Loss, *, scatter: bool) -> Callable:
 
     def reduce_all(grads):
         if not scatter:
-            return [collectives.reduce_grad(g, axis, n, reduce, None, replica, block) for g in grads]
+            return [collectives.reduce_grad(g, axis, n, reduce, l.replicated() if l.tp else None, replica, block)
+                    for l, g in zip(plan.master_layouts, grads)]
         grads = per_use.after_all(grads, on_cpu(plan))  # ZeRO-1: the whole gradient exists first
         return [collectives.reduce_grad(g, axis, n, reduce, l, replica, block)
                 for l, g in zip(plan.master_layouts, grads)]
@@ -246,7 +248,8 @@ def replicated_grads(loss: Loss, *, scatter: bool) -> Callable:
         batch_spec = jax.tree.map(lambda _: P(plan.batch_axes), batch)
         return jax.shard_map(body, mesh=plan.mesh,
                              in_specs=([P()] * len(train), [P()] * len(frozen), batch_spec, P(), P(), P()),
-                             out_specs=(*loss.out_specs(), grad_specs), check_vma=False)(
+                             out_specs=(*loss.out_specs(), grad_specs), axis_names=plan.manual_axes,
+                             check_vma=False)(
             train, frozen, batch, scale, rng, model_state)
 
     return run
@@ -303,7 +306,8 @@ def per_use_grads(loss: Loss, source: Source, frozen_source: Source | None = Non
         return jax.shard_map(body, mesh=plan.mesh,
                              in_specs=(resident_specs[: len(resident)], storage, frozen_specs, batch_spec, P(), P(),
                                        P()),
-                             out_specs=(*loss.out_specs(), storage), check_vma=False)(
+                             out_specs=(*loss.out_specs(), storage), axis_names=plan.manual_axes,
+                             check_vma=False)(
             resident, sinks, frozen, batch, scale, rng, model_state)
 
     return run

@@ -20,7 +20,7 @@ from jax.sharding import AxisType, Mesh
 
 
 def make_mesh(devices: Sequence[jax.Device] | None = None, axis: str = "data", *, replicas: int = 1,
-              replica_axis: str = "replica") -> Mesh:
+              replica_axis: str = "replica", tensor: int = 1, tensor_axis: str = "tensor") -> Mesh:
     """Builds the mesh zerojax shards over: ``(N,)`` named ``axis``, or with ``replicas=R``,
     ``(R, N/R)`` named ``(replica_axis, axis)``: every stage shards over ``axis`` within a
     group of ``N/R`` devices and replicates over ``replica_axis`` (hybrid sharding).
@@ -33,6 +33,11 @@ def make_mesh(devices: Sequence[jax.Device] | None = None, axis: str = "data", *
     from ``mesh_utils.create_hybrid_device_mesh`` (each group one process's devices, laid out
     for its interconnect); otherwise devices are taken in ``jax.devices()`` order, process by
     process, ``N/R`` per group (see the module docstring).
+
+    With ``tensor=T`` the mesh gains a tensor-parallel axis ``tensor_axis`` innermost:
+    ``(N/T,)`` data x ``T`` tensor, or ``(R, N/(R·T), T)`` with replicas; the ``T`` devices of
+    a tensor group are neighbours in device order (the fastest links, one host), and the
+    model's annotated weights are split over them (see ``ZeroConfig.tensor_axis``).
 
     Example:
       >>> import jax, zerojax as zj
@@ -47,10 +52,18 @@ def make_mesh(devices: Sequence[jax.Device] | None = None, axis: str = "data", *
       Traceback (most recent call last):
       ...
       ValueError: make_mesh(replicas=3): 8 devices do not split into 3 equal replica groups. ...
+      >>> dict(zj.make_mesh(tensor=2).shape)
+      {'data': 4, 'tensor': 2}
+      >>> dict(zj.make_mesh(replicas=2, tensor=2).shape)
+      {'replica': 2, 'data': 2, 'tensor': 2}
     """
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("make_mesh needs at least one device; got an empty list.")
+    if isinstance(tensor, bool) or not isinstance(tensor, int) or tensor < 1:
+        raise ValueError(f"make_mesh(tensor=...) must be a positive int (tensor-parallel degree), got {tensor!r}.")
+    if tensor > 1:
+        return _with_tensor(devices, axis, replicas, replica_axis, tensor, tensor_axis)
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"make_mesh(replicas=...) must be a positive int (replica groups), got {replicas!r}.")
     if replicas == 1:
@@ -64,6 +77,25 @@ def make_mesh(devices: Sequence[jax.Device] | None = None, axis: str = "data", *
                          f"equal replica groups. Use one of {ok}.")
     grid = _hybrid_grid(devices, replicas)
     return Mesh(grid, (replica_axis, axis), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def _with_tensor(devices: list, axis: str, replicas: int, replica_axis: str, tensor: int,
+                 tensor_axis: str) -> Mesh:
+    if not isinstance(tensor_axis, str) or not tensor_axis or tensor_axis in (axis, replica_axis):
+        raise ValueError(f"make_mesh(tensor_axis={tensor_axis!r}) must be a non-empty name other than the data "
+                         f"axis {axis!r} and the replica axis {replica_axis!r}.")
+    if len(devices) % (tensor * replicas):
+        ok = [t for t in range(1, len(devices) + 1) if len(devices) % (t * replicas) == 0]
+        raise ValueError(f"make_mesh(tensor={tensor}{f', replicas={replicas}' if replicas > 1 else ''}): "
+                         f"{len(devices)} devices do not split into groups of {tensor} tensor-parallel devices"
+                         f"{f' in {replicas} replica groups' if replicas > 1 else ''}. Use tensor in {ok}.")
+    ordered = [d for _, d in sorted(enumerate(devices), key=lambda t: (t[1].process_index, t[0]))]
+    data = len(devices) // (tensor * replicas)
+    if replicas == 1:
+        grid = np.array(ordered, dtype=object).reshape(data, tensor)
+        return Mesh(grid, (axis, tensor_axis), axis_types=(AxisType.Auto,) * 2)
+    grid = np.array(ordered, dtype=object).reshape(replicas, data, tensor)
+    return Mesh(grid, (replica_axis, axis, tensor_axis), axis_types=(AxisType.Auto,) * 3)
 
 
 def _hybrid_grid(devices: list[jax.Device], replicas: int) -> np.ndarray:
@@ -102,9 +134,22 @@ def batch_axes(mesh: Mesh, axis: str, replica_axis: str) -> str | tuple[str, str
 
 
 def batch_devices(mesh: Mesh, axis: str, replica_axis: str) -> int:
-    """How many devices a batch is split over (every device of a zerojax mesh)."""
+    """How many devices a batch is split over (every device of a zerojax mesh but the
+    tensor axis's: a tensor group shares its batch rows)."""
     n = axis_size(mesh, axis)
     return n * int(mesh.shape[replica_axis]) if replica_axis in mesh.axis_names else n
+
+
+def tensor_size(mesh: Mesh, tensor_axis: str) -> int:
+    """Devices of the tensor axis (1 when the mesh has none)."""
+    return int(mesh.shape[tensor_axis]) if tensor_axis in mesh.axis_names else 1
+
+
+def manual_axes(mesh: Mesh, axis: str, replica_axis: str) -> frozenset[str]:
+    """The axes the step's ``shard_map`` is manual over: the batch axes (the tensor axis,
+    where the mesh has one, stays automatic: XLA partitions the model over it)."""
+    b = batch_axes(mesh, axis, replica_axis)
+    return frozenset((b,) if isinstance(b, str) else b)
 
 
 def auto_axes(mesh: Mesh) -> Mesh:

@@ -60,7 +60,8 @@ def warn_partial(fn: Callable, mesh: Any, batch_axes: tuple[str, ...], args: tup
     about each collective that names some but not all of ``batch_axes``."""
     if isinstance(batch_axes, str) or len(batch_axes) < 2:
         return
-    run = jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+    run = jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=frozenset(batch_axes),
+                        check_vma=False)
     jaxpr = jax.make_jaxpr(run)(*args).jaxpr
     seen = set()
     for prim, names in collectives(jaxpr):

@@ -267,7 +267,7 @@ def _after(x: jax.Array, dep: jax.Array, order_by_data: bool = True) -> jax.Arra
     dep = jax.lax.stop_gradient(dep)  # an order, not a value: no gradient flows through it
     x, _ = jax.lax.optimization_barrier((x, dep))
     if order_by_data:
-        d = jnp.ravel(dep)[0]
+        d = _first(dep)
         zero = -jnp.abs(jnp.where(jnp.isfinite(d), d * 0, jnp.zeros_like(d)))
         if in_host_memory(x):  # offload_params: the same sum, on a device copy (a no-op move on CPU)
             return jax.device_put(jax.device_put(x, jax.memory.Space.Device) + zero.astype(x.dtype),
@@ -276,9 +276,15 @@ def _after(x: jax.Array, dep: jax.Array, order_by_data: bool = True) -> jax.Arra
     return x
 
 
+def _first(x: jax.Array) -> jax.Array:
+    """``x``'s first element, read by index (a ``ravel`` of an array split over the tensor
+    axis on an inner dimension would gather it whole first)."""
+    return x[(0,) * x.ndim] if x.ndim else x
+
+
 def after_all(xs: Sequence[jax.Array], order_by_data: bool = True) -> list[jax.Array]:
     """Each of ``xs``, scheduled after all of them exist (nothing proceeds until all do)."""
-    dep = sum(jnp.ravel(x)[0].astype(jnp.float32) for x in xs)  # needs every one of them
+    dep = sum(_first(x).astype(jnp.float32) for x in xs)  # needs every one of them
     return [_after(x, dep, order_by_data) for x in xs]
 
 

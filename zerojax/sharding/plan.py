@@ -15,7 +15,7 @@ from optax import MaskedNode
 
 from zerojax.config import ZeroConfig
 from zerojax.sharding.layout import LeafLayout, layout_for
-from zerojax.sharding.mesh import auto_axes, axis_size, batch_axes, batch_devices
+from zerojax.sharding.mesh import auto_axes, axis_size, batch_axes, batch_devices, manual_axes, tensor_size
 
 
 HOST = "pinned_host"  # the memory kind of offloaded state
@@ -60,8 +60,20 @@ class ZeroPlan:
 
     @property
     def world(self) -> int:
-        """Devices the batch is split over and gradients are averaged over: all of them."""
+        """Devices the batch is split over and gradients are averaged over: all of them but
+        the tensor axis's (a tensor group shares its rows of the batch)."""
         return self.shards * self.replicas
+
+    @property
+    def tensor(self) -> int:
+        """Devices of the tensor axis (1 without tensor parallelism)."""
+        return tensor_size(self.mesh, self.config.tensor_axis)
+
+    @property
+    def manual_axes(self) -> frozenset[str]:
+        """The axes the step's ``shard_map`` is manual over (the batch axes; the tensor axis
+        stays automatic)."""
+        return manual_axes(self.mesh, self.config.axis, self.config.replica_axis)
 
     @property
     def batch_axes(self) -> str | tuple[str, str]:
@@ -75,6 +87,11 @@ class ZeroPlan:
     @property
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
+
+    def whole(self, layouts) -> list[NamedSharding]:
+        """Shardings of full arrays of ``layouts``, replicated over the data axes (split over
+        the tensor axis where their layout is): stage 0–2's ``params``."""
+        return [NamedSharding(self.mesh, l.tensor_spec()) for l in layouts]
 
     def stored(self, layout: LeafLayout) -> LeafLayout:
         """How this stage stores an array: replicated at stage 0, sharded from stage 1 on."""
@@ -142,7 +159,7 @@ class ZeroPlan:
         return tuple(self.stored(l) for l in self.opt_layouts)
 
     def sharding(self, layout: LeafLayout, memory_kind: str | None = None) -> NamedSharding:
-        return NamedSharding(self.mesh, layout.partition_spec(self.axis), memory_kind=memory_kind)
+        return NamedSharding(self.mesh, layout.storage_spec(self.axis), memory_kind=memory_kind)
 
     def shardings(self, layouts, memory_kind: str | None = None) -> list[NamedSharding]:
         return [self.sharding(l, memory_kind) for l in layouts]
@@ -173,8 +190,22 @@ class ZeroPlan:
         masters (frozen ones are ``optax.MaskedNode()``: they get no optimizer state)."""
         masters = self.unflatten_train(jax.ShapeDtypeStruct(l.shape, master_dtype(l.dtype)) for l in self.train_layouts)
         leaves, treedef = jax.tree.flatten(jax.eval_shape(tx.init, masters))
-        layouts = tuple(layout_for(x.shape, x.dtype, self.shards) for x in leaves)
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+            jax.eval_shape(tx.init, masters))[0]]
+        layouts = tuple(self._opt_layout(path, x) for path, x in zip(paths, leaves))
         return dataclasses.replace(self, opt_treedef=treedef, opt_layouts=layouts)
+
+    def _opt_layout(self, path: str, x: Any) -> LeafLayout:
+        """An optimizer-state array's layout: its parameter's tensor split where it has the
+        parameter's shape and path (Adam's moments), none otherwise (scalars, factored stats)."""
+        tdim = -1
+        if self.tensor > 1:
+            best = -1
+            for p, l in zip(self.paths, self.layouts):
+                if l.tp and tuple(x.shape) == l.shape and path.endswith(p) and len(p) > best:
+                    tdim, best = l.tdim, len(p)
+        return layout_for(x.shape, x.dtype, self.shards, tensor=self.tensor if tdim >= 0 else 1, tdim=tdim,
+                          taxis=self.config.tensor_axis)
 
 
 def master_dtype(dtype) -> jnp.dtype:
@@ -182,21 +213,28 @@ def master_dtype(dtype) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def make_plan(params: Any, mesh: Mesh, config: ZeroConfig, tx: Any = None, trainable: Any = None) -> ZeroPlan:
+def make_plan(params: Any, mesh: Mesh, config: ZeroConfig, tx: Any = None, trainable: Any = None,
+              tensor_specs: Any = None) -> ZeroPlan:
     """Validates ``params`` and chooses the layout of every parameter (and, given ``tx``, of
     every optimizer-state array). ``trainable`` marks the parameters that train (a tree of
     bools shaped like ``params``, a callable on ``params`` returning one, or an NNX filter
-    such as ``nnx.LoRAParam``; None: all)."""
+    such as ``nnx.LoRAParam``; None: all). The tensor split of each parameter comes from
+    its annotation or ``tensor_specs`` (:mod:`zerojax.sharding.annotations`)."""
+    from zerojax.sharding import annotations
+
     if not isinstance(config, ZeroConfig):
         raise TypeError(f"config must be a zj.ZeroConfig, got {type(config).__name__}.")
     n = axis_size(mesh, config.axis)
     mesh = auto_axes(mesh)
-    if mesh.devices.size != batch_devices(mesh, config.axis, config.replica_axis):
+    t = tensor_size(mesh, config.tensor_axis)
+    if mesh.devices.size != batch_devices(mesh, config.axis, config.replica_axis) * t:
         raise ValueError(
-            f"mesh {dict(mesh.shape)} has axes other than {config.axis!r} (the data axis) and "
-            f"{config.replica_axis!r} (replica groups) with size > 1; zerojax shards over one data axis, "
-            f"optionally replicated. Build the mesh with zj.make_mesh() or zj.make_mesh(replicas=R)."
-        )
+            f"mesh {dict(mesh.shape)} has axes other than {config.axis!r} (the data axis), "
+            f"{config.replica_axis!r} (replica groups) and {config.tensor_axis!r} (tensor parallelism) with size > 1; "
+            f"zerojax shards over one data axis, optionally replicated, beside a tensor axis. Build the mesh with "
+            f"zj.make_mesh(), zj.make_mesh(replicas=R) or zj.make_mesh(tensor=T).")
+    names = annotations.leaf_names(params, tensor_specs)
+    params = annotations.unbox(params)
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
     if not leaves_with_path:
         raise ValueError("params has no leaves; pass the model's parameter tree.")
@@ -214,7 +252,13 @@ def make_plan(params: Any, mesh: Mesh, config: ZeroConfig, tx: Any = None, train
                 f"params leaf {name} has dtype {leaf.dtype}; only floating-point parameters "
                 "are trained. Keep integer or boolean state (counters, masks) out of params."
             )
-        layouts.append(layout_for(tuple(leaf.shape), leaf.dtype, n))
+    if len(names) != len(leaves_with_path):
+        raise ValueError(f"params has {len(leaves_with_path)} leaves but its annotations name {len(names)}; pass "
+                         "the parameter tree as the model gives it.")
+    tdims = annotations.tensor_dims(names, [tuple(x.shape) for _, x in leaves_with_path], paths, mesh, config)
+    for (_, leaf), tdim in zip(leaves_with_path, tdims):
+        layouts.append(layout_for(tuple(leaf.shape), leaf.dtype, n, tensor=t if tdim >= 0 else 1, tdim=tdim,
+                                  taxis=config.tensor_axis))
     mask = _trainable_mask(trainable, params, treedef, paths)
     plan = ZeroPlan(config=config, mesh=mesh, treedef=treedef, layouts=tuple(layouts), paths=tuple(paths),
                     trainable=() if all(mask) else mask)

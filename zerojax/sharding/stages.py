@@ -81,7 +81,7 @@ class Stage0(Stage):
         return masters, None
 
     def field_shardings(self, plan):
-        return [plan.replicated] * len(plan.master_layouts), None
+        return plan.whole(plan.master_layouts), None
 
     def masters(self, plan, params, master):
         return params
@@ -107,7 +107,7 @@ class _ReplicatedCopy(Stage):
 
     def field_shardings(self, plan):
         master = plan.shardings(plan.master_layouts, plan.master_memory) if plan.config.mixed else None
-        return [plan.replicated] * len(plan.master_layouts), master
+        return plan.whole(plan.master_layouts), master
 
     def masters(self, plan, params, master):
         if plan.config.mixed:
@@ -199,5 +199,5 @@ def _all_gather(plan: ZeroPlan, storage: Leaves, dtype) -> Leaves:
     return jax.shard_map(
         lambda shards: [l.gather(cast(s), plan.axis) for l, s in zip(layouts, shards)],
         mesh=plan.mesh, in_specs=([l.partition_spec(plan.axis) for l in layouts],),
-        out_specs=[P()] * len(layouts), check_vma=False,
+        out_specs=[P()] * len(layouts), axis_names=plan.manual_axes, check_vma=False,
     )(storage)

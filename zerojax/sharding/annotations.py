@@ -1,0 +1,149 @@
+"""Which dimension of each parameter the model splits over the tensor axis.
+
+The split comes from the model's own annotations, as Flax writes them, or from a tree of
+``PartitionSpec`` s:
+
+* NNX: ``nnx.with_partitioning(init, (None, "tensor"))`` keeps the names as the Variable's
+  ``out_sharding`` metadata (read from the ``nnx.State`` given as ``params``; layers made
+  by ``nnx.vmap`` / ``nnx.scan`` carry their layer axis when built with
+  ``transform_metadata={nnx.PARTITION_NAME: None}``);
+* linen: ``nn.with_partitioning`` / ``nn.with_logical_partitioning`` box the parameters
+  (``nn.Partitioned``, ``nn.LogicallyPartitioned``); zerojax reads the names and unboxes;
+* plain JAX: ``init_state(..., tensor_specs=...)``, a tree of ``PartitionSpec`` (or None)
+  shaped like ``params``.
+
+Each name is a mesh axis or a logical name that ``ZeroConfig.axis_rules`` maps to one (or to
+None). The tensor axis (``ZeroConfig.tensor_axis``) marks the split dimension; it is known
+even where the mesh has none (a mesh without tensor parallelism: nothing is split). The
+data and replica axes may be named too: ZeRO shards every parameter over them anyway. Any
+other name is an error naming the parameter, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from zerojax.config import ZeroConfig
+
+_NNX_KEYS = ("out_sharding", "sharding_names", "sharding")  # Flax's names for the metadata, newest first
+
+
+def is_boxed(tree: Any) -> bool:
+    """Whether ``tree`` holds linen's annotation boxes (``nn.Partitioned``, ...)."""
+    from flax.core import meta
+
+    return any(isinstance(x, meta.AxisMetadata)
+               for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, meta.AxisMetadata)))
+
+
+def unbox(tree: Any) -> Any:
+    """``tree`` without linen's annotation boxes (the arrays they hold)."""
+    from flax.core import meta
+
+    return meta.unbox(tree) if is_boxed(tree) else tree
+
+
+def leaf_names(params: Any, tensor_specs: Any = None) -> list[tuple | None]:
+    """Per parameter leaf (in ``jax.tree.leaves`` order of the unboxed tree): the names its
+    annotation gives each dimension, or None where it has none."""
+    from flax import nnx
+    from flax.core import meta
+
+    if tensor_specs is not None:
+        treedef = jax.tree.structure(unbox(params))
+        boxed = jax.tree.map(lambda s: _Spec(s), tensor_specs, is_leaf=lambda x: x is None or isinstance(x, P))
+        try:
+            specs = treedef.flatten_up_to(boxed)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"tensor_specs must be a tree of PartitionSpec (or None) with the structure of params: "
+                             f"{e}") from None
+        return [s.names for s in specs]
+    out: list[tuple | None] = []
+    is_node = lambda x: isinstance(x, (meta.AxisMetadata, nnx.Variable))
+    for x in jax.tree.leaves(params, is_leaf=is_node):
+        if isinstance(x, meta.AxisMetadata):
+            names = getattr(x, "names", None)
+            out.append(None if names is None else tuple(names))
+        elif isinstance(x, nnx.Variable):
+            md = x.get_metadata() if hasattr(x, "get_metadata") else dict(getattr(x, "metadata", {}))
+            names = next((md[k] for k in _NNX_KEYS if md.get(k) is not None), None)
+            out.append(None if names is None else tuple(names))
+        else:
+            out.append(None)
+    return out
+
+
+class _Spec:
+    """A leaf of ``tensor_specs`` kept whole while flattening."""
+
+    def __init__(self, spec: Any):
+        if spec is not None and not isinstance(spec, (P, tuple, list)):
+            raise TypeError(f"tensor_specs leaves must be PartitionSpec, a tuple of axis names, or None; got {spec!r}.")
+        self.names = None if spec is None else tuple(spec)
+
+
+def tensor_dims(names: list[tuple | None], shapes: list[tuple[int, ...]], paths: list[str], mesh: Mesh,
+                config: ZeroConfig) -> tuple[int, ...]:
+    """Per parameter: the dimension split over the tensor axis (-1: none), checked."""
+    rules = dict(config.axis_rules)
+    t_axis = config.tensor_axis
+    t = int(mesh.shape[t_axis]) if t_axis in mesh.axis_names else 1
+    known = set(mesh.axis_names) | {t_axis}
+    out = []
+    for leaf_names, shape, path in zip(names, shapes, paths):
+        if leaf_names is None:
+            out.append(-1)
+            continue
+        if len(leaf_names) > len(shape):
+            raise ValueError(f"params{path} has shape {shape} but its annotation names {len(leaf_names)} dimensions "
+                             f"{leaf_names}. Give one name (or None) per dimension.")
+        dims = []
+        for d, name in enumerate(leaf_names):
+            axes = _resolve(name, rules, known, path, d, mesh, config)
+            if t_axis in axes:
+                dims.append(d)
+        if len(dims) > 1:
+            raise ValueError(f"params{path} (shape {shape}): its annotation {leaf_names} puts the tensor axis "
+                             f"{t_axis!r} on dimensions {dims}; a weight is split over it on one dimension. Annotate "
+                             f"one of them (e.g. the output features of a column-parallel kernel).")
+        if not dims or t == 1:
+            out.append(-1)
+            continue
+        d = dims[0]
+        if shape[d] % t:
+            ok = [k for k in range(1, shape[d] + 1) if shape[d] % k == 0 and mesh.devices.size % k == 0]
+            raise ValueError(f"params{path} (shape {shape}) is split over {t_axis!r} on dimension {d} of size "
+                             f"{shape[d]}, which does not divide into {t} tensor shards. Use a tensor degree "
+                             f"dividing {shape[d]} (one of {ok}), or a model size that divides {t}.")
+        out.append(d)
+    return tuple(out)
+
+
+def _resolve(name: Any, rules: dict, known: set, path: str, dim: int, mesh: Mesh, config: ZeroConfig) -> tuple:
+    """The mesh axes an annotation's name stands for (a tuple; empty: not split)."""
+    if name is None:
+        return ()
+    if isinstance(name, (tuple, list)):
+        return tuple(a for n in name for a in _resolve(n, rules, known, path, dim, mesh, config))
+    if not isinstance(name, str):
+        raise TypeError(f"params{path}: dimension {dim}'s annotation {name!r} is not an axis name (str or None).")
+    if name in rules:
+        target = rules[name]
+        target = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+        for a in target:
+            if a not in known:
+                raise ValueError(f"ZeroConfig.axis_rules maps {name!r} to mesh axis {a!r}, which the mesh "
+                                 f"{dict(mesh.shape)} lacks (used by params{path}, dimension {dim}). Map it to one "
+                                 f"of {sorted(known)} or to None.")
+        return target
+    if name in known:
+        return (name,)
+    raise ValueError(
+        f"params{path}: dimension {dim} is annotated {name!r}, which is neither an axis of the mesh "
+        f"{dict(mesh.shape)} (nor the tensor axis {config.tensor_axis!r}) nor a logical name of "
+        f"ZeroConfig.axis_rules. Add a rule, e.g. ZeroConfig(axis_rules=(({name!r}, {config.tensor_axis!r}),)) "
+        f"to split it over the tensor axis, or (({name!r}, None),) to leave it whole.")
