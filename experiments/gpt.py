@@ -32,6 +32,10 @@ class GPTConfig:
     remat: str = "none"  # a zerojax.remat policy name, applied per block
     dropout: float = 0.0  # residual dropout of each block's attention and MLP outputs
     lora_rank: int = 0  # > 0: LoRA adapters (nnx.LoRALinear) on every block's linear layers
+    # Megatron annotations (nnx.with_partitioning): q/k/v, the MLP's first layer and the head
+    # column-parallel (output features over "tensor"), the attention projection and the MLP's
+    # second layer row-parallel (input features over "tensor"); zj.make_mesh(tensor=T) uses them.
+    tensor_parallel: bool = False
 
     def __post_init__(self) -> None:
         zj.remat.resolve(self.remat)  # unknown names raise here, with the valid ones
@@ -63,24 +67,42 @@ class GPTConfig:
         return 6 * matmul + 12 * L * T * d
 
 
+def _split(cfg: GPTConfig, kernel: tuple, bias: tuple | None = None) -> dict:
+    """``nnx.Linear`` keywords annotating its kernel (and bias) for tensor parallelism."""
+    if not cfg.tensor_parallel:
+        return {}
+    out = {"kernel_init": nnx.with_partitioning(nnx.initializers.lecun_normal(), kernel)}
+    if bias is not None:
+        out["bias_init"] = nnx.with_partitioning(nnx.initializers.zeros_init(), bias)
+    return out
+
+
 class Block(nnx.Module):
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         d = cfg.d_model
         self.n_heads = cfg.n_heads
-        linear = (lambda i, o: nnx.LoRALinear(i, o, lora_rank=cfg.lora_rank, rngs=rngs)) if cfg.lora_rank else (
-            lambda i, o: nnx.Linear(i, o, rngs=rngs))
+        linear = (lambda i, o, **kw: nnx.LoRALinear(i, o, lora_rank=cfg.lora_rank, rngs=rngs, **kw)) \
+            if cfg.lora_rank else (lambda i, o, **kw: nnx.Linear(i, o, rngs=rngs, **kw))
+        col, row = _split(cfg, (None, "tensor"), ("tensor",)), _split(cfg, ("tensor", None))
         self.ln1 = nnx.LayerNorm(d, rngs=rngs)
-        self.qkv = linear(d, 3 * d)
-        self.proj = linear(d, d)
+        self.tensor_parallel = cfg.tensor_parallel
+        if cfg.tensor_parallel:  # one projection each, so that a tensor shard holds whole heads
+            self.q, self.k, self.v = (linear(d, d, **col) for _ in range(3))
+        else:
+            self.qkv = linear(d, 3 * d)
+        self.proj = linear(d, d, **row)
         self.ln2 = nnx.LayerNorm(d, rngs=rngs)
-        self.fc = linear(d, cfg.mlp_ratio * d)
-        self.out = linear(cfg.mlp_ratio * d, d)
+        self.fc = linear(d, cfg.mlp_ratio * d, **col)
+        self.out = linear(cfg.mlp_ratio * d, d, **row)
         self.drop = nnx.Dropout(cfg.dropout)
 
     def attention(self, x: jax.Array) -> jax.Array:
         b, t, d = x.shape
         h = self.n_heads
-        q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3 * h, d // h), 3, axis=2)
+        if self.tensor_parallel:
+            q, k, v = (f(x).reshape(b, t, h, d // h) for f in (self.q, self.k, self.v))
+        else:
+            q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3 * h, d // h), 3, axis=2)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // h)
         causal = jnp.tril(jnp.ones((t, t), bool))
         scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
@@ -106,25 +128,25 @@ class GPT(nnx.Module):
         layer = zj.remat.nnx_module(Block, cfg.remat)
 
         @nnx.split_rngs(splits=cfg.n_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
         def blocks(rngs):
             return layer(cfg, rngs)
 
         self.blocks = blocks(rngs)
         self.ln_f = nnx.LayerNorm(cfg.d_model, rngs=rngs)
-        self.head = nnx.Linear(cfg.d_model, cfg.vocab, use_bias=False, rngs=rngs)
+        self.head = nnx.Linear(cfg.d_model, cfg.vocab, use_bias=False, rngs=rngs, **_split(cfg, (None, "tensor")))
 
     def __call__(self, tokens: jax.Array, key: jax.Array | None = None) -> jax.Array:
         """``key``: dropout key (None, or ``cfg.dropout == 0``: no dropout)."""
         x = self.wte(tokens) + self.wpe[: tokens.shape[1]]
         if key is None or not self.cfg.dropout:
-            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: None})
             def run(x, block):
                 return block(x)
 
             return self.head(self.ln_f(run(x, self.blocks)))
 
-        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry)
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: None})
         def run_dropout(x, block, key):
             return block(x, key)
 
@@ -133,14 +155,17 @@ class GPT(nnx.Module):
 
 
 def init(cfg: GPTConfig, seed: int = 0):
-    """``(graphdef, params)`` of a fresh model: ``params`` is what zerojax shards."""
-    return nnx.split(GPT(cfg, nnx.Rngs(seed)), nnx.Param)
+    """``(graphdef, params)`` of a fresh model: ``params`` is what zerojax shards (with
+    ``tensor_parallel``, annotated as metadata only: zerojax places the arrays)."""
+    with nnx.use_eager_sharding(False):
+        return nnx.split(GPT(cfg, nnx.Rngs(seed)), nnx.Param)
 
 
 def init_abstract(cfg: GPTConfig):
     """``(graphdef, params)`` with ``jax.ShapeDtypeStruct`` leaves: nothing is allocated, for
     planning with ``zj.step_memory`` models larger than the machine."""
-    return nnx.split(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0))), nnx.Param)
+    with nnx.use_eager_sharding(False):
+        return nnx.split(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0))), nnx.Param)
 
 
 def zero_setup(cfg: GPTConfig, tx: optax.GradientTransformation, *, mesh, config: zj.ZeroConfig, seed: int = 0):

@@ -246,7 +246,7 @@ def _check_params(meta: canonical.Meta, params: Any) -> None:
 
 def restore_checkpoint(directory: Directory, target: Any, tx: optax.GradientTransformation | None = None, *,
                        mesh: Mesh | None = None, config: ZeroConfig | None = None, step: int | None = None,
-                       trainable: Any = None, model_state: Any = None) -> ZeroState:
+                       trainable: Any = None, model_state: Any = None, tensor_specs: Any = None) -> ZeroState:
     """Restores checkpoint ``step`` (default: the latest) of ``directory`` (a path or an
     orbax ``CheckpointManager``).
 
@@ -254,8 +254,9 @@ def restore_checkpoint(directory: Directory, target: Any, tx: optax.GradientTran
     layout (``zj.abstract_state(params, tx, mesh=..., config=...)``: shapes only), or as
     the parameter tree (arrays, ``jax.ShapeDtypeStruct`` or an ``init_fn``) with ``tx``,
     ``mesh`` and ``config`` (and ``trainable`` and a ``model_state`` of the right structure,
-    arrays or shapes, when the run had them). The stage, the device count and the precision
-    may differ from the saved run's: the optimizer state, master weights, frozen weights,
+    arrays or shapes, when the run had them, and ``tensor_specs`` for a tensor-parallel
+    model without annotations). The stage, the device count, the tensor-parallel degree and
+    the precision may differ from the saved run's: the optimizer state, master weights, frozen weights,
     model state, key, loss scale and step counter carry over. Each process reads only the
     shards its devices hold.
 
@@ -269,7 +270,7 @@ def restore_checkpoint(directory: Directory, target: Any, tx: optax.GradientTran
       0
     """
     if isinstance(target, ZeroState):
-        if any(v is not None for v in (tx, mesh, config, trainable, model_state)):
+        if any(v is not None for v in (tx, mesh, config, trainable, model_state, tensor_specs)):
             raise ValueError("restore_checkpoint takes either a state target (zj.abstract_state(...)) alone, "
                              "or params with tx, mesh and config; got a state and more.")
         plan = target.plan
@@ -293,7 +294,7 @@ def restore_checkpoint(directory: Directory, target: Any, tx: optax.GradientTran
     _check_params(meta, params)
     if not isinstance(target, ZeroState):
         check_optimizer(tx)
-        plan = make_plan(params, mesh, config, tx, trainable)
+        plan = make_plan(params, mesh, config, tx, trainable, tensor_specs)
     _check_extras(meta, plan, model_state)
     _check_optimizer(meta, plan)
     targets = canonical.restore_targets(meta, plan)

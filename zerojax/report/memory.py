@@ -84,7 +84,8 @@ def state_bytes_per_device(state: ZeroState) -> dict[str, int]:
         stored += list(zip(plan.master_layouts, jax.tree.leaves(state.master)))
     if state.frozen is not None:
         stored += list(zip(plan.frozen_layouts, jax.tree.leaves(state.frozen)))
-    pad_bytes = sum(l.padding * np.dtype(x.dtype).itemsize for l, x in stored if l.kind != "replicated")
+    pad_bytes = sum(l.padding * np.dtype(x.dtype).itemsize // (l.tensor if l.tp else 1)
+                    for l, x in stored if l.kind != "replicated")  # per tensor shard
     on = lambda memory: max(_bytes_per_device(state, memory).values(), default=0)
     return {
         "params": max(params.values()),
@@ -100,7 +101,8 @@ def state_bytes_per_device(state: ZeroState) -> dict[str, int]:
 
 def zero_formula_bytes(num_params: int, n: int, stage: int, *, compute_dtype: str = "float32",
                        opt_bytes: int = 8, frozen_params: int = 0, offload_optimizer: bool = False,
-                       offload_params: bool = False, memory: str = "total", frozen_dtype: str = "compute") -> float:
+                       offload_params: bool = False, memory: str = "total", frozen_dtype: str = "compute",
+                       tensor: int = 1, tensor_replicated: float = 0) -> float:
     """Persistent bytes per device with fp32 masters and ``opt_bytes`` of optimizer state per
     trainable parameter (8 for Adam's m and v); ``num_params`` trainable parameters (Ψ_t) and
     ``frozen_params`` fp32 frozen ones (Ψ_f).
@@ -118,13 +120,28 @@ def zero_formula_bytes(num_params: int, n: int, stage: int, *, compute_dtype: st
     the sharded masters (4Ψ/N) to the host; offloading the parameters (stage 3) moves the
     masters (4Ψ/N).
 
+    With tensor parallelism (``tensor=T``; ``n`` is then the data axis's devices, N/T), each
+    device holds 1/T of every tensor-split parameter: Ψ becomes (Ψ − Ψ_r)/T + Ψ_r, where
+    ``tensor_replicated`` Ψ_r counts the trainable parameters no annotation splits
+    (LayerNorm scales, row-parallel biases), held by every tensor shard; frozen parameters
+    are taken as split. At stage 3 with Ψ_r = 0 this is 12Ψ/(N/T · T) = 12Ψ/N for fp32 Adam.
+
     Example:
       >>> import zerojax as zj
       >>> zj.zero_formula_bytes(7.5e9, 64, 1) / 1e9
       30.9375
       >>> zj.zero_formula_bytes(7.5e9, 64, 3, offload_optimizer=True, memory="device") / 1e9
       0.46875
+      >>> zj.zero_formula_bytes(7.5e9, 16, 3, tensor=4) == zj.zero_formula_bytes(7.5e9, 64, 3)
+      True
     """
+    if isinstance(tensor, bool) or not isinstance(tensor, int) or tensor < 1:
+        raise ValueError(f"tensor must be a positive int (tensor-parallel degree), got {tensor!r}.")
+    if not 0 <= tensor_replicated <= num_params:
+        raise ValueError(f"tensor_replicated must be between 0 and num_params={num_params}, got {tensor_replicated!r}.")
+    if tensor > 1:
+        num_params = (num_params - tensor_replicated) / tensor + tensor_replicated
+        frozen_params = frozen_params / tensor
     if compute_dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"compute_dtype must be 'float32', 'bfloat16' or 'float16', got {compute_dtype!r}.")
     if stage not in (0, 1, 2, 3):

@@ -230,7 +230,7 @@ def make_plan(params: Any, mesh: Mesh, config: ZeroConfig, tx: Any = None, train
     if mesh.devices.size != batch_devices(mesh, config.axis, config.replica_axis) * t:
         raise ValueError(
             f"mesh {dict(mesh.shape)} has axes other than {config.axis!r} (the data axis), "
-            f"{config.replica_axis!r} (replica groups) and {config.tensor_axis!r} (tensor parallelism) with size > 1; "
+            f"{config.tensor_axis!r} (tensor parallelism) and {config.replica_axis!r} (replica groups) with size > 1; "
             f"zerojax shards over one data axis, optionally replicated, beside a tensor axis. Build the mesh with "
             f"zj.make_mesh(), zj.make_mesh(replicas=R) or zj.make_mesh(tensor=T).")
     names = annotations.leaf_names(params, tensor_specs)

@@ -1,0 +1,322 @@
+"""Tensor parallelism beside ZeRO: the model's annotations split weights over "tensor", ZeRO
+shards the rest over "data"; training equals plain single-device optax."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import zerojax as zj
+from experiments import gpt
+from tests.models import abs_errors, reference_run
+from zerojax.report.comm import collectives, communication_report
+
+D, F = 16, 32
+
+
+def mlp_params(seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    f = lambda *s: jnp.asarray(rng.normal(size=s) / np.sqrt(s[0]), jnp.float32)
+    return {"w1": f(D, F), "b1": jnp.asarray(rng.normal(size=(F,)) * 0.1, jnp.float32), "w2": f(F, D),
+            "b2": jnp.zeros((D,)), "scale": jnp.ones((D,))}
+
+
+# Megatron's MLP: w1 column-parallel (with its bias), w2 row-parallel; b2 and scale whole.
+MLP_SPECS = {"w1": P(None, "tensor"), "b1": P("tensor"), "w2": P("tensor", None), "b2": None, "scale": None}
+
+
+def mlp_loss(p, b):
+    h = jax.nn.gelu(b["x"] @ p["w1"] + p["b1"])
+    return jnp.mean(((h @ p["w2"] + p["b2"]) * p["scale"] - b["y"]) ** 2)
+
+
+def batches(k: int = 3, n: int = 16, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"x": jnp.asarray(rng.normal(size=(n, D)), jnp.float32),
+             "y": jnp.asarray(rng.normal(size=(n, D)), jnp.float32)} for _ in range(k)]
+
+
+def tp_run(loss_fn, params, tx, data, *, tensor, replicas=1, tensor_specs=None, **config):
+    mesh = zj.make_mesh(tensor=tensor, replicas=replicas)
+    cfg = zj.ZeroConfig(**config)
+    state = zj.init_state(params, tx, mesh=mesh, config=cfg, tensor_specs=tensor_specs)
+    step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=cfg)
+    losses = []
+    for b in data:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    return state, step, losses
+
+
+def weight_gathers_over(compiled, mesh) -> set[tuple[str, ...]]:
+    """The mesh axes of every all-gather in the compiled program (none over "tensor")."""
+    return {c.axes(mesh) for c in collectives(compiled.as_text()) if c.kind == "all-gather"}
+
+
+def gathers_over_tensor(compiled, mesh) -> list:
+    return [c for c in collectives(compiled.as_text()) if c.kind == "all-gather" and "tensor" in c.axes(mesh)]
+
+
+def test_make_mesh_tensor_innermost():
+    mesh = zj.make_mesh(tensor=2)
+    assert mesh.axis_names == ("data", "tensor") and dict(mesh.shape) == {"data": 4, "tensor": 2}
+    devs = jax.devices()
+    assert list(mesh.devices[0]) == devs[:2]  # a tensor group: neighbouring devices
+    hybrid = zj.make_mesh(replicas=2, tensor=2)
+    assert hybrid.axis_names == ("replica", "data", "tensor") and hybrid.devices.shape == (2, 2, 2)
+    with pytest.raises(ValueError, match=r"tensor=3\): 8 devices do not split .* Use tensor in \[1, 2, 4, 8\]"):
+        zj.make_mesh(tensor=3)
+    with pytest.raises(ValueError, match="positive int"):
+        zj.make_mesh(tensor=0)
+
+
+def test_layout_round_trip_and_shard_shapes():
+    from zerojax.sharding.layout import layout_for
+
+    x = np.arange(6 * 12, dtype=np.float32).reshape(6, 12)
+    for tdim in (0, 1):
+        l = layout_for(x.shape, "float32", 4, tensor=2, tdim=tdim)
+        assert l.tp and l.kind == "dim"
+        np.testing.assert_array_equal(np.asarray(l.from_storage(l.to_storage(jnp.asarray(x)))), x)
+        # a device's shard: 1/2 of the tensor dim, 1/4 (padded) of another
+        assert int(np.prod(l.shard_shape)) * 8 == int(np.prod(l.storage_shape))
+        assert l.storage_spec("data") != l.partition_spec("data")  # shard_map specs name the data axis only
+    bias = layout_for((12,), "float32", 4, tensor=2, tdim=0)
+    assert bias.storage_shape == (2, 8) and bias.shard_shape == (1, 2)  # 6 padded to 8, over 4
+
+
+@pytest.mark.parametrize("tensor", [2, 4])
+def test_mlp_every_stage_matches_single_device(tensor):
+    """Stages 0-3 with an explicit tensor_specs tree equal plain optax (SGD, 1e-5), and every
+    weight gather stays inside a data group."""
+    params, data, tx = mlp_params(), batches(), optax.sgd(0.1)
+    ref, ref_losses = reference_run(mlp_loss, params, tx, data)
+    for stage in (0, 1, 2, 3):
+        state, step, losses = tp_run(mlp_loss, params, tx, data, tensor=tensor, stage=stage, tensor_specs=MLP_SPECS)
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+        assert abs_errors(zj.gather_params(state), ref).max() <= 1e-5, stage
+        mesh = state.plan.mesh
+        # w1 is split over "tensor" at every stage, and over "data" too at stage 3: 1/8 per device
+        leaf = state.master["w1"] if stage == 3 else state.params["w1"]
+        assert leaf.addressable_shards[0].data.size * (8 if stage == 3 else tensor) == D * F
+        compiled = step.lower(state, data[0]).compile()
+        assert weight_gathers_over(compiled, mesh) <= {("data",)}, stage
+        by_axis = communication_report(compiled, mesh)["by_axis"]
+        assert by_axis["tensor"]["count"] >= 1  # the row-parallel matmul's all-reduce (Megatron's "g")
+
+
+def test_hlo_gathers_have_data_sized_groups():
+    params, data, tx = mlp_params(), batches(1), optax.sgd(0.1)
+    state, step, _ = tp_run(mlp_loss, params, tx, data, tensor=2, stage=3, tensor_specs=MLP_SPECS)
+    found = collectives(step.lower(state, data[0]).compile().as_text())
+    gathers = [c for c in found if c.kind in ("all-gather", "reduce-scatter")]
+    assert gathers and all(c.group_size == 4 for c in gathers)  # data (4), never data x tensor (8)
+    # the forward's tensor all-reduce: the row-parallel output, batch rows of one device x D
+    assert any(c.kind == "all-reduce" and c.group_size == 2 and c.bytes == (16 // 4) * D * 4 for c in found)
+
+
+def _gpt(**kw):
+    return gpt.GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=4, tensor_parallel=True, **kw)
+
+
+def _gpt_data(k: int = 2):
+    return [{"tokens": jax.random.randint(jax.random.key(i), (16, 17), 0, 64)} for i in range(k)]
+
+
+@pytest.mark.parametrize("stage,tensor", [(3, 2), (1, 4),
+                                          pytest.param(0, 2, marks=pytest.mark.slow),
+                                          pytest.param(2, 4, marks=pytest.mark.slow),
+                                          pytest.param(3, 4, marks=pytest.mark.slow),
+                                          pytest.param(2, 2, marks=pytest.mark.slow)])
+def test_nnx_gpt_annotations_match_single_device(stage, tensor):
+    """The experiments' GPT with nnx.with_partitioning on q/k/v, the MLP and the head (nnx.vmap
+    stack run by nnx.scan) trains as on one device, read from the Variables' metadata."""
+    cfg = _gpt()
+    graphdef, params = gpt.init(cfg)
+    loss_fn, tx, data = gpt.make_loss(graphdef), optax.sgd(0.1), _gpt_data()
+    ref, ref_losses = reference_run(loss_fn, jax.tree.map(jnp.asarray, params), tx, data)
+    state, step, losses = tp_run(loss_fn, params, tx, data, tensor=tensor, stage=stage)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert abs_errors(zj.gather_params(state), ref).max() <= 1e-5
+    split = {p: l.tdim for p, l in zip(state.plan.paths, state.plan.layouts) if l.tp}
+    assert split["['blocks']['fc']['kernel'].value"] == 2  # (layers, d, 4d): the stack's output features
+    assert split["['blocks']['out']['kernel'].value"] == 1
+    assert "['blocks']['ln1']['scale'].value" not in split
+    assert weight_gathers_over(step.lower(state, data[0]).compile(), state.plan.mesh) <= {("data",)}
+
+
+def test_nnx_gpt_adamw_within_stage0_noise():
+    cfg = _gpt()
+    graphdef, params = gpt.init(cfg)
+    loss_fn, tx, data = gpt.make_loss(graphdef), optax.adamw(1e-3, weight_decay=0.1), _gpt_data(3)
+    ref, _ = reference_run(loss_fn, jax.tree.map(jnp.asarray, params), tx, data)
+    s0, _, _ = tp_run(loss_fn, params, tx, data, tensor=1, stage=0)
+    s3, _, _ = tp_run(loss_fn, params, tx, data, tensor=2, stage=3)
+    noise = abs_errors(zj.gather_params(s0), ref).max()
+    assert abs_errors(zj.gather_params(s3), ref).max() <= max(4 * noise, 1e-6)
+
+
+class LogicalMLP(nn.Module):
+    """linen with MaxText-style logical names."""
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        h = nn.Dense(F, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")),
+                     bias_init=nn.with_logical_partitioning(nn.initializers.normal(0.1), ("mlp",)))(x)
+        h = nn.LayerNorm(scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("mlp",)))(jax.nn.gelu(h))
+        return nn.Dense(D, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))(h)
+
+
+RULES = (("embed", None), ("mlp", "tensor"))
+
+
+@pytest.mark.parametrize("tensor", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_linen_logical_axes_every_stage(tensor):
+    model = LogicalMLP()
+    boxed = model.init(jax.random.key(0), jnp.ones((2, D)))["params"]
+    assert any(isinstance(x, nn.LogicallyPartitioned)
+               for x in jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)))
+    loss_fn = lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+    data, tx = batches(), optax.sgd(0.1)
+    ref, ref_losses = reference_run(loss_fn, nn.unbox(boxed), tx, data)
+    for stage in (0, 1, 2, 3):
+        state, _, losses = tp_run(loss_fn, boxed, tx, data, tensor=tensor, stage=stage, axis_rules=RULES)
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        assert abs_errors(zj.gather_params(state), ref).max() <= 1e-5
+        # Dense_0 bias/kernel, Dense_1 bias/kernel, LayerNorm bias/scale
+        assert [l.tdim for l in state.plan.layouts] == [0, 1, -1, 0, -1, 0]
+
+
+def test_features_together_hybrid_prefetch_int8_bf16_accumulation_frozen():
+    """replicas x data x tensor = 2x2x2 at stage 3 with prefetch, int8 weight gathers and
+    gradient reduction, bf16, two micro-batches, a frozen weight and rng: close to fp32 single
+    device, and still no weight gathered over "tensor"."""
+    params, data = mlp_params(), batches(2)
+    tx = optax.sgd(0.1)
+    trainable = {"w1": True, "b1": True, "w2": True, "b2": True, "scale": False}
+    labels = {k: "train" if v else "frozen" for k, v in trainable.items()}
+    ref, ref_losses = reference_run(mlp_loss, params,
+                                    optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels), data)
+    mesh = zj.make_mesh(replicas=2, tensor=2)
+    cfg = zj.ZeroConfig(stage=3, compute_dtype="bfloat16", prefetch=1, gather_dtype="int8",
+                        reduce_dtype="int8", grad_accum_steps=2, quant_block_size=64, reduce_quant_block_size=64)
+    state = zj.init_state(params, tx, mesh=mesh, config=cfg, tensor_specs=MLP_SPECS, trainable=trainable,
+                          rng=jax.random.key(0))
+    step = zj.make_train_step(lambda p, b, rng: mlp_loss(p, b), tx, mesh=mesh, config=cfg, with_rng=True)
+    losses = []
+    for b in data:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=5e-3)
+    assert abs_errors(zj.gather_params(state), ref).max() <= 2e-3
+    np.testing.assert_array_equal(np.asarray(zj.gather_params(state)["scale"]), np.asarray(params["scale"]))
+    assert not gathers_over_tensor(step.lower(state, data[0]).compile(), mesh)
+
+
+def test_fp16_and_offload():
+    params, data, tx = mlp_params(), batches(2), optax.adam(1e-2)
+    ref, ref_losses = reference_run(mlp_loss, params, tx, data)
+    for config in (dict(stage=2, compute_dtype="float16", initial_scale_power=8),
+                   dict(stage=3, offload_optimizer=True, offload_params=True)):
+        state, _, losses = tp_run(mlp_loss, params, tx, data, tensor=2, tensor_specs=MLP_SPECS, **config)
+        tol = 1e-2 if "compute_dtype" in config else 1e-5
+        np.testing.assert_allclose(losses, ref_losses, rtol=tol)
+        assert abs_errors(zj.gather_params(state), ref).max() <= tol, config
+
+
+@pytest.mark.parametrize("target", [1, 4])
+def test_checkpoint_reshards_across_tensor_degrees(tmp_path, target):
+    """Saved at T=2 (stage 3), restored at T=1 and T=4 (stage 1): the next step is the same."""
+    params, data, tx = mlp_params(), batches(2), optax.adam(1e-2)
+    state, step2, _ = tp_run(mlp_loss, params, tx, data[:1], tensor=2, stage=3, tensor_specs=MLP_SPECS,
+                             donate=False)
+    zj.save_checkpoint(tmp_path / "ckpt", state, step=1, wait=True)
+    _, m2 = step2(state, data[1])  # the run that goes on at T=2
+    mesh = zj.make_mesh(tensor=target)
+    cfg = zj.ZeroConfig(stage=1)
+    like = zj.abstract_state(params, tx, mesh=mesh, config=cfg, tensor_specs=MLP_SPECS)
+    restored = zj.restore_checkpoint(tmp_path / "ckpt", like)
+    step = zj.make_train_step(mlp_loss, tx, mesh=mesh, config=cfg)
+    _, m = step(restored, data[1])
+    assert abs(float(m["loss"]) - float(m2["loss"])) <= 1e-6
+    assert restored.plan.tensor == target
+
+
+def test_export_consolidates_full_tensors(tmp_path):
+    params, data, tx = mlp_params(), batches(1), optax.sgd(0.1)
+    state, _, _ = tp_run(mlp_loss, params, tx, data, tensor=2, stage=3, tensor_specs=MLP_SPECS)
+    zj.save_checkpoint(tmp_path / "ckpt", state, step=1, wait=True)
+    zj.export_weights(tmp_path / "ckpt", tmp_path / "out.safetensors")
+    from safetensors.numpy import load_file
+
+    out = load_file(str(tmp_path / "out.safetensors"))
+    full = zj.gather_params(state)
+    assert set(out) == {"w1", "b1", "w2", "b2", "scale"}
+    for k, v in out.items():
+        np.testing.assert_array_equal(v, np.asarray(full[k]))
+
+
+def test_state_bytes_formula():
+    """Per-device state bytes from the arrays equal zero_formula_bytes with tensor=T, the
+    replicated-over-tensor parameters (b2, scale) counted once per tensor shard."""
+    params, tx = mlp_params(), optax.adam(1e-3)
+    psi = sum(x.size for x in jax.tree.leaves(params))
+    rep = params["b2"].size + params["scale"].size
+    for tensor in (2, 4):
+        mesh = zj.make_mesh(tensor=tensor)
+        state = zj.init_state(params, tx, mesh=mesh, config=zj.ZeroConfig(stage=3), tensor_specs=MLP_SPECS)
+        got = zj.state_bytes_per_device(state)
+        want = zj.zero_formula_bytes(psi, 8 // tensor, 3, tensor=tensor, tensor_replicated=rep)
+        count = 4  # Adam's int32 step count
+        assert got["padding"] == 0 and got["params"] + got["opt_state"] == want + count, (tensor, got, want)
+
+
+def test_zj_nnx_optimizer_reads_annotations():
+    cfg = _gpt()
+    data = _gpt_data(2)
+
+    def build():
+        with nnx.use_eager_sharding(False):
+            return gpt.GPT(cfg, nnx.Rngs(0))
+
+    graphdef, params = gpt.init(cfg)
+    ref, ref_losses = reference_run(gpt.make_loss(graphdef), jax.tree.map(jnp.asarray, params), optax.sgd(0.1), data)
+    opt = zj.nnx.Optimizer(build(), optax.sgd(0.1), mesh=zj.make_mesh(tensor=2), config=zj.ZeroConfig(stage=3))
+    step = zj.nnx.make_train_step(lambda model, b: optax.softmax_cross_entropy_with_integer_labels(
+        model(b["tokens"][:, :-1]), b["tokens"][:, 1:]).mean())
+    losses = [float(step(opt, b)["loss"]) for b in data]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert sum(l.tp for l in opt.state.plan.layouts) == 13  # q/k/v kernel+bias, proj, fc kernel+bias, out, head
+
+
+# Bad input: each a clear error naming the parameter and the fix, before any compute.
+def _init(params, specs, tensor=2, **config):
+    return zj.abstract_state(params, optax.sgd(0.1), mesh=zj.make_mesh(tensor=tensor),
+                             config=zj.ZeroConfig(**config), tensor_specs=specs)
+
+
+def test_bad_annotations():
+    params = mlp_params()
+    with pytest.raises(ValueError, match=r"params\['w1'\]: dimension 1 is annotated 'model'.*axis_rules"):
+        _init(params, {**MLP_SPECS, "w1": P(None, "model")})
+    with pytest.raises(ValueError, match=r"params\['w1'\] \(shape \(16, 32\)\).*dimensions \[0, 1\]"):
+        _init(params, {**MLP_SPECS, "w1": P("tensor", "tensor")})
+    odd = {**params, "w1": jnp.ones((D, 6)), "b1": jnp.ones((6,)), "w2": jnp.ones((6, D))}
+    with pytest.raises(ValueError, match=r"params\['b1'\] \(shape \(6,\)\) is split over 'tensor' on dimension 0 "
+                                         r"of size 6, which does not divide into 4 .*one of \[1, 2\]"):
+        _init(odd, MLP_SPECS, tensor=4)
+    with pytest.raises(ValueError, match=r"axis_rules maps 'mlp' to mesh axis 'model'"):
+        _init(params, {**MLP_SPECS, "w1": P(None, "mlp")}, axis_rules=(("mlp", "model"),))
+    with pytest.raises(ValueError, match="annotation names 3 dimensions"):
+        _init(params, {**MLP_SPECS, "b1": P(None, None, "tensor")})
+    with pytest.raises(ValueError, match="tensor_axis must be a mesh axis name other than"):
+        zj.ZeroConfig(tensor_axis="data")
+    with pytest.raises(ValueError, match="axis_rules must be a sequence"):
+        zj.ZeroConfig(axis_rules="mlp")
