@@ -1,0 +1,118 @@
+"""Tensor parallelism beside ZeRO-3: the experiments' GPT with Megatron annotations on 8
+devices as data x tensor = 8x1, 4x2 and 2x4.
+
+For each tensor degree T the train step (ZeRO-3, AdamW, fp32) is compiled on 8 simulated
+CPU devices and measured: the persistent state bytes per device, read from the arrays
+(``zj.state_bytes_per_device``), against 12Ψ/8 and zerojax's formula with ``tensor=T``
+(the parameters no annotation splits, LayerNorms and row-parallel biases, are held by
+every tensor shard); the compiled program's temp bytes (activations and gathered layers:
+each tensor shard computes 1/T of every column-parallel activation); collective bytes per
+device per step over each mesh axis, from the HLO; and milliseconds per step (median of a
+few steps after compilation; on the 2-core CPU host this says little about a GPU).
+
+    python experiments/tensor_parallel.py [--d-model 256 --layers 2 --seq-len 128 --batch 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import optax  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import zerojax as zj  # noqa: E402
+from experiments import data, gpt  # noqa: E402
+from zerojax.report.comm import collectives  # noqa: E402
+from zerojax.report.progress import progress  # noqa: E402
+
+
+def measure(cfg: gpt.GPTConfig, tensor: int, batch: int, steps: int = 5) -> dict:
+    graphdef, params = gpt.init(cfg)
+    tx, mesh = optax.adamw(3e-4), zj.make_mesh(tensor=tensor)
+    zc = zj.ZeroConfig(stage=3)
+    state = zj.init_state(params, tx, mesh=mesh, config=zc)
+    step = zj.make_train_step(gpt.make_loss(graphdef), tx, mesh=mesh, config=zc)
+    tokens = next(data.batches(data.stdlib_bytes(1 << 20), batch, cfg.seq_len))
+    compiled = step.lower(state, tokens).compile()
+    axes: dict[str, int] = {}
+    for c in collectives(compiled.as_text()):
+        key = "+".join(c.axes(mesh))
+        axes[key] = axes.get(key, 0) + c.total_bytes
+    replicated = sum(l.size for l in state.plan.layouts if not l.tp)
+    times = []
+    state, m = step(state, tokens)
+    jax.block_until_ready(m["loss"])
+    for _ in range(steps):
+        t = time.perf_counter()
+        state, m = step(state, tokens)
+        jax.block_until_ready(m["loss"])
+        times.append(time.perf_counter() - t)
+    psi = cfg.num_params()
+    return {"tensor": tensor, "data": 8 // tensor, "state": zj.state_bytes_per_device(state)["total"],
+            "formula": zj.zero_formula_bytes(psi, 8 // tensor, 3, opt_bytes=8, tensor=tensor,
+                                             tensor_replicated=replicated),
+            "paper": 12 * psi / 8, "temp": zj.compiled_bytes(compiled)["temp"], "axes": axes,
+            "ms": 1e3 * statistics.median(times), "loss": float(m["loss"]), "replicated": replicated}
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [r["tensor"] for r in rows]
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    ax.plot(t, [r["state"] / 2**20 for r in rows], "o-", label="persistent state (arrays)")
+    ax.plot(t, [r["temp"] / 2**20 for r in rows], "s-", label="compiled temp (activations, gathers)")
+    ax.axhline(rows[0]["paper"] / 2**20, color="0.6", ls="--", label="12Ψ/8")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(t, [f"{r['data']}x{r['tensor']}" for r in rows])
+    ax.set_xlabel("data x tensor (8 devices)")
+    ax.set_ylabel("MiB per device")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--tensor", default="1,2,4")
+    ap.add_argument("--plot", default="", help="write the memory-vs-T plot to this PNG")
+    args = ap.parse_args(argv)
+    cfg = gpt.GPTConfig(vocab=256, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
+                        n_heads=max(1, args.d_model // 64), tensor_parallel=True)
+    rows = [measure(cfg, int(t), args.batch) for t in progress(args.tensor.split(","), "tensor", unit="config")]
+    psi = cfg.num_params()
+    print(f"GPT d{args.d_model} L{args.layers} seq {args.seq_len} ({psi:,} parameters, {rows[0]['replicated']:,} "
+          f"not split by any annotation), ZeRO-3, AdamW, fp32, batch {args.batch}, 8 x "
+          f"{jax.devices()[0].platform}, jax {jax.__version__}\n")
+    mib = lambda b: f"{b / 2**20:.3f}"
+    print("| data x tensor | state MiB/device (arrays) | formula (tensor=T) | 12Ψ/8 | compiled temp MiB | "
+          "data-axis MiB/step | tensor-axis MiB/step | other MiB/step | ms/step | loss |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        a = dict(r["axes"])
+        d, t = a.pop("data", 0), a.pop("tensor", 0)
+        print(f"| {r['data']} x {r['tensor']} | {mib(r['state'])} | {mib(r['formula'])} | {mib(r['paper'])} | "
+              f"{mib(r['temp'])} | {mib(d)} | {mib(t)} | {mib(sum(a.values()))} | {r['ms']:.1f} | {r['loss']:.4f} |")
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"\nplot: {args.plot}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
