@@ -50,6 +50,11 @@ def test_readme_python_blocks_run(capsys):
     assert namespace["step_off"].update_place(namespace["state_off"]) == "host"
     born = zj.gather_params(namespace["born_sharded"])
     assert models_equal(born, params)
+    # Tensor parallelism: the annotated kernels and bias are split over "tensor", 1/8 per device.
+    tp_plan = namespace["tp_optimizer"].state.plan
+    assert [l.tdim for l in tp_plan.layouts] == [-1, 0, 0, 1] and np.isfinite(float(namespace["tp_metrics"]["loss"]))
+    up = namespace["tp_optimizer"].state.master["up"]["kernel"][...]
+    assert up.addressable_shards[0].data.size * 8 == 16 * 64
     # The ahead-of-time figure is the compiled step's own, to the byte.
     compiled = namespace["train_step"].lower(namespace["state"], namespace["batch"]).compile()
     assert namespace["mem"].total == zj.compiled_bytes(compiled)["total"]

@@ -321,3 +321,17 @@ def test_bad_annotations():
         zj.ZeroConfig(tensor_axis="data")
     with pytest.raises(ValueError, match="axis_rules must be a sequence"):
         zj.ZeroConfig(axis_rules="mlp")
+
+
+def test_estimate_cli_tensor(capsys):
+    from zerojax.cli import main
+
+    assert main(["estimate", "--params", "7.5B", "--devices", "64", "--tensor", "4"]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
+            if line.strip()[:1].isdigit()}
+    want = lambda stage: zj.zero_formula_bytes(7.5e9, 16, stage, tensor=4) / 1e9
+    assert float(rows["3"][-2]) == pytest.approx(want(3), abs=0.05) == pytest.approx(
+        zj.zero_formula_bytes(7.5e9, 64, 3) / 1e9, abs=0.05)
+    assert float(rows["0"][-2]) == pytest.approx(want(0), abs=0.05) == pytest.approx(90 / 4, abs=0.05)
+    with pytest.raises(SystemExit):
+        main(["estimate", "--params", "7.5B", "--devices", "64", "--tensor", "3"])

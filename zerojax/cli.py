@@ -1,10 +1,12 @@
 """The ``zerojax`` command line.
 
     zerojax export CHECKPOINT_DIR OUT.safetensors [--step N] [--dtype float32|bfloat16|float16]
-    zerojax estimate --params 7B --devices 64 [--largest-layer N] [--replicas R]
+    zerojax estimate --params 7B --devices 64 [--largest-layer N] [--replicas R] [--tensor T]
                      [--dtype float32|bfloat16|float16] [--optimizer adam|adamw|sgd|adafactor]
     zerojax estimate --model llama3-8b --devices 8
     zerojax launch --nprocs 2 [--devices-per-proc 4] -- python train.py [args...]
+    zerojax autotune --model gpt --d-model 512 --layers 8 --batch 64 --devices 8 --memory 16GiB
+    zerojax autotune my_script:setup --devices 8 --memory 16GiB   (see zerojax/autotune/cli.py)
     zerojax --version
 """
 
@@ -22,11 +24,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         from zerojax.launch import main as launch_main
 
         return launch_main(argv[1:], prog="zerojax launch")
+    if argv[:1] == ["autotune"]:  # its own parser, and the device count is set before JAX starts
+        from zerojax.autotune.cli import main as autotune_main
+
+        return autotune_main(argv[1:], prog="zerojax autotune")
     ap = argparse.ArgumentParser(prog="zerojax", description="zerojax tools")
     ap.add_argument("--version", action="version", version=f"zerojax {version()}")
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("launch", add_help=False,
                    help="start a local multi-process job: zerojax launch --nprocs N ... -- command [args...]")
+    sub.add_parser("autotune", add_help=False,
+                   help="the ZeRO configurations that fit a memory budget, fastest predicted first (no trial run)")
     ex = sub.add_parser("export", help="consolidated weights from a checkpoint (zero_to_fp32)")
     ex.add_argument("checkpoint_dir")
     ex.add_argument("out", help="output .safetensors file")
@@ -46,6 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "sgd (no momentum) 0, adafactor ~0 (factored moments; a lower bound)")
     es.add_argument("--replicas", type=int, default=1,
                     help="hybrid sharding: replica groups (the state is sharded over devices/replicas)")
+    es.add_argument("--tensor", type=int, default=1,
+                    help="tensor parallelism beside ZeRO: tensor degree T (each device holds 1/T of every "
+                         "parameter; ZeRO shards over devices/(replicas*T))")
     fd = sub.add_parser("from-deepspeed", help="the ZeroConfig of a DeepSpeed JSON config")
     fd.add_argument("config", help="a DeepSpeed JSON config, e.g. ds_config.json")
     fd.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="auto",
@@ -91,6 +102,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error(f"--devices must be >= 1, got {args.devices}")
         if args.replicas < 1 or args.devices % args.replicas:
             ap.error(f"--replicas must be >= 1 and divide --devices {args.devices}, got {args.replicas}")
+        if args.tensor < 1 or (args.devices // args.replicas) % args.tensor:
+            ap.error(f"--tensor must be >= 1 and divide the {args.devices // args.replicas} devices of a replica "
+                     f"group, got {args.tensor}")
         psi, layer = args.params, args.largest_layer
         if args.model is not None:
             if args.model not in estimate.MODELS:
@@ -98,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             shape = estimate.MODELS[args.model]
             psi, layer = shape.num_params(), layer or shape.largest_layer_params()
         print(estimate.table(psi, args.devices, layer, replicas=args.replicas, compute_dtype=args.dtype,
-                             optimizer=args.optimizer))
+                             optimizer=args.optimizer, tensor=args.tensor))
         return 0
     if args.command == "export":
         from zerojax.checkpoint.export import export_weights

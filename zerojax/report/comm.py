@@ -143,7 +143,8 @@ def communication_report(compiled, mesh=None) -> dict[str, dict]:
     Returns ``{kind: {"count": runs, "bytes": payload bytes, "zero_bytes": paper units}}``
     plus a ``"total"`` entry. Given the ``mesh`` the step was compiled over, it also has
     ``"by_axis"``: the same counts per set of mesh axes a collective runs over (``"data"``,
-    ``"replica"``, ``"replica+data"``; a hybrid mesh's data axis stays inside a group).
+    ``"replica"``, ``"replica+data"``; a hybrid mesh's data axis stays inside a group;
+    ``"tensor"``: tensor parallelism's activation all-reduces, ``zj.make_mesh(tensor=T)``).
 
     Example:
       >>> import jax.numpy as jnp, optax, zerojax as zj

@@ -302,7 +302,7 @@ def parse_count(text: str, *, allow_zero: bool = False) -> int:
 
 
 def table(num_params: float, n: int, largest_layer: float = 0.0, replicas: int = 1, *,
-          compute_dtype: str = "float32", optimizer: str = "adam") -> str:
+          compute_dtype: str = "float32", optimizer: str = "adam", tensor: int = 1) -> str:
     """The paper's table, DeepSpeed's estimates and zerojax's own per-device state as text
     (what ``zerojax estimate`` prints), with a line per column saying what it assumes.
 
@@ -313,6 +313,10 @@ def table(num_params: float, n: int, largest_layer: float = 0.0, replicas: int =
     With ``replicas=R`` (hybrid sharding) the state is sharded over a group of ``N/R``
     devices: the formulas take ``N/R``, and the lines after the table give the gradient
     all-reduce across groups, the only traffic that leaves a group.
+
+    With ``tensor=T`` (tensor parallelism beside ZeRO) the ZeRO formulas take the ``N/(R·T)``
+    devices of a data group and each device holds 1/T of every parameter (taken as all
+    split: the paper's and DeepSpeed's columns with Ψ/T, zerojax's with ``tensor=T``).
 
     Example:
       >>> from zerojax.report.estimate import table
@@ -327,12 +331,18 @@ def table(num_params: float, n: int, largest_layer: float = 0.0, replicas: int =
     """
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1 or n % replicas:
         raise ValueError(f"replicas must be a positive int dividing the {n} devices, got {replicas!r}.")
+    if isinstance(tensor, bool) or not isinstance(tensor, int) or tensor < 1 or (n // replicas) % tensor:
+        raise ValueError(f"tensor must be a positive int dividing the {n // replicas} devices of a replica group, "
+                         f"got {tensor!r}.")
     opt_bytes = optimizer_bytes(optimizer)
-    shard = n // replicas
+    shard = n // (replicas * tensor)
     gb = lambda b: f"{b / 1e9:,.1f} GB"
-    where = f"N = {n} devices" + (f" in {replicas} replica groups of {shard}" if replicas > 1 else "")
+    where = f"N = {n} devices" + (f" in {replicas} replica groups of {n // replicas}" if replicas > 1 else "")
+    if tensor > 1:
+        where += f", tensor parallel T = {tensor} (ZeRO over {shard} devices per data group)"
+    full_psi, num_params, largest_layer = num_params, num_params / tensor, largest_layer / tensor
     ours = f"zerojax ({compute_dtype}, {optimizer})"
-    lines = [f"Model states per device, Ψ = {num_params:,.0f} parameters, {where}",
+    lines = [f"Model states per device, Ψ = {full_psi:,.0f} parameters, {where}",
              "", f"{'stage':>5}  {'ZeRO paper (K=12)':>18}  {'DeepSpeed estimator':>20}  {ours:>{len(ours)}}"]
     for s in range(4):
         ds = gb(deepspeed_bytes(num_params, shard, s, largest_layer=largest_layer).gpu) if s >= 2 else "-"
