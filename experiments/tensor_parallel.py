@@ -1,5 +1,6 @@
 """Tensor parallelism beside ZeRO-3: the experiments' GPT with Megatron annotations on 8
-devices as data x tensor = 8x1, 4x2 and 2x4.
+devices as data x tensor = 8x1, 4x2 and 2x4, at the same global batch and at the same rows
+per data group (the model replica's batch, what tensor parallelism is meant to make room for).
 
 For each tensor degree T the train step (ZeRO-3, AdamW, fp32) is compiled on 8 simulated
 CPU devices and measured: the persistent state bytes per device, read from the arrays
@@ -10,7 +11,7 @@ each tensor shard computes 1/T of every column-parallel activation); collective 
 device per step over each mesh axis, from the HLO; and milliseconds per step (median of a
 few steps after compilation; on the 2-core CPU host this says little about a GPU).
 
-    python experiments/tensor_parallel.py [--d-model 256 --layers 2 --seq-len 128 --batch 16]
+    python experiments/tensor_parallel.py [--d-model 256 --layers 2 --seq-len 128 --batch 16 --rows 2]
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def measure(cfg: gpt.GPTConfig, tensor: int, batch: int, steps: int = 5) -> dict
             "formula": zj.zero_formula_bytes(psi, 8 // tensor, 3, opt_bytes=8, tensor=tensor,
                                              tensor_replicated=replicated),
             "paper": 12 * psi / 8, "temp": zj.compiled_bytes(compiled)["temp"], "axes": axes,
-            "ms": 1e3 * statistics.median(times), "loss": float(m["loss"]), "replicated": replicated}
+            "ms": 1e3 * statistics.median(times), "loss": float(m["loss"]), "replicated": replicated,
+            "batch": batch}
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -76,7 +78,7 @@ def plot(rows: list[dict], path: str) -> None:
     ax.axhline(rows[0]["paper"] / 2**20, color="0.6", ls="--", label="12Ψ/8")
     ax.set_xscale("log", base=2)
     ax.set_xticks(t, [f"{r['data']}x{r['tensor']}" for r in rows])
-    ax.set_xlabel("data x tensor (8 devices)")
+    ax.set_xlabel(f"data x tensor (8 devices), {rows[0]['batch'] // rows[0]['data']} rows per data group")
     ax.set_ylabel("MiB per device")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -85,7 +87,8 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=16, help="global batch of the first table")
+    ap.add_argument("--rows", type=int, default=2, help="rows per data group of the second table")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--seq-len", type=int, default=128)
@@ -94,23 +97,31 @@ def main(argv=None) -> list[dict]:
     args = ap.parse_args(argv)
     cfg = gpt.GPTConfig(vocab=256, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
                         n_heads=max(1, args.d_model // 64), tensor_parallel=True)
-    rows = [measure(cfg, int(t), args.batch) for t in progress(args.tensor.split(","), "tensor", unit="config")]
+    degrees = [int(t) for t in args.tensor.split(",")]
+    runs = [(t, b) for t in degrees for b in (args.batch, args.rows * 8 // t)]
+    rows = [measure(cfg, t, b) for t, b in progress(runs, "tensor", unit="config")]
     psi = cfg.num_params()
-    print(f"GPT d{args.d_model} L{args.layers} seq {args.seq_len} ({psi:,} parameters, {rows[0]['replicated']:,} "
-          f"not split by any annotation), ZeRO-3, AdamW, fp32, batch {args.batch}, 8 x "
-          f"{jax.devices()[0].platform}, jax {jax.__version__}\n")
+    print(f"GPT d{args.d_model} L{args.layers} seq {args.seq_len} ({psi:,} parameters, {rows[-1]['replicated']:,} "
+          f"not split by an annotation at T > 1: LayerNorms, row-parallel biases, embeddings), ZeRO-3, AdamW, fp32, "
+          f"8 x {jax.devices()[0].platform}, jax {jax.__version__}\n")
     mib = lambda b: f"{b / 2**20:.3f}"
-    print("| data x tensor | state MiB/device (arrays) | formula (tensor=T) | 12Ψ/8 | compiled temp MiB | "
-          "data-axis MiB/step | tensor-axis MiB/step | other MiB/step | ms/step | loss |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        a = dict(r["axes"])
-        d, t = a.pop("data", 0), a.pop("tensor", 0)
-        print(f"| {r['data']} x {r['tensor']} | {mib(r['state'])} | {mib(r['formula'])} | {mib(r['paper'])} | "
-              f"{mib(r['temp'])} | {mib(d)} | {mib(t)} | {mib(sum(a.values()))} | {r['ms']:.1f} | {r['loss']:.4f} |")
+    for title, pick in ((f"Same global batch ({args.batch})", lambda r: r["batch"] == args.batch),
+                        (f"Same rows per data group ({args.rows}; global batch {args.rows} x data)",
+                         lambda r: r["batch"] == args.rows * r["data"])):
+        print(f"{title}:\n")
+        print("| data x tensor | batch | state MiB/device (arrays) | formula (tensor=T) | 12Ψ/8 | compiled temp MiB | "
+              "data-axis MiB/step | tensor-axis MiB/step | other MiB/step | ms/step | loss |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in [r for r in rows if pick(r)]:
+            a = dict(r["axes"])
+            d, t = a.pop("data", 0), a.pop("tensor", 0)
+            print(f"| {r['data']} x {r['tensor']} | {r['batch']} | {mib(r['state'])} | {mib(r['formula'])} | "
+                  f"{mib(r['paper'])} | {mib(r['temp'])} | {mib(d)} | {mib(t)} | {mib(sum(a.values()))} | "
+                  f"{r['ms']:.1f} | {r['loss']:.4f} |")
+        print()
     if args.plot:
-        plot(rows, args.plot)
-        print(f"\nplot: {args.plot}")
+        plot([r for r in rows if r["batch"] == args.rows * r["data"]], args.plot)
+        print(f"plot: {args.plot}")
     return rows
 
 

@@ -14,9 +14,10 @@ The split comes from the model's own annotations, as Flax writes them, or from a
 
 Each name is a mesh axis or a logical name that ``ZeroConfig.axis_rules`` maps to one (or to
 None). The tensor axis (``ZeroConfig.tensor_axis``) marks the split dimension; it is known
-even where the mesh has none (a mesh without tensor parallelism: nothing is split). The
-data and replica axes may be named too: ZeRO shards every parameter over them anyway. Any
-other name is an error naming the parameter, never a silent fallback.
+even where the mesh has none. The data and replica axes may be named too: ZeRO shards every
+parameter over them anyway. With a tensor axis in the mesh, or rules given, any other name
+is an error naming the parameter, never a silent fallback; with neither, nothing is split
+and the annotations are not read (a model annotated for another mesh trains as it is).
 """
 
 from __future__ import annotations
@@ -95,7 +96,9 @@ def tensor_dims(names: list[tuple | None], shapes: list[tuple[int, ...]], paths:
     known = set(mesh.axis_names) | {t_axis}
     out = []
     for leaf_names, shape, path in zip(names, shapes, paths):
-        if leaf_names is None:
+        if leaf_names is None or (t == 1 and not rules):
+            # Without a tensor axis and without rules nothing is split: annotations (logical
+            # names of a model written for another mesh too) are not read.
             out.append(-1)
             continue
         if len(leaf_names) > len(shape):
