@@ -98,7 +98,7 @@ def main(argv=None) -> list[dict]:
     cfg = gpt.GPTConfig(vocab=256, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
                         n_heads=max(1, args.d_model // 64), tensor_parallel=True)
     degrees = [int(t) for t in args.tensor.split(",")]
-    runs = [(t, b) for t in degrees for b in (args.batch, args.rows * 8 // t)]
+    runs = list(dict.fromkeys((t, b) for t in degrees for b in (args.batch, args.rows * 8 // t)))
     rows = [measure(cfg, t, b) for t, b in progress(runs, "tensor", unit="config")]
     psi = cfg.num_params()
     print(f"GPT d{args.d_model} L{args.layers} seq {args.seq_len} ({psi:,} parameters, {rows[-1]['replicated']:,} "

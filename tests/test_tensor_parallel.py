@@ -151,6 +151,26 @@ def test_nnx_gpt_annotations_match_single_device(stage, tensor):
     assert weight_gathers_over(step.lower(state, data[0]).compile(), state.plan.mesh) <= {("data",)}
 
 
+@pytest.mark.slow
+def test_nnx_gpt_prefetch_remat_accumulation_and_step_memory():
+    """A three-layer stack: prefetch through the scan, full remat, accumulation, exact; and
+    zj.step_memory plans the tensor-parallel step from abstract parameters."""
+    cfg = gpt.GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=3, n_heads=4, tensor_parallel=True)
+    graphdef, params = gpt.init(cfg)
+    loss_fn, tx, data = gpt.make_loss(graphdef), optax.sgd(0.1), _gpt_data()
+    ref, ref_losses = reference_run(loss_fn, jax.tree.map(jnp.asarray, params), tx, data)
+    for config in (dict(stage=3, prefetch=1), dict(stage=3, remat="full"),
+                   dict(stage=2, grad_accum_steps=2, remat="full")):
+        state, _, losses = tp_run(loss_fn, params, tx, data, tensor=2, **config)
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        assert abs_errors(zj.gather_params(state), ref).max() <= 1e-5, config
+    mesh, zc = zj.make_mesh(tensor=2), zj.ZeroConfig(stage=3)
+    mem = zj.step_memory(loss_fn, gpt.init_abstract(cfg)[1], optax.adam(1e-3),
+                         {"tokens": jax.ShapeDtypeStruct((16, 17), jnp.int32)}, mesh=mesh, config=zc)
+    real = zj.init_state(params, optax.adam(1e-3), mesh=mesh, config=zc)
+    assert mem.state == zj.state_bytes_per_device(real)["total"]
+
+
 def test_nnx_gpt_adamw_within_stage0_noise():
     cfg = _gpt()
     graphdef, params = gpt.init(cfg)
