@@ -298,17 +298,26 @@ def test_state_bytes_formula():
         assert got["padding"] == 0 and got["params"] + got["opt_state"] == want + count, (tensor, got, want)
 
 
-def test_zj_nnx_optimizer_reads_annotations():
+@pytest.mark.parametrize("built", ["metadata", pytest.param("set_mesh", marks=pytest.mark.slow)])
+def test_zj_nnx_optimizer_reads_annotations(built):
+    """A module built with its annotations as metadata only, or already sharded under
+    jax.set_mesh (Flax's eager sharding), trains through zj.nnx as on one device."""
     cfg = _gpt()
     data = _gpt_data(2)
+    mesh = zj.make_mesh(tensor=2)
 
     def build():
+        if built == "set_mesh":
+            with jax.set_mesh(mesh):
+                model = gpt.GPT(cfg, nnx.Rngs(0))
+            assert model.blocks.fc.kernel[...].sharding.spec == P(None, None, "tensor")
+            return model
         with nnx.use_eager_sharding(False):
             return gpt.GPT(cfg, nnx.Rngs(0))
 
     graphdef, params = gpt.init(cfg)
     ref, ref_losses = reference_run(gpt.make_loss(graphdef), jax.tree.map(jnp.asarray, params), optax.sgd(0.1), data)
-    opt = zj.nnx.Optimizer(build(), optax.sgd(0.1), mesh=zj.make_mesh(tensor=2), config=zj.ZeroConfig(stage=3))
+    opt = zj.nnx.Optimizer(build(), optax.sgd(0.1), mesh=mesh, config=zj.ZeroConfig(stage=3))
     step = zj.nnx.make_train_step(lambda model, b: optax.softmax_cross_entropy_with_integer_labels(
         model(b["tokens"][:, :-1]), b["tokens"][:, 1:]).mean())
     losses = [float(step(opt, b)["loss"]) for b in data]
