@@ -111,6 +111,22 @@ def test_mlp_every_stage_matches_single_device(tensor):
         assert by_axis["tensor"]["count"] >= 1  # the row-parallel matmul's all-reduce (Megatron's "g")
 
 
+def test_grad_norm_counts_unsplit_weights_once():
+    """The clip norm over a tensor-split state equals the single-device norm: b2 and scale,
+    held whole by both tensor shards, are counted once."""
+    params, data = mlp_params(), batches(2)
+    norms: list[float] = []
+    ref, _ = reference_run(mlp_loss, params, optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1)), data,
+                           grad_norms=norms)
+    mesh, cfg = zj.make_mesh(tensor=2), zj.ZeroConfig(stage=3, grad_clip=0.5)
+    state = zj.init_state(params, optax.sgd(0.1), mesh=mesh, config=cfg, tensor_specs=MLP_SPECS)
+    step = zj.make_train_step(mlp_loss, optax.sgd(0.1), mesh=mesh, config=cfg)
+    for b, want in zip(data, norms):
+        state, m = step(state, b)
+        assert float(m["grad_norm"]) == pytest.approx(want, rel=1e-5) and want > 0.5  # clipping is active
+    assert abs_errors(zj.gather_params(state), ref).max() <= 1e-5
+
+
 def test_hlo_gathers_have_data_sized_groups():
     params, data, tx = mlp_params(), batches(1), optax.sgd(0.1)
     state, step, _ = tp_run(mlp_loss, params, tx, data, tensor=2, stage=3, tensor_specs=MLP_SPECS)
