@@ -48,6 +48,20 @@ def _check_rules(rules: Any) -> tuple:
     return tuple(out)
 
 
+def _check_axis_map(axis_map: Any) -> tuple:
+    """``axis_map`` as a sorted tuple of ``(model mesh axis, zerojax mesh axis | None)``."""
+    items = axis_map.items() if isinstance(axis_map, dict) else axis_map
+    bad = ValueError(f"ZeroConfig.axis_map must map the model's mesh axis names to zerojax's (or None), e.g. "
+                     f"{{'fsdp': 'data', 'data': 'data', 'tensor': 'tensor'}}, got {axis_map!r}.")
+    try:
+        pairs = [tuple(p) for p in items]
+    except TypeError:
+        raise bad from None
+    if not all(len(p) == 2 and isinstance(p[0], str) and (p[1] is None or isinstance(p[1], str)) for p in pairs):
+        raise bad
+    return tuple(sorted(pairs))
+
+
 @dataclasses.dataclass(frozen=True)
 class ZeroConfig:
     """How a train step shards model state and in which precision it computes.
@@ -72,6 +86,12 @@ class ZeroConfig:
         ``nn.with_logical_partitioning``, MaxText style): ``(("mlp", "tensor"),
         ("heads", "tensor"), ("embed", None), ...)``, each logical name mapped to a mesh
         axis or None (not split). A logical name without a rule is an error.
+      axis_map: for a model that constrains its own values to a mesh of its own (MaxText's
+        ``data``, ``fsdp``, ``tensor``, ...): each of that mesh's axis names mapped onto
+        zerojax's mesh, ``{"fsdp": "data", "data": "data", "tensor": "tensor"}`` (None: not
+        split). The loss is then traced outside the step's ``shard_map`` and its
+        constraints translated (:mod:`zerojax.sharding.foreign`); ``axis_rules`` targets
+        are mapped through it too, so MaxText's logical rules can be given as they are.
       donate: let the train step reuse the buffers of the state it is given.
 
     Precision (the optimizer always updates fp32 master weights):
@@ -180,6 +200,7 @@ class ZeroConfig:
     frozen_dtype: str = "compute"
     tensor_axis: str = "tensor"
     axis_rules: Any = ()
+    axis_map: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in STAGES:
@@ -200,6 +221,8 @@ class ZeroConfig:
             raise ValueError(f"ZeroConfig.tensor_axis must be a mesh axis name other than axis={self.axis!r} and "
                              f"replica_axis={self.replica_axis!r}, got {self.tensor_axis!r}.")
         object.__setattr__(self, "axis_rules", _check_rules(self.axis_rules))
+        if self.axis_map is not None:
+            object.__setattr__(self, "axis_map", _check_axis_map(self.axis_map))
         for name in ("donate", "consecutive_hysteresis", "raise_at_min_scale", "skip_nonfinite",
                      "offload_optimizer", "offload_params"):
             if not isinstance(getattr(self, name), bool):

@@ -65,14 +65,23 @@ class EvalStep:
 
         ms = state.model_state if self.with_model_state else None
         local = jax.tree.map(lambda b: jax.ShapeDtypeStruct((b.shape[0] // n,) + b.shape[1:], b.dtype), batch)
-        combine = outputs.plan(self.reduce, local_shapes(plan, user_fn, shapes, (local, ms)), "outputs", "reduce")
+        program = None
+        if plan.config.axis_map is not None:  # a model with its own sharding: traced outside the shard_map
+            from zerojax.sharding import foreign
+
+            closed, out_shapes = foreign.trace(user_fn, (shapes, (local, ms)), plan)
+            program = lambda: (foreign.Translator(plan).program(closed), out_shapes)
+        else:
+            out_shapes = local_shapes(plan, user_fn, shapes, (local, ms))
+        combine = outputs.plan(self.reduce, out_shapes, "outputs", "reduce")
         batch_spec = jax.tree.map(lambda _: P(over), batch)
         frozen = jax.tree.leaves(state.frozen) if state.frozen is not None else []
         frozen_specs = [l.partition_spec(axis) for l in plan.frozen_layouts]
         train_names, frozen_names = plan.split(plan.paths)
         read = stage_of(plan).forward(plan)
         # Leaves with a source are used pending (gathered where used); the others as they are.
-        run = per_use.traced(user_fn, shapes, context(plan, remat=False)) if read.source else user_fn
+        run = per_use.traced(user_fn, shapes, context(plan, remat=False), program) \
+            if read.source or program else user_fn
 
         def body(train, frozen, b, ms):
             cast = lambda xs: [x.astype(compute) for x in xs]

@@ -21,7 +21,7 @@ from zerojax.optim import loss_scale as ls
 from zerojax.optim.apply import apply_optimizer
 from zerojax.optim.offload import choose_place
 from zerojax.optim.update import check_optimizer, clip_by_global_norm, keep_if
-from zerojax.sharding.gradients import Loss
+from zerojax.sharding.gradients import Loss, own_sharding_hint
 from zerojax.sharding.mesh import auto_axes, batch_axes, batch_devices
 from zerojax.sharding.partial_axes import warn_partial
 from zerojax.sharding.plan import ZeroPlan
@@ -58,7 +58,7 @@ def _step(loss_fn: Callable, tx: Any, options: dict, state: ZeroState, batch: An
     loss = Loss.build(plan, loss_fn, batch, has_aux=options["has_aux"], with_rng=options["with_rng"],
                       with_model_state=options["with_model_state"], aux_reduce=options["aux_reduce"], rng=rng,
                       model_state=model_state)
-    if plan.replica:  # hybrid mesh: a collective over one batch axis only sees part of the batch
+    if plan.replica and cfg.axis_map is None:  # hybrid mesh: a collective over one batch axis only sees part of the batch
         shape = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), t)
         rows = lambda b: jax.ShapeDtypeStruct((b.shape[0] // (plan.world * cfg.grad_accum_steps),) + b.shape[1:],
                                               b.dtype)
@@ -219,7 +219,8 @@ class TrainStep:
 
     def __call__(self, state: ZeroState, batch: Any) -> tuple[ZeroState, dict[str, jax.Array]]:
         self.check(state, batch)
-        new_state, metrics = self._jit_for(state)(state, batch)
+        with own_sharding_hint(self.config):
+            new_state, metrics = self._jit_for(state)(state, batch)
         if self.timeout_s is not None:
             _wait_or_fail(metrics["loss"], self.timeout_s)
         if self.config.dynamic_scaling and self.config.raise_at_min_scale:
@@ -249,7 +250,8 @@ class TrainStep:
     def lower(self, state: ZeroState, batch: Any):
         """``jax.jit(...).lower`` of the step: ``.compile()`` it to inspect the program."""
         self.check(state, batch)
-        return self._jit_for(state).lower(state, batch)
+        with own_sharding_hint(self.config):
+            return self._jit_for(state).lower(state, batch)
 
     def update_place(self, state: ZeroState) -> str:
         """Where this step runs the optimizer update of ``state`` (see

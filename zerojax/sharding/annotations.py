@@ -134,19 +134,24 @@ def _resolve(name: Any, rules: dict, known: set, path: str, dim: int, mesh: Mesh
         return tuple(a for n in name for a in _resolve(n, rules, known, path, dim, mesh, config))
     if not isinstance(name, str):
         raise TypeError(f"params{path}: dimension {dim}'s annotation {name!r} is not an axis name (str or None).")
+    amap = dict(config.axis_map or ())
     if name in rules:
         target = rules[name]
         target = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+        target = tuple(t for t in (amap.get(a, a) if a in amap else a for a in target) if t is not None)
         for a in target:
             if a not in known:
                 raise ValueError(f"ZeroConfig.axis_rules maps {name!r} to mesh axis {a!r}, which the mesh "
                                  f"{dict(mesh.shape)} lacks (used by params{path}, dimension {dim}). Map it to one "
                                  f"of {sorted(known)} or to None.")
         return target
+    if name in amap:  # a model mesh axis, through ZeroConfig.axis_map
+        return () if amap[name] is None else (amap[name],)
     if name in known:
         return (name,)
     raise ValueError(
         f"params{path}: dimension {dim} is annotated {name!r}, which is neither an axis of the mesh "
         f"{dict(mesh.shape)} (nor the tensor axis {config.tensor_axis!r}) nor a logical name of "
-        f"ZeroConfig.axis_rules. Add a rule, e.g. ZeroConfig(axis_rules=(({name!r}, {config.tensor_axis!r}),)) "
+        f"ZeroConfig.axis_rules (nor a model axis of ZeroConfig.axis_map). Add a rule, e.g. "
+        f"ZeroConfig(axis_rules=(({name!r}, {config.tensor_axis!r}),)) "
         f"to split it over the tensor axis, or (({name!r}, None),) to leave it whole.")

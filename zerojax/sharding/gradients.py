@@ -23,6 +23,7 @@ over the N devices (:func:`zerojax.sharding.collectives.reduce_grad`), so the re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +48,24 @@ def _check_loss(loss: Any, expected: str) -> None:
         )
 
 
+@contextlib.contextmanager
+def own_sharding_hint(config) -> Any:
+    """Re-raises a mesh error of the user's function inside the step's ``shard_map`` with
+    what to set when the model constrains values to a mesh of its own."""
+    try:
+        yield
+    except ValueError as e:
+        text = str(e)
+        if config.axis_map is not None or "mesh" not in text or not any(
+                k in text for k in ("manual", "Manual", "should match", "use_abstract_mesh", "Mesh for all")):
+            raise
+        raise ValueError(
+            f"loss_fn failed inside the train step's shard_map with a mesh error ({text.splitlines()[0]}). If the "
+            "model constrains its values to a mesh of its own (with_sharding_constraint, logical axis constraints: "
+            "MaxText, hand-written GSPMD code), map that mesh's axes onto zerojax's: ZeroConfig(axis_map={'fsdp': "
+            "'data', 'data': 'data', 'tensor': 'tensor'}) (see zerojax.sharding.foreign).") from e
+
+
 def cast_batch(batch: Any, dtype) -> Any:
     """Floating batch leaves in the compute dtype; others unchanged."""
     return jax.tree.map(lambda b: b.astype(dtype) if jnp.issubdtype(b.dtype, jnp.floating) else b, batch)
@@ -69,6 +88,8 @@ class Loss:
     with_rng: bool = False
     with_model_state: bool = False
     aux: outputs.Combine | None = None  # how aux combines (has_aux only)
+    # ZeroConfig.axis_map: the loss traced outside the step's shard_map, and its output shapes
+    program: Any = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def build(cls, plan: ZeroPlan, fn: Callable, batch: Any, *, has_aux: bool = False, with_rng: bool = False,
@@ -78,8 +99,16 @@ class Loss:
         cfg = plan.config
         rows = lambda b: jax.ShapeDtypeStruct((b.shape[0] // (plan.world * cfg.grad_accum_steps),) + b.shape[1:], b.dtype)
         abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), t)
-        _, aux, new_ms = local_shapes(plan, loss.__call__, loss.param_shapes, jax.tree.map(rows, batch),
-                                      abstract(rng), abstract(model_state))
+        args = (loss.param_shapes, jax.tree.map(rows, batch), abstract(rng), abstract(model_state))
+        if cfg.axis_map is not None:  # a model with its own sharding: traced outside the shard_map
+            from zerojax.sharding import foreign
+
+            closed, shapes = foreign.trace(loss.__call__, args, plan)
+            loss = dataclasses.replace(loss, program=(closed, shapes))
+            _, aux, new_ms = shapes
+        else:
+            with own_sharding_hint(cfg):
+                _, aux, new_ms = local_shapes(plan, loss.__call__, *args)
         if with_model_state:
             _check_model_state(model_state, new_ms)
         return dataclasses.replace(loss, aux=outputs.plan(aux_reduce, aux)) if has_aux else loss
@@ -103,8 +132,14 @@ class Loss:
         """``f(leaves, (batch, rng, model_state))``: the loss re-evaluated from its jaxpr, so
         that parameters may be pending, with every layer loop a remat region when a policy
         is configured."""
+        program = None
+        if self.program is not None:
+            from zerojax.sharding import foreign
+
+            closed, shapes = self.program
+            program = lambda: (foreign.Translator(self.plan).program(closed), shapes)
         return per_use.traced(lambda leaves, inputs: self(leaves, *inputs), self.param_shapes,
-                              context(self.plan))
+                              context(self.plan), program)
 
     # Across devices and micro-batches.
     def out_specs(self) -> tuple:
@@ -216,7 +251,7 @@ def replicated_grads(loss: Loss, *, scatter: bool) -> Callable:
     plan = loss.plan
     axis, n, k, replica = plan.axis, plan.world, plan.config.grad_accum_steps, plan.replica
     reduce, block = plan.config.reduce_dtype, plan.config.reduce_block
-    traced = loss.traced() if plan.config.remat.active else None
+    traced = loss.traced() if plan.config.remat.active or loss.program is not None else None
 
     def loss_and_grad(train, frozen, batch, key, model_state, scale):
         def f(train):

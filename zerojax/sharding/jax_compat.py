@@ -12,6 +12,8 @@ construct     jax 0.10                              jax 0.11 - 0.12
 sub-program   ``ClosedJaxpr(jaxpr, consts)``        ``Jaxpr`` carrying its ``consts``
 scan split    ``num_consts``, ``num_carry``         ``ft_in`` (consts, carry, xs trees)
 one equation  ``ClosedJaxpr(Jaxpr(...), [])``       ``Jaxpr(..., consts=[])``
+custom rules  ``jvp_jaxpr_fun``, ``fwd_jaxpr_thunk``  the same
+constraint    ``sharding_constraint(sharding=NamedSharding)``  the same
 ============  ====================================  ===================================
 
 Supporting a new JAX release means updating the functions below; nothing else in
@@ -35,7 +37,7 @@ from jax.extend import core as jcore
 NEEDED = ("jit_p", "closed_call_p", "scan_p", "remat_p", "slice_p", "reshape_p", "transpose_p",
           "convert_element_type_p", "squeeze_p", "broadcast_in_dim_p", "copy_p", "add_p", "sub_p",
           "add_jaxvals_p", "neg_p", "concatenate_p", "pad_p", "reduce_sum_p", "dynamic_slice_p",
-          "gather_p", "select_n_p")
+          "gather_p", "select_n_p", "sharding_constraint_p")
 
 # jax >= 0.11 merged ClosedJaxpr into Jaxpr (the name stays, as an alias).
 _MERGED = jcore.ClosedJaxpr is jcore.Jaxpr
@@ -67,6 +69,59 @@ def open_jaxpr(program: Any) -> tuple[jcore.Jaxpr, tuple]:
         return program.jaxpr, tuple(program.consts)
     consts = getattr(program, "consts", None) if _MERGED else None
     return program, tuple(consts or ())
+
+
+def is_program(value: Any) -> bool:
+    """Whether an equation parameter is a sub-program (a body, a branch, a custom rule's primal)."""
+    return isinstance(value, jcore.Jaxpr) or (not _MERGED and isinstance(value, jcore.ClosedJaxpr))
+
+
+def like(program: Any, new: Any) -> Any:
+    """``new`` (what ``jax.make_jaxpr`` returns) in the form of the sub-program ``program``
+    it replaces: closed where it was closed, open (no constants) where it was open."""
+    if _MERGED or isinstance(program, jcore.ClosedJaxpr):
+        return new
+    jaxpr, consts = open_jaxpr(new)
+    if consts:
+        raise _unsupported("an open sub-program", "re-tracing it produced constants it cannot hold")
+    return jaxpr
+
+
+# Parameters of ``custom_jvp_call`` / ``custom_vjp_call`` that trace a rule lazily: called
+# with flags, they return ``(jaxpr, consts, *rest)``.
+RULE_THUNKS = ("jvp_jaxpr_fun", "fwd_jaxpr_thunk")
+
+
+def wrap_rule(thunk: Any, rebuild) -> Any:
+    """A rule thunk whose program is passed through ``rebuild(jaxpr, consts) -> (jaxpr, consts)``."""
+    import jax.extend.linear_util as lu
+
+    def traced(*flags):
+        jaxpr, consts, *rest = thunk.call_wrapped(*flags)
+        return (*rebuild(jaxpr, consts), *rest)
+
+    return lu.wrap_init(traced, debug_info=thunk.debug_info)
+
+
+def constraint_spec(eqn: jcore.JaxprEqn) -> tuple[tuple[str, ...], Any]:
+    """``(mesh axis names, PartitionSpec)`` of a ``sharding_constraint`` equation."""
+    sharding = eqn.params.get("sharding")
+    spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+    if spec is None or mesh is None:
+        raise ValueError(f"zerojax reads sharding constraints given as NamedSharding (a mesh and a PartitionSpec); "
+                         f"this one is a {type(sharding).__name__} ({where(eqn)}). Write it as "
+                         "jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(...))) or P(...).")
+    return tuple(mesh.axis_names), spec
+
+
+def where(eqn: jcore.JaxprEqn) -> str:
+    """The user's source line of an equation, for messages."""
+    from jax.extend import source_info_util
+
+    try:
+        return source_info_util.summarize(eqn.source_info)
+    except Exception:  # noqa: BLE001 - a message helper: never fail the error it decorates
+        return "unknown source line"
 
 
 def call_body(eqn: jcore.JaxprEqn) -> tuple[jcore.Jaxpr, tuple]:

@@ -57,7 +57,7 @@ _P = jax_compat.P
 # Equations of one operand that only change a value's shape or dtype; a parameter passing
 # through them stays pending and the equation is applied after materialisation.
 _SHAPE_ONLY = frozenset({_P.reshape_p, _P.transpose_p, _P.convert_element_type_p, _P.squeeze_p,
-                         _P.broadcast_in_dim_p, _P.copy_p})
+                         _P.broadcast_in_dim_p, _P.copy_p, _P.sharding_constraint_p})
 # Equations whose backward needs no operand values (only shapes or integer indices):
 # the gathered parameter is not kept for backward, so it needs no re-gather either.
 _NO_RESIDUALS = frozenset({_P.add_p, _P.sub_p, _P.add_jaxvals_p, _P.neg_p, _P.concatenate_p, _P.pad_p,
@@ -430,12 +430,18 @@ def call_per_use(closed: Any, params: Sequence[Any], args: Sequence[Any],
     return eval_jaxpr(*jax_compat.open_jaxpr(closed), [*params, *args], ctx)
 
 
-def traced(fn: Callable, param_shapes: Sequence[jax.ShapeDtypeStruct], ctx: Context = _PLAIN) -> Callable:
+def traced(fn: Callable, param_shapes: Sequence[jax.ShapeDtypeStruct], ctx: Context = _PLAIN,
+           program: Callable | None = None) -> Callable:
     """``fn(param_leaves, batch)`` re-evaluated from its jaxpr, so that the parameter leaves
-    it is called with may be :class:`Pending` (``param_shapes`` are their full shapes)."""
+    it is called with may be :class:`Pending` (``param_shapes`` are their full shapes).
+    ``program()``, when given, returns that jaxpr and its output shapes, made elsewhere
+    (a model with its own sharding: :mod:`zerojax.sharding.foreign`)."""
     def call(params: Sequence[Any], batch: Any) -> Any:
-        batch_sds = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape, b.dtype), batch)
-        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(list(param_shapes), batch_sds)
+        if program is not None:
+            closed, out_shape = program()
+        else:
+            batch_sds = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape, b.dtype), batch)
+            closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(list(param_shapes), batch_sds)
         outs = call_per_use(closed, params, jax.tree.leaves(batch), ctx)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 

@@ -233,6 +233,11 @@ def make_plan(params: Any, mesh: Mesh, config: ZeroConfig, tx: Any = None, train
             f"{config.tensor_axis!r} (tensor parallelism) and {config.replica_axis!r} (replica groups) with size > 1; "
             f"zerojax shards over one data axis, optionally replicated, beside a tensor axis. Build the mesh with "
             f"zj.make_mesh(), zj.make_mesh(replicas=R) or zj.make_mesh(tensor=T).")
+    for model_axis, target in config.axis_map or ():
+        if target is not None and target not in mesh.axis_names and target != config.tensor_axis:
+            raise ValueError(f"ZeroConfig.axis_map maps the model's axis {model_axis!r} to {target!r}, which is not an "
+                             f"axis of the mesh {dict(mesh.shape)}. Map it to one of {mesh.axis_names}, "
+                             f"{config.tensor_axis!r} or None.")
     names = annotations.leaf_names(params, tensor_specs)
     params = annotations.unbox(params)
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)

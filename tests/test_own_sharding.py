@@ -1,0 +1,222 @@
+"""Models that carry their own sharding (MaxText style): logical axis names on every parameter,
+activation constraints against the model's own mesh and rules, scanned remat'd layers. Under
+``ZeroConfig(axis_map=...)`` they train as on one device, at every stage, with and without
+tensor parallelism."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zerojax as zj
+from tests.models import abs_errors, reference_run
+
+# The model's own mesh and logical rules, as MaxText's base config writes them (a subset).
+MODEL_MESH = jax.make_mesh((1, 4, 2, 1), ("data", "fsdp", "fsdp_transpose", "tensor"),
+                           axis_types=(jax.sharding.AxisType.Auto,) * 4)
+RULES = (
+    ("activation_batch", ("data", "fsdp", "fsdp_transpose")),
+    ("activation_length", None),
+    ("activation_embed", "tensor"),
+    ("activation_mlp", "tensor"),
+    ("activation_heads", "tensor"),
+    ("activation_kv", None),
+    ("embed", ("fsdp", "fsdp_transpose")),
+    ("mlp", ("fsdp_transpose", "tensor")),
+    ("heads", "tensor"),
+    ("kv", None),
+    ("vocab", "tensor"),
+    ("norm", None),
+    ("layers", None),
+)
+AXIS_MAP = {"data": "data", "fsdp": "data", "fsdp_transpose": "data", "tensor": "tensor"}
+VOCAB, EMBED, HEADS, KV, MLP, LAYERS, SEQ = 32, 16, 4, 4, 32, 2, 8
+
+
+def constrain(x, names):
+    """MaxText's ``nn.with_logical_constraint``: logical names -> the model's mesh axes."""
+    return jax.lax.with_sharding_constraint(x, NamedSharding(MODEL_MESH, nn.logical_to_mesh_axes(names, RULES)))
+
+
+def param(rngs, shape, names, scale=1.0):
+    init = nnx.initializers.normal(scale / np.sqrt(shape[0]))
+    return nnx.Param(init(rngs.params(), shape), out_sharding=names)
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.norm = nnx.Param(jnp.ones((EMBED,)), out_sharding=("norm",))
+        self.wq = param(rngs, (EMBED, HEADS * KV), ("embed", "heads"))
+        self.wk = param(rngs, (EMBED, HEADS * KV), ("embed", "heads"))
+        self.wv = param(rngs, (EMBED, HEADS * KV), ("embed", "heads"))
+        self.wo = param(rngs, (HEADS * KV, EMBED), ("heads", "embed"))
+        self.wi = param(rngs, (EMBED, MLP), ("embed", "mlp"))
+        self.wout = param(rngs, (MLP, EMBED), ("mlp", "embed"))
+
+    def __call__(self, x):
+        b, t, _ = x.shape
+        x = constrain(x, ("activation_batch", "activation_length", "activation_embed"))
+        h = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * self.norm[...]
+        q, k, v = (constrain((h @ w[...]).reshape(b, t, HEADS, KV),
+                             ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
+                   for w in (self.wq, self.wk, self.wv))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(KV)
+        scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -1e9)
+        att = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v).reshape(b, t, HEADS * KV)
+        x = x + constrain(att @ self.wo[...], ("activation_batch", "activation_length", "activation_embed"))
+        mlp = constrain(jax.nn.silu(x @ self.wi[...]), ("activation_batch", "activation_length", "activation_mlp"))
+        return x + mlp @ self.wout[...]
+
+
+class Decoder(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = param(rngs, (VOCAB, EMBED), ("vocab", "embed"), scale=np.sqrt(VOCAB))
+
+        @nnx.split_rngs(splits=LAYERS)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def layers(rngs):
+            return Block(rngs)
+
+        self.layers = layers(rngs)
+        self.head = param(rngs, (EMBED, VOCAB), ("embed", "vocab"))
+
+    def __call__(self, tokens):
+        x = constrain(self.embed[...][tokens], ("activation_batch", "activation_length", "activation_embed"))
+
+        @nnx.remat
+        def block(b, x):
+            return b(x)
+
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def run(b, x):
+            return block(b, x)
+
+        return constrain(run(self.layers, x) @ self.head[...], ("activation_batch", "activation_length", None))
+
+
+def build():
+    with nnx.use_eager_sharding(False):
+        return nnx.split(Decoder(nnx.Rngs(0)), nnx.Param)
+
+
+def make_loss(graphdef):
+    def loss_fn(params, batch):
+        logits = nnx.merge(graphdef, params)(batch["tokens"][:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
+
+    return loss_fn
+
+
+def data(k: int = 2):
+    return [{"tokens": jax.random.randint(jax.random.key(i), (16, SEQ + 1), 0, VOCAB)} for i in range(k)]
+
+
+@pytest.mark.parametrize("tensor,stages", [(1, (0, 1, 2, 3)), (2, (0, 3)),
+                                           pytest.param(2, (1, 2), marks=pytest.mark.slow)])
+def test_maxtext_style_model_trains_as_on_one_device(tensor, stages):
+    graphdef, params = build()
+    loss_fn, tx = make_loss(graphdef), optax.sgd(0.3)
+    ref, ref_losses = reference_run(loss_fn, jax.tree.map(jnp.asarray, params), tx, data())
+    mesh = zj.make_mesh(tensor=tensor)
+    for stage in stages:
+        cfg = zj.ZeroConfig(stage=stage, axis_map=AXIS_MAP, axis_rules=RULES)
+        state = zj.init_state(params, tx, mesh=mesh, config=cfg)
+        step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=cfg)
+        losses = []
+        for b in data():
+            state, m = step(state, b)
+            losses.append(float(m["loss"]))
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        assert abs_errors(zj.gather_params(state), ref).max() <= 1e-5, stage
+        # "mlp" -> ("fsdp_transpose", "tensor") -> ("data", "tensor"): split over "tensor" where the mesh has it
+        split = {p.split("]")[-2].strip("['"): l.tdim for p, l in zip(state.plan.paths, state.plan.layouts)}
+        assert (split["wi"], split["wout"], split["wq"], split["norm"]) == ((2, 1, 2, -1) if tensor > 1 else
+                                                                           (-1, -1, -1, -1))
+
+
+def _constraint_specs(jaxpr) -> list:
+    """The specs of every sharding constraint in ``jaxpr`` and the programs inside it."""
+    from zerojax.sharding.partial_axes import _sub_jaxprs
+
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "sharding_constraint":
+            out.append(tuple(eqn.params["sharding"].spec))
+        for value in eqn.params.values():
+            for sub in _sub_jaxprs(value):
+                out += _constraint_specs(sub)
+    return out
+
+
+def test_constraints_translated_onto_zerojax_mesh():
+    """The model's constraints name ("data", "fsdp", "fsdp_transpose") and "tensor" on its own
+    mesh; inside the step only "tensor" ones remain, on zerojax's mesh (the batch axes are
+    the shard_map's own)."""
+    from zerojax.sharding import foreign
+    from zerojax.sharding.plan import make_plan
+
+    graphdef, params = build()
+    loss_fn, b = make_loss(graphdef), data(1)[0]
+    local = {"tokens": jax.ShapeDtypeStruct((4, SEQ + 1), jnp.int32)}
+    model = _constraint_specs(jax.make_jaxpr(loss_fn)(params, local).jaxpr)
+    assert any("tensor" in str(s) for s in model) and all("fsdp" in str(s) for s in model)
+    mesh = zj.make_mesh(tensor=2)
+    plan = make_plan(params, mesh, zj.ZeroConfig(axis_map=AXIS_MAP, axis_rules=RULES))
+    closed, _ = foreign.trace(loss_fn, (params, local), plan)
+    specs = []
+
+    def capture(p, t):
+        program = foreign.Translator(plan).program(closed)
+        specs.extend(_constraint_specs(program.jaxpr if hasattr(program, "jaxpr") else program))
+        return t
+
+    jax.eval_shape(jax.shard_map(capture, mesh=plan.mesh, in_specs=(P(), P("data")), out_specs=P("data"),
+                                 axis_names=plan.manual_axes), params, b["tokens"])
+    # the logits' constraint (batch only) is gone; every other one keeps its "tensor" dimension
+    assert specs and all(set(s) <= {None, "tensor"} and "tensor" in s for s in specs), specs
+    assert len(specs) == sum("tensor" in s for s in model)
+
+
+def test_eval_step_with_own_sharding():
+    graphdef, params = build()
+    loss_fn = make_loss(graphdef)
+    mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=3, axis_map=AXIS_MAP)
+    state = zj.init_state(params, optax.sgd(0.1), mesh=mesh, config=cfg)
+    ev = zj.make_eval_step(lambda p, b: {"loss": loss_fn(p, b)}, mesh=mesh, config=cfg)
+    b = data(1)[0]
+    assert float(ev(state, b)["loss"]) == pytest.approx(float(jax.jit(loss_fn)(params, b)), rel=1e-5)
+
+
+def test_without_axis_map_the_error_says_what_to_set():
+    graphdef, params = build()
+    mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=3)
+    state = zj.init_state(params, optax.sgd(0.1), mesh=mesh, config=cfg)
+    step = zj.make_train_step(make_loss(graphdef), optax.sgd(0.1), mesh=mesh, config=cfg)
+    with pytest.raises(ValueError, match=r"ZeroConfig\(axis_map="):
+        step(state, data(1)[0])
+
+
+def test_unknown_axis_names_the_source_line():
+    graphdef, params = build()
+    mesh = zj.make_mesh()
+    cfg = zj.ZeroConfig(stage=2, axis_map={"data": "data", "fsdp": "data", "tensor": "tensor"})  # no fsdp_transpose
+    state = zj.init_state(params, optax.sgd(0.1), mesh=mesh, config=cfg)
+    step = zj.make_train_step(make_loss(graphdef), optax.sgd(0.1), mesh=mesh, config=cfg)
+    with pytest.raises(ValueError, match=r"mesh axis 'fsdp_transpose' .* at .*test_own_sharding.py:\d+.*"
+                                         r"axis_map=\{'fsdp_transpose': 'data'\}"):
+        step(state, data(1)[0])
+
+
+def test_bad_axis_map():
+    with pytest.raises(ValueError, match="axis_map must map"):
+        zj.ZeroConfig(axis_map={"fsdp": 3})
+    graphdef, params = build()
+    with pytest.raises(ValueError, match=r"maps the model's axis 'fsdp' to 'model', which is not an axis"):
+        zj.abstract_state(params, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(axis_map={"fsdp": "model"}))

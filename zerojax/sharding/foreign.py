@@ -1,0 +1,141 @@
+"""Models that carry their own sharding: constraints written against the model's mesh.
+
+MaxText, Levanter-style code and hand-written GSPMD models constrain their activations (and
+sometimes their weights) with ``jax.lax.with_sharding_constraint(x, NamedSharding(mesh,
+P(...)))`` against a mesh of their own (MaxText's ``data``, ``fsdp``, ``fsdp_transpose``,
+``tensor``, ...). Inside the train step's ``shard_map`` (manual over zerojax's data axes)
+such a constraint cannot run: its mesh is not the step's, and it names axes that are manual
+there. With ``ZeroConfig(axis_map={"fsdp": "data", "data": "data", "tensor": "tensor"})``
+zerojax instead
+
+1. traces the loss once *outside* the ``shard_map``, on one device's micro-batch, with the
+   data axes bound by name (so a ``psum`` over ``"data"`` in the model still traces), where
+   the model's constraints are legal; then
+2. inside the ``shard_map`` re-traces that program (:class:`Translator`), every constraint
+   translated through ``axis_map`` onto zerojax's mesh: an axis mapped to a data axis (or to
+   None) is dropped, since each device already holds its rows of the batch and ZeRO places
+   the parameters; an axis mapped to the tensor axis is kept, as a constraint on the step's
+   own mesh, so activation constraints over "tensor" still steer XLA's partitioner. A
+   constraint left with no axis is removed. Shardings the model's mesh left in other
+   equations' parameters (a ``broadcast_in_dim`` of zeros, a ``dot_general``'s output) are
+   cleared, and every sub-program (a ``scan`` body, a ``checkpoint``, a custom derivative's
+   primal and rule) is re-traced the same way, so no value of the step carries the model's
+   mesh.
+
+A constraint naming an axis neither ``axis_map`` nor zerojax's mesh knows raises a
+``ValueError`` naming the equation's source line and the mapping to add. Everything this
+module reads of JAX's program form goes through :mod:`zerojax.sharding.jax_compat`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend import core as jcore
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zerojax.sharding import jax_compat
+from zerojax.sharding.plan import ZeroPlan
+
+_P = jax_compat.P
+
+
+def trace(fn: Callable, args: Sequence[Any], plan: ZeroPlan) -> tuple[Any, Any]:
+    """``(program, output shapes)`` of ``fn(*args)`` traced outside the step's ``shard_map``,
+    with its manual axes bound by name (``args``: one device's shapes)."""
+    axis_env = [(a, int(plan.mesh.shape[a])) for a in plan.mesh.axis_names if a in plan.manual_axes]
+    return jax.make_jaxpr(fn, axis_env=axis_env, return_shape=True)(*args)
+
+
+class Translator:
+    """Re-traces a program made by :func:`trace` inside the step's ``shard_map`` (see the
+    module docstring)."""
+
+    def __init__(self, plan: ZeroPlan):
+        cfg = plan.config
+        self.axis_map = dict(cfg.axis_map or ())
+        self.manual = plan.manual_axes
+        self.tensor = cfg.tensor_axis if cfg.tensor_axis in plan.mesh.axis_names else None
+        self.known = set(plan.mesh.axis_names) | {cfg.tensor_axis}
+        self.mesh_axes = tuple(plan.mesh.axis_names)
+
+    # Programs.
+    def program(self, closed: Any) -> Any:
+        """``closed`` re-traced here, in the step's context."""
+        jaxpr, consts = jax_compat.open_jaxpr(closed)
+        return self._retrace(jaxpr, consts)
+
+    def _retrace(self, jaxpr: jcore.Jaxpr, consts: Sequence[Any]) -> Any:
+        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=getattr(v.aval, "weak_type", False))
+                 for v in jaxpr.invars]
+        return jax.make_jaxpr(lambda *args: self._eval(jaxpr, consts, args))(*avals)
+
+    def _sub(self, program: Any) -> Any:
+        return jax_compat.like(program, self._retrace(*jax_compat.open_jaxpr(program)))
+
+    def _rule(self, jaxpr: jcore.Jaxpr, consts: Sequence[Any]) -> tuple[Any, tuple]:
+        return jax_compat.open_jaxpr(self._retrace(jaxpr, consts))
+
+    def _eval(self, jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+        env: dict[Any, Any] = {}
+        read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
+        for v, x in zip(jaxpr.constvars, consts):
+            env[v] = x
+        for v, x in zip(jaxpr.invars, args, strict=True):
+            env[v] = x
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            if eqn.primitive is _P.sharding_constraint_p:
+                outs = [self._constrain(eqn, invals[0])]
+            elif eqn.primitive in (_P.jit_p, _P.closed_call_p):  # inlined: no call keeps the model's mesh
+                outs = self._eval(*jax_compat.call_body(eqn), invals)
+            else:
+                outs = jax_compat.bind(eqn.replace(params=self._params(eqn)), invals)
+            for v, x in zip(eqn.outvars, outs, strict=True):
+                env[v] = x
+        return [read(v) for v in jaxpr.outvars]
+
+    def _params(self, eqn: jcore.JaxprEqn) -> dict:
+        here = jax.sharding.get_abstract_mesh()
+        out = {}
+        for k, v in eqn.params.items():
+            if isinstance(v, NamedSharding) and v.mesh.abstract_mesh != here:
+                v = None  # an output sharding inferred from the model's mesh: the step's context decides
+            elif k in jax_compat.RULE_THUNKS:
+                v = jax_compat.wrap_rule(v, self._rule)
+            elif jax_compat.is_program(v):
+                v = self._sub(v)
+            elif isinstance(v, (tuple, list)) and v and all(jax_compat.is_program(x) for x in v):
+                v = type(v)(self._sub(x) for x in v)
+            out[k] = v
+        return out
+
+    # Constraints.
+    def _constrain(self, eqn: jcore.JaxprEqn, x: jax.Array) -> jax.Array:
+        axes, spec = jax_compat.constraint_spec(eqn)
+        kept = [self._entry(e, eqn, axes) for e in spec]
+        if all(k is None for k in kept):
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(jax.sharding.get_abstract_mesh(), P(*kept)))
+
+    def _entry(self, entry: Any, eqn: jcore.JaxprEqn, model_axes: tuple[str, ...]) -> Any:
+        names = () if entry is None or entry is P.UNCONSTRAINED else (entry,) if isinstance(entry, str) else entry
+        kept = []
+        for name in names:
+            target = self.axis_map[name] if name in self.axis_map else name if name in self.known else _unknown(
+                name, eqn, model_axes, self.mesh_axes, self.tensor)
+            if target is not None and target not in self.manual and target in (self.tensor,):
+                kept.append(target)
+        return None if not kept else kept[0] if len(kept) == 1 else tuple(kept)
+
+
+def _unknown(name: str, eqn: jcore.JaxprEqn, model_axes: tuple[str, ...], mesh_axes: tuple[str, ...],
+             tensor: str | None) -> None:
+    raise ValueError(
+        f"the model constrains a value to mesh axis {name!r} (its mesh has axes {model_axes}) at "
+        f"{jax_compat.where(eqn)}, and neither ZeroConfig.axis_map nor zerojax's mesh {mesh_axes} knows that "
+        f"axis. Map it: axis_map={{{name!r}: 'data'}} for a batch or FSDP axis, "
+        f"{{{name!r}: {tensor or 'tensor'!r}}} for a tensor-parallel one, or {{{name!r}: None}} to drop it.")
