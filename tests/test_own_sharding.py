@@ -10,112 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import linen as nn
-from flax import nnx
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
+from experiments.maxtext_style import AXIS_MAP, RULES, SEQ, build, data, make_loss
 from tests.models import abs_errors, reference_run
-
-# The model's own mesh and logical rules, as MaxText's base config writes them (a subset).
-MODEL_MESH = jax.make_mesh((1, 4, 2, 1), ("data", "fsdp", "fsdp_transpose", "tensor"),
-                           axis_types=(jax.sharding.AxisType.Auto,) * 4)
-RULES = (
-    ("activation_batch", ("data", "fsdp", "fsdp_transpose")),
-    ("activation_length", None),
-    ("activation_embed", "tensor"),
-    ("activation_mlp", "tensor"),
-    ("activation_heads", "tensor"),
-    ("activation_kv", None),
-    ("embed", ("fsdp", "fsdp_transpose")),
-    ("mlp", ("fsdp_transpose", "tensor")),
-    ("heads", "tensor"),
-    ("kv", None),
-    ("vocab", "tensor"),
-    ("norm", None),
-    ("layers", None),
-)
-AXIS_MAP = {"data": "data", "fsdp": "data", "fsdp_transpose": "data", "tensor": "tensor"}
-VOCAB, EMBED, HEADS, KV, MLP, LAYERS, SEQ = 32, 16, 4, 4, 32, 2, 8
-
-
-def constrain(x, names):
-    """MaxText's ``nn.with_logical_constraint``: logical names -> the model's mesh axes."""
-    return jax.lax.with_sharding_constraint(x, NamedSharding(MODEL_MESH, nn.logical_to_mesh_axes(names, RULES)))
-
-
-def param(rngs, shape, names, scale=1.0):
-    init = nnx.initializers.normal(scale / np.sqrt(shape[0]))
-    return nnx.Param(init(rngs.params(), shape), out_sharding=names)
-
-
-class Block(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.norm = nnx.Param(jnp.ones((EMBED,)), out_sharding=("norm",))
-        self.wq = param(rngs, (EMBED, HEADS * KV), ("embed", "heads"))
-        self.wk = param(rngs, (EMBED, HEADS * KV), ("embed", "heads"))
-        self.wv = param(rngs, (EMBED, HEADS * KV), ("embed", "heads"))
-        self.wo = param(rngs, (HEADS * KV, EMBED), ("heads", "embed"))
-        self.wi = param(rngs, (EMBED, MLP), ("embed", "mlp"))
-        self.wout = param(rngs, (MLP, EMBED), ("mlp", "embed"))
-
-    def __call__(self, x):
-        b, t, _ = x.shape
-        x = constrain(x, ("activation_batch", "activation_length", "activation_embed"))
-        h = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * self.norm[...]
-        q, k, v = (constrain((h @ w[...]).reshape(b, t, HEADS, KV),
-                             ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
-                   for w in (self.wq, self.wk, self.wv))
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(KV)
-        scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -1e9)
-        att = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v).reshape(b, t, HEADS * KV)
-        x = x + constrain(att @ self.wo[...], ("activation_batch", "activation_length", "activation_embed"))
-        mlp = constrain(jax.nn.silu(x @ self.wi[...]), ("activation_batch", "activation_length", "activation_mlp"))
-        return x + mlp @ self.wout[...]
-
-
-class Decoder(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.embed = param(rngs, (VOCAB, EMBED), ("vocab", "embed"), scale=np.sqrt(VOCAB))
-
-        @nnx.split_rngs(splits=LAYERS)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def layers(rngs):
-            return Block(rngs)
-
-        self.layers = layers(rngs)
-        self.head = param(rngs, (EMBED, VOCAB), ("embed", "vocab"))
-
-    def __call__(self, tokens):
-        x = constrain(self.embed[...][tokens], ("activation_batch", "activation_length", "activation_embed"))
-
-        @nnx.remat
-        def block(b, x):
-            return b(x)
-
-        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def run(b, x):
-            return block(b, x)
-
-        return constrain(run(self.layers, x) @ self.head[...], ("activation_batch", "activation_length", None))
-
-
-def build():
-    with nnx.use_eager_sharding(False):
-        return nnx.split(Decoder(nnx.Rngs(0)), nnx.Param)
-
-
-def make_loss(graphdef):
-    def loss_fn(params, batch):
-        logits = nnx.merge(graphdef, params)(batch["tokens"][:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
-
-    return loss_fn
-
-
-def data(k: int = 2):
-    return [{"tokens": jax.random.randint(jax.random.key(i), (16, SEQ + 1), 0, VOCAB)} for i in range(k)]
 
 
 @pytest.mark.parametrize("tensor,stages", [(1, (0, 1, 2, 3)), (2, (0, 3)),
@@ -209,7 +108,7 @@ def test_unknown_axis_names_the_source_line():
     cfg = zj.ZeroConfig(stage=2, axis_map={"data": "data", "fsdp": "data", "tensor": "tensor"})  # no fsdp_transpose
     state = zj.init_state(params, optax.sgd(0.1), mesh=mesh, config=cfg)
     step = zj.make_train_step(make_loss(graphdef), optax.sgd(0.1), mesh=mesh, config=cfg)
-    with pytest.raises(ValueError, match=r"mesh axis 'fsdp_transpose' .* at .*test_own_sharding.py:\d+.*"
+    with pytest.raises(ValueError, match=r"mesh axis 'fsdp_transpose' .* at .*maxtext_style.py:\d+.*"
                                          r"axis_map=\{'fsdp_transpose': 'data'\}"):
         step(state, data(1)[0])
 
