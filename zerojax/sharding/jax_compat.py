@@ -206,6 +206,15 @@ def bind(eqn: jcore.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     return list(jcore.jaxpr_as_fun(closed)(*values))
 
 
+def _custom_vjp_example():
+    @jax.custom_vjp
+    def f(x):
+        return jnp.sin(x)
+
+    f.defvjp(lambda x: (jnp.sin(x), x), lambda r, g: (g * jnp.cos(r),))
+    return f
+
+
 def self_check() -> None:
     """Traces each construct zerojax rewrites and reads it through this module, so that a
     JAX release that moves one fails at import, naming the construct."""
@@ -224,11 +233,18 @@ def self_check() -> None:
                lambda e: (r := remat(e)) and r.body.eqns and isinstance(r.prevent_cse, bool))
         yield ("slicing (x[0])", lambda x: x[0], P.slice_p,
                lambda e: static_slice(e).limit == (1, 2))
+        yield ("jax.custom_jvp (jax.nn.relu)", jax.nn.relu, None,
+               lambda e: e.primitive.name == "custom_jvp_call" and RULE_THUNKS[0] in e.params
+               and is_program(e.params["call_jaxpr"]))
+        yield ("jax.custom_vjp", _custom_vjp_example(), None,
+               lambda e: e.primitive.name == "custom_vjp_call" and RULE_THUNKS[1] in e.params
+               and is_program(e.params["call_jaxpr"]))
 
     for what, fn, prim, ok in checks():
-        eqns = [e for e in jax.make_jaxpr(fn)(x).jaxpr.eqns if e.primitive is prim]
+        eqns = [e for e in jax.make_jaxpr(fn)(x).jaxpr.eqns if prim is None or e.primitive is prim]
         if not eqns:
             raise _unsupported(what, f"it no longer traces to the primitive {prim.name!r}")
+        prim = prim or eqns[0].primitive
         try:
             good = bool(ok(eqns[0]))
         except (KeyError, AttributeError, TypeError, ValueError) as e:
