@@ -1,6 +1,7 @@
 """zerojax: ZeRO (stages 0-3) for JAX and Flax over a jax.sharding mesh."""
 
 from zerojax import checkpoint, distributed, nnx, remat, xla_flags
+from zerojax.tuning import autotune
 from zerojax.checkpoint import export_weights, load_weights, restore_checkpoint, save_checkpoint
 from zerojax.config import ZeroConfig
 from zerojax.deepspeed import from_deepspeed
@@ -26,6 +27,7 @@ __all__ = [
     "ZeroConfig",
     "ZeroState",
     "abstract_state",
+    "autotune",
     "distributed",
     "export_weights",
     "from_deepspeed",

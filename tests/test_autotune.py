@@ -1,0 +1,334 @@
+"""zj.autotune: plans from compiled programs and a cost model, checked against references
+computed here independently (zj.step_memory, zj.zero_formula_bytes, XLA's cost analysis of
+unrolled programs, a matmul's 2·M·N·K)."""
+
+import dataclasses
+import importlib
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zerojax as zj
+from zerojax.tuning import DeviceSpec, SearchSpace, device_spec, parse_memory
+from zerojax.tuning.cost import step_cost
+
+search_module = importlib.import_module("zerojax.tuning.search")
+hlo_cost = importlib.import_module("zerojax.tuning.hlo_cost")
+
+MIB = 2**20
+# Rates for tests that do not measure the machine (the figures only order the plans).
+SPEC = DeviceSpec(name="test", peak_flops=1e10, peak_flops_fp32=1e10, hbm_bandwidth=1e9, link_bandwidth=1e9,
+                  collective_latency=1e-4, async_collectives=False)
+D_IN, D_HID = 256, 512  # Ψ = 2 · 256 · 512 = 262,144: fp32 Adam's 12Ψ = 3 MiB at stage 0
+
+
+def tiny_params(dtype="float32"):
+    return {"w1": jax.ShapeDtypeStruct((D_IN, D_HID), dtype), "w2": jax.ShapeDtypeStruct((D_HID, D_IN), dtype)}
+
+
+def tiny_loss(p, x):
+    return jnp.mean(jnp.tanh(jnp.tanh(x @ p["w1"]) @ p["w2"]) ** 2)
+
+
+BATCH = jax.ShapeDtypeStruct((32, D_IN), "float32")
+SMALL = SearchSpace(accum=(1, 2), remat=("none",), offload=("none",), prefetch=(0,))
+
+
+@pytest.fixture(scope="module")
+def tuned():
+    """One search of the tiny model in 2 MiB: stage 0 (3 MiB of state) is pruned unseen."""
+    return zj.autotune(tiny_loss, tiny_params(), optax.adam(1e-3), BATCH, mesh=zj.make_mesh(), memory="2MiB",
+                       device=SPEC, space=SMALL)
+
+
+def test_plans_fit_and_memory_is_step_memory_of_the_same_config(tuned):
+    mesh, budget = zj.make_mesh(), 2 * MIB
+    assert len(tuned) >= 1 and tuned.best is tuned[0] and list(tuned) == list(tuned.plans)
+    assert [p.time for p in tuned] == sorted(p.time for p in tuned)
+    for plan in tuned:
+        assert plan.memory.device <= budget
+        assert plan.memory.source == "compiled"
+    best = tuned.best
+    direct = zj.step_memory(tiny_loss, tiny_params(), optax.adam(1e-3), BATCH, mesh=mesh, config=best.config)
+    assert best.memory.step == direct
+    assert best.memory.compiled == direct.device_total
+    assert best.memory.device == int(np.ceil(direct.device_total * 1.10))  # the default 10% margin
+    assert best.memory.state == direct.state
+
+
+def test_pruned_are_exactly_the_candidates_whose_formula_exceeds_the_budget(tuned):
+    psi = 2 * D_IN * D_HID
+    usable = 2 * MIB / 1.10
+    opt_bytes = (8 * psi + 4) / psi  # Adam's m and v, and its int32 step count
+    assert tuned.candidates == 8  # 4 stages x 2 accumulation counts
+    for c in tuned.pruned:
+        want = zj.zero_formula_bytes(psi, 8, c.config.stage, opt_bytes=opt_bytes, memory="device")
+        assert c.formula_bytes == pytest.approx(want) and want > usable
+    for stage in range(4):
+        formula = zj.zero_formula_bytes(psi, 8, stage, opt_bytes=opt_bytes, memory="device")
+        pruned = {c.config.grad_accum_steps for c in tuned.pruned if c.config.stage == stage}
+        assert pruned == ({1, 2} if formula > usable else set()), stage
+    assert {c.config.stage for c in tuned.pruned} == {0}
+    # Every candidate is pruned, decided from a compiled neighbour, or compiled (alone or shared).
+    decided = len(tuned.skipped) + tuned.compiled + tuned.shared
+    assert decided + len(tuned.pruned) == tuned.candidates
+
+
+def test_the_chosen_plan_keeps_the_users_compute_dtype_and_other_fields():
+    base = zj.ZeroConfig(compute_dtype="bfloat16", grad_clip=1.0, donate=False)
+    result = zj.autotune(tiny_loss, tiny_params(), optax.adam(1e-3), BATCH, mesh=zj.make_mesh(), memory="4MiB",
+                         config=base, device=SPEC,
+                         space=SearchSpace(stages=(2, 3), accum=(1,), remat=("none",), offload=("none",),
+                                           prefetch=(0,)))
+    for plan in result:
+        assert plan.config.compute_dtype == "bfloat16"
+        assert plan.config.grad_clip == 1.0 and plan.config.donate is False
+        assert isinstance(plan.config, zj.ZeroConfig)
+
+
+def test_plans_share_a_compile_when_a_config_changes_nothing():
+    """No layer loop: remat policies lower to the same program, compiled once."""
+    result = zj.autotune(tiny_loss, tiny_params(), optax.adam(1e-3), BATCH, mesh=zj.make_mesh(), memory="4MiB",
+                         device=SPEC, exhaustive=True,
+                         space=SearchSpace(stages=(3,), accum=(1,), remat=("none", "full"), offload=("none",),
+                                           prefetch=(0,)))
+    assert result.compiled == 1 and result.shared == 1 and len(result) == 2
+    assert result[0].program == result[1].program and result[0].memory == result[1].memory
+
+
+def test_cost_analysis_is_per_device_and_checked_against_a_known_matmul():
+    """XLA's count for a matmul split over the 8 devices is one device's share, 2·M·K·N/8."""
+    mesh = zj.make_mesh()
+    m, k, n = 512, 256, 128
+    x = jax.ShapeDtypeStruct((m, k), "float32", sharding=NamedSharding(mesh, P("data")))
+    w = jax.ShapeDtypeStruct((k, n), "float32", sharding=NamedSharding(mesh, P()))
+    compiled = jax.jit(jnp.matmul).lower(x, w).compile()
+    cost = step_cost(compiled, mesh)
+    assert cost.flops == 2 * m * k * n / 8
+    assert cost.traffic == ()  # nothing to communicate
+    assert cost.seconds(SPEC) == pytest.approx(2 * m * k * n / 8 / 1e10 + cost.bytes_accessed / 1e9)
+    # One device's matmul is (64, 256) @ (256, 128): M·N·K = 128³, priced at a 128-sided matmul's rate.
+    assert cost.matmuls == ((128.0, 2 * m * k * n / 8),)
+    curved = dataclasses.replace(SPEC, matmul_curve=((128, 2.5e9), (512, 1e10)))
+    assert cost.seconds(curved) == pytest.approx(2 * m * k * n / 8 / 2.5e9 + cost.bytes_accessed / 1e9)
+
+
+def test_loops_are_counted_per_iteration():
+    """cost_analysis() counts a scan body once; the corrected count equals the unrolled
+    program's own cost_analysis(), and the parse alone reproduces XLA's loop-free count."""
+    def scanned(ws, x):
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+
+    def unrolled(ws, x):
+        for i in range(ws.shape[0]):
+            x = jnp.tanh(x @ ws[i])
+        return x
+
+    ws, x = jnp.ones((6, 128, 128)), jnp.ones((64, 128))
+    loop = hlo_cost.loop_cost(jax.jit(scanned).lower(ws, x).compile())
+    flat = jax.jit(unrolled).lower(ws, x).compile()
+    xla = flat.cost_analysis()
+    xla = xla[0] if isinstance(xla, list) else xla
+    assert loop.xla_flops < xla["flops"] / 5  # one iteration of six
+    assert loop.flops == pytest.approx(xla["flops"], rel=1e-3)
+    assert hlo_cost.parsed_cost(flat.as_text()) == (xla["flops"], xla["bytes accessed"])
+
+
+def test_cpu_compile_option_leaves_memory_and_cost_unchanged():
+    mesh = zj.make_mesh()
+    cfg = zj.ZeroConfig(stage=3, grad_accum_steps=2)
+    state = zj.abstract_state(tiny_params(), optax.adam(1e-3), mesh=mesh, config=cfg)
+    batch = jax.ShapeDtypeStruct(BATCH.shape, BATCH.dtype, sharding=NamedSharding(state.plan.mesh, P("data")))
+    lowered = zj.make_train_step(tiny_loss, optax.adam(1e-3), mesh=mesh, config=cfg).lower(state, batch)
+    fast = lowered.compile(**search_module._compile_options(mesh))
+    default = lowered.compile()
+    assert zj.compiled_bytes(fast) == zj.compiled_bytes(default)
+    assert step_cost(fast, mesh) == step_cost(default, mesh)
+
+
+def test_known_devices_and_calibration():
+    h100 = device_spec("H100")
+    assert (h100.peak_flops, h100.hbm_bandwidth, h100.source) == (989.4e12, 3.35e12, "datasheet")
+    assert device_spec("NVIDIA H200").hbm_bandwidth == 4.8e12 and device_spec("a100").peak_flops == 312e12
+    assert device_spec("TPU v5 lite").name == "Google TPU v5e" and device_spec("tpu-v5p").peak_flops == 459e12
+    assert h100.axis_bandwidth(8) == 450e9 and h100.axis_bandwidth(64) == 50e9  # NVLink in a node, IB across
+    assert device_spec(SPEC) is SPEC
+    mesh = zj.make_mesh()
+    measured = device_spec(None, mesh)  # the CPU backend is measured, once per process
+    assert measured.source == "calibrated" and not measured.async_collectives
+    assert device_spec("calibrate", mesh) is measured
+    with pytest.raises(ValueError, match="no datasheet figures for device 'B300'"):
+        device_spec("B300")
+
+
+def test_memory_budget_parsing():
+    assert parse_memory("80GiB") == 80 * 2**30 and parse_memory("16GB") == 16 * 10**9
+    assert parse_memory("512 MiB") == 512 * MIB and parse_memory(3 * 2**30) == 3 * 2**30
+
+
+@pytest.mark.parametrize("memory,match", [
+    (80, r"memory=80 is 80 B per device, under 1 MiB"),
+    ("0.5MiB", r"under 1 MiB"),
+    ("2TiB", r"2.00 TiB per device, more than any accelerator has \(the largest known, NVIDIA H200 SXM, has 141 GB\)"),
+    ("eighty", r"memory='eighty' is not a size"),
+])
+def test_a_budget_in_the_wrong_unit_is_refused_before_compiling(memory, match, monkeypatch):
+    monkeypatch.setattr(search_module, "abstract_state", _never)
+    with pytest.raises(ValueError, match=match):
+        zj.autotune(tiny_loss, tiny_params(), optax.adam(1e-3), BATCH, mesh=zj.make_mesh(), memory=memory,
+                    device=SPEC)
+
+
+def test_a_batch_no_accumulation_count_divides_names_the_valid_sizes(monkeypatch):
+    monkeypatch.setattr(search_module, "abstract_state", _never)
+    with pytest.raises(ValueError, match=r"global batch of 30 rows does not split over the 8 devices.*24 or 32"):
+        zj.autotune(tiny_loss, tiny_params(), optax.adam(1e-3), jax.ShapeDtypeStruct((30, D_IN), "float32"),
+                    mesh=zj.make_mesh(), memory="2MiB", device=SPEC)
+    with pytest.raises(ValueError, match=r"gives each of the 8 devices 2 rows, which no accumulation count tried "
+                                         r"\(3\) divides\. Use a global batch of 24 rows"):
+        zj.autotune(tiny_loss, tiny_params(), optax.adam(1e-3), jax.ShapeDtypeStruct((16, D_IN), "float32"),
+                    mesh=zj.make_mesh(), memory="2MiB", device=SPEC, space=SearchSpace(accum=(3,)))
+
+
+def test_nothing_fits_by_the_formula_is_refused_before_compiling(monkeypatch):
+    monkeypatch.setattr(search_module, "abstract_state", _never)
+    big = {"w": jax.ShapeDtypeStruct((2048, 2048), "float32")}  # Ψ = 4M: stage 3's 12Ψ/8 = 6 MiB
+    with pytest.raises(ValueError) as e:
+        zj.autotune(tiny_loss, big, optax.adam(1e-3), BATCH, mesh=zj.make_mesh(), memory="4MiB", device=SPEC,
+                    space=SearchSpace(offload=("none",)))
+    msg = str(e.value)
+    assert "the smallest, stage 3, accum 1, remat none, holds 6.00 MiB of persistent state alone" in msg
+    assert "6.60 MiB with the 10% margin), 2.60 MiB over the budget. Nothing was compiled." in msg
+    assert "offload (SearchSpace(offload=('params',))" in msg and "more devices" in msg
+
+
+def test_nothing_fits_after_compiling_names_the_smallest_plan_and_the_next_lever():
+    space = SearchSpace(stages=(3,), accum=(1,), remat=("none",), offload=("none",), prefetch=(0,))
+    with pytest.raises(ValueError) as e:
+        zj.autotune(tiny_loss, tiny_params(), optax.adam(1e-3), jax.ShapeDtypeStruct((2048, D_IN), "float32"),
+                    mesh=zj.make_mesh(), memory="1MiB", device=SPEC, space=space)
+    msg = str(e.value)
+    assert "no configuration fits 1.00 MiB per device: the smallest compiled, stage 3, accum 1, remat none" in msg
+    assert "over the budget" in msg and "a smaller micro-batch (grad_accum_steps=2 or more" in msg
+    assert "offload" in msg and "more devices" in msg
+
+
+def test_zero_memory_analysis_falls_back_to_the_formula_with_a_warning(monkeypatch):
+    """jax issue #18954: some GPU builds report zeros; then the plan is not called a fit for free."""
+    zeros = {k: 0 for k in ("argument", "output", "alias", "temp", "host_temp", "host_argument", "total")}
+    monkeypatch.setattr(search_module, "compiled_bytes", lambda compiled: dict(zeros))
+    space = SearchSpace(stages=(3,), accum=(1,), remat=("none",), offload=("none",), prefetch=(0,))
+    with pytest.warns(RuntimeWarning, match="#18954"):
+        result = zj.autotune(tiny_loss, tiny_params(), optax.adam(1e-3), BATCH, mesh=zj.make_mesh(),
+                             memory="2MiB", device=SPEC, space=space)
+    mem = result.best.memory
+    psi = 2 * D_IN * D_HID
+    state = int(np.ceil(zj.zero_formula_bytes(psi, 8, 3, opt_bytes=(8 * psi + 4) / psi, memory="device")))
+    assert mem.source == "formula" and mem.compiled == state + 32 * D_IN * 4 // 8 > 0
+    assert "*" in result.table()
+
+
+def test_the_search_skips_only_what_the_exhaustive_search_confirms():
+    """Candidates ruled out do not fit, dominated ones are predicted no faster than the plan
+    that dominates them, and the best plan is the exhaustive search's."""
+    kw = dict(mesh=zj.make_mesh(), memory="2MiB", device=SPEC,
+              space=SearchSpace(stages=(1, 2, 3), accum=(1, 2), remat=("none", "full"), offload=("none",),
+                                prefetch=(0,)))
+    params, batch = {"w": jax.ShapeDtypeStruct((512, 256), "float32")}, jax.ShapeDtypeStruct((64, 512), "float32")
+    loss = lambda p, x: jnp.mean(jnp.tanh(x @ p["w"]) ** 2)
+    fast = zj.autotune(loss, params, optax.adam(1e-3), batch, **kw)
+    full = zj.autotune(loss, params, optax.adam(1e-3), batch, exhaustive=True, **kw)
+    time_of = {p.config: p.time for p in full}
+    assert fast.best.config == full.best.config
+    assert full.compiled + full.shared == fast.candidates - len(fast.pruned) and not full.skipped
+    for s in fast.skipped:
+        if s.reason == "ruled out":
+            assert s.candidate.config not in time_of
+        else:
+            assert time_of[s.candidate.config] >= time_of[s.by.config]
+    assert {p.config for p in fast} <= set(time_of)
+
+
+def test_search_space_and_results_are_validated():
+    with pytest.raises(ValueError, match="SearchSpace.stages values must be among"):
+        SearchSpace(stages=(4,))
+    with pytest.raises(ValueError, match="unknown remat policy 'most'"):
+        SearchSpace(remat=("most",))
+    with pytest.raises(ValueError, match="SearchSpace.accum must be positive ints"):
+        SearchSpace(accum=(0,))
+    with pytest.raises(ValueError, match="DeviceSpec.hbm_bandwidth must be a positive number"):
+        dataclasses.replace(SPEC, hbm_bandwidth=-1.0)
+    with pytest.raises(ValueError, match="margin must be a fraction in"):
+        zj.autotune(tiny_loss, tiny_params(), optax.adam(1e-3), BATCH, mesh=zj.make_mesh(), memory="2MiB",
+                    margin=1.5)
+    with pytest.raises(ValueError, match="this mesh also splits {'tensor': 2}"):
+        mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        zj.autotune(tiny_loss, tiny_params(), optax.adam(1e-3), BATCH, mesh=mesh, memory="2MiB", device=SPEC)
+
+
+def test_progress_is_reported_per_candidate(capsys):
+    seen = []
+    zj.autotune(tiny_loss, tiny_params(), optax.adam(1e-3), BATCH, mesh=zj.make_mesh(), memory="2MiB",
+                device=SPEC, space=SMALL, verbose=True, progress=lambda done, total, msg: seen.append((done, total)))
+    assert [d for d, _ in seen] == list(range(1, 9)) and {t for _, t in seen} == {8}
+    err = capsys.readouterr().err
+    assert "[1/8] stage 0, accum 1, remat none: pruned, state 3.00 MiB > 1.82 MiB" in err
+    assert "compiled in" in err
+
+
+def test_cli_tunes_a_users_function(tmp_path, monkeypatch, capsys):
+    (tmp_path / "tiny_setup.py").write_text(textwrap.dedent(f"""
+        import jax, jax.numpy as jnp, optax
+        import zerojax as zj
+
+        def setup():
+            params = {{"w1": jax.ShapeDtypeStruct(({D_IN}, {D_HID}), "float32"),
+                      "w2": jax.ShapeDtypeStruct(({D_HID}, {D_IN}), "float32")}}
+            loss = lambda p, x: jnp.mean(jnp.tanh(jnp.tanh(x @ p["w1"]) @ p["w2"]) ** 2)
+            return loss, params, optax.adam(1e-3), jax.ShapeDtypeStruct((32, {D_IN}), "float32"), \\
+                zj.ZeroConfig(compute_dtype="bfloat16")
+
+        def setup_big():
+            _, _, tx, batch, config = setup()
+            loss = lambda p, x: jnp.mean(x @ p["w"][:{D_IN}])
+            return loss, {{"w": jax.ShapeDtypeStruct((2048, 2048), "float32")}}, tx, batch, config
+    """))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    from zerojax import cli
+
+    assert cli.main(["autotune", "tiny_setup:setup", "--devices", "8", "--memory", "4MiB", "--device", "h100",
+                     "--accum", "1", "--remat", "none", "--offload", "none", "--prefetch", "0", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "4 candidates for 4.00 MiB per device" in out
+    assert "| 1 | " in out and " | 1 (4) | none | none | 0 | bfloat16 |" in out
+    assert "best: zj.ZeroConfig(" in out and "compute_dtype='bfloat16'" in out and "NVIDIA H100" in out
+    with pytest.raises(SystemExit) as e:
+        cli.main(["autotune", "tiny_setup:setup", "--memory", "80", "--quiet"])
+    assert e.value.code == 2 and "under 1 MiB" in capsys.readouterr().err
+    assert cli.main(["autotune", "tiny_setup:setup_big", "--memory", "4MiB", "--offload", "none", "--quiet"]) == 1
+    assert "zerojax autotune: no configuration fits 4.00 MiB per device" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_tunes_the_experiments_gpt_in_its_own_process():
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "zerojax.cli", "autotune", "--model", "gpt", "--d-model", "64",
+                          "--layers", "2", "--batch", "16", "--devices", "8", "--memory", "16MiB", "--stages", "2,3",
+                          "--accum", "1", "--remat", "none,full", "--offload", "none", "--prefetch", "0",
+                          "--device", "h100", "--quiet"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "GPT d_model 64, 2 layers" in out.stdout and "8 cpu devices" in out.stdout
+    assert "best: zj.ZeroConfig(" in out.stdout
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("nothing may be compiled (or traced) before the input is checked")

@@ -1,0 +1,232 @@
+"""The configurations the tuner considers, and what can be said of them before compiling.
+
+A candidate is the user's :class:`~zerojax.ZeroConfig` with the tuned fields set: stage,
+``grad_accum_steps``, remat policy, offload, prefetch and gather dtype; every other field
+(compute dtype, clipping, loss scaling, ...) is the user's. :class:`SearchSpace` says which
+values each tuned field takes.
+
+Before anything is compiled a candidate whose persistent state alone
+(:func:`zerojax.zero_formula_bytes`, on the device) exceeds the usable budget is pruned:
+its compiled program holds that state as arguments, so it cannot fit.
+
+Three levers only ever trade time for memory: accumulation (more micro-batches: the same
+FLOPs, weights read again and, at stages 2–3, collectives run again per micro-batch), remat
+(more recompute: ``none`` < ``dots`` < ``dots_no_batch`` < ``full``) and offload (state
+crossing the host link: ``none`` < ``optimizer`` < ``params``). Candidates that agree on
+everything else form a family, ordered by :func:`more_levers`. Within a family the search
+(:mod:`zerojax.tuning.search`) uses two rules:
+
+* a candidate that pulls every lever at least as far as one that fits is never predicted
+  faster than it: it is not compiled (*dominated*);
+* a candidate that pulls no lever further than one that does not fit needs at least its
+  memory: it is not compiled either (*ruled out*). Accumulation is monotone in memory only
+  from 2 micro-batches on (the gradient accumulator exists from k = 2), so k = 1 is
+  compared only with k = 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from zerojax.config import ZeroConfig
+from zerojax.remat.policy import Remat, resolve
+from zerojax.report.memory import zero_formula_bytes
+
+OFFLOADS = ("none", "optimizer", "params")
+_REMAT_RANK = {"none": 0, "dots": 1, "dots_no_batch": 2, "full": 3}  # recompute, least to most
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchSpace:
+    """The values the tuner tries for each tuned ``ZeroConfig`` field.
+
+    Fields:
+      stages: ZeRO stages (0–3).
+      accum: accumulation counts to try; None: every count that divides the rows each device
+        gets of the global batch (up to ``max_accum``).
+      max_accum: the largest accumulation count tried when ``accum`` is None.
+      remat: remat policies (names of :mod:`zerojax.remat`, or ``zj.remat.Remat``).
+      offload: "none", "optimizer" (``offload_optimizer``, stages 1–3) and "params"
+        (``offload_optimizer`` and ``offload_params``, stage 3).
+      prefetch: layers gathered ahead at stage 3 (other stages take 0).
+      gather_dtypes: stage 3's weight-gather dtype: None (the compute dtype) and/or "int8"
+        (ZeRO++'s qwZ, lossy: opt in by listing it).
+
+    Combinations a ``ZeroConfig`` refuses (offload at stage 0, prefetch with offloaded
+    parameters, ...) are left out.
+
+    Example:
+      >>> from zerojax.tuning import SearchSpace
+      >>> SearchSpace(stages=(2, 3), remat=("full",)).remat
+      ('full',)
+      >>> SearchSpace(offload=("disk",))
+      Traceback (most recent call last):
+      ...
+      ValueError: SearchSpace.offload values must be among ('none', 'optimizer', 'params'), got ('disk',).
+    """
+
+    stages: tuple[int, ...] = (0, 1, 2, 3)
+    accum: tuple[int, ...] | None = None
+    max_accum: int = 16
+    remat: tuple[Any, ...] = ("none", "dots", "full")
+    offload: tuple[str, ...] = OFFLOADS
+    prefetch: tuple[int, ...] = (0, 1)
+    gather_dtypes: tuple[Any, ...] = (None,)
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)
+        for name in ("stages", "remat", "offload", "prefetch", "gather_dtypes"):
+            value = getattr(self, name)
+            if isinstance(value, (str, int, Remat)) or value is None:
+                value = (value,)
+            value = tuple(dict.fromkeys(value))
+            if not value:
+                raise ValueError(f"SearchSpace.{name} is empty; give at least one value.")
+            set_(name, value)
+        if any(isinstance(s, bool) or s not in (0, 1, 2, 3) for s in self.stages):
+            raise ValueError(f"SearchSpace.stages values must be among (0, 1, 2, 3), got {self.stages}.")
+        for r in self.remat:
+            resolve(r)  # an unknown policy raises here, naming the valid ones
+        if any(o not in OFFLOADS for o in self.offload):
+            raise ValueError(f"SearchSpace.offload values must be among {OFFLOADS}, got {self.offload}.")
+        if any(isinstance(p, bool) or not isinstance(p, int) or p < 0 for p in self.prefetch):
+            raise ValueError(f"SearchSpace.prefetch values must be ints >= 0, got {self.prefetch}.")
+        if any(g not in (None, "int8") for g in self.gather_dtypes):
+            raise ValueError(f"SearchSpace.gather_dtypes values must be None or 'int8', got {self.gather_dtypes}.")
+        if self.accum is not None:
+            accum = (self.accum,) if isinstance(self.accum, int) else tuple(dict.fromkeys(self.accum))
+            if not accum or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in accum):
+                raise ValueError(f"SearchSpace.accum must be positive ints (or None: every divisor), "
+                                 f"got {self.accum!r}.")
+            set_("accum", tuple(sorted(accum)))
+        if isinstance(self.max_accum, bool) or not isinstance(self.max_accum, int) or self.max_accum < 1:
+            raise ValueError(f"SearchSpace.max_accum must be a positive int, got {self.max_accum!r}.")
+
+    def accumulation_counts(self, rows_per_device: int) -> tuple[int, ...]:
+        """The counts tried for ``rows_per_device`` rows: those of ``accum`` (or every count
+        up to ``max_accum``) that divide it.
+
+        Example:
+          >>> from zerojax.tuning import SearchSpace
+          >>> SearchSpace().accumulation_counts(12)
+          (1, 2, 3, 4, 6, 12)
+          >>> SearchSpace(accum=(2, 5)).accumulation_counts(12)
+          (2,)
+        """
+        tried = self.accum if self.accum is not None else range(1, self.max_accum + 1)
+        return tuple(k for k in tried if rows_per_device % k == 0)
+
+    def tried_counts(self) -> tuple[int, ...]:
+        """The accumulation counts asked for, before any batch divides them."""
+        return self.accum if self.accum is not None else tuple(range(1, self.max_accum + 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A configuration to consider, with its formula bytes (persistent state per device on
+    the device, :func:`zerojax.zero_formula_bytes`) and offload name."""
+
+    config: ZeroConfig
+    offload: str
+    formula_bytes: float
+
+    @property
+    def family(self) -> tuple:
+        """What the levers leave fixed: stage, prefetch, gather dtype, and a remat policy
+        outside the ranked ones (named values, host offload of activations)."""
+        c = self.config
+        rank = _REMAT_RANK.get(c.remat.kind)
+        return (c.stage, c.prefetch, c.gather_dtype, c.remat if rank is None else None)
+
+    @property
+    def levers(self) -> tuple[int, int, int]:
+        """(accumulation count, remat rank, offload rank)."""
+        return (self.config.grad_accum_steps, _REMAT_RANK.get(self.config.remat.kind, 0),
+                OFFLOADS.index(self.offload))
+
+    def describe(self) -> str:
+        """A short name: ``stage 3, accum 2, remat full, offload optimizer, prefetch 1``."""
+        c = self.config
+        parts = [f"stage {c.stage}", f"accum {c.grad_accum_steps}", f"remat {remat_name(c.remat)}"]
+        if self.offload != "none":
+            parts.append(f"offload {self.offload}")
+        if c.prefetch:
+            parts.append(f"prefetch {c.prefetch}")
+        if c.gather_dtype is not None:
+            parts.append(f"gather {c.gather_dtype}")
+        return ", ".join(parts)
+
+
+def remat_name(remat: Remat) -> str:
+    return remat.kind if not remat.names else f"{remat.kind}({','.join(remat.names)})"
+
+
+def more_levers(c: Candidate, d: Candidate) -> bool:
+    """Whether ``c`` pulls every lever at least as far as ``d`` (same family): never
+    predicted faster than ``d``, and never needing more memory."""
+    return c.family == d.family and all(a >= b for a, b in zip(c.levers, d.levers))
+
+
+def needs_more_memory(c: Candidate, d: Candidate) -> bool:
+    """Whether ``c`` needs at least ``d``'s memory: same family, no lever pulled further
+    (accumulation compared within k = 1 or within k >= 2, see the module docstring)."""
+    if c.family != d.family:
+        return False
+    (kc, rc, oc), (kd, rd, od) = c.levers, d.levers
+    k_ok = kc == kd or (2 <= kc <= kd)
+    return k_ok and rc <= rd and oc <= od
+
+
+def enumerate_candidates(base: ZeroConfig, space: SearchSpace, counts: Sequence[int], *, num_params: float,
+                         shards: int, opt_bytes: float) -> list[Candidate]:
+    """Every valid configuration of ``space`` over ``base`` with accumulation ``counts``,
+    each with its persistent device bytes (``num_params`` trainable parameters sharded over
+    ``shards`` devices, ``opt_bytes`` of optimizer state per parameter)."""
+    out: list[Candidate] = []
+    for stage in space.stages:
+        for offload in space.offload:
+            if (offload != "none" and stage == 0) or (offload == "params" and stage != 3):
+                continue
+            formula = zero_formula_bytes(num_params, shards, stage, compute_dtype=base.compute_dtype,
+                                         opt_bytes=opt_bytes, offload_optimizer=offload != "none",
+                                         offload_params=offload == "params", memory="device")
+            for prefetch in (space.prefetch if stage == 3 else (0,)):
+                if prefetch and offload == "params":
+                    continue
+                for gather in (space.gather_dtypes if stage == 3 else (None,)):
+                    for remat in space.remat:
+                        for k in counts:
+                            config = dataclasses.replace(
+                                base, stage=stage, grad_accum_steps=k, remat=resolve(remat), prefetch=prefetch,
+                                offload_optimizer=offload != "none", offload_params=offload == "params",
+                                gather_dtype=gather)
+                            out.append(Candidate(config=config, offload=offload, formula_bytes=formula))
+    return _unique(out)
+
+
+def _unique(cands: list[Candidate]) -> list[Candidate]:
+    seen, out = set(), []
+    for c in cands:
+        if c.config not in seen:
+            seen.add(c.config)
+            out.append(c)
+    return out
+
+
+def valid_batch_sizes(global_batch: int, batch_devices: int, counts: Sequence[int]) -> tuple[int, int | None]:
+    """The nearest global batch sizes (below, above) that split over ``batch_devices``
+    devices and at least one of ``counts`` micro-batches.
+
+    Example:
+      >>> from zerojax.tuning.candidates import valid_batch_sizes
+      >>> valid_batch_sizes(30, 8, (1, 2, 4))
+      (24, 32)
+      >>> valid_batch_sizes(30, 8, (3,))
+      (24, 48)
+    """
+    unit = lambda b: any(b % (batch_devices * k) == 0 for k in counts)
+    below = next((b for b in range(global_batch - 1, 0, -1) if unit(b)), None)
+    above = next(b for b in range(global_batch + 1, global_batch + batch_devices * max(counts) + 1) if unit(b))
+    return below, above

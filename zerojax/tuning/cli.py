@@ -1,0 +1,217 @@
+"""``zerojax autotune``: the tuner on the command line.
+
+    zerojax autotune --model gpt --d-model 512 --layers 8 --batch 64 --devices 8 --memory 16GiB
+    zerojax autotune --model gpt-7.5b --batch 512 --devices 64 --device h100 --memory 80GB --dtype bfloat16
+    zerojax autotune my_script:setup --devices 8 --memory 16GiB
+
+``--model gpt`` builds the experiments' GPT (``experiments/gpt.py`` of a zerojax checkout)
+from ``--d-model``, ``--layers``, ``--heads``, ``--seq-len`` and ``--vocab``; ``--model NAME``
+takes those from a GPT preset of ``zerojax estimate`` (``gpt2-small`` … ``gpt-7.5b``).
+``module:function`` imports ``module`` (from the current directory too) and calls
+``function()``, which returns ``(loss_fn, params, tx, batch)`` or
+``(loss_fn, params, tx, batch, config)``; params and batch may be shapes.
+
+Nothing is allocated: the steps are compiled ahead of time on the shapes, for ``--devices``
+devices of this machine's backend (simulated CPU devices when there is no accelerator, set
+before JAX starts). ``--device`` names the accelerator whose rates price the steps
+(datasheet figures; default: this machine's devices, measured on the CPU backend). On
+simulated CPU devices the memory is the CPU compiler's: state and batch exact for any
+backend, temporaries an estimate of an accelerator's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+OPTIMIZERS = ("adam", "adamw", "sgd", "adafactor")
+
+
+def parser(prog: str = "zerojax autotune") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description="the ZeRO configurations that fit, fastest predicted first "
+                                 "(compiled ahead of time; no step runs)")
+    ap.add_argument("target", nargs="?", default=None,
+                    help="module:function returning (loss_fn, params, tx, batch[, config]); or give --model")
+    ap.add_argument("--model", default=None, help="'gpt' (the experiments' GPT, sized by the flags below) or a GPT "
+                                                  "preset: gpt-tiny, gpt2-small, ..., gpt-7.5b")
+    ap.add_argument("--d-model", type=int, default=None)
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--heads", type=int, default=None, help="default: d_model / 64")
+    ap.add_argument("--seq-len", type=int, default=None)
+    ap.add_argument("--vocab", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: 1 per device)")
+    ap.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                    help="compute dtype of --model's GPT (the tuner keeps it; module:function's config keeps its own)")
+    ap.add_argument("--devices", type=int, default=None, help="devices to plan for (default: all of this machine's)")
+    ap.add_argument("--replicas", type=int, default=1, help="hybrid sharding: replica groups")
+    ap.add_argument("--memory", required=True, help="usable memory per device: 80GiB, 16GB, 512MiB")
+    ap.add_argument("--device", default=None, help="rates to price the steps: h100, h200, a100, tpu-v5e, tpu-v5p, "
+                                                   "tpu-v4, or 'calibrate' (measure this machine's devices)")
+    ap.add_argument("--margin", type=float, default=0.10, help="added to compiled bytes (default 0.10)")
+    ap.add_argument("--stages", default="0,1,2,3")
+    ap.add_argument("--accum", default=None, help="accumulation counts, e.g. 1,2,4 (default: all that divide)")
+    ap.add_argument("--remat", default="none,dots,full")
+    ap.add_argument("--offload", default="none,optimizer,params")
+    ap.add_argument("--prefetch", default="0,1")
+    ap.add_argument("--gather", default="none", help="stage 3 gather dtypes: none and/or int8 (lossy)")
+    ap.add_argument("--exhaustive", action="store_true", help="compile every candidate the formula does not prune")
+    ap.add_argument("--limit", type=int, default=10, help="plans shown (default 10)")
+    ap.add_argument("--quiet", action="store_true", help="no line per candidate on stderr")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "zerojax autotune") -> int:
+    ap = parser(prog)
+    args = ap.parse_args(argv)
+    if (args.target is None) == (args.model is None):
+        ap.error("give a module:function or --model, exactly one")
+    if args.devices is not None and args.devices < 1:
+        ap.error(f"--devices must be >= 1, got {args.devices}")
+    import jax
+
+    if args.devices is not None:
+        try:
+            jax.config.update("jax_num_cpu_devices", args.devices)  # before the backend starts; CPU only
+        except RuntimeError:
+            pass  # already started (called from Python): use what is there
+    import zerojax as zj
+    from zerojax.tuning.budget import parse_memory
+    from zerojax.tuning.candidates import SearchSpace
+
+    try:
+        budget = parse_memory(args.memory)
+        space = SearchSpace(stages=_ints(args.stages), accum=None if args.accum is None else _ints(args.accum),
+                            remat=tuple(args.remat.split(",")), offload=tuple(args.offload.split(",")),
+                            prefetch=_ints(args.prefetch),
+                            gather_dtypes=tuple(None if g == "none" else g for g in args.gather.split(",")))
+    except ValueError as e:
+        ap.error(str(e))
+    devices = jax.devices()
+    n = args.devices or len(devices)
+    if len(devices) < n:
+        ap.error(f"--devices {n}: only {len(devices)} {devices[0].platform} devices here (set before JAX starts: "
+                 f"run zerojax autotune as its own command)")
+    try:
+        mesh = zj.make_mesh(devices[:n], replicas=args.replicas)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.model is not None:
+        loss_fn, params, tx, batch, base, what = _gpt(args, ap, n)
+    else:
+        loss_fn, params, tx, batch, base = _user(args.target, ap)
+        what = args.target
+    base = dataclasses.replace(base, compute_dtype=args.dtype) if args.model is not None else base
+    from zerojax.tuning.search import autotune
+
+    groups = f" in {args.replicas} replica groups" if args.replicas > 1 else ""
+    print(f"{what}; {n} {devices[0].platform} devices{groups}, {args.memory} per device; jax {jax.__version__}",
+          flush=True)
+    try:
+        result = autotune(loss_fn, params, tx, batch, mesh=mesh, memory=budget, config=base, device=args.device,
+                          space=space, margin=args.margin, exhaustive=args.exhaustive, verbose=not args.quiet)
+    except ValueError as e:
+        print(f"zerojax autotune: {e}", file=sys.stderr)
+        return 1
+    print(result.table(limit=args.limit))
+    print(f"\nbest: {code(result.best.config)}")
+    if devices[0].platform == "cpu" and result.device.source == "datasheet":
+        print(f"(memory from the CPU compiler's program on {n} simulated devices: state and batch exact, temporaries "
+              f"an estimate of the {result.device.name}'s; time priced with its datasheet rates)")
+    return 0
+
+
+def code(config) -> str:
+    """The ``zj.ZeroConfig(...)`` call for ``config``: the fields that differ from the defaults.
+
+    Example:
+      >>> import zerojax as zj
+      >>> from zerojax.tuning.cli import code
+      >>> code(zj.ZeroConfig(stage=2, remat="full", grad_accum_steps=4))
+      "zj.ZeroConfig(stage=2, grad_accum_steps=4, remat='full')"
+    """
+    from zerojax.config import ZeroConfig
+
+    default = ZeroConfig()
+    parts = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if value != getattr(default, f.name):
+            if f.name == "remat":
+                value = value.kind if not value.names else value
+            parts.append(f"{f.name}={value!r}")
+    return f"zj.ZeroConfig({', '.join(parts)})"
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"{text!r} is not a comma-separated list of integers (e.g. 1,2,4)") from None
+
+
+def _gpt(args, ap, n: int):
+    """The experiments' GPT: (loss_fn, params, tx, batch, base config, description)."""
+    import jax
+    import optax
+
+    from zerojax.config import ZeroConfig
+    from zerojax.report.estimate import MODELS, GPTShape
+
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "experiments" / "gpt.py").is_file():
+        ap.error("--model builds the experiments' GPT (experiments/gpt.py of a zerojax checkout), which this "
+                 "installation does not have; pass module:function for your own model")
+    sys.path.insert(0, str(root))
+    from experiments import gpt
+
+    presets = {k: v for k, v in MODELS.items() if isinstance(v, GPTShape)}
+    if args.model == "gpt":
+        shape = GPTShape(vocab=256, seq_len=64, d_model=128, n_layers=4)
+    elif args.model in presets:
+        shape = presets[args.model]
+    else:
+        ap.error(f"unknown --model {args.model!r}; choose 'gpt' or one of {', '.join(presets)}")
+    d = args.d_model or shape.d_model
+    seq = args.seq_len or shape.seq_len
+    try:
+        cfg = gpt.GPTConfig(vocab=args.vocab or shape.vocab, seq_len=seq, d_model=d,
+                            n_layers=args.layers or shape.n_layers, n_heads=args.heads or max(1, d // 64),
+                            mlp_ratio=shape.mlp_ratio)
+    except ValueError as e:
+        ap.error(str(e))
+    graphdef, params = gpt.init_abstract(cfg)
+    batch_size = args.batch or n
+    tokens = jax.ShapeDtypeStruct((batch_size, seq + 1), "int32")
+    tx = {"adam": lambda: optax.adam(1e-4), "adamw": lambda: optax.adamw(1e-4), "sgd": lambda: optax.sgd(1e-2),
+          "adafactor": lambda: optax.adafactor(1e-3)}[args.optimizer]()
+    what = (f"GPT d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads, seq {seq}, vocab {cfg.vocab}: "
+            f"Ψ = {cfg.num_params():,}; global batch {batch_size}; {args.optimizer}, {args.dtype} compute")
+    return gpt.make_loss(graphdef), params, tx, {"tokens": tokens}, ZeroConfig(), what
+
+
+def _user(target: str, ap) -> tuple[Any, Any, Any, Any, Any]:
+    from zerojax.config import ZeroConfig
+
+    module_name, sep, fn_name = target.partition(":")
+    if not sep or not module_name or not fn_name:
+        ap.error(f"target must be module:function (e.g. train:setup), got {target!r}")
+    sys.path.insert(0, os.getcwd())
+    try:
+        fn = getattr(importlib.import_module(module_name), fn_name)
+    except (ImportError, AttributeError) as e:
+        ap.error(f"cannot load {target}: {e}")
+    out = fn()
+    if not isinstance(out, tuple) or len(out) not in (4, 5):
+        ap.error(f"{target}() must return (loss_fn, params, tx, batch) or (loss_fn, params, tx, batch, config), "
+                 f"got {type(out).__name__}")
+    base = out[4] if len(out) == 5 else ZeroConfig()
+    if not isinstance(base, ZeroConfig):
+        ap.error(f"{target}()'s fifth value must be a zj.ZeroConfig, got {type(base).__name__}")
+    return out[0], out[1], out[2], out[3], base

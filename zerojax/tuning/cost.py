@@ -1,0 +1,135 @@
+"""The time model: seconds per step from a compiled program and a device's rates.
+
+Read from the compiled program, per device and per step (nothing runs):
+
+* FLOPs and bytes accessed: ``cost_analysis()`` (which reports one device's partitioned
+  program), with the loop iterations it leaves out added from the HLO
+  (:mod:`zerojax.tuning.hlo_cost`);
+* collective bytes per set of mesh axes, and how many collectives run:
+  :func:`zerojax.communication_report`;
+* host traffic of offloaded state: every offloaded byte crosses the host link, or is
+  touched by the host's update, once each way per step (2 × the offloaded state).
+
+Then, with a :class:`~zerojax.tuning.DeviceSpec`::
+
+    compute = Σ_matmuls FLOPs / rate(size) + other FLOPs / peak + bytes accessed / memory bandwidth
+    comm    = Σ_axes paper-unit bytes · (g − 1)/g / bandwidth(g) + collectives · latency
+    host    = 2 · offloaded bytes / host bandwidth
+    time    = compute + comm + host, or max(compute, comm) + host where the device runs
+              collectives asynchronously and the program gathers ahead (stage 3 prefetch)
+
+``rate(size)`` is the peak FLOP/s of the compute dtype for datasheet devices, and for measured
+ones the rate a square matmul of that size reached (a CPU runs a 128-sided matmul at a third
+of a 512-sided one's rate; small matmuls are most of a small model's). ``g`` is the number of
+devices a collective spans; a ring moves (g − 1)/g of the buffer per
+device, in the paper's units (an all-reduce twice). Summing compute and memory time rather
+than taking their maximum prices each kernel as bound by one of the two (matmuls by FLOPs,
+elementwise work by bytes), which is closer to the sum of per-kernel rooflines than a
+roofline of the totals.
+
+The figures are one device's; the step's time is that device's, all devices running the
+same program. Datasheet peaks make absolute times optimistic on accelerators (no kernel runs
+at peak); what the tuner needs is the order of the candidates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from zerojax.tuning.devices import DeviceSpec
+from zerojax.tuning.hlo_cost import loop_cost
+from zerojax.report.comm import communication_report
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisTraffic:
+    """Collectives over one set of mesh axes, per device per step."""
+
+    axes: str  # "data", "replica", "replica+data", ...
+    group_size: int  # devices each collective spans
+    bytes: float  # in the paper's units (an all-reduce counts twice its buffer)
+    count: int  # collectives run
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """What one step of a compiled program does on one device (see the module docstring).
+
+    Example (a matmul split over the 8 devices: a device does 1/8 of the FLOPs):
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> import zerojax as zj
+      >>> from zerojax.tuning import DeviceSpec
+      >>> from zerojax.tuning.cost import step_cost
+      >>> mesh = zj.make_mesh()
+      >>> x = jax.ShapeDtypeStruct((512, 256), "float32", sharding=NamedSharding(mesh, P("data")))
+      >>> w = jax.ShapeDtypeStruct((256, 128), "float32", sharding=NamedSharding(mesh, P()))
+      >>> cost = step_cost(jax.jit(jnp.matmul).lower(x, w).compile(), mesh)
+      >>> cost.flops == 2 * 512 * 256 * 128 / 8
+      True
+      >>> spec = DeviceSpec(name="1 TFLOP/s", peak_flops=1e12, peak_flops_fp32=1e12, hbm_bandwidth=1e18,
+      ...                   link_bandwidth=1e18)
+      >>> round(cost.seconds(spec) * 1e6, 2)   # microseconds: the FLOPs at 1e12 per second
+      4.19
+    """
+
+    flops: float
+    bytes_accessed: float
+    traffic: tuple[AxisTraffic, ...] = ()
+    host_bytes: float = 0.0
+    compute_dtype: str = "float32"
+    overlap: bool = False  # gathers issued ahead of their use (stage 3 prefetch)
+    matmuls: tuple[tuple[float, float], ...] = ()  # (side, FLOPs) of the matmuls, part of ``flops``
+
+    def __post_init__(self) -> None:
+        for name in ("flops", "bytes_accessed", "host_bytes"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"StepCost.{name} must be a finite number >= 0, got {value!r}.")
+
+    @property
+    def comm_bytes(self) -> float:
+        return sum(t.bytes for t in self.traffic)
+
+    @property
+    def collectives(self) -> int:
+        return sum(t.count for t in self.traffic)
+
+    def breakdown(self, spec: DeviceSpec) -> dict[str, float]:
+        """Seconds per part: ``compute`` (FLOPs), ``memory`` (bytes accessed), ``comm``
+        (collective bytes and latency), ``host`` (offload traffic), and the ``total``."""
+        matmul_flops = sum(f for _, f in self.matmuls)
+        compute = sum(f / spec.matmul_rate(side, self.compute_dtype) for side, f in self.matmuls) + \
+            max(self.flops - matmul_flops, 0.0) / spec.flops_for(self.compute_dtype)
+        memory = self.bytes_accessed / spec.hbm_bandwidth
+        comm = sum(t.bytes * (t.group_size - 1) / t.group_size / spec.axis_bandwidth(t.group_size)
+                   + t.count * spec.collective_latency for t in self.traffic if t.group_size > 1)
+        host = self.host_bytes / spec.host_bandwidth
+        if self.overlap and spec.async_collectives:
+            total = max(compute + memory, comm) + host
+        else:
+            total = compute + memory + comm + host
+        return {"compute": compute, "memory": memory, "comm": comm, "host": host, "total": total}
+
+    def seconds(self, spec: DeviceSpec) -> float:
+        """Predicted seconds per step on devices of ``spec``."""
+        return self.breakdown(spec)["total"]
+
+
+def step_cost(compiled, mesh, *, compute_dtype: str = "float32", host_state_bytes: float = 0.0,
+              overlap: bool = False) -> StepCost:
+    """The :class:`StepCost` of ``compiled`` (a program compiled over ``mesh``):
+    FLOPs and bytes with every loop iteration, collectives per set of mesh axes,
+    ``host_state_bytes`` of offloaded state (crossing the host link twice)."""
+    lc = loop_cost(compiled)
+    report = communication_report(compiled, mesh=mesh)
+    sizes = dict(mesh.shape)
+    traffic = []
+    for axes, r in sorted(report.get("by_axis", {}).items()):
+        names = [a for a in axes.split("+") if a in sizes]
+        group = math.prod(sizes[a] for a in names) if names else 1
+        traffic.append(AxisTraffic(axes=axes, group_size=group, bytes=float(r["zero_bytes"]), count=int(r["count"])))
+    return StepCost(flops=lc.flops, bytes_accessed=lc.bytes, traffic=tuple(traffic),
+                    host_bytes=2.0 * float(host_state_bytes), compute_dtype=compute_dtype, overlap=overlap,
+                    matmuls=lc.matmuls)

@@ -1,0 +1,134 @@
+"""What is checked, and said, before anything compiles: the parameters' size and optimizer
+bytes, the batch against the mesh, and the errors that name what would fit."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+from zerojax.tuning.budget import fmt_bytes
+from zerojax.tuning.candidates import Candidate, SearchSpace, valid_batch_sizes
+from zerojax.config import ZeroConfig
+from zerojax.state import is_init_fn
+
+
+def abstract_params(params: Any) -> Any:
+    """The parameters as ``jax.ShapeDtypeStruct`` leaves (an init function is traced, not run)."""
+    if is_init_fn(params):
+        return jax.eval_shape(params)
+    return jax.tree.map(lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else
+                        jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+
+
+def param_counts(shapes: Any, tx: Any) -> tuple[int, float]:
+    """(Ψ, optimizer-state bytes per parameter): the optimizer's own state for fp32
+    masters, divided by Ψ."""
+    import jax.numpy as jnp
+
+    leaves = jax.tree.leaves(shapes)
+    psi = sum(math.prod(x.shape) for x in leaves)
+    if psi == 0:
+        raise ValueError("params has no elements; pass the model's parameters (or their shapes).")
+    masters = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)
+                           if jnp.issubdtype(x.dtype, jnp.floating) else x, shapes)
+    opt = jax.eval_shape(tx.init, masters)
+    opt_bytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(opt))
+    return psi, opt_bytes / psi
+
+
+def batch_devices(mesh, config: ZeroConfig) -> int:
+    sizes = dict(mesh.shape)
+    return sizes[config.axis] * sizes.get(config.replica_axis, 1)
+
+
+def rows_per_device(batch: Any, mesh, config: ZeroConfig) -> tuple[int, int]:
+    """(rows per device, global rows) of a batch, checked: leaves with a leading axis, all
+    of one size, divisible over the batch devices."""
+    if config.axis not in mesh.axis_names:
+        raise ValueError(f"the mesh has no axis {config.axis!r} (ZeroConfig.axis); its axes: {mesh.axis_names}.")
+    other = {a: s for a, s in dict(mesh.shape).items() if a not in (config.axis, config.replica_axis) and s > 1}
+    if other:
+        raise ValueError(f"autotune searches ZeRO over the data axis {config.axis!r} (and {config.replica_axis!r} for "
+                         f"hybrid sharding); this mesh also splits {other}, whose memory its formulas do not model. "
+                         f"Tune on the mesh without those axes.")
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    if not leaves:
+        raise ValueError("batch has no arrays; pass one global batch (arrays or jax.ShapeDtypeStruct).")
+    sizes = {}
+    for path, x in leaves:
+        shape = np.shape(x) if not hasattr(x, "shape") else tuple(x.shape)
+        if not shape:
+            raise ValueError(f"batch leaf {jax.tree_util.keystr(path) or '<root>'} has no leading axis; every leaf "
+                             "is split over the devices along its first dimension.")
+        sizes[jax.tree_util.keystr(path) or "<root>"] = shape[0]
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"batch leaves have different leading sizes {sizes}; give one global batch.")
+    global_batch = next(iter(sizes.values()))
+    n = batch_devices(mesh, config)
+    if global_batch % n:
+        below, above = valid_batch_sizes(global_batch, n, (1,))
+        sizes_text = " or ".join(str(b) for b in (below, above) if b)
+        raise ValueError(f"the global batch of {global_batch} rows does not split over the {n} devices, whatever the "
+                         f"accumulation count; valid global batch sizes near it: {sizes_text} (multiples of {n}).")
+    return global_batch // n, global_batch
+
+
+def accumulation_counts(space: SearchSpace, rows: int, global_batch: int, devices: int) -> tuple[int, ...]:
+    """The accumulation counts of ``space`` that split ``rows`` per device; when none does,
+    an error naming the nearest global batch sizes that one would."""
+    counts = space.accumulation_counts(rows)
+    if not counts:
+        below, above = valid_batch_sizes(global_batch, devices, space.tried_counts())
+        sizes = " or ".join(str(b) for b in (below, above) if b)
+        raise ValueError(f"the global batch of {global_batch} rows gives each of the {devices} devices {rows} rows, "
+                         f"which no accumulation count tried ({_counts(space.tried_counts())}) divides. Use a global "
+                         f"batch of {sizes} rows, or other SearchSpace(accum=...) counts.")
+    return counts
+
+
+def _counts(counts) -> str:
+    counts = tuple(counts)
+    return ", ".join(map(str, counts)) if len(counts) <= 8 else f"{counts[0]}..{counts[-1]}"
+
+
+def nothing_fits_formula(pruned: list[Candidate], budget: int, margin: float, shards: int, psi: int) -> str:
+    """The error when every candidate's state alone is over the budget: the smallest, how
+    far over, the levers left."""
+    smallest = min(pruned, key=lambda c: c.formula_bytes)
+    need = smallest.formula_bytes * (1 + margin)
+    levers = []
+    if smallest.offload != "params":
+        levers.append("offload (SearchSpace(offload=('params',)) at stage 3 keeps the fp32 masters and optimizer "
+                      "state in host memory)")
+    ratio = math.ceil(need / budget)
+    levers.append(f"more devices (the state is sharded {shards} ways; about {ratio * shards} devices would hold "
+                  f"{fmt_bytes(need / ratio)} each)")
+    return (f"no configuration fits {fmt_bytes(budget)} per device: the smallest, {smallest.describe()}, holds "
+            f"{fmt_bytes(smallest.formula_bytes)} of persistent state alone ({psi:,} parameters; "
+            f"{fmt_bytes(need)} with the {margin:.0%} margin), {fmt_bytes(need - budget)} over the budget. Nothing "
+            f"was compiled. Next: {'; or '.join(levers)}.")
+
+
+def nothing_fits_compiled(plans: dict, space: SearchSpace, counts, rows: int, budget: int, margin: float) -> str:
+    """The error when no compiled plan fits: the smallest, how far over, the levers left."""
+    smallest = min(plans.items(), key=lambda kv: kv[1].memory.device)
+    cand, plan = smallest
+    over = plan.memory.device - budget
+    levers = []
+    bigger_k = [k for k in range(cand.config.grad_accum_steps + 1, rows + 1) if rows % k == 0]
+    if bigger_k and cand.config.grad_accum_steps >= max(counts):
+        levers.append(f"a smaller micro-batch (grad_accum_steps={bigger_k[0]} or more: SearchSpace(accum=...); "
+                      f"each device has {rows} rows)")
+    elif bigger_k:
+        levers.append("a smaller micro-batch (a larger grad_accum_steps)")
+    if cand.config.remat.kind not in ("full",) and "full" not in space.remat:
+        levers.append("remat='full' (SearchSpace(remat=('full',)))")
+    if cand.offload != "params":
+        levers.append("offload (SearchSpace(offload=('optimizer', 'params')) at stage 3)")
+    levers.append("more devices (stage 3's state is 12Ψ/N)")
+    return (f"no configuration fits {fmt_bytes(budget)} per device: the smallest compiled, {cand.describe()}, "
+            f"needs {fmt_bytes(plan.memory.device)} ({fmt_bytes(plan.memory.compiled)} compiled + {margin:.0%} "
+            f"margin), {fmt_bytes(over)} ({over / budget:.0%}) over the budget. Next: {'; or '.join(levers)}.")

@@ -1,0 +1,296 @@
+"""``zj.autotune``: which ZeRO configuration fits the devices, and which is fastest, without
+running a step.
+
+Everything the search decides, it decides before compiling where it can: the budget and the
+batch are checked, every candidate (:mod:`zerojax.tuning.candidates`) whose persistent
+state alone exceeds the budget is pruned, and the device's rates are looked up or measured
+(:mod:`zerojax.tuning.devices`). Then, family by family, the candidate pulling the fewest
+levers is compiled first (when it fits it dominates the whole family); after it, the one
+whose result decides the most others by the dominance rules, either way, like a bisection,
+until every candidate is compiled or decided.
+Each compile is ahead of time, on the parameters' and the batch's shapes: memory from
+``memory_analysis()`` (as :func:`zerojax.step_memory`), time from the cost model
+(:mod:`zerojax.tuning.cost`). Candidates that lower to the same program (a remat policy on
+a model with no layer loop) share one compile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zerojax.tuning.budget import check_margin, fmt_bytes, parse_memory, usable
+from zerojax.tuning.candidates import Candidate, SearchSpace, enumerate_candidates, more_levers, needs_more_memory
+from zerojax.tuning.cost import StepCost, step_cost
+from zerojax.tuning.devices import DeviceSpec, device_spec
+from zerojax.tuning.inputs import (
+    abstract_params,
+    accumulation_counts,
+    batch_devices,
+    nothing_fits_compiled,
+    nothing_fits_formula,
+    param_counts,
+    rows_per_device,
+)
+from zerojax.tuning.result import AutotuneResult, Plan, PlanMemory, Skipped
+from zerojax.config import ZeroConfig
+from zerojax.report.memory import StepMemory, compiled_bytes
+from zerojax.state import abstract_state
+
+Progress = Callable[[int, int, str], None]
+
+
+def autotune(loss_fn: Callable, params: Any, tx: Any, batch: Any, *, mesh, memory: int | str,
+             config: ZeroConfig | None = None, device: DeviceSpec | str | None = None,
+             space: SearchSpace | None = None, margin: float = 0.10, has_aux: bool = False,
+             exhaustive: bool = False, verbose: bool = False, progress: Progress | None = None) -> AutotuneResult:
+    """The ZeRO configurations that fit ``memory`` bytes per device, fastest predicted
+    first, found by compiling candidate steps ahead of time: no step runs.
+
+    Args:
+      loss_fn, tx: as for :func:`zerojax.make_train_step` (``has_aux`` too).
+      params: the parameters, their shapes (``jax.ShapeDtypeStruct`` leaves, e.g. from
+        ``nnx.eval_shape``) or a function that builds them: nothing is allocated.
+      batch: one global batch (arrays or shapes); each device gets
+        ``global / (devices × grad_accum_steps)`` rows per micro-batch, and accumulation
+        counts that divide its rows are tried.
+      mesh: the mesh the step runs on (e.g. ``zj.make_mesh()``).
+      memory: usable bytes per device: an int or ``"80GiB"``, ``"16GB"``.
+      config: the base ``ZeroConfig``: its compute dtype and every field the search does
+        not tune are kept.
+      device: the devices' rates: a :class:`~zerojax.tuning.DeviceSpec`, a name
+        (``"H100"``, ``"tpu-v5e"``), or None: the mesh's device kind, measured once per
+        process on the CPU backend and on devices without datasheet figures.
+      space: the :class:`~zerojax.tuning.SearchSpace` (stages, accumulation counts, remat
+        policies, offload, prefetch, gather dtypes).
+      margin: fraction added to the compiled bytes for what the program does not count
+        (allocator fragmentation, communication buffers); default 0.10.
+      exhaustive: compile every candidate the formula does not prune (no dominance rules).
+      verbose: print a line per candidate to stderr.
+      progress: called as ``progress(done, total, message)`` after each candidate.
+
+    Returns an :class:`~zerojax.tuning.AutotuneResult`: a sequence of
+    :class:`~zerojax.tuning.Plan` (``.config``, ``.memory``, ``.time``), with ``.best``,
+    ``.compiled``, ``.pruned``, ``.skipped``, ``.search_seconds`` and ``.table()``.
+
+    Raises ``ValueError`` before compiling anything for a budget outside 1 MiB .. 1 TiB,
+    a batch no accumulation count splits (naming the sizes that would), or when every
+    candidate's state alone exceeds the budget; after the search when no compiled plan fits
+    (naming the smallest, by how much it is over, and the next lever).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, zerojax as zj
+      >>> from zerojax.tuning import SearchSpace
+      >>> params = [jax.ShapeDtypeStruct((512, 512), "float32") for _ in range(4)]   # Ψ = 1M
+      >>> def loss_fn(ws, x):
+      ...     for w in ws:
+      ...         x = jnp.tanh(x @ w)
+      ...     return jnp.mean(x ** 2)
+      >>> batch = jax.ShapeDtypeStruct((64, 512), "float32")
+      >>> result = zj.autotune(loss_fn, params, optax.adam(1e-3), batch, mesh=zj.make_mesh(),
+      ...                      memory="8MiB", space=SearchSpace(stages=(0, 3), accum=(1,), remat=("none",),
+      ...                                                       offload=("none",), prefetch=(0,)))
+      >>> result.best.config.stage, len(result.pruned)   # stage 0's 12Ψ = 12 MiB is pruned unseen
+      (3, 1)
+      >>> result.best.memory.device <= 8 * 2**20
+      True
+    """
+    t0 = time.perf_counter()
+    budget = parse_memory(memory)
+    margin = check_margin(margin)
+    base = ZeroConfig() if config is None else config
+    if not isinstance(base, ZeroConfig):
+        raise TypeError(f"config must be a zj.ZeroConfig (the base whose untuned fields are kept), got {base!r}.")
+    space = SearchSpace() if space is None else space
+    if not isinstance(space, SearchSpace):
+        raise TypeError(f"space must be a zerojax.tuning.SearchSpace, got {type(space).__name__}.")
+    shapes = abstract_params(params)
+    rows, global_batch = rows_per_device(batch, mesh, base)
+    counts = accumulation_counts(space, rows, global_batch, batch_devices(mesh, base))
+    psi, opt_bytes = param_counts(shapes, tx)
+    shards = dict(mesh.shape)[base.axis]
+    cands = enumerate_candidates(base, space, counts, num_params=psi, shards=shards, opt_bytes=opt_bytes)
+    limit = usable(budget, margin)
+    pruned = [c for c in cands if c.formula_bytes > limit]
+    alive = [c for c in cands if c.formula_bytes <= limit]
+    if not alive:
+        raise ValueError(nothing_fits_formula(pruned, budget, margin, shards, psi))
+    spec = device_spec(device, mesh)
+    search = _Search(loss_fn, shapes, tx, batch, mesh, spec, budget, margin, has_aux, rows, len(cands), verbose,
+                     progress)
+    for c in pruned:
+        search.report(f"{c.describe()}: pruned, state {fmt_bytes(c.formula_bytes)} > {fmt_bytes(limit)}")
+    search.run(alive, exhaustive)
+    plans = sorted((p for p in search.plans.values() if p.memory.device <= budget), key=lambda p: p.time)
+    if not plans:
+        raise ValueError(nothing_fits_compiled(search.plans, space, counts, rows, budget, margin))
+    return AutotuneResult(plans=tuple(plans), budget=budget, margin=margin, device=spec,
+                          compiled=search.compiles, pruned=tuple(pruned), skipped=tuple(search.skipped.values()),
+                          shared=search.shared, candidates=len(cands), search_seconds=time.perf_counter() - t0,
+                          global_batch=global_batch)
+
+
+class _Search:
+    """The compile loop and what it has learned so far."""
+
+    def __init__(self, loss_fn, shapes, tx, batch, mesh, spec: DeviceSpec, budget: int, margin: float,
+                 has_aux: bool, rows: int, total: int, verbose: bool, progress: Progress | None):
+        self.loss_fn, self.shapes, self.tx, self.batch, self.mesh = loss_fn, shapes, tx, batch, mesh
+        self.spec, self.budget, self.margin, self.has_aux, self.rows = spec, budget, margin, has_aux, rows
+        self.total, self.done, self.verbose, self.progress = total, 0, verbose, progress
+        self.plans: dict[Candidate, Plan] = {}  # every evaluated candidate, fitting or not
+        self.fits: dict[Candidate, bool] = {}
+        self.skipped: dict[Candidate, Skipped] = {}
+        self.by_program: dict[str, tuple[PlanMemory, StepCost]] = {}
+        self.compiles = self.shared = 0
+        self.warned = False
+
+    def report(self, message: str) -> None:
+        self.done += 1
+        if self.verbose:
+            print(f"[{self.done:>{len(str(self.total))}}/{self.total}] {message}", file=sys.stderr, flush=True)
+        if self.progress is not None:
+            self.progress(self.done, self.total, message)
+
+    def run(self, alive: list[Candidate], exhaustive: bool) -> None:
+        families: dict[tuple, list[Candidate]] = {}
+        for c in alive:
+            families.setdefault(c.family, []).append(c)
+        for members in families.values():
+            members.sort(key=_lever_order(members))
+            if exhaustive:
+                for c in members:
+                    self.evaluate(c)
+                continue
+            self.evaluate(members[0])  # fewest levers: when it fits, it dominates the whole family
+            while True:
+                for c in members:
+                    if not self.known(c):
+                        self.infer(c)
+                open_ = [c for c in members if not self.known(c)]
+                if not open_:
+                    break
+                self.evaluate(max(open_, key=lambda u: (_informative(u, open_), -members.index(u))))
+
+    def known(self, c: Candidate) -> bool:
+        return c in self.fits or c in self.skipped
+
+    def infer(self, c: Candidate) -> None:
+        """Decides ``c`` without compiling where a compiled neighbour in its family does."""
+        for d, fits in self.fits.items():
+            if fits and more_levers(c, d):
+                self.skipped[c] = Skipped(c, "dominated", d)
+                self.report(f"{c.describe()}: not compiled, dominated by {d.describe()} (fits)")
+                return
+            if not fits and needs_more_memory(c, d):
+                self.skipped[c] = Skipped(c, "ruled out", d)
+                self.report(f"{c.describe()}: not compiled, ruled out by {d.describe()} (does not fit)")
+                return
+
+    def evaluate(self, c: Candidate) -> None:
+        t0 = time.perf_counter()
+        state, lowered = self.lower(c)
+        key = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+        if key in self.by_program:
+            self.shared += 1
+            memory, cost = self.by_program[key]
+            how = "same program as one compiled before"
+        else:
+            compiled = lowered.compile(**_compile_options(self.mesh))
+            self.compiles += 1
+            memory = self.memory(compiled, state, c)
+            host_state = memory.step.state_host if memory.step is not None else 0
+            cost = step_cost(compiled, self.mesh, compute_dtype=c.config.compute_dtype,
+                             host_state_bytes=host_state, overlap=c.config.prefetch > 0)
+            self.by_program[key] = (memory, cost)
+            how = f"compiled in {time.perf_counter() - t0:.1f} s"
+        plan = Plan(config=c.config, memory=memory, time=cost.seconds(self.spec), cost=cost,
+                    micro_batch=self.rows // c.config.grad_accum_steps, offload=c.offload, program=key[:12])
+        self.plans[c] = plan
+        self.fits[c] = memory.device <= self.budget
+        verdict = "fits" if self.fits[c] else f"over by {fmt_bytes(memory.device - self.budget)}"
+        self.report(f"{c.describe()}: {how}; {fmt_bytes(memory.device)} per device, {verdict}; "
+                    f"{plan.time * 1e3:.3g} ms per step predicted")
+
+    def lower(self, c: Candidate):
+        from zerojax.step import make_train_step
+
+        state = abstract_state(self.shapes, self.tx, mesh=self.mesh, config=c.config)
+        split = NamedSharding(state.plan.mesh, P(state.plan.batch_axes))
+        sharded = lambda x: x if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None else \
+            jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=split)
+        batch = jax.tree.map(sharded, self.batch)
+        step = make_train_step(self.loss_fn, self.tx, mesh=self.mesh, config=c.config, has_aux=self.has_aux)
+        return state, step.lower(state, batch)
+
+    def memory(self, compiled, state, c: Candidate) -> PlanMemory:
+        m = compiled_bytes(compiled)
+        state_bytes, state_host = _state_bytes(state)
+        batch_bytes = sum(_shard_bytes(x, self.mesh, c.config) for x in jax.tree.leaves(self.batch))
+        if m["argument"] == 0 and m["output"] == 0 and m["temp"] == 0:  # jax issue #18954
+            if not self.warned:
+                warnings.warn("memory_analysis() of the compiled step reports zero bytes on this backend (jax issue "
+                              "#18954): plan memory falls back to zerojax's state formula plus the batch, which does "
+                              "not count activations or temporaries; leave more margin, or check the chosen plan "
+                              "with zj.step_memory on a backend that reports it.", RuntimeWarning, stacklevel=4)
+                self.warned = True
+            compiled_total = int(math.ceil(c.formula_bytes)) + batch_bytes
+            return PlanMemory(device=int(math.ceil(compiled_total * (1 + self.margin))), compiled=compiled_total,
+                              host=state_host, state=int(math.ceil(c.formula_bytes)), source="formula")
+        step = StepMemory(state=state_bytes, batch=batch_bytes, argument=m["argument"], output=m["output"],
+                          alias=m["alias"], temp=m["temp"], host_temp=m["host_temp"], state_host=state_host,
+                          host_argument=m["host_argument"])
+        total = step.device_total
+        return PlanMemory(device=int(math.ceil(total * (1 + self.margin))), compiled=total,
+                          host=state_host + m["host_temp"], state=state_bytes - state_host, step=step)
+
+
+def _lever_order(members: list[Candidate]):
+    """Sort key: fewest levers first (each lever's values ranked within the family)."""
+    ranks = [sorted({c.levers[i] for c in members}) for i in range(3)]
+    return lambda c: (sum(r.index(v) for r, v in zip(ranks, c.levers)), c.levers)
+
+
+def _compile_options(mesh) -> dict:
+    """On the CPU backend: LLVM's optimisation off, which halves compile time and leaves
+    the HLO, ``memory_analysis()`` and ``cost_analysis()`` unchanged (buffers are assigned
+    before code generation; a test checks they are equal). Elsewhere: the default."""
+    if all(d.platform == "cpu" for d in mesh.devices.flat):
+        return {"compiler_options": {"xla_backend_optimization_level": 0}}
+    return {}
+
+
+def _informative(u: Candidate, open_: list[Candidate]) -> int:
+    """How many open candidates compiling ``u`` decides either way (the smaller count):
+    those it dominates if it fits, those it rules out if it does not."""
+    up = sum(more_levers(v, u) for v in open_)
+    down = sum(needs_more_memory(v, u) for v in open_)
+    return min(up, down)
+
+
+def _state_bytes(state) -> tuple[int, int]:
+    """(all, host) bytes per device of an abstract state, from its leaves' shardings."""
+    total = host = 0
+    for x in jax.tree.leaves(state):
+        shard = x.sharding.shard_shape(x.shape)
+        nbytes = math.prod(shard) * (getattr(x.dtype, "itemsize", None) or np.dtype(x.dtype).itemsize)
+        total += nbytes
+        if getattr(x.sharding, "memory_kind", None) in ("pinned_host", "unpinned_host"):
+            host += nbytes
+    return total, host
+
+
+
+def _shard_bytes(x: Any, mesh, config: ZeroConfig) -> int:
+    shape = tuple(np.shape(x)) if not hasattr(x, "shape") else tuple(x.shape)
+    return math.prod(shape) // batch_devices(mesh, config) * np.dtype(x.dtype).itemsize
