@@ -52,7 +52,7 @@ def _grads_via_config(remat, stage, cfg, batch):
     return jax.tree.map(lambda a, b: b - a, zj.gather_params(state), params)
 
 
-@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
 def test_every_policy_leaves_gradients_unchanged(small_gpt, stage):
     cfg, batch = small_gpt
     graphdef, params = gpt.init(cfg)
