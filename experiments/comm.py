@@ -29,7 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
 from experiments import data, gpt  # noqa: E402
 from experiments.progress import bar  # noqa: E402
-from zerojax.report.comm import _DTYPE_BYTES, collectives  # noqa: E402
+from zerojax.report.comm import collectives  # noqa: E402
+from zerojax.report.hlo import DTYPE_BYTES  # noqa: E402
 
 PAPER = {0: 2.0, 1: 2.0, 2: 2.0, 3: 3.0}
 WHAT = {0: "all-reduce of gradients", 1: "reduce-scatter of gradients + all-gather of parameters",
@@ -51,21 +52,21 @@ def measure(cfg: gpt.GPTConfig, stage: int, compute_dtype: str, batch_size: int,
         if key == "total":
             continue
         kind, dtype = key.split(":")
-        elems = r["zero_bytes"] / _DTYPE_BYTES[dtype]
+        elems = r["zero_bytes"] / DTYPE_BYTES[dtype]
         if elems / r["count"] < small:
             continue
         kinds[key] = r["count"]
         elements += elems
         nbytes += r["zero_bytes"]
     asked = sorted({f"{c.kind} {c.dtype}" for c in collectives(lowered.as_text(dialect="hlo"))
-                    if c.bytes / _DTYPE_BYTES.get(c.dtype, 4) >= small})
+                    if c.bytes / DTYPE_BYTES.get(c.dtype, 4) >= small})
     # The same volume at the dtypes asked for (what a backend that keeps 16-bit collectives moves).
     asked_bytes = 0.0
     for key, runs in kinds.items():
         kind, dtype = key.split(":")
         wanted = [a.split()[1] for a in asked if a.split()[0] == kind]
-        size = _DTYPE_BYTES[wanted[0]] if len(wanted) == 1 else _DTYPE_BYTES[dtype]
-        asked_bytes += report[key]["zero_bytes"] / _DTYPE_BYTES[dtype] * size
+        size = DTYPE_BYTES[wanted[0]] if len(wanted) == 1 else DTYPE_BYTES[dtype]
+        asked_bytes += report[key]["zero_bytes"] / DTYPE_BYTES[dtype] * size
     return {"stage": stage, "compute_dtype": compute_dtype, "params": psi, "kinds": kinds,
             "elements": elements, "bytes": nbytes, "psi_units": elements / psi, "asked": asked,
             "asked_bytes": asked_bytes}

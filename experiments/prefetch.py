@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
 from experiments import data, gpt  # noqa: E402
 from experiments.progress import bar  # noqa: E402
-from tests import hlo  # noqa: E402
+from zerojax.report import hlo  # noqa: E402
 
 MIB = 2**20
 RUNS = [("0", 0, 0, "none"), ("3", 3, 0, "none"), ("3", 3, 0, "full"), ("3, prefetch 1", 3, 1, "none"),
@@ -37,9 +37,8 @@ RUNS = [("0", 0, 0, "none"), ("3", 3, 0, "none"), ("3", 3, 0, "full"), ("3, pref
 
 def loop_independence(text: str) -> tuple[int, int]:
     """(independent, all) pairs of (all-gather, matmul) in the layer loops that have both."""
-    comps = hlo.computations(text)
-    pairs = [hlo.independent(comps, b, g, m) for b in hlo.loop_bodies(text)
-             for g in hlo.gathers(comps, b) for m in hlo.matmuls(comps, b)]
+    prog = hlo.parse(text)
+    pairs = [prog.independent(b, g, m) for b in prog.loop_bodies() for g in prog.gathers(b) for m in prog.matmuls(b)]
     return sum(pairs), len(pairs)
 
 

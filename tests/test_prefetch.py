@@ -7,7 +7,8 @@ import optax
 import pytest
 
 import zerojax as zj
-from tests import hlo, models
+from tests import models
+from zerojax.report import hlo
 
 N = 8
 
@@ -83,11 +84,10 @@ def test_layer_loops_gather_independently_of_their_matmul(prefetch):
     each iteration's matmul waits for its gather (the check can fail)."""
     params = models.deep_params(4, 128, stacked=True)
     text = compiled(params, models.deep_loss, jnp.ones((64, 128)), prefetch=prefetch).as_text()
-    comps = hlo.computations(text)
-    bodies = [b for b in hlo.loop_bodies(text) if hlo.gathers(comps, b) and hlo.matmuls(comps, b)]
+    prog = hlo.parse(text)
+    bodies = [b for b in prog.loop_bodies() if prog.gathers(b) and prog.matmuls(b)]
     assert len(bodies) == 2  # forward and backward
-    pairs = [hlo.independent(comps, b, g, m) for b in bodies for g in hlo.gathers(comps, b)
-             for m in hlo.matmuls(comps, b)]
+    pairs = [prog.independent(b, g, m) for b in bodies for g in prog.gathers(b) for m in prog.matmuls(b)]
     assert all(pairs) if prefetch else not any(pairs[:1]), pairs
 
 
@@ -101,13 +101,13 @@ def test_unrolled_layers_gather_one_layer_ahead():
         mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=3, prefetch=prefetch)
         state = zj.init_state(params, optax.sgd(0.1), mesh=mesh, config=cfg)
         text = zj.make_eval_step(models.deep_loss, mesh=mesh, config=cfg).lower(state, jnp.ones((64, d))).compile().as_text()
-        comps = hlo.computations(text)
-        entry = [n for n in comps if "main" in n][-1]
-        matmuls = hlo.matmuls(comps, entry)
-        weights = hlo.gathers(comps, entry, f"f32[{d},{d}]")
+        prog = hlo.parse(text)
+        entry = prog.entry
+        matmuls = prog.matmuls(entry)
+        weights = prog.gathers(entry, f"f32[{d},{d}]")
         assert len(weights) == layers
         # For each weight gather: how many matmuls it waits for.
-        waits[prefetch] = sorted(sum(hlo.reaches(comps, entry, m, g) for m in matmuls) for g in weights)
+        waits[prefetch] = sorted(sum(prog.reaches(entry, m, g) for m in matmuls) for g in weights)
     assert waits[0] == list(range(layers)), waits
     assert waits[1] == [0] + list(range(layers - 1)), waits
 

@@ -10,23 +10,13 @@ elements moves Ψ, an all-reduce 2Ψ (reduce-scatter + all-gather).
 from __future__ import annotations
 
 import dataclasses
-import re
-from collections import defaultdict
 
-import numpy as np
-
-from zerojax.report.groups import group_axes, replica_groups
+from zerojax.report import hlo
+from zerojax.report.groups import group_axes, permute_groups, replica_groups
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
-                "f8e4m3fn": 1, "f8e5m2": 1}
-_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([a-z\-]+)\((.*)$")
-_ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
-_CALLS = re.compile(r"(?:body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+# Async starts whose result is an (operands, results, ...) tuple: the results are element 1.
+_OPERANDS_FIRST = ("all-gather-start", "collective-permute-start")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,80 +50,29 @@ class Collective:
         return self.total_bytes * (2 if self.kind == "all-reduce" else 1)
 
 
-def _shape_bytes(text: str) -> tuple[str, int]:
-    arrays = _ARRAY.findall(text)
-    total, dtype = 0, ""
-    for dt, dims in arrays:
-        if dt not in _DTYPE_BYTES:
-            continue
-        size = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-        total += size * _DTYPE_BYTES[dt]
-        dtype = dtype or dt
-    return dtype, total
-
-
 def collectives(hlo_text: str) -> list[Collective]:
-    """Parses ``compiled.as_text()`` into the collectives of one execution."""
-    comps: dict[str, list[str]] = {}
-    entry = None
-    current = None
-    for line in hlo_text.splitlines():
-        if current is None:
-            m = _COMP.match(line)
-            if m and "=" not in line.split("{")[0].split("(")[0]:
-                current = m.group(1)
-                comps[current] = []
-                if line.startswith("ENTRY"):
-                    entry = current
-            continue
-        if line.strip() == "}":
-            current = None
-            continue
-        comps[current].append(line)
-    if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text; pass compiled.as_text().")
-
-    # How many times each computation runs per execution of the entry computation.
-    runs: dict[str, int] = defaultdict(int)
-
-    def visit(name: str, times: int, depth: int = 0) -> None:
-        if depth > 64 or name not in comps:
-            return
-        runs[name] += times
-        for line in comps[name]:
-            trip = 1
-            m = _TRIP.search(line)
-            if " while(" in line:
-                trip = int(m.group(1)) if m else 1
-            callees = _CALLS.findall(line)
-            for b in _BRANCHES.findall(line):
-                callees += [c.strip().lstrip("%") for c in b.split(",") if c.strip()]
-            for callee in callees:
-                if " all-reduce(" in line or " reduce-scatter(" in line or "-start(" in line:
-                    continue  # reduction bodies (to_apply) are not separate executions
-                visit(callee, times * trip, depth + 1)
-
-    visit(entry, 1)
+    """Parses ``compiled.as_text()`` into the collectives of one execution (which
+    computations run, and how often, as :mod:`zerojax.report.hlo` reads them)."""
+    program = hlo.parse(hlo_text)
     found: list[Collective] = []
-    for name, lines in comps.items():
-        if not runs.get(name):
+    for _, ins, runs in program.executed():
+        kind = ins.op.removesuffix("-start")
+        if kind not in COLLECTIVES:
             continue
-        for line in lines:
-            m = _INSTR.match(line)
-            if not m:
-                continue
-            shape, op, rest = m.groups()
-            kind = op.removesuffix("-start")
-            if kind not in COLLECTIVES or op.endswith("-done"):
-                continue
-            dtype, nbytes = _shape_bytes(shape)
-            groups = replica_groups(rest)
-            groups = None if groups is None else tuple(tuple(g) for g in groups)
-            if kind == "reduce-scatter":  # count the input buffer (the full gradient)
-                if not groups:
-                    raise ValueError(f"cannot read the replica groups of a reduce-scatter: {rest[:200]}")
-                nbytes *= len(groups[0])
-            found.append(Collective(kind=kind, dtype=dtype, bytes=nbytes, count=runs[name], groups=groups))
+        shape = ins.shape
+        if ins.op in _OPERANDS_FIRST and shape.startswith("("):
+            shape = hlo.tuple_elements(shape)[1]
+        nbytes = int(hlo.shape_bytes(shape))
+        if kind == "collective-permute":
+            groups = permute_groups(ins.rest)
+        else:
+            groups = replica_groups(ins.rest)
+        groups = None if groups is None else tuple(tuple(g) for g in groups)
+        if kind == "reduce-scatter":  # count the input buffer (the full gradient)
+            if not groups:
+                raise ValueError(f"cannot read the replica groups of a reduce-scatter: {ins.rest[:200]}")
+            nbytes *= len(groups[0])
+        found.append(Collective(kind=kind, dtype=hlo.shape_dtype(shape), bytes=nbytes, count=runs, groups=groups))
     return found
 
 

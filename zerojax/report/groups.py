@@ -37,7 +37,7 @@ def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
 
 def replica_groups(attrs: str) -> list[list[int]] | None:
     """The device groups of one collective from the text after its opcode; None where the
-    instruction lists none (a collective-permute's pairs). Raises ``ValueError`` for a form
+    instruction lists none (a collective-permute lists pairs: :func:`permute_groups`). Raises ``ValueError`` for a form
     it does not know."""
     m = _EXPLICIT.search(attrs)
     if m:
@@ -67,6 +67,39 @@ def replica_groups(attrs: str) -> list[list[int]] | None:
     if "replica_groups=" in attrs:
         raise ValueError(f"cannot read the replica groups of this collective: {attrs[:200]}")
     return None
+
+
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9]+,[0-9]+\},?)*)\}")
+
+
+def permute_groups(attrs: str) -> list[list[int]] | None:
+    """The device groups of a collective-permute: the sets of devices its
+    ``source_target_pairs`` connect (a ring over a mesh axis: one group per ring). None
+    where the instruction lists no pairs.
+
+    Example:
+      >>> permute_groups("%x), channel_id=1, source_target_pairs={{0,1},{1,0},{2,3},{3,2}}")
+      [[0, 1], [2, 3]]
+    """
+    m = _PAIRS.search(attrs)
+    if m is None:
+        if "source_target_pairs=" in attrs:
+            raise ValueError(f"cannot read the source_target_pairs of this collective-permute: {attrs[:200]}")
+        return None
+    parent: dict[int, int] = {}
+
+    def root(d: int) -> int:
+        while parent.setdefault(d, d) != d:
+            parent[d] = parent[parent[d]]
+            d = parent[d]
+        return d
+
+    for a, b in re.findall(r"\{([0-9]+),([0-9]+)\}", m.group(1)):
+        parent[root(int(a))] = root(int(b))
+    groups: dict[int, list[int]] = {}
+    for d in sorted(parent):
+        groups.setdefault(root(d), []).append(d)
+    return sorted(groups.values())
 
 
 def group_axes(groups: list[list[int]], shape: dict[str, int]) -> tuple[str, ...]:

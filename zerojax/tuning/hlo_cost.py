@@ -28,18 +28,11 @@ import math
 import re
 from collections import defaultdict
 
-_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-                "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e5m2fnuz": 1, "f8e4m3fnuz": 1, "f8e4m3b11fnuz": 1}
-_COMP = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\((.*)$")
-_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
-_OPERAND = re.compile(r"%([\w.\-]+)")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_CALLEE = {"while": re.compile(r"\b(?:body|condition)=%?([\w.\-]+)"),
-           "call": re.compile(r"\bto_apply=%?([\w.\-]+)"),
-           "conditional": re.compile(r"\b(?:true_computation|false_computation)=%?([\w.\-]+)")}
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+from zerojax.report import hlo
+from zerojax.report.hlo import shape_bytes
+
+__all__ = ["LoopCost", "extra_iterations", "loop_cost", "matmul_sizes", "parsed_cost", "shape_bytes"]
+
 _FUSED = re.compile(r"\bcalls=%?([\w.\-]+)")
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _DIM_LABELS = re.compile(r"dim_labels=[^_]+_([^-]+)->")
@@ -55,120 +48,29 @@ _FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitca
 _SLICING = frozenset({"dynamic-slice", "slice", "gather"})
 
 
-@dataclasses.dataclass(frozen=True)
-class _Instr:
-    name: str
-    shape: str
-    op: str
-    rest: str  # operands and attributes, as printed
-
-    @property
-    def operands(self) -> list[str]:
-        depth, end = 1, len(self.rest)
-        for i, ch in enumerate(self.rest):
-            depth += ch == "("
-            depth -= ch == ")"
-            if depth == 0:
-                end = i
-                break
-        return _OPERAND.findall(self.rest[:end])
-
-
-def shape_bytes(shape: str) -> float:
-    """Bytes of an HLO shape (a tuple's arrays summed).
-
-    Example:
-      >>> from zerojax.tuning.hlo_cost import shape_bytes
-      >>> shape_bytes("(f32[4,128]{1,0}, bf16[8]{0}, s32[])")
-      2068.0
-    """
-    return float(sum(_DTYPE_BYTES.get(dt, 0) * _elements(dims) for dt, dims in _ARRAY.findall(shape)))
-
-
-def _elements(dims: str) -> int:
-    return math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-
-
-def _dims(shape: str) -> list[int]:
-    found = _ARRAY.search(shape)
-    return [int(d) for d in found.group(2).split(",") if d] if found else []
-
-
-def parse(hlo_text: str) -> tuple[dict[str, list[_Instr]], str]:
-    """``({computation: [instructions]}, entry name)`` of ``compiled.as_text()``."""
-    comps: dict[str, list[_Instr]] = {}
-    entry, current = None, None
-    for line in hlo_text.splitlines():
-        if current is None:
-            m = _COMP.match(line)
-            if m and "=" not in line.split("{")[0].split("(")[0]:
-                current = m.group(2)
-                comps[current] = []
-                if m.group(1):
-                    entry = current
-            continue
-        if line.strip() == "}":
-            current = None
-            continue
-        m = _INSTR.match(line)
-        if m:
-            comps[current].append(_Instr(*m.groups()))
-    if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text; pass compiled.as_text().")
-    return comps, entry
-
-
-def runs(comps: dict[str, list[_Instr]], entry: str) -> dict[str, int]:
-    """How many times each computation runs per execution of the entry computation (loop
-    bodies times their trip count; both branches of a conditional once; fused computations
-    and reduction functions are priced where they are called, not listed)."""
-    out: dict[str, int] = defaultdict(int)
-
-    def visit(name: str, times: int, depth: int) -> None:
-        if depth > 64 or name not in comps:
-            return
-        out[name] += times
-        for ins in comps[name]:
-            pattern = _CALLEE.get(ins.op)
-            if pattern is None:
-                continue
-            trip = 1
-            if ins.op == "while":
-                m = _TRIP.search(ins.rest)
-                trip = int(m.group(1)) if m else 1
-            callees = pattern.findall(ins.rest)
-            for b in _BRANCHES.findall(ins.rest):
-                callees += [c.strip().lstrip("%") for c in b.split(",") if c.strip()]
-            for callee in callees:
-                visit(callee, times * trip, depth + 1)
-
-    visit(entry, 1, 0)
-    return dict(out)
-
-
 class _Pricer:
     """FLOPs and bytes of one run of a computation, fusions priced through their bodies."""
 
-    def __init__(self, comps: dict[str, list[_Instr]]):
-        self.comps = comps
-        self.shapes = {c: {i.name: i.shape for i in instrs} for c, instrs in comps.items()}
+    def __init__(self, program: hlo.Program):
+        self.comps = program.computations
+        self.shapes = {c: {i.name: i.shape for i in instrs} for c, instrs in self.comps.items()}
         self._flops: dict[str, float] = {}
         self._dots: dict[str, list[float]] = {}
 
-    def instr_flops(self, comp: str, ins: _Instr) -> float:
+    def instr_flops(self, comp: str, ins: hlo.Instruction) -> float:
         if ins.op == "fusion":
             m = _FUSED.search(ins.rest)
             return self.flops(m.group(1)) if m else 0.0
-        out = _elements_of(ins.shape)
+        out = hlo.shape_elements(ins.shape)
         if ins.op == "dot":
             ops = ins.operands
-            lhs = _dims(self.shapes[comp].get(ops[0], "")) if ops else []
+            lhs = hlo.shape_dims(self.shapes[comp].get(ops[0], "")) if ops else []
             m = _CONTRACT.search(ins.rest)
             k = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if (m and lhs) else 1
             return 2.0 * out * k
         if ins.op == "convolution":
             ops = ins.operands
-            rhs = _dims(self.shapes[comp].get(ops[1], "")) if len(ops) > 1 else []
+            rhs = hlo.shape_dims(self.shapes[comp].get(ops[1], "")) if len(ops) > 1 else []
             m = _DIM_LABELS.search(ins.rest)
             if rhs and m and "o" in m.group(1):
                 k = math.prod(d for d, label in zip(rhs, m.group(1)) if label != "o")
@@ -178,7 +80,7 @@ class _Pricer:
             return float(out)
         if ins.op in ("reduce", "reduce-window"):
             ops = ins.operands
-            return float(_elements_of(self.shapes[comp].get(ops[0], ""))) if ops else 0.0
+            return float(hlo.shape_elements(self.shapes[comp].get(ops[0], ""))) if ops else 0.0
         return 0.0
 
     def dots(self, comp: str) -> list[float]:
@@ -214,7 +116,7 @@ class _Pricer:
             return sum(shape_bytes(u.shape) for u in users)
         return full
 
-    def instr_bytes(self, comp: str, ins: _Instr) -> float:
+    def instr_bytes(self, comp: str, ins: hlo.Instruction) -> float:
         if ins.op in _FREE:
             return 0.0
         shapes = self.shapes[comp]
@@ -236,11 +138,6 @@ class _Pricer:
 
     def bytes(self, comp: str) -> float:
         return sum(self.instr_bytes(comp, i) for i in self.comps.get(comp, []))
-
-
-def _elements_of(shape: str) -> int:
-    found = _ARRAY.search(shape)
-    return _elements(found.group(2)) if found else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,10 +169,10 @@ class LoopCost:
 def extra_iterations(hlo_text: str) -> tuple[float, float]:
     """``(flops, bytes)`` of the loop iterations that ``cost_analysis()`` does not count:
     Σ over computations that run more than once of (runs − 1) × their parsed cost."""
-    comps, entry = parse(hlo_text)
-    pricer = _Pricer(comps)
+    program = hlo.parse(hlo_text)
+    pricer = _Pricer(program)
     flops = bytes_ = 0.0
-    for comp, n in runs(comps, entry).items():
+    for comp, n in program.runs.items():
         if n > 1:
             flops += (n - 1) * pricer.flops(comp)
             bytes_ += (n - 1) * pricer.bytes(comp)
@@ -293,10 +190,10 @@ def matmul_sizes(hlo_text: str) -> tuple[tuple[float, float], ...]:
       >>> matmul_sizes(jax.jit(f).lower(jnp.ones((64, 64)), jnp.ones((64, 64))).compile().as_text())
       ((64.0, 1048576.0),)
     """
-    comps, entry = parse(hlo_text)
-    pricer = _Pricer(comps)
+    program = hlo.parse(hlo_text)
+    pricer = _Pricer(program)
     bins: dict[float, float] = defaultdict(float)
-    for comp, n in runs(comps, entry).items():
+    for comp, n in program.runs.items():
         for flops in pricer.dots(comp):
             if flops > 0:
                 side = 2.0 ** (round(4 * math.log2((flops / 2) ** (1 / 3))) / 4)
@@ -307,9 +204,9 @@ def matmul_sizes(hlo_text: str) -> tuple[tuple[float, float], ...]:
 def parsed_cost(hlo_text: str, *, per_iteration: bool = True) -> tuple[float, float]:
     """``(flops, bytes)`` of the whole program from the HLO text alone: every computation
     times its runs (``per_iteration=False``: once each, as ``cost_analysis()`` counts)."""
-    comps, entry = parse(hlo_text)
-    pricer = _Pricer(comps)
-    counts = runs(comps, entry)
+    program = hlo.parse(hlo_text)
+    pricer = _Pricer(program)
+    counts = program.runs
     weight = (lambda n: n) if per_iteration else (lambda n: 1)
     return (sum(weight(n) * pricer.flops(c) for c, n in counts.items()),
             sum(weight(n) * pricer.bytes(c) for c, n in counts.items()))
