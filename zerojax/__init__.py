@@ -1,6 +1,6 @@
 """zerojax: ZeRO (stages 0-3) for JAX and Flax over a jax.sharding mesh."""
 
-from zerojax import checkpoint, distributed, nnx, remat, xla_flags
+from zerojax import checkpoint, compile_cache, distributed, nnx, remat, xla_flags
 from zerojax.tuning import autotune
 from zerojax.checkpoint import export_weights, load_weights, restore_checkpoint, save_checkpoint
 from zerojax.config import ZeroConfig
@@ -37,6 +37,7 @@ __all__ = [
     "save_checkpoint",
     "checkpoint",
     "communication_report",
+    "compile_cache",
     "compiled_bytes",
     "gather_params",
     "init_state",

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from zerojax import compile_cache
 from zerojax.config import ZeroConfig
 from zerojax.sharding import outputs, per_use
 from zerojax.sharding.gradients import cast_batch, context, local_shapes, pending
@@ -99,17 +100,18 @@ class EvalStep:
     def _jit_for(self, state: ZeroState):
         fn = self._jitted.get(state.plan)
         if fn is None:
-            fn = self._jitted[state.plan] = jax.jit(self._run)
+            fn = self._jitted[state.plan] = jax.jit(self._run, **compile_cache.jit_options(state.plan.mesh))
         return fn
 
     def __call__(self, state: ZeroState, batch: Any) -> Any:
         self.check(state, batch)
-        return self._jit_for(state)(state, batch)
+        with compile_cache.compiling(state.plan.mesh):
+            return self._jit_for(state)(state, batch)
 
     def lower(self, state: ZeroState, batch: Any):
         """``jax.jit(...).lower`` of the step: ``.compile()`` it to inspect the program."""
         self.check(state, batch)
-        return self._jit_for(state).lower(state, batch)
+        return compile_cache.GuardedLowered(self._jit_for(state).lower(state, batch), state.plan.mesh)
 
     def compile_count(self) -> int:
         """Number of programs this step has traced and compiled."""

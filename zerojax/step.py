@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from zerojax import compile_cache
 from zerojax.config import ZeroConfig
 from zerojax.optim import loss_scale as ls
 from zerojax.optim.apply import apply_optimizer
@@ -201,7 +202,8 @@ class TrainStep:
                     "step with the same optimizer.")
             out = state_shardings(plan, state.loss_scale, state.model_state, state.rng)
             step = functools.partial(self._step, place=self.update_place(state))
-            fn = jax.jit(step, out_shardings=(out, plan.replicated), donate_argnums=(0,) if self.config.donate else ())
+            fn = jax.jit(step, out_shardings=(out, plan.replicated), donate_argnums=(0,) if self.config.donate else (),
+                         **compile_cache.jit_options(plan.mesh))
             self._jitted[plan] = fn
         return fn
 
@@ -219,7 +221,7 @@ class TrainStep:
 
     def __call__(self, state: ZeroState, batch: Any) -> tuple[ZeroState, dict[str, jax.Array]]:
         self.check(state, batch)
-        with own_sharding_hint(self.config):
+        with own_sharding_hint(self.config), compile_cache.compiling(state.plan.mesh):
             new_state, metrics = self._jit_for(state)(state, batch)
         if self.timeout_s is not None:
             _wait_or_fail(metrics["loss"], self.timeout_s)
@@ -251,7 +253,8 @@ class TrainStep:
         """``jax.jit(...).lower`` of the step: ``.compile()`` it to inspect the program."""
         self.check(state, batch)
         with own_sharding_hint(self.config):
-            return self._jit_for(state).lower(state, batch)
+            lowered = self._jit_for(state).lower(state, batch)
+        return compile_cache.GuardedLowered(lowered, state.plan.mesh)
 
     def update_place(self, state: ZeroState) -> str:
         """Where this step runs the optimizer update of ``state`` (see
