@@ -3,6 +3,15 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# LLVM's optimisation of the CPU code off (XLA's default is level 3): most of a test's time
+# is compiling small programs it runs a few times. XLA's HLO passes, which decide the
+# collectives, fusion, buffers and memory the tests check, run as always: the compiled HLO
+# text, memory_analysis() and cost_analysis() are the same at both levels, and results agree
+# to rounding (tests/test_compile_options.py). The variable reaches the job processes that
+# the multi-process tests start. ZEROJAX_TEST_FULL_OPT=1 keeps XLA's default.
+if os.environ.get("ZEROJAX_TEST_FULL_OPT") != "1" and "--xla_backend_optimization_level" not in os.environ.get(
+        "XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 import jax  # noqa: E402
 

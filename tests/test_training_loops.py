@@ -424,7 +424,11 @@ def test_init_fn_values_equal_jit_of_it(stage):
     init_fn = gpt_init_fn()
     state = zj.init_state(init_fn, optax.adam(1e-3), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=stage))
     want = jax.jit(init_fn)()
-    assert models.abs_errors(zj.gather_params(state), want).max() == 0.0
+    # The same values to the rounding of one fused multiply-add: the tests compile without
+    # LLVM's optimisation (conftest.py), where a sharded program and an unsharded one may
+    # contract a multiply-add differently (2 ulps); a wrong key or shard is off by O(1).
+    for got, ref in zip(jax.tree.leaves(zj.gather_params(state)), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-6, atol=1e-7)
 
 
 def test_init_fn_builds_each_shard_where_it_lives():
