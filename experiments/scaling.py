@@ -65,27 +65,32 @@ class Setup:
         return gpt.zero_setup(self.cfg(layers), self.tx, mesh=self.mesh, config=self.zero(stage))
 
 
-def largest(setup: Setup, stage: int, budget: float, max_layers: int, start: int = 1) -> tuple[int, dict[int, int]]:
-    """Deepest layer count that fits, by doubling from ``start`` (a depth expected to fit:
-    a later stage never needs more than an earlier one) then bisection; and every total tried."""
+def largest(setup: Setup, stage: int, budget: float, max_layers: int) -> tuple[int, dict[int, int]]:
+    """Deepest layer count that fits, and every total tried. A step's memory grows by about
+    the same bytes per layer: the line through depths 1 and 2 predicts the boundary, and
+    compiles one layer at a time from there settle it (the depth that fits and the next
+    that does not are both compiled; usually four compiles in all)."""
     tried: dict[int, int] = {}
 
     def fits(layers: int) -> bool:
-        tried[layers] = setup.memory(stage, layers).total
+        if layers not in tried:
+            tried[layers] = setup.memory(stage, layers).total
         return tried[layers] <= budget
 
-    if start > 1 and not fits(start):
-        start = 1
-    if start == 1 and not fits(1):
+    if not fits(1):
         return 0, tried
-    lo, hi = start, 2 * start
-    while hi <= max_layers and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, max_layers + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo, tried
+    if max_layers == 1 or not fits(2):
+        return 1, tried
+    per_layer = tried[2] - tried[1]
+    layers = max_layers if per_layer <= 0 else int(min(max_layers, max(2, 1 + (budget - tried[1]) // per_layer)))
+    if fits(layers):
+        while layers < max_layers and fits(layers + 1):
+            layers += 1
+    else:
+        layers -= 1
+        while not fits(layers):
+            layers -= 1
+    return layers, tried
 
 
 def train_for_real(setup: Setup, stage: int, layers: int, steps: int) -> dict:
@@ -140,12 +145,10 @@ def main(argv=None) -> dict:
           f"{args.d_model}, batch {args.batch} x {args.seq_len}, AdamW, {args.compute_dtype}, remat "
           f"{args.remat}, jax {jax.__version__}\n")
     results = {}
-    start = 1
     progress = bar(5, "scaling")
     for stage in range(4):
         progress.set_postfix_str(f"stage {stage}: searching")
-        layers, tried = largest(setup, stage, budget, args.max_layers, start)
-        start = max(layers, 1)
+        layers, tried = largest(setup, stage, budget, args.max_layers)
         if layers == 0:
             raise SystemExit(f"stage {stage}: even one layer needs {tried[1] / MIB:.1f} MiB per device; "
                              "raise --budget-mib or lower --d-model/--batch")
