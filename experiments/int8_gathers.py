@@ -16,6 +16,7 @@ Two parts, on 8 simulated CPU devices:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -75,6 +76,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--plot", default=None, help="write the two loss curves to this PNG")
+    ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     cfg = gpt.GPTConfig(vocab=256, seq_len=64, d_model=args.d_model, n_layers=args.layers,
                         n_heads=max(1, args.d_model // 32))
@@ -117,7 +119,11 @@ def main(argv=None) -> dict:
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
-    return {"traffic": traffic, "losses": losses, "last": last, "relative": rel}
+    out = {"traffic": traffic, "losses": losses, "last": last, "relative": rel}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, default=float)
+    return out
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ On 8 simulated CPU devices, the GPT of ``experiments/gpt.py``:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -98,6 +99,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--weights", default="fp32,bf16,int8", help="weight-gather rows of the table (comma-separated)")
     ap.add_argument("--plot", default=None, help="write the loss curves to this PNG")
+    ap.add_argument("--json", default=None, help="also write the results here (a run's key as stage/weights/grads)")
     args = ap.parse_args(argv)
     weights = args.weights.split(",")
     unknown = [w for w in weights if w not in WEIGHTS]
@@ -156,6 +158,11 @@ def main(argv=None) -> dict:
         ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
+    if args.json:
+        key = lambda k: "/".join(map(str, k))
+        with open(args.json, "w") as f:
+            json.dump({"runs": {key(k): v for k, v in res.items()}, "relative": {key(k): v for k, v in rel.items()}},
+                      f, default=float)
     return {"runs": res, "relative": rel}
 
 
