@@ -129,6 +129,24 @@ def reference_run(loss_fn, params, tx, batches, grad_norms=None):
     return params, losses
 
 
+_STEPS: dict = {}
+
+
+def shared_step(loss_fn, tx, *, mesh, config, **options):
+    """One ``zj.make_train_step`` per (loss, optimizer, mesh, config, options) for the tests
+    that train the same step from different states: the step compiles once, not once per
+    test (zerojax keeps multi-device CPU steps out of the compilation cache). Don't use it
+    where a test counts its step's compiles."""
+    import zerojax as zj
+
+    key = (loss_fn, tx, mesh, config, tuple(sorted(options.items())))
+    step = _STEPS.get(key)
+    if step is None:
+        step = _STEPS[key] = zj.make_train_step(loss_fn, tx, mesh=mesh, config=config, **options)
+    step._unchecked = None  # a loss-scale flag of another test's state is not this one's
+    return step
+
+
 def zero_run(loss_fn, params, tx, batches, stage, n_devices=8, grad_norms=None, replicas=1, **config):
     """The same training with zerojax: full params after it, and the losses (and each
     step's ``grad_norm`` metric appended to ``grad_norms``). The step must compile once and

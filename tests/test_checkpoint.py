@@ -23,7 +23,7 @@ def trained(stage, n, steps, tx=TX, cfg_kw=None, state=None, start=0):
     cfg = zj.ZeroConfig(stage=stage, **(cfg_kw or {}))
     if state is None:
         state = zj.init_state(models.stacked_params(), tx, mesh=mesh, config=cfg)
-    step = zj.make_train_step(models.stacked_loss, tx, mesh=mesh, config=cfg)
+    step = models.shared_step(models.stacked_loss, tx, mesh=mesh, config=cfg)
     for i in range(start, start + steps):
         state, _ = step(state, models.batch(16, seed=i))
     return state
