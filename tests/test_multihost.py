@@ -1,5 +1,6 @@
 """Several processes on one machine (gloo CPU collectives): the multi-host path."""
 
+import functools
 import os
 import pathlib
 import subprocess
@@ -26,6 +27,7 @@ def launch(args, worker_args, timeout=240):
     return out, time.monotonic() - start
 
 
+@functools.lru_cache(maxsize=None)  # shared by the tests that compare with one process
 def single_process_reference(stage, steps=3):
     mesh = zj.make_mesh()
     tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1, momentum=0.9))
@@ -37,53 +39,58 @@ def single_process_reference(stage, steps=3):
     return [np.asarray(x) for x in jax.tree.leaves(zj.gather_params(state))]
 
 
-@pytest.mark.parametrize("helper", [False, True], ids=["same-batch-everywhere", "process-local-rows"])
-def test_two_processes_match_one(tmp_path, helper):
-    stages = [1, 2, 3] if not helper else [3]
-    args = ["--out", str(tmp_path), "--stages", ",".join(map(str, stages)),
-            "--checkpoint", str(tmp_path / "ck")]
-    if helper:
-        args.append("--global-batch-helper")
-    out, _ = launch(["--nprocs", "2", "--devices-per-proc", "4"], args)
+# One 2-process job (4 devices each) runs the trainings the next tests compare with one
+# process: each run as a job of its own would (the worker's --run), in one start-up.
+RUNS = {"same-batch-everywhere": ("1,2,3", "same", 1), "process-local-rows": ("3", "rows", 1),
+        "hybrid": ("1,3", "rows", 2)}
+
+
+@pytest.fixture(scope="module")
+def match_job(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("multihost")
+    runs = [f"--run={name}:{stages}:{batches}:{replicas}" for name, (stages, batches, replicas) in RUNS.items()]
+    out, _ = launch(["--nprocs", "2", "--devices-per-proc", "4"], ["--out", str(out_dir), *runs], timeout=400)
     assert out.returncode == 0, out.stdout[-4000:]
-    assert "[rank 0] process 0 of 2: 4 local devices, 8 in the mesh" in out.stdout
-    assert "[rank 1] process 1 done" in out.stdout
+    return out_dir, out.stdout
+
+
+def _matches_one_process(out_dir, stages):
     for stage in stages:
         ref = single_process_reference(stage)
         for rank in (0, 1):  # gather_params gives the full params on every process
-            got = np.load(tmp_path / f"params_stage{stage}_rank{rank}.npz")
+            got = np.load(out_dir / f"params_stage{stage}_rank{rank}.npz")
             got = [got[str(i)] for i in range(len(ref))]
             err = max(np.abs(a - b).max() for a, b in zip(got, ref))
             assert err <= 1e-5, (stage, rank, err)
+
+
+@pytest.mark.parametrize("name", ["same-batch-everywhere", "process-local-rows"])
+def test_two_processes_match_one(match_job, name):
+    out_dir, stdout = match_job
+    stages = [int(s) for s in RUNS[name][0].split(",")]
+    assert "[rank 0] process 0 of 2: 4 local devices, 8 in the mesh" in stdout
+    assert "[rank 1] process 1 done" in stdout
+    _matches_one_process(out_dir / name, stages)
     # The 2-process checkpoint (each process wrote its shards) restores in 1 process.
     tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1, momentum=0.9))
-    restored = zj.restore_checkpoint(tmp_path / "ck", models.stacked_params(), tx, mesh=zj.make_mesh(),
+    restored = zj.restore_checkpoint(out_dir / name / "ck", models.stacked_params(), tx, mesh=zj.make_mesh(),
                                      config=zj.ZeroConfig(stage=3))
     assert int(restored.step) == 3
     got = [np.asarray(x) for x in jax.tree.leaves(zj.gather_params(restored))]
     assert max(np.abs(a - b).max() for a, b in zip(got, single_process_reference(stages[-1]))) <= 1e-5
 
 
-def test_two_processes_hybrid_groups_match_one(tmp_path):
+def test_two_processes_hybrid_groups_match_one(match_job):
     """2 processes x 4 devices with 2 replica groups: each group is one process's devices,
     and training equals single-device optax (via the 1-process 1-D mesh, itself tested so)."""
-    stages = [1, 3]
-    args = ["--out", str(tmp_path), "--stages", ",".join(map(str, stages)), "--replicas", "2",
-            "--global-batch-helper", "--checkpoint", str(tmp_path / "ck")]
-    out, _ = launch(["--nprocs", "2", "--devices-per-proc", "4"], args)
-    assert out.returncode == 0, out.stdout[-4000:]
+    out_dir, stdout = match_job
     for rank in (0, 1):
         assert (f"[rank {rank}] hybrid mesh {{'replica': 2, 'data': 4}}: groups hold the devices of processes "
-                "[[0], [1]]") in out.stdout
-    for stage in stages:
-        ref = single_process_reference(stage)
-        for rank in (0, 1):
-            got = np.load(tmp_path / f"params_stage{stage}_rank{rank}.npz")
-            err = max(np.abs(got[str(i)] - r).max() for i, r in enumerate(ref))
-            assert err <= 1e-5, (stage, rank, err)
+                "[[0], [1]]") in stdout
+    _matches_one_process(out_dir / "hybrid", [1, 3])
     # The 2-D checkpoint written by two processes restores on a 1-process 1-D mesh.
     tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1, momentum=0.9))
-    restored = zj.restore_checkpoint(tmp_path / "ck", models.stacked_params(), tx, mesh=zj.make_mesh(),
+    restored = zj.restore_checkpoint(out_dir / "hybrid" / "ck", models.stacked_params(), tx, mesh=zj.make_mesh(),
                                      config=zj.ZeroConfig(stage=2))
     got = [np.asarray(x) for x in jax.tree.leaves(zj.gather_params(restored))]
     assert max(np.abs(a - b).max() for a, b in zip(got, single_process_reference(3))) <= 1e-5

@@ -3,6 +3,11 @@
 Run by ``python -m zerojax.launch``; writes the gathered params of each stage to
 ``$OUT/params_stage{S}_rank{R}.npz``. With ``--die-after K`` process 1 exits with status 3
 after K steps; with ``--global-batch-helper`` each process loads only its own rows.
+
+``--run NAME:STAGES:same|rows:REPLICAS`` (repeatable) runs several trainings in one job,
+each as the flags would (``rows``: the global-batch helper), writing to ``$OUT/NAME/``
+and checkpointing its last stage to ``$OUT/NAME/ck``: the tests that only read a job's
+results share one job.
 """
 
 import argparse
@@ -32,25 +37,36 @@ ap.add_argument("--checkpoint", default=None, help="save the last stage's state 
 ap.add_argument("--stall-after", type=int, default=None, help="process 1 hangs after K steps")
 ap.add_argument("--step-timeout", type=float, default=None)
 ap.add_argument("--replicas", type=int, default=1, help="hybrid sharding: replica groups of the mesh")
+ap.add_argument("--run", action="append", default=[], metavar="NAME:STAGES:same|rows:REPLICAS")
 args = ap.parse_args()
 os.makedirs(args.out, exist_ok=True)
-if args.replicas > 1:
-    mesh = zj.make_mesh(replicas=args.replicas)
-    print(f"hybrid mesh {dict(mesh.shape)}: groups hold the devices of processes "
-          f"{[sorted({d.process_index for d in row}) for row in mesh.devices]}", flush=True)
+one_d = mesh
 
 rank = jax.process_index()
 print(f"process {rank} of {jax.process_count()}: {jax.local_device_count()} local devices, "
       f"{jax.device_count()} in the mesh", flush=True)
 params = jax.tree.map(np.asarray, models.stacked_params())
 tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1, momentum=0.9))
-for stage in [int(s) for s in args.stages.split(",")]:
+
+
+def train(out, stages, helper, replicas, checkpoint):
+    os.makedirs(out, exist_ok=True)
+    mesh = one_d
+    if replicas > 1:
+        mesh = zj.make_mesh(replicas=replicas)
+        print(f"hybrid mesh {dict(mesh.shape)}: groups hold the devices of processes "
+              f"{[sorted({d.process_index for d in row}) for row in mesh.devices]}", flush=True)
+    for stage in stages:
+        train_stage(out, stage, mesh, helper, checkpoint)
+
+
+def train_stage(out, stage, mesh, helper, checkpoint):
     cfg = zj.ZeroConfig(stage=stage)
     state = zj.init_state(params, tx, mesh=mesh, config=cfg)
     step = zj.make_train_step(models.stacked_loss, tx, mesh=mesh, config=cfg, timeout_s=args.step_timeout)
     for i in range(args.steps):
         full_batch = jax.tree.map(np.asarray, models.batch(16, seed=i))
-        if args.global_batch_helper:
+        if helper:
             rows = zj.distributed.process_rows(16, mesh)
             batch = zj.distributed.global_batch(jax.tree.map(lambda x: x[rows], full_batch), mesh)
         else:
@@ -63,9 +79,20 @@ for stage in [int(s) for s in args.stages.split(",")]:
         if args.die_after is not None and rank == 1 and i + 1 >= args.die_after:
             print("process 1 failing on purpose", flush=True)
             os._exit(3)
-    if args.checkpoint:  # every process writes its own shards
-        zj.save_checkpoint(args.checkpoint, state, step=args.steps, wait=True)
+    if checkpoint:  # every process writes its own shards
+        zj.save_checkpoint(checkpoint, state, step=args.steps, wait=True)
     full = zj.gather_params(state)
     leaves = {str(k): np.asarray(v) for k, v in enumerate(jax.tree.leaves(full))}
-    np.savez(os.path.join(args.out, f"params_stage{stage}_rank{rank}.npz"), **leaves)
+    np.savez(os.path.join(out, f"params_stage{stage}_rank{rank}.npz"), **leaves)
+
+
+if args.run:
+    for spec in args.run:
+        name, stages, batches, replicas = spec.split(":")
+        out = os.path.join(args.out, name)
+        print(f"run {name}", flush=True)
+        train(out, [int(s) for s in stages.split(",")], batches == "rows", int(replicas), os.path.join(out, "ck"))
+else:
+    train(args.out, [int(s) for s in args.stages.split(",")], args.global_batch_helper, args.replicas,
+          args.checkpoint)
 print(f"process {rank} done", flush=True)
