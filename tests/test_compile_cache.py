@@ -18,11 +18,12 @@ import zerojax as zj
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "experiments", "xla_cpu_cache_deadlock.py")
-TIMEOUT = "--xla_cpu_collective_call_terminate_timeout_seconds=10"
 
 
-def _train(cache, *flags):
-    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {TIMEOUT}")
+def _train(cache, *flags, timeout_s=10):
+    """One process of the script's program (XLA's collective timeout ends a hang in it)."""
+    flag = f"--xla_cpu_collective_call_terminate_timeout_seconds={timeout_s}"
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flag}")
     return subprocess.run([sys.executable, SCRIPT, "--child", str(cache), *flags], env=env, capture_output=True,
                           text=True, timeout=300)
 
@@ -61,9 +62,10 @@ def test_guard_applies_only_to_multi_device_cpu_steps(monkeypatch, tmp_path):
 CACHE_DIR = jax.config.jax_compilation_cache_dir
 
 
-@pytest.mark.slow  # reason: 4 processes compiling the step (about 50 s); tells when XLA fixes the fault
+@pytest.mark.slow  # reason: waits out XLA's collective timeout in a hung process (about 30 s)
 def test_without_the_guard_the_loaded_step_deadlocks(tmp_path):
-    first, second = _train(tmp_path, "--unguarded"), _train(tmp_path, "--unguarded")
+    # (The same XLA flags in both: they are part of the cache key.)
+    first, second = _train(tmp_path, "--unguarded", timeout_s=4), _train(tmp_path, "--unguarded", timeout_s=4)
     assert first.returncode == 0, first.stderr[-2000:]
     assert "step programs in the cache: True" in first.stdout
     # If this fails, XLA:CPU runs loaded executables correctly now: the guard can go.
