@@ -1,5 +1,7 @@
 """bf16/fp16 compute on fp32 masters, DeepSpeed loss scaling, clipping, accumulation."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,20 +77,38 @@ def snapshot(state):
     return [np.asarray(x).copy() for x in jax.tree.leaves((state.params, state.master, state.opt_state))]
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("dtype,rtol", [("bfloat16", 0.05), ("float16", 0.01)])
-def test_low_precision_matches_fp32_reference(stage, dtype, rtol):
-    tx = optax.sgd(0.05, momentum=0.9)
+LOW_TX = optax.sgd(0.05, momentum=0.9)
+
+
+@functools.lru_cache(maxsize=None)
+def low_precision_reference():
+    """Single-device fp32 optax on the stacked model, 3 steps: (params, losses, batches)."""
     params = models.stacked_params()
     batches = [models.batch(16, s) for s in range(3)]
-    ref, ref_losses = models.reference_run(models.stacked_loss, params, tx, batches)
-    state, step = make(stage, tx, models.stacked_loss, params, compute_dtype=dtype)
-    losses = []
+    ref, ref_losses = models.reference_run(models.stacked_loss, params, LOW_TX, batches)
+    return params, ref, ref_losses, batches
+
+
+@functools.lru_cache(maxsize=None)
+def low_precision_run(stage, dtype, reduce_dtype="float32"):
+    """The same 3 steps with zerojax in ``dtype`` compute (shared by the tests that read
+    them): (params after, losses, skipped flags)."""
+    params, _, _, batches = low_precision_reference()
+    state, step = make(stage, LOW_TX, models.stacked_loss, params, compute_dtype=dtype, reduce_dtype=reduce_dtype)
+    losses, skipped = [], []
     for b in batches:
         state, m = step(state, b)
         losses.append(float(m["loss"]))
-        assert not bool(m["skipped"])
-    got = zj.gather_params(state)
+        skipped.append(bool(m["skipped"]))
+    return zj.gather_params(state), losses, skipped
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("dtype,rtol", [("bfloat16", 0.05), ("float16", 0.01)])
+def test_low_precision_matches_fp32_reference(stage, dtype, rtol):
+    params, ref, ref_losses, _ = low_precision_reference()
+    got, losses, skipped = low_precision_run(stage, dtype)
+    assert not any(skipped)
     moved = models.abs_errors(ref, params).max()
     err = models.abs_errors(got, ref).max()
     assert err <= rtol * moved, (err, moved)
@@ -371,17 +391,13 @@ def test_backward_runs_at_the_full_loss_scale(monkeypatch, stage, k):
 def test_narrow_reduce_dtype_trains_accurately(stage, dtype):
     """Gradients reduced in bf16/fp16 (half the bytes): the trained weights stay within the
     same bound as fp32 reductions of the same compute dtype."""
-    tx = optax.sgd(0.05, momentum=0.9)
-    params, batches = models.stacked_params(), [models.batch(16, s) for s in range(3)]
-    ref, _ = models.reference_run(models.stacked_loss, params, tx, batches)
+    params, ref, _, _ = low_precision_reference()
     moved = models.abs_errors(ref, params).max()
     errs = {}
     for reduce in ("float32", dtype):
-        state, step = make(stage, tx, models.stacked_loss, params, compute_dtype=dtype, reduce_dtype=reduce)
-        for b in batches:
-            state, m = step(state, b)
-            assert not bool(m["skipped"])
-        errs[reduce] = models.abs_errors(zj.gather_params(state), ref).max()
+        got, _, skipped = low_precision_run(stage, dtype, reduce)
+        assert not any(skipped)
+        errs[reduce] = models.abs_errors(got, ref).max()
     rtol = 0.05 if dtype == "bfloat16" else 0.01
     assert errs[dtype] <= rtol * moved, (errs, moved)
     assert errs[dtype] <= 3 * errs["float32"] + 1e-6, errs
