@@ -576,3 +576,14 @@ def test_cli_set_fills_auto_values(tmp_path, capsys):
         "warmup_max_lr": 1e-3, "warmup_type": "auto"}}}))
     assert cli.main(["from-deepspeed", str(path), "--set", "scheduler.params.warmup_type=linear"]) == 0
     assert "schedule = zj.optim.schedules.warmup_lr(" in capsys.readouterr().out  # a string when not JSON
+
+
+def test_the_old_name_still_works_and_says_the_new_one():
+    source = {"zero_optimization": {"stage": 3}, "fp16": {"enabled": True, "loss_scale": 0,
+                                                        "initial_scale_power": 12}, "gradient_clipping": 1.0}
+    with pytest.warns(DeprecationWarning, match=r"call zj\.from_deepspeed\(\.\.\.\)"):
+        old = zj.ZeroConfig.from_deepspeed(source)
+    assert old == zj.from_deepspeed(source)
+    with pytest.warns(DeprecationWarning):
+        assert zj.ZeroConfig.from_deepspeed(HF_ZERO3, auto={"fp16": True}).stage == \
+            zj.from_deepspeed(HF_ZERO3, auto={"fp16": True}).stage
