@@ -33,7 +33,6 @@ from zerojax.report.hlo import shape_bytes
 
 __all__ = ["LoopCost", "extra_iterations", "loop_cost", "matmul_sizes", "parsed_cost", "shape_bytes"]
 
-_FUSED = re.compile(r"\bcalls=%?([\w.\-]+)")
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _DIM_LABELS = re.compile(r"dim_labels=[^_]+_([^-]+)->")
 
@@ -59,8 +58,7 @@ class _Pricer:
 
     def instr_flops(self, comp: str, ins: hlo.Instruction) -> float:
         if ins.op == "fusion":
-            m = _FUSED.search(ins.rest)
-            return self.flops(m.group(1)) if m else 0.0
+            return sum(self.flops(c) for c in ins.called("calls"))
         out = hlo.shape_elements(ins.shape)
         if ins.op == "dot":
             ops = ins.operands
@@ -91,8 +89,7 @@ class _Pricer:
             out = []
             for ins in self.comps.get(comp, []):
                 if ins.op == "fusion":
-                    m = _FUSED.search(ins.rest)
-                    out += self.dots(m.group(1)) if m else []
+                    out += [f for c in ins.called("calls") for f in self.dots(c)]
                 elif ins.op in ("dot", "convolution"):
                     out.append(self.instr_flops(comp, ins))
             self._dots[comp] = out
@@ -127,8 +124,7 @@ class _Pricer:
         if ins.op == "dynamic-update-slice" and len(ops) > 1:
             return 2.0 * shape_bytes(shapes.get(ops[1], ""))
         if ins.op == "fusion":
-            m = _FUSED.search(ins.rest)
-            fused = m.group(1) if m else ""
+            fused = next(iter(ins.called("calls")), "")
             read = sum(self._fusion_operand_bytes(fused, n, shape_bytes(shapes.get(o, ""))) for n, o in enumerate(ops))
             root = next((i for i in reversed(self.comps.get(fused, [])) if i.op != "parameter"), None)
             if root is not None and root.op == "dynamic-update-slice" and len(root.operands) > 1:
