@@ -37,8 +37,8 @@ def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
 
 def replica_groups(attrs: str) -> list[list[int]] | None:
     """The device groups of one collective from the text after its opcode; None where the
-    instruction lists none (a collective-permute lists pairs: :func:`permute_groups`). Raises ``ValueError`` for a form
-    it does not know."""
+    instruction lists none (a collective-permute lists pairs: :func:`permute_groups`).
+    Raises ``ValueError`` for a form it does not know."""
     m = _EXPLICIT.search(attrs)
     if m:
         return [_ints(g) for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
