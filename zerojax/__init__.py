@@ -1,8 +1,10 @@
 """zerojax: ZeRO (stages 0-3) for JAX and Flax over a jax.sharding mesh."""
 
-from zerojax import checkpoint, compile_cache, distributed, nnx, remat, xla_flags
+from zerojax import checkpoint, compile_cache, distributed, maps, nnx, remat, xla_flags
 from zerojax.tuning import autotune
 from zerojax.checkpoint import export_weights, load_weights, restore_checkpoint, save_checkpoint
+from zerojax.checkpoint.tensor_map import WeightMap
+from zerojax.checkpoint.weights import Weights
 from zerojax.config import ZeroConfig
 from zerojax.deepspeed import from_deepspeed
 from zerojax.evaluate import EvalStep, make_eval_step
@@ -29,9 +31,12 @@ __all__ = [
     "abstract_state",
     "autotune",
     "distributed",
+    "WeightMap",
+    "Weights",
     "export_weights",
     "from_deepspeed",
     "load_weights",
+    "maps",
     "remat",
     "restore_checkpoint",
     "save_checkpoint",

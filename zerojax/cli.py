@@ -1,6 +1,7 @@
 """The ``zerojax`` command line.
 
     zerojax export CHECKPOINT_DIR OUT.safetensors [--step N] [--dtype float32|bfloat16|float16]
+    zerojax export CHECKPOINT_DIR OUT_DIR --layout hf --map llama [--max-shard-size 5GB] [--lora merge]
     zerojax estimate --params 7B --devices 64 [--largest-layer N] [--replicas R] [--tensor T]
                      [--dtype float32|bfloat16|float16] [--optimizer adam|adamw|sgd|adafactor]
     zerojax estimate --model llama3-8b --devices 8
@@ -37,9 +38,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="the ZeRO configurations that fit a memory budget, fastest predicted first (no trial run)")
     ex = sub.add_parser("export", help="consolidated weights from a checkpoint (zero_to_fp32)")
     ex.add_argument("checkpoint_dir")
-    ex.add_argument("out", help="output .safetensors file")
+    ex.add_argument("out", help="output .safetensors file (--layout file) or folder (--layout hf)")
     ex.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    ex.add_argument("--layout", choices=["file", "hf"], default="file",
+                    help="one file, or Hugging Face's sharded layout (model-0000k-of-0000n.safetensors + index)")
+    ex.add_argument("--map", default=None,
+                    help="tensor names: a ready map (" + ", ".join(_ready_maps()) + ") or module:attribute "
+                         "(a zj.WeightMap, or a function of no arguments returning one); default: "
+                         "the parameters' own dotted names")
+    ex.add_argument("--max-shard-size", default="5GB", help="largest file of --layout hf (5GB, 500MiB, bytes)")
+    ex.add_argument("--lora", choices=["merge", "adapters", "keep"], default="merge",
+                    help="LoRA adapters folded into their kernels (default), alone, or kept as parameters")
     es = sub.add_parser("estimate", help="model-state memory per device: ZeRO paper, DeepSpeed and zerojax")
     es.add_argument("--params", type=_count, default=None,
                     help="parameter count: 7B, 1.3b, 350M, 125k, 1.5e9, 7_000_000 (K/M/B/T suffixes)")
@@ -118,13 +128,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         from zerojax.checkpoint.export import export_weights
 
         try:
+            wmap = None if args.map is None else _load_map(args.map)
             shapes = export_weights(args.checkpoint_dir, args.out, step=args.step, dtype=args.dtype,
-                                    show_progress=None)
-        except (OSError, ValueError) as e:
+                                    show_progress=None, layout=args.layout, map=wmap,
+                                    max_shard_size=args.max_shard_size, lora=args.lora)
+        except (OSError, ValueError, TypeError) as e:
             print(f"zerojax export: {e}", file=sys.stderr)
             return 1
         n = sum(math.prod(s) for s in shapes.values())
         print(f"wrote {len(shapes)} tensors, {n:,} parameters ({args.dtype}) to {args.out}")
+        if args.layout != "file" or wmap is not None or args.lora != "merge":
+            return 0
         from zerojax.checkpoint.export import stored_dtypes
 
         narrow = {k: v for k, v in stored_dtypes(args.out).items() if v not in ("float32", "float64")}
@@ -132,6 +146,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{len(narrow)} frozen tensors were stored by the run in {', '.join(sorted(set(narrow.values())))} "
                   f"(ZeroConfig.frozen_dtype='compute') and hold that rounding: {', '.join(narrow)}")
     return 0
+
+
+def _ready_maps() -> list[str]:
+    return ["llama"]
+
+
+def _load_map(spec: str):
+    """A WeightMap from a ready map's name or ``module:attribute``."""
+    import importlib
+
+    from zerojax import maps
+
+    if spec in _ready_maps():
+        return getattr(maps, f"{spec}_map")()
+    if ":" not in spec:
+        raise ValueError(f"--map {spec!r}: use a ready map ({', '.join(_ready_maps())}) or module:attribute.")
+    module, attr = spec.split(":", 1)
+    try:
+        obj = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--map {spec!r}: {e}") from None
+    obj = obj() if callable(obj) and not isinstance(obj, maps.WeightMap) else obj
+    if not isinstance(obj, maps.WeightMap):
+        raise TypeError(f"--map {spec!r} is a {type(obj).__name__}, not a zj.WeightMap.")
+    return obj
 
 
 def version() -> str:

@@ -93,7 +93,8 @@ def state_shardings(plan: ZeroPlan, scaler: Any, model_state: Any = None, rng: A
 
 
 def init_state(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig, rng: Any = None,
-               model_state: Any = None, trainable: Any = None, tensor_specs: Any = None) -> ZeroState:
+               model_state: Any = None, trainable: Any = None, tensor_specs: Any = None,
+               weights: Any = None) -> ZeroState:
     """Builds a sharded train state.
 
     Args:
@@ -118,6 +119,15 @@ def init_state(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig, rng: Any
         parameter split over it, for parameters without Flax annotations (annotated NNX
         Variables and linen's ``nn.Partitioned`` boxes are read without it; see
         :mod:`zerojax.sharding.annotations`).
+      weights: pretrained weights, a :class:`zerojax.Weights` (a safetensors file or
+        Hugging Face sharded checkpoint and the map from parameter names to its tensors)
+        or a path (tensors named as ``zerojax export`` names them). ``params`` then gives
+        only the structure, shapes and dtypes (abstract leaves from ``jax.eval_shape`` /
+        ``nnx.eval_shape`` are enough); every process reads only the bytes of the shards
+        its devices hold, straight into the masters' (and frozen weights') ZeRO layout
+        (see :mod:`zerojax.checkpoint.weights`). With ``params`` an ``init_fn``, the
+        parameters the map does not name (new LoRA adapters, a new head) are initialised by
+        it; otherwise every parameter must be in the checkpoint.
 
     The optimizer state and masters are created directly in their sharded layout (``jax.jit``
     with ``out_shardings``): no device ever holds more than its share of them.
@@ -135,7 +145,17 @@ def init_state(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig, rng: Any
     """
     build, args, plan, out = _init_program(params, tx, mesh=mesh, config=config, model_state=model_state,
                                            trainable=trainable, rng=rng, tensor_specs=tensor_specs)
-    p, master, frozen, opt_state, ms = jax.jit(build, out_shardings=out)(*args)
+    if weights is not None:
+        from zerojax.checkpoint.born import donated, loaded_storage
+
+        loaded_train, loaded_frozen, given = loaded_storage(weights, params, plan, init=is_init_fn(params))
+        args = (args[0] if given else [], args[1], loaded_train, loaded_frozen)
+        # The loaded shards are the masters' storage itself: donated, so never held twice.
+        p, master, frozen, opt_state, ms = jax.jit(build, out_shardings=out, donate_argnums=donated(plan))(*args)
+    else:
+        if not is_init_fn(params):
+            _refuse_abstract(params)
+        p, master, frozen, opt_state, ms = jax.jit(build, out_shardings=out)(*args)
     rep = plan.replicated
     return ZeroState(
         step=jax.device_put(jnp.zeros((), jnp.int32), rep), params=p, master=master, frozen=frozen,
@@ -181,6 +201,15 @@ def abstract_state(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig, rng:
     )
 
 
+def _refuse_abstract(params: Any) -> None:
+    """Abstract leaves (``jax.ShapeDtypeStruct``) have no values to train from."""
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            raise TypeError(f"params{jax.tree_util.keystr(path)} is abstract (jax.ShapeDtypeStruct): it has no "
+                            "values. Pass arrays, an init function, or weights=zj.Weights(path, map) to read them "
+                            "from a checkpoint.")
+
+
 def is_init_fn(x: Any) -> bool:
     """Whether ``x`` is a function that builds a tree (rather than the tree itself)."""
     return callable(x) and not hasattr(x, "shape") and not isinstance(x, (dict, list, tuple))
@@ -223,19 +252,28 @@ def _init_program(params, tx, *, mesh, config, model_state=None, trainable=None,
     plan = make_plan(shapes, mesh, config, tx, trainable, tensor_specs)
     stage = stage_of(plan)
 
-    def build(leaves, ms):
+    def build(leaves, ms, loaded_train=None, loaded_frozen=None):
+        # loaded_*: storage arrays read from pretrained weights (None where a leaf is not).
+        n_train, n_frozen = len(plan.train_layouts), len(plan.frozen_layouts)
+        loaded_train = loaded_train or [None] * n_train
+        loaded_frozen = loaded_frozen or [None] * n_frozen
         if make is not None:
             leaves = jax.tree.leaves(make())
+        if not leaves:  # every leaf loaded
+            leaves = [None] * len(plan.layouts)
         if make_ms is not None:
             ms = make_ms()
         ms = jax.tree.map(jnp.asarray, ms)
         train, frozen = plan.split(leaves)
-        masters = [jnp.asarray(x).astype(master_dtype(x.dtype)) for x in train]
+        master_ls, shardings = plan.master_layouts, plan.shardings(plan.master_layouts)
+        masters = [jnp.asarray(x).astype(master_dtype(x.dtype)) if s_in is None else l.from_storage(s_in)
+                   for l, x, s_in in zip(master_ls, train, loaded_train)]
         opt = jax.tree.leaves(tx.init(plan.unflatten_train(masters)))
-        storage = [jax.lax.with_sharding_constraint(l.to_storage(x), s)
-                   for l, x, s in zip(plan.master_layouts, masters, plan.shardings(plan.master_layouts))]
+        storage = [jax.lax.with_sharding_constraint(l.to_storage(x), s) if s_in is None else s_in
+                   for l, x, s, s_in in zip(master_ls, masters, shardings, loaded_train)]
         p, m = stage.fields(plan, storage)
-        frozen = [l.to_storage(jnp.asarray(x).astype(l.dtype)) for l, x in zip(plan.frozen_layouts, frozen)]
+        frozen = [f_in if f_in is not None else l.to_storage(jnp.asarray(x).astype(l.dtype))
+                  for l, x, f_in in zip(plan.frozen_layouts, frozen, loaded_frozen)]
         opt = [l.to_storage(x) for l, x in zip(plan.opt_storage_layouts, opt)]
         return (None if p is None else plan.unflatten_train(p), None if m is None else plan.unflatten_train(m),
                 plan.unflatten_frozen(frozen) if plan.has_frozen else None, plan.unflatten_opt(opt), ms)

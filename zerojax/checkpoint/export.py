@@ -15,6 +15,7 @@ import json
 import os
 import re
 import struct
+from typing import Any
 
 import jax
 import ml_dtypes
@@ -154,12 +155,29 @@ def stored_dtypes(path: str | os.PathLike) -> dict[str, str]:
         return json.loads(json.loads(f.read(n)).get("__metadata__", {}).get("stored_dtypes", "{}"))
 
 
-def export_weights(directory: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None,
-                   dtype: str = "float32", show_progress: bool | None = False) -> dict[str, tuple[int, ...]]:
-    """Writes checkpoint ``step`` (default: latest) of ``directory`` to ``out`` as full
-    weights in ``dtype`` (float32, bfloat16 or float16); returns ``{name: shape}``.
-    A float16 export refuses a parameter with finite values beyond float16's range
-    (65504) rather than write them as inf; bfloat16 has float32's range.
+def export_weights(source: Any, out: str | os.PathLike, *, step: int | None = None,
+                   dtype: str = "float32", show_progress: bool | None = False, layout: str = "file",
+                   map: Any = None, max_shard_size: int | str = "5GB",
+                   lora: str = "merge") -> dict[str, tuple[int, ...]]:
+    """Writes the weights of ``source`` to ``out`` in ``dtype`` (float32, bfloat16 or
+    float16); returns ``{tensor name: shape}``. A float16 export refuses a parameter with
+    finite values beyond float16's range (65504) rather than write them as inf; bfloat16
+    has float32's range.
+
+    ``source``: a checkpoint directory (step ``step``, default the latest), or a live
+    ``ZeroState``. From a state every process writes the shards its own devices hold,
+    straight into the files (:mod:`zerojax.checkpoint.hf_export`); from a directory process
+    0 reads one parameter at a time.
+
+    ``layout="file"``: one ``.safetensors`` file at ``out``. ``layout="hf"``: Hugging Face's
+    sharded layout in the folder ``out`` (``model-0000k-of-0000n.safetensors`` of at most
+    ``max_shard_size``, ``"5GB"`` or bytes, and ``model.safetensors.index.json``).
+    ``map``: a :class:`zerojax.WeightMap` naming, transposing and unstacking the parameters
+    into the checkpoint's tensors (the map that loads them: ``zj.maps.llama_map()``); default:
+    each parameter under its own dotted name. ``lora``: ``"merge"`` (default: each
+    ``nnx.LoRALinear`` kernel written as ``kernel + lora_a @ lora_b``, adapters left out: a
+    plain model any loader reads), ``"adapters"`` (the adapters alone, by the map's names
+    for them), or ``"keep"`` (every parameter as it is).
 
     Trainable parameters are written from their fp32 masters; frozen ones as the run
     stored them (``ZeroConfig.frozen_dtype``: in a bf16 run with the default "compute",
@@ -171,8 +189,21 @@ def export_weights(directory: str | os.PathLike, out: str | os.PathLike, *, step
     progress bar over the tensors on stderr (``None``: on a terminal only, as the
     ``zerojax export`` command does).
     """
+    from zerojax.state import ZeroState
+
+    if isinstance(source, ZeroState):
+        if step is not None:
+            raise ValueError("step= picks a step of a checkpoint directory; a state is exported as it is.")
+        from zerojax.checkpoint.hf_export import export_state
+
+        return export_state(source, out, map=map, layout=layout, dtype=dtype, max_shard_size=max_shard_size,
+                            lora=lora)
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}.")
+    directory = source
+    if layout != "file" or map is not None or lora != "merge":
+        return _export_mapped(directory, out, step=step, dtype=dtype, layout=layout, map=map,
+                              max_shard_size=max_shard_size, lora=lora, show_progress=show_progress)
     _check_paths(directory, out)
     steps = checkpoint_steps(directory)
     if not steps:
@@ -209,6 +240,78 @@ def export_weights(directory: str | os.PathLike, out: str | os.PathLike, *, step
                                                      "source_stage": meta.stage, "source_devices": meta.n,
                                                      "stored_dtypes": json.dumps(stored)})
     return shapes
+
+
+def _restore_leaf(mngr, meta, step: int, i: int, frozen: dict[int, int]) -> np.ndarray:
+    """Parameter ``i`` of a checkpoint, whole: its fp32 master, or a frozen one as stored."""
+    key = str(i)
+    group, layout = ("frozen", meta.frozen_layout(frozen[i])) if i in frozen else ("master", meta.layout(i))
+    arrays = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item={group: {key: 0}}, restore_args={group: {key: ocp.RestoreArgs(restore_type=np.ndarray)}},
+        partial_restore=True)))["state"][group]
+    return layout.from_storage(np.asarray(arrays[key]))
+
+
+def _export_mapped(directory, out, *, step, dtype, layout, map, max_shard_size, lora, show_progress):
+    """A checkpoint directory through a map / into Hugging Face's layout: process 0 reads
+    one parameter at a time and writes it through the map's inverse."""
+    from zerojax.checkpoint import boxes
+    from zerojax.checkpoint import hf_export as hx
+    from zerojax.checkpoint import tensor_map as tm
+
+    if layout not in hx.LAYOUTS:
+        raise ValueError(f"layout must be one of {hx.LAYOUTS}, got {layout!r}.")
+    if lora not in hx.LORA:
+        raise ValueError(f"lora must be one of {hx.LORA}, got {lora!r}.")
+    wmap = tm.IDENTITY if map is None else map
+    if not isinstance(wmap, tm.WeightMap):
+        raise TypeError(f"map must be a zj.WeightMap, got {type(wmap).__name__}.")
+    max_bytes = hx.parse_size(max_shard_size)
+    _check_paths(directory, out)
+    steps = checkpoint_steps(directory)
+    if not steps:
+        raise FileNotFoundError(f"no checkpoint in {os.fspath(directory)!r}: it has no complete saved step.")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise FileNotFoundError(f"no checkpoint for step {step} in {os.fspath(directory)!r}; it has steps {steps}.")
+    mngr = _manager(directory)
+    meta = canonical.Meta.from_json(mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+    names = tensor_names(list(meta.paths))
+    index = {n: i for i, n in enumerate(names)}
+    frozen = {i: j for j, i in enumerate(i for i in range(len(names)) if not meta.is_trainable(i))}
+    triples = hx.lora_triples(names)
+    adapters = {n for ab in triples.values() for n in ab}
+    chosen = [n for n in names if (n not in adapters if lora == "merge" else n in adapters if lora == "adapters"
+                                   else True)]
+    if lora == "adapters" and not adapters:
+        raise ValueError("lora='adapters' exports the LoRA adapters, but the checkpoint has none.")
+    shapes = {n: meta.layout(index[n]).shape for n in chosen}
+    target = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    inferred = tm.infer_tensors(wmap, shapes)
+    res = tm.resolve(wmap, shapes, {t: (s, np.dtype(np.float32)) for t, s in inferred.items()})
+    if res.problems():
+        raise ValueError("the map cannot export this checkpoint: " + ". ".join(res.problems()) + ".")
+    hx._check_cover(res.exprs, inferred)
+    tensors = {t: (s, np.dtype(target)) for t, s in inferred.items()}
+    if jax.process_index() != 0:
+        hx._barrier("zerojax-export-headers")
+        hx._barrier("zerojax-export-data")
+        hx._barrier("zerojax-export-done")
+        return {t: tuple(s) for t, (s, _) in tensors.items()}
+    merged = {k: tuple(_restore_leaf(mngr, meta, step, index[x], frozen).astype(np.float32) for x in ab)
+              for k, ab in triples.items()} if lora == "merge" else {}
+
+    def produce(writer):
+        for n in progress(chosen, "export", unit="tensor", disable=None if show_progress is None else not show_progress):
+            x = _restore_leaf(mngr, meta, step, index[n], frozen)
+            if n in merged:
+                a, b = merged[n]
+                x = x.astype(np.float32) + np.matmul(a, b)
+            res.exprs[n].write(boxes.full(x.shape), _cast(n, x, target), writer)
+
+    hx.write_checkpoint(os.fspath(out), tensors, produce, layout=layout, max_bytes=max_bytes,
+                        metadata={"format": "pt"} if layout == "hf" else {"format": "zerojax", "step": step})
+    return {t: tuple(s) for t, (s, _) in tensors.items()}
 
 
 def _check_paths(directory, out: str | os.PathLike) -> None:

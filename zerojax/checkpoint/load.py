@@ -2,7 +2,8 @@
 
 :func:`zerojax.export_weights` (``zerojax export``) writes one ``.safetensors`` file whose
 tensors are named by their parameter paths (``blocks.linear.kernel``; see
-:func:`zerojax.checkpoint.export.tensor_names`). :func:`load_weights` reads such a file into
+:func:`zerojax.checkpoint.export.tensor_names`), or Hugging Face's sharded layout through a
+map. :func:`load_weights` reads either (or any Hugging Face checkpoint, with a map) into
 the structure of a tree you already have (an ``nnx.State`` from ``nnx.split(model,
 nnx.Param)``, a linen ``params`` dict, any pytree of arrays or ``jax.ShapeDtypeStruct``),
 matching each leaf to the tensor of its name.
@@ -17,23 +18,32 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zerojax.checkpoint import boxes
 from zerojax.checkpoint.export import tensor_names
+from zerojax.checkpoint.weights import as_weights, check_cast, check_ranges, place, read_box, resolve
 
 
-def load_weights(path: str | os.PathLike, like: Any) -> Any:
-    """The weights of the safetensors file ``path`` in the structure of ``like``.
+def load_weights(path: Any, like: Any) -> Any:
+    """The weights of a checkpoint in the structure of ``like``.
 
-    Each leaf of ``like`` takes the tensor named by its path, as ``export_weights`` names
-    them (``['blocks']['linear']['kernel'].value`` -> ``blocks.linear.kernel``), cast to
-    the leaf's dtype (a bf16 leaf gets the bf16 rounding of an fp32 tensor). A ``jax.Array``
-    leaf (or a ``jax.ShapeDtypeStruct`` with a sharding) gives an array placed with its
-    sharding, a numpy leaf a numpy array, any other leaf a ``jax.Array``. Returns a tree of
-    the same structure as ``like``: an ``nnx.State`` for an ``nnx.State``, which
+    ``path`` is a ``.safetensors`` file, a Hugging Face sharded checkpoint (its folder or
+    ``model.safetensors.index.json``), or a :class:`zerojax.Weights` with the map from
+    parameter names to tensors (default: each leaf is the tensor named by its path, as
+    ``export_weights`` names them: ``['blocks']['linear']['kernel'].value`` ->
+    ``blocks.linear.kernel``). Each leaf is cast to its dtype (a bf16 leaf gets the bf16
+    rounding of an fp32 tensor; a float16 leaf refuses values beyond float16's range). A
+    ``jax.Array`` leaf, or a ``jax.ShapeDtypeStruct`` with a sharding, gives an array placed
+    with that sharding, each process reading only the bytes of the shards its devices hold;
+    a numpy leaf gives a numpy array, any other leaf a ``jax.Array``. Returns a tree of the
+    same structure as ``like``: an ``nnx.State`` for an ``nnx.State``, which
     ``nnx.update(model, loaded)`` or ``nnx.merge(graphdef, loaded)`` puts into a model.
 
-    Raises ``ValueError`` naming every tensor ``like`` needs and the file lacks, every
-    tensor of the file ``like`` has no leaf for, and every shape that differs;
-    ``FileNotFoundError`` for a missing file.
+    To train from the weights, ``zj.init_state(..., weights=zj.Weights(path, map))`` reads
+    them straight into the ZeRO layout instead (no full parameter tree at any point).
+
+    Raises ``ValueError`` naming every tensor ``like`` needs and the checkpoint lacks, every
+    tensor of the checkpoint ``like`` has no leaf for, and every shape that differs, before
+    reading any; ``FileNotFoundError`` for a missing file (or one an index names).
 
     Example:
       >>> import os, tempfile, numpy as np
@@ -45,49 +55,29 @@ def load_weights(path: str | os.PathLike, like: Any) -> Any:
       >>> loaded["dense"]["kernel"].dtype, float(loaded["dense"]["kernel"].sum())
       (dtype('float16'), 3.0)
     """
-    from safetensors import SafetensorError, safe_open
-
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path is the .safetensors file to read, got {type(path).__name__} {path!r}.")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"weights file {os.fspath(path)!r} does not exist.")
+    weights = as_weights(path)
     flat, treedef = jax.tree_util.tree_flatten_with_path(like)
     if not flat:
         raise ValueError("like has no leaves; pass the model's parameter tree (e.g. nnx.split(model, nnx.Param)[1]).")
     names = tensor_names([jax.tree_util.keystr(p) for p, _ in flat])
-    try:
-        with safe_open(os.fspath(path), framework="numpy") as f:
-            stored = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-            _check_match(os.fspath(path), names, [leaf for _, leaf in flat], stored)
-            leaves = [_place(f.get_tensor(name), leaf) for name, (_, leaf) in zip(names, flat)]
-    except SafetensorError as e:
-        raise ValueError(f"{os.fspath(path)!r} is not a readable safetensors file: {e}") from None
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+    leaves = [leaf for _, leaf in flat]
+    with weights.open() as files:
+        exprs = resolve(weights, files, {n: tuple(np.shape(x)) for n, x in zip(names, leaves)}, what="like")
+        items = [(n, exprs[n], None, getattr(x, "sharding", None), _dtype(x)) for n, x in zip(names, leaves)]
+        check_ranges([it for it in items if it[3] is not None], files, weights.buffer_bytes)
+        out = [_load(name, expr, sharding, dtype, leaf, files, weights.buffer_bytes)
+               for (name, expr, _, sharding, dtype), leaf in zip(items, leaves)]
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _check_match(path: str, names: list[str], leaves: list[Any], stored: dict[str, tuple[int, ...]]) -> None:
-    """Raises one ``ValueError`` listing every missing tensor, extra tensor and shape mismatch."""
-    problems = []
-    missing = [n for n in names if n not in stored]
-    extra = sorted(set(stored) - set(names))
-    if missing:
-        problems.append(f"missing from the file ({len(missing)}): {', '.join(missing)}")
-    if extra:
-        problems.append(f"in the file but not in like ({len(extra)}): {', '.join(extra)}")
-    shapes = [f"{n} {stored[n]} in the file, {tuple(np.shape(leaf))} in like"
-              for n, leaf in zip(names, leaves) if n in stored and stored[n] != tuple(np.shape(leaf))]
-    if shapes:
-        problems.append(f"shapes differ ({len(shapes)}): {'; '.join(shapes)}")
-    if problems:
-        raise ValueError(f"{path!r} does not match the parameter tree given as like: " + ". ".join(problems)
-                         + ". Pass like= the model the file was exported from.")
+def _dtype(leaf: Any):
+    return leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
 
 
-def _place(x: np.ndarray, leaf: Any) -> Any:
-    """``x`` in ``leaf``'s dtype: numpy for a numpy leaf, else a jax.Array placed as ``leaf``."""
-    dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
-    x = x.astype(dtype, copy=False)
-    if isinstance(leaf, (np.ndarray, np.generic)):
-        return x
-    sharding = getattr(leaf, "sharding", None)
-    return jax.device_put(x, sharding) if sharding is not None else jnp.asarray(x)
+def _load(name, expr, sharding, dtype, leaf, files, limit):
+    """One leaf: placed shard by shard with its sharding, else read whole."""
+    if sharding is not None and not isinstance(leaf, (np.ndarray, np.generic)):
+        return place(name, expr, None, sharding, dtype, files, limit)
+    check_cast(name, expr.dtype, dtype)
+    x = read_box(name, expr, boxes.full(tuple(expr.shape)), dtype, files, limit)
+    return x if isinstance(leaf, (np.ndarray, np.generic)) else jnp.asarray(x)

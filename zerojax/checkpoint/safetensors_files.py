@@ -1,0 +1,253 @@
+"""The tensors of a safetensors checkpoint, one file or Hugging Face's sharded layout, read
+by byte range.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header naming each
+tensor's dtype, shape and data offsets, then the tensors' bytes in C order. Reading a box of
+a tensor here is one ``pread`` per contiguous run of it (:func:`zerojax.checkpoint.boxes.runs`)
+straight into the output array: no memory map (its touched pages would count against the
+process), no whole tensor, and every byte read is counted (:attr:`TensorFiles.bytes_read`),
+so a test can check that a process read exactly its own shards.
+
+Hugging Face's sharded layout is ``model.safetensors.index.json`` (``{"metadata":
+{"total_size": ...}, "weight_map": {tensor name: file name}}``) beside the files it names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+
+import ml_dtypes
+import numpy as np
+
+from zerojax.checkpoint import boxes
+
+# safetensors' dtype codes.
+DTYPES = {
+    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U64": np.dtype(np.uint64), "U32": np.dtype(np.uint32),
+    "U16": np.dtype(np.uint16), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+}
+CODES = {v: k for k, v in DTYPES.items()}
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def dtype_code(dtype) -> str:
+    """safetensors' code for a numpy dtype (``float32`` -> ``F32``)."""
+    d = np.dtype(ml_dtypes.bfloat16 if str(dtype) == "bfloat16" else dtype)
+    if d not in CODES:
+        raise ValueError(f"dtype {d} has no safetensors code; use one of {sorted(str(x) for x in CODES)}.")
+    return CODES[d]
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor lies: its file, dtype, shape and the absolute offset of its bytes."""
+
+    name: str
+    file: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def read_header(path: str) -> tuple[dict[str, StoredTensor], dict]:
+    """The tensors of one safetensors file and its ``__metadata__``; ``ValueError`` naming
+    the file for anything that is not a well-formed safetensors file."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path!r} is not a safetensors file: it has {size} bytes, fewer than a header.")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise ValueError(f"{path!r} is not a safetensors file: its header length {n} exceeds the file ({size} bytes).")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path!r} is not a safetensors file: its header is not JSON ({e}).") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path!r} is not a safetensors file: its header is not a JSON object.")
+    meta = header.pop("__metadata__", None) or {}
+    out = {}
+    for name, e in header.items():
+        try:
+            dtype, shape, (begin, end) = DTYPES[e["dtype"]], tuple(int(s) for s in e["shape"]), e["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path!r}: the header entry of tensor {name!r} ({e!r}) is not a safetensors entry "
+                             f"(known dtypes: {', '.join(DTYPES)}).") from None
+        t = StoredTensor(name, path, dtype, shape, 8 + n + int(begin))
+        if end - begin != t.nbytes or 8 + n + end > size:
+            raise ValueError(f"{path!r}: tensor {name!r} {e['dtype']}{list(shape)} has data offsets {[begin, end]}, "
+                             f"which do not hold its {t.nbytes} bytes inside the file ({size} bytes).")
+        out[name] = t
+    return out, meta
+
+
+def resolve_path(path: str | os.PathLike) -> tuple[str, list[str]]:
+    """``(kind, files)`` for a checkpoint path: a ``.safetensors`` file (``"file"``), an
+    index JSON (``"index"``), or a directory holding ``model.safetensors.index.json`` or
+    ``model.safetensors`` (or exactly one ``.safetensors`` file)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"a checkpoint path is a str or os.PathLike, got {type(path).__name__} {path!r}.")
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, INDEX)):
+            return resolve_path(os.path.join(path, INDEX))
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if SINGLE in files:
+            return "file", [os.path.join(path, SINGLE)]
+        if len(files) == 1:
+            return "file", [os.path.join(path, files[0])]
+        raise FileNotFoundError(
+            f"{path!r} holds neither {INDEX} nor {SINGLE}" + (f" but {len(files)} .safetensors files ({', '.join(files)}); "
+                                                              "pass the one to read, or write an index" if files else "")
+            + ".")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"weights file {path!r} does not exist.")
+    if path.endswith(".json"):
+        return "index", [path]
+    return "file", [path]
+
+
+class TensorFiles:
+    """The tensors of a checkpoint (one file, or an index and its files), read by box.
+
+    Example:
+      >>> import os, tempfile, numpy as np
+      >>> from safetensors.numpy import save_file
+      >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
+      >>> save_file({"w": np.arange(12, dtype=np.float32).reshape(3, 4)}, path)
+      >>> with TensorFiles(path) as f:
+      ...     f.read_box("w", ((1, 3), (1, 3))).tolist(), f.bytes_read
+      ([[5.0, 6.0], [9.0, 10.0]], 16)
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        kind, files = resolve_path(path)
+        self.path = os.fspath(path)
+        self.metadata: dict = {}
+        self.tensors: dict[str, StoredTensor] = {}
+        if kind == "file":
+            self.tensors, self.metadata = read_header(files[0])
+        else:
+            self._read_index(files[0])
+        self.bytes_read = 0
+        self._fds: dict[str, int] = {}
+
+    # Bytes read by every TensorFiles of this process (for tests of what a process reads).
+    process_bytes_read = 0
+
+    def _read_index(self, index: str) -> None:
+        try:
+            with open(index) as f:
+                doc = json.load(f)
+            weight_map = doc["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index!r} is not a safetensors index (a JSON object with a 'weight_map'): {e}") from None
+        self.metadata = doc.get("metadata") or {}
+        folder = os.path.dirname(os.path.abspath(index))
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not os.path.isfile(os.path.join(folder, f))]
+        if missing:
+            raise FileNotFoundError(f"the index {index!r} names {len(missing)} file(s) that are not in {folder!r}: "
+                                    f"{', '.join(missing)}.")
+        headers = {f: read_header(os.path.join(folder, f))[0] for f in files}
+        absent = [f"{name} (in {file})" for name, file in weight_map.items() if name not in headers[file]]
+        if absent:
+            raise ValueError(f"the index {index!r} lists {len(absent)} tensor(s) their files do not hold: "
+                             f"{', '.join(absent[:20])}" + (" ..." if len(absent) > 20 else "") + ".")
+        self.tensors = {name: headers[file][name] for name, file in weight_map.items()}
+
+    # Reading.
+    def __enter__(self) -> TensorFiles:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def _fd(self, file: str) -> int:
+        if file not in self._fds:
+            self._fds[file] = os.open(file, os.O_RDONLY)
+        return self._fds[file]
+
+    def read_box(self, name: str, box: boxes.Box) -> np.ndarray:
+        """The values of tensor ``name`` in ``box``, in the file's dtype: one read per
+        contiguous run, into the returned array."""
+        t = self.tensors[name]
+        out = np.empty(boxes.box_shape(box), t.dtype)
+        starts, length = boxes.runs(t.shape, box)
+        if out.size == 0:
+            return out
+        buf = memoryview(out.reshape(-1).view(np.uint8))
+        isz, fd, nbytes = t.dtype.itemsize, self._fd(t.file), length * t.dtype.itemsize
+        for j, s in enumerate(starts.tolist()):
+            _pread_into(fd, buf[j * nbytes:(j + 1) * nbytes], t.offset + s * isz, t.file)
+        self.bytes_read += out.nbytes
+        TensorFiles.process_bytes_read += out.nbytes
+        return out
+
+
+def _pread_into(fd: int, buf: memoryview, offset: int, file: str) -> None:
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n <= 0:
+            raise ValueError(f"{file!r} ended at byte {offset + done} inside a tensor: the file is truncated.")
+        done += n
+
+
+class TensorWriter:
+    """Writes boxes of tensors into safetensors files whose headers are already written
+    (every process of an export writes its own boxes into the same files)."""
+
+    process_bytes_written = 0
+
+    def __init__(self, places: dict[str, StoredTensor]):
+        self.places = places
+        self.bytes_written = 0
+        self._fds: dict[str, int] = {}
+
+    def __enter__(self) -> TensorWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for fd in self._fds.values():
+            os.fsync(fd)
+            os.close(fd)
+        self._fds.clear()
+
+    def write_box(self, name: str, box: boxes.Box, values: np.ndarray) -> None:
+        t = self.places[name]
+        values = np.ascontiguousarray(values, dtype=t.dtype)
+        if values.shape != boxes.box_shape(box):
+            raise ValueError(f"writing tensor {name!r}: values of shape {values.shape} for box {box}")
+        if t.file not in self._fds:
+            self._fds[t.file] = os.open(t.file, os.O_WRONLY)
+        fd = self._fds[t.file]
+        starts, length = boxes.runs(t.shape, box)
+        if values.size == 0:
+            return
+        buf = memoryview(values.reshape(-1).view(np.uint8))
+        isz, nbytes = t.dtype.itemsize, length * t.dtype.itemsize
+        for j, s in enumerate(starts.tolist()):
+            chunk, off = buf[j * nbytes:(j + 1) * nbytes], t.offset + s * isz
+            while len(chunk):
+                n = os.pwritev(fd, [chunk], off)
+                chunk, off = chunk[n:], off + n
+        self.bytes_written += values.nbytes
+        TensorWriter.process_bytes_written += values.nbytes

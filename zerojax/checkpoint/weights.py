@@ -1,0 +1,195 @@
+"""Pretrained weights read straight into their shards.
+
+:class:`Weights` names a checkpoint (one ``.safetensors`` file, or Hugging Face's sharded
+layout: ``model.safetensors.index.json`` and the files it names) and a
+:class:`~zerojax.checkpoint.tensor_map.WeightMap` from the model's parameters to its tensors.
+:func:`place` builds one array of any sharding from it: each process reads, for each
+distinct shard its own devices hold, exactly the bytes of that shard (through the map's
+transposes, reshapes and stacks, and ZeRO's storage layout with its padding), in pieces of
+at most ``Weights.buffer_mib``, and puts it on those devices before reading the next. No
+process reads a tensor it holds no part of, and none holds more on the host than one shard
+and one piece.
+
+``zj.init_state(abstract_params, tx, ..., weights=zj.Weights(path, map))`` builds a state
+this way (the masters and frozen weights in their ZeRO layout, the optimizer state from
+them); ``zj.load_weights(path, like)`` gives a parameter tree in the shardings of ``like``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from zerojax.checkpoint import boxes
+from zerojax.checkpoint import tensor_map as tm
+from zerojax.checkpoint.safetensors_files import TensorFiles, resolve_path
+from zerojax.sharding.layout import LeafLayout
+
+MIB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    """Weights to load: a checkpoint ``path`` and the ``map`` from parameters to its tensors.
+
+    Attributes:
+      path: a ``.safetensors`` file, a ``model.safetensors.index.json``, or a directory
+        holding either (Hugging Face's ``save_pretrained`` output).
+      map: a :class:`~zerojax.checkpoint.tensor_map.WeightMap` (default: each parameter is
+        the tensor of its own dotted name, as ``zerojax export`` writes them), e.g.
+        ``zj.hf.llama_map()``.
+      buffer_mib: the largest piece read at once (MiB): a shard larger than this is read in
+        pieces into its host array.
+
+    Example:
+      >>> import os, tempfile, numpy as np, optax, jax, zerojax as zj
+      >>> from safetensors.numpy import save_file
+      >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
+      >>> save_file({"lm_head.weight": np.arange(24, dtype=np.float32).reshape(6, 4)}, path)
+      >>> src = zj.Weights(path, zj.WeightMap({"head": zj.maps.transpose("lm_head.weight")}))
+      >>> like = {"head": jax.ShapeDtypeStruct((4, 6), np.float32)}
+      >>> state = zj.init_state(like, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3),
+      ...                       weights=src)
+      >>> zj.gather_params(state)["head"][1].tolist()
+      [1.0, 5.0, 9.0, 13.0, 17.0, 21.0]
+    """
+
+    path: str
+    map: tm.WeightMap = tm.IDENTITY
+    buffer_mib: float = 64.0
+
+    def __post_init__(self) -> None:
+        resolve_path(self.path)  # FileNotFoundError / TypeError for a path that is not there
+        object.__setattr__(self, "path", os.fspath(self.path))
+        if not isinstance(self.map, tm.WeightMap):
+            raise TypeError(f"Weights.map must be a zj.WeightMap, got {type(self.map).__name__}; build one with "
+                            "zj.WeightMap({parameter name: tensor name or spec}).")
+        if not (isinstance(self.buffer_mib, (int, float)) and self.buffer_mib > 0):
+            raise ValueError(f"Weights.buffer_mib must be a positive number of MiB, got {self.buffer_mib!r}.")
+
+    @property
+    def buffer_bytes(self) -> int:
+        return max(1, int(self.buffer_mib * MIB))
+
+    def open(self) -> TensorFiles:
+        return TensorFiles(self.path)
+
+
+def as_weights(source: Any) -> Weights:
+    """A :class:`Weights` from itself or a path (identity map)."""
+    if isinstance(source, Weights):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        return Weights(os.fspath(source))
+    raise TypeError(f"weights are a zj.Weights(path, map) or a path to a .safetensors file or folder, "
+                    f"got {type(source).__name__} {source!r}.")
+
+
+def resolve(weights: Weights, files: TensorFiles, params: dict[str, tuple[int, ...]], *,
+            optional: Callable[[str], bool] = lambda name: False, what: str = "the model") -> dict[str, tm.Expr]:
+    """Each parameter's expression; one ``ValueError`` listing every problem (parameters
+    ``optional`` accepts may be absent from the map and the checkpoint: they are initialised)."""
+    res = tm.resolve(weights.map, params, {n: (t.shape, t.dtype) for n, t in files.tensors.items()})
+    problems = res.problems(optional)
+    if problems:
+        raise ValueError(f"{weights.path!r} does not match {what}: " + ". ".join(problems)
+                         + ". Pass the map written for this checkpoint (zj.Weights(path, map)), or add the "
+                           "names to WeightMap(ignore=...) for tensors no parameter reads.")
+    return res.exprs
+
+
+def check_cast(name: str, src: np.dtype, dst: Any) -> None:
+    """Refuses casts that lose what a value is: float to int or bool, signed to unsigned."""
+    dst = np.dtype(ml_dtypes.bfloat16 if str(dst) == "bfloat16" else dst)
+    src_float = np.issubdtype(src, np.floating) or src == np.dtype(ml_dtypes.bfloat16)
+    dst_float = np.issubdtype(dst, np.floating) or dst == np.dtype(ml_dtypes.bfloat16)
+    if src_float and not dst_float:
+        raise TypeError(f"parameter {name!r} is {dst} but its checkpoint tensor is {src}: a float tensor would be "
+                        "truncated; make the parameter a float.")
+
+
+def narrows_range(src: np.dtype, dst: Any) -> bool:
+    """Whether finite values of ``src`` can overflow ``dst`` (float32/bfloat16 -> float16)."""
+    try:
+        return float(ml_dtypes.finfo(src).max) > float(ml_dtypes.finfo(dst).max)
+    except (ValueError, TypeError):
+        return False
+
+
+def _cast(name: str, x: np.ndarray, dtype: Any) -> np.ndarray:
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = x.astype(dtype)
+    if narrows_range(x.dtype, dtype) and not np.array_equal(np.isfinite(x.astype(np.float32)),
+                                                            np.isfinite(y.astype(np.float32))):
+        finite = x.astype(np.float32)[np.isfinite(x.astype(np.float32))]
+        raise ValueError(f"tensor(s) of parameter {name!r} hold values up to {float(np.abs(finite).max()):.4g}, beyond "
+                         f"{np.dtype(dtype)}'s range ({float(ml_dtypes.finfo(dtype).max):.6g}); store it in a wider "
+                         "dtype (ZeroConfig(frozen_dtype='param'), or float32 / bfloat16 parameters).")
+    return y
+
+
+def storage_expr(expr: tm.Expr, layout: LeafLayout | None) -> tm.Expr:
+    """The storage array of ``layout`` (its grid, flattening and padding) over a
+    parameter's expression: what :meth:`LeafLayout.to_storage` does to the array."""
+    if layout is None or layout.kind == "replicated":
+        return expr
+    g = layout.grid
+    e = tm.Reshape(expr, g) if tuple(g) != tuple(expr.shape) else expr
+    if layout.kind == "dim":
+        size = layout.n * layout.chunk
+        return tm.Pad(e, layout.dim, size) if size != g[layout.dim] else e
+    flat = g[:layout.lead] + (int(np.prod(g[layout.lead:], dtype=np.int64)),)
+    e = tm.Reshape(e, flat) if flat != tuple(e.shape) else e
+    size = layout.n * layout.chunk
+    return tm.Pad(e, layout.lead, size) if size != flat[-1] else e
+
+
+def owned_boxes(shape: tuple[int, ...], sharding) -> dict[boxes.Box, list]:
+    """The distinct boxes this process's devices hold of an array of ``shape`` placed with
+    ``sharding``, each with its devices."""
+    out: dict[boxes.Box, list] = {}
+    for device, index in sharding.addressable_devices_indices_map(tuple(shape)).items():
+        out.setdefault(boxes.from_index(index, tuple(shape)), []).append(device)
+    return out
+
+
+def read_box(name: str, expr: tm.Expr, box: boxes.Box, dtype: Any, files: TensorFiles, limit: int) -> np.ndarray:
+    """``box`` of ``expr`` in ``dtype``, read in pieces of at most ``limit`` bytes."""
+    out = np.empty(boxes.box_shape(box), dtype)
+    origin = [a for a, _ in box]
+    for piece in boxes.pieces(box, max(expr.dtype.itemsize, np.dtype(dtype).itemsize), limit):
+        out[boxes.slices(boxes.shift(piece, origin))] = _cast(name, expr.read(piece, files), dtype)
+    return out
+
+
+def place(name: str, expr: tm.Expr, layout: LeafLayout | None, sharding, dtype: Any, files: TensorFiles,
+          limit: int) -> jax.Array:
+    """A ``jax.Array`` of ``expr`` in ``layout``'s storage placed with ``sharding``, each
+    process reading only the shards its devices hold, one at a time."""
+    expr = storage_expr(expr, layout)
+    shape = tuple(expr.shape)
+    check_cast(name, expr.dtype, dtype)
+    arrays = []
+    for box, devices in owned_boxes(shape, sharding).items():
+        host = read_box(name, expr, box, dtype, files, limit)
+        arrays += [jax.device_put(host, d) for d in devices]
+        del host
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def check_ranges(items, files: TensorFiles, limit: int) -> None:
+    """Reads this process's shards of the parameters whose cast could overflow (float32
+    tensors into float16 storage) and refuses them before anything is placed.
+    ``items``: ``(name, expr, layout, sharding, dtype)``."""
+    for name, expr, layout, sharding, dtype in items:
+        if not narrows_range(expr.dtype, dtype):
+            continue
+        expr = storage_expr(expr, layout)
+        for box in owned_boxes(tuple(expr.shape), sharding):
+            for piece in boxes.pieces(box, expr.dtype.itemsize, limit):
+                _cast(name, expr.read(piece, files), dtype)
