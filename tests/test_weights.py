@@ -378,3 +378,19 @@ def test_four_processes_read_and_write_only_their_own_shards(tmp_path):
     params = np.load(tmp_path / "params.npz")
     for k, v in weights_model.reference(ts).items():
         np.testing.assert_array_equal(params[k], v)
+
+
+def test_export_command_writes_a_checkpoint_directory_in_hugging_face_layout(small_state, tmp_path, capsys):
+    from zerojax import cli
+
+    zj.save_checkpoint(tmp_path / "ck", small_state(3), 0)
+    rc = cli.main(["export", str(tmp_path / "ck"), str(tmp_path / "hf"), "--layout", "hf", "--map",
+                   "tests.test_weights:SMALL_MAP", "--max-shard-size", "1000", "--dtype", "bfloat16"])
+    assert rc == 0, capsys.readouterr().err
+    assert f"wrote {len(SMALL)} tensors" in capsys.readouterr().out
+    got, files = _read_hf(tmp_path / "hf")
+    assert len(files) == 4  # bf16: half the bytes of the fp32 export's 7 files
+    for k, v in SMALL.items():
+        np.testing.assert_array_equal(got[k], v.astype(ml_dtypes.bfloat16))
+    assert cli.main(["export", str(tmp_path / "ck"), str(tmp_path / "x"), "--layout", "hf", "--map", "nope"]) == 1
+    assert "ready map" in capsys.readouterr().err
