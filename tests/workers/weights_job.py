@@ -90,11 +90,13 @@ del loaded
 # 2. A stage-3 state born from the weights.
 cfg = zj.ZeroConfig(stage=3)
 TensorFiles.process_bytes_read = 0
+reset_hwm()
+base = rss()
 tracemalloc.start()
 state = zj.init_state(abstract, optax.sgd(0.1), mesh=mesh, config=cfg, weights=src)
 jax.block_until_ready(state.master)
 current, peak = tracemalloc.get_traced_memory()
-report["init"] = {"host_peak": peak, "host_transient": peak - current, "bytes_read": TensorFiles.process_bytes_read,
+report["init"] = {"rss_peak_delta": rss_hwm() - base, "host_peak": peak, "host_transient": peak - current, "bytes_read": TensorFiles.process_bytes_read,
                   "own_disk_bytes": own_bytes(state.master, 2), "own_bytes": own_bytes(state.master)}
 tracemalloc.stop()
 

@@ -18,6 +18,7 @@ them); ``zj.load_weights(path, like)`` gives a parameter tree in the shardings o
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 from typing import Any, Callable
 
@@ -42,7 +43,7 @@ class Weights:
         holding either (Hugging Face's ``save_pretrained`` output).
       map: a :class:`~zerojax.checkpoint.tensor_map.WeightMap` (default: each parameter is
         the tensor of its own dotted name, as ``zerojax export`` writes them), e.g.
-        ``zj.hf.llama_map()``.
+        ``zj.maps.llama_map()``.
       buffer_mib: the largest piece read at once (MiB): a shard larger than this is read in
         pieces into its host array.
 
@@ -177,9 +178,26 @@ def place(name: str, expr: tm.Expr, layout: LeafLayout | None, sharding, dtype: 
     arrays = []
     for box, devices in owned_boxes(shape, sharding).items():
         host = read_box(name, expr, box, dtype, files, limit)
-        arrays += [jax.device_put(host, d) for d in devices]
-        del host
+        placed = [jax.device_put(host, d) for d in devices]
+        jax.block_until_ready(placed)
+        arrays += placed
+        _release(host.nbytes, limit)
+        del host, placed
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+_unreleased = [0]
+
+
+def _release(nbytes: int, limit: int) -> None:
+    """Frees placed host copies once they add up to a read buffer: ``jax.device_put`` of a
+    numpy array leaves it in a reference cycle (jax 0.10 and 0.12 on the CPU), so without a
+    collection every shard's host copy outlives its transfer until the garbage collector
+    runs. A full collection costs milliseconds: it runs once per ``limit`` bytes placed."""
+    _unreleased[0] += nbytes
+    if _unreleased[0] >= limit:
+        _unreleased[0] = 0
+        gc.collect()
 
 
 def check_ranges(items, files: TensorFiles, limit: int) -> None:
