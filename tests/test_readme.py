@@ -55,6 +55,14 @@ def test_readme_python_blocks_run(capsys):
     assert [l.tdim for l in tp_plan.layouts] == [-1, 0, 0, 1] and np.isfinite(float(namespace["tp_metrics"]["loss"]))
     up = namespace["tp_optimizer"].state.master["up"]["kernel"][...]
     assert up.addressable_shards[0].data.size * 8 == 16 * 64
+    # The Hugging Face fine-tune: one LoRA step from the transformers checkpoint, exported
+    # merged in its layout under its own tensor names.
+    import json
+    assert int(namespace["ft_state"].step) == 1 and np.isfinite(float(namespace["ft_metrics"]["loss"]))
+    ref_index = json.loads((ROOT / "tests/data/hf_llama_tiny/model.safetensors.index.json").read_text())
+    from safetensors.numpy import load_file
+    exported = load_file("/tmp/finetuned/model.safetensors")  # under 5GB: one file, as transformers writes it
+    assert set(exported) == set(ref_index["weight_map"])
     # The ahead-of-time figure is the compiled step's own, to the byte.
     compiled = namespace["train_step"].lower(namespace["state"], namespace["batch"]).compile()
     assert namespace["mem"].total == zj.compiled_bytes(compiled)["total"]
