@@ -85,7 +85,12 @@ class ZeroConfig:
       axis_rules: logical axis rules for models annotated with logical names (linen's
         ``nn.with_logical_partitioning``, MaxText style): ``(("mlp", "tensor"),
         ("heads", "tensor"), ("embed", None), ...)``, each logical name mapped to a mesh
-        axis or None (not split). A logical name without a rule is an error.
+        axis or None (not split). A logical name without a rule is an error. A name given
+        more than once resolves as the Flax API that annotated the parameter resolves it:
+        linen boxes by precedence (the first rule whose mesh axes the other dimensions
+        leave free, as ``nn.logical_to_mesh_axes``), NNX Variables as a table (the last
+        rule, as ``nnx.get_partition_spec`` under ``nnx.logical_axis_rules``); see
+        :mod:`zerojax.sharding.logical`.
       axis_map: for a model that constrains its own values to a mesh of its own (MaxText's
         ``data``, ``fsdp``, ``tensor``, ...): each of that mesh's axis names mapped onto
         zerojax's mesh, ``{"fsdp": "data", "data": "data", "tensor": "tensor"}`` (None: not

@@ -13,7 +13,8 @@ The split comes from the model's own annotations, as Flax writes them, or from a
   shaped like ``params``.
 
 Each name is a mesh axis or a logical name that ``ZeroConfig.axis_rules`` maps to one (or to
-None). The tensor axis (``ZeroConfig.tensor_axis``) marks the split dimension; it is known
+None), resolved as the Flax API that wrote the annotation resolves it (linen's rules by
+precedence, NNX's as a table: :mod:`zerojax.sharding.logical`). The tensor axis (``ZeroConfig.tensor_axis``) marks the split dimension; it is known
 even where the mesh has none. The data and replica axes may be named too: ZeRO shards every
 parameter over them anyway. With a tensor axis in the mesh, or rules given, any other name
 is an error naming the parameter, never a silent fallback; with neither, nothing is split
@@ -29,6 +30,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from zerojax.config import ZeroConfig
+from zerojax.sharding import logical
+from zerojax.sharding.logical import Annotation
 
 _NNX_KEYS = ("out_sharding", "sharding_names", "sharding")  # Flax's names for the metadata, newest first
 
@@ -48,9 +51,11 @@ def unbox(tree: Any) -> Any:
     return meta.unbox(tree) if is_boxed(tree) else tree
 
 
-def leaf_names(params: Any, tensor_specs: Any = None) -> list[tuple | None]:
-    """Per parameter leaf (in ``jax.tree.leaves`` order of the unboxed tree): the names its
-    annotation gives each dimension, or None where it has none."""
+def leaf_names(params: Any, tensor_specs: Any = None) -> list[Annotation | None]:
+    """Per parameter leaf (in ``jax.tree.leaves`` order of the unboxed tree): its annotation
+    (the names it gives each dimension, and how Flax resolves them), or None where it has
+    none."""
+    from flax import linen as nn
     from flax import nnx
     from flax.core import meta
 
@@ -62,17 +67,22 @@ def leaf_names(params: Any, tensor_specs: Any = None) -> list[tuple | None]:
         except (ValueError, TypeError) as e:
             raise ValueError(f"tensor_specs must be a tree of PartitionSpec (or None) with the structure of params: "
                              f"{e}") from None
-        return [s.names for s in specs]
-    out: list[tuple | None] = []
+        return [None if s.names is None else Annotation(s.names, logical.LINEN) for s in specs]
+    out: list[Annotation | None] = []
     is_node = lambda x: isinstance(x, (meta.AxisMetadata, nnx.Variable))
     for x in jax.tree.leaves(params, is_leaf=is_node):
         if isinstance(x, meta.AxisMetadata):
             names = getattr(x, "names", None)
-            out.append(None if names is None else tuple(names))
+            if names is None:
+                out.append(None)
+            elif isinstance(x, nn.LogicallyPartitioned):
+                out.append(Annotation(tuple(names), logical.LINEN, getattr(x, "rules", None)))
+            else:  # nn.Partitioned: mesh axes, no rule applies
+                out.append(Annotation(tuple(names), logical.MESH))
         elif isinstance(x, nnx.Variable):
             md = x.get_metadata() if hasattr(x, "get_metadata") else dict(getattr(x, "metadata", {}))
             names = next((md[k] for k in _NNX_KEYS if md.get(k) is not None), None)
-            out.append(None if names is None else tuple(names))
+            out.append(None if names is None else Annotation(tuple(names), logical.NNX, md.get("sharding_rules")))
         else:
             out.append(None)
     return out
@@ -87,26 +97,34 @@ class _Spec:
         self.names = None if spec is None else tuple(spec)
 
 
-def tensor_dims(names: list[tuple | None], shapes: list[tuple[int, ...]], paths: list[str], mesh: Mesh,
+def tensor_dims(names: list[Annotation | None], shapes: list[tuple[int, ...]], paths: list[str], mesh: Mesh,
                 config: ZeroConfig) -> tuple[int, ...]:
     """Per parameter: the dimension split over the tensor axis (-1: none), checked."""
-    rules = dict(config.axis_rules)
+    rules = tuple(config.axis_rules)
     t_axis = config.tensor_axis
     t = int(mesh.shape[t_axis]) if t_axis in mesh.axis_names else 1
     known = set(mesh.axis_names) | {t_axis}
     out = []
-    for leaf_names, shape, path in zip(names, shapes, paths):
-        if leaf_names is None or (t == 1 and not rules):
+    for ann, shape, path in zip(names, shapes, paths):
+        if ann is None or (t == 1 and not rules):
             # Without a tensor axis and without rules nothing is split: annotations (logical
             # names of a model written for another mesh too) are not read.
             out.append(-1)
             continue
+        leaf_names = ann.names
         if len(leaf_names) > len(shape):
             raise ValueError(f"params{path} has shape {shape} but its annotation names {len(leaf_names)} dimensions "
                              f"{leaf_names}. Give one name (or None) per dimension.")
+        try:
+            targets = logical.resolve(ann, rules)
+        except ValueError as e:
+            raise ValueError(f"params{path}: {e}") from None
         dims = []
-        for d, name in enumerate(leaf_names):
-            axes = _resolve(name, rules, known, path, d, mesh, config)
+        for d, (name, target) in enumerate(zip(leaf_names, targets)):
+            if target is logical.UNRULED:
+                axes = _unruled(name, known, path, d, mesh, config)
+            else:
+                axes = _rule_target(name, target, known, path, d, mesh, config)
             if t_axis in axes:
                 dims.append(d)
         if len(dims) > 1:
@@ -126,25 +144,29 @@ def tensor_dims(names: list[tuple | None], shapes: list[tuple[int, ...]], paths:
     return tuple(out)
 
 
-def _resolve(name: Any, rules: dict, known: set, path: str, dim: int, mesh: Mesh, config: ZeroConfig) -> tuple:
-    """The mesh axes an annotation's name stands for (a tuple; empty: not split)."""
+def _rule_target(name: Any, target: Any, known: set, path: str, dim: int, mesh: Mesh, config: ZeroConfig) -> tuple:
+    """The zerojax mesh axes of a rule's target (model axes through ``ZeroConfig.axis_map``)."""
+    amap = dict(config.axis_map or ())
+    target = () if target is None else (target,) if isinstance(target, str) else tuple(logical._leaves(target))
+    target = tuple(t for t in (amap.get(a, a) if a in amap else a for a in target) if t is not None)
+    for a in target:
+        if a not in known:
+            raise ValueError(f"ZeroConfig.axis_rules maps {name!r} to mesh axis {a!r}, which the mesh "
+                             f"{dict(mesh.shape)} lacks (used by params{path}, dimension {dim}). Map it to one "
+                             f"of {sorted(known)} or to None.")
+    return target
+
+
+def _unruled(name: Any, known: set, path: str, dim: int, mesh: Mesh, config: ZeroConfig) -> tuple:
+    """The mesh axes a name no rule covers stands for: a mesh axis, or a model axis of
+    ``ZeroConfig.axis_map`` (a tuple; empty: not split)."""
     if name is None:
         return ()
     if isinstance(name, (tuple, list)):
-        return tuple(a for n in name for a in _resolve(n, rules, known, path, dim, mesh, config))
+        return tuple(a for n in name for a in _unruled(n, known, path, dim, mesh, config))
     if not isinstance(name, str):
         raise TypeError(f"params{path}: dimension {dim}'s annotation {name!r} is not an axis name (str or None).")
     amap = dict(config.axis_map or ())
-    if name in rules:
-        target = rules[name]
-        target = () if target is None else (target,) if isinstance(target, str) else tuple(target)
-        target = tuple(t for t in (amap.get(a, a) if a in amap else a for a in target) if t is not None)
-        for a in target:
-            if a not in known:
-                raise ValueError(f"ZeroConfig.axis_rules maps {name!r} to mesh axis {a!r}, which the mesh "
-                                 f"{dict(mesh.shape)} lacks (used by params{path}, dimension {dim}). Map it to one "
-                                 f"of {sorted(known)} or to None.")
-        return target
     if name in amap:  # a model mesh axis, through ZeroConfig.axis_map
         return () if amap[name] is None else (amap[name],)
     if name in known:
