@@ -100,7 +100,7 @@ def test_zeropp_maps_int8_gathers_int8_gradients_and_hpz_groups():
     text = str(caught[0].message)
     assert "zero_quantized" not in text.split("Notes:")[0]  # mapped: int8 weights and gradients
     assert "zero_hpz_partition_size=8 is mapped to hybrid sharding" in text
-    assert "zj.make_mesh(replicas=jax.device_count() // 8)" in text
+    assert "zj.make_mesh(group_size=8)" in text
     assert cfg == zj.ZeroConfig(stage=3, compute_dtype="bfloat16", grad_clip=1.0, gather_dtype="int8",
                                 reduce_dtype="int8")
     assert translate(ZEROPP).shard_size == 8
@@ -108,7 +108,7 @@ def test_zeropp_maps_int8_gathers_int8_gradients_and_hpz_groups():
 
 def test_mics_shard_size_is_the_mesh_of_replica_groups():
     t = translate(MICS)
-    assert t.shard_size == 4 and t.mesh_code() == "zj.make_mesh(replicas=jax.device_count() // 4)"
+    assert t.shard_size == 4 and t.mesh_code() == "zj.make_mesh(group_size=4)"
     assert "XLA schedules" in t.unmapped["zero_optimization.mics_hierarchical_params_gather"]
     assert "zero_optimization.mics_shard_size" not in t.unmapped
     # The printed mesh is the layout MiCS describes: groups of 4 devices, 2 replicas on 8.
@@ -248,10 +248,39 @@ def test_cli(tmp_path, capsys):
     assert "mesh =" not in out.out  # no replica groups: the mesh is zj.make_mesh()
     path.write_text(json.dumps(MICS))
     assert cli.main(["from-deepspeed", str(path)]) == 0
-    assert "mesh = zj.make_mesh(replicas=jax.device_count() // 4)" in capsys.readouterr().out
+    assert "mesh = zj.make_mesh(group_size=4)" in capsys.readouterr().out
     path.write_text(json.dumps({"fp16": {"enabled": True}, "bf16": {"enabled": True}}))
     assert cli.main(["from-deepspeed", str(path)]) == 2
     assert "enables both fp16 and bf16" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("size", [4, 3])
+def test_the_printed_code_does_what_the_translation_does(size, tmp_path, capsys):
+    """Every line `zerojax from-deepspeed` prints, run as Python: the config, the optimizer and
+    the mesh of the Translation; a group size that does not divide the 8 devices is refused by
+    the printed mesh as by Translation.make_mesh, never silently made larger."""
+    ds = {**ZERO3_OFFLOAD, "zero_optimization": {**ZERO3_OFFLOAD["zero_optimization"], "mics_shard_size": size}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    t = translate(ds)
+    assert cli.main(["from-deepspeed", str(path)]) == 0
+    lines = [l for l in capsys.readouterr().out.splitlines() if " = " in l]
+    assert [l.split(" = ")[0] for l in lines] == ["config", "mesh", "tx"]
+    ns = {"zj": zj, "jax": jax, "optax": optax}
+    exec(lines[0], ns)
+    assert ns["config"] == t.config
+    exec(lines[2], ns)
+    from tests.test_deepspeed_config import assert_same_run
+    assert_same_run(ns["tx"], t.tx, steps=3)  # the printed optimizer is the translation's
+    if 8 % size == 0:
+        exec(lines[1], ns)
+        assert dict(ns["mesh"].shape) == dict(t.make_mesh().shape) == {"replica": 8 // size, "data": size}
+    else:
+        with pytest.raises(ValueError, match=f"group_size={size}.*do not divide the 8 devices") as printed:
+            exec(lines[1], ns)
+        with pytest.raises(ValueError, match=f"groups of {size} devices") as translated:
+            t.make_mesh()
+        assert str(printed.value) in str(translated.value)
 
 
 def test_the_guide_shows_what_the_translation_prints():

@@ -95,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         print(f"config = {t.code()}")
         if t.shard_size is not None:
-            print(f"mesh = {t.mesh_code()}  # {t.shard_size} must divide the device count")
+            print(f"mesh = {t.mesh_code()}  # refused unless {t.shard_size} divides the device count")
         if t.optimizer:
             print(f"tx = {t.optimizer}")
         elif t.schedule:

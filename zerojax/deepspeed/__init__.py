@@ -15,7 +15,7 @@ otherwise a static scale, and DeepSpeed's scaler knobs), ``bf16.enabled``,
 scanned layer stack) and hybrid sharding: ``mics_shard_size`` (MiCS: shard over groups of
 that many devices, replicate across groups) and ``zero_hpz_partition_size`` (mapped, with a
 note, to the same layout) give :attr:`Translation.shard_size`, which lives in the mesh,
-not the config: ``zj.make_mesh(replicas=jax.device_count() // shard_size)``
+not the config: ``zj.make_mesh(group_size=shard_size)``
 (:meth:`Translation.mesh_code`, printed by the CLI and named in the warning).
 ``zero_quantized_gradients`` (qgZ) maps to ``reduce_dtype="int8"`` at stage 3 (DeepSpeed
 ignores it at stages 1–2, and so does the mapping): its exchange is

@@ -64,28 +64,24 @@ class Translation:
 
     def mesh_code(self) -> str:
         """The mesh to build: ``zj.make_mesh()``, or with replica groups of ``shard_size``
-        devices, ``zj.make_mesh(replicas=jax.device_count() // shard_size)``."""
+        devices, ``zj.make_mesh(group_size=shard_size)``, which refuses a size that does
+        not divide the devices, as DeepSpeed does and as :meth:`make_mesh` does."""
         if self.shard_size is None:
             return "zj.make_mesh()"
-        return f"zj.make_mesh(replicas=jax.device_count() // {self.shard_size})"
+        return f"zj.make_mesh(group_size={self.shard_size})"
 
     def make_mesh(self, devices: Any = None) -> Any:
         """The mesh :meth:`mesh_code` describes, on ``devices`` (default: all), refused as
-        DeepSpeed refuses it when ``shard_size`` does not divide the number of devices
-        (``jax.device_count() // shard_size`` would silently make larger groups)."""
-        import jax
-
+        DeepSpeed refuses it when ``shard_size`` does not divide the number of devices."""
         from zerojax.sharding.mesh import make_mesh
 
-        devices = list(jax.devices() if devices is None else devices)
         if self.shard_size is None:
             return make_mesh(devices)
-        if len(devices) % self.shard_size:
-            raise ValueError(
-                f"the DeepSpeed config shards over groups of {self.shard_size} devices (mics_shard_size / "
-                f"zero_hpz_partition_size), which do not divide the {len(devices)} devices; DeepSpeed refuses it "
-                f"too. Use a group size that divides {len(devices)}, or that many devices.")
-        return make_mesh(devices, replicas=len(devices) // self.shard_size)
+        try:
+            return make_mesh(devices, group_size=self.shard_size)
+        except ValueError as e:
+            raise ValueError(f"the DeepSpeed config shards over groups of {self.shard_size} devices "
+                             f"(mics_shard_size / zero_hpz_partition_size): {e}") from None
 
     def code(self) -> str:
         """``zj.ZeroConfig(...)`` with the fields that differ from zerojax's defaults."""
@@ -390,9 +386,8 @@ def _shard_size(zero: Mapping, notes: list[str], stage: int, unmapped: dict[str,
                     f"DeepSpeed applies it at ZeRO stage 3 only and ignores it at stage {stage}; so does zerojax "
                     f"(the state is sharded over every device). Use stage 3 for {value}-device groups")
         return None
-    mesh = f"zj.make_mesh(replicas=jax.device_count() // {size})"
-    divides = (f"{size} must divide the device count (DeepSpeed refuses other sizes; Translation.make_mesh() "
-               f"checks it)")
+    mesh = f"zj.make_mesh(group_size={size})"
+    divides = f"{size} must divide the device count (DeepSpeed refuses other sizes; so does make_mesh)"
     if hpz and not mics:
         notes.append(f"zero_hpz_partition_size={hpz} is mapped to hybrid sharding over groups of {hpz} devices: "
                      f"build the mesh with {mesh}. hpZ keeps only a secondary copy of the weights per group and "

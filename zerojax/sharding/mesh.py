@@ -13,6 +13,7 @@ gradient shards' all-reduce crosses hosts.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -20,7 +21,8 @@ from jax.sharding import AxisType, Mesh
 
 
 def make_mesh(devices: Sequence[jax.Device] | None = None, axis: str = "data", *, replicas: int = 1,
-              replica_axis: str = "replica", tensor: int = 1, tensor_axis: str = "tensor") -> Mesh:
+              replica_axis: str = "replica", tensor: int = 1, tensor_axis: str = "tensor",
+              group_size: int | None = None) -> Mesh:
     """Builds the mesh zerojax shards over: ``(N,)`` named ``axis``, or with ``replicas=R``,
     ``(R, N/R)`` named ``(replica_axis, axis)``: every stage shards over ``axis`` within a
     group of ``N/R`` devices and replicates over ``replica_axis`` (hybrid sharding).
@@ -39,6 +41,10 @@ def make_mesh(devices: Sequence[jax.Device] | None = None, axis: str = "data", *
     a tensor group are neighbours in device order (the fastest links, one host), and the
     model's annotated weights are split over them (see ``ZeroConfig.tensor_axis``).
 
+    ``group_size=G`` asks for replica groups of ``G`` devices instead of a number of them
+    (``replicas = N // G``, DeepSpeed's ``mics_shard_size``), refused where ``G`` does not
+    divide ``N``.
+
     Example:
       >>> import jax, zerojax as zj
       >>> zj.make_mesh().axis_names
@@ -56,10 +62,14 @@ def make_mesh(devices: Sequence[jax.Device] | None = None, axis: str = "data", *
       {'data': 4, 'tensor': 2}
       >>> dict(zj.make_mesh(replicas=2, tensor=2).shape)
       {'replica': 2, 'data': 2, 'tensor': 2}
+      >>> dict(zj.make_mesh(group_size=4).shape)
+      {'replica': 2, 'data': 4}
     """
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("make_mesh needs at least one device; got an empty list.")
+    if group_size is not None:
+        replicas = _replicas_of_groups(len(devices), group_size, replicas)
     if isinstance(tensor, bool) or not isinstance(tensor, int) or tensor < 1:
         raise ValueError(f"make_mesh(tensor=...) must be a positive int (tensor-parallel degree), got {tensor!r}.")
     if tensor > 1:
@@ -77,6 +87,23 @@ def make_mesh(devices: Sequence[jax.Device] | None = None, axis: str = "data", *
                          f"equal replica groups. Use one of {ok}.")
     grid = _hybrid_grid(devices, replicas)
     return Mesh(grid, (replica_axis, axis), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def _replicas_of_groups(n: int, group_size: Any, replicas: int) -> int:
+    """``replicas`` for groups of ``group_size`` devices (DeepSpeed's ``mics_shard_size``),
+    refused where the groups do not divide the devices, as DeepSpeed refuses them."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"make_mesh(group_size=...) must be a positive int (devices per replica group), got "
+                         f"{group_size!r}.")
+    if replicas != 1:
+        raise ValueError(f"make_mesh takes group_size={group_size} or replicas={replicas}, not both: "
+                         f"group_size=G is replicas=N // G, checked.")
+    if n % group_size:
+        ok = [g for g in range(1, n + 1) if n % g == 0]
+        raise ValueError(f"make_mesh(group_size={group_size}): replica groups of {group_size} devices do not divide "
+                         f"the {n} devices (DeepSpeed refuses it too). Use a group size in {ok}, or a device count "
+                         f"that {group_size} divides.")
+    return n // group_size
 
 
 def _with_tensor(devices: list, axis: str, replicas: int, replica_axis: str, tensor: int,
