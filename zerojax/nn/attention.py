@@ -1,0 +1,290 @@
+"""Attention over a sequence split across a context axis: Ulysses and ring attention.
+
+:func:`dot_product_attention` has ``jax.nn.dot_product_attention``'s signature (and takes
+the extra keywords Flax NNX's ``MultiHeadAttention`` passes its ``attention_fn``). Off a
+context mesh (no ``"context"`` axis, or one of size 1) it *is* JAX's function. On one, the
+sequence dimension (axis 1) of ``query``, ``key`` and ``value`` is split over the ``C``
+devices of the axis, and:
+
+* ``method="ulysses"`` (DeepSpeed-Ulysses): an all-to-all turns the sequence split into a
+  head split (each device: the whole sequence, ``N/C`` query heads and ``K/C`` key/value
+  heads; GQA's key/value heads are repeated up to the query heads where ``K`` does not
+  divide by ``C``), attention runs locally, and an all-to-all turns the result back: 4
+  all-to-alls of ``B·S·H·D/C`` elements per device. Needs ``C`` to divide the query heads.
+* ``method="ring"``: each device keeps its query chunk and the key/value chunks travel
+  round the ring (``C - 1`` collective-permutes of K and of V), merged with an online
+  softmax; any head count. With ``layout="balanced"`` (see :mod:`zerojax.nn.context`)
+  causal attention costs every device the same.
+* ``method="auto"``: Ulysses where ``C`` divides the query heads, else ring.
+* ``method="xla"``: JAX's function on the global arrays, partitioned by XLA (it gathers
+  the sequence: correct, not memory-saving).
+
+Masks (``mask``, ``bias``, causal, sequence lengths, local windows) are applied by global
+position, so every method gives JAX's result. Inside zerojax's train step (manual over the
+data axes, the context axis automatic) and under ``jax.set_mesh(mesh)`` in a plain
+``jax.jit`` alike, the kernels run as a ``shard_map`` manual over the context axis alone.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from zerojax.nn import context as ctx
+
+METHODS = ("auto", "ulysses", "ring", "xla")
+CONTEXT_AXIS = "context"
+_FLAX_KEYS = ("broadcast_dropout", "dropout_rng", "dropout_rate", "deterministic", "dtype", "precision", "module",
+              "promote_dtype")
+
+
+def _large_negative(dtype) -> jax.Array:
+    # jax.nn.dot_product_attention's fill for masked logits (finite, so a fully masked row
+    # averages every value, as JAX's does).
+    return jnp.asarray(-0.7 * min(float(jnp.finfo(dtype).max), float(jnp.finfo(np.float32).max)), dtype)
+
+
+def context_size(mesh: Any, axis: str = CONTEXT_AXIS) -> int:
+    """Devices of ``axis`` in ``mesh`` (1 when it has none)."""
+    return int(dict(mesh.shape).get(axis, 1)) if mesh is not None else 1
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: float | None = None,
+                          is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
+                          local_window_size: int | tuple[int, int] | None = None, implementation: str | None = None,
+                          return_residual: bool = False, method: str = "auto", layout: str = "contiguous",
+                          axis: str = CONTEXT_AXIS, mesh: Any = None, **flax_kwargs) -> jax.Array:
+    """Scaled dot-product attention, ``[B, T, N, H]`` queries over ``[B, S, K, H]`` keys and
+    values (``N`` a multiple of ``K``: grouped-query attention), as
+    ``jax.nn.dot_product_attention``; on a mesh with a context axis, Ulysses or ring
+    attention over it (see the module docstring).
+
+    Args beyond JAX's:
+      method: ``"auto"``, ``"ulysses"``, ``"ring"`` or ``"xla"``.
+      layout: how the sequence is split over the context axis, ``"contiguous"`` or
+        ``"balanced"`` (:mod:`zerojax.nn.context`); the arrays' sequence dimensions are in
+        that layout's order.
+      axis: the context axis's name.
+      mesh: the mesh (default: the one in context, ``jax.sharding.get_abstract_mesh()``).
+      flax_kwargs: what NNX's ``MultiHeadAttention`` passes an ``attention_fn``
+        (``dtype``, ``precision``, dropout settings, ...); attention dropout is refused.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, zerojax as zj
+      >>> q = jax.random.normal(jax.random.key(0), (2, 16, 4, 8))
+      >>> out = zj.nn.dot_product_attention(q, q, q, is_causal=True)   # no context mesh: JAX's
+      >>> bool(jnp.allclose(out, jax.nn.dot_product_attention(q, q, q, is_causal=True)))
+      True
+    """
+    query, key, value, precision = _flax_arguments(query, key, value, flax_kwargs)
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
+    given = mesh
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    c = context_size(mesh, axis)
+    if c == 1 or method == "xla":
+        return jax.nn.dot_product_attention(
+            query, key, value, bias, mask, scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+            key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
+            implementation=implementation, return_residual=return_residual)
+    if return_residual:
+        raise ValueError("dot_product_attention(return_residual=True) is not available on a context mesh; call it "
+                         "with method='xla' for JAX's function.")
+    if implementation not in (None, "xla"):
+        raise ValueError(f"implementation={implementation!r} is JAX's kernel choice; on a context mesh zerojax's "
+                         f"kernels run (method={method!r}). Pass implementation=None.")
+    q, k, v = (jnp.asarray(x) for x in (query, key, value))
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"on a context mesh query, key and value are [batch, seq, heads, head_dim]; got shapes "
+                         f"{q.shape}, {k.shape}, {v.shape}.")
+    b, t, n, h = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    if v.shape[:3] != k.shape[:3] or k.shape[0] != b or k.shape[3] != h or n % kh:
+        raise ValueError(f"query {q.shape}, key {k.shape} and value {v.shape} do not fit: key and value need "
+                         f"query's batch and head_dim, one another's length and heads, and heads dividing {n}.")
+    ctx.check(t, c, layout, "the query's sequence length")
+    ctx.check(s, c, layout, "the key's sequence length")
+    if is_causal and t != s:
+        raise ValueError(f"is_causal with query length {t} and key length {s}: causal attention needs one sequence.")
+    if method == "auto":
+        method = "ulysses" if n % c == 0 else "ring"
+    if method == "ulysses" and n % c:
+        raise ValueError(f"Ulysses attention splits the {n} query heads over the {c} devices of {axis!r}, which do "
+                         f"not divide them. Use method='ring' (any head count), or a context size dividing {n}.")
+    scale = 1.0 / math.sqrt(h) if scale is None else float(scale)
+    window = None if local_window_size is None else (
+        (local_window_size, local_window_size) if isinstance(local_window_size, int) else tuple(local_window_size))
+    mask = _rank4(mask, "mask", (b, n, t, s))
+    bias = _rank4(bias, "bias", (b, n, t, s))
+    if mask is not None and mask.dtype != jnp.bool_:
+        raise TypeError(f"mask must be boolean (True: attend), got {mask.dtype}.")
+    lengths = [jnp.full((b,), t if i == 0 else s, jnp.int32) if x is None else jnp.asarray(x, jnp.int32)
+               for i, x in enumerate((query_seq_lengths, key_value_seq_lengths))]
+    spec = _Spec(c=c, axis=axis, layout=layout, t=t, s=s, n=n, kh=kh, scale=scale, causal=bool(is_causal),
+                 window=window, zero_padded_rows=query_seq_lengths is not None, precision=precision, mesh=given)
+    if method == "ulysses":
+        return _ulysses(spec, q, k, v, mask, bias, lengths)
+    return _ring(spec, q, k, v, mask, bias, lengths)
+
+
+def _flax_arguments(query, key, value, kw: dict):
+    unknown = sorted(set(kw) - set(_FLAX_KEYS))
+    if unknown:
+        raise TypeError(f"dot_product_attention got unexpected keyword(s) {unknown}.")
+    if kw.get("dropout_rate", 0.0) and not kw.get("deterministic", False):
+        raise ValueError(f"attention dropout (dropout_rate={kw['dropout_rate']}) is not supported by "
+                         "zj.nn.dot_product_attention; set MultiHeadAttention(dropout_rate=0.0) or deterministic=True.")
+    dtype = kw.get("dtype")
+    if dtype is not None:
+        query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
+    return query, key, value, kw.get("precision")
+
+
+def _rank4(x, name: str, full: tuple[int, ...]):
+    if x is None:
+        return None
+    x = jnp.asarray(x)
+    if x.ndim > 4:
+        raise ValueError(f"{name} has shape {x.shape}; it must broadcast to [batch, heads, q_len, kv_len] {full}.")
+    x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+    for d, (a, f) in enumerate(zip(x.shape, full)):
+        if a not in (1, f):
+            raise ValueError(f"{name} has shape {x.shape}, which does not broadcast to [batch, heads, q_len, kv_len] "
+                             f"{full} (dimension {d}).")
+    return x
+
+
+class _Spec:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _valid(spec: _Spec, qpos, kpos, qlen, kvlen):
+    """``[B, 1, 1, Tq, Sk]`` boolean: the logits the causal / window / length masks keep,
+    by global position."""
+    keep = (qpos[None, :, None] < qlen[:, None, None]) & (kpos[None, None, :] < kvlen[:, None, None])
+    if spec.causal:
+        keep = keep & (qpos[:, None] >= kpos[None, :])[None]
+    if spec.window is not None:
+        left, right = spec.window
+        keep = keep & ((qpos[:, None] <= kpos[None, :] + left) & (qpos[:, None] >= kpos[None, :] - right))[None]
+    return keep[:, None, None]
+
+
+def _grouped(x, kh: int):
+    """``[B, N|1, ...]`` -> ``[B, K|1, G|1, ...]`` (query heads grouped by key/value head)."""
+    if x is None:
+        return None
+    return x[:, :, None] if x.shape[1] == 1 else x.reshape(x.shape[0], kh, x.shape[1] // kh, *x.shape[2:])
+
+
+def _block(spec: _Spec, q, k, v, keep, mask, bias):
+    """One block of attention, unnormalised: ``(acc [B,T,K,G,H], max [B,K,G,T], sum [B,K,G,T])``."""
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    qg = q.reshape(b, t, kh, n // kh, h)
+    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.promote_types(q.dtype, jnp.float32),
+                        precision=spec.precision)
+    logits = logits * jnp.asarray(spec.scale, logits.dtype)
+    if bias is not None:
+        logits = (logits + _grouped(bias, kh)).astype(logits.dtype)
+    keep = keep if mask is None else keep & _grouped(mask, kh)
+    logits = jnp.where(keep, logits, _large_negative(logits.dtype)).astype(jnp.float32)
+    m = logits.max(axis=-1)
+    p = jnp.exp(logits - m[..., None])
+    acc = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32,
+                     precision=spec.precision)
+    return acc, m, p.sum(axis=-1)
+
+
+def _finish(spec: _Spec, acc, m, l, qpos, qlen, dtype):
+    b, t = acc.shape[:2]
+    out = acc / jnp.moveaxis(l, -1, 1)[..., None]
+    out = out.reshape(b, t, -1, acc.shape[-1]).astype(dtype)
+    if spec.zero_padded_rows:  # JAX zeroes the rows past query_seq_lengths
+        out = out * (qpos[None, :] < qlen[:, None])[:, :, None, None].astype(out.dtype)
+    return out
+
+
+def _shard_map(spec: _Spec, body, in_specs, out_specs):
+    am = jax.sharding.get_abstract_mesh()
+    if spec.axis in getattr(am, "manual_axes", ()):  # already inside a shard_map manual over it
+        return body
+    kw = {} if spec.mesh is None else {"mesh": spec.mesh}
+    return jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, axis_names={spec.axis}, check_vma=False, **kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# Ulysses: all-to-all from sequence-split to head-split and back.
+
+
+def _ulysses(spec: _Spec, q, k, v, mask, bias, lengths):
+    c, axis = spec.c, spec.axis
+    if spec.kh % c:  # GQA with fewer key/value heads than devices: repeat them up to the query heads
+        rep = spec.n // spec.kh
+        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+    pos = jnp.asarray(ctx.order(spec.t, c, spec.layout))
+    kpos = jnp.asarray(ctx.order(spec.s, c, spec.layout))
+
+    def heads_spec(x):  # a mask or bias: its head dimension split with the heads, else whole
+        return None if x is None else (P(None, axis) if x.shape[1] > 1 else P())
+
+    def body(q, k, v, mask, bias, qlen, kvlen):
+        q, k, v = (jax.lax.all_to_all(x, axis, 2, 1, tiled=True) for x in (q, k, v))
+        keep = _valid(spec, pos, kpos, qlen, kvlen)
+        acc, m, l = _block(spec, q, k, v, keep, mask, bias)
+        out = _finish(spec, acc, m, l, pos, qlen, q.dtype)
+        return jax.lax.all_to_all(out, axis, 1, 2, tiled=True)
+
+    seq = P(None, axis)
+    run = _shard_map(spec, body, (seq, seq, seq, heads_spec(mask), heads_spec(bias), P(), P()), seq)
+    return run(q, k, v, mask, bias, *lengths)
+
+
+# ----------------------------------------------------------------------------------------------
+# Ring: key/value chunks passed round the context axis, merged with an online softmax.
+
+
+def _ring(spec: _Spec, q, k, v, mask, bias, lengths):
+    c, axis = spec.c, spec.axis
+    qpos_all = jnp.asarray(ctx.positions(spec.t, c, spec.layout))
+    kpos_all = jnp.asarray(ctx.positions(spec.s, c, spec.layout))
+    sc = spec.s // c
+    perm = [(j, (j + 1) % c) for j in range(c)]
+
+    def rows_spec(x):  # a mask or bias: its query rows split with the queries, key columns whole
+        return None if x is None else P(None, None, axis if x.shape[2] > 1 else None)
+
+    def columns(x, src):
+        if x is None or x.shape[3] == 1:
+            return x
+        return jax.lax.dynamic_slice_in_dim(x, src * sc, sc, axis=3)
+
+    def body(q, k, v, mask, bias, qlen, kvlen):
+        i = jax.lax.axis_index(axis)
+        qpos = qpos_all[i]
+        acc = m = l = None
+        for step in range(c):
+            src = (i - step) % c  # the chunk this device holds at this step
+            keep = _valid(spec, qpos, kpos_all[src], qlen, kvlen)
+            a, bm, bl = _block(spec, q, k, v, keep, columns(mask, src), columns(bias, src))
+            if acc is None:
+                acc, m, l = a, bm, bl
+            else:
+                new = jnp.maximum(m, bm)
+                old_w, blk_w = jnp.exp(m - new), jnp.exp(bm - new)
+                acc = acc * jnp.moveaxis(old_w, -1, 1)[..., None] + a * jnp.moveaxis(blk_w, -1, 1)[..., None]
+                l = l * old_w + bl * blk_w
+                m = new
+            if step < c - 1:
+                k, v = jax.lax.ppermute(k, axis, perm), jax.lax.ppermute(v, axis, perm)
+        return _finish(spec, acc, m, l, qpos, qlen, q.dtype)
+
+    seq = P(None, axis)
+    run = _shard_map(spec, body, (seq, seq, seq, rows_spec(mask), rows_spec(bias), P(), P()), seq)
+    return run(q, k, v, mask, bias, *lengths)
