@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
@@ -23,6 +24,24 @@ def _dtype_name(value: Any, field: str, allowed: tuple[str, ...]) -> str:
     if name not in allowed:
         raise ValueError(f"ZeroConfig.{field} must be one of {allowed}, got {value!r}.")
     return name
+
+
+def _check_context_dims(dims: Any) -> Any:
+    """``context_dims`` as None, an int, or a tuple of ``(batch leaf path, dim | None)``."""
+    if dims is None or (isinstance(dims, int) and not isinstance(dims, bool) and dims >= 1):
+        return dims
+    if isinstance(dims, Mapping) or (isinstance(dims, (tuple, list)) and all(
+            isinstance(p, (tuple, list)) and len(p) == 2 for p in dims)):
+        pairs = tuple(dims.items()) if isinstance(dims, Mapping) else tuple(tuple(p) for p in dims)
+        for path, d in pairs:
+            if not isinstance(path, str) or not (d is None or (isinstance(d, int) and not isinstance(d, bool)
+                                                               and d >= 1)):
+                break
+        else:
+            return pairs
+    raise ValueError(f"ZeroConfig.context_dims must be None (dimension 1 of every batch leaf with 2+ dimensions), "
+                     f"an int >= 1 (the sequence dimension of every leaf), or {{batch leaf path: dim or None}} "
+                     f"(paths as jax.tree_util.keystr writes them, e.g. \"['tokens']\"); got {dims!r}.")
 
 
 def _check_rules(rules: Any) -> tuple:
@@ -82,6 +101,15 @@ class ZeroConfig:
         ``init_state(..., tensor_specs=...)``) is split over it on that dimension, and ZeRO
         shards it over the data axes on another; the loss runs with this axis automatic,
         so XLA inserts the Megatron collectives (see :mod:`zerojax.sharding.annotations`).
+      context_axis: name of the mesh axis of context parallelism, used where the mesh has
+        it (``zj.make_mesh(context=C)``): each batch leaf's sequence dimension is split over
+        it, and ZeRO shards the state over data x context together (every device that holds
+        the same weights). The loss sees whole sequences (the axis stays automatic in the
+        step, as the tensor axis does), so plain attention is partitioned by XLA and stays
+        exact; ``zj.nn.dot_product_attention`` runs Ulysses or ring attention over it.
+      context_dims: which dimension of each batch leaf is the sequence: None (dimension 1
+        of every leaf with two or more dimensions; others are not split), an int for every
+        leaf, or a tree like the batch of ints / None (not split).
       axis_rules: logical axis rules for models annotated with logical names (linen's
         ``nn.with_logical_partitioning``, MaxText style): ``(("mlp", "tensor"),
         ("heads", "tensor"), ("embed", None), ...)``, each logical name mapped to a mesh
@@ -204,6 +232,8 @@ class ZeroConfig:
     replica_axis: str = "replica"
     frozen_dtype: str = "compute"
     tensor_axis: str = "tensor"
+    context_axis: str = "context"
+    context_dims: Any = None
     axis_rules: Any = ()
     axis_map: Any = None
 
@@ -225,6 +255,12 @@ class ZeroConfig:
                 self.axis, self.replica_axis):
             raise ValueError(f"ZeroConfig.tensor_axis must be a mesh axis name other than axis={self.axis!r} and "
                              f"replica_axis={self.replica_axis!r}, got {self.tensor_axis!r}.")
+        if not isinstance(self.context_axis, str) or not self.context_axis or self.context_axis in (
+                self.axis, self.replica_axis, self.tensor_axis):
+            raise ValueError(f"ZeroConfig.context_axis must be a mesh axis name other than axis={self.axis!r}, "
+                             f"replica_axis={self.replica_axis!r} and tensor_axis={self.tensor_axis!r}, got "
+                             f"{self.context_axis!r}.")
+        object.__setattr__(self, "context_dims", _check_context_dims(self.context_dims))
         object.__setattr__(self, "axis_rules", _check_rules(self.axis_rules))
         if self.axis_map is not None:
             object.__setattr__(self, "axis_map", _check_axis_map(self.axis_map))

@@ -23,6 +23,7 @@ from zerojax.optim.apply import apply_optimizer
 from zerojax.optim.offload import choose_place
 from zerojax.optim.update import check_optimizer, clip_by_global_norm, keep_if
 from zerojax.sharding.gradients import Loss, own_sharding_hint
+from zerojax.sharding import context
 from zerojax.sharding.mesh import auto_axes, batch_axes, batch_devices
 from zerojax.sharding.partial_axes import warn_partial
 from zerojax.sharding.plan import ZeroPlan
@@ -218,6 +219,7 @@ class TrainStep:
                              "the state with zj.init_state(..., model_state=...).")
         check_batch(batch, self.n, batch_axes(self.mesh, self.config.axis, self.config.replica_axis),
                     self.config.grad_accum_steps)
+        context.check(state.plan, batch)
 
     def __call__(self, state: ZeroState, batch: Any) -> tuple[ZeroState, dict[str, jax.Array]]:
         self.check(state, batch)

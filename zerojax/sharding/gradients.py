@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zerojax.sharding import collectives, outputs, per_use
+from zerojax.sharding import context as sequence
 from zerojax.sharding.plan import ZeroPlan
 from zerojax.sharding.sources import Source
 
@@ -264,6 +265,7 @@ def replicated_grads(loss: Loss, *, scatter: bool) -> Callable:
         return value, aux, [x.astype(jnp.float32) for x in g], ms
 
     def reduce_all(grads):
+        grads = [sequence.whole(plan, g, l) for g, l in zip(grads, plan.master_layouts)]
         if not scatter:
             return [collectives.reduce_grad(g, axis, n, reduce, l.replicated() if l.tp else None, replica, block)
                     for l, g in zip(plan.master_layouts, grads)]
@@ -280,6 +282,7 @@ def replicated_grads(loss: Loss, *, scatter: bool) -> Callable:
     grad_specs = [l.partition_spec(axis) for l in plan.master_layouts] if scatter else [P()] * len(plan.master_layouts)
 
     def run(train, frozen, batch, scale, rng, model_state):
+        batch = sequence.constrain(plan, batch)
         batch_spec = jax.tree.map(lambda _: P(plan.batch_axes), batch)
         return jax.shard_map(body, mesh=plan.mesh,
                              in_specs=([P()] * len(train), [P()] * len(frozen), batch_spec, P(), P(), P()),
@@ -337,6 +340,7 @@ def per_use_grads(loss: Loss, source: Source, frozen_source: Source | None = Non
     resident_specs = [P()] * len(plan.master_layouts) if source.resident else storage
 
     def run(resident, sinks, frozen, batch, scale, rng, model_state):
+        batch = sequence.constrain(plan, batch)
         batch_spec = jax.tree.map(lambda _: P(plan.batch_axes), batch)
         return jax.shard_map(body, mesh=plan.mesh,
                              in_specs=(resident_specs[: len(resident)], storage, frozen_specs, batch_spec, P(), P(),

@@ -22,7 +22,7 @@ from jax.sharding import AxisType, Mesh
 
 def make_mesh(devices: Sequence[jax.Device] | None = None, axis: str = "data", *, replicas: int = 1,
               replica_axis: str = "replica", tensor: int = 1, tensor_axis: str = "tensor",
-              group_size: int | None = None) -> Mesh:
+              group_size: int | None = None, context: int = 1, context_axis: str = "context") -> Mesh:
     """Builds the mesh zerojax shards over: ``(N,)`` named ``axis``, or with ``replicas=R``,
     ``(R, N/R)`` named ``(replica_axis, axis)``: every stage shards over ``axis`` within a
     group of ``N/R`` devices and replicates over ``replica_axis`` (hybrid sharding).
@@ -40,6 +40,11 @@ def make_mesh(devices: Sequence[jax.Device] | None = None, axis: str = "data", *
     ``(N/T,)`` data x ``T`` tensor, or ``(R, N/(R·T), T)`` with replicas; the ``T`` devices of
     a tensor group are neighbours in device order (the fastest links, one host), and the
     model's annotated weights are split over them (see ``ZeroConfig.tensor_axis``).
+
+    With ``context=C`` the mesh gains a context-parallel axis ``context_axis`` between the
+    data and tensor axes: ``(replica, data, context, tensor)``, the replica and tensor axes
+    only where asked. The batch's sequence dimension is split over it and ZeRO shards the
+    state over data x context (see ``ZeroConfig.context_axis``).
 
     ``group_size=G`` asks for replica groups of ``G`` devices instead of a number of them
     (``replicas = N // G``, DeepSpeed's ``mics_shard_size``), refused where ``G`` does not
@@ -62,6 +67,8 @@ def make_mesh(devices: Sequence[jax.Device] | None = None, axis: str = "data", *
       {'data': 4, 'tensor': 2}
       >>> dict(zj.make_mesh(replicas=2, tensor=2).shape)
       {'replica': 2, 'data': 2, 'tensor': 2}
+      >>> dict(zj.make_mesh(context=4).shape)
+      {'data': 2, 'context': 4}
       >>> dict(zj.make_mesh(group_size=4).shape)
       {'replica': 2, 'data': 4}
     """
@@ -72,6 +79,10 @@ def make_mesh(devices: Sequence[jax.Device] | None = None, axis: str = "data", *
         replicas = _replicas_of_groups(len(devices), group_size, replicas)
     if isinstance(tensor, bool) or not isinstance(tensor, int) or tensor < 1:
         raise ValueError(f"make_mesh(tensor=...) must be a positive int (tensor-parallel degree), got {tensor!r}.")
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        raise ValueError(f"make_mesh(context=...) must be a positive int (context-parallel degree), got {context!r}.")
+    if context > 1:
+        return _with_context(devices, axis, replicas, replica_axis, tensor, tensor_axis, context, context_axis)
     if tensor > 1:
         return _with_tensor(devices, axis, replicas, replica_axis, tensor, tensor_axis)
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
@@ -104,6 +115,35 @@ def _replicas_of_groups(n: int, group_size: Any, replicas: int) -> int:
                          f"the {n} devices (DeepSpeed refuses it too). Use a group size in {ok}, or a device count "
                          f"that {group_size} divides.")
     return n // group_size
+
+
+def _with_context(devices: list, axis: str, replicas: int, replica_axis: str, tensor: int, tensor_axis: str,
+                  context: int, context_axis: str) -> Mesh:
+    """``(replica, data, context, tensor)`` with the size-1 replica and tensor axes left out:
+    a context group is neighbouring devices (after the tensor group, innermost)."""
+    names = [n for n in (axis, replica_axis, tensor_axis) if isinstance(n, str) and n]
+    if not isinstance(context_axis, str) or not context_axis or context_axis in names:
+        raise ValueError(f"make_mesh(context_axis={context_axis!r}) must be a non-empty name other than the data, "
+                         f"replica and tensor axes {names}.")
+    for name, value in (("replicas", replicas), ("tensor", tensor)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"make_mesh({name}=...) must be a positive int, got {value!r}.")
+    if len(devices) % (replicas * context * tensor):
+        ok = [c for c in range(1, len(devices) + 1) if len(devices) % (replicas * c * tensor) == 0]
+        raise ValueError(f"make_mesh(context={context}, tensor={tensor}, replicas={replicas}): {len(devices)} devices "
+                         f"do not split into groups of {context} x {tensor}{f' in {replicas} replica groups' if replicas > 1 else ''}. "
+                         f"Use context in {ok}.")
+    ordered = [d for _, d in sorted(enumerate(devices), key=lambda t: (t[1].process_index, t[0]))]
+    data = len(devices) // (replicas * context * tensor)
+    shape = [(replica_axis, replicas), (axis, data), (context_axis, context), (tensor_axis, tensor)]
+    shape = [(n, k) for n, k in shape if k > 1 or n in (axis, context_axis)]
+    grid = np.array(ordered, dtype=object).reshape([k for _, k in shape])
+    return Mesh(grid, tuple(n for n, _ in shape), axis_types=(AxisType.Auto,) * len(shape))
+
+
+def context_size(mesh: Mesh, context_axis: str) -> int:
+    """Devices of the context axis (1 when the mesh has none)."""
+    return int(mesh.shape[context_axis]) if context_axis in mesh.axis_names else 1
 
 
 def _with_tensor(devices: list, axis: str, replicas: int, replica_axis: str, tensor: int,

@@ -15,7 +15,8 @@ from optax import MaskedNode
 
 from zerojax.config import ZeroConfig
 from zerojax.sharding.layout import LeafLayout, layout_for
-from zerojax.sharding.mesh import auto_axes, axis_size, batch_axes, batch_devices, manual_axes, tensor_size
+from zerojax.sharding.mesh import (auto_axes, axis_size, batch_axes, batch_devices, context_size, manual_axes,
+                                   tensor_size)
 
 
 HOST = "pinned_host"  # the memory kind of offloaded state
@@ -46,8 +47,22 @@ class ZeroPlan:
 
     @property
     def shards(self) -> int:
-        """Devices the state is sharded over (one replica group): every leaf's shard count."""
-        return int(self.mesh.shape[self.config.axis])
+        """Devices the state is sharded over (one replica group: data x context): every
+        leaf's shard count."""
+        return int(self.mesh.shape[self.config.axis]) * self.context
+
+    @property
+    def context(self) -> int:
+        """Devices of the context axis (1 without context parallelism)."""
+        return context_size(self.mesh, self.config.context_axis)
+
+    @property
+    def storage_axes(self) -> str | tuple[str, str]:
+        """The mesh axes a sharded array's split dimension lies over: the data axis, and the
+        context axis after it where the mesh has one (data-major: inside the step's
+        ``shard_map``, manual over the data axis, a device's block is contiguous and split
+        over the context axis automatically)."""
+        return (self.config.axis, self.config.context_axis) if self.context > 1 else self.config.axis
 
     @property
     def replica(self) -> str | None:
@@ -62,7 +77,7 @@ class ZeroPlan:
     def world(self) -> int:
         """Devices the batch is split over and gradients are averaged over: all of them but
         the tensor axis's (a tensor group shares its rows of the batch)."""
-        return self.shards * self.replicas
+        return int(self.mesh.shape[self.config.axis]) * self.replicas
 
     @property
     def tensor(self) -> int:
@@ -159,7 +174,7 @@ class ZeroPlan:
         return tuple(self.stored(l) for l in self.opt_layouts)
 
     def sharding(self, layout: LeafLayout, memory_kind: str | None = None) -> NamedSharding:
-        return NamedSharding(self.mesh, layout.storage_spec(self.axis), memory_kind=memory_kind)
+        return NamedSharding(self.mesh, layout.storage_spec(self.storage_axes), memory_kind=memory_kind)
 
     def shardings(self, layouts, memory_kind: str | None = None) -> list[NamedSharding]:
         return [self.sharding(l, memory_kind) for l in layouts]
@@ -227,12 +242,23 @@ def make_plan(params: Any, mesh: Mesh, config: ZeroConfig, tx: Any = None, train
     n = axis_size(mesh, config.axis)
     mesh = auto_axes(mesh)
     t = tensor_size(mesh, config.tensor_axis)
-    if mesh.devices.size != batch_devices(mesh, config.axis, config.replica_axis) * t:
+    c = context_size(mesh, config.context_axis)
+    if mesh.devices.size != batch_devices(mesh, config.axis, config.replica_axis) * t * c:
         raise ValueError(
             f"mesh {dict(mesh.shape)} has axes other than {config.axis!r} (the data axis), "
-            f"{config.tensor_axis!r} (tensor parallelism) and {config.replica_axis!r} (replica groups) with size > 1; "
-            f"zerojax shards over one data axis, optionally replicated, beside a tensor axis. Build the mesh with "
-            f"zj.make_mesh(), zj.make_mesh(replicas=R) or zj.make_mesh(tensor=T).")
+            f"{config.tensor_axis!r} (tensor parallelism), {config.context_axis!r} (context parallelism) and "
+            f"{config.replica_axis!r} (replica groups) with size > 1; zerojax shards over one data axis, optionally "
+            f"replicated, beside tensor and context axes. Build the mesh with zj.make_mesh(), "
+            f"zj.make_mesh(replicas=R), zj.make_mesh(tensor=T) or zj.make_mesh(context=C).")
+    if c > 1 and t > 1:
+        raise ValueError(
+            f"mesh {dict(mesh.shape)} has both a tensor axis ({t}) and a context axis ({c}); zerojax does not train "
+            f"on both at once yet (XLA's SPMD partitioner fails a check on the nested tensor-shard collectives with "
+            f"an automatic context axis). Use zj.make_mesh(context={c * t}) or zj.make_mesh(tensor={t}).")
+    if c > 1 and config.axis_map is not None:
+        raise ValueError("ZeroConfig.axis_map (a model with its own sharding) is not supported on a context mesh yet: "
+                         "its constraints are translated onto the data and tensor axes only. Use zj.make_mesh() or "
+                         "zj.make_mesh(tensor=T).")
     for model_axis, target in config.axis_map or ():
         if target is not None and target not in mesh.axis_names and target != config.tensor_axis:
             raise ValueError(f"ZeroConfig.axis_map maps the model's axis {model_axis!r} to {target!r}, which is not an "
@@ -262,7 +288,7 @@ def make_plan(params: Any, mesh: Mesh, config: ZeroConfig, tx: Any = None, train
                          "the parameter tree as the model gives it.")
     tdims = annotations.tensor_dims(names, [tuple(x.shape) for _, x in leaves_with_path], paths, mesh, config)
     for (_, leaf), tdim in zip(leaves_with_path, tdims):
-        layouts.append(layout_for(tuple(leaf.shape), leaf.dtype, n, tensor=t if tdim >= 0 else 1, tdim=tdim,
+        layouts.append(layout_for(tuple(leaf.shape), leaf.dtype, n * c, tensor=t if tdim >= 0 else 1, tdim=tdim,
                                   taxis=config.tensor_axis))
     mask = _trainable_mask(trainable, params, treedef, paths)
     plan = ZeroPlan(config=config, mesh=mesh, treedef=treedef, layouts=tuple(layouts), paths=tuple(paths),
