@@ -188,14 +188,19 @@ def zero_setup(cfg: GPTConfig, tx: optax.GradientTransformation, *, mesh, config
 
 
 def make_loss(graphdef, with_rng: bool = False):
-    """Next-token cross-entropy: ``loss_fn(params, {"tokens": int32[B, T + 1]})``, or with
+    """Next-token cross-entropy: ``loss_fn(params, {"tokens": int32[B, T + 1]})`` (or
+    ``{"inputs": int32[B, T], "targets": int32[B, T]}``, the form whose sequence splits
+    over a context axis), or with
     ``with_rng`` ``loss_fn(params, batch, rng)`` (dropout, for
     ``zj.make_train_step(..., with_rng=True)``)."""
 
     def loss_fn(params, batch, rng=None):
-        tokens = batch["tokens"]
-        logits = nnx.merge(graphdef, params)(tokens[:, :-1], rng)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        if "inputs" in batch:  # {"inputs", "targets"}: int32[B, T] each (a split sequence's form)
+            inputs, targets = batch["inputs"], batch["targets"]
+        else:
+            inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
+        logits = nnx.merge(graphdef, params)(inputs, rng)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
     if with_rng:
         return loss_fn

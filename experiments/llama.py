@@ -64,11 +64,17 @@ class LlamaConfig:
     # Megatron annotations (nnx.with_partitioning): q/k/v, gate/up and the head column-parallel
     # (output features over "tensor"), o and down row-parallel (input features over "tensor").
     tensor_parallel: bool = False
+    # "einsum": attention written with plain ops; "auto" / "ulysses" / "ring" / "xla":
+    # zj.nn.dot_product_attention with that method (Ulysses or ring over a context axis).
+    attention: str = "einsum"
     dtype: str = "float32"  # compute dtype (norms, RoPE and softmax are float32 regardless)
     param_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         zj.remat.resolve(self.remat)  # unknown names raise here, with the valid ones
+        if self.attention not in ("einsum",) + zj.nn.METHODS:
+            raise ValueError(f"LlamaConfig.attention must be 'einsum' or one of {zj.nn.METHODS}, got "
+                             f"{self.attention!r}.")
         if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise ValueError(f"LlamaConfig.lora_rank must be an int >= 0, got {self.lora_rank!r}.")
         for name in ("vocab", "d_model", "n_layers", "n_heads", "d_ff", "seq_len"):
@@ -169,6 +175,10 @@ class Block(nnx.Module):
         q = _rotate(self.q(x).reshape(b, t, h, hd), cos, sin)
         k = _rotate(self.k(x).reshape(b, t, kv, hd), cos, sin)
         v = self.v(x).reshape(b, t, kv, hd)
+        if self.cfg.attention != "einsum":
+            keys = None if mask is None else mask[:, None, None, :].astype(bool)
+            out = zj.nn.dot_product_attention(q, k, v, mask=keys, is_causal=True, method=self.cfg.attention)
+            return self.o(out.reshape(b, t, h * hd))
         q = q.reshape(b, t, kv, h // kv, hd)  # query head kv * (h // kv) + g reads KV head kv
         scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) / math.sqrt(hd)
         allowed = jnp.tril(jnp.ones((t, t), bool))[None, None, None]
@@ -248,15 +258,26 @@ def init_abstract(cfg: LlamaConfig):
 def make_loss(graphdef):
     """Next-token cross-entropy: ``loss_fn(params, {"tokens": int32[B, T + 1]})``, as
     ``experiments.gpt.make_loss``; an optional ``"mask": bool[B, T + 1]`` masks padded keys
-    and averages the loss over the targets whose mask is True."""
+    and averages the loss over the targets whose mask is True. The form whose sequence
+    splits over a context axis: ``{"inputs", "targets"}`` ``int32[B, T]`` with optional
+    ``"mask"`` (the inputs' keys), ``"weights"`` (per-target weights normalised over the
+    global batch, ``m * (m.size / m.sum())``: the loss is their mean, the global masked mean
+    on any number of devices) and ``"positions"``."""
 
     def loss_fn(params, batch):
-        tokens, mask = batch["tokens"], batch.get("mask")
-        logits = nnx.merge(graphdef, params)(tokens[:, :-1], mask=None if mask is None else mask[:, :-1])
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:])
-        if mask is None:
+        if "inputs" in batch:  # the form whose sequence splits over a context axis
+            inputs, targets, mask, weight = batch["inputs"], batch["targets"], batch.get("mask"), batch.get("weights")
+        else:
+            tokens, full = batch["tokens"], batch.get("mask")
+            inputs, targets = tokens[:, :-1], tokens[:, 1:]
+            mask, weight = (None, None) if full is None else (full[:, :-1], full[:, 1:])
+        logits = nnx.merge(graphdef, params)(inputs, positions=batch.get("positions"), mask=mask)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+        if weight is None:
             return losses.mean()
-        weight = mask[:, 1:].astype(jnp.float32)
+        weight = weight.astype(jnp.float32)
+        if "inputs" in batch:  # weights normalised over the global batch (the README's recipe)
+            return (losses * weight).mean()
         return (losses * weight).sum() / jnp.maximum(weight.sum(), 1.0)
 
     return loss_fn

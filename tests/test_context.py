@@ -1,0 +1,275 @@
+"""Context parallelism: the sequence split over a "context" axis beside ZeRO.
+
+The kernels (Ulysses, ring) against ``jax.nn.dot_product_attention`` on the global arrays
+(values and gradients, causal and padded, GQA, balanced layout); their collectives in the
+compiled HLO against the formulas; and the experiments' Llama (RoPE, GQA, a padding mask)
+trained on ``zj.make_mesh(context=C)`` against single-device optax, with attention written
+in plain ops (partitioned by XLA) and with each kernel."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zerojax as zj
+from experiments import llama
+from tests.models import reference_run
+from zerojax.nn import context as ctx
+from zerojax.report.comm import collectives
+
+B, H = 2, 8
+
+
+def _mesh(c: int) -> Mesh:
+    return Mesh(np.array(jax.devices()).reshape(8 // c, c), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
+
+
+def _qkv(t, n, k, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(ks[0], (B, t, n, H)), jax.random.normal(ks[1], (B, t, k, H)),
+            jax.random.normal(ks[2], (B, t, k, H)))
+
+
+def _ours(c, method, layout, q, k, v, bias=None, mask=None, grad=False, **kw):
+    """zj.nn.dot_product_attention on the layout-permuted arrays, split over the context
+    axis, under jax.set_mesh; the result (or gradients) back in natural order."""
+    t = q.shape[1]
+    perm, inv = ctx.order(t, c, layout), ctx.inverse(t, c, layout)
+    q, k, v = (x[:, perm] for x in (q, k, v))
+    if mask is not None:
+        mask = mask[:, :, perm][:, :, :, perm] if mask.shape[2] > 1 else mask[..., perm]
+    if bias is not None:
+        bias = bias[:, :, perm][:, :, :, perm]
+    mesh = _mesh(c)
+    sh = NamedSharding(mesh, P(None, "context"))
+    attend = lambda q, k, v: zj.nn.dot_product_attention(q, k, v, bias, mask, method=method, layout=layout, **kw)
+    fn = jax.grad(lambda q, k, v: (attend(q, k, v) ** 2).sum(), argnums=(0, 1, 2)) if grad else attend
+    with jax.set_mesh(mesh):
+        out = jax.jit(fn)(*(jax.device_put(x, sh) for x in (q, k, v)))
+    return tuple(np.asarray(o)[:, inv] for o in out) if grad else np.asarray(out)[:, inv]
+
+
+CASES = [  # (C, method, layout, N, K)
+    (2, "ulysses", "contiguous", 4, 2), (4, "ulysses", "balanced", 4, 2), (4, "ulysses", "contiguous", 4, 1),
+    (2, "ring", "balanced", 4, 2), (4, "ring", "contiguous", 4, 2), (8, "ring", "balanced", 4, 2),
+    (8, "ring", "contiguous", 3, 1), (8, "ulysses", "contiguous", 8, 2),
+]
+
+
+@pytest.mark.parametrize("c,method,layout,n,kh", CASES)
+def test_kernels_give_jax_attention(c, method, layout, n, kh):
+    """Causal with a padding mask (key lengths), and non-causal with a full boolean mask and
+    a bias: JAX's result on the global arrays, to fp32 rounding."""
+    t = 16
+    q, k, v = _qkv(t, n, kh)
+    lens = jnp.array([t, 9])
+    want = jax.nn.dot_product_attention(q, k, v, is_causal=True, key_value_seq_lengths=lens)
+    got = _ours(c, method, layout, q, k, v, is_causal=True, key_value_seq_lengths=lens)
+    np.testing.assert_allclose(got, want, atol=2e-6)
+    mask = jax.random.bernoulli(jax.random.key(1), 0.7, (B, 1, t, t))
+    bias = jax.random.normal(jax.random.key(2), (B, n, t, t))
+    want = jax.nn.dot_product_attention(q, k, v, bias, mask)
+    np.testing.assert_allclose(_ours(c, method, layout, q, k, v, bias, mask), want, atol=2e-6)
+
+
+@pytest.mark.parametrize("method", ["ulysses", "ring"])
+def test_kernel_gradients_give_jax_gradients(method):
+    q, k, v = _qkv(16, 4, 2)
+    want = jax.grad(lambda q, k, v: (jax.nn.dot_product_attention(q, k, v, is_causal=True) ** 2).sum(),
+                    argnums=(0, 1, 2))(q, k, v)
+    got = _ours(4, method, "balanced", q, k, v, grad=True, is_causal=True)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=1e-5)
+
+
+def test_query_lengths_and_local_windows_as_jax():
+    q, k, v = _qkv(16, 4, 2)
+    kw = dict(is_causal=True, query_seq_lengths=jnp.array([16, 11]), local_window_size=(3, 0))
+    want = jax.nn.dot_product_attention(q, k, v, **kw)
+    for method in ("ulysses", "ring"):
+        np.testing.assert_allclose(_ours(4, method, "balanced", q, k, v, **kw), want, atol=2e-6)
+
+
+def test_off_a_context_mesh_it_is_jax_function():
+    q, k, v = _qkv(16, 4, 2)
+    np.testing.assert_array_equal(np.asarray(zj.nn.dot_product_attention(q, k, v, is_causal=True)),
+                                  np.asarray(jax.nn.dot_product_attention(q, k, v, is_causal=True)))
+
+
+def _forward_collectives(c, method, t=32, n=8, kh=8):
+    mesh = _mesh(c)
+    sh = NamedSharding(mesh, P(None, "context"))
+    args = [jax.ShapeDtypeStruct((B, t, x, H), jnp.float32, sharding=sh) for x in (n, kh, kh)]
+    fn = jax.jit(lambda q, k, v: zj.nn.dot_product_attention(q, k, v, is_causal=True, method=method))
+    with jax.set_mesh(mesh):
+        text = fn.lower(*args).compile().as_text()
+    return collectives(text)
+
+
+@pytest.mark.parametrize("c", [2, 4])
+def test_collectives_are_the_formulas(c):
+    """Ulysses: 4 all-to-alls (q, k, v, output) of B·S·N·H/C elements each; ring: C − 1
+    collective-permutes of K and of V, B·S·K·H/C elements each; neither gathers the sequence."""
+    t, n = 32, 8
+    per = B * t * n * H // c * 4  # fp32 bytes of one device's chunk
+    uly = _forward_collectives(c, "ulysses", t, n, n)
+    assert sorted(x.kind for x in uly) == ["all-to-all"] * 4
+    assert all(x.total_bytes == per for x in uly), [x.total_bytes for x in uly]
+    ring = _forward_collectives(c, "ring", t, n, n)
+    assert sorted(x.kind for x in ring) == ["collective-permute"] * (2 * (c - 1))
+    assert all(x.total_bytes == per for x in ring)
+
+
+def test_bad_lengths_and_heads_are_refused_with_the_fix():
+    q, k, v = _qkv(12, 4, 2)
+    mesh = _mesh(8)
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"12 does not split into 8 context devices: use a "
+                                                             r"multiple of 8 \(e.g. 8 or 16\)"):
+        zj.nn.dot_product_attention(q, k, v, method="ring")
+    q, k, v = _qkv(8, 4, 2)  # 8 splits over 8 devices, not into the balanced layout's 16 chunks
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"length 8 does not split into 2 x 8 chunks.*multiple "
+                                                             r"of 16 \(e.g. 16\)"):
+        zj.nn.dot_product_attention(q, k, v, method="ring", layout="balanced")
+    q, k, v = _qkv(16, 4, 2)
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"4 query heads over the 8 devices.*method='ring'"):
+        zj.nn.dot_product_attention(q, k, v, method="ulysses")
+    with pytest.raises(ValueError, match="attention dropout"):
+        zj.nn.dot_product_attention(q, k, v, dropout_rate=0.1)
+
+
+def test_make_mesh_with_a_context_axis():
+    assert dict(zj.make_mesh(context=4).shape) == {"data": 2, "context": 4}
+    assert dict(zj.make_mesh(context=2, tensor=2).shape) == {"data": 2, "context": 2, "tensor": 2}
+    assert dict(zj.make_mesh(context=2, replicas=2).shape) == {"replica": 2, "data": 2, "context": 2}
+    with pytest.raises(ValueError, match=r"context=3.*Use context in \[1, 2, 4, 8\]"):
+        zj.make_mesh(context=3)
+
+
+# Training: the experiments' Llama with GQA, RoPE from jnp.arange (or from the batch) and a
+# padding mask, against single-device optax.
+BASE = llama.LlamaConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, seq_len=16)
+
+
+@functools.lru_cache(maxsize=None)
+def _data(with_positions: bool = False):
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(3):
+        toks = jnp.asarray(rng.integers(0, 64, (8, 17)), jnp.int32)
+        m = jnp.asarray(np.arange(17)[None] < rng.integers(9, 17, 8)[:, None])
+        w = m[:, 1:].astype(jnp.float32)
+        b = {"inputs": toks[:, :-1], "targets": toks[:, 1:], "mask": m[:, :-1], "weights": w * (w.size / w.sum())}
+        if with_positions:
+            b["positions"] = jnp.broadcast_to(jnp.arange(16) + 5, (8, 16))
+        out.append(b)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(with_positions: bool = False):
+    graphdef, params = llama.init(BASE)
+    return reference_run(llama.make_loss(graphdef), jax.tree.map(jnp.asarray, params), optax.sgd(0.3),
+                         list(_data(with_positions)))
+
+
+def _train(c, attention, stage, tensor=1, with_positions=False):
+    cfg = llama.LlamaConfig(**{**BASE.__dict__, "attention": attention, "tensor_parallel": tensor > 1})
+    graphdef, params = llama.init(cfg)
+    tx, mesh, zc = optax.sgd(0.3), zj.make_mesh(context=c, tensor=tensor), zj.ZeroConfig(stage=stage)
+    state = zj.init_state(params, tx, mesh=mesh, config=zc)
+    step = zj.make_train_step(llama.make_loss(graphdef), tx, mesh=mesh, config=zc)
+    losses = []
+    for b in _data(with_positions):
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    return state, step, losses
+
+
+def _check(state, losses, with_positions=False):
+    ref, ref_losses = _reference(with_positions)
+    np.testing.assert_allclose(losses, ref_losses, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(zj.gather_params(state)), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+@pytest.mark.parametrize("c,attention,stage", [
+    (4, "einsum", 3), (4, "ulysses", 3), (4, "ring", 3),
+    pytest.param(2, "ulysses", 0, marks=pytest.mark.slow), pytest.param(8, "ring", 1, marks=pytest.mark.slow),
+    pytest.param(8, "auto", 2, marks=pytest.mark.slow), pytest.param(2, "einsum", 1, marks=pytest.mark.slow),
+])  # slow: each further (C, attention, stage) compiles a step (about 4 s)
+def test_llama_on_a_context_mesh_trains_as_on_one_device(c, attention, stage):
+    state, step, losses = _train(c, attention, stage)
+    _check(state, losses)
+    # ZeRO shards over data x context: every device holds 1/8 of each stage-3 master.
+    if stage == 3:
+        for w in jax.tree.leaves(state.master):
+            assert w.addressable_shards[0].data.size * 8 == w.size
+        psi = sum(l.size for l in state.plan.layouts)
+        assert zj.state_bytes_per_device(state)["total"] == pytest.approx(zj.zero_formula_bytes(psi, 8, 3, opt_bytes=0),
+                                                                         abs=64)
+
+
+def test_positions_from_the_batch_are_split_with_it():
+    state, _, losses = _train(4, "ring", 3, with_positions=True)
+    _check(state, losses, with_positions=True)
+
+
+def test_a_tensor_axis_beside_the_context_axis_is_refused_not_crashed():
+    with pytest.raises(ValueError, match=r"both a tensor axis \(2\) and a context axis \(2\).*make_mesh\(context=4\)"):
+        _train(2, "ulysses", 3, tensor=2)
+
+
+def test_a_sequence_the_context_axis_does_not_divide_is_refused_before_compiling():
+    cfg = llama.LlamaConfig(**BASE.__dict__)
+    graphdef, params = llama.init(cfg)
+    mesh, zc = zj.make_mesh(context=4), zj.ZeroConfig(stage=3)
+    state = zj.init_state(params, optax.sgd(0.1), mesh=mesh, config=zc)
+    step = zj.make_train_step(llama.make_loss(graphdef), optax.sgd(0.1), mesh=mesh, config=zc)
+    toks = jnp.zeros((8, 18), jnp.int32)
+    with pytest.raises(ValueError, match=r"\['inputs'\]'s sequence length \(dimension 1\) 17 does not split into 4 "
+                                         r"context devices: use a multiple of 4 \(e.g. 16 or 20\)"):
+        step(state, {"inputs": toks[:, :-1], "targets": toks[:, 1:]})
+    assert step._compiles == 0
+
+
+@pytest.mark.slow  # eight more compiled steps (about 40 s)
+@pytest.mark.parametrize("name,kw,attention,tol", [
+    ("remat full", dict(remat="full"), "ring", 1e-5), ("prefetch", dict(prefetch=1), "ring", 1e-5),
+    ("offload", dict(offload_optimizer=True, offload_params=True), "ring", 1e-5),
+    ("accumulation", dict(grad_accum_steps=2), "ulysses", 1e-5),  # 2 micro-batches of 2 rows per data group
+    # Narrow precisions against the fp32 reference (measured: bf16 6.5e-3, fp16 1.3e-3, int8
+    # gathers 1.7e-3, int8 gradients 2.5e-4 of the loss, jax 0.10).
+    ("bf16", dict(compute_dtype="bfloat16"), "ulysses", 2e-2), ("fp16", dict(compute_dtype="float16"), "ring", 5e-3),
+    ("int8 gathers", dict(gather_dtype="int8"), "ring", 5e-3), ("int8 gradients", dict(reduce_dtype="int8"), "ring", 1e-3),
+])
+def test_context_parallelism_with_the_other_features(name, kw, attention, tol):
+    cfg = llama.LlamaConfig(**{**BASE.__dict__, "attention": attention})
+    graphdef, params = llama.init(cfg)
+    tx, mesh, zc = optax.sgd(0.3), zj.make_mesh(context=2), zj.ZeroConfig(stage=3, **kw)
+    state = zj.init_state(params, tx, mesh=mesh, config=zc)
+    step = zj.make_train_step(llama.make_loss(graphdef), tx, mesh=mesh, config=zc)
+    losses = []
+    for b in _data():
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, _reference()[1], atol=tol)
+    if tol <= 1e-5:
+        _check(state, losses)
+
+
+def test_a_checkpoint_saved_at_one_context_size_restores_at_another(tmp_path):
+    state, step, _ = _train(4, "ring", 3)
+    zj.save_checkpoint(tmp_path / "ck", state, 3)
+    graphdef, params = llama.init(BASE)
+    again = zj.restore_checkpoint(tmp_path / "ck", params, optax.sgd(0.3), mesh=zj.make_mesh(context=2),
+                                  config=zj.ZeroConfig(stage=1))
+    for a, b in zip(jax.tree.leaves(zj.gather_params(again)), jax.tree.leaves(zj.gather_params(state))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert again.plan.shards == 8 and again.plan.context == 2
