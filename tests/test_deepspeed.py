@@ -305,7 +305,7 @@ def test_shard_groups_must_divide_the_devices_and_are_stage_3_only():
     and the reason says so."""
     t = translate({"zero_optimization": {"stage": 3, "mics_shard_size": 3}})
     assert t.shard_size == 3 and "3 must divide the device count" in t.message()
-    with pytest.raises(ValueError, match=r"groups of 3 devices .* do not divide the 8 devices; DeepSpeed refuses"):
+    with pytest.raises(ValueError, match=r"groups of 3 devices .* do not divide the 8 devices \(DeepSpeed refuses"):
         t.make_mesh()
     mesh = translate({"zero_optimization": {"stage": 3, "mics_shard_size": 4}}).make_mesh()
     assert dict(mesh.shape) == {"replica": 2, "data": 4}
@@ -365,3 +365,16 @@ def test_migration_guide_says_how_stock_deepspeeds_fp16_step_differs():
     assert "same sequence" not in guide
     assert "updates the scale first and unscales the gradients" in guide
     assert "with the *new* value" in guide and "agree step for step" in guide
+
+
+def test_sequence_parallel_size_is_the_context_axis():
+    t = translate({"zero_optimization": {"stage": 3}, "sequence_parallel_size": 4, "gradient_clipping": 0})
+    assert t.context == 4 and "sequence_parallel_size" not in t.unmapped
+    assert t.mesh_code() == "zj.make_mesh(context=4)"
+    assert dict(eval(t.mesh_code(), {"zj": zj}).shape) == dict(t.make_mesh().shape) == {"data": 2, "context": 4}
+    both = translate({"zero_optimization": {"stage": 3, "mics_shard_size": 4}, "sequence_parallel_size": 2})
+    assert both.mesh_code() == "zj.make_mesh(group_size=4, context=2)"
+    assert dict(eval(both.mesh_code(), {"zj": zj}).shape) == {"replica": 2, "data": 2, "context": 2}
+    assert translate({"sequence_parallel_size": 1}).context is None
+    with pytest.raises(ValueError, match="sequence_parallel_size"):
+        translate({"sequence_parallel_size": 0})

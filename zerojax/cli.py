@@ -96,6 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"config = {t.code()}")
         if t.shard_size is not None:
             print(f"mesh = {t.mesh_code()}  # refused unless {t.shard_size} divides the device count")
+        elif t.context is not None:
+            print(f"mesh = {t.mesh_code()}  # each sequence over {t.context} devices")
         if t.optimizer:
             print(f"tx = {t.optimizer}")
         elif t.schedule:

@@ -51,6 +51,8 @@ class Translation:
         :attr:`optimizer` is None).
       schedule: the ``scheduler`` section as an optax schedule, as code (None if absent or
         not translated); it is already the learning rate of :attr:`optimizer` and :attr:`tx`.
+      context: devices of the context axis (``sequence_parallel_size``, DeepSpeed-Ulysses),
+        or None: a property of the mesh, as :attr:`shard_size` is (see :meth:`mesh_code`).
     """
 
     config: ZeroConfig
@@ -61,25 +63,33 @@ class Translation:
     resolved: tuple[tuple[str, Any, str], ...] = ()
     tx: Any = None
     schedule: str | None = None
+    context: int | None = None
+
+    def _mesh_kwargs(self) -> dict[str, int]:
+        kw = {}
+        if self.shard_size is not None:
+            kw["group_size"] = self.shard_size
+        if self.context is not None:
+            kw["context"] = self.context
+        return kw
 
     def mesh_code(self) -> str:
-        """The mesh to build: ``zj.make_mesh()``, or with replica groups of ``shard_size``
-        devices, ``zj.make_mesh(group_size=shard_size)``, which refuses a size that does
-        not divide the devices, as DeepSpeed does and as :meth:`make_mesh` does."""
-        if self.shard_size is None:
-            return "zj.make_mesh()"
-        return f"zj.make_mesh(group_size={self.shard_size})"
+        """The mesh to build: ``zj.make_mesh()``; with replica groups of ``shard_size``
+        devices ``zj.make_mesh(group_size=shard_size)``, which refuses a size that does not
+        divide the devices, as DeepSpeed does and as :meth:`make_mesh` does; with
+        ``sequence_parallel_size`` ``context=C`` (the context axis)."""
+        return "zj.make_mesh(" + ", ".join(f"{k}={v}" for k, v in self._mesh_kwargs().items()) + ")"
 
     def make_mesh(self, devices: Any = None) -> Any:
         """The mesh :meth:`mesh_code` describes, on ``devices`` (default: all), refused as
         DeepSpeed refuses it when ``shard_size`` does not divide the number of devices."""
         from zerojax.sharding.mesh import make_mesh
 
-        if self.shard_size is None:
-            return make_mesh(devices)
         try:
-            return make_mesh(devices, group_size=self.shard_size)
+            return make_mesh(devices, **self._mesh_kwargs())
         except ValueError as e:
+            if self.shard_size is None:
+                raise
             raise ValueError(f"the DeepSpeed config shards over groups of {self.shard_size} devices "
                              f"(mics_shard_size / zero_hpz_partition_size): {e}") from None
 
@@ -333,9 +343,21 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
             path = f"activation_checkpointing.{key}"
             unmapped[path] = REASONS.get(path, "no equivalent")
 
+    # DeepSpeed-Ulysses: sequence_parallel_size devices share each sequence (the context axis).
+    context = None
+    if "sequence_parallel_size" in ds:
+        sp = _number(ds["sequence_parallel_size"], "sequence_parallel_size", integer=True, minimum=1)
+        if sp > 1:
+            context = sp
+            notes.append(f"sequence_parallel_size={sp} is the context axis: build the mesh with "
+                         f"zj.make_mesh(context={sp}) (each sequence split over {sp} devices, ZeRO over data x "
+                         f"context as DeepSpeed-Ulysses shards over the data and sequence groups together); the model's "
+                         f"attention runs Ulysses with zj.nn.dot_product_attention (method='ulysses').")
+
     # Everything else at the top level.
     handled = {"zero_optimization", "fp16", "bf16", "bfloat16", "gradient_clipping", "gradient_accumulation_steps",
-               "communication_data_type", "activation_checkpointing", "optimizer", "scheduler"}
+               "communication_data_type", "activation_checkpointing", "optimizer", "scheduler",
+               "sequence_parallel_size"}
     for key in ds:
         if key not in handled:
             unmapped[key] = REASONS.get(key, "unknown to this mapping (not a DeepSpeed key zerojax knows)")
@@ -358,7 +380,7 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
     except (TypeError, ValueError) as e:
         raise ValueError(f"the DeepSpeed config maps to an invalid ZeroConfig: {e}") from None
     return Translation(config, unmapped, tuple(notes), None if tx is None else tx.code(), shard_size, resolved,
-                       None if tx is None else tx.build(), None if sched.lr is None else sched.lr.code())
+                       None if tx is None else tx.build(), None if sched.lr is None else sched.lr.code(), context)
 
 
 def _shard_size(zero: Mapping, notes: list[str], stage: int, unmapped: dict[str, str]) -> int | None:

@@ -91,8 +91,10 @@ for _k in ("override_module_apply", "pipeline_loading_checkpoint"):
     REASONS[f"zero_optimization.{_k}"] = "no equivalent"
 for _k in ("log_trace_cache_warnings", "enable_sanity_checks"):
     REASONS[f"zero_optimization.{_k}"] = _LOGGING
-for _k in ("pipeline", "tensor_parallel", "moe", "sequence_parallel_size", "seq_parallel_communication_data_type"):
+for _k in ("pipeline", "tensor_parallel", "moe"):
     REASONS[_k] = "no equivalent: zerojax is data parallel (ZeRO) only"
+REASONS["seq_parallel_communication_data_type"] = (
+    "no equivalent: the context axis's all-to-alls and permutes move the compute dtype")
 for _k in ("compression_training", "data_efficiency", "curriculum_learning", "autotuning", "elasticity", "aio",
            "nebula", "compile", "eigenvalue", "progressive_layer_drop", "quantize_training", "hybrid_engine",
            "weight_quantization", "zero_config", "communication_compression"):
