@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -239,7 +240,7 @@ def test_a_sequence_the_context_axis_does_not_divide_is_refused_before_compiling
     assert step._compiles == 0
 
 
-@pytest.mark.slow  # eight more compiled steps (about 40 s)
+@pytest.mark.slow  # nine more compiled steps (about 40 s)
 @pytest.mark.parametrize("name,kw,attention,tol", [
     ("remat full", dict(remat="full"), "ring", 1e-5), ("prefetch", dict(prefetch=1), "ring", 1e-5),
     ("offload", dict(offload_optimizer=True, offload_params=True), "ring", 1e-5),
@@ -248,11 +249,14 @@ def test_a_sequence_the_context_axis_does_not_divide_is_refused_before_compiling
     # gathers 1.7e-3, int8 gradients 2.5e-4 of the loss, jax 0.10).
     ("bf16", dict(compute_dtype="bfloat16"), "ulysses", 2e-2), ("fp16", dict(compute_dtype="float16"), "ring", 5e-3),
     ("int8 gathers", dict(gather_dtype="int8"), "ring", 5e-3), ("int8 gradients", dict(reduce_dtype="int8"), "ring", 1e-3),
+    ("hybrid", dict(replicas=2), "ring", 1e-5),
 ])
 def test_context_parallelism_with_the_other_features(name, kw, attention, tol):
     cfg = llama.LlamaConfig(**{**BASE.__dict__, "attention": attention})
     graphdef, params = llama.init(cfg)
-    tx, mesh, zc = optax.sgd(0.3), zj.make_mesh(context=2), zj.ZeroConfig(stage=3, **kw)
+    kw = dict(kw)
+    mesh = zj.make_mesh(context=2, replicas=kw.pop("replicas", 1))
+    tx, zc = optax.sgd(0.3), zj.ZeroConfig(stage=3, **kw)
     state = zj.init_state(params, tx, mesh=mesh, config=zc)
     step = zj.make_train_step(llama.make_loss(graphdef), tx, mesh=mesh, config=zc)
     losses = []
@@ -268,8 +272,44 @@ def test_a_checkpoint_saved_at_one_context_size_restores_at_another(tmp_path):
     state, step, _ = _train(4, "ring", 3)
     zj.save_checkpoint(tmp_path / "ck", state, 3)
     graphdef, params = llama.init(BASE)
-    again = zj.restore_checkpoint(tmp_path / "ck", params, optax.sgd(0.3), mesh=zj.make_mesh(context=2),
-                                  config=zj.ZeroConfig(stage=1))
-    for a, b in zip(jax.tree.leaves(zj.gather_params(again)), jax.tree.leaves(zj.gather_params(state))):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert again.plan.shards == 8 and again.plan.context == 2
+    for mesh, context in ((zj.make_mesh(context=2), 2), (zj.make_mesh(), 1)):
+        again = zj.restore_checkpoint(tmp_path / "ck", params, optax.sgd(0.3), mesh=mesh, config=zj.ZeroConfig(stage=1))
+        for a, b in zip(jax.tree.leaves(zj.gather_params(again)), jax.tree.leaves(zj.gather_params(state))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert again.plan.shards == 8 and again.plan.context == context
+
+
+
+class _TinyLM(nnx.Module):
+    """NNX's own MultiHeadAttention, causal, with ``attention_fn``."""
+
+    def __init__(self, attention_fn, rngs):
+        self.embed = nnx.Embed(32, 16, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(4, 16, decode=False, attention_fn=attention_fn, rngs=rngs)
+        self.head = nnx.Linear(16, 32, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        return self.head(x + self.attn(x, is_causal=True))
+
+
+def test_nnx_multi_head_attention_with_the_kernel_on_a_context_mesh():
+    """zj.nnx.Optimizer on a context mesh, NNX's MultiHeadAttention calling
+    zj.nn.dot_product_attention (Ulysses), against plain nnx.Optimizer with NNX's attention."""
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 32, (4, 17)), jnp.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+    def loss_fn(model, b):
+        return optax.softmax_cross_entropy_with_integer_labels(model(b["inputs"]), b["targets"]).mean()
+
+    ref = _TinyLM(nnx.dot_product_attention, nnx.Rngs(0))
+    opt = nnx.Optimizer(ref, optax.sgd(0.5), wrt=nnx.Param)
+    ref_losses = []
+    for _ in range(3):
+        loss, grads = nnx.value_and_grad(loss_fn)(ref, batch)
+        opt.update(ref, grads)
+        ref_losses.append(float(loss))
+    model = _TinyLM(functools.partial(zj.nn.dot_product_attention, method="ulysses"), nnx.Rngs(0))
+    zopt = zj.nnx.Optimizer(model, optax.sgd(0.5), mesh=zj.make_mesh(context=4), config=zj.ZeroConfig(stage=3))
+    step = zj.nnx.make_train_step(loss_fn)
+    np.testing.assert_allclose([float(step(zopt, batch)["loss"]) for _ in range(3)], ref_losses, atol=1e-5)

@@ -55,6 +55,9 @@ def test_readme_python_blocks_run(capsys):
     assert [l.tdim for l in tp_plan.layouts] == [-1, 0, 0, 1] and np.isfinite(float(namespace["tp_metrics"]["loss"]))
     up = namespace["tp_optimizer"].state.master["up"]["kernel"][...]
     assert up.addressable_shards[0].data.size * 8 == 16 * 64
+    # Long sequences: each sequence over 4 devices, the state over all 8.
+    lc = namespace["lc_state"]
+    assert lc.plan.context == 4 and lc.plan.shards == 8 and np.isfinite(float(namespace["lc_metrics"]["loss"]))
     # The Hugging Face fine-tune: one LoRA step from the transformers checkpoint, exported
     # merged in its layout under its own tensor names.
     import json

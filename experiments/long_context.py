@@ -1,0 +1,111 @@
+"""Long sequences over a context axis: memory per device against the context degree C, the
+longest sequence within a per-device budget, and the context-axis collectives of the step.
+
+The experiments' Llama (GQA, RoPE, SwiGLU) at ZeRO-3 with full remat on 8 simulated CPU
+devices, as ``zj.make_mesh(context=C)`` (data = 8 / C), one sequence per data group: each
+device holds 1/C of a sequence. For each C and attention (plain ops partitioned by XLA,
+Ulysses, ring) the train step is compiled, not run, and read: its temp bytes (activations,
+gathered layers) and state bytes per device (``zj.compiled_bytes``), and the collectives
+over the context axis in its HLO (per execution, scanned layers counted per layer).
+
+    python experiments/long_context.py                       # the tables in docs/long_context.md
+    python experiments/long_context.py --seq-len 2048 --budget-mib 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import zerojax as zj  # noqa: E402
+from experiments import llama  # noqa: E402
+from zerojax.report.comm import collectives  # noqa: E402
+
+ATTENTIONS = ("einsum", "ulysses", "ring")
+
+
+def compiled(cfg: llama.LlamaConfig, c: int, seq: int):
+    graphdef, abstract = llama.init_abstract(cfg)
+    mesh, zc = zj.make_mesh(context=c), zj.ZeroConfig(stage=3)
+    tx = optax.adamw(1e-4)
+    state = zj.abstract_state(abstract, tx, mesh=mesh, config=zc)
+    rows = 8 // c  # one sequence per data group
+    batch = {"inputs": jax.ShapeDtypeStruct((rows, seq), jnp.int32), "targets": jax.ShapeDtypeStruct((rows, seq), jnp.int32)}
+    step = zj.make_train_step(llama.make_loss(graphdef), tx, mesh=mesh, config=zc)
+    return step.lower(state, batch).compile(), mesh
+
+
+def context_traffic(comp, mesh) -> dict[str, tuple[int, float]]:
+    """``{kind: (executions, MiB per device)}`` of the collectives whose groups span the
+    context axis only."""
+    out: dict[str, list] = {}
+    for col in collectives(comp.as_text()):
+        if col.axes(mesh) != ("context",):
+            continue
+        k = out.setdefault(col.kind, [0, 0.0])
+        k[0] += col.count
+        k[1] += col.total_bytes / 2**20
+    return {k: (n, mib) for k, (n, mib) in sorted(out.items())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--budget-mib", type=float, default=48.0, help="per-device budget for the longest sequence")
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    args = ap.parse_args()
+    base = llama.LlamaConfig(vocab=256, d_model=args.d_model, n_layers=args.layers, n_heads=8, n_kv_heads=4,
+                             d_ff=4 * args.d_model, seq_len=args.seq_len, remat="full")
+    print(f"Llama d{args.d_model} L{args.layers}, 8 heads (4 KV), ZeRO-3, AdamW, full remat, 8 x cpu, one sequence of "
+          f"{args.seq_len} per data group, jax {jax.__version__}\n")
+    print("| C (data x context) | attention | temp MiB/device | arguments MiB/device (state, batch) | temp vs C = 1 | context-axis collectives (executions, MiB/device) |")
+    print("|---|---|---|---|---|---|")
+    first = None
+    for c in (1, 2, 4, 8):
+        for att in ATTENTIONS if c > 1 else ("einsum",):
+            comp, mesh = compiled(llama.LlamaConfig(**{**base.__dict__, "attention": att}), c, args.seq_len)
+            b = zj.compiled_bytes(comp)
+            first = first or b["temp"]
+            traffic = ", ".join(f"{k} {n} ({mib:.2f})" for k, (n, mib) in context_traffic(comp, mesh).items()) or "-"
+            print(f"| {8 // c} x {c} | {att} | {b['temp'] / 2**20:.2f} | {b['argument'] / 2**20:.2f} "
+                  f"| {first / b['temp']:.2f}x smaller | {traffic} |", flush=True)
+
+    print(f"\nLongest sequence whose compiled step (state + temp) fits {args.budget_mib} MiB per device "
+          f"(lengths tried: multiples of 256 x C):\n")
+    print("| C | attention | longest sequence | vs C = 1 |")
+    print("|---|---|---|---|")
+    longest1 = None
+    for c in (1, 2, 4, 8):
+        att = "einsum" if c == 1 else "ulysses"
+        unit, best, seq = 256 * c, 0, 256 * c
+        while True:
+            comp, _ = compiled(llama.LlamaConfig(**{**base.__dict__, "attention": att, "seq_len": seq}), c, seq)
+            if zj.compiled_bytes(comp)["total"] > args.budget_mib * 2**20:
+                break
+            best, seq = seq, seq * 2
+        lo, hi = best, seq  # refine between the last fit and the first miss
+        while hi - lo > unit:
+            mid = (lo + hi) // 2 // unit * unit
+            if mid in (lo, hi):
+                break
+            comp, _ = compiled(llama.LlamaConfig(**{**base.__dict__, "attention": att, "seq_len": mid}), c, mid)
+            lo, hi = (mid, hi) if zj.compiled_bytes(comp)["total"] <= args.budget_mib * 2**20 else (lo, mid)
+        if not lo:
+            print(f"| {c} | {att} | none of {unit} or more fits | - |", flush=True)
+            continue
+        longest1 = longest1 or lo
+        print(f"| {c} | {att} | {lo} | {lo / longest1:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
