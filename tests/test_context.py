@@ -313,3 +313,28 @@ def test_nnx_multi_head_attention_with_the_kernel_on_a_context_mesh():
     zopt = zj.nnx.Optimizer(model, optax.sgd(0.5), mesh=zj.make_mesh(context=4), config=zj.ZeroConfig(stage=3))
     step = zj.nnx.make_train_step(loss_fn)
     np.testing.assert_allclose([float(step(zopt, batch)["loss"]) for _ in range(3)], ref_losses, atol=1e-5)
+
+
+@pytest.mark.slow  # four processes start JAX (about 15 s)
+def test_each_process_loads_only_its_rows_and_sequence_chunks(tmp_path):
+    """4 processes x 2 devices on data 2 x context 4: process p holds data group p // 2 and
+    context positions 2(p % 2), 2(p % 2) + 1, so it loads those rows and that half of each
+    sequence, and training equals single-device optax."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "zerojax.launch", "--nprocs", "4", "--devices-per-proc", "2", "--",
+           sys.executable, str(root / "tests" / "workers" / "context_job.py"), str(tmp_path)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=root)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    ref_params, ref_losses = _reference()
+    for p in range(4):
+        r = json.loads((tmp_path / f"losses_rank{p}.json").read_text())
+        assert r["rows"] == [4 * (p // 2), 4 * (p // 2) + 4] and r["cols"] == [8 * (p % 2), 8 * (p % 2) + 8]
+        np.testing.assert_allclose(r["losses"], ref_losses, atol=1e-5)
+    got = np.load(tmp_path / "params.npz")
+    for i, want in enumerate(jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(got[f"arr_{i}"], np.asarray(want), atol=1e-5)

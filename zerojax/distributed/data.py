@@ -1,4 +1,5 @@
-"""Global batches from the rows each process loads itself."""
+"""Global batches from the rows (and, on a context mesh, the sequence chunks) each process
+loads itself."""
 
 from __future__ import annotations
 
@@ -47,7 +48,52 @@ def process_rows(global_batch_size: int, mesh: Mesh, axis: str | tuple[str, ...]
     return slice(mine[0] * per_device, (mine[-1] + 1) * per_device)
 
 
-def global_batch(local_batch: Any, mesh: Mesh, axis: str | tuple[str, ...] | None = None) -> Any:
+def _context_blocks(mesh: Mesh, context_axis: str) -> tuple[range, range]:
+    """The (data-group, context-position) rectangle this process's devices cover."""
+    names = list(mesh.axis_names)
+    c_dim = names.index(context_axis)
+    row_dims = [i for i, n in enumerate(names) if i != c_dim and n != "tensor"]
+    cells = set()
+    for idx in np.ndindex(mesh.devices.shape):
+        if mesh.devices[idx].process_index == jax.process_index():
+            row = int(np.ravel_multi_index([idx[i] for i in row_dims], [mesh.devices.shape[i] for i in row_dims]))
+            cells.add((row, idx[c_dim]))
+    rows = sorted({r for r, _ in cells})
+    cols = sorted({c for _, c in cells})
+    if (len(cells) != len(rows) * len(cols) or rows != list(range(rows[0], rows[-1] + 1))
+            or cols != list(range(cols[0], cols[-1] + 1))):
+        raise ValueError("this process's devices do not cover a block of data groups x context positions; build "
+                         "the mesh with zj.make_mesh(context=C) (devices in process order).")
+    return range(rows[0], rows[-1] + 1), range(cols[0], cols[-1] + 1)
+
+
+def process_slices(global_batch_size: int, seq_len: int, mesh: Mesh, *,
+                   context_axis: str = "context") -> tuple[slice, slice]:
+    """``(rows, positions)`` of the global batch this process loads on a context mesh
+    (``zj.make_mesh(context=C)``): the rows of its data groups and the sequence chunks of
+    its context positions, so that no process reads a token its devices do not hold.
+
+    Example:
+      >>> import zerojax as zj
+      >>> zj.distributed.process_slices(8, 64, zj.make_mesh(context=4))  # one process: everything
+      (slice(0, 8, None), slice(0, 64, None))
+    """
+    if context_axis not in mesh.axis_names:
+        return process_rows(global_batch_size, mesh), slice(0, seq_len)
+    c = int(mesh.shape[context_axis])
+    groups = mesh.devices.size // c // (int(mesh.shape["tensor"]) if "tensor" in mesh.axis_names else 1)
+    if global_batch_size % groups:
+        raise ValueError(f"global batch of {global_batch_size} rows does not divide over {groups} data groups.")
+    from zerojax.nn.context import check
+
+    check(seq_len, c, "contiguous")
+    rows, cols = _context_blocks(mesh, context_axis)
+    r, t = global_batch_size // groups, seq_len // c
+    return slice(rows.start * r, rows.stop * r), slice(cols.start * t, cols.stop * t)
+
+
+def global_batch(local_batch: Any, mesh: Mesh, axis: str | tuple[str, ...] | None = None, *,
+                 context_axis: str = "context", context_dims: Any = None) -> Any:
     """A global batch (leading axis split over ``axis``, default every mesh axis, as the
     train step splits it) from this process's own rows
     (``jax.make_array_from_process_local_data``); see :func:`process_rows` for which rows.
@@ -60,6 +106,8 @@ def global_batch(local_batch: Any, mesh: Mesh, axis: str | tuple[str, ...] | Non
       >>> b["x"].shape
       (16,)
     """
+    if context_axis in mesh.axis_names and mesh.shape[context_axis] > 1:
+        return _context_global_batch(local_batch, mesh, context_axis, context_dims)
     sharding = NamedSharding(mesh, P(_axes(mesh, axis)))
     n_proc = len({d.process_index for d in mesh.devices.flat})
 
@@ -68,3 +116,28 @@ def global_batch(local_batch: Any, mesh: Mesh, axis: str | tuple[str, ...] | Non
         return jax.make_array_from_process_local_data(sharding, x, (x.shape[0] * n_proc,) + x.shape[1:])
 
     return jax.tree.map(one, local_batch)
+
+
+def _context_global_batch(local_batch: Any, mesh: Mesh, context_axis: str, context_dims: Any) -> Any:
+    """On a context mesh: each leaf's rows over the data axes, its sequence dimension
+    (``context_dims`` as ``ZeroConfig.context_dims``) over the context axis."""
+    from zerojax.config import ZeroConfig
+    from zerojax.sharding.context import sequence_dims
+
+    rows_axes = tuple(n for n in mesh.axis_names if n not in (context_axis, "tensor"))
+    rows, cols = _context_blocks(mesh, context_axis)
+    groups = mesh.devices.size // int(mesh.shape[context_axis]) // (
+        int(mesh.shape["tensor"]) if "tensor" in mesh.axis_names else 1)
+    dims = sequence_dims(ZeroConfig(context_axis=context_axis, context_dims=context_dims), local_batch)
+    leaves, treedef = jax.tree.flatten(local_batch)
+    out = []
+    for x, d in zip(leaves, dims):
+        x = np.asarray(x)
+        spec = [rows_axes] + [None] * (x.ndim - 1)
+        shape = list(x.shape)
+        shape[0] = x.shape[0] // len(rows) * groups
+        if d is not None:
+            spec[d] = context_axis
+            shape[d] = x.shape[d] // len(cols) * int(mesh.shape[context_axis])
+        out.append(jax.make_array_from_process_local_data(NamedSharding(mesh, P(*spec)), x, tuple(shape)))
+    return jax.tree.unflatten(treedef, out)
