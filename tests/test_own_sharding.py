@@ -103,15 +103,25 @@ def test_without_axis_map_the_error_says_what_to_set():
         step(state, data(1)[0])
 
 
-def test_unknown_axis_names_the_source_line():
+def test_unknown_axis_names_the_source_lines_of_the_helper_and_its_callers():
     graphdef, params = build()
     mesh = zj.make_mesh()
     cfg = zj.ZeroConfig(stage=2, axis_map={"data": "data", "fsdp": "data", "tensor": "tensor"})  # no fsdp_transpose
     state = zj.init_state(params, optax.sgd(0.1), mesh=mesh, config=cfg)
     step = zj.make_train_step(make_loss(graphdef), optax.sgd(0.1), mesh=mesh, config=cfg)
     with pytest.raises(ValueError, match=r"mesh axis 'fsdp_transpose' .* at .*maxtext_style.py:\d+.*"
-                                         r"axis_map=\{'fsdp_transpose': 'data'\}"):
+                                         r"axis_map=\{'fsdp_transpose': 'data'\}") as err:
         step(state, data(1)[0])
+    # The helper that constrains (as MaxText's maybe_shard_with_name) and the layer that called it.
+    import inspect
+    from experiments import maxtext_style
+
+    helper = inspect.getsourcelines(maxtext_style.constrain)[1]
+    body, first = inspect.getsourcelines(maxtext_style.Decoder.__call__)
+    caller = next(first + i for i, line in enumerate(body) if "constrain(" in line)  # its first constraint
+    text = str(err.value)
+    assert f"maxtext_style.py:{helper + 2} (constrain), called from " in text, text
+    assert f"maxtext_style.py:{caller} (Decoder.__call__)" in text, text
 
 
 def test_bad_axis_map():

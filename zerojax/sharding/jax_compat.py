@@ -114,13 +114,38 @@ def constraint_spec(eqn: jcore.JaxprEqn) -> tuple[tuple[str, ...], Any]:
     return tuple(mesh.axis_names), spec
 
 
-def where(eqn: jcore.JaxprEqn) -> str:
-    """The user's source line of an equation, for messages."""
+def _library_file(path: str) -> bool:
+    """Whether ``path`` is zerojax's, Flax's or optax's own code (not the user's)."""
+    import os
+
+    import flax
+    import optax
+
+    import zerojax
+
+    roots = [os.path.dirname(m.__file__) for m in (zerojax, flax, optax)]
+    return any(os.path.abspath(path).startswith(r + os.sep) for r in roots)
+
+
+def where(eqn: jcore.JaxprEqn, frames: int = 4) -> str:
+    """The user's source lines of an equation, for messages: the innermost user frame and
+    the ones that called it (a helper, then the layer that called the helper), as a
+    traceback would show them, up to ``frames``. JAX's own frames are left out by JAX,
+    zerojax's, Flax's and optax's here. (``user_frames`` is JAX-internal: where it moves,
+    the public one-line summary is used.)"""
+    try:
+        from jax._src import source_info_util as internal
+
+        chain = [f for f in internal.user_frames(eqn.source_info.traceback) if not _library_file(f.file_name)]
+        if chain:
+            return ", called from ".join(f"{f.file_name}:{f.start_line} ({f.function_name})" for f in chain[:frames])
+    except Exception:  # noqa: BLE001 - a message helper: never fail the error it decorates
+        pass
     from jax.extend import source_info_util
 
     try:
         return source_info_util.summarize(eqn.source_info)
-    except Exception:  # noqa: BLE001 - a message helper: never fail the error it decorates
+    except Exception:  # noqa: BLE001
         return "unknown source line"
 
 
