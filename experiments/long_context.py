@@ -31,6 +31,7 @@ from experiments import llama  # noqa: E402
 from zerojax.report.comm import collectives  # noqa: E402
 
 ATTENTIONS = ("einsum", "ulysses", "ring")
+BLOCK = 256  # keys per chunk of the kernels' local attention
 
 
 def compiled(cfg: llama.LlamaConfig, c: int, seq: int):
@@ -81,13 +82,13 @@ def main() -> None:
                   f"| {first / b['temp']:.2f}x smaller | {traffic} |", flush=True)
 
     print(f"\nLongest sequence whose compiled step (state + temp) fits {args.budget_mib} MiB per device "
-          f"(lengths tried: multiples of 256 x C):\n")
+          f"(lengths tried: doubling from 256 x C, then bisected to a multiple of 128 x C):\n")
     print("| C | attention | longest sequence | vs C = 1 |")
     print("|---|---|---|---|")
     longest1 = None
     for c in (1, 2, 4, 8):
         att = "einsum" if c == 1 else "ulysses"
-        unit, best, seq = 256 * c, 0, 256 * c
+        unit, best, seq = 128 * c, 0, 256 * c
         while True:
             comp, _ = compiled(llama.LlamaConfig(**{**base.__dict__, "attention": att, "seq_len": seq}), c, seq)
             if zj.compiled_bytes(comp)["total"] > args.budget_mib * 2**20:

@@ -80,12 +80,14 @@ def test_kernels_give_jax_attention(c, method, layout, n, kh):
     np.testing.assert_allclose(_ours(c, method, layout, q, k, v, bias, mask), want, atol=2e-6)
 
 
-@pytest.mark.parametrize("method", ["ulysses", "ring"])
-def test_kernel_gradients_give_jax_gradients(method):
+@pytest.mark.parametrize("method,block", [("ulysses", 512), ("ring", 512), ("ulysses", 4), ("ring", 2)])
+def test_kernel_gradients_give_jax_gradients(method, block):
+    """Whole (one chunk of keys per device) and chunked local attention (a rematerialised
+    scan over chunks of ``block`` keys)."""
     q, k, v = _qkv(16, 4, 2)
     want = jax.grad(lambda q, k, v: (jax.nn.dot_product_attention(q, k, v, is_causal=True) ** 2).sum(),
                     argnums=(0, 1, 2))(q, k, v)
-    got = _ours(4, method, "balanced", q, k, v, grad=True, is_causal=True)
+    got = _ours(4, method, "balanced", q, k, v, grad=True, is_causal=True, block_size=block)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, atol=1e-5)
 
@@ -94,8 +96,12 @@ def test_query_lengths_and_local_windows_as_jax():
     q, k, v = _qkv(16, 4, 2)
     kw = dict(is_causal=True, query_seq_lengths=jnp.array([16, 11]), local_window_size=(3, 0))
     want = jax.nn.dot_product_attention(q, k, v, **kw)
-    for method in ("ulysses", "ring"):
-        np.testing.assert_allclose(_ours(4, method, "balanced", q, k, v, **kw), want, atol=2e-6)
+    for method in ("ulysses", "ring"):  # chunks of 4 keys: the masks sliced chunk by chunk
+        np.testing.assert_allclose(_ours(4, method, "balanced", q, k, v, block_size=4, **kw), want, atol=2e-6)
+    mask = jax.random.bernoulli(jax.random.key(1), 0.7, (B, 1, 16, 16))
+    bias = jax.random.normal(jax.random.key(2), (B, 4, 16, 16))
+    want = jax.nn.dot_product_attention(q, k, v, bias, mask)
+    np.testing.assert_allclose(_ours(2, "ring", "contiguous", q, k, v, bias, mask, block_size=2), want, atol=2e-6)
 
 
 def test_off_a_context_mesh_it_is_jax_function():

@@ -58,7 +58,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
                           is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
                           local_window_size: int | tuple[int, int] | None = None, implementation: str | None = None,
                           return_residual: bool = False, method: str = "auto", layout: str = "contiguous",
-                          axis: str = CONTEXT_AXIS, mesh: Any = None, **flax_kwargs) -> jax.Array:
+                          axis: str = CONTEXT_AXIS, mesh: Any = None, block_size: int = 512,
+                          **flax_kwargs) -> jax.Array:
     """Scaled dot-product attention, ``[B, T, N, H]`` queries over ``[B, S, K, H]`` keys and
     values (``N`` a multiple of ``K``: grouped-query attention), as
     ``jax.nn.dot_product_attention``; on a mesh with a context axis, Ulysses or ring
@@ -71,6 +72,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
         that layout's order.
       axis: the context axis's name.
       mesh: the mesh (default: the one in context, ``jax.sharding.get_abstract_mesh()``).
+      block_size: keys per chunk of the local attention: each device computes its logits
+        a chunk at a time, rematerialised in backward, so its memory is linear in the
+        sequence (a divisor of the local key length; the largest not above this).
       flax_kwargs: what NNX's ``MultiHeadAttention`` passes an ``attention_fn``
         (``dtype``, ``precision``, dropout settings, ...); attention dropout is refused.
 
@@ -116,6 +120,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     if method == "ulysses" and n % c:
         raise ValueError(f"Ulysses attention splits the {n} query heads over the {c} devices of {axis!r}, which do "
                          f"not divide them. Use method='ring' (any head count), or a context size dividing {n}.")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int (keys per chunk), got {block_size!r}.")
     scale = 1.0 / math.sqrt(h) if scale is None else float(scale)
     window = None if local_window_size is None else (
         (local_window_size, local_window_size) if isinstance(local_window_size, int) else tuple(local_window_size))
@@ -126,7 +132,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     lengths = [jnp.full((b,), t if i == 0 else s, jnp.int32) if x is None else jnp.asarray(x, jnp.int32)
                for i, x in enumerate((query_seq_lengths, key_value_seq_lengths))]
     spec = _Spec(c=c, axis=axis, layout=layout, t=t, s=s, n=n, kh=kh, scale=scale, causal=bool(is_causal),
-                 window=window, zero_padded_rows=query_seq_lengths is not None, precision=precision, mesh=given)
+                 window=window, zero_padded_rows=query_seq_lengths is not None, precision=precision, mesh=given,
+                 block=block_size)
     if method == "ulysses":
         return _ulysses(spec, q, k, v, mask, bias, lengths)
     return _ring(spec, q, k, v, mask, bias, lengths)
@@ -202,6 +209,53 @@ def _block(spec: _Spec, q, k, v, keep, mask, bias):
     return acc, m, p.sum(axis=-1)
 
 
+def _merge(a, b):
+    """Two unnormalised partial attentions over disjoint keys, as one (online softmax)."""
+    (acc, m, l), (acc2, m2, l2) = a, b
+    new = jnp.maximum(m, m2)
+    w, w2 = jnp.exp(m - new), jnp.exp(m2 - new)
+    return (acc * jnp.moveaxis(w, -1, 1)[..., None] + acc2 * jnp.moveaxis(w2, -1, 1)[..., None], new, l * w + l2 * w2)
+
+
+def _columns(x, start, size):
+    """Key columns ``[start, start + size)`` of a mask or bias (whole where it broadcasts)."""
+    if x is None or x.shape[3] == 1:
+        return x
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=3)
+
+
+def _chunk_size(s: int, block: int) -> int:
+    """The largest divisor of ``s`` not above ``block``."""
+    return next(c for c in range(min(block, s), 0, -1) if s % c == 0)
+
+
+def _attend(spec: _Spec, q, k, v, qpos, kpos, qlen, kvlen, mask, bias):
+    """``q`` over the keys ``k`` / ``v`` (global positions ``qpos``, ``kpos``), unnormalised,
+    in chunks of at most ``spec.block`` keys: a ``lax.scan`` whose step is rematerialised, so
+    that neither forward nor backward holds more than one chunk's logits (memory linear in
+    the sequence, as flash attention's). Masks and bias hold all key columns; each chunk
+    slices its own."""
+    s = k.shape[1]
+    blk = _chunk_size(s, spec.block)
+
+    def chunk(j):
+        start = j * blk
+        kj, vj = (jax.lax.dynamic_slice_in_dim(x, start, blk, axis=1) for x in (k, v))
+        keep = _valid(spec, qpos, jax.lax.dynamic_slice_in_dim(kpos, start, blk), qlen, kvlen)
+        return _block(spec, q, kj, vj, keep, _columns(mask, start, blk), _columns(bias, start, blk))
+
+    if blk == s:
+        return chunk(0)
+
+    @jax.checkpoint
+    def step(carry, j):
+        return _merge(carry, chunk(j)), None
+
+    first = jax.checkpoint(chunk)(0)
+    out, _ = jax.lax.scan(step, first, jnp.arange(1, s // blk))
+    return out
+
+
 def _finish(spec: _Spec, acc, m, l, qpos, qlen, dtype):
     b, t = acc.shape[:2]
     out = acc / jnp.moveaxis(l, -1, 1)[..., None]
@@ -236,8 +290,7 @@ def _ulysses(spec: _Spec, q, k, v, mask, bias, lengths):
 
     def body(q, k, v, mask, bias, qlen, kvlen):
         q, k, v = (jax.lax.all_to_all(x, axis, 2, 1, tiled=True) for x in (q, k, v))
-        keep = _valid(spec, pos, kpos, qlen, kvlen)
-        acc, m, l = _block(spec, q, k, v, keep, mask, bias)
+        acc, m, l = _attend(spec, q, k, v, pos, kpos, qlen, kvlen, mask, bias)
         out = _finish(spec, acc, m, l, pos, qlen, q.dtype)
         return jax.lax.all_to_all(out, axis, 1, 2, tiled=True)
 
@@ -260,30 +313,18 @@ def _ring(spec: _Spec, q, k, v, mask, bias, lengths):
     def rows_spec(x):  # a mask or bias: its query rows split with the queries, key columns whole
         return None if x is None else P(None, None, axis if x.shape[2] > 1 else None)
 
-    def columns(x, src):
-        if x is None or x.shape[3] == 1:
-            return x
-        return jax.lax.dynamic_slice_in_dim(x, src * sc, sc, axis=3)
-
     def body(q, k, v, mask, bias, qlen, kvlen):
         i = jax.lax.axis_index(axis)
         qpos = qpos_all[i]
-        acc = m = l = None
+        out = None
         for step in range(c):
             src = (i - step) % c  # the chunk this device holds at this step
-            keep = _valid(spec, qpos, kpos_all[src], qlen, kvlen)
-            a, bm, bl = _block(spec, q, k, v, keep, columns(mask, src), columns(bias, src))
-            if acc is None:
-                acc, m, l = a, bm, bl
-            else:
-                new = jnp.maximum(m, bm)
-                old_w, blk_w = jnp.exp(m - new), jnp.exp(bm - new)
-                acc = acc * jnp.moveaxis(old_w, -1, 1)[..., None] + a * jnp.moveaxis(blk_w, -1, 1)[..., None]
-                l = l * old_w + bl * blk_w
-                m = new
+            part = _attend(spec, q, k, v, qpos, kpos_all[src], qlen, kvlen, _columns(mask, src * sc, sc),
+                           _columns(bias, src * sc, sc))
+            out = part if out is None else _merge(out, part)
             if step < c - 1:
                 k, v = jax.lax.ppermute(k, axis, perm), jax.lax.ppermute(v, axis, perm)
-        return _finish(spec, acc, m, l, qpos, qlen, q.dtype)
+        return _finish(spec, *out, qpos, qlen, q.dtype)
 
     seq = P(None, axis)
     run = _shard_map(spec, body, (seq, seq, seq, rows_spec(mask), rows_spec(bias), P(), P()), seq)
