@@ -244,8 +244,8 @@ def _attend(spec: _Spec, q, k, v, qpos, kpos, qlen, kvlen, mask, bias):
         keep = _valid(spec, qpos, jax.lax.dynamic_slice_in_dim(kpos, start, blk), qlen, kvlen)
         return _block(spec, q, kj, vj, keep, _columns(mask, start, blk), _columns(bias, start, blk))
 
-    if blk == s:
-        return chunk(0)
+    if blk == s:  # one chunk: rematerialised too, so that backward keeps no logits
+        return jax.checkpoint(chunk)(0)
 
     @jax.checkpoint
     def step(carry, j):
@@ -316,14 +316,17 @@ def _ring(spec: _Spec, q, k, v, mask, bias, lengths):
     def body(q, k, v, mask, bias, qlen, kvlen):
         i = jax.lax.axis_index(axis)
         qpos = qpos_all[i]
-        out = None
-        for step in range(c):
-            src = (i - step) % c  # the chunk this device holds at this step
-            part = _attend(spec, q, k, v, qpos, kpos_all[src], qlen, kvlen, _columns(mask, src * sc, sc),
+
+        def attend(k, v, src):  # over the chunk of the device ``src`` (this device's at step 0)
+            return _attend(spec, q, k, v, qpos, kpos_all[src], qlen, kvlen, _columns(mask, src * sc, sc),
                            _columns(bias, src * sc, sc))
-            out = part if out is None else _merge(out, part)
-            if step < c - 1:
-                k, v = jax.lax.ppermute(k, axis, perm), jax.lax.ppermute(v, axis, perm)
+
+        def step(carry, s):  # a scan, not a Python loop: backward then runs the steps in turn
+            out, k, v = carry
+            k, v = jax.lax.ppermute(k, axis, perm), jax.lax.ppermute(v, axis, perm)
+            return (_merge(out, attend(k, v, (i - s) % c)), k, v), None
+
+        (out, _, _), _ = jax.lax.scan(step, (attend(k, v, i), k, v), jnp.arange(1, c))
         return _finish(spec, *out, qpos, qlen, q.dtype)
 
     seq = P(None, axis)
