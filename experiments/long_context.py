@@ -64,6 +64,8 @@ def main() -> None:
     ap.add_argument("--budget-mib", type=float, default=48.0, help="per-device budget for the longest sequence")
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--longest-attention", default="ring", choices=ATTENTIONS[1:],
+                    help="the kernel of the longest-sequence search (C > 1)")
     args = ap.parse_args()
     base = llama.LlamaConfig(vocab=256, d_model=args.d_model, n_layers=args.layers, n_heads=8, n_kv_heads=4,
                              d_ff=4 * args.d_model, seq_len=args.seq_len, remat="full")
@@ -87,7 +89,7 @@ def main() -> None:
     print("|---|---|---|---|")
     longest1 = None
     for c in (1, 2, 4, 8):
-        att = "einsum" if c == 1 else "ulysses"
+        att = "einsum" if c == 1 else args.longest_attention
         unit, best, seq = 128 * c, 0, 256 * c
         while True:
             comp, _ = compiled(llama.LlamaConfig(**{**base.__dict__, "attention": att, "seq_len": seq}), c, seq)
