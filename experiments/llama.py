@@ -67,6 +67,7 @@ class LlamaConfig:
     # "einsum": attention written with plain ops; "auto" / "ulysses" / "ring" / "xla":
     # zj.nn.dot_product_attention with that method (Ulysses or ring over a context axis).
     attention: str = "einsum"
+    attention_block: int = 512  # block_size of zj.nn.dot_product_attention: keys per chunk
     dtype: str = "float32"  # compute dtype (norms, RoPE and softmax are float32 regardless)
     param_dtype: str = "float32"
 
@@ -177,7 +178,8 @@ class Block(nnx.Module):
         v = self.v(x).reshape(b, t, kv, hd)
         if self.cfg.attention != "einsum":
             keys = None if mask is None else mask[:, None, None, :].astype(bool)
-            out = zj.nn.dot_product_attention(q, k, v, mask=keys, is_causal=True, method=self.cfg.attention)
+            out = zj.nn.dot_product_attention(q, k, v, mask=keys, is_causal=True, method=self.cfg.attention,
+                                              block_size=self.cfg.attention_block)
             return self.o(out.reshape(b, t, h * hd))
         q = q.reshape(b, t, kv, h // kv, hd)  # query head kv * (h // kv) + g reads KV head kv
         scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) / math.sqrt(hd)

@@ -31,7 +31,6 @@ from experiments import llama  # noqa: E402
 from zerojax.report.comm import collectives  # noqa: E402
 
 ATTENTIONS = ("einsum", "ulysses", "ring")
-BLOCK = 256  # keys per chunk of the kernels' local attention
 
 
 def compiled(cfg: llama.LlamaConfig, c: int, seq: int):
@@ -64,13 +63,14 @@ def main() -> None:
     ap.add_argument("--budget-mib", type=float, default=48.0, help="per-device budget for the longest sequence")
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--block", type=int, default=128, help="keys per chunk of the kernels' local attention")
     ap.add_argument("--longest-attention", default="ring", choices=ATTENTIONS[1:],
                     help="the kernel of the longest-sequence search (C > 1)")
     args = ap.parse_args()
     base = llama.LlamaConfig(vocab=256, d_model=args.d_model, n_layers=args.layers, n_heads=8, n_kv_heads=4,
-                             d_ff=4 * args.d_model, seq_len=args.seq_len, remat="full")
+                             d_ff=4 * args.d_model, seq_len=args.seq_len, remat="full", attention_block=args.block)
     print(f"Llama d{args.d_model} L{args.layers}, 8 heads (4 KV), ZeRO-3, AdamW, full remat, 8 x cpu, one sequence of "
-          f"{args.seq_len} per data group, jax {jax.__version__}\n")
+          f"{args.seq_len} per data group, kernels' chunks of {args.block} keys, jax {jax.__version__}\n")
     print("| C (data x context) | attention | temp MiB/device | arguments MiB/device (state, batch) | temp vs C = 1 | context-axis collectives (executions, MiB/device) |")
     print("|---|---|---|---|---|---|")
     first = None
