@@ -344,3 +344,21 @@ def test_each_process_loads_only_its_rows_and_sequence_chunks(tmp_path):
     got = np.load(tmp_path / "params.npz")
     for i, want in enumerate(jax.tree.leaves(ref_params)):
         np.testing.assert_allclose(got[f"arr_{i}"], np.asarray(want), atol=1e-5)
+
+
+def test_the_eval_step_splits_the_sequence_too():
+    """make_eval_step on a context mesh: the loss and per-token logits of the trained state,
+    as the model computes them on one device."""
+    state, _, _ = _train(4, "ring", 3)
+    graphdef = llama.init(llama.LlamaConfig(**{**BASE.__dict__, "attention": "ring"}))[0]
+    loss_fn = llama.make_loss(graphdef)
+    b = _data()[0]
+    fn = lambda p, b: {"loss": loss_fn(p, b), "logits": nnx.merge(graphdef, p)(b["inputs"], mask=b["mask"])}
+    ev = zj.make_eval_step(fn, mesh=state.plan.mesh, config=state.plan.config, reduce={"loss": "mean", "logits": "concat"})
+    out = ev(state, b)
+    want_loss = loss_fn(zj.gather_params(state), b)
+    np.testing.assert_allclose(float(out["loss"]), float(want_loss), atol=1e-5)
+    want = nnx.merge(graphdef, zj.gather_params(state))(b["inputs"], mask=b["mask"])
+    np.testing.assert_allclose(np.asarray(out["logits"]), np.asarray(want), atol=1e-5)
+    with pytest.raises(ValueError, match="does not split into 4 context devices"):
+        ev(state, {k: v[:, :15] for k, v in b.items()})

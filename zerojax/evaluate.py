@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from zerojax import compile_cache
 from zerojax.config import ZeroConfig
 from zerojax.sharding import outputs, per_use
+from zerojax.sharding import context as sequence
 from zerojax.sharding.gradients import cast_batch, context, local_shapes, pending
 from zerojax.sharding.mesh import auto_axes, batch_axes, batch_devices
 from zerojax.sharding.plan import ZeroPlan
@@ -51,6 +52,7 @@ class EvalStep:
             raise ValueError("make_eval_step(..., with_model_state=True) needs a state built with "
                              "zj.init_state(..., model_state=...).")
         check_batch(batch, self.n, batch_axes(self.mesh, self.config.axis, self.config.replica_axis))
+        sequence.check(state.plan, batch)
 
     def _run(self, state: ZeroState, batch: Any) -> Any:
         self._compiles += 1
@@ -75,6 +77,7 @@ class EvalStep:
         else:
             out_shapes = local_shapes(plan, user_fn, shapes, (local, ms))
         combine = outputs.plan(self.reduce, out_shapes, "outputs", "reduce")
+        batch = sequence.constrain(plan, batch)
         batch_spec = jax.tree.map(lambda _: P(over), batch)
         frozen = jax.tree.leaves(state.frozen) if state.frozen is not None else []
         frozen_specs = [l.partition_spec(axis) for l in plan.frozen_layouts]
