@@ -9,6 +9,7 @@ in plain ops (partitioned by XLA) and with each kernel."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -362,3 +363,43 @@ def test_the_eval_step_splits_the_sequence_too():
     np.testing.assert_allclose(np.asarray(out["logits"]), np.asarray(want), atol=1e-5)
     with pytest.raises(ValueError, match="does not split into 4 context devices"):
         ev(state, {k: v[:, :15] for k, v in b.items()})
+
+
+def test_linen_attention_with_the_kernel_on_a_context_mesh():
+    """linen's MultiHeadDotProductAttention (it passes an attention_fn only the keywords the
+    function names) with a causal mask, the kernel as its attention_fn, on a context mesh,
+    against the same module with Flax's attention on one device; its dropout is refused,
+    never silently left out."""
+    from flax import linen as nn
+
+    class LM(nn.Module):
+        attention_fn: Any = nn.dot_product_attention
+        dropout: float = 0.0
+
+        @nn.compact
+        def __call__(self, tokens):
+            x = nn.Embed(32, 16)(tokens)
+            mask = nn.make_causal_mask(tokens)
+            x = x + nn.MultiHeadDotProductAttention(4, qkv_features=16, attention_fn=self.attention_fn,
+                                                    dropout_rate=self.dropout, deterministic=False)(x, mask=mask)
+            return nn.Dense(32)(x)
+
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 32, (4, 17)), jnp.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    params = LM().init(jax.random.key(0), batch["inputs"])["params"]
+    loss = lambda model: lambda p, b: optax.softmax_cross_entropy_with_integer_labels(
+        model.apply({"params": p}, b["inputs"]), b["targets"]).mean()
+    tx = optax.sgd(0.5)
+    ref, ref_losses = reference_run(loss(LM()), params, tx, [batch] * 3)
+    kernel = LM(functools.partial(zj.nn.dot_product_attention, method="ring"))
+    mesh, zc = zj.make_mesh(context=4), zj.ZeroConfig(stage=2)
+    state = zj.init_state(params, tx, mesh=mesh, config=zc)
+    step = zj.make_train_step(loss(kernel), tx, mesh=mesh, config=zc)
+    losses = []
+    for _ in range(3):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, atol=1e-5)
+    with pytest.raises(ValueError, match="attention dropout"):
+        LM(zj.nn.dot_product_attention, dropout=0.1).init({"params": jax.random.key(0), "dropout": jax.random.key(1)},
+                                                          batch["inputs"])

@@ -39,8 +39,6 @@ from zerojax.nn import context as ctx
 
 METHODS = ("auto", "ulysses", "ring", "xla")
 CONTEXT_AXIS = "context"
-_FLAX_KEYS = ("broadcast_dropout", "dropout_rng", "dropout_rate", "deterministic", "dtype", "precision", "module",
-              "promote_dtype")
 
 
 def _large_negative(dtype) -> jax.Array:
@@ -59,7 +57,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
                           local_window_size: int | tuple[int, int] | None = None, implementation: str | None = None,
                           return_residual: bool = False, method: str = "auto", layout: str = "contiguous",
                           axis: str = CONTEXT_AXIS, mesh: Any = None, block_size: int = 512,
-                          **flax_kwargs) -> jax.Array:
+                          broadcast_dropout: bool = True, dropout_rng: Any = None, dropout_rate: float = 0.0,
+                          deterministic: bool = False, dtype: Any = None, precision: Any = None, module: Any = None,
+                          promote_dtype: Any = None, force_fp32_for_softmax: bool = False,
+                          qk_attn_weights_einsum: Any = None, attn_weights_value_einsum: Any = None) -> jax.Array:
     """Scaled dot-product attention, ``[B, T, N, H]`` queries over ``[B, S, K, H]`` keys and
     values (``N`` a multiple of ``K``: grouped-query attention), as
     ``jax.nn.dot_product_attention``; on a mesh with a context axis, Ulysses or ring
@@ -75,8 +76,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
       block_size: keys per chunk of the local attention: each device computes its logits
         a chunk at a time, rematerialised in backward, so its memory is linear in the
         sequence (a divisor of the local key length; the largest not above this).
-      flax_kwargs: what NNX's ``MultiHeadAttention`` passes an ``attention_fn``
-        (``dtype``, ``precision``, dropout settings, ...); attention dropout is refused.
+      broadcast_dropout ... attn_weights_value_einsum: what Flax's attention layers pass an
+        ``attention_fn`` (NNX's ``MultiHeadAttention``; linen's passes only the keywords the
+        function names, so they are named here): ``dtype`` casts the inputs, ``precision``
+        goes to the matmuls, softmax is always fp32; attention dropout and custom einsums
+        are refused rather than silently left out.
 
     Example:
       >>> import jax, jax.numpy as jnp, zerojax as zj
@@ -85,12 +89,19 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
       >>> bool(jnp.allclose(out, jax.nn.dot_product_attention(q, q, q, is_causal=True)))
       True
     """
-    query, key, value, precision = _flax_arguments(query, key, value, flax_kwargs)
+    query, key, value, precision = _flax_arguments(query, key, value, dict(
+        dropout_rate=dropout_rate, deterministic=deterministic, dtype=dtype, precision=precision,
+        qk_attn_weights_einsum=qk_attn_weights_einsum, attn_weights_value_einsum=attn_weights_value_einsum))
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
     given = mesh
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     c = context_size(mesh, axis)
+    if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
+        mask = jnp.asarray(mask)
+        if not (jnp.issubdtype(mask.dtype, jnp.floating) or jnp.issubdtype(mask.dtype, jnp.integer)):
+            raise TypeError(f"mask must be boolean (True: attend) or 0/1 numbers as Flax's masks are, got {mask.dtype}.")
+        mask = mask != 0  # Flax's masks (nn.make_causal_mask, nn.make_attention_mask) are 0/1 floats
     if c == 1 or method == "xla":
         return jax.nn.dot_product_attention(
             query, key, value, bias, mask, scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
@@ -127,8 +138,6 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
         (local_window_size, local_window_size) if isinstance(local_window_size, int) else tuple(local_window_size))
     mask = _rank4(mask, "mask", (b, n, t, s))
     bias = _rank4(bias, "bias", (b, n, t, s))
-    if mask is not None and mask.dtype != jnp.bool_:
-        raise TypeError(f"mask must be boolean (True: attend), got {mask.dtype}.")
     lengths = [jnp.full((b,), t if i == 0 else s, jnp.int32) if x is None else jnp.asarray(x, jnp.int32)
                for i, x in enumerate((query_seq_lengths, key_value_seq_lengths))]
     spec = _Spec(c=c, axis=axis, layout=layout, t=t, s=s, n=n, kh=kh, scale=scale, causal=bool(is_causal),
@@ -140,9 +149,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
 
 
 def _flax_arguments(query, key, value, kw: dict):
-    unknown = sorted(set(kw) - set(_FLAX_KEYS))
-    if unknown:
-        raise TypeError(f"dot_product_attention got unexpected keyword(s) {unknown}.")
+    for name in ("qk_attn_weights_einsum", "attn_weights_value_einsum"):
+        if kw[name] is not None:
+            raise ValueError(f"{name} (a custom einsum of Flax's attention) is not supported by "
+                             "zj.nn.dot_product_attention; leave it unset.")
     if kw.get("dropout_rate", 0.0) and not kw.get("deterministic", False):
         raise ValueError(f"attention dropout (dropout_rate={kw['dropout_rate']}) is not supported by "
                          "zj.nn.dot_product_attention; set MultiHeadAttention(dropout_rate=0.0) or deterministic=True.")
