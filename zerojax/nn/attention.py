@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from zerojax.nn import context as ctx
+from zerojax.sharding.mesh import context_size
 
 METHODS = ("auto", "ulysses", "ring", "xla")
 CONTEXT_AXIS = "context"
@@ -45,11 +46,6 @@ def _large_negative(dtype) -> jax.Array:
     # jax.nn.dot_product_attention's fill for masked logits (finite, so a fully masked row
     # averages every value, as JAX's does).
     return jnp.asarray(-0.7 * min(float(jnp.finfo(dtype).max), float(jnp.finfo(np.float32).max)), dtype)
-
-
-def context_size(mesh: Any, axis: str = CONTEXT_AXIS) -> int:
-    """Devices of ``axis`` in ``mesh`` (1 when it has none)."""
-    return int(dict(mesh.shape).get(axis, 1)) if mesh is not None else 1
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: float | None = None,

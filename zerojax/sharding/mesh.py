@@ -141,9 +141,12 @@ def _with_context(devices: list, axis: str, replicas: int, replica_axis: str, te
     return Mesh(grid, tuple(n for n, _ in shape), axis_types=(AxisType.Auto,) * len(shape))
 
 
-def context_size(mesh: Mesh, context_axis: str) -> int:
-    """Devices of the context axis (1 when the mesh has none)."""
-    return int(mesh.shape[context_axis]) if context_axis in mesh.axis_names else 1
+def context_size(mesh: Any, context_axis: str = "context") -> int:
+    """Devices of the context axis of ``mesh`` (a ``Mesh`` or the abstract mesh in context;
+    1 when it has none, or for no mesh)."""
+    if mesh is None:
+        return 1
+    return int(dict(mesh.shape)[context_axis]) if context_axis in mesh.axis_names else 1
 
 
 def _with_tensor(devices: list, axis: str, replicas: int, replica_axis: str, tensor: int,
