@@ -4,14 +4,16 @@ Every feature has tests of its own; the bugs that got through lived where featur
 (fp16 outputs of an eval step, an export of frozen weights, a hybrid mesh under a synced
 BatchNorm). This suite runs a pairwise-covering sample of
 
-    stage {0,1,2,3} x mesh {1-D, hybrid, tensor (T = 2)} x precision {fp32, bf16, fp16}
+    stage {0,1,2,3} x mesh {1-D, hybrid, tensor (T = 2), context (C = 2)}
+    x precision {fp32, bf16, fp16}
     x {prefetch, int8 gathers, int8 gradients, offload optimizer, offload params, frozen
-       weights, accumulation, rng, model state, has_aux, eval step, checkpoint round trip}
+       weights, accumulation, rng, model state, has_aux, eval step, checkpoint round trip,
+       the model's own sharding (axis_map), the NNX API (zj.nnx.Optimizer)}
 
 (every pair of values of any two factors that the config allows appears in some run), each
-on a model with a scanned stack, a weight used twice and leaves whose shapes divide no
-device count, each compared with plain optax on one device. ``python -m pytest -s -m slow
-tests/test_combinations.py`` prints the matrix.
+on a model with a scanned stack, a weight used twice, a causal mix along the sequence and
+leaves whose shapes divide no device count, each compared with plain optax on one device.
+``python -m pytest -s -m slow tests/test_combinations.py`` prints the matrix.
 """
 
 from __future__ import annotations
@@ -24,26 +26,29 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
 
 FACTORS: dict[str, tuple] = {
     "stage": (0, 1, 2, 3),
-    "mesh": ("1-D", "hybrid", "tensor"),
+    "mesh": ("1-D", "hybrid", "tensor", "context"),
     "precision": ("float32", "bfloat16", "float16"),
     **{f: (False, True) for f in ("prefetch", "int8", "int8_grads", "offload_opt", "offload_params", "frozen",
-                                  "accum", "rng", "model_state", "aux", "eval", "checkpoint")},
+                                  "accum", "rng", "model_state", "aux", "eval", "checkpoint", "axis_map", "nnx")},
 }
 NAMES = tuple(FACTORS)
 
 
 def allowed(row: dict) -> bool:
-    """The combinations ZeroConfig accepts."""
+    """The combinations zerojax accepts (ZeroConfig, and the plan for the mesh)."""
     s3 = row["stage"] == 3
     return ((s3 or not (row["prefetch"] or row["int8"] or row["offload_params"]))
             and (row["stage"] > 0 or not (row["offload_opt"] or row["int8_grads"]))
-            and not (row["prefetch"] and row["offload_params"]))
+            and not (row["prefetch"] and row["offload_params"])
+            and not (row["mesh"] == "context" and row["axis_map"]))
 
 
 def pairs(row: dict) -> set:
@@ -84,9 +89,9 @@ def matrix() -> str:
     return "\n".join(lines)
 
 
-# --- The model: a scanned stack, a weight used twice, odd-shaped leaves ---------------------
+# --- The model: a scanned stack, a weight used twice, a causal mix, odd-shaped leaves ------
 
-IN, D, OUT, LAYERS, BATCH = 13, 24, 7, 3, 32
+IN, D, OUT, LAYERS, BATCH, SEQ = 13, 24, 7, 3, 32, 4
 
 
 def make_params() -> dict:
@@ -99,25 +104,42 @@ def make_params() -> dict:
             "temp": jnp.asarray(0.9, jnp.float32)}
 
 
-def forward(p, x):
-    h = jnp.tanh(x @ p["emb"])
+# The model's own mesh, as a model with its own sharding writes its constraints (MaxText's
+# style), and the map onto zerojax's mesh (ZeroConfig.axis_map).
+MODEL_MESH = jax.make_mesh((2, 2, 2), ("batch", "fsdp", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+AXIS_MAP = {"batch": "data", "fsdp": "data", "model": "tensor"}
+
+
+def own_constraint(x, spec):
+    return jax.lax.with_sharding_constraint(x, NamedSharding(MODEL_MESH, P(*spec)))
+
+
+def no_constraint(x, spec):
+    return x
+
+
+def forward(p, x, constrain=no_constraint):
+    """x: [rows, SEQ, IN] -> [rows, SEQ, OUT]. Each position also sees the mean of the
+    positions up to it (plain ops: on a context mesh XLA partitions them exactly)."""
+    h = constrain(jnp.tanh(x @ p["emb"]), (("batch", "fsdp"), None, "model"))
+    h = h + 0.5 * jnp.cumsum(h, axis=1) / jnp.arange(1, h.shape[1] + 1, dtype=h.dtype)[:, None]
 
     def layer(h, w):
-        return h + jnp.tanh(h @ w["w"] + w["b"]), None
+        return constrain(h + jnp.tanh(h @ w["w"] + w["b"]), (("batch", "fsdp"), None, None)), None
 
     h, _ = jax.lax.scan(layer, h, p["stack"])
     back = h @ p["emb"].T  # the shared weight again, transposed
-    return (h @ p["head"]["w"] + p["head"]["b"] + back[:, :OUT] * jnp.mean(p["gain"])) * p["temp"]
+    return (h @ p["head"]["w"] + p["head"]["b"] + back[..., :OUT] * jnp.mean(p["gain"])) * p["temp"]
 
 
-def mse(p, b):
-    return jnp.mean((forward(p, b["x"]).astype(jnp.float32) - b["y"]) ** 2)
+def mse(p, b, constrain=no_constraint):
+    return jnp.mean((forward(p, b["x"], constrain).astype(jnp.float32) - b["y"]) ** 2)
 
 
 def batch(step: int) -> dict:
     rng = np.random.default_rng(100 + step)
-    x = rng.normal(size=(BATCH, IN)).astype(np.float32)
-    return {"x": jnp.asarray(x), "y": jnp.asarray(np.tanh(x[:, :OUT] * 1.5), jnp.float32)}
+    x = rng.normal(size=(BATCH, SEQ, IN)).astype(np.float32)
+    return {"x": jnp.asarray(x), "y": jnp.asarray(np.tanh(x[..., :OUT] * 1.5), jnp.float32)}
 
 
 TRAINABLE = {"emb": True, "stack": {"w": True, "b": True}, "head": {"w": False, "b": False}, "gain": False,
@@ -129,19 +151,75 @@ STEPS = 2
 def loss_for(row: dict):
     """The loss with the keywords and outputs ``row`` asks for; its value and gradient are
     ``mse`` whatever they are (the key and model state are read without changing them)."""
+    constrain = own_constraint if row["axis_map"] else no_constraint
+
     def loss_fn(p, b, rng=None, model_state=None):
-        value = mse(p, b)
+        value = mse(p, b, constrain)
         if rng is not None:  # read the key: a value times zero
             value = value + 0.0 * jax.random.uniform(rng)
         out = value
         if model_state is not None:
-            new = {"mean": 0.5 * model_state["mean"] + 0.5 * jnp.mean(b["x"], axis=0), "seen": model_state["seen"]}
+            new = {"mean": 0.5 * model_state["mean"] + 0.5 * jnp.mean(b["x"], axis=(0, 1)),
+                   "seen": model_state["seen"]}
         if row["aux"]:
-            aux = {"mse": value, "pred": forward(p, b["x"]), "rows": jnp.sum(jnp.ones(b["x"].shape[0], jnp.int32))}
+            aux = {"mse": value, "pred": forward(p, b["x"], constrain),
+                   "rows": jnp.sum(jnp.ones(b["x"].shape[0], jnp.int32))}
             out = (value, (new, aux)) if model_state is not None else (value, aux)
         elif model_state is not None:
             out = (value, new)
         return out
+
+    return loss_fn
+
+
+# --- The same model in NNX, for zj.nnx.Optimizer ---------------------------------------------
+
+FROZEN_NNX = ("head_w", "head_b", "gain")  # TRAINABLE's frozen leaves, by attribute name
+
+
+class Model(nnx.Module):
+    """``forward`` as an NNX module: the parameters as ``nnx.Param`` s (annotated for the
+    tensor axis as TENSOR_SPECS splits them), the key of an ``nnx.Rngs`` stream read and the
+    model state (``nnx.BatchStat``) updated in ``loss``, as ``loss_for``'s are."""
+
+    def __init__(self, row: dict):
+        p = make_params()
+        with nnx.use_eager_sharding(False):
+            self.emb = nnx.Param(p["emb"], out_sharding=(None, "tensor"))
+            self.w = nnx.Param(p["stack"]["w"], out_sharding=(None, None, "tensor"))
+            self.b = nnx.Param(p["stack"]["b"], out_sharding=(None, "tensor"))
+            self.head_w, self.head_b = nnx.Param(p["head"]["w"]), nnx.Param(p["head"]["b"])
+            self.gain, self.temp = nnx.Param(p["gain"]), nnx.Param(p["temp"])
+        self.rngs = nnx.Rngs(dropout=7) if row["rng"] else None
+        if row["model_state"]:
+            self.mean, self.seen = nnx.BatchStat(jnp.zeros(IN)), nnx.BatchStat(jnp.zeros((), jnp.int32))
+        self.constrain = own_constraint if row["axis_map"] else no_constraint
+
+    def params(self) -> dict:
+        return {"emb": self.emb[...], "stack": {"w": self.w[...], "b": self.b[...]},
+                "head": {"w": self.head_w[...], "b": self.head_b[...]}, "gain": self.gain[...],
+                "temp": self.temp[...]}
+
+    def __call__(self, x):
+        return forward(self.params(), x, self.constrain)
+
+
+def nnx_wrt(row: dict):
+    if not row["frozen"]:
+        return nnx.Param
+    return lambda path, v: isinstance(v, nnx.Param) and path[0] not in FROZEN_NNX
+
+
+def nnx_loss_for(row: dict):
+    def loss_fn(model, b):
+        value = mse(model.params(), b, model.constrain)
+        if row["rng"]:
+            value = value + 0.0 * jax.random.uniform(model.rngs.dropout())
+        if row["model_state"]:
+            model.mean[...] = 0.5 * model.mean[...] + 0.5 * jnp.mean(b["x"], axis=(0, 1))
+        if row["aux"]:
+            return value, {"mse": value, "pred": model(b["x"]), "rows": jnp.sum(jnp.ones(b["x"].shape[0], jnp.int32))}
+        return value
 
     return loss_fn
 
@@ -162,16 +240,16 @@ def reference(row: dict):
     return trace, losses
 
 
-def model_state_reference(mesh_devices: int, k: int) -> np.ndarray:
-    """The model state after STEPS steps: each device updates it micro-batch by micro-batch
-    on its own rows, then the devices' values are averaged."""
+def model_state_reference(groups: int, k: int) -> np.ndarray:
+    """The model state after STEPS steps: each batch group updates it micro-batch by
+    micro-batch on its own rows (whole sequences), then the groups' values are averaged."""
     mean = np.zeros(IN)
     for i in range(STEPS):
-        x = np.asarray(batch(i)["x"], np.float64).reshape(mesh_devices, k, BATCH // (mesh_devices * k), IN)
-        per_device = np.repeat(mean[None], mesh_devices, axis=0)
+        x = np.asarray(batch(i)["x"], np.float64).reshape(groups, k, BATCH // (groups * k), SEQ, IN)
+        per_group = np.repeat(mean[None], groups, axis=0)
         for j in range(k):
-            per_device = 0.5 * per_device + 0.5 * x[:, j].mean(axis=1)
-        mean = per_device.mean(axis=0)
+            per_group = 0.5 * per_group + 0.5 * x[:, j].mean(axis=(1, 2))
+        mean = per_group.mean(axis=0)
     return mean
 
 
@@ -181,11 +259,18 @@ def config_for(row: dict) -> zj.ZeroConfig:
         prefetch=1 if row["prefetch"] else 0, gather_dtype="int8" if row["int8"] else None, quant_block_size=32,
         reduce_dtype="int8" if row["int8_grads"] else "float32", reduce_quant_block_size=32,
         offload_optimizer=row["offload_opt"], offload_params=row["offload_params"],
-        initial_scale_power=8, donate=not row["checkpoint"])
+        initial_scale_power=8, donate=not row["checkpoint"], axis_map=AXIS_MAP if row["axis_map"] else None)
 
 
 def mesh_for(row: dict):
-    return zj.make_mesh(replicas=2 if row["mesh"] == "hybrid" else 1, tensor=2 if row["mesh"] == "tensor" else 1)
+    return zj.make_mesh(replicas=2 if row["mesh"] == "hybrid" else 1, tensor=2 if row["mesh"] == "tensor" else 1,
+                        context=2 if row["mesh"] == "context" else 1)
+
+
+def batch_groups(mesh) -> int:
+    """Devices that see different rows: every device but the tensor and context splits."""
+    shape = dict(mesh.shape)
+    return mesh.devices.size // (shape.get("tensor", 1) * shape.get("context", 1))
 
 
 # The tensor-parallel mesh splits the embedding and the stack over "tensor" (T = 2 divides
@@ -199,6 +284,11 @@ def tolerance(row: dict) -> float:
     # Measured on 8 simulated CPU devices after 2 steps: fp32 1.2e-7, int8 gathers 2.5e-4,
     # fp16 2.5e-5 (3.1e-4 with int8), bf16 3.2e-3; parameters move by 0.33 or more.
     # int8 gradients 2.3e-4 (1.5e-4 with tensor parallelism).
+    # With the sequence model, the context mesh, axis_map and the NNX API as factors (jax 0.10
+    # and 0.12 alike): fp32 6.0e-8 to 1.5e-7 (NNX, context and axis_map rows included), int8
+    # gradients 6.7e-5 to 9.0e-5, int8 gathers 2.4e-4 to 2.6e-4, fp16 1.0e-4 to 3.1e-4,
+    # bf16 1.7e-3 to 3.2e-3 (1.1e-4 to 1.7e-4 on a context mesh, whose split sequence rounds
+    # differently: the same in either API).
     if row["precision"] == "bfloat16":
         return 1.5e-2
     if row["precision"] == "float16" or row["int8"] or row["int8_grads"]:
@@ -217,8 +307,15 @@ def test_the_sample_covers_every_allowed_pair():
     assert all(allowed(r) for r in ROWS) and len(ROWS) <= 24
 
 
+def refuse(row: dict) -> None:
+    """What zerojax does with ``row`` before any compute: its ZeroConfig, then the plan of
+    its state on its mesh (abstract: nothing is allocated)."""
+    cfg = config_for(row)
+    zj.abstract_state(make_params(), TX, mesh=mesh_for(row), config=cfg)
+
+
 def test_every_pair_the_matrix_leaves_out_is_refused_by_zerojax():
-    """A pair of factor values that no allowed row has is one ZeroConfig refuses with an
+    """A pair of factor values that no allowed row has is one zerojax refuses with an
     error (not one this suite skips)."""
     rng = random.Random(2)
     pool = [r for r in ({k: rng.choice(v) for k, v in FACTORS.items()} for _ in range(20000)) if allowed(r)]
@@ -231,43 +328,111 @@ def test_every_pair_the_matrix_leaves_out_is_refused_by_zerojax():
                 continue
             row = {**base, a: va, b: vb}
             with pytest.raises(ValueError):
-                config_for(row)
+                refuse(row)
             refused.append(f"{a}={va} & {b}={vb}")
-    assert len(refused) >= 6, refused  # stage < 3 with prefetch, int8 gathers, offload_params; ...
+    # stage < 3 with prefetch, int8 gathers, offload_params; ...; a context mesh with axis_map
+    assert len(refused) >= 7 and "mesh=context & axis_map=True" in refused, refused
+
+
+class FunctionalRun:
+    """The row trained through zj.init_state / zj.make_train_step, a params tree."""
+
+    def __init__(self, row: dict, mesh, cfg: zj.ZeroConfig):
+        self.row, self.mesh, self.cfg = row, mesh, cfg
+        self.extras = {"rng": jax.random.key(7) if row["rng"] else None,
+                       "model_state": ({"mean": jnp.zeros(IN), "seen": jnp.zeros((), jnp.int32)}
+                                       if row["model_state"] else None),
+                       "trainable": TRAINABLE if row["frozen"] else None,
+                       "tensor_specs": TENSOR_SPECS if row["mesh"] == "tensor" else None}
+        self.state = zj.init_state(make_params(), TX, mesh=mesh, config=cfg, **self.extras)
+        self.step = zj.make_train_step(loss_for(row), TX, mesh=mesh, config=cfg, has_aux=row["aux"],
+                                       aux_reduce=AUX_REDUCE if row["aux"] else None,
+                                       with_rng=row["rng"], with_model_state=row["model_state"])
+
+    def train(self, b) -> dict:
+        self.state, m = self.step(self.state, b)
+        return m
+
+    def params(self) -> dict:
+        return zj.gather_params(self.state)
+
+    def model_mean(self) -> np.ndarray:
+        return np.asarray(self.state.model_state["mean"])
+
+    def evaluate(self, b) -> dict:
+        constrain = own_constraint if self.row["axis_map"] else no_constraint
+        ev = zj.make_eval_step(lambda p, b: {"loss": mse(p, b, constrain), "pred": forward(p, b["x"], constrain)},
+                               mesh=self.mesh, config=self.cfg, reduce=EVAL_REDUCE)
+        return ev(self.state, b)
+
+    def restored(self, directory, mesh, cfg) -> tuple[int, dict]:
+        zj.save_checkpoint(directory, self.state, step=STEPS)
+        back = zj.restore_checkpoint(directory, make_params(), TX, mesh=mesh, config=cfg,
+                                     trainable=self.extras["trainable"], model_state=self.extras["model_state"])
+        return int(back.step), zj.gather_params(back)
+
+
+class NNXRun:
+    """The row trained through zj.nnx.Optimizer / zj.nnx.make_train_step, an NNX module."""
+
+    def __init__(self, row: dict, mesh, cfg: zj.ZeroConfig):
+        self.row, self.mesh, self.cfg = row, mesh, cfg
+        self.opt = zj.nnx.Optimizer(Model(row), TX, mesh=mesh, config=cfg, wrt=nnx_wrt(row))
+        self.step = zj.nnx.make_train_step(nnx_loss_for(row), has_aux=row["aux"],
+                                           aux_reduce=AUX_REDUCE if row["aux"] else None)
+
+    def train(self, b) -> dict:
+        return self.step(self.opt, b)
+
+    def params(self) -> dict:
+        return self.opt.gathered_model().params()
+
+    def model_mean(self) -> np.ndarray:
+        return np.asarray(self.opt.gathered_model().mean[...])
+
+    def evaluate(self, b) -> dict:
+        ev = zj.nnx.make_eval_step(lambda model, b: {"loss": mse(model.params(), b, model.constrain),
+                                                     "pred": model(b["x"])}, reduce=EVAL_REDUCE)
+        return ev(self.opt, b)
+
+    def restored(self, directory, mesh, cfg) -> tuple[int, dict]:
+        self.opt.save(directory, step=STEPS)
+        back = zj.nnx.Optimizer(Model(self.row), TX, mesh=mesh, config=cfg, wrt=nnx_wrt(self.row))
+        back.restore(directory)
+        return back.step, back.gathered_model().params()
+
+
+AUX_REDUCE = {"mse": "mean", "pred": "concat", "rows": "sum"}
+EVAL_REDUCE = {"loss": "mean", "pred": "concat"}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("row", ROWS, ids=row_id)
 def test_combination_trains_like_single_device_optax(row, tmp_path):
     mesh = mesh_for(row)
-    cfg, params = config_for(row), make_params()
-    extras = {"rng": jax.random.key(7) if row["rng"] else None,
-              "model_state": {"mean": jnp.zeros(IN), "seen": jnp.zeros((), jnp.int32)} if row["model_state"] else None,
-              "trainable": TRAINABLE if row["frozen"] else None,
-              "tensor_specs": TENSOR_SPECS if row["mesh"] == "tensor" else None}
-    state = zj.init_state(params, TX, mesh=mesh, config=cfg, **extras)
-    step = zj.make_train_step(loss_for(row), TX, mesh=mesh, config=cfg, has_aux=row["aux"],
-                              aux_reduce={"mse": "mean", "pred": "concat", "rows": "sum"} if row["aux"] else None,
-                              with_rng=row["rng"], with_model_state=row["model_state"])
+    cfg = config_for(row)
+    run = (NNXRun if row["nnx"] else FunctionalRun)(row, mesh, cfg)
     trace, ref_losses = reference(row)
     tol = tolerance(row)
     loss_tol = max(tol, 1e-2) if row["int8"] else tol  # the loss of int8-gathered weights (0.4% measured)
     for i in range(STEPS):
-        state, m = step(state, batch(i))
+        m = run.train(batch(i))
         assert not bool(m["skipped"]), f"step {i} skipped (loss scale {float(m['loss_scale'])})"
         np.testing.assert_allclose(float(m["loss"]), ref_losses[i], rtol=loss_tol, atol=loss_tol)
         if row["aux"]:
             np.testing.assert_allclose(float(m["aux"]["mse"]), ref_losses[i], rtol=loss_tol, atol=loss_tol)
             assert m["aux"]["mse"].dtype == jnp.float32 and int(m["aux"]["rows"]) == BATCH
             want_pred = forward(make_params() if i == 0 else trace[i - 1], batch(i)["x"])
+            assert m["aux"]["pred"].shape == want_pred.shape
             np.testing.assert_allclose(np.asarray(m["aux"]["pred"], np.float32), want_pred, atol=10 * loss_tol)
-    got = zj.gather_params(state)
+    got = run.params()
     want = trace[-1]
     moved = max(np.abs(np.asarray(a) - np.asarray(b)).max()
                 for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(make_params())))
     err = max(np.abs(np.asarray(a, np.float32) - np.asarray(b)).max()
               for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
     print(f"\n{row_id(row)}: max |params - optax| {err:.1e}, params moved {moved:.2f}")
+    assert jax.tree.structure(got) == jax.tree.structure(want)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), atol=tol, rtol=0,
                                    err_msg=jax.tree_util.keystr(path))
@@ -275,24 +440,22 @@ def test_combination_trains_like_single_device_optax(row, tmp_path):
     if row["model_state"]:
         k = 2 if row["accum"] else 1
         # The batch reaches the loss in the compute dtype: its mean carries that rounding.
-        np.testing.assert_allclose(np.asarray(state.model_state["mean"]), model_state_reference(state.plan.world, k),
+        np.testing.assert_allclose(run.model_mean(), model_state_reference(batch_groups(mesh), k),
                                    atol=1e-5 if row["precision"] == "float32" else tol)
     if row["eval"]:
-        ev = zj.make_eval_step(lambda p, b: {"loss": mse(p, b), "pred": forward(p, b["x"])}, mesh=mesh, config=cfg,
-                               reduce={"loss": "mean", "pred": "concat"})
-        out = ev(state, batch(5))
+        out = run.evaluate(batch(5))
         assert out["loss"].dtype == jnp.float32
         np.testing.assert_allclose(float(out["loss"]), float(mse(want, batch(5))), rtol=loss_tol, atol=loss_tol)
-        np.testing.assert_allclose(np.asarray(out["pred"], np.float32), forward(want, batch(5)["x"]), atol=10 * loss_tol)
+        want_pred = forward(want, batch(5)["x"])
+        assert out["pred"].shape == want_pred.shape
+        np.testing.assert_allclose(np.asarray(out["pred"], np.float32), want_pred, atol=10 * loss_tol)
     if row["checkpoint"]:
-        # Save, then restore onto the other stage family, the other mesh, fp32.
-        zj.save_checkpoint(tmp_path / "ck", state, step=STEPS)
-        other = zj.ZeroConfig(stage=(row["stage"] + 2) % 4)
-        other_mesh = zj.make_mesh(replicas=1 if row["mesh"] == "hybrid" else 2)  # a tensor run: onto no tensor axis
-        back = zj.restore_checkpoint(tmp_path / "ck", make_params(), TX, mesh=other_mesh, config=other,
-                                     trainable=extras["trainable"], model_state=extras["model_state"])
-        assert int(back.step) == STEPS
-        for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(zj.gather_params(back))[0],
-                                jax.tree.leaves(got)):
+        # Save, then restore onto the other stage family, another mesh, fp32 (a tensor or
+        # context run: onto a mesh with neither).
+        other = zj.ZeroConfig(stage=(row["stage"] + 2) % 4, axis_map=cfg.axis_map)
+        other_mesh = zj.make_mesh(replicas=1 if row["mesh"] == "hybrid" else 2)
+        step, back = run.restored(tmp_path / "ck", other_mesh, other)
+        assert step == STEPS
+        for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(back)[0], jax.tree.leaves(got)):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                           err_msg=jax.tree_util.keystr(path))
