@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 import zerojax as zj
 from zerojax.tuning import DeviceSpec, SearchSpace, device_spec, parse_memory
 from zerojax.tuning.cost import step_cost
+from zerojax.tuning.devices import measure_matmuls
 
 search_module = importlib.import_module("zerojax.tuning.search")
 hlo_cost = importlib.import_module("zerojax.tuning.hlo_cost")
@@ -114,10 +115,15 @@ def test_cost_analysis_is_per_device_and_checked_against_a_known_matmul():
     assert cost.flops == 2 * m * k * n / 8
     assert cost.traffic == ()  # nothing to communicate
     assert cost.seconds(SPEC) == pytest.approx(2 * m * k * n / 8 / 1e10 + cost.bytes_accessed / 1e9)
-    # One device's matmul is (64, 256) @ (256, 128): M·N·K = 128³, priced at a 128-sided matmul's rate.
-    assert cost.matmuls == ((128.0, 2 * m * k * n / 8),)
-    curved = dataclasses.replace(SPEC, matmul_curve=((128, 2.5e9), (512, 1e10)))
+    # One device's matmul is (64, 256) @ (256, 128): its thinnest side is M = 64 rows, and it is
+    # priced at a 64-sided matmul's rate (a thin matmul runs as slowly as its thinnest side).
+    assert cost.matmuls == ((64.0, 2 * m * k * n / 8),)
+    assert cost.matmul_shapes == (((64, 128, 256), 2 * m * k * n / 8),)
+    curved = dataclasses.replace(SPEC, matmul_curve=((64, 2.5e9), (512, 1e10)))
     assert cost.seconds(curved) == pytest.approx(2 * m * k * n / 8 / 2.5e9 + cost.bytes_accessed / 1e9)
+    # A rate measured for that very shape replaces the curve's.
+    exact = dataclasses.replace(curved, matmul_rates=(((64, 128, 256), 5e9),))
+    assert cost.seconds(exact) == pytest.approx(2 * m * k * n / 8 / 5e9 + cost.bytes_accessed / 1e9)
 
 
 def test_loops_are_counted_per_iteration():
@@ -141,6 +147,36 @@ def test_loops_are_counted_per_iteration():
     assert hlo_cost.parsed_cost(flat.as_text()) == (xla["flops"], xla["bytes accessed"])
 
 
+def test_a_scan_saving_its_outputs_is_priced_by_the_rows_it_writes():
+    """A scan that stacks a row per iteration (as the forward pass of a layer loop saves its
+    residuals) writes that row in place: the stacked buffer is neither read nor written
+    whole per iteration. XLA's own count of one in-place update says so, and the loop's
+    bytes match the unrolled program's."""
+    upd = jax.jit(lambda b, u, i: jax.lax.dynamic_update_slice(b, jnp.tanh(u) * 2, (i, 0)), donate_argnums=0)
+    compiled = upd.lower(jnp.ones((64, 1024)), jnp.ones((1, 1024)), 3).compile()
+    xla = compiled.cost_analysis()
+    xla = xla[0] if isinstance(xla, list) else xla
+    assert xla["bytes accessed"] < 3 * 4 * 1024  # the row read and written, not the 256 KiB buffer
+    assert hlo_cost.parsed_cost(compiled.as_text())[1] == xla["bytes accessed"]
+
+    def scanned(ws, x):
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), jnp.tanh(h @ w) * 2), x, ws)[1]
+
+    def unrolled(ws, x):
+        out = []
+        for i in range(ws.shape[0]):
+            out.append(jnp.tanh(x @ ws[i]) * 2)
+            x = jnp.tanh(x @ ws[i])
+        return jnp.stack(out)
+
+    ws, x = jnp.ones((32, 64, 64)), jnp.ones((16, 64))
+    loop = hlo_cost.loop_cost(jax.jit(scanned).lower(ws, x).compile())
+    flat = jax.jit(unrolled).lower(ws, x).compile().cost_analysis()
+    flat = flat[0] if isinstance(flat, list) else flat
+    stacked = 32 * 16 * 64 * 4  # the scan's output: one whole read or write per iteration would add 32x this
+    assert abs(loop.bytes - flat["bytes accessed"]) < 4 * stacked, (loop.bytes, flat["bytes accessed"])
+
+
 def test_known_devices_and_calibration():
     h100 = device_spec("H100")
     assert (h100.peak_flops, h100.hbm_bandwidth, h100.source) == (989.4e12, 3.35e12, "datasheet")
@@ -152,8 +188,31 @@ def test_known_devices_and_calibration():
     measured = device_spec(None, mesh)  # the CPU backend is measured, once per process
     assert measured.source == "calibrated" and not measured.async_collectives
     assert device_spec("calibrate", mesh) is measured
+    assert [s for s, _ in measured.matmul_curve] == [32, 64, 128, 256, 512]
+    assert [b for b, _ in measured.memory_curve] == [2.0**k for k in range(15, 26, 2)]  # 32 KiB to 32 MiB
+    assert measured.hbm_bandwidth == measured.memory_curve[-1][1]
+    # A shape measured after the search agrees with the square curve's figure for that side
+    # (two measurements of one thing), and is added to the spec; datasheet specs stay as they are.
+    square = measure_matmuls(measured, mesh, [(128, 128, 128)])
+    assert [mnk for mnk, _ in square.matmul_rates] == [(128, 128, 128)]
+    ratio = square.matmul_rates[0][1] / measured.matmul_rate(128, "float32")
+    assert 0.25 < ratio < 4, ratio
+    assert measure_matmuls(h100, mesh, [(128, 128, 128)]) is h100
     with pytest.raises(ValueError, match="no datasheet figures for device 'B300'"):
         device_spec("B300")
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("memory_curve", ((2**20, 1e9), (2**16, 2e9)), r"memory_curve must be \(bytes, bytes/s\) pairs.*increasing"),
+    ("memory_curve", ((2**16, 0.0),), r"memory_curve must be \(bytes, bytes/s\) pairs, positive"),
+    ("matmul_curve", ((128, float("inf")),), r"matmul_curve must be \(side, FLOP/s\) pairs, positive"),
+    ("matmul_rates", (((64, 64), 1e9),), r"matmul_rates must be \(\(M, N, K\), FLOP/s\) pairs"),
+    ("matmul_rates", (((64, 0, 64), 1e9),), r"matmul_rates must be \(\(M, N, K\), FLOP/s\) pairs, positive"),
+    ("collective_latency", -1e-6, r"collective_latency must be seconds >= 0"),
+])
+def test_a_device_spec_with_a_bad_curve_is_refused(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(SPEC, **{field: value})
 
 
 def test_memory_budget_parsing():
@@ -239,8 +298,9 @@ def test_the_search_skips_only_what_the_exhaustive_search_confirms():
     for s in fast.skipped:
         if s.reason == "ruled out":
             assert s.candidate.config not in time_of
-        else:
+        else:  # dominated: more accumulation or offload, never another remat policy
             assert time_of[s.candidate.config] >= time_of[s.by.config]
+            assert s.candidate.config.remat == s.by.config.remat
     assert {p.config for p in fast} <= set(time_of)
 
 

@@ -12,15 +12,21 @@ Read from the compiled program, per device and per step (nothing runs):
 
 Then, with a :class:`~zerojax.tuning.DeviceSpec`::
 
-    compute = Σ_matmuls FLOPs / rate(size) + other FLOPs / peak + bytes accessed / memory bandwidth
+    compute = Σ_matmuls FLOPs / rate(shape) + other FLOPs / peak + Σ_instructions bytes / bandwidth(working set)
     comm    = Σ_axes paper-unit bytes · (g − 1)/g / bandwidth(g) + collectives · latency
     host    = 2 · offloaded bytes / host bandwidth
     time    = compute + comm + host, or max(compute, comm) + host where the device runs
               collectives asynchronously and the program gathers ahead (stage 3 prefetch)
 
-``rate(size)`` is the peak FLOP/s of the compute dtype for datasheet devices, and for measured
-ones the rate a square matmul of that size reached (a CPU runs a 128-sided matmul at a third
-of a 512-sided one's rate; small matmuls are most of a small model's). ``g`` is the number of
+``rate(shape)`` is the peak FLOP/s of the compute dtype for datasheet devices; for measured
+ones, the rate a chain of matmuls of that very shape reached
+(:func:`~zerojax.tuning.devices.measure_matmuls`, which the search runs for the shapes its
+programs contain), or else the rate a square matmul of the dot's smallest side reached (small
+and thin matmuls run far below a large square one, and they are most of a small model's).
+``bandwidth(working set)`` is the device's datasheet memory bandwidth or, measured, the rate
+an elementwise pass over a working set of that size reached (on a CPU, cache-sized working
+sets run ten times faster than 16 MiB ones; a small model's instructions touch a few hundred
+KiB each). ``g`` is the number of
 devices a collective spans; a ring moves (g − 1)/g of the buffer per
 device, in the paper's units (an all-reduce twice). Summing compute and memory time rather
 than taking their maximum prices each kernel as bound by one of the two (matmuls by FLOPs,
@@ -81,6 +87,8 @@ class StepCost:
     compute_dtype: str = "float32"
     overlap: bool = False  # gathers issued ahead of their use (stage 3 prefetch)
     matmuls: tuple[tuple[float, float], ...] = ()  # (side, FLOPs) of the matmuls, part of ``flops``
+    memory_sizes: tuple[tuple[float, float], ...] = ()  # (working set, bytes): how ``bytes_accessed`` splits
+    matmul_shapes: tuple[tuple[tuple[int, int, int], float], ...] = ()  # ((M, N, K), FLOPs) of the dots
 
     def __post_init__(self) -> None:
         for name in ("flops", "bytes_accessed", "host_bytes"):
@@ -100,9 +108,19 @@ class StepCost:
         """Seconds per part: ``compute`` (FLOPs), ``memory`` (bytes accessed), ``comm``
         (collective bytes and latency), ``host`` (offload traffic), and the ``total``."""
         matmul_flops = sum(f for _, f in self.matmuls)
-        compute = sum(f / spec.matmul_rate(side, self.compute_dtype) for side, f in self.matmuls) + \
-            max(self.flops - matmul_flops, 0.0) / spec.flops_for(self.compute_dtype)
-        memory = self.bytes_accessed / spec.hbm_bandwidth
+        rates = dict(spec.matmul_rates)
+        exact = [(rates[mnk], f) for mnk, f in self.matmul_shapes if mnk in rates]
+        if exact and len(exact) == len(self.matmul_shapes):  # every dot at its own shape's measured rate
+            other = max(matmul_flops - sum(f for _, f in self.matmul_shapes), 0.0)  # convolutions
+            matmul = sum(f / r for r, f in exact) + other / spec.flops_for(self.compute_dtype)
+        else:
+            matmul = sum(f / spec.matmul_rate(side, self.compute_dtype) for side, f in self.matmuls)
+        compute = matmul + max(self.flops - matmul_flops, 0.0) / spec.flops_for(self.compute_dtype)
+        parsed = sum(b for _, b in self.memory_sizes)
+        if spec.memory_curve and parsed > 0:  # each working set at its measured rate, scaled to the total
+            memory = sum(b / spec.memory_rate(size) for size, b in self.memory_sizes) * self.bytes_accessed / parsed
+        else:
+            memory = self.bytes_accessed / spec.hbm_bandwidth
         comm = sum(t.bytes * (t.group_size - 1) / t.group_size / spec.axis_bandwidth(t.group_size)
                    + t.count * spec.collective_latency for t in self.traffic if t.group_size > 1)
         host = self.host_bytes / spec.host_bandwidth
@@ -132,4 +150,4 @@ def step_cost(compiled, mesh, *, compute_dtype: str = "float32", host_state_byte
         traffic.append(AxisTraffic(axes=axes, group_size=group, bytes=float(r["zero_bytes"]), count=int(r["count"])))
     return StepCost(flops=lc.flops, bytes_accessed=lc.bytes, traffic=tuple(traffic),
                     host_bytes=2.0 * float(host_state_bytes), compute_dtype=compute_dtype, overlap=overlap,
-                    matmuls=lc.matmuls)
+                    matmuls=lc.matmuls, memory_sizes=lc.memory, matmul_shapes=lc.shapes)

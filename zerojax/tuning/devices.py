@@ -48,8 +48,18 @@ class DeviceSpec:
       memory_bytes: device memory (the CLI's default budget); 0 where unknown.
       source: "datasheet", "calibrated" or "user".
       matmul_curve: measured ``(side, FLOP/s)`` of square matmuls of a few sides, increasing
-        (calibration fills it): a matmul of M·N·K = side³ runs at the rate interpolated between
-        them (log-log; the end rates beyond the ends). Empty: every matmul at the peak.
+        (calibration fills it): a matmul whose smallest of M, N, K is ``side`` runs at the rate
+        interpolated between them (log-log; the end rates beyond the ends). Empty: every
+        matmul at the peak.
+      matmul_rates: measured ``((M, N, K), FLOP/s)`` of matmuls of given shapes
+        (:func:`measure_matmuls` fills it with the shapes of the programs the tuner prices):
+        a program whose every dot has a measured shape is priced at those rates, the curve
+        otherwise.
+      memory_curve: measured ``(bytes, bytes/s)`` of elementwise passes whose operands and
+        output come to that many bytes, increasing (calibration fills it): an instruction
+        accessing that many bytes runs at the rate interpolated between them. On a CPU a pass
+        over a 64 KiB working set runs from cache, ten times faster than one over 128 MiB;
+        empty: every byte at ``hbm_bandwidth`` (an accelerator's HBM).
 
     Example:
       >>> from zerojax.tuning import DeviceSpec, device_spec
@@ -78,6 +88,8 @@ class DeviceSpec:
     memory_bytes: float = 0.0
     source: str = "user"
     matmul_curve: tuple[tuple[float, float], ...] = ()
+    memory_curve: tuple[tuple[float, float], ...] = ()
+    matmul_rates: tuple[tuple[tuple[int, int, int], float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("peak_flops", "peak_flops_fp32", "hbm_bandwidth", "link_bandwidth"):
@@ -91,18 +103,27 @@ class DeviceSpec:
         if isinstance(self.devices_per_node, bool) or not isinstance(self.devices_per_node, int) \
                 or self.devices_per_node < 1:
             raise ValueError(f"DeviceSpec.devices_per_node must be a positive int, got {self.devices_per_node!r}.")
-        if not (isinstance(self.collective_latency, (int, float)) and self.collective_latency >= 0):
-            raise ValueError(f"DeviceSpec.collective_latency must be seconds >= 0, got {self.collective_latency!r}.")
+        for name in ("collective_latency",):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"DeviceSpec.{name} must be seconds >= 0, got {value!r}.")
         if not isinstance(self.async_collectives, bool):
             raise TypeError(f"DeviceSpec.async_collectives must be a bool, got {self.async_collectives!r}.")
         if self.source not in ("datasheet", "calibrated", "user"):
             raise ValueError(f"DeviceSpec.source must be 'datasheet', 'calibrated' or 'user', got {self.source!r}.")
-        curve = tuple((float(a), float(b)) for a, b in self.matmul_curve)
-        if any(not (a > 0 and b > 0 and math.isfinite(a) and math.isfinite(b)) for a, b in curve) or \
-                [a for a, _ in curve] != sorted({a for a, _ in curve}):
-            raise ValueError(f"DeviceSpec.matmul_curve must be (side, FLOP/s) pairs, positive, sides increasing, "
-                             f"got {self.matmul_curve!r}.")
-        object.__setattr__(self, "matmul_curve", curve)
+        for name, what in (("matmul_curve", "(side, FLOP/s)"), ("memory_curve", "(bytes, bytes/s)")):
+            given = getattr(self, name)
+            curve = tuple((float(a), float(b)) for a, b in given)
+            if any(not (a > 0 and b > 0 and math.isfinite(a) and math.isfinite(b)) for a, b in curve) or \
+                    [a for a, _ in curve] != sorted({a for a, _ in curve}):
+                raise ValueError(f"DeviceSpec.{name} must be {what} pairs, positive, the first increasing, "
+                                 f"got {given!r}.")
+            object.__setattr__(self, name, curve)
+        rates = tuple((tuple(int(d) for d in mnk), float(r)) for mnk, r in self.matmul_rates)
+        if any(len(mnk) != 3 or min(mnk) < 1 or not (r > 0 and math.isfinite(r)) for mnk, r in rates):
+            raise ValueError(f"DeviceSpec.matmul_rates must be ((M, N, K), FLOP/s) pairs, positive, "
+                             f"got {self.matmul_rates!r}.")
+        object.__setattr__(self, "matmul_rates", rates)
 
     def flops_for(self, compute_dtype: str) -> float:
         """Matmul FLOP/s for a compute dtype (float32 or a 16-bit one)."""
@@ -119,21 +140,36 @@ class DeviceSpec:
           >>> [round(spec.matmul_rate(s, "float32") / 1e9, 3) for s in (64, 128, 256, 512, 4096)]
           [2.0, 2.0, 4.0, 8.0, 8.0]
         """
-        curve = self.matmul_curve
-        if not curve:
-            return self.flops_for(compute_dtype)
-        if side <= curve[0][0]:
-            return curve[0][1]
-        for (s0, r0), (s1, r1) in zip(curve, curve[1:]):
-            if side <= s1:
-                w = math.log(side / s0) / math.log(s1 / s0)
-                return math.exp((1 - w) * math.log(r0) + w * math.log(r1))
-        return curve[-1][1]
+        return _interpolate(self.matmul_curve, side) if self.matmul_curve else self.flops_for(compute_dtype)
+
+    def memory_rate(self, nbytes: float) -> float:
+        """Bytes/s of an instruction that reads and writes ``nbytes`` in all: from
+        :attr:`memory_curve` where measured, :attr:`hbm_bandwidth` otherwise.
+
+        Example:
+          >>> from zerojax.tuning import DeviceSpec
+          >>> spec = DeviceSpec(name="x", peak_flops=1e9, peak_flops_fp32=1e9, hbm_bandwidth=2e9,
+          ...                   link_bandwidth=1e9, memory_curve=((2**16, 32e9), (2**24, 2e9)))
+          >>> [round(spec.memory_rate(b) / 1e9, 1) for b in (2**10, 2**16, 2**20, 2**24, 2**30)]
+          [32.0, 32.0, 8.0, 2.0, 2.0]
+        """
+        return _interpolate(self.memory_curve, nbytes) if self.memory_curve else self.hbm_bandwidth
 
     def axis_bandwidth(self, group_size: int) -> float:
         """Bytes/s per device of a collective over ``group_size`` devices: the node's links
         when the group fits in a node, the network otherwise."""
         return self.link_bandwidth if group_size <= self.devices_per_node else self.network_bandwidth
+
+
+def _interpolate(curve: tuple[tuple[float, float], ...], x: float) -> float:
+    """The rate at ``x`` on a measured curve: log-log between its points, the end rates beyond."""
+    if x <= curve[0][0]:
+        return curve[0][1]
+    for (s0, r0), (s1, r1) in zip(curve, curve[1:]):
+        if x <= s1:
+            w = math.log(x / s0) / math.log(s1 / s0)
+            return math.exp((1 - w) * math.log(r0) + w * math.log(r1))
+    return curve[-1][1]
 
 
 def _positive(spec: DeviceSpec, name: str) -> None:
@@ -236,10 +272,11 @@ _CALIBRATED: dict[tuple, DeviceSpec] = {}
 
 def calibrate(mesh, *, seconds: float = 1.0) -> DeviceSpec:
     """Measures the devices of ``mesh`` once per process (cached per set of devices):
-    float32 matmuls of sides 128, 256 and 512 (FLOP/s by size), an elementwise copy (memory
-    bandwidth), an all-gather of 1 MiB
-    per device (link bandwidth) and 16 chained one-element all-reduces against one (the cost
-    each collective adds), each run on every device at once inside ``shard_map``, in turns
+    chains of float32 matmuls of sides 32 to 512 (FLOP/s by side, :attr:`DeviceSpec.matmul_curve`),
+    elementwise passes over buffers of 16 KiB to 16 MiB (bandwidth by working set,
+    :attr:`DeviceSpec.memory_curve`), an all-gather of 1 MiB per device (link bandwidth) and
+    16 rounds of a small matmul, each ending in an all-reduce, against the same rounds
+    without (the latency each collective adds), each run on every device at once inside ``shard_map``, in turns
     after a warm-up, for about ``seconds`` in all; the cost of running a program at all is
     taken out of each. The rates are per device (on simulated CPU devices, each device's
     share of the host). Not a run of any train step.
@@ -283,28 +320,101 @@ def _measure(mesh, seconds: float) -> DeviceSpec:
     split = NamedSharding(flat, P("_all"))
     local = lambda f: jax.jit(jax.shard_map(f, mesh=flat, in_specs=P("_all"), out_specs=P("_all")))
     put = lambda shape: jax.device_put(jnp.ones((n * shape[0],) + shape[1:], jnp.float32), split)
-    sides, e, g, r = (128, 256, 512), 1 << 22, 1 << 18, 16  # matmuls; copy (16 MiB); gathered shard (1 MiB); psums
+    sides, g, r = (32, 64, 128, 256, 512), 1 << 18, 16  # matmuls; gathered shard (1 MiB); collectives chained
+    copies = tuple(1 << k for k in range(12, 23, 2))  # elements: 16 KiB to 16 MiB buffers
 
-    def chained(v):  # r all-reduces, each waiting for the one before
-        for _ in range(r):
-            v = jax.lax.psum(v, "_all") * 0.125
-        return v
+    # Each matmul program chains (512 / m)³ matmuls (the same FLOPs for every size), and each
+    # copy program (16 Mi / e) passes over its buffer (the same bytes), so that a small one's
+    # time stands well above the cost of running a program: a single 128-sided matmul takes
+    # less than that cost's own noise on an idle host.
+    reps = {m: max(1, (sides[-1] // m) ** 3) for m in sides}
+    passes = {e: max(1, copies[-1] // e) for e in copies}
+    chain = lambda m: lambda x: jax.lax.fori_loop(0, reps[m], lambda _, h: (h @ x) * (1.0 / m), x)
+    sweep = lambda e: lambda v: jax.lax.fori_loop(0, passes[e], lambda _, h: h * 0.5 + 1.0, v)
+    work = lambda x: jnp.tanh(x @ x) * 0.01  # between collectives: devices arrive at each as in a step
+
+    def worked(with_collectives: bool):  # r rounds of work, each ending in an all-reduce or not
+        def f(x):
+            for _ in range(r):
+                x = jax.lax.psum(work(x), "_all") * 0.125 if with_collectives else work(x)
+            return x
+        return f
 
     t = _timed({
-        **{f"matmul{m}": (local(lambda x: x @ x), put((m, m))) for m in sides},  # 2·m³ FLOPs per device
-        "copy": (local(lambda v: v * 1.5 + 1.0), put((e,))),  # 16 MiB read, 16 MiB written
+        **{f"matmul{m}": (local(chain(m)), put((m, m))) for m in sides},  # 2·m³·reps FLOPs per device
+        **{f"copy{e}": (local(sweep(e)), put((e,))) for e in copies},  # 8·e bytes a pass, per device
         "gather": (local(lambda v: jax.lax.all_gather(v, "_all", tiled=True)[None]), put((g,))),
         "launch": (local(lambda v: jax.lax.psum(v, "_all")), put((1,))),  # a program with one tiny collective
-        "chained": (local(chained), put((1,))),
+        "work": (local(worked(False)), put((128, 128))),
+        "worked": (local(worked(True)), put((128, 128))),
     }, seconds)
     run = lambda name: max(t[name] - t["launch"], 1e-9)  # less the cost of running any program
-    curve = tuple((float(m), 2.0 * m ** 3 / run(f"matmul{m}")) for m in sides)
+    curve = tuple((float(m), 2.0 * m ** 3 * reps[m] / run(f"matmul{m}")) for m in sides)
+    memory = tuple((8.0 * e, 8.0 * e * passes[e] / run(f"copy{e}")) for e in copies)
     flops = max(rate for _, rate in curve)
-    hbm = 2.0 * 4 * e / run("copy")
+    hbm = memory[-1][1]  # a 16 MiB buffer: past any cache
     link = 4.0 * g * (n - 1) / run("gather") if n > 1 else hbm
-    latency = max(t["chained"] - t["launch"], 0.0) / (r - 1) if n > 1 else 0.0
+    latency = max(t["worked"] - t["work"], 0.0) / r if n > 1 else 0.0
     kind = getattr(mesh.devices.flat[0], "device_kind", "device")
     return DeviceSpec(name=f"{kind} (calibrated)", peak_flops=flops, peak_flops_fp32=flops, hbm_bandwidth=hbm,
                       link_bandwidth=link, network_bandwidth=link, devices_per_node=max(n, 1),
                       host_bandwidth=hbm, collective_latency=latency,
-                      async_collectives=False, source="calibrated", matmul_curve=curve)
+                      async_collectives=False, source="calibrated", matmul_curve=curve, memory_curve=memory)
+
+
+_SHAPE_RATES: dict[tuple, dict[tuple[int, int, int], float]] = {}
+
+
+def measure_matmuls(spec: DeviceSpec, mesh, shapes, *, flops: float = 2e8, seconds: float = 1.0) -> DeviceSpec:
+    """``spec`` with :attr:`~DeviceSpec.matmul_rates` for ``shapes`` (``(M, N, K)``
+    triples) added, measured on ``mesh``'s devices (cached per mesh and shape) when ``spec``
+    was calibrated there; datasheet and user specs are returned as they are.
+
+    Each shape runs as a chain of matmuls of that shape (about ``flops`` FLOPs per device,
+    all devices at once, the programs in turns for about ``seconds``), as the curve's
+    square matmuls do: on a CPU a thin matmul (M = 128 tokens, K = 128, N = 512) runs at
+    two thirds of a square one of its FLOPs, and accumulation, which thins every matmul of
+    a step, is priced by what its own shapes run at.
+
+    Example:
+      >>> import zerojax as zj
+      >>> from zerojax.tuning import calibrate
+      >>> from zerojax.tuning.devices import measure_matmuls
+      >>> mesh = zj.make_mesh()
+      >>> spec = measure_matmuls(calibrate(mesh), mesh, [(64, 256, 128)])
+      >>> [mnk for mnk, _ in spec.matmul_rates]
+      [(64, 256, 128)]
+    """
+    if spec.source != "calibrated":
+        return spec
+    key = (tuple(d.id for d in mesh.devices.flat), tuple(mesh.devices.shape))
+    known = _SHAPE_RATES.setdefault(key, {})
+    todo = sorted({tuple(int(d) for d in s) for s in shapes} - set(known))
+    if todo:
+        flat = jax.sharding.Mesh(np.asarray(mesh.devices).reshape(-1), ("_all",))
+        n = flat.devices.size
+        split = NamedSharding(flat, P("_all"))
+        local = lambda f: jax.jit(jax.shard_map(f, mesh=flat, in_specs=(P("_all"), P("_all")), out_specs=P("_all")))
+        put = lambda shape: jax.device_put(jnp.full((n * shape[0],) + shape[1:], 1.0 / shape[-2], jnp.float32),
+                                           split)
+        programs, reps = {}, {}
+        for m, nn, k in todo:
+            reps[(m, nn, k)] = r = max(1, int(flops // (2 * m * nn * k)))
+
+            def chain(x, w, r=r):  # x: (m, k), w: two (k, n); the weight alternates (nothing to hoist)
+                def body(i, acc):
+                    y = x[0] @ jax.lax.dynamic_index_in_dim(w[0], i % 2, keepdims=False)
+                    return acc + jnp.tanh(y).mean()  # the product read once, as a step's next op reads it
+                return jax.lax.fori_loop(0, r, body, x[0, :1, 0] * 0.0)[None]  # a varying zero carry
+
+            programs[(m, nn, k)] = (lambda f: (lambda a: f(*a)))(local(chain)), (put((1, m, k)), put((1, 2, k, nn)))
+        launch = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "_all"), mesh=flat, in_specs=P("_all"),
+                                       out_specs=P("_all")))
+        t = _timed({**{str(s): p for s, p in programs.items()},
+                    "launch": (launch, jax.device_put(jnp.ones((n,), jnp.float32), split))}, seconds)
+        for s in todo:
+            m, nn, k = s
+            known[s] = 2.0 * m * nn * k * reps[s] / max(t[str(s)] - t["launch"], 1e-9)
+    rates = dict(spec.matmul_rates)
+    rates.update({s: known[s] for s in {tuple(int(d) for d in s) for s in shapes}})
+    return dataclasses.replace(spec, matmul_rates=tuple(sorted(rates.items())))

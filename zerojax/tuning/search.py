@@ -16,6 +16,7 @@ a model with no layer loop) share one compile.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import sys
@@ -32,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from zerojax.tuning.budget import check_margin, fmt_bytes, parse_memory, usable
 from zerojax.tuning.candidates import Candidate, SearchSpace, enumerate_candidates, more_levers, needs_more_memory
 from zerojax.tuning.cost import StepCost, step_cost
-from zerojax.tuning.devices import DeviceSpec, device_spec
+from zerojax.tuning.devices import DeviceSpec, device_spec, measure_matmuls
 from zerojax.tuning.inputs import (
     abstract_params,
     accumulation_counts,
@@ -131,6 +132,8 @@ def autotune(loss_fn: Callable, params: Any, tx: Any, batch: Any, *, mesh, memor
     for c in pruned:
         search.report(f"{c.describe()}: pruned, state {fmt_bytes(c.formula_bytes)} > {fmt_bytes(limit)}")
     search.run(alive, exhaustive)
+    spec = search.price(measure_matmuls(spec, mesh, {mnk for _, cost in search.by_program.values()
+                                                     for mnk, _ in cost.matmul_shapes}))
     plans = sorted((p for p in search.plans.values() if p.memory.device <= budget), key=lambda p: p.time)
     if not plans:
         raise ValueError(nothing_fits_compiled(search.plans, space, counts, rows, budget, margin))
@@ -172,7 +175,7 @@ class _Search:
                 for c in members:
                     self.evaluate(c)
                 continue
-            self.evaluate(members[0])  # fewest levers: when it fits, it dominates the whole family
+            self.evaluate(members[0])  # fewest levers: when it fits, it dominates its remat policy's members
             while True:
                 for c in members:
                     if not self.known(c):
@@ -221,6 +224,14 @@ class _Search:
         verdict = "fits" if self.fits[c] else f"over by {fmt_bytes(memory.device - self.budget)}"
         self.report(f"{c.describe()}: {how}; {fmt_bytes(memory.device)} per device, {verdict}; "
                     f"{plan.time * 1e3:.3g} ms per step predicted")
+
+    def price(self, spec: DeviceSpec) -> DeviceSpec:
+        """Every plan's time again with ``spec`` (a measured device's rates for the matmul
+        shapes the compiled programs run, known only once they are compiled)."""
+        if spec is not self.spec:
+            self.spec = spec
+            self.plans = {c: dataclasses.replace(p, time=p.cost.seconds(spec)) for c, p in self.plans.items()}
+        return spec
 
     def lower(self, c: Candidate):
         from zerojax.step import make_train_step
