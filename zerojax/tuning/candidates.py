@@ -9,19 +9,22 @@ Before anything is compiled a candidate whose persistent state alone
 (:func:`zerojax.zero_formula_bytes`, on the device) exceeds the usable budget is pruned:
 its compiled program holds that state as arguments, so it cannot fit.
 
-Three levers only ever trade time for memory: accumulation (more micro-batches: the same
-FLOPs, weights read again and, at stages 2–3, collectives run again per micro-batch), remat
-(more recompute: ``none`` < ``dots`` < ``dots_no_batch`` < ``full``) and offload (state
-crossing the host link: ``none`` < ``optimizer`` < ``params``). Candidates that agree on
-everything else form a family, ordered by :func:`more_levers`. Within a family the search
-(:mod:`zerojax.tuning.search`) uses two rules:
+Three levers trade memory: accumulation (more micro-batches: the same FLOPs, weights read
+again and, at stages 2–3, collectives run again per micro-batch), remat (more recompute:
+``none`` < ``dots`` < ``dots_no_batch`` < ``full``) and offload (state crossing the host
+link: ``none`` < ``optimizer`` < ``params``). Candidates that agree on everything else form
+a family. Within a family the search (:mod:`zerojax.tuning.search`) uses two rules:
 
-* a candidate that pulls every lever at least as far as one that fits is never predicted
-  faster than it: it is not compiled (*dominated*);
+* a candidate that pulls accumulation and offload at least as far as one that fits, with the
+  same remat policy, is never predicted faster than it: it is not compiled (*dominated*,
+  :func:`more_levers`). Remat is not a time lever: recomputing adds FLOPs but saves the
+  writing and reading of the saved activations, and where a step is bound by memory traffic
+  (a CPU, small layers) ``dots`` and ``full`` run faster than ``none``
+  (docs/autotune.md measures it), so each policy is compiled on its own;
 * a candidate that pulls no lever further than one that does not fit needs at least its
-  memory: it is not compiled either (*ruled out*). Accumulation is monotone in memory only
-  from 2 micro-batches on (the gradient accumulator exists from k = 2), so k = 1 is
-  compared only with k = 1.
+  memory: it is not compiled either (*ruled out*, :func:`needs_more_memory`). Accumulation
+  is monotone in memory only from 2 micro-batches on (the gradient accumulator exists from
+  k = 2), so k = 1 is compared only with k = 1.
 """
 
 from __future__ import annotations
@@ -164,9 +167,11 @@ def remat_name(remat: Remat) -> str:
 
 
 def more_levers(c: Candidate, d: Candidate) -> bool:
-    """Whether ``c`` pulls every lever at least as far as ``d`` (same family): never
-    predicted faster than ``d``, and never needing more memory."""
-    return c.family == d.family and all(a >= b for a, b in zip(c.levers, d.levers))
+    """Whether ``c`` pulls accumulation and offload at least as far as ``d``, with the same
+    remat policy (same family): never predicted faster than ``d``, and never needing more
+    memory. Remat policies are not ordered in time (see the module docstring)."""
+    (kc, rc, oc), (kd, rd, od) = c.levers, d.levers
+    return c.family == d.family and rc == rd and kc >= kd and oc >= od
 
 
 def needs_more_memory(c: Candidate, d: Candidate) -> bool:
