@@ -1,7 +1,9 @@
 """zj.autotune, checked: the plans it picks without running a step, then every plan run.
 
-Part 1 (8 simulated CPU devices): the experiments' GPT (layers in a ``scan``) and an MLP stack
-(unrolled), each with a memory budget that stages 0 and 1 cannot meet. The tuner searches
+Part 1 (8 simulated CPU devices): the experiments' GPT (layers in a ``scan``) at two sizes
+(``gpt6``: d_model 128, 6 layers, 37.8 MiB, where remat changes the time; ``gpt``: d_model
+256, 4 layers, 28 MiB) and an MLP stack (unrolled), each with a memory budget that stages 0
+and 1 cannot meet (``gpt6``'s admits stage 0 with remat). The tuner searches
 (its time, and the candidates compiled, pruned by the formula, decided without compiling and
 sharing a program are printed). Then, as validation only: each returned plan is compiled
 directly (``zj.step_memory``: against the budget and the tuner's figure) and run, one warm-up
@@ -11,13 +13,17 @@ correlation of predicted and measured (median) step times and how far the chosen
 the fastest measured. For the MLP the search is also run exhaustively (every candidate the
 formula leaves compiled): its plans are the ones measured, and the fast search's decisions
 (same best plan, nothing ruled out that fits, nothing dominated predicted faster) are checked
-against it. The GPT's search space leaves out remat "dots" to keep the run short.
+against it. ``--top N`` measures only the N plans predicted fastest (one per program), and
+``--passes P`` runs P blocks of ``--rounds`` interleaved rounds one after the other, each
+block's medians reported apart, so that a verdict that holds in every block is not one busy
+minute's. ``--remat-family`` also measures every remat policy at the fastest setting where
+all of them fit, side by side with what the cost model counts for each.
 
 Part 2 (``--paper``, its own process: 64 simulated devices): the plan picked for the ZeRO
 paper's 7.5B-parameter model on 64 H100s with 80 GB each, compiled ahead of time for 64
 devices on the CPU backend and priced with the H100's datasheet rates.
 
-    python experiments/autotune.py [--models gpt,mlp] [--rounds 11] [--png docs/img/autotune.png] [--json out.json]
+    python experiments/autotune.py [--models gpt6,gpt,mlp] [--rounds 11] [--top 5 --passes 3 --remat-family] [--png docs/img/autotune.png] [--json out.json]
     python experiments/autotune.py --paper
 
 Part 1 takes 12 to 16 minutes and part 2 about 6 on a busy 2-core machine, most of it compiling.
@@ -37,8 +43,12 @@ MIB = 2**20
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="gpt,mlp", help="gpt and/or mlp")
-    ap.add_argument("--rounds", type=int, default=11, help="timed steps per plan (after one warm-up step)")
+    ap.add_argument("--models", default="gpt6,gpt,mlp", help="gpt6, gpt and/or mlp")
+    ap.add_argument("--rounds", type=int, default=11, help="timed steps per plan and pass (after one warm-up step)")
+    ap.add_argument("--top", type=int, default=0, help="measure the N plans predicted fastest (0: every plan)")
+    ap.add_argument("--passes", type=int, default=1, help="blocks of --rounds interleaved rounds, reported apart")
+    ap.add_argument("--remat-family", action="store_true",
+                    help="also measure every remat policy at the fastest setting where all of them fit")
     ap.add_argument("--png", default=None, help="predicted vs measured step time (needs matplotlib)")
     ap.add_argument("--json", default=None, help="write every plan's figures here")
     ap.add_argument("--paper", action="store_true", help="part 2: the 7.5B model on 64 abstract H100s, 80 GB")
@@ -72,21 +82,31 @@ def main(argv=None) -> dict:
 # --- the models -------------------------------------------------------------------------
 
 
-def gpt_setup():
+def _gpt(cfg, memory: str, space: dict) -> dict:
     import jax
     import numpy as np
     import optax
 
     from experiments import gpt
 
-    cfg = gpt.GPTConfig(vocab=256, seq_len=32, d_model=256, n_layers=4, n_heads=4)
     graphdef, params = gpt.init(cfg)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab, (32, cfg.seq_len + 1), dtype=np.int32)
-    desc = (f"GPT d_model {cfg.d_model}, {cfg.n_layers} layers (scan), seq {cfg.seq_len}, Ψ = {cfg.num_params():,}; "
-            f"global batch 32; AdamW, fp32")
+    desc = (f"GPT d_model {cfg.d_model}, {cfg.n_layers} layers (scan), {cfg.n_heads} heads, seq {cfg.seq_len}, "
+            f"Ψ = {cfg.num_params():,}; global batch 32; AdamW, fp32")
     return dict(loss_fn=gpt.make_loss(graphdef), params=params, tx=optax.adamw(1e-3),
-                batch={"tokens": jax.numpy.asarray(tokens)}, memory="28MiB", space={"remat": ("none", "full")},
-                desc=desc)
+                batch={"tokens": jax.numpy.asarray(tokens)}, memory=memory, space=space, desc=desc)
+
+
+def gpt6_setup():
+    from experiments import gpt
+
+    return _gpt(gpt.GPTConfig(vocab=256, seq_len=64, d_model=128, n_layers=6, n_heads=2), "37.8MiB", {})
+
+
+def gpt_setup():
+    from experiments import gpt
+
+    return _gpt(gpt.GPTConfig(vocab=256, seq_len=32, d_model=256, n_layers=4, n_heads=4), "28MiB", {})
 
 
 def mlp_loss(params, batch):
@@ -116,7 +136,7 @@ def mlp_setup():
                 space={"accum": (1, 2)}, exhaustive=True, desc=desc)
 
 
-SETUPS = {"gpt": gpt_setup, "mlp": mlp_setup}
+SETUPS = {"gpt6": gpt6_setup, "gpt": gpt_setup, "mlp": mlp_setup}
 
 
 # --- part 1 -----------------------------------------------------------------------------
@@ -149,6 +169,10 @@ def run_model(name: str, args) -> dict:
 
     # Validation: compile each distinct program directly, then run them all in turns.
     plans = list({p.program: p for p in reversed(checked.plans)}.values())[::-1]  # one plan per program
+    if args.top:
+        plans = plans[:args.top]
+    family = remat_family(checked.plans) if args.remat_family else []
+    plans += [p for p in family if p.program not in {q.program for q in plans}]
     rows = []
     for plan in plans:
         direct = zj.step_memory(s["loss_fn"], shapes, s["tx"], batch_shapes, mesh=mesh, config=plan.config)
@@ -159,18 +183,49 @@ def run_model(name: str, args) -> dict:
                      "comm_bytes": plan.cost.comm_bytes, "collectives": plan.cost.collectives,
                      "same_program": [p.describe() for p in checked.plans if p.program == plan.program][1:]})
     load = os.getloadavg()[0]
-    measured = measure([p.config for p in plans], s, mesh, args.rounds)
+    measured = measure([p.config for p in plans], s, mesh, args.rounds * args.passes)
     for row, times in zip(rows, measured):
         row["measured_s"] = sorted(times)[len(times) // 2]
         row["fastest_s"] = min(times)
         row["times"] = times
     chosen = next(i for i, p in enumerate(plans) if p.program == result.best.program)
-    report(name, result, rows, chosen, (load, os.getloadavg()[0]), args.rounds)
+    report(name, result, rows, chosen, (load, os.getloadavg()[0]), args.rounds * args.passes)
+    if args.passes > 1:
+        report_passes(rows, chosen, args.rounds, args.passes)
+    if family:
+        report_remat(rows, [p.describe() for p in family])
     return {"desc": s["desc"], "budget": result.budget, "search_seconds": result.search_seconds,
             "compiled": result.compiled, "pruned": len(result.pruned), "skipped": len(result.skipped),
             "shared": result.shared, "candidates": result.candidates, "rows": rows, "chosen": chosen,
             "device": {k: getattr(spec, k) for k in ("peak_flops", "hbm_bandwidth", "link_bandwidth",
                                                      "collective_latency")}}
+
+
+def remat_family(plans) -> list:
+    """The plans predicted fastest that differ in their remat policy only: the first
+    (stage, accumulation, offload, prefetch, gather) setting, in predicted order, at which
+    every remat policy of the search fits, one plan per policy."""
+    policies = {p.config.remat for p in plans}
+    groups: dict = {}
+    for p in plans:  # fastest predicted first
+        c = p.config
+        key = (c.stage, c.grad_accum_steps, c.offload_optimizer, c.offload_params, c.prefetch, c.gather_dtype)
+        groups.setdefault(key, {}).setdefault(c.remat, p)
+    full = [g for g in groups.values() if set(g) == policies and len(policies) > 1]
+    return sorted(full[0].values(), key=lambda p: p.time) if full else []
+
+
+def report_remat(rows: list[dict], family: list[str]) -> None:
+    """The remat policies side by side at one setting: what the model counts (FLOPs, bytes
+    accessed) and predicts, and what each ran at."""
+    print("\nremat side by side (the same stage, accumulation and offload; each plan measured with the others):\n")
+    print("| plan | FLOPs per device | bytes accessed | predicted | compute, memory | measured, median |")
+    print("|---|---|---|---|---|---|")
+    for r in (r for r in rows if r["plan"] in family):
+        parts = r["parts"]
+        print(f"| {r['plan']} | {r['flops'] / 1e9:.2f} G | {r['bytes_accessed'] / 2**20:.0f} MiB | "
+              f"{r['predicted_s'] * 1e3:.0f} ms | {parts['compute'] * 1e3:.0f} ms, {parts['memory'] * 1e3:.0f} ms | "
+              f"{r['measured_s'] * 1e3:.0f} ms |", flush=True)
 
 
 def check_rules(fast, full) -> None:
@@ -259,13 +314,29 @@ def report(name: str, result, rows: list[dict], chosen: int, load: tuple[float, 
           f"{'yes' if all(r['tuner_compiled_bytes'] == r['direct_bytes'] for r in rows) else 'NO'})")
     print(f"chosen plan ({rows[chosen]['plan']}): {meas[chosen] * 1e3:.0f} ms measured, {off:+.1%} from the "
           f"fastest measured ({min(meas) * 1e3:.0f} ms, {rows[meas.index(min(meas))]['plan']}): "
-          f"{'within' if off <= 0.15 else 'NOT within'} 15%")
+          f"{'within' if off <= 0.10 else 'NOT within'} 1.10x")
     print(f"Spearman rank correlation, predicted vs measured step time over {len(rows)} plans: {rho:.2f} "
           f"({'>=' if rho >= 0.8 else 'below'} 0.8; against each plan's fastest step: {rho_fast:.2f}); host load "
           f"average {load[0]:.1f} -> {load[1]:.1f} on {os.cpu_count()} cores while measuring")
     print(f"search: {result.search_seconds:.0f} s; {result.candidates} candidates: {result.compiled} compiled, "
           f"{len(result.pruned)} pruned by the formula, {len(result.skipped)} decided without compiling, "
           f"{result.shared} shared a compiled program", flush=True)
+
+
+def report_passes(rows: list[dict], chosen: int, rounds: int, passes: int) -> None:
+    """Each block of ``rounds`` rounds on its own: the medians, and the chosen plan against
+    the fastest of the measured plans in that block."""
+    print(f"\nper pass ({passes} blocks of {rounds} interleaved rounds, one after the other), median ms:\n")
+    print("| plan | " + " | ".join(f"pass {i + 1}" for i in range(passes)) + " |")
+    print("|---|" + "---|" * passes)
+    med = [[float(sorted(r["times"][i * rounds:(i + 1) * rounds])[rounds // 2]) for i in range(passes)] for r in rows]
+    for r, m in zip(rows, med):
+        print(f"| {r['plan']} | " + " | ".join(f"{x * 1e3:.0f}" for x in m) + " |")
+    ratios = [med[chosen][i] / min(m[i] for m in med) for i in range(passes)]
+    print("chosen / fastest measured, per pass: " + ", ".join(f"{x:.3f}" for x in ratios) +
+          f"; worst {max(ratios):.3f} ({'within' if max(ratios) <= 1.10 else 'NOT within'} 1.10x)", flush=True)
+    for r, m in zip(rows, med):
+        r["pass_medians_s"] = m
 
 
 def plot(models: dict, path: str) -> None:
