@@ -37,6 +37,10 @@ class GPTConfig:
     # column-parallel (output features over "tensor"), the attention projection and the MLP's
     # second layer row-parallel (input features over "tensor"); zj.make_mesh(tensor=T) uses them.
     tensor_parallel: bool = False
+    # Megatron's sequence parallelism: the residual stream (and so LayerNorms, dropout and the
+    # residual adds) split along the sequence over "tensor" (zj.nn.sequence_parallel); the
+    # identity on a mesh without a tensor axis.
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         zj.remat.resolve(self.remat)  # unknown names raise here, with the valid ones
@@ -96,12 +100,15 @@ class Block(nnx.Module):
         self.fc = linear(d, cfg.mlp_ratio * d, **col)
         self.out = linear(cfg.mlp_ratio * d, d, **row)
         self.drop = nnx.Dropout(cfg.dropout)
+        keep = lambda x, **_: x
+        self.split = zj.nn.sequence_parallel if cfg.sequence_parallel else keep
+        self.cols = zj.nn.tensor_parallel if cfg.sequence_parallel else keep  # gather the sequence, not the weight
 
     def attention(self, x: jax.Array) -> jax.Array:
         b, t, d = x.shape
         h = self.n_heads
         if self.tensor_parallel:
-            q, k, v = (f(x).reshape(b, t, h, d // h) for f in (self.q, self.k, self.v))
+            q, k, v = (self.cols(f(x).reshape(b, t, h, d // h), dim=2) for f in (self.q, self.k, self.v))
         else:
             q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3 * h, d // h), 3, axis=2)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // h)
@@ -114,8 +121,9 @@ class Block(nnx.Module):
         """``key``: this layer's dropout key (None: no dropout)."""
         keys = (None, None) if key is None else jax.random.split(key)
         drop = lambda y, k: y if k is None else self.drop(y, rngs=k)
-        x = x + drop(checkpoint_name(self.attention(self.ln1(x)), "attn_out"), keys[0])
-        return x + drop(checkpoint_name(self.out(jax.nn.gelu(self.fc(self.ln2(x)))), "mlp_out"), keys[1])
+        x = self.split(x + drop(checkpoint_name(self.attention(self.ln1(x)), "attn_out"), keys[0]))
+        hidden = self.cols(jax.nn.gelu(self.fc(self.ln2(x))))
+        return self.split(x + drop(checkpoint_name(self.out(hidden), "mlp_out"), keys[1]))
 
 
 class GPT(nnx.Module):
@@ -140,6 +148,8 @@ class GPT(nnx.Module):
     def __call__(self, tokens: jax.Array, key: jax.Array | None = None) -> jax.Array:
         """``key``: dropout key (None, or ``cfg.dropout == 0``: no dropout)."""
         x = self.wte(tokens) + self.wpe[: tokens.shape[1]]
+        if self.cfg.sequence_parallel:
+            x = zj.nn.sequence_parallel(x)
         if key is None or not self.cfg.dropout:
             @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: None})
             def run(x, block):

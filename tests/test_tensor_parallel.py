@@ -382,3 +382,54 @@ def test_estimate_cli_tensor(capsys):
     assert float(rows["0"][-2]) == pytest.approx(want(0), abs=0.05) == pytest.approx(90 / 4, abs=0.05)
     with pytest.raises(SystemExit):
         main(["estimate", "--params", "7.5B", "--devices", "64", "--tensor", "3"])
+
+
+# --- Sequence parallelism (zj.nn.sequence_parallel on the residual stream) --------------------
+
+
+@pytest.mark.parametrize("stage,tensor,config", [(3, 2, {}),
+                                                 pytest.param(0, 4, {}, marks=pytest.mark.slow),
+                                                 pytest.param(2, 2, {"remat": "full", "grad_accum_steps": 2},
+                                                              marks=pytest.mark.slow),
+                                                 pytest.param(3, 4, {"remat": "dots", "prefetch": 1},
+                                                              marks=pytest.mark.slow)])
+def test_sequence_parallel_gpt_matches_single_device(stage, tensor, config):
+    """The GPT with its residual stream split along the sequence over "tensor" (and its
+    column-parallel outputs by features) trains as on one device: 3 SGD steps, fp32."""
+    cfg = _gpt(sequence_parallel=True)
+    graphdef, params = gpt.init(cfg)
+    loss_fn, tx, data = gpt.make_loss(graphdef), optax.sgd(0.1), _gpt_data(3)
+    ref, ref_losses = reference_run(loss_fn, jax.tree.map(jnp.asarray, params), tx, data)
+    state, _, losses = tp_run(loss_fn, params, tx, data, tensor=tensor, stage=stage, **config)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert abs_errors(zj.gather_params(state), ref).max() <= 1e-5
+
+
+def test_sequence_parallel_lowers_temp_memory_at_the_same_global_batch():
+    """At T = 4 a data group of 2 devices holds 8 of the 16 rows: without sequence
+    parallelism each tensor shard keeps their whole residual stream, with it a quarter."""
+    temps = {}
+    for sp in (False, True):
+        cfg = _gpt(sequence_parallel=sp)
+        graphdef, params = gpt.init(cfg)
+        mesh, zc = zj.make_mesh(tensor=4), zj.ZeroConfig(stage=3)
+        state = zj.abstract_state(params, optax.sgd(0.1), mesh=mesh, config=zc)
+        step = zj.make_train_step(gpt.make_loss(graphdef), optax.sgd(0.1), mesh=mesh, config=zc)
+        compiled = step.lower(state, {"tokens": jax.ShapeDtypeStruct((16, 17), jnp.int32)}).compile()
+        temps[sp] = zj.compiled_bytes(compiled)["temp"]
+    assert temps[True] < 0.85 * temps[False], temps  # measured: 469 KB against 648 KB
+
+
+def test_sequence_parallel_refuses_a_length_the_tensor_axis_does_not_divide():
+    cfg = gpt.GPTConfig(vocab=64, seq_len=18, d_model=32, n_layers=1, n_heads=4, tensor_parallel=True,
+                        sequence_parallel=True)
+    graphdef, params = gpt.init(cfg)
+    mesh, zc = zj.make_mesh(tensor=4), zj.ZeroConfig(stage=3)
+    state = zj.abstract_state(params, optax.sgd(0.1), mesh=mesh, config=zc)
+    step = zj.make_train_step(gpt.make_loss(graphdef), optax.sgd(0.1), mesh=mesh, config=zc)
+    with pytest.raises(ValueError, match=r"sequence_parallel: dimension 1 of x \(shape \(8, 18, 32\)\) has length "
+                                         r"18, which the tensor axis 'tensor' of 4 devices does not divide; use a "
+                                         r"sequence length of 16 or 20"):
+        step.lower(state, {"tokens": jax.ShapeDtypeStruct((16, 19), jnp.int32)})
+    with pytest.raises(ValueError, match=r"no dimension 3"):
+        zj.nn.sequence_parallel(jnp.ones((2, 4)), dim=3)

@@ -1,7 +1,9 @@
 """Layers for long sequences: attention over a sequence split across a context axis
-(:mod:`zerojax.nn.attention`) and the layouts of that split (:mod:`zerojax.nn.context`)."""
+(:mod:`zerojax.nn.attention`), the layouts of that split (:mod:`zerojax.nn.context`) and
+sequence parallelism on the tensor axis (:mod:`zerojax.nn.sequence`)."""
 
 from zerojax.nn import context
 from zerojax.nn.attention import METHODS, context_size, dot_product_attention
+from zerojax.nn.sequence import sequence_parallel, tensor_parallel
 
-__all__ = ["METHODS", "context", "context_size", "dot_product_attention"]
+__all__ = ["METHODS", "context", "context_size", "dot_product_attention", "sequence_parallel", "tensor_parallel"]
