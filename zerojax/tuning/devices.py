@@ -103,10 +103,9 @@ class DeviceSpec:
         if isinstance(self.devices_per_node, bool) or not isinstance(self.devices_per_node, int) \
                 or self.devices_per_node < 1:
             raise ValueError(f"DeviceSpec.devices_per_node must be a positive int, got {self.devices_per_node!r}.")
-        for name in ("collective_latency",):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"DeviceSpec.{name} must be seconds >= 0, got {value!r}.")
+        value = self.collective_latency
+        if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise ValueError(f"DeviceSpec.collective_latency must be seconds >= 0, got {value!r}.")
         if not isinstance(self.async_collectives, bool):
             raise TypeError(f"DeviceSpec.async_collectives must be a bool, got {self.async_collectives!r}.")
         if self.source not in ("datasheet", "calibrated", "user"):
