@@ -93,6 +93,34 @@ def test_kernel_gradients_give_jax_gradients(method, block):
         np.testing.assert_allclose(g, w, atol=1e-5)
 
 
+@pytest.mark.parametrize("c,layout", [(2, "contiguous"), (4, "balanced")])
+def test_causal_ring_leaves_out_the_masked_chunks_exactly(c, layout):
+    """Causal ring attention computes only what the mask keeps (a switch per ring step:
+    nothing, a whole chunk, or half of one); with a bias, and with a sequence of no keys
+    (whose rows JAX answers with the mean of every value, so every chunk is computed
+    there), values and gradients are JAX's."""
+    q, k, v = _qkv(16, 4, 2)
+    bias = jax.random.normal(jax.random.key(2), (B, 4, 16, 16))
+    for lens in (jnp.array([16, 7]), jnp.array([16, 0])):
+        kw = dict(is_causal=True, key_value_seq_lengths=lens)
+        want = jax.nn.dot_product_attention(q, k, v, bias, **kw)
+        np.testing.assert_allclose(_ours(c, "ring", layout, q, k, v, bias, **kw), want, atol=2e-6)
+    # (Gradients without the bias: at the tests' --xla_backend_optimization_level=0 the CPU
+    # backend returns NaN key gradients for a rematerialised block with a bias, with the
+    # ring's switch or without it; at XLA's default level they are JAX's.)
+    want = jax.grad(lambda q, k, v: (jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                                  key_value_seq_lengths=lens) ** 2).sum(),
+                    argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(_ours(c, "ring", layout, q, k, v, grad=True, is_causal=True, key_value_seq_lengths=lens), want):
+        np.testing.assert_allclose(g, w, atol=1e-5)
+    mesh, sh = _mesh(c), NamedSharding(_mesh(c), P(None, "context"))
+    with jax.set_mesh(mesh):
+        text = jax.jit(lambda q, k, v: zj.nn.dot_product_attention(q, k, v, is_causal=True, method="ring",
+                                                                   layout=layout)).lower(
+            *(jax.device_put(x, sh) for x in (q, k, v))).as_text()
+    assert "stablehlo.case" in text  # the ring steps branch on which chunk arrived
+
+
 def test_query_lengths_and_local_windows_as_jax():
     q, k, v = _qkv(16, 4, 2)
     kw = dict(is_causal=True, query_seq_lengths=jnp.array([16, 11]), local_window_size=(3, 0))
@@ -300,6 +328,7 @@ class _TinyLM(nnx.Module):
         return self.head(x + self.attn(x, is_causal=True))
 
 
+@pytest.mark.slow  # reason: 16 s; linen's attention layer with the kernel stays in the default set
 def test_nnx_multi_head_attention_with_the_kernel_on_a_context_mesh():
     """zj.nnx.Optimizer on a context mesh, NNX's MultiHeadAttention calling
     zj.nn.dot_product_attention (Ulysses), against plain nnx.Optimizer with NNX's attention."""
@@ -347,6 +376,7 @@ def test_each_process_loads_only_its_rows_and_sequence_chunks(tmp_path):
         np.testing.assert_allclose(got[f"arr_{i}"], np.asarray(want), atol=1e-5)
 
 
+@pytest.mark.slow  # reason: 12 s, an eval and a train step compiled on a context mesh beside a reference
 def test_the_eval_step_splits_the_sequence_too():
     """make_eval_step on a context mesh: the loss and per-token logits of the trained state,
     as the model computes them on one device."""

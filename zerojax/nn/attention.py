@@ -27,6 +27,7 @@ data axes, the context axis automatic) and under ``jax.set_mesh(mesh)`` in a pla
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -327,10 +328,20 @@ def _ring(spec: _Spec, q, k, v, mask, bias, lengths):
             return _attend(spec, q, k, v, qpos, kpos_all[src], qlen, kvlen, _columns(mask, src * sc, sc),
                            _columns(bias, src * sc, sc))
 
+        def full(out, k, v, src):
+            return _merge(out, attend(k, v, src))
+
+        update = full
+        if _skips(spec, mask):
+            # A sequence of no keys makes every logit of its rows masked, and JAX then
+            # averages every value: only there is each block computed.
+            some_keys = jnp.all(kvlen > 0)
+            update = functools.partial(_causal_update, spec, q, qpos, kpos_all, qlen, kvlen, bias, i, some_keys, full)
+
         def step(carry, s):  # a scan, not a Python loop: backward then runs the steps in turn
             out, k, v = carry
             k, v = jax.lax.ppermute(k, axis, perm), jax.lax.ppermute(v, axis, perm)
-            return (_merge(out, attend(k, v, (i - s) % c)), k, v), None
+            return (update(out, k, v, (i - s) % c), k, v), None
 
         (out, _, _), _ = jax.lax.scan(step, (attend(k, v, i), k, v), jnp.arange(1, c))
         return _finish(spec, *out, qpos, qlen, q.dtype)
@@ -338,3 +349,53 @@ def _ring(spec: _Spec, q, k, v, mask, bias, lengths):
     seq = P(None, axis)
     run = _shard_map(spec, body, (seq, seq, seq, rows_spec(mask), rows_spec(bias), P(), P()), seq)
     return run(q, k, v, mask, bias, *lengths)
+
+
+def _skips(spec: _Spec, mask) -> bool:
+    """Whether the ring leaves out the key chunks causal attention masks whole: causal, and
+    no ``mask`` (whose rows could be wholly masked, which JAX answers with the mean of every
+    value; lengths and ``bias`` are fine)."""
+    return spec.causal and mask is None
+
+
+def _causal_update(spec: _Spec, q, qpos, kpos_all, qlen, kvlen, bias, i, some_keys, full, out, k, v, src):
+    """A ring step of causal attention from device ``i`` over the keys of device ``src``
+    (``src != i``), computing only the part the causal mask keeps.
+
+    Contiguous layout: every key of ``src`` precedes every query of ``i`` when ``src < i``
+    (the whole chunk), and follows it when ``src > i`` (nothing to do): device ``C - 1`` works
+    on every step, device 0 on none. Balanced layout (device ``i`` holds chunks ``i`` and
+    ``2C - 1 - i``): when ``src < i`` every query sees the early half of ``src``'s keys and none
+    of its late half; when ``src > i`` the late half of the queries sees all of them and the
+    early half none. Either way half a chunk's logits, on every device and every step.
+
+    Each branch returns the chunk's unnormalised partial attention (a skipped part as one that
+    weighs nothing), merged into ``out`` after the switch.
+    """
+    sc, t = k.shape[1], q.shape[1]
+    acc0, m0, l0 = out
+    nothing = lambda rows: (jnp.zeros((acc0.shape[0], rows) + acc0.shape[2:], acc0.dtype),
+                            jnp.full(m0.shape[:-1] + (rows,), _large_negative(m0.dtype), m0.dtype),
+                            jnp.zeros(l0.shape[:-1] + (rows,), l0.dtype))
+    whole = lambda k, v, src: _attend(spec, q, k, v, qpos, kpos_all[src], qlen, kvlen, None, _columns(bias, src * sc, sc))
+    if spec.layout == "contiguous":
+        branches = [whole, lambda k, v, src: nothing(t)]
+        branch = jnp.where(some_keys & (src > i), 1, 0)
+    else:
+        th, sh = t // 2, sc // 2
+
+        def early(k, v, src):
+            return _attend(spec, q, k[:, :sh], v[:, :sh], qpos, kpos_all[src][:sh], qlen, kvlen, None,
+                           _columns(bias, src * sc, sh))
+
+        def late(k, v, src):
+            rows = bias if bias is None or bias.shape[2] == 1 else bias[:, :, th:]
+            part = _attend(spec, q[:, th:], k, v, qpos[th:], kpos_all[src], qlen, kvlen, None,
+                           _columns(rows, src * sc, sc))
+            pad = nothing(th)
+            return (jnp.concatenate([pad[0], part[0]], axis=1),
+                    *(jnp.concatenate([a, b], axis=-1) for a, b in zip(pad[1:], part[1:])))
+
+        branches = [whole, early, late]
+        branch = jnp.where(some_keys, jnp.where(src < i, 1, 2), 0)
+    return _merge(out, jax.lax.switch(branch, branches, k, v, src))
