@@ -87,6 +87,7 @@ def test_comm_volumes_match_the_paper():
             assert want in asked and "reduce-scatter f32" in asked, asked
 
 
+@pytest.mark.slow  # reason: 16 s, a script in its own process; the step it drives is tested in the default set
 def test_train_script_logs_json_lines_and_the_loss_falls(tmp_path):
     log, png = tmp_path / "run.jsonl", tmp_path / "run.png"
     out = run_script("train.py", "--stage", "3", "--precision", "bf16", "--steps", "40", "--batch", "16",

@@ -57,6 +57,7 @@ def test_the_transformers_checkpoint_loads_into_stage_3_and_gives_its_logits():
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), direct, params)
 
 
+@pytest.mark.slow  # reason: 12 s, a LoRA fine-tune, its checkpoint and two exports
 def test_lora_finetune_at_stage_3_exports_merged_and_as_adapters(tmp_path):
     """10 LoRA steps on 8 devices (base from the checkpoint, adapters from the init function),
     exported: merged into a plain Llama checkpoint (the default), and as base + adapters."""

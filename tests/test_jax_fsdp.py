@@ -1,9 +1,12 @@
 """experiments/jax_fsdp.py: JAX's own FSDP recipe trains the experiments' GPT exactly as
 single-device optax does (on every supported JAX: 0.10 has reduced shardings too)."""
 
+import pytest
+
 from experiments import gpt, jax_fsdp
 
 
+@pytest.mark.slow  # reason: 19 s, JAX's own recipe (the comparison's, not zerojax's code) trained and checked against optax
 def test_jax_fsdp_recipe_matches_single_device_optax():
     """Both variants (reshard per layer, pipelined custom_vjp), 5 AdamW steps of a 2-layer
     GPT on 8 devices, within 1e-5 of single-device optax at every step."""

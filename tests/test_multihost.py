@@ -96,6 +96,7 @@ def test_two_processes_hybrid_groups_match_one(match_job):
     assert max(np.abs(a - b).max() for a, b in zip(got, single_process_reference(3))) <= 1e-5
 
 
+@pytest.mark.slow  # reason: 15 s of processes started and stopped; no JAX program differs by version
 def test_launcher_stops_the_job_when_a_process_dies(tmp_path):
     out, elapsed = launch(["--nprocs", "2", "--devices-per-proc", "4"],
                           ["--out", str(tmp_path), "--stages", "3", "--steps", "200", "--die-after", "1"])
@@ -168,6 +169,7 @@ def test_step_timeout_must_be_positive():
                            config=zj.ZeroConfig(), timeout_s=0)
 
 
+@pytest.mark.slow  # reason: 11 s, two processes; the same path is checked against one process in the default set
 def test_readme_multihost_example_runs_on_a_fresh_machine(tmp_path):
     """The README's local multi-host command, as written, into an output directory that
     does not exist yet: it trains like single-device optax, writes its files, and prints

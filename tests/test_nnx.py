@@ -190,6 +190,7 @@ def test_bad_input():
         zj.nnx.make_train_step(loss_fn)(model, batches(1)[0])
 
 
+@pytest.mark.slow  # reason: 12 s, two doc scripts in their own processes; the NNX API is tested in the default set
 def test_nnx_doc_scripts_run_and_differ_by_five_lines(capsys):
     """docs/nnx.md: the single-device NNX script and the zerojax one both train; the
     zerojax one writes at most 5 lines and deletes only the hand-written step."""

@@ -128,6 +128,7 @@ def table():
                              "--policies", "none,dots,full,offload_dots"])
 
 
+@pytest.mark.slow  # reason: 22 s, four policies of a 3-layer d128 step compiled for the table; every policy's gradients are checked in the default set
 def test_memory_ordering_and_full_recompute_tradeoff(table):
     none, dots, full = table["none"], table["dots"], table["full"]
     assert none["temp"] > dots["temp"] > full["temp"]
