@@ -224,7 +224,7 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, mask: jax.Array | None = None):
         if positions is None:
-            positions = jnp.arange(tokens.shape[1])[None]
+            positions = zj.nn.global_positions(tokens.shape[1])[None]  # jnp.arange, but in the step's layout
         cos, sin = rope(positions, self.cfg.hd, self.cfg.rope_theta)
 
         @nnx.scan(in_axes=(nnx.Carry, 0, None, None, None), out_axes=nnx.Carry,

@@ -10,6 +10,10 @@ over the context axis in its HLO (per execution, scanned layers counted per laye
 
     python experiments/long_context.py                       # the tables in docs/long_context.md
     python experiments/long_context.py --seq-len 2048 --budget-mib 64
+
+A last table times causal ring attention alone (forward and backward, jitted, on the
+simulated devices) with every chunk computed, and with the chunks the causal mask hides
+left out in the contiguous and the balanced layout, beside each layout's logits per device.
 """
 
 from __future__ import annotations
@@ -17,13 +21,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
@@ -57,6 +65,48 @@ def context_traffic(comp, mesh) -> dict[str, tuple[int, float]]:
     return {k: (n, mib) for k, (n, mib) in sorted(out.items())}
 
 
+def ring_work(seq: int, c: int, layout: str, skip: bool) -> list[int]:
+    """Logits each device computes in causal ring attention over ``c`` devices: its own chunk,
+    then each other device's chunk whole (``skip=False``) or as the kernel's rule leaves it
+    (``zerojax.nn.attention._causal_update``: contiguous, the whole chunk of an earlier device
+    and nothing of a later one; balanced, half a chunk from every device)."""
+    t = seq // c
+    out = []
+    for i in range(c):
+        n = t * t
+        for src in range(c):
+            if src != i:
+                n += t * t if not skip else (t * t if src < i else 0) if layout == "contiguous" else t * t // 2
+        out.append(n)
+    return out
+
+
+def time_ring(seq: int, c: int, heads: int, head_dim: int, block: int, layout: str, skip: bool,
+              repeats: int = 5) -> float:
+    """Median seconds of one jitted forward + backward of causal ring attention."""
+    mesh = Mesh(np.array(jax.devices()).reshape(8 // c, c), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
+    ks = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(kk, (8 // c, seq, heads, head_dim)) for kk in ks)
+    mask = None if skip else jnp.ones((1, 1, 1, seq), bool)  # a mask: every chunk is computed
+
+    def loss(q, k, v):
+        out = zj.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, method="ring", layout=layout,
+                                          block_size=block)
+        return (out.astype(jnp.float32) ** 2).sum()
+
+    sh = NamedSharding(mesh, P("data", "context"))
+    args = [jax.device_put(x, sh) for x in (q, k, v)]
+    with jax.set_mesh(mesh):
+        fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq-len", type=int, default=1024)
@@ -66,11 +116,37 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=128, help="keys per chunk of the kernels' local attention")
     ap.add_argument("--longest-attention", default="ring", choices=ATTENTIONS[1:],
                     help="the kernel of the longest-sequence search (C > 1)")
+    ap.add_argument("--ring-seq", type=int, default=4096, help="sequence of the causal ring timing (0: skip it)")
+    ap.add_argument("--ring-c", type=int, default=4, help="context degree of the causal ring timing")
+    ap.add_argument("--only-ring", action="store_true", help="only the causal ring timing")
     args = ap.parse_args()
     base = llama.LlamaConfig(vocab=256, d_model=args.d_model, n_layers=args.layers, n_heads=8, n_kv_heads=4,
                              d_ff=4 * args.d_model, seq_len=args.seq_len, remat="full", attention_block=args.block)
     print(f"Llama d{args.d_model} L{args.layers}, 8 heads (4 KV), ZeRO-3, AdamW, full remat, 8 x cpu, one sequence of "
           f"{args.seq_len} per data group, kernels' chunks of {args.block} keys, jax {jax.__version__}\n")
+    if not args.only_ring:
+        memory_tables(args, base)
+    if args.ring_seq:
+        ring_table(args)
+
+
+def ring_table(args) -> None:
+    seq, c = args.ring_seq, args.ring_c
+    print(f"\nCausal ring attention alone, forward + backward, {8 // c} sequences of {seq} (one per data group), "
+          f"8 heads of 64, C = {c}, chunks of {args.block} keys; median of 5 calls on the simulated CPU devices "
+          f"(they share the cores: the time follows the work summed over devices):\n")
+    print("| layout | chunks the causal mask hides | seconds | vs every chunk | logits per device, millions per head and sequence (max / min over devices) |")
+    print("|---|---|---|---|---|")
+    base = None
+    for layout, skip in (("contiguous", False), ("contiguous", True), ("balanced", True)):
+        sec = time_ring(seq, c, 8, 64, args.block, layout, skip)
+        base = base or sec
+        work = ring_work(seq, c, layout, skip)
+        print(f"| {layout} | {'left out' if skip else 'computed'} | {sec:.3f} | {sec / base:.2f}x "
+              f"| {max(work) / 1e6:.2f} / {min(work) / 1e6:.2f} |", flush=True)
+
+
+def memory_tables(args, base) -> None:
     print("| C (data x context) | attention | temp MiB/device | arguments MiB/device (state, batch) | temp vs C = 1 | context-axis collectives (executions, MiB/device) |")
     print("|---|---|---|---|---|---|")
     first = None

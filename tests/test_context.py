@@ -215,10 +215,11 @@ def _reference(with_positions: bool = False):
                          list(_data(with_positions)))
 
 
-def _train(c, attention, stage, tensor=1, with_positions=False):
+def _train(c, attention, stage, tensor=1, with_positions=False, layout="contiguous"):
     cfg = llama.LlamaConfig(**{**BASE.__dict__, "attention": attention, "tensor_parallel": tensor > 1})
     graphdef, params = llama.init(cfg)
-    tx, mesh, zc = optax.sgd(0.3), zj.make_mesh(context=c, tensor=tensor), zj.ZeroConfig(stage=stage)
+    tx, mesh = optax.sgd(0.3), zj.make_mesh(context=c, tensor=tensor)
+    zc = zj.ZeroConfig(stage=stage, context_layout=layout)
     state = zj.init_state(params, tx, mesh=mesh, config=zc)
     step = zj.make_train_step(llama.make_loss(graphdef), tx, mesh=mesh, config=zc)
     losses = []
@@ -255,6 +256,54 @@ def test_llama_on_a_context_mesh_trains_as_on_one_device(c, attention, stage):
 def test_positions_from_the_batch_are_split_with_it():
     state, _, losses = _train(4, "ring", 3, with_positions=True)
     _check(state, losses, with_positions=True)
+
+
+@pytest.mark.parametrize("c,attention,with_positions", [(4, "ring", False), (2, "ulysses", True)])
+def test_the_balanced_layout_trains_as_on_one_device(c, attention, with_positions):
+    """context_layout="balanced": the step permutes inputs, targets, mask, weights (and
+    positions from the batch) into the balanced order; the model's RoPE positions come from
+    zj.nn.global_positions, the kernel takes the layout from the step. Single-device optax's
+    losses and parameters, and the batch leaves arrive permuted (the ring's tokens in the
+    HLO are the permutation's: no all-gather of the batch over "context")."""
+    state, step, losses = _train(c, attention, 3, with_positions=with_positions, layout="balanced")
+    _check(state, losses, with_positions)
+
+
+def test_the_balanced_layout_refuses_a_loss_without_the_kernel():
+    """Plain-ops attention would see the permuted sequence as if it were in order."""
+    with pytest.raises(ValueError, match=r"context_layout='balanced'.*never called zj.nn.dot_product_attention"):
+        _train(2, "einsum", 1, layout="balanced")
+    with pytest.raises(ValueError, match="context_layout must be 'contiguous' or 'balanced'"):
+        zj.ZeroConfig(context_layout="zigzag")
+    graphdef, params = llama.init(BASE)
+    mesh, zc = zj.make_mesh(context=8), zj.ZeroConfig(stage=1, context_layout="balanced")
+    step = zj.make_train_step(llama.make_loss(graphdef), optax.sgd(0.1), mesh=mesh, config=zc)
+    state = zj.init_state(params, optax.sgd(0.1), mesh=mesh, config=zc)
+    b = {k: v[:, :8] for k, v in _data()[0].items()}  # 8 splits over 8 devices, not into 16 chunks
+    with pytest.raises(ValueError, match=r"does not split into 2 x 8 chunks.*multiple of 16"):
+        step(state, b)
+
+
+def test_global_positions_follow_the_step_layout():
+    seen = []
+
+    def loss(p, b):
+        seen.append(ctx.current())
+        return jnp.mean((b["x"] * p["w"]) ** 2) + 0.0 * zj.nn.dot_product_attention(
+            b["q"], b["q"], b["q"], is_causal=True).sum()
+
+    mesh = zj.make_mesh(context=2)
+    for layout in ("contiguous", "balanced"):
+        zc = zj.ZeroConfig(stage=0, context_layout=layout)
+        st = zj.init_state({"w": jnp.ones(())}, optax.sgd(0.1), mesh=mesh, config=zc)
+        zj.make_train_step(loss, optax.sgd(0.1), mesh=mesh, config=zc).lower(
+            st, {"x": jnp.ones((4, 8)), "q": jnp.ones((4, 8, 2, 4))})
+        assert set(seen) == {layout}
+        seen.clear()
+        with jax.set_mesh(mesh), ctx.tracing(layout):
+            np.testing.assert_array_equal(np.asarray(zj.nn.global_positions(8)), ctx.order(8, 2, layout))
+    assert ctx.current() == "contiguous"
+    np.testing.assert_array_equal(np.asarray(zj.nn.global_positions(8)), np.arange(8))
 
 
 def test_a_tensor_axis_beside_the_context_axis_is_refused_not_crashed():

@@ -107,6 +107,17 @@ class ZeroConfig:
         the same weights). The loss sees whole sequences (the axis stays automatic in the
         step, as the tensor axis does), so plain attention is partitioned by XLA and stays
         exact; ``zj.nn.dot_product_attention`` runs Ulysses or ring attention over it.
+      context_layout: how each sequence is split over the context axis: ``"contiguous"``
+        (device i holds positions ``[i·T/C, (i+1)·T/C)``) or ``"balanced"`` (ring
+        attention's load balancing for causal attention: 2C chunks, device i holds chunks
+        i and 2C-1-i, so every device does the same causal work). In the balanced layout
+        the step permutes each batch leaf's sequence into that order
+        (``zj.nn.context.order``) and the loss sees it so: attention must be
+        ``zj.nn.dot_product_attention`` (ring or Ulysses; it takes the layout from the
+        step) and positions built in the model must come from ``zj.nn.global_positions``
+        (positions given in the batch are permuted with it). A balanced step whose loss
+        calls neither is refused, since plain-ops attention would see a shuffled sequence.
+        Sequence-shaped aux outputs come back in that order (``zj.nn.context.inverse``).
       context_dims: which dimension of each batch leaf is the sequence: None (dimension 1
         of every leaf with two or more dimensions; others are not split), an int for every
         leaf, or a tree like the batch of ints / None (not split).
@@ -234,6 +245,7 @@ class ZeroConfig:
     tensor_axis: str = "tensor"
     context_axis: str = "context"
     context_dims: Any = None
+    context_layout: str = "contiguous"
     axis_rules: Any = ()
     axis_map: Any = None
 
@@ -260,6 +272,9 @@ class ZeroConfig:
             raise ValueError(f"ZeroConfig.context_axis must be a mesh axis name other than axis={self.axis!r}, "
                              f"replica_axis={self.replica_axis!r} and tensor_axis={self.tensor_axis!r}, got "
                              f"{self.context_axis!r}.")
+        if self.context_layout not in ("contiguous", "balanced"):
+            raise ValueError(f"ZeroConfig.context_layout must be 'contiguous' or 'balanced' (ring attention's load "
+                             f"balancing for causal attention), got {self.context_layout!r}.")
         object.__setattr__(self, "context_dims", _check_context_dims(self.context_dims))
         object.__setattr__(self, "axis_rules", _check_rules(self.axis_rules))
         if self.axis_map is not None:

@@ -55,6 +55,10 @@ class EvalStep:
         sequence.check(state.plan, batch)
 
     def _run(self, state: ZeroState, batch: Any) -> Any:
+        with sequence.tracing(state.plan):
+            return self._traced(state, batch)
+
+    def _traced(self, state: ZeroState, batch: Any) -> Any:
         self._compiles += 1
         plan = state.plan
         axis, n, compute = plan.axis, plan.world, jnp.dtype(plan.config.compute_dtype)

@@ -188,7 +188,8 @@ class TrainStep:
 
         def step(state, batch, place="device"):
             self._compiles += 1  # runs once per trace: once per compiled program
-            return _step(loss_fn, tx, {**self.options, "update_place": place}, state, batch)
+            with context.tracing(state.plan):
+                return _step(loss_fn, tx, {**self.options, "update_place": place}, state, batch)
 
         self._step = step
 

@@ -3,7 +3,9 @@
 sequence parallelism on the tensor axis (:mod:`zerojax.nn.sequence`)."""
 
 from zerojax.nn import context
+from zerojax.nn.context import global_positions
 from zerojax.nn.attention import METHODS, context_size, dot_product_attention
 from zerojax.nn.sequence import sequence_parallel, tensor_parallel
 
-__all__ = ["METHODS", "context", "context_size", "dot_product_attention", "sequence_parallel", "tensor_parallel"]
+__all__ = ["METHODS", "context", "context_size", "dot_product_attention", "global_positions", "sequence_parallel",
+           "tensor_parallel"]

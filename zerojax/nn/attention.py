@@ -52,7 +52,7 @@ def _large_negative(dtype) -> jax.Array:
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: float | None = None,
                           is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
                           local_window_size: int | tuple[int, int] | None = None, implementation: str | None = None,
-                          return_residual: bool = False, method: str = "auto", layout: str = "contiguous",
+                          return_residual: bool = False, method: str = "auto", layout: str | None = None,
                           axis: str = CONTEXT_AXIS, mesh: Any = None, block_size: int = 512,
                           broadcast_dropout: bool = True, dropout_rng: Any = None, dropout_rate: float = 0.0,
                           deterministic: bool = False, dtype: Any = None, precision: Any = None, module: Any = None,
@@ -67,7 +67,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
       method: ``"auto"``, ``"ulysses"``, ``"ring"`` or ``"xla"``.
       layout: how the sequence is split over the context axis, ``"contiguous"`` or
         ``"balanced"`` (:mod:`zerojax.nn.context`); the arrays' sequence dimensions are in
-        that layout's order.
+        that layout's order. None: the train step's ``ZeroConfig.context_layout`` inside
+        one, else contiguous.
       axis: the context axis's name.
       mesh: the mesh (default: the one in context, ``jax.sharding.get_abstract_mesh()``).
       block_size: keys per chunk of the local attention: each device computes its logits
@@ -94,6 +95,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     given = mesh
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     c = context_size(mesh, axis)
+    ctx._mark_aware()
+    layout = ctx.current() if layout is None else layout
+    if c > 1 and method == "xla" and layout != "contiguous":
+        raise ValueError(f"method='xla' is JAX's function, which reads masks, causality and lengths by index; in "
+                         f"the {layout!r} layout the indices are not the positions. Use method='ring' or "
+                         f"'ulysses', or the contiguous layout.")
     if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
         mask = jnp.asarray(mask)
         if not (jnp.issubdtype(mask.dtype, jnp.floating) or jnp.issubdtype(mask.dtype, jnp.integer)):

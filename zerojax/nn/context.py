@@ -8,9 +8,18 @@ early, one late), so that under causal attention every device has the same work
 In the balanced layout every sequence-indexed input (tokens, targets, positions, masks) is
 permuted by :func:`order` before it is split, and the kernels read the positions they hold
 from :func:`positions`.
+
+Inside a train or eval step with ``ZeroConfig(context_layout="balanced")`` the step does the
+permuting: each batch leaf's sequence dimension arrives in the loss in :func:`order`'s order,
+``zj.nn.dot_product_attention`` takes the layout from the step, and :func:`global_positions`
+gives the positions of that order (where a model would write ``jnp.arange(T)``).
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -54,3 +63,75 @@ def positions(seq_len: int, c: int, layout: str) -> np.ndarray:
 def inverse(seq_len: int, c: int, layout: str = "balanced") -> np.ndarray:
     """The permutation that undoes :func:`order`."""
     return np.argsort(order(seq_len, c, layout))
+
+
+class _Scope:
+    """A step's trace: its layout, and whether the loss asked for anything that knows it."""
+
+    def __init__(self, layout: str):
+        self.layout = layout
+        self.aware = 0  # calls of zj.nn.dot_product_attention
+
+
+_SCOPE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("zerojax_context_layout", default=None)
+
+
+@contextlib.contextmanager
+def tracing(layout: str) -> Iterator[_Scope]:
+    """The layout a step traces its loss under (what the kernels and
+    :func:`global_positions` read)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"context layout must be one of {LAYOUTS}, got {layout!r}.")
+    scope = _Scope(layout)
+    token = _SCOPE.set(scope)
+    try:
+        yield scope
+    finally:
+        _SCOPE.reset(token)
+
+
+def current() -> str:
+    """The layout of the step being traced (``"contiguous"`` outside one)."""
+    scope = _SCOPE.get()
+    return "contiguous" if scope is None else scope.layout
+
+
+def _mark_aware() -> None:
+    scope = _SCOPE.get()
+    if scope is not None:
+        scope.aware += 1
+
+
+def global_positions(seq_len: int, axis: str = "context"):
+    """``int32[seq_len]``: the global position of each index of a sequence as the loss sees it,
+    ``jnp.arange(seq_len)`` except in a step with ``context_layout="balanced"`` on a context
+    mesh, where it is :func:`order`'s permutation. Use it where a model builds positions
+    (RoPE, learned position embeddings, masks) with ``jnp.arange``.
+
+    Example:
+      >>> import zerojax as zj
+      >>> zj.nn.global_positions(4).tolist()      # no context mesh: 0, 1, 2, 3
+      [0, 1, 2, 3]
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from zerojax.sharding.mesh import context_size
+
+    c = context_size(jax.sharding.get_abstract_mesh(), axis)
+    return jnp.asarray(order(seq_len, c, current()) if c > 1 else np.arange(seq_len), jnp.int32)
+
+
+def permute(x, dim: int, c: int):
+    """``x`` with dimension ``dim`` in the balanced layout's order over ``c`` devices: cut into
+    ``2c`` chunks, chunk ``i`` and ``2c - 1 - i`` side by side (as ``jnp.take(x, order(...))``,
+    written as slices and a reverse so that XLA moves whole chunks)."""
+    import jax
+    import jax.numpy as jnp
+
+    n = x.shape[dim]
+    check(n, c, "balanced", f"sequence length (dimension {dim})")
+    chunks = x.reshape(x.shape[:dim] + (2 * c, n // (2 * c)) + x.shape[dim + 1:])
+    early = jax.lax.slice_in_dim(chunks, 0, c, axis=dim)
+    late = jnp.flip(jax.lax.slice_in_dim(chunks, c, 2 * c, axis=dim), axis=dim)
+    return jnp.stack([early, late], axis=dim + 1).reshape(x.shape)

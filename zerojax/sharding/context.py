@@ -17,6 +17,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax.nn import context as layouts
 from zerojax.nn.context import check as check_length
 
 
@@ -53,13 +54,13 @@ def check(plan: Any, batch: Any) -> None:
     leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
     for (path, x), d in zip(leaves, sequence_dims(plan.config, batch)):
         if d is not None:
-            check_length(int(x.shape[d]), plan.context, "contiguous",
+            check_length(int(x.shape[d]), plan.context, plan.config.context_layout,
                          f"batch leaf {jax.tree_util.keystr(path)}'s sequence length (dimension {d})")
 
 
 def constrain(plan: Any, batch: Any) -> Any:
     """``batch`` with each leaf's sequence dimension split over the context axis (and its
-    rows over the data axes)."""
+    rows over the data axes); in the balanced layout, permuted into its order first."""
     if plan.context == 1:
         return batch
     leaves, treedef = jax.tree.flatten(batch)
@@ -68,6 +69,8 @@ def constrain(plan: Any, batch: Any) -> Any:
         spec = [plan.batch_axes] + [None] * (x.ndim - 1)
         if d is not None:
             spec[d] = plan.config.context_axis
+            if plan.config.context_layout == "balanced":
+                x = layouts.permute(x, d, plan.context)
         out.append(jax.lax.with_sharding_constraint(x, NamedSharding(plan.mesh, P(*spec))))
     return jax.tree.unflatten(treedef, out)
 
@@ -81,3 +84,32 @@ def whole(plan: Any, x: jax.Array, layout: Any = None) -> jax.Array:
         return x
     spec = layout.tensor_spec() if layout is not None and layout.tp and x.ndim == len(layout.shape) else P()
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+def tracing(plan: Any) -> Any:
+    """The context a step traces its loss in: the layout the kernels and
+    ``zj.nn.global_positions`` read. On leaving, it refuses a balanced step whose loss never
+    called ``zj.nn.dot_product_attention`` (attention written with plain ops would see the
+    permuted sequence as if it were in order)."""
+    return _Tracing(plan)
+
+
+class _Tracing:
+    def __init__(self, plan: Any):
+        self.balanced = plan.context > 1 and plan.config.context_layout == "balanced"
+        self._cm = layouts.tracing(plan.config.context_layout if plan.context > 1 else "contiguous")
+
+    def __enter__(self):
+        self.scope = self._cm.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._cm.__exit__(*exc)
+        if exc[0] is None and self.balanced and not self.scope.aware:
+            raise ValueError(
+                "ZeroConfig(context_layout='balanced') hands the loss each sequence permuted into the balanced order "
+                "(zj.nn.context.order), but the loss never called zj.nn.dot_product_attention: attention written "
+                "with plain ops would treat the permuted sequence as if it were in order. Use "
+                "zj.nn.dot_product_attention (ring or Ulysses) and, for positions the model builds, "
+                "zj.nn.global_positions instead of jnp.arange; or context_layout='contiguous'.")
+        return False
