@@ -19,6 +19,13 @@ in host memory with the update on the host (``optimizer``) or streamed through t
 (``optimizer-device``), and also the parameters (``params``); their "state on device / in
 host memory" columns come from the arrays, their peak memory from the device's counters.
 
+A long-context table follows (``--long-seqs``; empty to skip): one attention's forward and
+backward on the chip, bf16, causal, at each length, as JAX's XLA function, cuDNN's (where
+the backend has it) and zerojax's chunked local attention (what every device of a ring or
+Ulysses step computes; ``zj.nn.attention.chunked_attention``): time, TFLOP/s of the causal
+half of the logits' matmuls, and the compiled temp bytes (a length that does not fit
+says so instead of stopping the script).
+
 XLA's GPU overlap flags (``zerojax.xla_flags``) are set before JAX starts (set
 ``ZEROJAX_NO_OVERLAP_FLAGS=1`` to measure without them); the table header prints them.
 
@@ -106,6 +113,53 @@ def measure(cfg: gpt.GPTConfig, stage: int, batch: int, steps: int, device, pref
             "peak_bytes": stats.get("peak_bytes_in_use")}
 
 
+def long_context(seqs: list[int], heads: int, block: int, peak: float | None, head_dim: int = 128) -> list[dict]:
+    """One causal attention (batch 1, bf16), forward and backward, per implementation and
+    length: median time of 5 calls, and the compiled program's temp bytes."""
+    import jax.numpy as jnp
+
+    impls = {"xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"),
+             "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
+             "zerojax chunked": lambda q, k, v: zj.nn.attention.chunked_attention(q, k, v, is_causal=True,
+                                                                                  block_size=block)}
+    rows = []
+    for seq in seqs:
+        ks = jax.random.split(jax.random.key(0), 3)
+        q, k, v = (jax.random.normal(kk, (1, seq, heads, head_dim), jnp.bfloat16) for kk in ks)
+        flops = 3 * 2 * 2 * seq * seq * heads * head_dim / 2  # fwd + bwd (2x) of QK^T and PV, causal half
+        for name, fn in impls.items():
+            row = {"seq": seq, "impl": name}
+            try:
+                grad = jax.jit(jax.grad(lambda q, k, v: fn(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+                compiled = grad.lower(q, k, v).compile()
+                row["temp_bytes"] = zj.compiled_bytes(compiled)["temp"]
+                jax.block_until_ready(compiled(q, k, v))
+                times = []
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(compiled(q, k, v))
+                    times.append(time.perf_counter() - t0)
+                row["s"] = statistics.median(times)
+                row["tflops"] = flops / row["s"] / 1e12
+                row["of_peak"] = flops / row["s"] / peak if peak else None
+            except Exception as e:  # not on this backend, or out of memory: say so, go on
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            rows.append(row)
+    if rows:
+        print(f"\nLong context: one causal attention, batch 1, {heads} heads of {head_dim}, bf16, forward + backward "
+              f"(chunked: {block} keys per chunk):\n")
+        print("| sequence | attention | time | TFLOP/s (causal) | of peak | compiled temp |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            if "error" in r:
+                print(f"| {r['seq']} | {r['impl']} | {r['error']} | | | |")
+                continue
+            share = f"{100 * r['of_peak']:.1f}%" if r["of_peak"] is not None else "n/a"
+            print(f"| {r['seq']} | {r['impl']} | {1e3 * r['s']:.1f} ms | {r['tflops']:.1f} | {share} "
+                  f"| {r['temp_bytes'] / 2**20:,.1f} MiB |")
+    return rows
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d-model", type=int, default=1024)
@@ -123,6 +177,10 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--peak-tflops", type=float, default=None, help="peak bf16 TFLOP/s of the device")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--no-remat-table", action="store_true", help="skip the remat/offload memory table")
+    ap.add_argument("--long-seqs", default="8192,32768,131072",
+                    help="sequence lengths of the long-context attention table (empty: skip it)")
+    ap.add_argument("--long-heads", type=int, default=16, help="heads of 128 in the long-context table")
+    ap.add_argument("--long-block", type=int, default=1024, help="keys per chunk of the chunked attention")
     args = ap.parse_args(argv)
     device = jax.devices()[0]
     peak = peak_flops(device, args.peak_tflops)
@@ -172,11 +230,13 @@ def main(argv=None) -> list[dict]:
         for line in failures or ["every offload policy moved its values to host memory"]:
             print(f"offload check: {line}")
         offload = {"rows": table, "failures": failures}
+    long_rows = long_context([int(x) for x in args.long_seqs.split(",") if x], args.long_heads, args.long_block,
+                             peak)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device.device_kind, "jax": jax.__version__, "args": vars(args), "rows": rows,
                        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-                       "remat_offload": offload}, f, indent=1)
+                       "remat_offload": offload, "long_context": long_rows}, f, indent=1)
     return rows
 
 

@@ -119,9 +119,19 @@ def test_gpu_throughput_script_runs_on_cpu(tmp_path):
     out_json = tmp_path / "tp.json"
     out = run_script("gpu_throughput.py", "--d-model", "64", "--layers", "2", "--heads", "1", "--seq-len", "32",
                      "--vocab", "256", "--batch", "4", "--steps", "2", "--remat", "full",
-                     "--peak-tflops", "1", "--json", str(out_json))
+                     "--peak-tflops", "1", "--json", str(out_json), "--long-seqs", "128,256", "--long-heads", "2",
+                     "--long-block", "32")
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out_json.read_text())
+    # The long-context table: JAX's attention and the chunked one at each length (cuDNN is
+    # not on the CPU backend, and says so); the chunked program holds one chunk's logits
+    # (128 x 32 per head), XLA's the whole square.
+    long = {(r["seq"], r["impl"]): r for r in result["long_context"]}
+    assert set(long) == {(s, i) for s in (128, 256) for i in ("xla", "cudnn", "zerojax chunked")}
+    assert "error" in long[(128, "cudnn")] and all("error" not in long[(s, i)] for s in (128, 256)
+                                                   for i in ("xla", "zerojax chunked"))
+    grow = lambda impl: long[(256, impl)]["temp_bytes"] / long[(128, impl)]["temp_bytes"]
+    assert grow("zerojax chunked") < 2.3 < 3.0 < grow("xla"), (grow("zerojax chunked"), grow("xla"))  # linear against quadratic
     rows = result["rows"]
     assert [(r["stage"], r["remat"], r["prefetch"], r["offload"]) for r in rows] == [
         (0, "full", 0, "none"), (3, "full", 0, "none"), (3, "full", 1, "none"), (3, "full", 0, "optimizer"),

@@ -2,10 +2,10 @@
 (:mod:`zerojax.nn.attention`), the layouts of that split (:mod:`zerojax.nn.context`) and
 sequence parallelism on the tensor axis (:mod:`zerojax.nn.sequence`)."""
 
-from zerojax.nn import context
+from zerojax.nn import attention, context
 from zerojax.nn.context import global_positions
 from zerojax.nn.attention import METHODS, context_size, dot_product_attention
 from zerojax.nn.sequence import sequence_parallel, tensor_parallel
 
-__all__ = ["METHODS", "context", "context_size", "dot_product_attention", "global_positions", "sequence_parallel",
+__all__ = ["METHODS", "attention", "context", "context_size", "dot_product_attention", "global_positions", "sequence_parallel",
            "tensor_parallel"]

@@ -152,6 +152,35 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     return _ring(spec, q, k, v, mask, bias, lengths)
 
 
+def chunked_attention(query, key, value, *, is_causal: bool = False, scale: float | None = None,
+                      block_size: int = 512) -> jax.Array:
+    """One device's attention as the context kernels compute it locally: keys a chunk of
+    ``block_size`` at a time, merged with an online softmax in a rematerialised scan, so that
+    neither forward nor backward holds more than one chunk's logits. ``[B, T, N, H]`` queries
+    over ``[B, S, K, H]`` keys and values; JAX's result to rounding. (What a ring or Ulysses
+    step costs each device, measured alone on one chip by ``experiments/gpu_throughput.py``.)
+
+    Example:
+      >>> import jax, jax.numpy as jnp, zerojax as zj
+      >>> q = jax.random.normal(jax.random.key(0), (1, 64, 2, 8))
+      >>> out = zj.nn.attention.chunked_attention(q, q, q, is_causal=True, block_size=16)
+      >>> bool(jnp.allclose(out, jax.nn.dot_product_attention(q, q, q, is_causal=True), atol=1e-5))
+      True
+    """
+    q, k, v = (jnp.asarray(x) for x in (query, key, value))
+    b, t, n, h = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    if is_causal and t != s:
+        raise ValueError(f"is_causal with query length {t} and key length {s}: causal attention needs one sequence.")
+    spec = _Spec(c=1, axis=None, layout="contiguous", t=t, s=s, n=n, kh=kh,
+                 scale=1.0 / math.sqrt(h) if scale is None else float(scale), causal=bool(is_causal), window=None,
+                 zero_padded_rows=False, precision=None, mesh=None, block=block_size)
+    qpos, kpos = jnp.arange(t), jnp.arange(s)
+    qlen, kvlen = jnp.full((b,), t, jnp.int32), jnp.full((b,), s, jnp.int32)
+    acc, m, l = _attend(spec, q, k, v, qpos, kpos, qlen, kvlen, None, None)
+    return _finish(spec, acc, m, l, qpos, qlen, q.dtype)
+
+
 def _flax_arguments(query, key, value, kw: dict):
     for name in ("qk_attn_weights_einsum", "attn_weights_value_einsum"):
         if kw[name] is not None:
@@ -244,11 +273,96 @@ def _chunk_size(s: int, block: int) -> int:
 
 
 def _attend(spec: _Spec, q, k, v, qpos, kpos, qlen, kvlen, mask, bias):
-    """``q`` over the keys ``k`` / ``v`` (global positions ``qpos``, ``kpos``), unnormalised,
-    in chunks of at most ``spec.block`` keys: a ``lax.scan`` whose step is rematerialised, so
-    that neither forward nor backward holds more than one chunk's logits (memory linear in
-    the sequence, as flash attention's). Masks and bias hold all key columns; each chunk
-    slices its own."""
+    """``q`` over the keys ``k`` / ``v`` (global positions ``qpos``, ``kpos``), unnormalised:
+    ``(acc, max, sum)``, in chunks of at most ``spec.block`` keys. Forward and backward each
+    hold one chunk's logits at a time, and backward keeps only the inputs and the row maxima
+    (flash attention's backward: each chunk's logits recomputed, ``dq`` summed over chunks,
+    ``dk`` and ``dv`` chunk by chunk), so memory is linear in the sequence. Masks and bias
+    hold all key columns; each chunk slices its own. With a bias (whose gradient is
+    quadratic anyway) it is JAX's autodiff of the chunked scan."""
+    if bias is not None:
+        return _attend_autodiff(spec, q, k, v, qpos, kpos, qlen, kvlen, mask, bias)
+    return _flash(spec, q, k, v, qpos, kpos, qlen, kvlen, mask)
+
+
+def _chunk_logits(spec: _Spec, q, kj, qpos, kpj, qlen, kvlen, mask_j):
+    """One chunk's masked, scaled logits ``[B, K, G, T, blk]`` (fp32) and what the masks keep."""
+    b, t, n, h = q.shape
+    kh = kj.shape[2]
+    qg = q.reshape(b, t, kh, n // kh, h)
+    logits = jnp.einsum("btkgh,bskh->bkgts", qg, kj, preferred_element_type=jnp.promote_types(q.dtype, jnp.float32),
+                        precision=spec.precision)
+    logits = logits * jnp.asarray(spec.scale, logits.dtype)
+    keep = _valid(spec, qpos, kpj, qlen, kvlen)
+    keep = keep if mask_j is None else keep & _grouped(mask_j, kh)
+    return jnp.where(keep, logits, _large_negative(logits.dtype)).astype(jnp.float32), keep, qg
+
+
+def _flash_forward(spec: _Spec, q, k, v, qpos, kpos, qlen, kvlen, mask):
+    s = k.shape[1]
+    blk = _chunk_size(s, spec.block)
+
+    def chunk(j):
+        start = j * blk
+        kj, vj = (jax.lax.dynamic_slice_in_dim(x, start, blk, axis=1) for x in (k, v))
+        return _block(spec, q, kj, vj, _valid(spec, qpos, jax.lax.dynamic_slice_in_dim(kpos, start, blk), qlen, kvlen),
+                      _columns(mask, start, blk), None)
+
+    first = chunk(0)
+    if blk == s:
+        return first
+    out, _ = jax.lax.scan(lambda carry, j: (_merge(carry, chunk(j)), None), first, jnp.arange(1, s // blk))
+    return out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(spec: _Spec, q, k, v, qpos, kpos, qlen, kvlen, mask):
+    return _flash_forward(spec, q, k, v, qpos, kpos, qlen, kvlen, mask)
+
+
+def _flash_fwd(spec, q, k, v, qpos, kpos, qlen, kvlen, mask):
+    out = _flash_forward(spec, q, k, v, qpos, kpos, qlen, kvlen, mask)
+    return out, (q, k, v, qpos, kpos, qlen, kvlen, mask, out[1])
+
+
+def _flash_bwd(spec, res, cotangents):
+    """The row maxima are the softmax's stabiliser: the normalised result does not depend on
+    them, so their cotangent is dropped and ``acc = Σ exp(x - m)·v``, ``sum = Σ exp(x - m)``
+    are differentiated at fixed ``m``."""
+    q, k, v, qpos, kpos, qlen, kvlen, mask, m = res
+    d_acc, _, d_l = cotangents
+    b, t, n, h = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    blk = _chunk_size(s, spec.block)
+    d_acc = d_acc.astype(jnp.float32)  # [B, T, K, G, H]
+
+    def chunk(dq, j):
+        start = j * blk
+        kj, vj = (jax.lax.dynamic_slice_in_dim(x, start, blk, axis=1) for x in (k, v))
+        logits, keep, qg = _chunk_logits(spec, q, kj, qpos, jax.lax.dynamic_slice_in_dim(kpos, start, blk), qlen,
+                                         kvlen, _columns(mask, start, blk))
+        p = jnp.exp(logits - m[..., None])  # [B, K, G, T, blk]
+        dv = jnp.einsum("bkgts,btkgh->bskh", p, d_acc, precision=spec.precision)
+        dp = jnp.einsum("btkgh,bskh->bkgts", d_acc, vj.astype(jnp.float32), precision=spec.precision) + d_l[..., None]
+        dx = jnp.where(keep, p * dp, 0.0) * spec.scale
+        dq = dq + jnp.einsum("bkgts,bskh->btkgh", dx, kj.astype(jnp.float32), precision=spec.precision)
+        dk = jnp.einsum("bkgts,btkgh->bskh", dx, qg.astype(jnp.float32), precision=spec.precision)
+        return dq, (dk, dv)
+
+    dq, (dk, dv) = jax.lax.scan(chunk, jnp.zeros((b, t, kh, n // kh, h), jnp.float32), jnp.arange(s // blk))
+    # [chunks, B, blk, K, H] -> [B, S, K, H]
+    dk, dv = (jnp.moveaxis(x, 0, 1).reshape(b, s, kh, h) for x in (dk, dv))
+    return (dq.reshape(b, t, n, h).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+            None, None, None, None, None)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _attend_autodiff(spec: _Spec, q, k, v, qpos, kpos, qlen, kvlen, mask, bias):
+    """:func:`_attend` with a bias: JAX's autodiff of a ``lax.scan`` over key chunks whose
+    step is rematerialised (no chunk's logits are kept, but backward keeps the scan's carry,
+    ``[B, T, N, H]``, for every chunk: memory grows as ``T·S/block``)."""
     s = k.shape[1]
     blk = _chunk_size(s, spec.block)
 
