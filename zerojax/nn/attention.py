@@ -457,7 +457,10 @@ def _ring(spec: _Spec, q, k, v, mask, bias, lengths):
             # A sequence of no keys makes every logit of its rows masked, and JAX then
             # averages every value: only there is each block computed.
             some_keys = jnp.all(kvlen > 0)
-            update = functools.partial(_causal_update, spec, q, qpos, kpos_all, qlen, kvlen, bias, i, some_keys, full)
+            # Rematerialised: otherwise the switch hands each branch's residuals (the queries
+            # among them) out per ring step, and the scan stacks them C times.
+            update = jax.checkpoint(functools.partial(_causal_update, spec, q, qpos, kpos_all, qlen, kvlen, bias, i,
+                                                      some_keys, full))
 
         def step(carry, s):  # a scan, not a Python loop: backward then runs the steps in turn
             out, k, v = carry
