@@ -460,7 +460,7 @@ def _ring(spec: _Spec, q, k, v, mask, bias, lengths):
             # Rematerialised: otherwise the switch hands each branch's residuals (the queries
             # among them) out per ring step, and the scan stacks them C times.
             update = jax.checkpoint(functools.partial(_causal_update, spec, q, qpos, kpos_all, qlen, kvlen, bias, i,
-                                                      some_keys, full))
+                                                      some_keys))
 
         def step(carry, s):  # a scan, not a Python loop: backward then runs the steps in turn
             out, k, v = carry
@@ -482,7 +482,7 @@ def _skips(spec: _Spec, mask) -> bool:
     return spec.causal and mask is None
 
 
-def _causal_update(spec: _Spec, q, qpos, kpos_all, qlen, kvlen, bias, i, some_keys, full, out, k, v, src):
+def _causal_update(spec: _Spec, q, qpos, kpos_all, qlen, kvlen, bias, i, some_keys, out, k, v, src):
     """A ring step of causal attention from device ``i`` over the keys of device ``src``
     (``src != i``), computing only the part the causal mask keeps.
 
