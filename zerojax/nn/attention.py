@@ -233,8 +233,9 @@ def _grouped(x, kh: int):
     return x[:, :, None] if x.shape[1] == 1 else x.reshape(x.shape[0], kh, x.shape[1] // kh, *x.shape[2:])
 
 
-def _block(spec: _Spec, q, k, v, keep, mask, bias):
-    """One block of attention, unnormalised: ``(acc [B,T,K,G,H], max [B,K,G,T], sum [B,K,G,T])``."""
+def _logits(spec: _Spec, q, k, keep, mask, bias):
+    """Masked, scaled logits ``[B, K, G, T, S]`` (fp32), what the masks keep, and the queries
+    grouped by key/value head ``[B, T, K, G, H]``."""
     b, t, n, h = q.shape
     kh = k.shape[2]
     qg = q.reshape(b, t, kh, n // kh, h)
@@ -244,7 +245,12 @@ def _block(spec: _Spec, q, k, v, keep, mask, bias):
     if bias is not None:
         logits = (logits + _grouped(bias, kh)).astype(logits.dtype)
     keep = keep if mask is None else keep & _grouped(mask, kh)
-    logits = jnp.where(keep, logits, _large_negative(logits.dtype)).astype(jnp.float32)
+    return jnp.where(keep, logits, _large_negative(logits.dtype)).astype(jnp.float32), keep, qg
+
+
+def _block(spec: _Spec, q, k, v, keep, mask, bias):
+    """One block of attention, unnormalised: ``(acc [B,T,K,G,H], max [B,K,G,T], sum [B,K,G,T])``."""
+    logits, _, _ = _logits(spec, q, k, keep, mask, bias)
     m = logits.max(axis=-1)
     p = jnp.exp(logits - m[..., None])
     acc = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32,
@@ -283,19 +289,6 @@ def _attend(spec: _Spec, q, k, v, qpos, kpos, qlen, kvlen, mask, bias):
     if bias is not None:
         return _attend_autodiff(spec, q, k, v, qpos, kpos, qlen, kvlen, mask, bias)
     return _flash(spec, q, k, v, qpos, kpos, qlen, kvlen, mask)
-
-
-def _chunk_logits(spec: _Spec, q, kj, qpos, kpj, qlen, kvlen, mask_j):
-    """One chunk's masked, scaled logits ``[B, K, G, T, blk]`` (fp32) and what the masks keep."""
-    b, t, n, h = q.shape
-    kh = kj.shape[2]
-    qg = q.reshape(b, t, kh, n // kh, h)
-    logits = jnp.einsum("btkgh,bskh->bkgts", qg, kj, preferred_element_type=jnp.promote_types(q.dtype, jnp.float32),
-                        precision=spec.precision)
-    logits = logits * jnp.asarray(spec.scale, logits.dtype)
-    keep = _valid(spec, qpos, kpj, qlen, kvlen)
-    keep = keep if mask_j is None else keep & _grouped(mask_j, kh)
-    return jnp.where(keep, logits, _large_negative(logits.dtype)).astype(jnp.float32), keep, qg
 
 
 def _flash_forward(spec: _Spec, q, k, v, qpos, kpos, qlen, kvlen, mask):
@@ -339,8 +332,8 @@ def _flash_bwd(spec, res, cotangents):
     def chunk(dq, j):
         start = j * blk
         kj, vj = (jax.lax.dynamic_slice_in_dim(x, start, blk, axis=1) for x in (k, v))
-        logits, keep, qg = _chunk_logits(spec, q, kj, qpos, jax.lax.dynamic_slice_in_dim(kpos, start, blk), qlen,
-                                         kvlen, _columns(mask, start, blk))
+        keep = _valid(spec, qpos, jax.lax.dynamic_slice_in_dim(kpos, start, blk), qlen, kvlen)
+        logits, keep, qg = _logits(spec, q, kj, keep, _columns(mask, start, blk), None)
         p = jnp.exp(logits - m[..., None])  # [B, K, G, T, blk]
         dv = jnp.einsum("bkgts,btkgh->bskh", p, d_acc, precision=spec.precision)
         dp = jnp.einsum("btkgh,bskh->bkgts", d_acc, vj.astype(jnp.float32), precision=spec.precision) + d_l[..., None]
