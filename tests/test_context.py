@@ -324,7 +324,7 @@ def test_a_sequence_the_context_axis_does_not_divide_is_refused_before_compiling
     assert step._compiles == 0
 
 
-@pytest.mark.slow  # nine more compiled steps (about 40 s)
+@pytest.mark.slow  # eleven more compiled steps (about 50 s)
 @pytest.mark.parametrize("name,kw,attention,tol", [
     ("remat full", dict(remat="full"), "ring", 1e-5), ("prefetch", dict(prefetch=1), "ring", 1e-5),
     ("offload", dict(offload_optimizer=True, offload_params=True), "ring", 1e-5),
@@ -334,6 +334,10 @@ def test_a_sequence_the_context_axis_does_not_divide_is_refused_before_compiling
     ("bf16", dict(compute_dtype="bfloat16"), "ulysses", 2e-2), ("fp16", dict(compute_dtype="float16"), "ring", 5e-3),
     ("int8 gathers", dict(gather_dtype="int8"), "ring", 5e-3), ("int8 gradients", dict(reduce_dtype="int8"), "ring", 1e-3),
     ("hybrid", dict(replicas=2), "ring", 1e-5),
+    # The balanced layout with several features at once (its chunks of 16 / 4 = 4 tokens).
+    ("balanced + remat + prefetch + accumulation + hybrid",
+     dict(context_layout="balanced", remat="full", prefetch=1, grad_accum_steps=2, replicas=2), "ring", 1e-5),
+    ("balanced + fp16", dict(context_layout="balanced", compute_dtype="float16"), "ring", 5e-3),
 ])
 def test_context_parallelism_with_the_other_features(name, kw, attention, tol):
     cfg = llama.LlamaConfig(**{**BASE.__dict__, "attention": attention})
