@@ -21,6 +21,8 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 LAYOUTS = ("contiguous", "balanced")
@@ -113,10 +115,7 @@ def global_positions(seq_len: int, axis: str = "context"):
       >>> zj.nn.global_positions(4).tolist()      # no context mesh: 0, 1, 2, 3
       [0, 1, 2, 3]
     """
-    import jax
-    import jax.numpy as jnp
-
-    from zerojax.sharding.mesh import context_size
+    from zerojax.sharding.mesh import context_size  # zerojax.sharding imports this module
 
     c = context_size(jax.sharding.get_abstract_mesh(), axis)
     return jnp.asarray(order(seq_len, c, current()) if c > 1 else np.arange(seq_len), jnp.int32)
@@ -126,9 +125,6 @@ def permute(x, dim: int, c: int):
     """``x`` with dimension ``dim`` in the balanced layout's order over ``c`` devices: cut into
     ``2c`` chunks, chunk ``i`` and ``2c - 1 - i`` side by side (as ``jnp.take(x, order(...))``,
     written as slices and a reverse so that XLA moves whole chunks)."""
-    import jax
-    import jax.numpy as jnp
-
     n = x.shape[dim]
     check(n, c, "balanced", f"sequence length (dimension {dim})")
     chunks = x.reshape(x.shape[:dim] + (2 * c, n // (2 * c)) + x.shape[dim + 1:])

@@ -11,6 +11,8 @@ Ulysses or ring kernel manual over it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -86,30 +88,19 @@ def whole(plan: Any, x: jax.Array, layout: Any = None) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, spec)
 
 
-def tracing(plan: Any) -> Any:
+@contextlib.contextmanager
+def tracing(plan: Any) -> Iterator[None]:
     """The context a step traces its loss in: the layout the kernels and
     ``zj.nn.global_positions`` read. On leaving, it refuses a balanced step whose loss never
     called ``zj.nn.dot_product_attention`` (attention written with plain ops would see the
     permuted sequence as if it were in order)."""
-    return _Tracing(plan)
-
-
-class _Tracing:
-    def __init__(self, plan: Any):
-        self.balanced = plan.context > 1 and plan.config.context_layout == "balanced"
-        self._cm = layouts.tracing(plan.config.context_layout if plan.context > 1 else "contiguous")
-
-    def __enter__(self):
-        self.scope = self._cm.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._cm.__exit__(*exc)
-        if exc[0] is None and self.balanced and not self.scope.aware:
-            raise ValueError(
-                "ZeroConfig(context_layout='balanced') hands the loss each sequence permuted into the balanced order "
-                "(zj.nn.context.order), but the loss never called zj.nn.dot_product_attention: attention written "
-                "with plain ops would treat the permuted sequence as if it were in order. Use "
-                "zj.nn.dot_product_attention (ring or Ulysses) and, for positions the model builds, "
-                "zj.nn.global_positions instead of jnp.arange; or context_layout='contiguous'.")
-        return False
+    layout = plan.config.context_layout if plan.context > 1 else "contiguous"
+    with layouts.tracing(layout) as scope:
+        yield
+    if layout == "balanced" and not scope.aware:
+        raise ValueError(
+            "ZeroConfig(context_layout='balanced') hands the loss each sequence permuted into the balanced order "
+            "(zj.nn.context.order), but the loss never called zj.nn.dot_product_attention: attention written "
+            "with plain ops would treat the permuted sequence as if it were in order. Use "
+            "zj.nn.dot_product_attention (ring or Ulysses) and, for positions the model builds, "
+            "zj.nn.global_positions instead of jnp.arange; or context_layout='contiguous'.")
