@@ -372,11 +372,91 @@ def test_cli_tunes_the_experiments_gpt_in_its_own_process():
     out = subprocess.run([sys.executable, "-m", "zerojax.cli", "autotune", "--model", "gpt", "--d-model", "64",
                           "--layers", "2", "--batch", "16", "--devices", "8", "--memory", "16MiB", "--stages", "2,3",
                           "--accum", "1", "--remat", "none,full", "--offload", "none", "--prefetch", "0",
-                          "--device", "h100", "--quiet"], capture_output=True, text=True, timeout=600)
+                          "--context", "2", "--device", "h100", "--quiet"], capture_output=True, text=True,
+                         timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "GPT d_model 64, 2 layers" in out.stdout and "8 cpu devices" in out.stdout
     assert "best: zj.ZeroConfig(" in out.stdout
+    assert "| # | stage | context |" in out.stdout and "mesh: zj.make_mesh(context=2)" in out.stdout
 
 
 def _never(*args, **kwargs):
     raise AssertionError("nothing may be compiled (or traced) before the input is checked")
+
+
+# Context parallelism: the experiments' Llama (ring attention, so every degree runs the
+# memory-saving kernel) on sequences of 256, one search over C = 1, 2, 4.
+LLAMA = dict(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, seq_len=256, attention="ring")
+SEQ = jax.ShapeDtypeStruct((8, 256), "int32")
+CONTEXT = SearchSpace(stages=(3,), accum=(1,), remat=("full",), offload=("none",), prefetch=(0,), context=(1, 2, 4))
+
+
+def _llama():
+    from experiments import llama
+
+    graphdef, params = llama.init_abstract(llama.LlamaConfig(**LLAMA))
+    return llama.make_loss(graphdef), params
+
+
+@pytest.fixture(scope="module")
+def tuned_context():
+    loss, params = _llama()
+    return zj.autotune(loss, params, optax.adamw(1e-3), {"inputs": SEQ, "targets": SEQ}, mesh=zj.make_mesh(),
+                       memory="1GiB", device=SPEC, space=CONTEXT)
+
+
+def test_context_degrees_are_searched_each_on_its_own_mesh(tuned_context):
+    """One plan per degree, each compiled on zj.make_mesh(context=C) over the same devices:
+    the same state per device (data x context = 8 shards the weights), the rows per device
+    growing with C (a data group of 8 / C devices takes 8 / (8 / C) sequences), the
+    activations per device falling with C; the C = 4 plan's memory is zj.step_memory's of
+    the same config on its mesh."""
+    by_c = {p.context: p for p in tuned_context}
+    assert sorted(by_c) == [1, 2, 4]
+    for c, p in by_c.items():
+        assert dict(p.mesh.shape) == ({"data": 8} if c == 1 else {"data": 8 // c, "context": c})
+        assert p.micro_batch == c
+        assert ("context" in p.describe()) == (c > 1)
+    assert by_c[1].memory.state == by_c[2].memory.state == by_c[4].memory.state
+    temp = [by_c[c].memory.step.temp for c in (1, 2, 4)]
+    assert temp[0] > temp[1] > temp[2], temp  # (weights gathered per layer are the same at every C)
+    loss, params = _llama()
+    direct = zj.step_memory(loss, params, optax.adamw(1e-3), {"inputs": SEQ, "targets": SEQ}, mesh=by_c[4].mesh,
+                            config=by_c[4].config)
+    assert by_c[4].memory.step == direct
+    assert by_c[4].memory.step.batch == 2 * (8 // 2) * (256 // 4) * 4  # two int32 leaves: 4 rows x 64 tokens each
+    assert "| context |" in tuned_context.table()
+    # Off the search, the context axis's collectives are the ring's: permutes over "context".
+    assert any(t.axes == "context" for t in by_c[4].cost.traffic)
+
+
+def test_a_budget_only_a_context_split_fits_chooses_it(tuned_context):
+    """Between the C = 1 and C = 2 plans' memory, C = 1 does not fit: the search picks C = 2."""
+    by_c = {p.context: p for p in tuned_context}
+    budget = (by_c[1].memory.device + by_c[2].memory.device) // 2
+    loss, params = _llama()
+    result = zj.autotune(loss, params, optax.adamw(1e-3), {"inputs": SEQ, "targets": SEQ}, mesh=zj.make_mesh(),
+                         memory=budget, device=SPEC, space=dataclasses.replace(CONTEXT, context=(1, 2)))
+    assert [p.context for p in result] == [2] and result.best.memory == by_c[2].memory
+
+
+def test_context_degrees_that_do_not_fit_are_refused_before_compiling(monkeypatch):
+    monkeypatch.setattr(search_module, "abstract_state", _never)
+    loss, params = _llama()
+    batch = {"inputs": SEQ, "targets": SEQ}
+    run = lambda space, b=batch: zj.autotune(loss, params, optax.adamw(1e-3), b, mesh=zj.make_mesh(),
+                                             memory="1GiB", device=SPEC, space=space)
+    with pytest.raises(ValueError, match=r"\[3\] do not divide the 8 devices .* context degrees among \[1, 2, 4, 8\]"):
+        run(dataclasses.replace(CONTEXT, context=(2, 3)))
+    odd = jax.ShapeDtypeStruct((8, 250), "int32")
+    with pytest.raises(ValueError, match=r"context 4: batch leaf \['inputs'\]'s sequence length \(dimension 1\) 250 "
+                                         r"does not split into 4 context devices: use a multiple of 4 \(e.g. 248 or 252\)"):
+        run(CONTEXT, {"inputs": odd, "targets": odd})
+    with pytest.raises(ValueError, match=r"context 1 \(the batch over 8 data groups\): the global batch of 2 rows"):
+        two = jax.ShapeDtypeStruct((2, 256), "int32")
+        run(CONTEXT, {"inputs": two, "targets": two})
+    with pytest.raises(ValueError, match="no batch leaf has a sequence dimension"):
+        zj.autotune(tiny_loss, tiny_params(), optax.adam(1e-3), jax.ShapeDtypeStruct((32,), "float32"),
+                    mesh=zj.make_mesh(), memory="2MiB", device=SPEC, space=SearchSpace(context=(2,)))
+    with pytest.raises(ValueError, match=r"SearchSpace.context must be positive ints"):
+        SearchSpace(context=(0,))

@@ -8,10 +8,10 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from zerojax.config import ZeroConfig
+from zerojax.sharding.context import batch_shardings
 from zerojax.state import ZeroState, abstract_state
 
 
@@ -243,6 +243,17 @@ class StepMemory:
                    if self.state_host else ""))
 
 
+def abstract_batch(plan: Any, batch: Any) -> Any:
+    """``batch`` as ``jax.ShapeDtypeStruct`` leaves placed where the step splits them (rows
+    over the batch axes, the sequence over a context axis); leaves that carry a sharding
+    keep it."""
+    leaves, treedef = jax.tree.flatten(batch)
+    return jax.tree.unflatten(treedef, [
+        x if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None
+        else jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sh)
+        for x, sh in zip(leaves, batch_shardings(plan, batch))])
+
+
 def step_memory(loss_fn, params: Any, tx, batch: Any, *, mesh: Mesh, config: ZeroConfig,
                 has_aux: bool = False) -> StepMemory:
     """Compiles the train step for ``params`` and ``batch`` without running it (ahead of
@@ -268,14 +279,7 @@ def step_memory(loss_fn, params: Any, tx, batch: Any, *, mesh: Mesh, config: Zer
     from zerojax.step import make_train_step
 
     state = abstract_state(params, tx, mesh=mesh, config=config)
-    split = NamedSharding(state.plan.mesh, P(state.plan.batch_axes))
-
-    def abstract(x):
-        if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None:
-            return x
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=split)
-
-    batch = jax.tree.map(abstract, batch)
+    batch = abstract_batch(state.plan, batch)
     step = make_train_step(loss_fn, tx, mesh=mesh, config=config, has_aux=has_aux)
     m = compiled_bytes(step.lower(state, batch).compile())
     batch_bytes = _bytes_per_device(batch)

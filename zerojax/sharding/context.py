@@ -49,6 +49,20 @@ def sequence_dims(config: Any, batch: Any) -> list[int | None]:
     return out
 
 
+def batch_shardings(plan: Any, batch: Any) -> list[NamedSharding]:
+    """Per batch leaf (``jax.tree.leaves`` order): where the step splits it, rows over the
+    batch axes and, on a context mesh, its sequence dimension over the context axis (what
+    an ahead-of-time compile gives its batch shapes)."""
+    dims = sequence_dims(plan.config, batch) if plan.context > 1 else [None] * len(jax.tree.leaves(batch))
+    out = []
+    for x, d in zip(jax.tree.leaves(batch), dims):
+        spec = [plan.batch_axes] + [None] * (len(x.shape) - 1)
+        if d is not None:
+            spec[d] = plan.config.context_axis
+        out.append(NamedSharding(plan.mesh, P(*spec)))
+    return out
+
+
 def check(plan: Any, batch: Any) -> None:
     """Refuses a batch whose sequence does not split over the context axis."""
     if plan.context == 1:

@@ -56,6 +56,11 @@ class SearchSpace:
       prefetch: layers gathered ahead at stage 3 (other stages take 0).
       gather_dtypes: stage 3's weight-gather dtype: None (the compute dtype) and/or "int8"
         (ZeRO++'s qwZ, lossy: opt in by listing it).
+      context: context-parallel degrees ``C`` (``zj.make_mesh(context=C)`` over the same
+        devices: each sequence split over ``C`` devices, the state over data × context as
+        before); None: the given mesh's own (1 without a context axis). Each ``C`` must divide
+        the devices of a replica group and every batch leaf's sequence (``2C`` in the
+        balanced layout); a plan's ``context`` says which mesh it runs on.
 
     Combinations a ``ZeroConfig`` refuses (offload at stage 0, prefetch with offloaded
     parameters, ...) are left out.
@@ -77,6 +82,7 @@ class SearchSpace:
     offload: tuple[str, ...] = OFFLOADS
     prefetch: tuple[int, ...] = (0, 1)
     gather_dtypes: tuple[Any, ...] = (None,)
+    context: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)
@@ -98,6 +104,12 @@ class SearchSpace:
             raise ValueError(f"SearchSpace.prefetch values must be ints >= 0, got {self.prefetch}.")
         if any(g not in (None, "int8") for g in self.gather_dtypes):
             raise ValueError(f"SearchSpace.gather_dtypes values must be None or 'int8', got {self.gather_dtypes}.")
+        if self.context is not None:
+            context = (self.context,) if isinstance(self.context, int) else tuple(dict.fromkeys(self.context))
+            if not context or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in context):
+                raise ValueError(f"SearchSpace.context must be positive ints (context-parallel degrees) or None "
+                                 f"(the mesh's own), got {self.context!r}.")
+            set_("context", tuple(sorted(context)))
         if self.accum is not None:
             accum = (self.accum,) if isinstance(self.accum, int) else tuple(dict.fromkeys(self.accum))
             if not accum or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in accum):
@@ -134,14 +146,17 @@ class Candidate:
     config: ZeroConfig
     offload: str
     formula_bytes: float
+    context: int = 1  # context-parallel degree: the mesh is zj.make_mesh(context=context)
 
     @property
     def family(self) -> tuple:
-        """What the levers leave fixed: stage, prefetch, gather dtype, and a remat policy
-        outside the ranked ones (named values, host offload of activations)."""
+        """What the levers leave fixed: stage, prefetch, gather dtype, context degree, and a
+        remat policy outside the ranked ones (named values, host offload of activations).
+        Candidates of different context degrees run different programs over different
+        meshes (rows per device, sequence per device): neither decides the other."""
         c = self.config
         rank = _REMAT_RANK.get(c.remat.kind)
-        return (c.stage, c.prefetch, c.gather_dtype, c.remat if rank is None else None)
+        return (c.stage, c.prefetch, c.gather_dtype, c.remat if rank is None else None, self.context)
 
     @property
     def levers(self) -> tuple[int, int, int]:
@@ -150,9 +165,12 @@ class Candidate:
                 OFFLOADS.index(self.offload))
 
     def describe(self) -> str:
-        """A short name: ``stage 3, accum 2, remat full, offload optimizer, prefetch 1``."""
+        """A short name: ``stage 3, accum 2, remat full, offload optimizer, prefetch 1``
+        (and ``context 4`` on a context mesh)."""
         c = self.config
         parts = [f"stage {c.stage}", f"accum {c.grad_accum_steps}", f"remat {remat_name(c.remat)}"]
+        if self.context > 1:
+            parts.append(f"context {self.context}")
         if self.offload != "none":
             parts.append(f"offload {self.offload}")
         if c.prefetch:
@@ -185,10 +203,11 @@ def needs_more_memory(c: Candidate, d: Candidate) -> bool:
 
 
 def enumerate_candidates(base: ZeroConfig, space: SearchSpace, counts: Sequence[int], *, num_params: float,
-                         shards: int, opt_bytes: float) -> list[Candidate]:
+                         shards: int, opt_bytes: float, context: int = 1) -> list[Candidate]:
     """Every valid configuration of ``space`` over ``base`` with accumulation ``counts``,
     each with its persistent device bytes (``num_params`` trainable parameters sharded over
-    ``shards`` devices, ``opt_bytes`` of optimizer state per parameter)."""
+    ``shards`` devices, ``opt_bytes`` of optimizer state per parameter), on the mesh of
+    context degree ``context``."""
     out: list[Candidate] = []
     for stage in space.stages:
         for offload in space.offload:
@@ -207,15 +226,16 @@ def enumerate_candidates(base: ZeroConfig, space: SearchSpace, counts: Sequence[
                                 base, stage=stage, grad_accum_steps=k, remat=resolve(remat), prefetch=prefetch,
                                 offload_optimizer=offload != "none", offload_params=offload == "params",
                                 gather_dtype=gather)
-                            out.append(Candidate(config=config, offload=offload, formula_bytes=formula))
+                            out.append(Candidate(config=config, offload=offload, formula_bytes=formula,
+                                                 context=context))
     return _unique(out)
 
 
 def _unique(cands: list[Candidate]) -> list[Candidate]:
     seen, out = set(), []
     for c in cands:
-        if c.config not in seen:
-            seen.add(c.config)
+        if (c.config, c.context) not in seen:
+            seen.add((c.config, c.context))
             out.append(c)
     return out
 

@@ -61,6 +61,9 @@ def parser(prog: str = "zerojax autotune") -> argparse.ArgumentParser:
     ap.add_argument("--offload", default="none,optimizer,params")
     ap.add_argument("--prefetch", default="0,1")
     ap.add_argument("--gather", default="none", help="stage 3 gather dtypes: none and/or int8 (lossy)")
+    ap.add_argument("--context", default=None,
+                    help="context-parallel degrees to search, e.g. 1,2,4 (each sequence split over C devices; "
+                         "default: no context axis)")
     ap.add_argument("--exhaustive", action="store_true", help="compile every candidate the formula does not prune")
     ap.add_argument("--limit", type=int, default=10, help="plans shown (default 10)")
     ap.add_argument("--quiet", action="store_true", help="no line per candidate on stderr")
@@ -90,7 +93,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "zerojax autotune") -> i
         space = SearchSpace(stages=_ints(args.stages), accum=None if args.accum is None else _ints(args.accum),
                             remat=tuple(args.remat.split(",")), offload=tuple(args.offload.split(",")),
                             prefetch=_ints(args.prefetch),
-                            gather_dtypes=tuple(None if g == "none" else g for g in args.gather.split(",")))
+                            gather_dtypes=tuple(None if g == "none" else g for g in args.gather.split(",")),
+                            context=None if args.context is None else _ints(args.context))
     except ValueError as e:
         ap.error(str(e))
     devices = jax.devices()
@@ -121,6 +125,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "zerojax autotune") -> i
         return 1
     print(result.table(limit=args.limit))
     print(f"\nbest: {code(result.best.config)}")
+    if result.best.context > 1:
+        print(f"mesh: zj.make_mesh(context={result.best.context}{f', replicas={args.replicas}' if args.replicas > 1 else ''})")
     if devices[0].platform == "cpu" and result.device.source == "datasheet":
         print(f"(memory from the CPU compiler's program on {n} simulated devices: state and batch exact, temporaries "
               f"an estimate of the {result.device.name}'s; time priced with its datasheet rates)")
@@ -188,12 +194,12 @@ def _gpt(args, ap, n: int):
         ap.error(str(e))
     graphdef, params = gpt.init_abstract(cfg)
     batch_size = args.batch or n
-    tokens = jax.ShapeDtypeStruct((batch_size, seq + 1), "int32")
+    tokens = jax.ShapeDtypeStruct((batch_size, seq), "int32")  # inputs and targets: a sequence that splits
     tx = {"adam": lambda: optax.adam(1e-4), "adamw": lambda: optax.adamw(1e-4), "sgd": lambda: optax.sgd(1e-2),
           "adafactor": lambda: optax.adafactor(1e-3)}[args.optimizer]()
     what = (f"GPT d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads, seq {seq}, vocab {cfg.vocab}: "
             f"Ψ = {cfg.num_params():,}; global batch {batch_size}; {args.optimizer}, {args.dtype} compute")
-    return gpt.make_loss(graphdef), params, tx, {"tokens": tokens}, ZeroConfig(), what
+    return gpt.make_loss(graphdef), params, tx, {"inputs": tokens, "targets": tokens}, ZeroConfig(), what
 
 
 def _user(target: str, ap) -> tuple[Any, Any, Any, Any, Any]:

@@ -12,6 +12,9 @@ import numpy as np
 from zerojax.tuning.budget import fmt_bytes
 from zerojax.tuning.candidates import Candidate, SearchSpace, valid_batch_sizes
 from zerojax.config import ZeroConfig
+from zerojax.nn.context import check as check_length
+from zerojax.sharding.context import sequence_dims
+from zerojax.sharding.mesh import context_size, make_mesh
 from zerojax.state import is_init_fn
 
 
@@ -47,13 +50,24 @@ def batch_devices(mesh, config: ZeroConfig) -> int:
 def rows_per_device(batch: Any, mesh, config: ZeroConfig) -> tuple[int, int]:
     """(rows per device, global rows) of a batch, checked: leaves with a leading axis, all
     of one size, divisible over the batch devices."""
+    check_mesh(mesh, config)
+    return _rows(batch, mesh, config)
+
+
+def check_mesh(mesh, config: ZeroConfig) -> None:
+    """Refuses a mesh without the data axis, or with axes whose memory the formulas do not
+    model (tensor parallelism)."""
     if config.axis not in mesh.axis_names:
         raise ValueError(f"the mesh has no axis {config.axis!r} (ZeroConfig.axis); its axes: {mesh.axis_names}.")
-    other = {a: s for a, s in dict(mesh.shape).items() if a not in (config.axis, config.replica_axis) and s > 1}
+    other = {a: s for a, s in dict(mesh.shape).items()
+             if a not in (config.axis, config.replica_axis, config.context_axis) and s > 1}
     if other:
         raise ValueError(f"autotune searches ZeRO over the data axis {config.axis!r} (and {config.replica_axis!r} for "
-                         f"hybrid sharding); this mesh also splits {other}, whose memory its formulas do not model. "
-                         f"Tune on the mesh without those axes.")
+                         f"hybrid sharding, {config.context_axis!r} for context parallelism); this mesh also splits "
+                         f"{other}, whose memory its formulas do not model. Tune on the mesh without those axes.")
+
+
+def _rows(batch: Any, mesh, config: ZeroConfig) -> tuple[int, int]:
     leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
     if not leaves:
         raise ValueError("batch has no arrays; pass one global batch (arrays or jax.ShapeDtypeStruct).")
@@ -74,6 +88,43 @@ def rows_per_device(batch: Any, mesh, config: ZeroConfig) -> tuple[int, int]:
         raise ValueError(f"the global batch of {global_batch} rows does not split over the {n} devices, whatever the "
                          f"accumulation count; valid global batch sizes near it: {sizes_text} (multiples of {n}).")
     return global_batch // n, global_batch
+
+
+def context_meshes(mesh, config: ZeroConfig, space: SearchSpace, batch: Any) -> dict[int, Any]:
+    """``{C: mesh}`` for each context degree of ``space`` (None: the mesh's own): the given
+    mesh for its own degree, ``zj.make_mesh(devices, replicas=R, context=C)`` over its
+    devices for the others. Refuses, before anything compiles, a degree that does not divide
+    a replica group's devices or a batch leaf's sequence (naming the degrees that would)."""
+    sizes = dict(mesh.shape)
+    own = context_size(mesh, config.context_axis)
+    degrees = space.context if space.context is not None else (own,)
+    replicas = sizes.get(config.replica_axis, 1)
+    group = sizes[config.axis] * own
+    bad = [c for c in degrees if group % c]
+    if bad:
+        fits = [c for c in range(1, group + 1) if group % c == 0]
+        raise ValueError(f"SearchSpace(context={degrees}): {bad} do not divide the {group} devices that hold the same "
+                         f"weights (a replica group); use context degrees among {fits}.")
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    dims = sequence_dims(config, batch)
+    if any(c > 1 for c in degrees) and all(d is None for d in dims):
+        raise ValueError(f"SearchSpace(context={degrees}) splits each sequence over the context axis, but no batch "
+                         f"leaf has a sequence dimension (leaves with 2+ dimensions, or ZeroConfig.context_dims).")
+    for c in degrees:
+        if c == 1:
+            continue
+        for (path, x), d in zip(leaves, dims):
+            if d is not None:
+                try:
+                    check_length(int(np.shape(x)[d]), c, config.context_layout,
+                                 f"batch leaf {jax.tree_util.keystr(path)}'s sequence length (dimension {d})")
+                except ValueError as e:
+                    raise ValueError(f"SearchSpace(context={degrees}), context {c}: {e}") from None
+    devices = list(mesh.devices.flat)
+    return {c: mesh if c == own else make_mesh(devices, config.axis, replicas=replicas,
+                                                replica_axis=config.replica_axis, context=c,
+                                                context_axis=config.context_axis)
+            for c in degrees}
 
 
 def accumulation_counts(space: SearchSpace, rows: int, global_batch: int, devices: int) -> tuple[int, ...]:
@@ -112,10 +163,14 @@ def nothing_fits_formula(pruned: list[Candidate], budget: int, margin: float, sh
             f"was compiled. Next: {'; or '.join(levers)}.")
 
 
-def nothing_fits_compiled(plans: dict, space: SearchSpace, counts, rows: int, budget: int, margin: float) -> str:
-    """The error when no compiled plan fits: the smallest, how far over, the levers left."""
+def nothing_fits_compiled(plans: dict, space: SearchSpace, counts: dict, rows: dict, budget: int,
+                          margin: float) -> str:
+    """The error when no compiled plan fits: the smallest, how far over, the levers left
+    (``counts`` and ``rows``: the accumulation counts tried and rows per device, by context
+    degree)."""
     smallest = min(plans.items(), key=lambda kv: kv[1].memory.device)
     cand, plan = smallest
+    counts, rows = counts[cand.context], rows[cand.context]
     over = plan.memory.device - budget
     levers = []
     bigger_k = [k for k in range(cand.config.grad_accum_steps + 1, rows + 1) if rows % k == 0]
@@ -128,6 +183,9 @@ def nothing_fits_compiled(plans: dict, space: SearchSpace, counts, rows: int, bu
         levers.append("remat='full' (SearchSpace(remat=('full',)))")
     if cand.offload != "params":
         levers.append("offload (SearchSpace(offload=('optimizer', 'params')) at stage 3)")
+    if cand.context == max(space.context or (cand.context,)):
+        levers.append(f"a larger context degree (SearchSpace(context=(..., {2 * cand.context})): each device "
+                      f"holds 1/C of every sequence's activations)")
     levers.append("more devices (stage 3's state is 12Ψ/N)")
     return (f"no configuration fits {fmt_bytes(budget)} per device: the smallest compiled, {cand.describe()}, "
             f"needs {fmt_bytes(plan.memory.device)} ({fmt_bytes(plan.memory.compiled)} compiled + {margin:.0%} "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from zerojax.tuning.budget import fmt_bytes
 from zerojax.tuning.candidates import Candidate, remat_name
@@ -60,7 +61,11 @@ class Plan:
     (:class:`PlanMemory`); ``time`` the predicted seconds per step (:mod:`zerojax.tuning.cost`),
     ``cost`` what it is predicted from; ``micro_batch`` the rows each device runs at once;
     ``program`` a short hash of the lowered program (plans with the same one compile to the
-    same step: a remat policy on a model without a layer loop changes nothing).
+    same step: a remat policy on a model without a layer loop changes nothing); ``context``
+    the context-parallel degree and ``mesh`` the mesh the plan was compiled for (the given
+    one, or ``zj.make_mesh(context=C)`` over its devices where ``SearchSpace(context=...)``
+    searched other degrees): train with ``zj.make_train_step(..., mesh=plan.mesh,
+    config=plan.config)``.
     """
 
     config: ZeroConfig
@@ -70,6 +75,8 @@ class Plan:
     micro_batch: int
     offload: str = "none"
     program: str = ""
+    context: int = 1
+    mesh: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, ZeroConfig):
@@ -81,9 +88,11 @@ class Plan:
             raise ValueError(f"Plan.time must be positive finite seconds, got {self.time!r}.")
         if isinstance(self.micro_batch, bool) or not isinstance(self.micro_batch, int) or self.micro_batch < 1:
             raise ValueError(f"Plan.micro_batch must be a positive int (rows per device), got {self.micro_batch!r}.")
+        if isinstance(self.context, bool) or not isinstance(self.context, int) or self.context < 1:
+            raise ValueError(f"Plan.context must be a positive int (context-parallel degree), got {self.context!r}.")
 
     def describe(self) -> str:
-        return Candidate(self.config, self.offload, 0.0).describe()
+        return Candidate(self.config, self.offload, 0.0, self.context).describe()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,12 +183,15 @@ class AutotuneResult(Sequence):
 
     def table(self, limit: int | None = None) -> str:
         """A markdown table of the plans (the first ``limit``), with the summary line."""
-        rows = ["| # | stage | accum (rows) | remat | offload | prefetch | gather | device memory | host | "
-                "time / step | compute | comm |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        context = any(p.context > 1 for p in self.plans)  # a context column where a plan splits sequences
+        rows = [f"| # | stage |{' context |' if context else ''} accum (rows) | remat | offload | prefetch | gather | "
+                "device memory | host | time / step | compute | comm |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if context else "")]
         for i, p in enumerate(self.plans[:limit], 1):
             c, parts = p.config, p.cost.breakdown(self.device)
             rows.append(
-                f"| {i} | {c.stage} | {c.grad_accum_steps} ({p.micro_batch}) | {remat_name(c.remat)} | {p.offload} | "
+                f"| {i} | {c.stage} |{f' {p.context} |' if context else ''} {c.grad_accum_steps} ({p.micro_batch}) | "
+                f"{remat_name(c.remat)} | {p.offload} | "
                 f"{c.prefetch} | {c.gather_dtype or c.compute_dtype} | {fmt_bytes(p.memory.device)}"
                 f"{'*' if p.memory.source == 'formula' else ''} | {fmt_bytes(p.memory.host)} | {_seconds(p.time)} | "
                 f"{_seconds(parts['compute'] + parts['memory'])} | {_seconds(parts['comm'])} |")

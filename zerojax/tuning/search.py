@@ -27,8 +27,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from zerojax.tuning.budget import check_margin, fmt_bytes, parse_memory, usable
 from zerojax.tuning.candidates import Candidate, SearchSpace, enumerate_candidates, more_levers, needs_more_memory
@@ -38,6 +36,8 @@ from zerojax.tuning.inputs import (
     abstract_params,
     accumulation_counts,
     batch_devices,
+    check_mesh,
+    context_meshes,
     nothing_fits_compiled,
     nothing_fits_formula,
     param_counts,
@@ -45,7 +45,8 @@ from zerojax.tuning.inputs import (
 )
 from zerojax.tuning.result import AutotuneResult, Plan, PlanMemory, Skipped
 from zerojax.config import ZeroConfig
-from zerojax.report.memory import StepMemory, compiled_bytes
+from zerojax.report.memory import StepMemory, abstract_batch, compiled_bytes
+from zerojax.sharding.mesh import context_size
 from zerojax.state import abstract_state
 
 Progress = Callable[[int, int, str], None]
@@ -116,18 +117,29 @@ def autotune(loss_fn: Callable, params: Any, tx: Any, batch: Any, *, mesh, memor
     if not isinstance(space, SearchSpace):
         raise TypeError(f"space must be a zerojax.tuning.SearchSpace, got {type(space).__name__}.")
     shapes = abstract_params(params)
-    rows, global_batch = rows_per_device(batch, mesh, base)
-    counts = accumulation_counts(space, rows, global_batch, batch_devices(mesh, base))
+    check_mesh(mesh, base)
+    meshes = context_meshes(mesh, base, space, batch)
     psi, opt_bytes = param_counts(shapes, tx)
-    shards = dict(mesh.shape)[base.axis]
-    cands = enumerate_candidates(base, space, counts, num_params=psi, shards=shards, opt_bytes=opt_bytes)
+    shards = dict(mesh.shape)[base.axis] * context_size(mesh, base.context_axis)  # data x context: C moves none
+    cands, rows, counts = [], {}, {}
+    for c, mesh_c in meshes.items():
+        try:
+            rows[c], global_batch = rows_per_device(batch, mesh_c, base)
+            counts[c] = accumulation_counts(space, rows[c], global_batch, batch_devices(mesh_c, base))
+        except ValueError as e:
+            if list(meshes) == [1]:
+                raise
+            raise ValueError(f"SearchSpace(context={tuple(meshes)}), context {c} (the batch over "
+                             f"{batch_devices(mesh_c, base)} data groups): {e}") from None
+        cands += enumerate_candidates(base, space, counts[c], num_params=psi, shards=shards, opt_bytes=opt_bytes,
+                                      context=c)
     limit = usable(budget, margin)
     pruned = [c for c in cands if c.formula_bytes > limit]
     alive = [c for c in cands if c.formula_bytes <= limit]
     if not alive:
         raise ValueError(nothing_fits_formula(pruned, budget, margin, shards, psi))
     spec = device_spec(device, mesh)
-    search = _Search(loss_fn, shapes, tx, batch, mesh, spec, budget, margin, has_aux, rows, len(cands), verbose,
+    search = _Search(loss_fn, shapes, tx, batch, meshes, spec, budget, margin, has_aux, rows, len(cands), verbose,
                      progress)
     for c in pruned:
         search.report(f"{c.describe()}: pruned, state {fmt_bytes(c.formula_bytes)} > {fmt_bytes(limit)}")
@@ -146,9 +158,9 @@ def autotune(loss_fn: Callable, params: Any, tx: Any, batch: Any, *, mesh, memor
 class _Search:
     """The compile loop and what it has learned so far."""
 
-    def __init__(self, loss_fn, shapes, tx, batch, mesh, spec: DeviceSpec, budget: int, margin: float,
-                 has_aux: bool, rows: int, total: int, verbose: bool, progress: Progress | None):
-        self.loss_fn, self.shapes, self.tx, self.batch, self.mesh = loss_fn, shapes, tx, batch, mesh
+    def __init__(self, loss_fn, shapes, tx, batch, meshes: dict, spec: DeviceSpec, budget: int, margin: float,
+                 has_aux: bool, rows: dict[int, int], total: int, verbose: bool, progress: Progress | None):
+        self.loss_fn, self.shapes, self.tx, self.batch, self.meshes = loss_fn, shapes, tx, batch, meshes
         self.spec, self.budget, self.margin, self.has_aux, self.rows = spec, budget, margin, has_aux, rows
         self.total, self.done, self.verbose, self.progress = total, 0, verbose, progress
         self.plans: dict[Candidate, Plan] = {}  # every evaluated candidate, fitting or not
@@ -209,16 +221,18 @@ class _Search:
             memory, cost = self.by_program[key]
             how = "same program as one compiled before"
         else:
-            compiled = lowered.compile(**_compile_options(self.mesh))
+            mesh = self.meshes[c.context]
+            compiled = lowered.compile(**_compile_options(mesh))
             self.compiles += 1
             memory = self.memory(compiled, state, c)
             host_state = memory.step.state_host if memory.step is not None else 0
-            cost = step_cost(compiled, self.mesh, compute_dtype=c.config.compute_dtype,
+            cost = step_cost(compiled, mesh, compute_dtype=c.config.compute_dtype,
                              host_state_bytes=host_state, overlap=c.config.prefetch > 0)
             self.by_program[key] = (memory, cost)
             how = f"compiled in {time.perf_counter() - t0:.1f} s"
         plan = Plan(config=c.config, memory=memory, time=cost.seconds(self.spec), cost=cost,
-                    micro_batch=self.rows // c.config.grad_accum_steps, offload=c.offload, program=key[:12])
+                    micro_batch=self.rows[c.context] // c.config.grad_accum_steps, offload=c.offload,
+                    program=key[:12], context=c.context, mesh=self.meshes[c.context])
         self.plans[c] = plan
         self.fits[c] = memory.device <= self.budget
         verdict = "fits" if self.fits[c] else f"over by {fmt_bytes(memory.device - self.budget)}"
@@ -236,18 +250,15 @@ class _Search:
     def lower(self, c: Candidate):
         from zerojax.step import make_train_step
 
-        state = abstract_state(self.shapes, self.tx, mesh=self.mesh, config=c.config)
-        split = NamedSharding(state.plan.mesh, P(state.plan.batch_axes))
-        sharded = lambda x: x if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None else \
-            jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=split)
-        batch = jax.tree.map(sharded, self.batch)
-        step = make_train_step(self.loss_fn, self.tx, mesh=self.mesh, config=c.config, has_aux=self.has_aux)
-        return state, step.lower(state, batch)
+        mesh = self.meshes[c.context]
+        state = abstract_state(self.shapes, self.tx, mesh=mesh, config=c.config)
+        step = make_train_step(self.loss_fn, self.tx, mesh=mesh, config=c.config, has_aux=self.has_aux)
+        return state, step.lower(state, abstract_batch(state.plan, self.batch))
 
     def memory(self, compiled, state, c: Candidate) -> PlanMemory:
         m = compiled_bytes(compiled)
         state_bytes, state_host = _state_bytes(state)
-        batch_bytes = sum(_shard_bytes(x, self.mesh, c.config) for x in jax.tree.leaves(self.batch))
+        batch_bytes = sum(_shard_bytes(x) for x in jax.tree.leaves(abstract_batch(state.plan, self.batch)))
         if m["argument"] == 0 and m["output"] == 0 and m["temp"] == 0:  # jax issue #18954
             if not self.warned:
                 warnings.warn("memory_analysis() of the compiled step reports zero bytes on this backend (jax issue "
@@ -302,6 +313,5 @@ def _state_bytes(state) -> tuple[int, int]:
 
 
 
-def _shard_bytes(x: Any, mesh, config: ZeroConfig) -> int:
-    shape = tuple(np.shape(x)) if not hasattr(x, "shape") else tuple(x.shape)
-    return math.prod(shape) // batch_devices(mesh, config) * np.dtype(x.dtype).itemsize
+def _shard_bytes(x: jax.ShapeDtypeStruct) -> int:
+    return math.prod(x.sharding.shard_shape(tuple(x.shape))) * np.dtype(x.dtype).itemsize
