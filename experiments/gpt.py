@@ -41,6 +41,12 @@ class GPTConfig:
     # residual adds) split along the sequence over "tensor" (zj.nn.sequence_parallel); the
     # identity on a mesh without a tensor axis.
     sequence_parallel: bool = False
+    # With sequence_parallel: Megatron's collectives written out around the tensor-parallel
+    # matmuls (zj.nn.column_parallel gathers the sequence once for q, k and v and again for
+    # the MLP, zj.nn.row_parallel reduce-scatters onto the sequence split); False: the values
+    # marked only (zj.nn.tensor_parallel), the collectives left to XLA's partitioner. LoRA
+    # layers (lora_rank > 0) are always marked only.
+    sp_matmuls: bool = True
 
     def __post_init__(self) -> None:
         zj.remat.resolve(self.remat)  # unknown names raise here, with the valid ones
@@ -103,11 +109,24 @@ class Block(nnx.Module):
         keep = lambda x, **_: x
         self.split = zj.nn.sequence_parallel if cfg.sequence_parallel else keep
         self.cols = zj.nn.tensor_parallel if cfg.sequence_parallel else keep  # gather the sequence, not the weight
+        self.sp_matmuls = cfg.tensor_parallel and cfg.sequence_parallel and cfg.sp_matmuls and not cfg.lora_rank
+
+    def column(self, x: jax.Array, *layers: nnx.Linear) -> tuple[jax.Array, ...]:
+        """Column-parallel ``layers`` on the sequence-split ``x``: one gather for all."""
+        return zj.nn.column_parallel(x, tuple(l.kernel[...] for l in layers), tuple(l.bias[...] for l in layers))
+
+    def row(self, x: jax.Array, layer: nnx.Linear) -> jax.Array:
+        """Row-parallel ``layer``: born split along the sequence with explicit collectives."""
+        if self.sp_matmuls:
+            return zj.nn.row_parallel(x, layer.kernel[...], layer.bias[...])
+        return layer(x)
 
     def attention(self, x: jax.Array) -> jax.Array:
         b, t, d = x.shape
         h = self.n_heads
-        if self.tensor_parallel:
+        if self.sp_matmuls:
+            q, k, v = (y.reshape(b, t, h, d // h) for y in self.column(x, self.q, self.k, self.v))
+        elif self.tensor_parallel:
             q, k, v = (self.cols(f(x).reshape(b, t, h, d // h), dim=2) for f in (self.q, self.k, self.v))
         else:
             q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3 * h, d // h), 3, axis=2)
@@ -115,15 +134,18 @@ class Block(nnx.Module):
         causal = jnp.tril(jnp.ones((t, t), bool))
         scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
         out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
-        return self.proj(out.reshape(b, t, d))
+        return self.row(out.reshape(b, t, d), self.proj)
 
     def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
         """``key``: this layer's dropout key (None: no dropout)."""
         keys = (None, None) if key is None else jax.random.split(key)
         drop = lambda y, k: y if k is None else self.drop(y, rngs=k)
         x = self.split(x + drop(checkpoint_name(self.attention(self.ln1(x)), "attn_out"), keys[0]))
-        hidden = self.cols(jax.nn.gelu(self.fc(self.ln2(x))))
-        return self.split(x + drop(checkpoint_name(self.out(hidden), "mlp_out"), keys[1]))
+        if self.sp_matmuls:
+            hidden = jax.nn.gelu(self.column(self.ln2(x), self.fc)[0])
+        else:
+            hidden = self.cols(jax.nn.gelu(self.fc(self.ln2(x))))
+        return self.split(x + drop(checkpoint_name(self.row(hidden, self.out), "mlp_out"), keys[1]))
 
 
 class GPT(nnx.Module):
@@ -147,6 +169,8 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens: jax.Array, key: jax.Array | None = None) -> jax.Array:
         """``key``: dropout key (None, or ``cfg.dropout == 0``: no dropout)."""
+        if self.cfg.sequence_parallel:  # the lookups too: never the whole sequence's embeddings on a device
+            tokens = zj.nn.sequence_parallel(tokens)
         x = self.wte(tokens) + self.wpe[: tokens.shape[1]]
         if self.cfg.sequence_parallel:
             x = zj.nn.sequence_parallel(x)
@@ -155,14 +179,22 @@ class GPT(nnx.Module):
             def run(x, block):
                 return block(x)
 
-            return self.head(self.ln_f(run(x, self.blocks)))
+            return self.logits(run(x, self.blocks))
 
         @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: None})
         def run_dropout(x, block, key):
             return block(x, key)
 
         keys = jax.random.split(key, self.cfg.n_layers)
-        return self.head(self.ln_f(run_dropout(x, self.blocks, keys)))
+        return self.logits(run_dropout(x, self.blocks, keys))
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """The head (column-parallel over the vocabulary): with sequence parallelism's
+        matmuls, the sequence gathered inside the matmul only."""
+        cfg = self.cfg
+        if cfg.tensor_parallel and cfg.sequence_parallel and cfg.sp_matmuls:
+            return zj.nn.column_parallel(self.ln_f(x), self.head.kernel[...])
+        return self.head(self.ln_f(x))
 
 
 def init(cfg: GPTConfig, seed: int = 0):

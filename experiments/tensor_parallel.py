@@ -10,9 +10,10 @@ every tensor shard); the compiled program's temp bytes (activations and gathered
 each tensor shard computes 1/T of every column-parallel activation); collective bytes per
 device per step over each mesh axis, from the HLO; and milliseconds per step (median of a
 few steps after compilation; on the 2-core CPU host this says little about a GPU). A third
-table compiles the same global batch with and without sequence parallelism (the residual
-stream split along the sequence over "tensor", ``GPTConfig.sequence_parallel``) under each
-remat policy (``--sp-remat``).
+table compiles the same global batch without sequence parallelism, with it marked only
+(``GPTConfig.sequence_parallel``: the residual stream split along the sequence over
+"tensor") and with Megatron's collectives written out (``GPTConfig.sp_matmuls``), under each
+remat policy (``--sp-remat``) and model width (``--sp-d-model``).
 
     python experiments/tensor_parallel.py [--d-model 256 --layers 2 --seq-len 128 --batch 16 --rows 2]
 """
@@ -68,50 +69,59 @@ def measure(cfg: gpt.GPTConfig, tensor: int, batch: int, steps: int = 5) -> dict
             "batch": batch}
 
 
+SP_VARIANTS = (("alone", False, False), ("marked", True, False), ("matmuls", True, True))
+
+
 def sequence_rows(args, degrees: list[int]) -> list[dict]:
-    """Compiled temp and collectives over "tensor" at the same global batch, with and without
-    sequence parallelism (``GPTConfig.sequence_parallel``: ``zj.nn.sequence_parallel`` on the
-    residual stream, ``zj.nn.tensor_parallel`` on the column-parallel outputs), per remat
-    policy. Compiled from abstract state: nothing runs."""
+    """Compiled temp and collectives over "tensor" at the same global batch: tensor
+    parallelism alone, sequence parallelism with the values marked only
+    (``zj.nn.sequence_parallel`` on the residual stream, ``zj.nn.tensor_parallel`` on the
+    column-parallel outputs: XLA's partitioner places the collectives) and with Megatron's
+    collectives written out (``zj.nn.column_parallel`` / ``zj.nn.row_parallel``,
+    ``GPTConfig.sp_matmuls``), per model width and remat policy. Compiled from abstract
+    state: nothing runs."""
     import jax.numpy as jnp
 
     out = []
-    for remat in args.sp_remat.split(","):
-        for t in degrees:
-            for sp in ((False, True) if t > 1 else (False,)):
-                cfg = gpt.GPTConfig(vocab=256, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
-                                    n_heads=max(1, args.d_model // 64), tensor_parallel=True, sequence_parallel=sp)
-                graphdef, params = gpt.init_abstract(cfg)
-                tx, mesh, zc = optax.adamw(3e-4), zj.make_mesh(tensor=t), zj.ZeroConfig(stage=3, remat=remat)
-                state = zj.abstract_state(params, tx, mesh=mesh, config=zc)
-                step = zj.make_train_step(gpt.make_loss(graphdef), tx, mesh=mesh, config=zc)
-                batch = {"tokens": jax.ShapeDtypeStruct((args.batch, args.seq_len + 1), jnp.int32)}
-                compiled = step.lower(state, batch).compile()
-                kinds: dict[str, int] = {}
-                for c in collectives(compiled.as_text()):
-                    if "tensor" in c.axes(mesh):
-                        kinds[c.kind] = kinds.get(c.kind, 0) + c.total_bytes
-                out.append({"remat": remat, "tensor": t, "sp": sp, "temp": zj.compiled_bytes(compiled)["temp"],
-                            "tensor_kinds": kinds})
+    for d in (int(v) for v in args.sp_d_model.split(",")):
+        for remat in args.sp_remat.split(","):
+            for t in degrees:
+                for name, sp, matmuls in (SP_VARIANTS if t > 1 else SP_VARIANTS[:1]):
+                    cfg = gpt.GPTConfig(vocab=256, seq_len=args.seq_len, d_model=d, n_layers=args.layers,
+                                        n_heads=max(1, d // 64), tensor_parallel=True, sequence_parallel=sp,
+                                        sp_matmuls=matmuls)
+                    graphdef, params = gpt.init_abstract(cfg)
+                    tx, mesh, zc = optax.adamw(3e-4), zj.make_mesh(tensor=t), zj.ZeroConfig(stage=3, remat=remat)
+                    state = zj.abstract_state(params, tx, mesh=mesh, config=zc)
+                    step = zj.make_train_step(gpt.make_loss(graphdef), tx, mesh=mesh, config=zc)
+                    batch = {"tokens": jax.ShapeDtypeStruct((args.batch, args.seq_len + 1), jnp.int32)}
+                    compiled = step.lower(state, batch).compile()
+                    kinds: dict[str, int] = {}
+                    for c in collectives(compiled.as_text()):
+                        if "tensor" in c.axes(mesh) and c.total_bytes:
+                            kinds[c.kind] = kinds.get(c.kind, 0) + c.total_bytes
+                    out.append({"d_model": d, "remat": remat, "tensor": t, "variant": name,
+                                "temp": zj.compiled_bytes(compiled)["temp"], "tensor_kinds": kinds})
     return out
 
 
 def print_sequence_table(rows: list[dict], batch: int) -> None:
     mib = lambda b: f"{b / 2**20:.1f}"
-    base = {r["remat"]: r["temp"] for r in rows if r["tensor"] == 1}
+    base = {(r["d_model"], r["remat"]): r["temp"] for r in rows if r["tensor"] == 1}
     print(f"Sequence parallelism, same global batch ({batch}), ZeRO-3, compiled temp MiB per device "
-          f"(against T = 1 at the same remat policy) and collectives over \"tensor\" per step:\n")
-    print("| remat | data x tensor | temp, tensor parallelism alone | temp, with sequence parallelism | "
-          "tensor-axis collectives alone | with sequence parallelism |")
-    print("|---|---|---|---|---|---|")
-    fmt = lambda k: ", ".join(f"{kind} {v / 2**20:.1f} MiB" for kind, v in sorted(k.items())) or "none"
-    for remat in dict.fromkeys(r["remat"] for r in rows):
+          f"(against T = 1 at the same width and remat policy) and collectives over \"tensor\" per step "
+          f"(MiB per device):\n")
+    print("| d_model | remat | data x tensor | temp, TP alone | temp, SP marked | temp, SP matmuls | "
+          "tensor-axis collectives: TP alone | SP marked | SP matmuls |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    fmt = lambda r: ", ".join(f"{kind} {v / 2**20:.1f}" for kind, v in sorted(r["tensor_kinds"].items())) or "none"
+    for d, remat in dict.fromkeys((r["d_model"], r["remat"]) for r in rows):
         for t in sorted({r["tensor"] for r in rows}):
-            alone = next(r for r in rows if (r["remat"], r["tensor"], r["sp"]) == (remat, t, False))
-            sp = next((r for r in rows if (r["remat"], r["tensor"], r["sp"]) == (remat, t, True)), None)
-            ratio = lambda r: f"{mib(r['temp'])} ({r['temp'] / base[remat]:.2f}x)"
-            print(f"| {remat} | {8 // t} x {t} | {ratio(alone)} | {ratio(sp) if sp else '(no tensor axis)'} | "
-                  f"{fmt(alone['tensor_kinds'])} | {fmt(sp['tensor_kinds']) if sp else ''} |")
+            got = {r["variant"]: r for r in rows if (r["d_model"], r["remat"], r["tensor"]) == (d, remat, t)}
+            ratio = lambda r: f"{mib(r['temp'])} ({r['temp'] / base[d, remat]:.2f}x)"
+            cell = lambda v, f: f(got[v]) if v in got else "-"
+            print(f"| {d} | {remat} | {8 // t} x {t} | {ratio(got['alone'])} | {cell('marked', ratio)} | "
+                  f"{cell('matmuls', ratio)} | {fmt(got['alone'])} | {cell('marked', fmt)} | {cell('matmuls', fmt)} |")
     print()
 
 
@@ -146,6 +156,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--plot", default="", help="write the memory-vs-T plot to this PNG")
     ap.add_argument("--sp-remat", default="none,dots,full",
                     help="remat policies of the sequence-parallelism table ('' to leave it out)")
+    ap.add_argument("--sp-d-model", default="256,1024", help="model widths of the sequence-parallelism table")
     args = ap.parse_args(argv)
     cfg = gpt.GPTConfig(vocab=256, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
                         n_heads=max(1, args.d_model // 64), tensor_parallel=True)
