@@ -91,10 +91,12 @@ def test_layout_round_trip_and_shard_shapes():
     assert bias.storage_shape == (2, 8) and bias.shard_shape == (1, 2)  # 6 padded to 8, over 4
 
 
-@pytest.mark.parametrize("tensor", [2, 4])
+@pytest.mark.parametrize("tensor", [2, 4, pytest.param(8, marks=pytest.mark.slow)])  # slow: 8 more compiles
 def test_mlp_every_stage_matches_single_device(tensor):
     """Stages 0-3 with an explicit tensor_specs tree equal plain optax (SGD, 1e-5), and every
-    weight gather stays inside a data group."""
+    weight gather stays inside a data group. At T = 8 the data axis has one device, whose
+    storage shard is the whole grid: the gradient's reduce-scatter keeps it in the grid's
+    form (it once came back reshaped to the weight's shape, and stages 1-3 failed)."""
     params, data, tx = mlp_params(), batches(), optax.sgd(0.1)
     ref, ref_losses = reference_run(mlp_loss, params, tx, data)
     for stage in (0, 1, 2, 3):
@@ -106,7 +108,7 @@ def test_mlp_every_stage_matches_single_device(tensor):
         leaf = state.master["w1"] if stage == 3 else state.params["w1"]
         assert leaf.addressable_shards[0].data.size * (8 if stage == 3 else tensor) == D * F
         compiled = step.lower(state, data[0]).compile()
-        assert weight_gathers_over(compiled, mesh) <= {("data",)}, stage
+        assert weight_gathers_over(compiled, mesh) <= {("data",), ()}, stage  # (): over one device, at T = 8
         by_axis = communication_report(compiled, mesh)["by_axis"]
         assert by_axis["tensor"]["count"] >= 1  # the row-parallel matmul's all-reduce (Megatron's "g")
 

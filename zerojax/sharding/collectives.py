@@ -37,7 +37,7 @@ def reduce_grad(g: jax.Array, axis: str, n: int, reduce_dtype, layout: LeafLayou
     if layout is not None and layout.tp:  # each tensor shard on its own: never over the tensor axis
         return layout.on_tensor_shards(
             lambda l, x: reduce_grad(x, axis, n, reduce_dtype, None if l.kind == "replicated" else l, replica, block),
-            g)
+            g, whole=False)
     if reduce_dtype == "int8":
         return _reduce_int8(g, axis, n, layout, replica, block)
     predivide = jnp.dtype(reduce_dtype) == jnp.float16
@@ -74,7 +74,8 @@ def gather_values(layout: LeafLayout, axis: str, shard: jax.Array, compute_dtype
     """The full leaf in ``compute_dtype`` from this device's shard: cast, then all-gathered;
     or, with ``quant_block``, all-gathered as blockwise int8 (:mod:`zerojax.sharding.quantize`)."""
     if layout.tp and layout.kind != "replicated":  # each tensor shard on its own
-        return layout.on_tensor_shards(lambda l, s: gather_values(l, axis, s, compute_dtype, quant_block), shard)
+        return layout.on_tensor_shards(lambda l, s: gather_values(l, axis, s, compute_dtype, quant_block), shard,
+                                       whole=True)
     if quant_block:
         return gather_int8(layout, shard, axis, quant_block, compute_dtype)
     return layout.gather(shard.astype(compute_dtype), axis)

@@ -233,7 +233,7 @@ class LeafLayout:
         if self.kind == "replicated":
             return shard
         if self.tp:
-            return self.on_tensor_shards(lambda l, s: l.gather(s, axis), shard)
+            return self.on_tensor_shards(lambda l, s: l.gather(s, axis), shard, whole=True)
         full = jax.lax.all_gather(shard, axis, axis=self.split_axis, tiled=True)
         return self.from_storage(full)
 
@@ -241,24 +241,25 @@ class LeafLayout:
         """Sums a full array over ``axis`` into this device's shard (reduce-scatter; an
         all-reduce for a replicated layout)."""
         if self.tp:
-            return self.on_tensor_shards(lambda l, x: l.scatter(x, axis), full)
+            return self.on_tensor_shards(lambda l, x: l.scatter(x, axis), full, whole=False)
         if self.kind == "replicated":
             return jax.lax.psum(full, axis)
         return jax.lax.psum_scatter(self.to_storage(full), axis, scatter_dimension=self.split_axis, tiled=True)
 
-    def on_tensor_shards(self, fn, x: jax.Array) -> jax.Array:
+    def on_tensor_shards(self, fn, x: jax.Array, *, whole: bool) -> jax.Array:
         """``fn(self.local(), x_t)`` on each tensor shard ``x_t`` of ``x`` (an array of this
         layout's grid or storage, or of its own shape when replicated over the data axis: the
         tensor axis at ``tdim`` in each), as a nested ``shard_map`` manual over the tensor
         axis: collectives over the data axes in ``fn`` then never involve the tensor axis.
-        The result is the grid's full array reshaped to ``shape`` when it has the grid's
-        shape, else as ``fn`` returns it (a storage shard)."""
+        ``whole``: ``fn`` returns the grid's full array (a gather), reshaped here to
+        ``shape``; else a storage shard (a scatter), returned as it is, even where it has the
+        grid's shape (a data axis of one device stores the whole grid)."""
         spec = self.tensor_spec()
         if self.kind != "replicated" and tuple(x.shape) == self.shape:
             x = jnp.reshape(x, self.grid)
         out = jax.shard_map(lambda v: fn(self.local(), v), in_specs=spec, out_specs=spec,
                             axis_names={self.taxis}, check_vma=False)(x)
-        return out.reshape(self.shape) if tuple(out.shape) == self.grid != self.shape else out
+        return out.reshape(self.shape) if whole and tuple(out.shape) == self.grid != self.shape else out
 
     # Stacks of layers.
     @property
