@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.sharding import jax_compat
 from zerojax.sharding.plan import ZeroPlan
+from zerojax.sharding.retrace import Retracer
 
 _P = jax_compat.P
 
@@ -50,7 +51,7 @@ def trace(fn: Callable, args: Sequence[Any], plan: ZeroPlan) -> tuple[Any, Any]:
     return jax.make_jaxpr(fn, axis_env=axis_env, return_shape=True)(*args)
 
 
-class Translator:
+class Translator(Retracer):
     """Re-traces a program made by :func:`trace` inside the step's ``shard_map`` (see the
     module docstring)."""
 
@@ -62,56 +63,17 @@ class Translator:
         self.known = set(plan.mesh.axis_names) | {cfg.tensor_axis}
         self.mesh_axes = tuple(plan.mesh.axis_names)
 
-    # Programs.
-    def program(self, closed: Any) -> Any:
-        """``closed`` re-traced here, in the step's context."""
-        jaxpr, consts = jax_compat.open_jaxpr(closed)
-        return self._retrace(jaxpr, consts)
+    def equation(self, eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any] | None:
+        if eqn.primitive is _P.sharding_constraint_p:
+            return [self._constrain(eqn, invals[0])]
+        if eqn.primitive in (_P.jit_p, _P.closed_call_p):  # inlined: no call keeps the model's mesh
+            return self._eval(*jax_compat.call_body(eqn), invals)
+        return None
 
-    def _retrace(self, jaxpr: jcore.Jaxpr, consts: Sequence[Any]) -> Any:
-        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=getattr(v.aval, "weak_type", False))
-                 for v in jaxpr.invars]
-        return jax.make_jaxpr(lambda *args: self._eval(jaxpr, consts, args))(*avals)
-
-    def _sub(self, program: Any) -> Any:
-        return jax_compat.like(program, self._retrace(*jax_compat.open_jaxpr(program)))
-
-    def _rule(self, jaxpr: jcore.Jaxpr, consts: Sequence[Any]) -> tuple[Any, tuple]:
-        return jax_compat.open_jaxpr(self._retrace(jaxpr, consts))
-
-    def _eval(self, jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-        env: dict[Any, Any] = {}
-        read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
-        for v, x in zip(jaxpr.constvars, consts):
-            env[v] = x
-        for v, x in zip(jaxpr.invars, args, strict=True):
-            env[v] = x
-        for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
-            if eqn.primitive is _P.sharding_constraint_p:
-                outs = [self._constrain(eqn, invals[0])]
-            elif eqn.primitive in (_P.jit_p, _P.closed_call_p):  # inlined: no call keeps the model's mesh
-                outs = self._eval(*jax_compat.call_body(eqn), invals)
-            else:
-                outs = jax_compat.bind(eqn.replace(params=self._params(eqn)), invals)
-            for v, x in zip(eqn.outvars, outs, strict=True):
-                env[v] = x
-        return [read(v) for v in jaxpr.outvars]
-
-    def _params(self, eqn: jcore.JaxprEqn) -> dict:
-        here = jax.sharding.get_abstract_mesh()
-        out = {}
-        for k, v in eqn.params.items():
-            if isinstance(v, NamedSharding) and v.mesh.abstract_mesh != here:
-                v = None  # an output sharding inferred from the model's mesh: the step's context decides
-            elif k in jax_compat.RULE_THUNKS:
-                v = jax_compat.wrap_rule(v, self._rule)
-            elif jax_compat.is_program(v):
-                v = self._sub(v)
-            elif isinstance(v, (tuple, list)) and v and all(jax_compat.is_program(x) for x in v):
-                v = type(v)(self._sub(x) for x in v)
-            out[k] = v
-        return out
+    def param(self, name: str, value: Any) -> Any:
+        if isinstance(value, NamedSharding) and value.mesh.abstract_mesh != jax.sharding.get_abstract_mesh():
+            return None  # an output sharding inferred from the model's mesh: the step's context decides
+        return value
 
     # Constraints.
     def _constrain(self, eqn: jcore.JaxprEqn, x: jax.Array) -> jax.Array:

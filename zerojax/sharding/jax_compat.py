@@ -14,6 +14,8 @@ scan split    ``num_consts``, ``num_carry``         ``ft_in`` (consts, carry, xs
 one equation  ``ClosedJaxpr(Jaxpr(...), [])``       ``Jaxpr(..., consts=[])``
 custom rules  ``jvp_jaxpr_fun``, ``fwd_jaxpr_thunk``  the same
 constraint    ``sharding_constraint(sharding=NamedSharding)``  the same
+gather        ``gather(dimension_numbers, slice_sizes, mode, fill_value)``  the same
+manual region ``shard_map(jaxpr, ...)``             the same
 ============  ====================================  ===================================
 
 Supporting a new JAX release means updating the functions below; nothing else in
@@ -231,6 +233,54 @@ def bind(eqn: jcore.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     return list(jcore.jaxpr_as_fun(closed)(*values))
 
 
+@dataclasses.dataclass(frozen=True)
+class TakeAlong:
+    """A gather that picks one element along operand dimension ``dim`` for each index,
+    every other operand dimension a batching dimension: ``jnp.take_along_axis`` (optax's
+    integer-label cross-entropy picks each target's logit so). ``pairs``: (operand
+    dimension, indices dimension) of each batching dimension; the indices' last dimension
+    is the index vector (size 1). ``fill``: an out-of-range index gives ``fill_value``
+    (else it is clamped)."""
+
+    dim: int
+    pairs: tuple[tuple[int, int], ...]
+    fill: bool
+    fill_value: Any
+
+
+def is_gather(eqn: jcore.JaxprEqn) -> bool:
+    return eqn.primitive is P.gather_p
+
+
+def has_batching_dims(eqn: jcore.JaxprEqn) -> bool:
+    """Whether a ``gather`` has operand batching dimensions."""
+    return bool(tuple(getattr(eqn.params["dimension_numbers"], "operand_batching_dims", ())))
+
+
+def take_along(eqn: jcore.JaxprEqn) -> TakeAlong | None:
+    """A ``gather`` equation read as :class:`TakeAlong`, or None when it is another gather."""
+    if not is_gather(eqn):
+        return None
+    dn, shape = eqn.params["dimension_numbers"], eqn.invars[0].aval.shape
+    batching = tuple(getattr(dn, "operand_batching_dims", ()))
+    if not batching or dn.offset_dims or len(dn.start_index_map) != 1:
+        return None
+    dim = dn.start_index_map[0]
+    if tuple(dn.collapsed_slice_dims) != (dim,) or set(batching) | {dim} != set(range(len(shape))):
+        return None
+    if any(s != 1 for s in eqn.params["slice_sizes"]) or eqn.invars[1].aval.shape[-1] != 1:
+        return None
+    mode = eqn.params["mode"]
+    fill = "FILL" in getattr(mode, "name", str(mode)).upper()
+    return TakeAlong(dim, tuple(zip(batching, dn.start_indices_batching_dims)), fill, eqn.params.get("fill_value"))
+
+
+def is_manual_region(eqn: jcore.JaxprEqn) -> bool:
+    """Whether ``eqn`` is a ``shard_map``: its body binds mesh axes of its own (a collective
+    over them traces only inside it), so a re-trace binds it whole."""
+    return eqn.primitive.name == "shard_map"
+
+
 def _custom_vjp_example():
     @jax.custom_vjp
     def f(x):
@@ -265,8 +315,25 @@ def self_check() -> None:
                lambda e: e.primitive.name == "custom_vjp_call" and RULE_THUNKS[1] in e.params
                and is_program(e.params["call_jaxpr"]))
 
+        idx = lambda x: jnp.zeros((3, 1), jnp.int32)
+        yield ("jnp.take_along_axis", lambda x: jnp.take_along_axis(x, idx(x), axis=-1, mode="fill"), P.gather_p,
+               lambda e: (t := take_along(e)) and (t.dim, t.pairs, t.fill) == (1, ((0, 0),), True)
+               and has_batching_dims(e))
+        from jax.sharding import AbstractMesh, AxisType
+
+        mesh = AbstractMesh((1,), ("zerojax_check",), axis_types=(AxisType.Auto,))
+        yield ("jax.shard_map", jax.shard_map(lambda x: x * 2, mesh=mesh, in_specs=jax.P("zerojax_check"),
+                                              out_specs=jax.P("zerojax_check")), None,
+               lambda e: is_manual_region(e) and is_program(e.params["jaxpr"]))
+
+    def flat(eqns):  # nested calls too: jnp functions run as jitted sub-programs
+        for e in eqns:
+            yield e
+            for sub in jcore.jaxprs_in_params(e.params):
+                yield from flat(open_jaxpr(sub)[0].eqns)
+
     for what, fn, prim, ok in checks():
-        eqns = [e for e in jax.make_jaxpr(fn)(x).jaxpr.eqns if prim is None or e.primitive is prim]
+        eqns = [e for e in flat(jax.make_jaxpr(fn)(x).jaxpr.eqns) if prim is None or e.primitive is prim]
         if not eqns:
             raise _unsupported(what, f"it no longer traces to the primitive {prim.name!r}")
         prim = prim or eqns[0].primitive
