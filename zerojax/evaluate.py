@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax import compile_cache
 from zerojax.config import ZeroConfig
-from zerojax.sharding import outputs, per_use
+from zerojax.sharding import gathers, outputs, per_use
 from zerojax.sharding import context as sequence
 from zerojax.sharding.gradients import cast_batch, context, local_shapes, pending
 from zerojax.sharding.mesh import auto_axes, batch_axes, batch_devices
@@ -68,7 +68,7 @@ class EvalStep:
         def user_fn(leaves, inputs):
             b, ms = inputs
             kwargs = {"model_state": jax.tree.map(lambda x: x, ms)} if self.with_model_state else {}
-            return self.fn(plan.unflatten(leaves), cast_batch(b, compute), **kwargs)
+            return gathers.wrap(plan, self.fn)(plan.unflatten(leaves), cast_batch(b, compute), **kwargs)
 
         ms = state.model_state if self.with_model_state else None
         local = jax.tree.map(lambda b: jax.ShapeDtypeStruct((b.shape[0] // n,) + b.shape[1:], b.dtype), batch)

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from zerojax.sharding import collectives, outputs, per_use
+from zerojax.sharding import collectives, gathers, outputs, per_use
 from zerojax.sharding import context as sequence
 from zerojax.sharding.plan import ZeroPlan
 from zerojax.sharding.sources import Source
@@ -126,7 +126,8 @@ class Loss:
             # New tree nodes at this trace: NNX Variables (nnx.BatchStat) refuse updates in a
             # trace other than the one that built them, and the state comes from outside grad.
             kwargs["model_state"] = jax.tree.map(lambda x: x, model_state)
-        out = self.fn(self.plan.unflatten(leaves), cast_batch(batch, self.plan.config.compute_dtype), **kwargs)
+        fn = gathers.wrap(self.plan, self.fn)  # a data x context x tensor mesh: batched gathers rewritten
+        out = fn(self.plan.unflatten(leaves), cast_batch(batch, self.plan.config.compute_dtype), **kwargs)
         return _parse(out, self.has_aux, self.with_model_state)
 
     def traced(self) -> Callable:

@@ -250,11 +250,6 @@ def make_plan(params: Any, mesh: Mesh, config: ZeroConfig, tx: Any = None, train
             f"{config.replica_axis!r} (replica groups) with size > 1; zerojax shards over one data axis, optionally "
             f"replicated, beside tensor and context axes. Build the mesh with zj.make_mesh(), "
             f"zj.make_mesh(replicas=R), zj.make_mesh(tensor=T) or zj.make_mesh(context=C).")
-    if c > 1 and t > 1:
-        raise ValueError(
-            f"mesh {dict(mesh.shape)} has both a tensor axis ({t}) and a context axis ({c}); zerojax does not train "
-            f"on both at once yet (XLA's SPMD partitioner fails a check on the nested tensor-shard collectives with "
-            f"an automatic context axis). Use zj.make_mesh(context={c * t}) or zj.make_mesh(tensor={t}).")
     if c > 1 and config.axis_map is not None:
         raise ValueError("ZeroConfig.axis_map (a model with its own sharding) is not supported on a context mesh yet: "
                          "its constraints are translated onto the data and tensor axes only. Use zj.make_mesh() or "
