@@ -119,15 +119,40 @@ def main() -> None:
     ap.add_argument("--ring-seq", type=int, default=4096, help="sequence of the causal ring timing (0: skip it)")
     ap.add_argument("--ring-c", type=int, default=4, help="context degree of the causal ring timing")
     ap.add_argument("--only-ring", action="store_true", help="only the causal ring timing")
+    ap.add_argument("--tune-seq", type=int, default=4096,
+                    help="sequence of the zj.autotune search over C (0: skip it)")
+    ap.add_argument("--only-tune", action="store_true", help="only the zj.autotune search over C")
     args = ap.parse_args()
     base = llama.LlamaConfig(vocab=256, d_model=args.d_model, n_layers=args.layers, n_heads=8, n_kv_heads=4,
                              d_ff=4 * args.d_model, seq_len=args.seq_len, remat="full", attention_block=args.block)
     print(f"Llama d{args.d_model} L{args.layers}, 8 heads (4 KV), ZeRO-3, AdamW, full remat, 8 x cpu, one sequence of "
           f"{args.seq_len} per data group, kernels' chunks of {args.block} keys, jax {jax.__version__}\n")
-    if not args.only_ring:
+    if not (args.only_ring or args.only_tune):
         memory_tables(args, base)
-    if args.ring_seq:
+    if args.ring_seq and not args.only_tune:
         ring_table(args)
+    if args.tune_seq and not args.only_ring:
+        tune_table(args, base)
+
+
+def tune_table(args, base) -> None:
+    """zj.autotune over the context degree: the Llama (ring attention) on sequences of
+    ``--tune-seq``, a global batch of 8, within ``--budget-mib``, priced as an H100."""
+    from zerojax.tuning import SearchSpace
+
+    seq = args.tune_seq
+    cfg = llama.LlamaConfig(**{**base.__dict__, "attention": "ring", "seq_len": seq})
+    graphdef, abstract = llama.init_abstract(cfg)
+    tokens = jax.ShapeDtypeStruct((8, seq), jnp.int32)
+    space = SearchSpace(stages=(2, 3), remat=("dots", "full"), offload=("none",), prefetch=(0,),
+                        context=(1, 2, 4, 8))
+    print(f"\nzj.autotune over the context degree: 8 sequences of {seq}, {args.budget_mib} MiB per device, "
+          f"ring attention, stages 2-3, remat dots/full, every accumulation count, priced with the H100's datasheet rates (memory from the CPU "
+          f"compiler):\n")
+    result = zj.autotune(llama.make_loss(graphdef), abstract, optax.adamw(1e-4), {"inputs": tokens, "targets": tokens},
+                         mesh=zj.make_mesh(), memory=int(args.budget_mib * 2**20), device="H100", space=space)
+    print(result.table())
+    print(f"\nbest: {result.best.describe()} on {dict(result.best.mesh.shape)}")
 
 
 def ring_table(args) -> None:
