@@ -89,6 +89,10 @@ def test_layout_round_trip_and_shard_shapes():
         assert l.storage_spec("data") != l.partition_spec("data")  # shard_map specs name the data axis only
     bias = layout_for((12,), "float32", 4, tensor=2, tdim=0)
     assert bias.storage_shape == (2, 8) and bias.shard_shape == (1, 2)  # 6 padded to 8, over 4
+    # the optimizer's view of a bias split over "tensor" and, within each tensor shard, over
+    # data x context (a mesh with both axes): one flat tuple of axes, tensor-major
+    assert bias.view_spec(("data", "context")) == P(("tensor", "data", "context"))
+    assert bias.view_spec("data") == P(("tensor", "data"))
 
 
 @pytest.mark.parametrize("tensor", [2, 4, pytest.param(8, marks=pytest.mark.slow)])  # slow: 8 more compiles

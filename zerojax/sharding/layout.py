@@ -194,7 +194,8 @@ class LeafLayout:
             spec[self.tdim] = self.taxis
         if self.kind == "dim":
             k = self.dim if not self.tp or self.dim < self.tdim else self.dim - 1
-            spec[k] = (self.taxis, axis) if spec[k] == self.taxis else axis
+            names = axis if isinstance(axis, tuple) else (axis,)  # data x context: a tuple of axes
+            spec[k] = (self.taxis, *names) if spec[k] == self.taxis else axis
         while spec and spec[-1] is None:
             spec.pop()
         return P(*spec)
