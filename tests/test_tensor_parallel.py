@@ -459,7 +459,7 @@ def test_sequence_parallel_refuses_a_length_the_tensor_axis_does_not_divide():
     with pytest.raises(ValueError, match=r"row_parallel\(dim=2\): the sequence dimension must be one of x's leading"):
         zj.nn.row_parallel(x, jnp.ones((4, 6)), dim=2)
     with jax.set_mesh(zj.make_mesh(tensor=4)):
-        with pytest.raises(ValueError, match=r"row_parallel: dimension 1 of shape \(2, 6, 4\) has length 6, which the "
+        with pytest.raises(ValueError, match=r"row_parallel: dimension 1 of x \(shape \(2, 6, 4\)\) has length 6, which the "
                                              r"tensor axis 'tensor' of 4 devices does not divide; use a sequence "
                                              r"length of 4 or 8"):
             zj.nn.row_parallel(jnp.ones((2, 6, 4)), jnp.ones((4, 6)))

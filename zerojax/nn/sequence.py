@@ -112,12 +112,7 @@ def _split(x: jax.Array, dim: int, axis: str, name: str, what: str) -> jax.Array
     if t == 1:
         return x
     dim %= ndim
-    length = x.shape[dim]
-    if length % t:
-        fits = sorted({(length // t) * t, (length // t + 1) * t} - {0})
-        raise ValueError(f"{name}: dimension {dim} of x (shape {tuple(x.shape)}) has length {length}, which the "
-                         f"tensor axis {axis!r} of {t} devices does not divide; use {what} of "
-                         f"{' or '.join(map(str, fits))} (a multiple of {t}), or leave this value unsplit.")
+    _divides(name, x, dim, t, axis, what, hint=", or leave this value unsplit")
     spec = [None] * ndim
     spec[dim] = axis
     return jax.lax.with_sharding_constraint(x, NamedSharding(jax.sharding.get_abstract_mesh(), P(*spec)))
@@ -167,7 +162,7 @@ def column_parallel(x: jax.Array, kernel: Any, bias: Any = None, *, dim: int = 1
         return out if many else out[0]
     _divides("column_parallel", x, dim, t, axis, "a sequence length")
     for w in kernels:
-        _divides("column_parallel", w, 1, t, axis, "a number of output features")
+        _divides("column_parallel", w, 1, t, axis, "a number of output features", arg="kernel")
     seq = _spec(x.ndim, dim, axis)
     cols = _spec(x.ndim, x.ndim - 1, axis)
     has = tuple(b is not None for b in biases)
@@ -203,7 +198,7 @@ def row_parallel(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None,
     if t == 1:
         return _dense(x, kernel, bias)
     _divides("row_parallel", x, dim, t, axis, "a sequence length")
-    _divides("row_parallel", kernel, 0, t, axis, "a number of input features")
+    _divides("row_parallel", kernel, 0, t, axis, "a number of input features", arg="kernel")
 
     def body(x, w, b):
         y = jax.lax.psum_scatter(_dense(x, w, None), axis, scatter_dimension=dim, tiled=True)
@@ -264,13 +259,14 @@ def _check_matmul(name: str, x, kernel, bias, dim: int) -> int:
     return dim % x.ndim
 
 
-def _divides(name: str, x, dim: int, t: int, axis: str, what: str) -> None:
+def _divides(name: str, x, dim: int, t: int, axis: str, what: str, *, arg: str = "x", hint: str = "") -> None:
+    """Refuses a dimension the tensor axis does not divide, naming the lengths that would."""
     length = x.shape[dim]
     if length % t:
         fits = sorted({(length // t) * t, (length // t + 1) * t} - {0})
-        raise ValueError(f"{name}: dimension {dim} of shape {tuple(x.shape)} has length {length}, which the tensor "
-                         f"axis {axis!r} of {t} devices does not divide; use {what} of "
-                         f"{' or '.join(map(str, fits))} (a multiple of {t}).")
+        raise ValueError(f"{name}: dimension {dim} of {arg} (shape {tuple(x.shape)}) has length {length}, which the "
+                         f"tensor axis {axis!r} of {t} devices does not divide; use {what} of "
+                         f"{' or '.join(map(str, fits))} (a multiple of {t}){hint}.")
 
 
 def _spec(ndim: int, dim: int, axis: str) -> P:
