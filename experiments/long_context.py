@@ -147,7 +147,8 @@ def tune_table(args, base) -> None:
     space = SearchSpace(stages=(2, 3), remat=("dots", "full"), offload=("none",), prefetch=(0,),
                         context=(1, 2, 4, 8))
     print(f"\nzj.autotune over the context degree: 8 sequences of {seq}, {args.budget_mib} MiB per device, "
-          f"ring attention, stages 2-3, remat dots/full, every accumulation count, priced with the H100's datasheet rates (memory from the CPU "
+          f"ring attention, stages 2-3, remat dots/full, every accumulation count, priced with the H100's "
+          f"datasheet rates (memory from the CPU "
           f"compiler):\n")
     result = zj.autotune(llama.make_loss(graphdef), abstract, optax.adamw(1e-4), {"inputs": tokens, "targets": tokens},
                          mesh=zj.make_mesh(), memory=int(args.budget_mib * 2**20), device="H100", space=space)

@@ -149,7 +149,10 @@ def column_parallel(x: jax.Array, kernel: Any, bias: Any = None, *, dim: int = 1
     """
     many = isinstance(kernel, (tuple, list))
     kernels = tuple(kernel) if many else (kernel,)
-    biases = (tuple(bias) if isinstance(bias, (tuple, list)) else (bias,)) if bias is not None else (None,) * len(kernels)
+    if bias is None:
+        biases = (None,) * len(kernels)
+    else:
+        biases = tuple(bias) if isinstance(bias, (tuple, list)) else (bias,)
     if not kernels:
         raise ValueError("column_parallel: no kernel given; pass a [in, out] kernel or a tuple of them.")
     if len(biases) != len(kernels):

@@ -65,12 +65,18 @@ def batch_shardings(plan: Any, batch: Any) -> list[NamedSharding]:
 
 def check(plan: Any, batch: Any) -> None:
     """Refuses a batch whose sequence does not split over the context axis."""
-    if plan.context == 1:
+    check_lengths(plan.config, batch, plan.context)
+
+
+def check_lengths(config: Any, batch: Any, c: int) -> None:
+    """Refuses a batch whose sequence does not split over ``c`` context devices in
+    ``config``'s layout, naming the leaf and the lengths that fit."""
+    if c == 1:
         return
     leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
-    for (path, x), d in zip(leaves, sequence_dims(plan.config, batch)):
+    for (path, x), d in zip(leaves, sequence_dims(config, batch)):
         if d is not None:
-            check_length(int(x.shape[d]), plan.context, plan.config.context_layout,
+            check_length(int(x.shape[d]), c, config.context_layout,
                          f"batch leaf {jax.tree_util.keystr(path)}'s sequence length (dimension {d})")
 
 

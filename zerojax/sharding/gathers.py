@@ -97,7 +97,8 @@ def select_sum(form: jax_compat.TakeAlong, operand: jax.Array, indices: jax.Arra
     """
     size = operand.shape[form.dim]
     idx = indices[..., 0]
-    # the operand laid out like the indices: each batching dimension where its indices' dimension is, the picked one last
+    # the operand laid out like the indices: each batching dimension where its indices'
+    # dimension is, the picked one last
     order = [o for o, _ in sorted(form.pairs, key=lambda p: p[1])] + [form.dim]
     shape = [1] * idx.ndim
     for o, i in form.pairs:

@@ -126,7 +126,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "zerojax autotune") -> i
     print(result.table(limit=args.limit))
     print(f"\nbest: {code(result.best.config)}")
     if result.best.context > 1:
-        print(f"mesh: zj.make_mesh(context={result.best.context}{f', replicas={args.replicas}' if args.replicas > 1 else ''})")
+        replicas = f", replicas={args.replicas}" if args.replicas > 1 else ""
+        print(f"mesh: zj.make_mesh(context={result.best.context}{replicas})")
     if devices[0].platform == "cpu" and result.device.source == "datasheet":
         print(f"(memory from the CPU compiler's program on {n} simulated devices: state and batch exact, temporaries "
               f"an estimate of the {result.device.name}'s; time priced with its datasheet rates)")

@@ -12,8 +12,7 @@ import numpy as np
 from zerojax.tuning.budget import fmt_bytes
 from zerojax.tuning.candidates import Candidate, SearchSpace, valid_batch_sizes
 from zerojax.config import ZeroConfig
-from zerojax.nn.context import check as check_length
-from zerojax.sharding.context import sequence_dims
+from zerojax.sharding.context import check_lengths, sequence_dims
 from zerojax.sharding.mesh import context_size, make_mesh
 from zerojax.state import is_init_fn
 
@@ -105,21 +104,14 @@ def context_meshes(mesh, config: ZeroConfig, space: SearchSpace, batch: Any) -> 
         fits = [c for c in range(1, group + 1) if group % c == 0]
         raise ValueError(f"SearchSpace(context={degrees}): {bad} do not divide the {group} devices that hold the same "
                          f"weights (a replica group); use context degrees among {fits}.")
-    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
-    dims = sequence_dims(config, batch)
-    if any(c > 1 for c in degrees) and all(d is None for d in dims):
+    if any(c > 1 for c in degrees) and all(d is None for d in sequence_dims(config, batch)):
         raise ValueError(f"SearchSpace(context={degrees}) splits each sequence over the context axis, but no batch "
                          f"leaf has a sequence dimension (leaves with 2+ dimensions, or ZeroConfig.context_dims).")
     for c in degrees:
-        if c == 1:
-            continue
-        for (path, x), d in zip(leaves, dims):
-            if d is not None:
-                try:
-                    check_length(int(np.shape(x)[d]), c, config.context_layout,
-                                 f"batch leaf {jax.tree_util.keystr(path)}'s sequence length (dimension {d})")
-                except ValueError as e:
-                    raise ValueError(f"SearchSpace(context={degrees}), context {c}: {e}") from None
+        try:
+            check_lengths(config, batch, c)
+        except ValueError as e:
+            raise ValueError(f"SearchSpace(context={degrees}), context {c}: {e}") from None
     devices = list(mesh.devices.flat)
     return {c: mesh if c == own else make_mesh(devices, config.axis, replicas=replicas,
                                                 replica_axis=config.replica_axis, context=c,
