@@ -1,9 +1,9 @@
 """Maps from a model's parameters to a checkpoint's tensors (see
 :mod:`zerojax.checkpoint.tensor_map`), and ready ones for Hugging Face layouts."""
 
-from zerojax.checkpoint.hf_llama import llama_map
 from zerojax.checkpoint.tensor_map import (
     IDENTITY, WeightMap, concat, infer_tensors, merge_dims, part, split_dim, stack, transpose)
+from zerojax.models.hf_map import llama_map
 
 __all__ = ["IDENTITY", "WeightMap", "concat", "infer_tensors", "llama_map", "merge_dims", "part", "split_dim",
            "stack", "transpose"]

@@ -1,0 +1,70 @@
+"""The map between :class:`zerojax.models.llama.Llama`'s parameters and Hugging Face's tensors
+for the Llama family (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+``Qwen3ForCausalLM`` share one layout): built from the model's config, so that the
+biases, q/k norms and the head it has are the tensors the map names."""
+
+from __future__ import annotations
+
+from zerojax.checkpoint.tensor_map import WeightMap, stack, transpose
+from zerojax.models.llama import LlamaConfig
+
+# Block linear layers: the Flax module name -> the Hugging Face module under model.layers.{i}.
+LINEARS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+           "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+PEFT_PREFIX = "base_model.model."
+
+
+def _biased(cfg: LlamaConfig, flax: str) -> bool:
+    if flax in ("q", "k", "v"):
+        return cfg.qkv_bias
+    if flax == "o":
+        return cfg.o_bias
+    return cfg.mlp_bias
+
+
+def llama_map(config: LlamaConfig | None = None, *, prefix: str = "model", biases: bool = False) -> WeightMap:
+    """Hugging Face tensors for each parameter of a :class:`~zerojax.models.llama.Llama` with
+    ``config``: kernels are the transposes of torch's ``[out, in]`` weights, ``blocks.*``
+    stacks ``{prefix}.layers.{i}.*``; the biases and q/k norms the config turns on; the head
+    ``lm_head.weight``, or none with ``tie_embeddings`` (a stored ``lm_head.weight`` is then
+    ignored, as transformers ties it). LoRA adapters (``blocks.X.lora.lora_a`` / ``lora_b``)
+    are PEFT's ``lora_A`` / ``lora_B`` weights (``export_weights(..., lora="adapters")``
+    writes them; PEFT's ``lora_alpha`` must equal the rank, as ``nnx.LoRA`` has no scaling).
+    Without ``config``: the untied Llama, with q/k/v biases if ``biases`` (Qwen2).
+    :func:`zerojax.models.from_hf` builds the map of a checkpoint from its ``config.json``.
+
+    Example:
+      >>> import zerojax as zj
+      >>> m = zj.maps.llama_map()
+      >>> m.spec_for("blocks.q.kernel")[0] == zj.maps.stack(zj.maps.transpose("model.layers.{i}.self_attn.q_proj.weight"))
+      True
+    """
+    if config is None:
+        config = LlamaConfig(qkv_bias=bool(biases))
+    elif biases:
+        raise ValueError("llama_map(config, biases=True): the config says which biases the model has; drop biases=.")
+    if not isinstance(config, LlamaConfig):
+        raise TypeError(f"llama_map takes a zj.models.LlamaConfig, got {type(config).__name__}.")
+    layer = f"{prefix}.layers.{{i}}"
+    entries = {
+        "embed.embedding": f"{prefix}.embed_tokens.weight",
+        "blocks.attn_norm.scale": stack(f"{layer}.input_layernorm.weight"),
+        "blocks.mlp_norm.scale": stack(f"{layer}.post_attention_layernorm.weight"),
+        "norm.scale": f"{prefix}.norm.weight",
+    }
+    if not config.tie_embeddings:
+        entries["head.kernel"] = transpose("lm_head.weight")
+    if config.qk_norm:
+        entries["blocks.q_norm.scale"] = stack(f"{layer}.self_attn.q_norm.weight")
+        entries["blocks.k_norm.scale"] = stack(f"{layer}.self_attn.k_norm.weight")
+    for flax, hf in LINEARS.items():
+        entries[f"blocks.{flax}.kernel"] = stack(transpose(f"{layer}.{hf}.weight"))
+        entries[f"blocks.{flax}.lora.lora_a"] = stack(transpose(f"{PEFT_PREFIX}{layer}.{hf}.lora_A.weight"))
+        entries[f"blocks.{flax}.lora.lora_b"] = stack(transpose(f"{PEFT_PREFIX}{layer}.{hf}.lora_B.weight"))
+        if _biased(config, flax):
+            entries[f"blocks.{flax}.bias"] = stack(f"{layer}.{hf}.bias")
+    # Older checkpoints store RoPE's inverse frequencies; they are computed, not loaded.
+    ignore = [f"{prefix}.layers.*.self_attn.rotary_emb.inv_freq"]
+    if config.tie_embeddings:
+        ignore.append("lm_head.weight")
+    return WeightMap(entries, ignore=tuple(ignore))

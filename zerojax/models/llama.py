@@ -1,0 +1,390 @@
+"""The Llama family in Flax NNX: Llama 2 / 3.x, Mistral, Qwen2 / Qwen2.5 and Qwen3 (dense)
+as one model, their differences as :class:`LlamaConfig` fields, computing what Hugging
+Face's ``LlamaForCausalLM`` (``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+``Qwen3ForCausalLM``) computes.
+
+Token embedding, a stack of pre-RMSNorm blocks (GQA attention with rotate-half RoPE,
+SwiGLU MLP; created with ``nnx.vmap``, run with ``nnx.scan``), a final RMSNorm and a head
+(its own, or the embedding's transpose with ``tie_embeddings``). What differs between the
+families, each a field:
+
+=================================  =======================================================
+``rope_scaling``                   Llama 3.1+ (``llama3``), ``linear``, ``yarn`` (Qwen2.5 long)
+``sliding_window``, ``window_layers``  Mistral (every layer), Qwen2 / Qwen3 (some layers)
+``tie_embeddings``                 Llama 3.2 1B/3B, Qwen2.5 0.5B-3B, Qwen3 0.6B-4B
+``qkv_bias``                       Qwen2 / Qwen2.5 (q, k, v)
+``qkv_bias`` + ``o_bias``          ``attention_bias`` of Llama and Qwen3
+``mlp_bias``                       Llama's ``mlp_bias``
+``qk_norm``                        Qwen3: RMSNorm over each head of q and k, before RoPE
+``head_dim``                       Mistral, Qwen3 (not ``d_model / n_heads``)
+=================================  =======================================================
+
+:func:`zerojax.models.from_hf` reads a checkpoint's ``config.json`` into a config and the
+map of its tensors.
+
+Parameters (``L`` layers, ``H``/``K`` query/KV heads of ``hd`` features, ``d`` model, ``F``
+MLP, ``V`` vocab), with the Hugging Face tensor each one is (torch ``nn.Linear`` weights are
+``[out, in]``: kernels are their transposes; ``blocks.*`` stacks ``model.layers.{i}.*``
+along a leading layer axis)::
+
+    embed.embedding          [V, d]          model.embed_tokens.weight
+    blocks.attn_norm.scale   [L, d]          model.layers.{i}.input_layernorm.weight
+    blocks.q.kernel          [L, d, H*hd]    model.layers.{i}.self_attn.q_proj.weight.T
+    blocks.k.kernel          [L, d, K*hd]    model.layers.{i}.self_attn.k_proj.weight.T
+    blocks.v.kernel          [L, d, K*hd]    model.layers.{i}.self_attn.v_proj.weight.T
+    blocks.o.kernel          [L, H*hd, d]    model.layers.{i}.self_attn.o_proj.weight.T
+    blocks.mlp_norm.scale    [L, d]          model.layers.{i}.post_attention_layernorm.weight
+    blocks.gate.kernel       [L, d, F]       model.layers.{i}.mlp.gate_proj.weight.T
+    blocks.up.kernel         [L, d, F]       model.layers.{i}.mlp.up_proj.weight.T
+    blocks.down.kernel       [L, F, d]       model.layers.{i}.mlp.down_proj.weight.T
+    norm.scale               [d]             model.norm.weight
+    head.kernel              [d, V]          lm_head.weight.T   (none with tie_embeddings)
+
+with ``blocks.X.bias`` (``..._proj.bias``) for the biases the config turns on,
+``blocks.q_norm.scale`` / ``blocks.k_norm.scale`` ``[L, hd]`` (``self_attn.q_norm.weight``)
+with ``qk_norm``, and with ``lora_rank = r`` ``blocks.X.lora.lora_a`` ``[L, in, r]`` and
+``blocks.X.lora.lora_b`` ``[L, r, out]`` (``nnx.LoRAParam``) on each block linear ``X``.
+
+Precision: norms, RoPE angles and softmax are computed in float32, or in the compute dtype
+where that is wider (a float64 model is float64 throughout, which is how the tests show the
+math equals transformers' to 1e-9). Each block tags its attention and MLP outputs
+(``checkpoint_name``: ``attn_out``, ``mlp_out``) for name-based remat policies;
+``LlamaConfig.remat`` rematerializes each block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from zerojax import nn as znn
+from zerojax import remat as zremat
+from zerojax.models import rope as zrope
+from zerojax.models.rope import RopeScaling
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Size and variant of the model; the names in comments are Hugging Face's config fields.
+
+    Example:
+      >>> cfg = LlamaConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48,
+      ...                   tie_embeddings=True, sliding_window=8)
+      >>> cfg.hd, cfg.kv_heads, cfg.layer_windows()
+      (8, 2, (8, 8))
+    """
+
+    vocab: int = 256  # vocab_size
+    d_model: int = 128  # hidden_size
+    n_layers: int = 4  # num_hidden_layers
+    n_heads: int = 4  # num_attention_heads
+    n_kv_heads: int = 0  # num_key_value_heads; 0: n_heads (no GQA)
+    head_dim: int = 0  # head_dim; 0: d_model // n_heads
+    d_ff: int = 344  # intermediate_size
+    rms_eps: float = 1e-6  # rms_norm_eps
+    rope_theta: float = 10000.0  # rope_parameters["rope_theta"] (rope_theta)
+    rope_scaling: RopeScaling | None = None  # rope_parameters' rope_type and its values
+    seq_len: int = 64  # max_position_embeddings (the training length; RoPE has no table)
+    qkv_bias: bool = False  # biases on q, k and v (Qwen2; Llama's and Qwen3's attention_bias)
+    o_bias: bool = False  # a bias on o (Llama's and Qwen3's attention_bias; never in Qwen2)
+    mlp_bias: bool = False  # mlp_bias: biases on gate, up and down
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    tie_embeddings: bool = False  # tie_word_embeddings: the head is the embedding's transpose
+    # sliding_window: a query attends to itself and the sliding_window - 1 keys before it
+    # (transformers: key index > query index - sliding_window); 0: no window.
+    sliding_window: int = 0
+    # layer_types: which layers use the window (True: "sliding_attention"); None: every layer
+    # (Mistral) when sliding_window > 0.
+    window_layers: tuple[bool, ...] | None = None
+    remat: str = "none"  # a zerojax.remat policy name, applied per block
+    lora_rank: int = 0  # > 0: LoRA adapters (nnx.LoRALinear) on every block's linear layers
+    # Megatron annotations (nnx.with_partitioning): q/k/v, gate/up and the head column-parallel
+    # (output features over "tensor"), o and down row-parallel (input features over "tensor").
+    tensor_parallel: bool = False
+    # "einsum": attention written with plain ops; "auto" / "ulysses" / "ring" / "xla":
+    # zj.nn.dot_product_attention with that method (Ulysses or ring over a context axis).
+    attention: str = "einsum"
+    attention_block: int = 512  # block_size of zj.nn.dot_product_attention: keys per chunk
+    dtype: str = "float32"  # compute dtype (norms, RoPE and softmax at least float32)
+    param_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        zremat.resolve(self.remat)  # unknown names raise here, with the valid ones
+        if self.attention not in ("einsum",) + znn.METHODS:
+            raise ValueError(f"LlamaConfig.attention must be 'einsum' or one of {znn.METHODS}, got "
+                             f"{self.attention!r}.")
+        for name in ("lora_rank", "sliding_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"LlamaConfig.{name} must be an int >= 0, got {value!r}.")
+        for name in ("vocab", "d_model", "n_layers", "n_heads", "d_ff", "seq_len", "attention_block"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LlamaConfig.{name} must be a positive int, got {value!r}.")
+        for name in ("n_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"LlamaConfig.{name} must be an int >= 0 (0: default), got {value!r}.")
+        for name in ("qkv_bias", "o_bias", "mlp_bias", "qk_norm", "tie_embeddings", "tensor_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"LlamaConfig.{name} must be a bool, got {getattr(self, name)!r}.")
+        if not self.head_dim and self.d_model % self.n_heads:
+            raise ValueError(f"LlamaConfig.d_model ({self.d_model}) must divide by n_heads "
+                             f"({self.n_heads}), or give head_dim.")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"LlamaConfig.n_heads ({self.n_heads}) must divide by n_kv_heads ({self.kv_heads}).")
+        if self.hd % 2:
+            raise ValueError(f"LlamaConfig.head_dim must be even for RoPE, got {self.hd}.")
+        if not self.rms_eps > 0 or not self.rope_theta > 0:
+            raise ValueError(f"LlamaConfig.rms_eps and rope_theta must be > 0, got {self.rms_eps!r}, {self.rope_theta!r}.")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise TypeError(f"LlamaConfig.rope_scaling must be a zj.models.RopeScaling or None, got "
+                            f"{self.rope_scaling!r}.")
+        if self.window_layers is not None:
+            layers = tuple(self.window_layers)
+            if len(layers) != self.n_layers or not all(isinstance(x, bool) for x in layers):
+                raise ValueError(f"LlamaConfig.window_layers must be None or {self.n_layers} bools (one per layer), "
+                                 f"got {self.window_layers!r}.")
+            if any(layers) and not self.sliding_window:
+                raise ValueError("LlamaConfig.window_layers marks windowed layers but sliding_window is 0; give the "
+                                 "window's size.")
+            object.__setattr__(self, "window_layers", layers)
+        windows = set(self.layer_windows())
+        if self.attention != "einsum" and len(windows) > 1:
+            raise ValueError(f"LlamaConfig.attention={self.attention!r} takes one window for every layer (a static "
+                             f"argument of zj.nn.dot_product_attention), but the layers' windows differ "
+                             f"({self.layer_windows()}); use attention='einsum' for per-layer windows.")
+        for name in ("dtype", "param_dtype"):
+            jnp.dtype(getattr(self, name))  # unknown names raise here
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's sliding window (keys a query sees, itself included; 0: no window)."""
+        if not self.sliding_window:
+            return (0,) * self.n_layers
+        layers = self.window_layers if self.window_layers is not None else (True,) * self.n_layers
+        return tuple(self.sliding_window if w else 0 for w in layers)
+
+    def num_params(self) -> int:
+        d, L, V, F = self.d_model, self.n_layers, self.vocab, self.d_ff
+        q, kv = self.n_heads * self.hd, self.kv_heads * self.hd
+        block = (2 * d + d * (q + 2 * kv) + q * d + 3 * d * F + (q + 2 * kv) * self.qkv_bias + d * self.o_bias
+                 + (2 * F + d) * self.mlp_bias + 2 * self.hd * self.qk_norm)
+        return V * d + L * block + d + d * V * (not self.tie_embeddings)
+
+
+def _wide(dtype) -> jnp.dtype:
+    """The precision of norms, RoPE and softmax: float32, or the compute dtype if wider."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _split(cfg: LlamaConfig, kernel: tuple) -> dict:
+    """``nnx.Linear`` keywords annotating its kernel (and bias) for tensor parallelism."""
+    if not cfg.tensor_parallel:
+        return {}
+    # A bias is split like the output features: over "tensor" for a column-parallel layer,
+    # whole for a row-parallel one (added after the reduction).
+    return {"kernel_init": nnx.with_partitioning(nnx.initializers.lecun_normal(), kernel),
+            "bias_init": nnx.with_partitioning(nnx.initializers.zeros_init(), (kernel[1],))}
+
+
+class RMSNorm(nnx.Module):
+    """Hugging Face's ``LlamaRMSNorm``: ``x * rsqrt(mean(x²) + eps)`` in float32 (or wider),
+    cast back to ``x.dtype``, times ``scale`` (initialised to ones)."""
+
+    def __init__(self, d: int, eps: float, param_dtype):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((d,), param_dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = x.astype(_wide(x.dtype))
+        y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...] * y.astype(x.dtype)
+
+
+def rope(positions: jax.Array, head_dim: int, theta: float, scaling: RopeScaling | None = None,
+         dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+    """``(cos, sin)`` ``[batch, seq, head_dim]`` (see :func:`zerojax.models.rope.cos_sin`)."""
+    return zrope.cos_sin(positions, head_dim, theta, scaling, _wide(dtype))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        d, q, kv, F = cfg.d_model, cfg.n_heads * cfg.hd, cfg.kv_heads * cfg.hd, cfg.d_ff
+        pdt = jnp.dtype(cfg.param_dtype)
+        kw = dict(use_bias=False, dtype=jnp.dtype(cfg.dtype), param_dtype=pdt, rngs=rngs)
+        linear = (lambda i, o, **k: nnx.LoRALinear(i, o, lora_rank=cfg.lora_rank, **{**kw, **k})) \
+            if cfg.lora_rank else (lambda i, o, **k: nnx.Linear(i, o, **{**kw, **k}))
+        col, row = _split(cfg, (None, "tensor")), _split(cfg, ("tensor", None))
+        self.cfg = cfg
+        self.attn_norm = RMSNorm(d, cfg.rms_eps, pdt)
+        self.q = linear(d, q, use_bias=cfg.qkv_bias, **col)
+        self.k = linear(d, kv, use_bias=cfg.qkv_bias, **col)
+        self.v = linear(d, kv, use_bias=cfg.qkv_bias, **col)
+        self.o = linear(q, d, use_bias=cfg.o_bias, **row)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.hd, cfg.rms_eps, pdt)
+            self.k_norm = RMSNorm(cfg.hd, cfg.rms_eps, pdt)
+        self.mlp_norm = RMSNorm(d, cfg.rms_eps, pdt)
+        self.gate = linear(d, F, use_bias=cfg.mlp_bias, **col)
+        self.up = linear(d, F, use_bias=cfg.mlp_bias, **col)
+        self.down = linear(F, d, use_bias=cfg.mlp_bias, **row)
+
+    def attention(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array | None,
+                  window: jax.Array) -> jax.Array:
+        b, t, _ = x.shape
+        cfg = self.cfg
+        h, kv, hd = cfg.n_heads, cfg.kv_heads, cfg.hd
+        q, k = self.q(x).reshape(b, t, h, hd), self.k(x).reshape(b, t, kv, hd)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = zrope.rotate(q, cos, sin), zrope.rotate(k, cos, sin)
+        v = self.v(x).reshape(b, t, kv, hd)
+        if cfg.attention != "einsum":
+            keys = None if mask is None else mask[:, None, None, :].astype(bool)
+            w = cfg.layer_windows()[0]
+            out = znn.dot_product_attention(q, k, v, mask=keys, is_causal=True, method=cfg.attention,
+                                            block_size=cfg.attention_block,
+                                            local_window_size=(w - 1, 0) if w else None)
+            return self.o(out.reshape(b, t, h * hd))
+        wide = _wide(q.dtype)
+        q = q.reshape(b, t, kv, h // kv, hd)  # query head kv * (h // kv) + g reads KV head kv
+        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(wide) / math.sqrt(hd)
+        qi, ki = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+        allowed = (qi >= ki) & ((window == 0) | (ki > qi - window))  # transformers' sliding window
+        allowed = allowed[None, None, None]
+        if mask is not None:  # padded keys get no attention
+            allowed = allowed & mask[:, None, None, None, :].astype(bool)
+        scores = jnp.where(allowed, scores, jnp.finfo(wide).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+        return self.o(out.reshape(b, t, h * hd))
+
+    def __call__(self, x, cos, sin, mask=None, window=None):
+        window = jnp.zeros((), jnp.int32) if window is None else window
+        x = x + checkpoint_name(self.attention(self.attn_norm(x), cos, sin, mask, window), "attn_out")
+        h = self.mlp_norm(x)
+        return x + checkpoint_name(self.down(jax.nn.silu(self.gate(h)) * self.up(h)), "mlp_out")
+
+
+class Llama(nnx.Module):
+    """``Llama(cfg, rngs)(tokens, positions=None, mask=None) -> logits`` (``cfg.dtype``
+    ``[batch, seq, vocab]``): ``tokens`` ``int32[batch, seq]``; ``positions``
+    ``int[batch, seq]`` (default ``zj.nn.global_positions(seq)``, i.e. ``arange(seq)`` as
+    Hugging Face's forward without ``position_ids``, padding or not); ``mask``
+    ``bool[batch, seq]``: False keys get no attention (Hugging Face's ``attention_mask``).
+    A query with no unmasked key at or before it (left padding) has meaningless output, as
+    in Hugging Face.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> cfg = LlamaConfig(vocab=32, d_model=16, n_layers=2, n_heads=2, d_ff=24, tie_embeddings=True)
+      >>> model = Llama(cfg, nnx.Rngs(0))
+      >>> model(jnp.zeros((1, 5), jnp.int32)).shape
+      (1, 5, 32)
+    """
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        self.embed = nnx.Embed(cfg.vocab, cfg.d_model, dtype=dt, param_dtype=pdt, rngs=rngs)
+
+        layer = zremat.nnx_module(Block, cfg.remat)
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+        def blocks(rngs):
+            return layer(cfg, rngs)
+
+        self.blocks = blocks(rngs)
+        self.norm = RMSNorm(cfg.d_model, cfg.rms_eps, pdt)
+        if not cfg.tie_embeddings:
+            self.head = nnx.Linear(cfg.d_model, cfg.vocab, use_bias=False, dtype=dt, param_dtype=pdt, rngs=rngs,
+                                   **{k: v for k, v in _split(cfg, (None, "tensor")).items() if k == "kernel_init"})
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, mask: jax.Array | None = None):
+        cfg = self.cfg
+        if positions is None:
+            positions = znn.global_positions(tokens.shape[1])[None]  # jnp.arange, but in the step's layout
+        cos, sin = rope(positions, cfg.hd, cfg.rope_theta, cfg.rope_scaling, jnp.dtype(cfg.dtype))
+        windows = jnp.asarray(np.asarray(cfg.layer_windows(), np.int32))
+
+        @nnx.scan(in_axes=(nnx.Carry, 0, None, None, None, 0), out_axes=nnx.Carry,
+                  transform_metadata={nnx.PARTITION_NAME: None})
+        def run(x, block, cos, sin, mask, window):
+            return block(x, cos, sin, mask, window)
+
+        x = self.norm(run(self.embed(tokens), self.blocks, cos, sin, mask, windows))
+        return self.embed.attend(x) if cfg.tie_embeddings else self.head(x)
+
+
+def init(cfg: LlamaConfig, seed: int = 0):
+    """``(graphdef, params)`` of a fresh model (``nnx.Param`` leaves, LoRA's included),
+    built by one compiled program per (config, seed)."""
+    graphdef, build = _init_program(cfg, seed)
+    return graphdef, build()
+
+
+@functools.lru_cache(maxsize=None)
+def _init_program(cfg: LlamaConfig, seed: int):
+    def build():
+        with nnx.use_eager_sharding(False):
+            return nnx.split(Llama(cfg, nnx.Rngs(seed)), nnx.Param)[1]
+
+    return init_abstract(cfg)[0], jax.jit(build)
+
+
+def init_abstract(cfg: LlamaConfig):
+    """``(graphdef, params)`` with ``jax.ShapeDtypeStruct`` leaves: nothing is allocated."""
+    with nnx.use_eager_sharding(False):
+        return nnx.split(nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0))), nnx.Param)
+
+
+def make_loss(graphdef):
+    """Next-token cross-entropy: ``loss_fn(params, {"tokens": int32[B, T + 1]})``; an optional
+    ``"mask": bool[B, T + 1]`` masks padded keys and averages the loss over the targets whose
+    mask is True. The form whose sequence splits over a context axis (and the only one the
+    balanced layout takes, since the targets are not a shift of the inputs there):
+    ``{"inputs", "targets"}`` ``int32[B, T]`` with optional ``"mask"`` (the inputs' keys),
+    ``"weights"`` (per-target weights normalised over the global batch,
+    ``m * (m.size / m.sum())``: the loss is their mean, the global masked mean on any number
+    of devices) and ``"positions"``."""
+
+    def loss_fn(params, batch):
+        if "inputs" in batch:  # the form whose sequence splits over a context axis
+            inputs, targets, mask, weight = batch["inputs"], batch["targets"], batch.get("mask"), batch.get("weights")
+        else:
+            tokens, full = batch["tokens"], batch.get("mask")
+            inputs, targets = tokens[:, :-1], tokens[:, 1:]
+            mask, weight = (None, None) if full is None else (full[:, :-1], full[:, 1:])
+        logits = nnx.merge(graphdef, params)(inputs, positions=batch.get("positions"), mask=mask)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+        if weight is None:
+            return losses.mean()
+        weight = weight.astype(jnp.float32)
+        if "inputs" in batch:  # weights normalised over the global batch (the README's recipe)
+            return (losses * weight).mean()
+        return (losses * weight).sum() / jnp.maximum(weight.sum(), 1.0)
+
+    return loss_fn
+
+
+def is_lora(params):
+    """``trainable=`` mask of a LoRA fine-tune: the adapters train, the base is frozen."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: "lora" in jax.tree_util.keystr(path), params)
