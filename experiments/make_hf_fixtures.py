@@ -4,7 +4,8 @@ Every checkpoint is built by ``transformers``' own classes from a config (no dow
 ``attn_implementation="eager"``, float32 weights drawn from normal(0, 0.2) (RMSNorm weights,
 Qwen3's q/k norms included, 1 + normal(0, 0.1)), and saved with ``save_pretrained`` in the
 *sharded* layout (``model.safetensors.index.json`` + at least two ``model-0000k-of-0000n``
-files). Under ``--out`` (``tests/data/hf``), one folder per fixture:
+files). All have vocabulary 97, hidden size 32, MLP width 12 and 2 layers. Under ``--out``
+(``tests/data/hf``, about 950 KB), one folder per fixture:
 
 - ``llama31``: ``LlamaForCausalLM``, untied, GQA 4/2, RoPE ``llama3`` with Llama 3.1's own values
   (factor 8, low/high frequency factors 1 and 4, original context 8192, theta 500000);
