@@ -3,13 +3,17 @@ config and the map of its tensors, read from the checkpoint's own ``config.json`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable
 
+from zerojax.checkpoint.safetensors_files import TensorFiles, resolve_path
 from zerojax.checkpoint.tensor_map import WeightMap
 from zerojax.models.hf_config import config_from_hf
 from zerojax.models.hf_map import llama_map
 from zerojax.models.llama import LlamaConfig
+
+HEAD = "lm_head.weight"
 
 
 def from_hf(path: str | os.PathLike, *, accept: Iterable[str] = (), **overrides) -> tuple[LlamaConfig, WeightMap]:
@@ -20,11 +24,36 @@ def from_hf(path: str | os.PathLike, *, accept: Iterable[str] = (), **overrides)
     ``overrides`` as there) and the :class:`~zerojax.WeightMap` of its tensors for that
     config (:func:`~zerojax.models.hf_map.llama_map`), which loads and exports alike.
 
-    Example (a checkpoint made by ``transformers``; see docs/pretrained.md)::
+    A tied checkpoint (``tie_word_embeddings``) that stores ``lm_head.weight`` anyway is
+    ambiguous: transformers ties the two if they are equal and keeps them apart if not.
+    It is refused unless ``tie_embeddings=`` is given: True (one parameter, the stored head
+    is ignored: say so only if it equals the embedding) or False (the head trains apart,
+    read from ``lm_head.weight``).
 
-        cfg, wmap = zj.models.from_hf("Llama-3.2-1B", remat="full")
+    Example (``tests/data/hf/llama32_tied`` was made by ``transformers``)::
+
+        cfg, wmap = zj.models.from_hf("tests/data/hf/llama32_tied", remat="full")
         state = zj.init_state(zj.models.llama.init_abstract(cfg)[1], tx, mesh=mesh, config=zc,
-                              weights=zj.Weights("Llama-3.2-1B", wmap))
+                              weights=zj.Weights("tests/data/hf/llama32_tied", wmap))
     """
     cfg = config_from_hf(path, accept=accept, **overrides)
-    return cfg, llama_map(cfg)
+    wmap = llama_map(cfg)
+    if config_from_hf(path, accept=accept).tie_embeddings and HEAD in _tensor_names(path):
+        if "tie_embeddings" not in overrides:
+            raise ValueError(f"{os.fspath(path)!r} ties the head to the embedding (tie_word_embeddings) but stores "
+                             f"{HEAD} too; transformers ties them only if they are equal. Say which: "
+                             f"from_hf(path, tie_embeddings=True) (one parameter; the stored head is ignored) or "
+                             f"tie_embeddings=False (the head trains apart, from {HEAD}).")
+        if cfg.tie_embeddings:
+            wmap = dataclasses.replace(wmap, ignore=wmap.ignore + (HEAD,))
+    return cfg, wmap
+
+
+def _tensor_names(path: str | os.PathLike) -> set[str]:
+    """The tensors a checkpoint folder holds (none if it holds only a config)."""
+    try:
+        resolve_path(path)
+    except FileNotFoundError:
+        return set()
+    with TensorFiles(path) as files:
+        return set(files.tensors)

@@ -26,8 +26,7 @@ def llama_map(config: LlamaConfig | None = None, *, prefix: str = "model", biase
     """Hugging Face tensors for each parameter of a :class:`~zerojax.models.llama.Llama` with
     ``config``: kernels are the transposes of torch's ``[out, in]`` weights, ``blocks.*``
     stacks ``{prefix}.layers.{i}.*``; the biases and q/k norms the config turns on; the head
-    ``lm_head.weight``, or none with ``tie_embeddings`` (a stored ``lm_head.weight`` is then
-    ignored, as transformers ties it). LoRA adapters (``blocks.X.lora.lora_a`` / ``lora_b``)
+    ``lm_head.weight``, or none with ``tie_embeddings``. LoRA adapters (``blocks.X.lora.lora_a`` / ``lora_b``)
     are PEFT's ``lora_A`` / ``lora_B`` weights (``export_weights(..., lora="adapters")``
     writes them; PEFT's ``lora_alpha`` must equal the rank, as ``nnx.LoRA`` has no scaling).
     Without ``config``: the untied Llama, with q/k/v biases if ``biases`` (Qwen2).
@@ -64,7 +63,4 @@ def llama_map(config: LlamaConfig | None = None, *, prefix: str = "model", biase
         if _biased(config, flax):
             entries[f"blocks.{flax}.bias"] = stack(f"{layer}.{hf}.bias")
     # Older checkpoints store RoPE's inverse frequencies; they are computed, not loaded.
-    ignore = [f"{prefix}.layers.*.self_attn.rotary_emb.inv_freq"]
-    if config.tie_embeddings:
-        ignore.append("lm_head.weight")
-    return WeightMap(entries, ignore=tuple(ignore))
+    return WeightMap(entries, ignore=(f"{prefix}.layers.*.self_attn.rotary_emb.inv_freq",))
