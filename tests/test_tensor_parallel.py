@@ -444,7 +444,7 @@ def test_sequence_parallel_refuses_a_length_the_tensor_axis_does_not_divide():
     state = zj.abstract_state(params, optax.sgd(0.1), mesh=mesh, config=zc)
     step = zj.make_train_step(gpt.make_loss(graphdef), optax.sgd(0.1), mesh=mesh, config=zc)
     with pytest.raises(ValueError, match=r"sequence_parallel: dimension 1 of x \(shape \(8, 18\)\) has length "
-                                         r"18, which the tensor axis 'tensor' of 4 devices does not divide; use a "
+                                         r"18, which the mesh axis 'tensor' \(4 devices\) does not divide; use a "
                                          r"sequence length of 16 or 20"):
         step.lower(state, {"tokens": jax.ShapeDtypeStruct((16, 19), jnp.int32)})
     with pytest.raises(ValueError, match=r"no dimension 3"):
@@ -460,6 +460,6 @@ def test_sequence_parallel_refuses_a_length_the_tensor_axis_does_not_divide():
         zj.nn.row_parallel(x, jnp.ones((4, 6)), dim=2)
     with jax.set_mesh(zj.make_mesh(tensor=4)):
         with pytest.raises(ValueError, match=r"row_parallel: dimension 1 of x \(shape \(2, 6, 4\)\) has length 6, which the "
-                                             r"tensor axis 'tensor' of 4 devices does not divide; use a sequence "
+                                             r"mesh axis 'tensor' \(4 devices\) does not divide; use a sequence "
                                              r"length of 4 or 8"):
             zj.nn.row_parallel(jnp.ones((2, 6, 4)), jnp.ones((4, 6)))

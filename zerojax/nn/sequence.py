@@ -58,19 +58,23 @@ def tensor_size(axis: str = "tensor") -> int:
     return int(dict(mesh.shape)[axis])
 
 
-def sequence_parallel(x: jax.Array, *, dim: int = 1, axis: str = "tensor") -> jax.Array:
+def sequence_parallel(x: jax.Array, *, dim: int = 1, axis: str = "tensor",
+                      context_axis: str = "context") -> jax.Array:
     """``x`` with its dimension ``dim`` (the sequence of a ``[batch, seq, ...]`` activation)
     split over the tensor axis ``axis`` of the mesh in context; the identity where there is
-    none. The value is unchanged: only where it lives.
+    none. The value is unchanged: only where it lives. On a mesh that also splits the
+    sequence over a context axis (``zj.make_mesh(context=C, tensor=T)``), the sequence is
+    split over both (``C x T`` chunks); the other dimensions keep their splits.
 
     Args:
       x: an activation, e.g. the residual stream ``[batch, seq, d_model]``.
       dim: the dimension to split (negative counts from the end).
       axis: the tensor axis's name (``ZeroConfig.tensor_axis``).
+      context_axis: the context axis's name (``ZeroConfig.context_axis``).
 
     Raises:
-      ValueError: ``dim`` is not a dimension of ``x``, or the tensor axis does not divide its
-        length (the error lists the lengths that fit).
+      ValueError: ``dim`` is not a dimension of ``x``, or the tensor (and context) axis does
+        not divide its length (the error lists the lengths that fit).
 
     Example:
       >>> import jax.numpy as jnp, zerojax as zj
@@ -78,7 +82,7 @@ def sequence_parallel(x: jax.Array, *, dim: int = 1, axis: str = "tensor") -> ja
       >>> zj.nn.sequence_parallel(x) is x   # no tensor axis in context: nothing to split
       True
     """
-    return _split(x, dim, axis, "sequence_parallel", "a sequence length")
+    return _split(x, dim, axis, "sequence_parallel", "a sequence length", context_axis)
 
 
 def tensor_parallel(x: jax.Array, *, dim: int = -1, axis: str = "tensor") -> jax.Array:
@@ -91,7 +95,8 @@ def tensor_parallel(x: jax.Array, *, dim: int = -1, axis: str = "tensor") -> jax
     instead (data parallelism over the sequence, every tensor shard holding whole weights
     and every head), which is exact but undoes tensor parallelism. Marking the output of
     each column-parallel matmul (q, k, v by heads, the MLP's hidden features) makes it
-    gather the activation, as Megatron does.
+    gather the activation, as Megatron does. The other dimensions keep their splits (the
+    sequence its split over a context axis).
 
     Example:
       >>> import jax.numpy as jnp, zerojax as zj
@@ -102,7 +107,11 @@ def tensor_parallel(x: jax.Array, *, dim: int = -1, axis: str = "tensor") -> jax
     return _split(x, dim, axis, "tensor_parallel", "a size")
 
 
-def _split(x: jax.Array, dim: int, axis: str, name: str, what: str) -> jax.Array:
+def _split(x: jax.Array, dim: int, axis: str, name: str, what: str, context_axis: str | None = None) -> jax.Array:
+    """``x`` constrained to ``dim`` over ``axis`` (over ``context_axis`` x ``axis`` where the
+    mesh splits ``dim`` over a context axis too), every other dimension left as the
+    partitioner has it (a constraint of ``None`` there would gather the batch or the
+    sequence over the data or context axes)."""
     ndim = getattr(x, "ndim", None)
     if ndim is None:
         raise TypeError(f"{name} takes an array, got {type(x).__name__}.")
@@ -112,9 +121,12 @@ def _split(x: jax.Array, dim: int, axis: str, name: str, what: str) -> jax.Array
     if t == 1:
         return x
     dim %= ndim
-    _divides(name, x, dim, t, axis, what, hint=", or leave this value unsplit")
-    spec = [None] * ndim
-    spec[dim] = axis
+    c = tensor_size(context_axis) if context_axis is not None else 1
+    where = (context_axis, axis) if c > 1 else axis
+    _divides(name, x, dim, c * t, " x ".join((context_axis, axis)) if c > 1 else axis, what,
+             hint=", or leave this value unsplit")
+    spec = [P.UNCONSTRAINED] * ndim
+    spec[dim] = where
     return jax.lax.with_sharding_constraint(x, NamedSharding(jax.sharding.get_abstract_mesh(), P(*spec)))
 
 
@@ -268,7 +280,7 @@ def _divides(name: str, x, dim: int, t: int, axis: str, what: str, *, arg: str =
     if length % t:
         fits = sorted({(length // t) * t, (length // t + 1) * t} - {0})
         raise ValueError(f"{name}: dimension {dim} of {arg} (shape {tuple(x.shape)}) has length {length}, which the "
-                         f"tensor axis {axis!r} of {t} devices does not divide; use {what} of "
+                         f"mesh axis {axis!r} ({t} devices) does not divide; use {what} of "
                          f"{' or '.join(map(str, fits))} (a multiple of {t}){hint}.")
 
 
