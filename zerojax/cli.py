@@ -151,7 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _ready_maps() -> list[str]:
-    return ["llama"]
+    from zerojax.models.hf_map import FAMILY_TENSORS
+
+    return sorted(FAMILY_TENSORS)
 
 
 def _load_map(spec: str):
@@ -161,7 +163,7 @@ def _load_map(spec: str):
     from zerojax import maps
 
     if spec in _ready_maps():
-        return getattr(maps, f"{spec}_map")()
+        return maps.family_map(spec)
     if ":" not in spec:
         raise ValueError(f"--map {spec!r}: use a ready map ({', '.join(_ready_maps())}) or module:attribute.")
     module, attr = spec.split(":", 1)

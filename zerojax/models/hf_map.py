@@ -64,3 +64,30 @@ def llama_map(config: LlamaConfig | None = None, *, prefix: str = "model", biase
             entries[f"blocks.{flax}.bias"] = stack(f"{layer}.{hf}.bias")
     # Older checkpoints store RoPE's inverse frequencies; they are computed, not loaded.
     return WeightMap(entries, ignore=(f"{prefix}.layers.*.self_attn.rotary_emb.inv_freq",))
+
+
+# What a family's checkpoints can hold beyond the plain Llama: biases, q/k norms.
+FAMILY_TENSORS = {
+    "llama": dict(qkv_bias=True, o_bias=True, mlp_bias=True),  # attention_bias, mlp_bias
+    "mistral": dict(),
+    "qwen2": dict(qkv_bias=True),
+    "qwen3": dict(qkv_bias=True, o_bias=True, qk_norm=True),  # attention_bias
+}
+
+
+def family_map(family: str, *, prefix: str = "model") -> WeightMap:
+    """The map of every tensor a ``family`` (``llama``, ``mistral``, ``qwen2``, ``qwen3``)
+    checkpoint can hold: the biases and q/k norms its config may turn on, and an untied
+    head. A parameter the model does not have reads and writes nothing, so one map serves
+    every variant of the family (``zerojax export --map qwen3``); the map of one checkpoint
+    comes from its config: :func:`zerojax.models.from_hf`.
+
+    Example:
+      >>> import zerojax as zj
+      >>> m = zj.maps.family_map("qwen3")
+      >>> m.spec_for("blocks.q_norm.scale") is not None, m.spec_for("blocks.gate.bias") is None
+      (True, True)
+    """
+    if family not in FAMILY_TENSORS:
+        raise ValueError(f"no map for the family {family!r}; the families are {sorted(FAMILY_TENSORS)}.")
+    return llama_map(LlamaConfig(**FAMILY_TENSORS[family]), prefix=prefix)
