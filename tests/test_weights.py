@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -171,22 +172,78 @@ def test_state_born_from_weights_is_the_state_of_the_same_arrays(name, small_ckp
         assert read == sum(v.size for v in SMALL.values()) * 2  # bf16 bytes, each once
 
 
-def test_init_fn_fills_what_the_map_does_not_name(small_ckpt):
-    """Fine-tuning with new parameters (LoRA adapters, a new head): the map's parameters
-    come from the checkpoint, the rest from the init function, frozen or not."""
+LACKING = zj.WeightMap(dict(SMALL_MAP.entries) | {"new_head.kernel": transpose("lm_head.weight")})
+
+
+def _with(tree, **extra):
+    return {**tree, **extra}
+
+
+def test_a_parameter_the_checkpoint_lacks_is_an_error_on_every_path(small_ckpt):
+    """A map naming a tensor the checkpoint lacks (a new head), or a parameter the map does
+    not name, is refused the same way whether the parameters are abstract, an init
+    function, concrete, or load_weights' like: one ValueError naming them all, before a
+    byte is read. Nothing is left at its initial value unless said (optional=)."""
+    head = jax.ShapeDtypeStruct((16, 13), jnp.float32)
+    abstract = _with(ABSTRACT, new_head={"kernel": head}, adapter=jax.ShapeDtypeStruct((16, 4), jnp.float32))
+    concrete = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract)
+    mesh, cfg, tx = zj.make_mesh(), zj.ZeroConfig(stage=3), optax.sgd(0.1)
+    want = [r"missing from the checkpoint \(1\): lm_head\.weight \(read by new_head\.kernel\)",
+            r"parameters the map does not name \(1\): adapter"]
+    before = TensorFiles.process_bytes_read
+    for params in (abstract, lambda: concrete, concrete):
+        with pytest.raises(ValueError) as e:
+            zj.init_state(params, tx, mesh=mesh, config=cfg, weights=zj.Weights(small_ckpt, LACKING))
+        for w in want:
+            assert re.search(w, str(e.value)), str(e.value)
+        assert "optional=('*.lora.*', ...)" in str(e.value)
+    with pytest.raises(ValueError, match=want[0]):
+        zj.load_weights(zj.Weights(small_ckpt, LACKING), like=abstract)
+    with pytest.raises(ValueError, match=want[0]):
+        zj.load_weights(zj.Weights(small_ckpt, LACKING), like=jax.tree.map(np.asarray, concrete))
+    assert TensorFiles.process_bytes_read == before  # refused before reading
+    # optional= with abstract parameters: there is nothing to take the absent ones from.
+    with pytest.raises(ValueError, match=r"optional=\('new_head\.\*',\).*abstract.*nothing to take them from"):
+        zj.init_state(abstract, tx, mesh=mesh, config=cfg,
+                      weights=zj.Weights(small_ckpt, LACKING, optional=("new_head.*",)))
+
+
+def test_optional_parameters_come_from_the_init_function_or_the_values_given(small_ckpt):
+    """Fine-tuning with new parameters (LoRA adapters, a new head), named optional: the
+    map's parameters come from the checkpoint, the optional ones the checkpoint lacks from
+    the init function or the values given, frozen or not."""
     def init_fn():
         k = jax.random.key(7)
         return {**jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), ABSTRACT),
-                "adapter": jax.random.normal(k, (16, 4))}
+                "adapter": jax.random.normal(k, (16, 4)), "new_head": {"kernel": jnp.full((16, 13), 0.5)}}
 
+    src = zj.Weights(small_ckpt, LACKING, optional=("adapter", "new_head.*"))
     base = lambda p: jax.tree.map(lambda _: True, p) | {"adapter": True, "emb": False}
-    state = zj.init_state(init_fn, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3),
-                          weights=zj.Weights(small_ckpt, SMALL_MAP), trainable=base)
-    got = zj.gather_params(state)
-    np.testing.assert_array_equal(np.asarray(got["adapter"]), np.asarray(init_fn()["adapter"]))
-    for k in ("emb", "head", "blocks"):
-        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got[k],
-                     _bf16(SMALL_REF)[k])
+    for params in (init_fn, init_fn()):
+        state = zj.init_state(params, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3),
+                              weights=src, trainable=base)
+        got = zj.gather_params(state)
+        np.testing.assert_array_equal(np.asarray(got["adapter"]), np.asarray(init_fn()["adapter"]))
+        np.testing.assert_array_equal(np.asarray(got["new_head"]["kernel"]), np.full((16, 13), 0.5, np.float32))
+        for k in ("emb", "head", "blocks"):
+            jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got[k],
+                         _bf16(SMALL_REF)[k])
+    # load_weights: an absent optional leaf is like's own value; abstract, it is refused.
+    like = jax.tree.map(np.asarray, init_fn())
+    out = zj.load_weights(src, like)
+    assert out["adapter"] is like["adapter"] and out["new_head"]["kernel"] is like["new_head"]["kernel"]
+    np.testing.assert_array_equal(out["emb"], np.asarray(_bf16(SMALL_REF)["emb"]))
+    with pytest.raises(ValueError, match=r"lacks the optional parameters adapter, new_head\.kernel.*ShapeDtypeStruct"):
+        zj.load_weights(src, _with(like, adapter=jax.ShapeDtypeStruct((16, 4), jnp.float32),
+                                   new_head={"kernel": jax.ShapeDtypeStruct((16, 13), jnp.float32)}))
+    # An optional parameter that the checkpoint holds in part is neither loaded nor initialised.
+    partial = zj.WeightMap(dict(SMALL_MAP.entries) | {"blocks.n": stack("layers.{i}.n"),
+                                                      "blocks.w": stack(split_dim(transpose("layers.{i}.w"), 1))})
+    four = _with(init_fn(), blocks={"n": jnp.zeros((4, 16)), "w": jnp.zeros((4, 16, 4, 6))})
+    with pytest.raises(ValueError, match=r"optional parameters partly in the checkpoint.*\(2\): blocks\.n \(has "
+                                         r"layers\.0\.n, layers\.1\.n, layers\.2\.n; lacks layers\.3\.n\)"):
+        zj.init_state(four, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3),
+                      weights=zj.Weights(small_ckpt, partial, optional=("blocks.*", "adapter", "new_head.*")))
 
 
 def test_load_weights_places_each_leaf_with_its_sharding(small_ckpt):
@@ -252,6 +309,34 @@ def test_a_cast_that_would_overflow_is_refused(tmp_path):
         zj.init_state({"w": jax.ShapeDtypeStruct((4,), jnp.float32), "b": jax.ShapeDtypeStruct((3,), jnp.float32)},
                       optax.sgd(0.1), mesh=zj.make_mesh(), config=cfg, weights=tmp_path / "w.safetensors",
                       trainable={"w": False, "b": True})
+
+
+def test_lossy_integer_casts_are_refused(tmp_path):
+    """Integer tensors keep their values or are refused, before any array: narrowing,
+    signed to unsigned, to bool, and into a float that would round them."""
+    path = tmp_path / "ints.safetensors"
+    save_file({"i64": np.array([1, -2, 3], np.int64), "i32": np.array([1, -2, 3], np.int32),
+               "i8": np.array([1, -2, 3], np.int8), "u8": np.array([1, 2, 255], np.uint8)}, str(path))
+    ok = {"i64": np.zeros(3, np.int64), "i32": np.zeros(3, np.int32), "i8": np.zeros(3, np.int32),
+          "u8": np.zeros(3, np.int16)}
+    got = zj.load_weights(path, ok)  # widening: exact
+    assert got["i8"].tolist() == [1, -2, 3] and got["u8"].tolist() == [1, 2, 255] and got["u8"].dtype == np.int16
+    refused = {
+        "i64": (np.int32, r"parameter 'i64' is int32 but its checkpoint tensor is int64: values beyond int32's range "
+                          r"would wrap around; make the parameter int64"),
+        "i32": (np.uint32, r"parameter 'i32' is uint32 but its checkpoint tensor is int32: negative values would wrap"),
+        "i8": (np.bool_, r"parameter 'i8' is bool but its checkpoint tensor is int8: every nonzero value would become "
+                         r"True"),
+        "u8": (np.int8, r"parameter 'u8' is int8 but its checkpoint tensor is uint8: values beyond int8's range"),
+    }
+    for name, (dtype, message) in refused.items():
+        for leaf in (np.zeros(3, dtype), jax.ShapeDtypeStruct((3,), dtype)):
+            with pytest.raises(TypeError, match=message):
+                zj.load_weights(path, {**ok, name: leaf})
+    with pytest.raises(TypeError, match=r"'i32' is float32 but its checkpoint tensor is int32: integers above 2\*\*24 "
+                                        r"would be rounded"):
+        zj.load_weights(path, {**ok, "i32": np.zeros(3, np.float32)})
+    assert zj.load_weights(path, {**ok, "i8": np.zeros(3, np.float16)})["i8"].tolist() == [1, -2, 3]
 
 
 # --- export -----------------------------------------------------------------------------------

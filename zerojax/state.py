@@ -125,9 +125,9 @@ def init_state(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig, rng: Any
         only the structure, shapes and dtypes (abstract leaves from ``jax.eval_shape`` /
         ``nnx.eval_shape`` are enough); every process reads only the bytes of the shards
         its devices hold, straight into the masters' (and frozen weights') ZeRO layout
-        (see :mod:`zerojax.checkpoint.weights`). With ``params`` an ``init_fn``, the
-        parameters the map does not name (new LoRA adapters, a new head) are initialised by
-        it; otherwise every parameter must be in the checkpoint.
+        (see :mod:`zerojax.checkpoint.weights`). Every parameter must be in the checkpoint,
+        except those ``zj.Weights(path, map, optional=patterns)`` names (new LoRA adapters,
+        a new head), which ``params`` (an ``init_fn`` or concrete arrays) then provides.
 
     The optimizer state and masters are created directly in their sharded layout (``jax.jit``
     with ``out_shardings``): no device ever holds more than its share of them.

@@ -609,15 +609,29 @@ class Resolution:
     misshapen: list[str]
     extra: list[str]
     errors: list[str]
+    present: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # ... and those it has
+
+    def absent(self, optional: Callable[[str], bool] = lambda name: False) -> list[str]:
+        """The parameters ``optional`` accepts that the map does not name or the checkpoint
+        lacks entirely: they are taken from elsewhere (an init function, given values)."""
+        return [n for n in self.unmapped if optional(n)] + [
+            n for n in self.missing if optional(n) and not self.present.get(n)]
 
     def problems(self, optional: Callable[[str], bool] = lambda name: False) -> list[str]:
         out = []
         unmapped = [n for n in self.unmapped if not optional(n)]
         if unmapped:
-            out.append(f"parameters the map does not name ({len(unmapped)}): {', '.join(unmapped)}")
+            out.append(f"parameters the map does not name ({len(unmapped)}): {_short(unmapped)}")
         missing = sorted({t for n, ts in self.missing.items() if not optional(n) for t in ts})
         if missing:
-            out.append(f"missing from the checkpoint ({len(missing)}): {_short(missing)}")
+            params = [n for n in self.missing if not optional(n)]
+            out.append(f"missing from the checkpoint ({len(missing)}): {_short(missing)} (read by "
+                       f"{_short(params, 10)})")
+        partial = [f"{n} (has {_short(self.present[n], 3)}; lacks {_short(self.missing[n], 3)})"
+                   for n in self.missing if optional(n) and self.present.get(n)]
+        if partial:
+            out.append(f"optional parameters partly in the checkpoint, neither loadable nor to initialise "
+                       f"({len(partial)}): {'; '.join(partial)}")
         if self.extra:
             out.append(f"in the checkpoint but read by no parameter ({len(self.extra)}): {_short(self.extra)}")
         if self.misshapen:
@@ -645,7 +659,9 @@ def resolve(wmap: WeightMap, params: dict[str, tuple[int, ...]], tensors: dict[s
         try:
             expr = spec.build(tuple(shape), env, shapes)
         except MissingTensor:
-            res.missing[name] = sorted(_missing_names(spec, tuple(shape), env, tensors))
+            wanted = _named(spec, tuple(shape), env)
+            res.missing[name] = sorted(n for n in wanted if n not in tensors)
+            res.present[name] = sorted(n for n in wanted if n in tensors)
             continue
         except ValueError as e:
             res.errors.append(f"{name}: {e}")
@@ -655,21 +671,20 @@ def resolve(wmap: WeightMap, params: dict[str, tuple[int, ...]], tensors: dict[s
             res.misshapen.append(f"{name} {list(shape)} in the model, {list(expr.shape)} from {expr.describe()}")
             continue
         res.exprs[name] = expr
-    res.extra = sorted(t for t in tensors if t not in used and not wmap.ignored(t)
-                       and not any(t in ms for ms in res.missing.values()))
+    # A tensor a parameter with missing ones names is reported with it, not as extra.
+    named = {t for ts in res.present.values() for t in ts}
+    res.extra = sorted(t for t in tensors if t not in used and t not in named and not wmap.ignored(t))
     return res
 
 
-def _missing_names(spec: Spec, shape, env, tensors) -> set[str]:
-    """Every tensor ``spec`` names that ``tensors`` lacks (not only the first)."""
+def _named(spec: Spec, shape, env) -> set[str]:
+    """Every tensor ``spec`` names for a parameter of ``shape`` (present or not)."""
     wanted: dict = {}
     try:
         spec.infer(shape, env, wanted)
     except ValueError:
         pass
-    # Names used by the spec that exist still count as used (not extra); only absent ones
-    # are returned.
-    return {n for n in wanted if n not in tensors}
+    return set(wanted)
 
 
 def infer_tensors(wmap: WeightMap, params: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
