@@ -2,6 +2,7 @@
 states are born from a checkpoint in their ZeRO layout, and exports write Hugging Face's
 sharded layout that ``safetensors`` itself reads back."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -469,13 +470,249 @@ def test_export_command_writes_a_checkpoint_directory_in_hugging_face_layout(sma
     from zerojax import cli
 
     zj.save_checkpoint(tmp_path / "ck", small_state(3), 0)
+    fixture = ROOT / "tests" / "data" / "hf_llama_tiny"
     rc = cli.main(["export", str(tmp_path / "ck"), str(tmp_path / "hf"), "--layout", "hf", "--map",
-                   "tests.test_weights:SMALL_MAP", "--max-shard-size", "1000", "--dtype", "bfloat16"])
+                   "tests.test_weights:SMALL_MAP", "--max-shard-size", "1000", "--dtype", "bfloat16",
+                   "--hf-config", str(fixture)])
     assert rc == 0, capsys.readouterr().err
     assert f"wrote {len(SMALL)} tensors" in capsys.readouterr().out
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    for name in ("config.json", "generation_config.json"):
+        (tmp_path / "hf" / name).unlink()
     got, files = _read_hf(tmp_path / "hf")
     assert len(files) == 4  # bf16: half the bytes of the fp32 export's 7 files
     for k, v in SMALL.items():
         np.testing.assert_array_equal(got[k], v.astype(ml_dtypes.bfloat16))
     assert cli.main(["export", str(tmp_path / "ck"), str(tmp_path / "x"), "--layout", "hf", "--map", "nope"]) == 1
     assert "ready map" in capsys.readouterr().err
+
+
+# --- export: every map that loads exports, and nothing silently wrong ------------------------
+
+TIED = zj.WeightMap(dict(SMALL_MAP.entries) | {"head.kernel": transpose("emb")})  # an untied head, tied file
+TIED_CKPT = {k: v for k, v in SMALL.items() if k != "head"}
+
+
+def _complete(folder):
+    """What a loader finds in ``folder``: the tensors of a complete export, or None. Fails on
+    an index that names a file which is not there."""
+    index, single = folder / "model.safetensors.index.json", folder / "model.safetensors"
+    if index.exists():
+        files = set(json.loads(index.read_text())["weight_map"].values())
+        missing = [f for f in files if not (folder / f).exists()]
+        assert not missing, f"the index names files that are not there: {missing}"
+        return {k: v for f in files for k, v in load_file(str(folder / f)).items()}
+    return load_file(str(single)) if single.exists() else None
+
+
+def _snapshot(folder):
+    return {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(folder.iterdir())}
+
+
+def test_a_tensor_read_by_two_parameters_is_written_once_and_checked(tmp_path):
+    """An untied head read from a tied checkpoint's embedding exports the embedding once,
+    under its own name; if the two parameters differ, the export is refused naming both
+    and the largest difference, and nothing is left that looks complete."""
+    save_file(TIED_CKPT, str(tmp_path / "tied.safetensors"))
+    mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=3)
+    state = zj.init_state(ABSTRACT, optax.sgd(0.1), mesh=mesh, config=cfg,
+                          weights=zj.Weights(tmp_path / "tied.safetensors", TIED))
+    shapes = zj.export_weights(state, tmp_path / "hf", map=TIED, layout="hf", max_shard_size=1000)
+    got = _complete(tmp_path / "hf")
+    assert set(got) == set(shapes) == set(TIED_CKPT)
+    for k, v in TIED_CKPT.items():
+        np.testing.assert_array_equal(got[k], v)
+    # Trained apart (here: given apart), the head would be dropped: refused.
+    params = jax.tree.map(jnp.asarray, SMALL_REF) | {"head": {"kernel": jnp.asarray(SMALL["emb"].T)}}
+    params["head"]["kernel"] = params["head"]["kernel"].at[15, 12].add(0.5)
+    apart = zj.init_state(params, optax.sgd(0.1), mesh=mesh, config=cfg)
+    with pytest.raises(ValueError, match=r"parameters 'head\.kernel' and 'emb' both read tensor 'emb', and they differ "
+                                         r"by up to 0\.5: the export writes the tensor once, from 'emb', and would "
+                                         r"drop what 'head\.kernel' learnt\. Tie them in the model .* a map that gives "
+                                         r"'head\.kernel' a tensor of its own instead of transpose\(emb \[13, 16\]\)"):
+        zj.export_weights(apart, tmp_path / "hf", map=TIED, layout="hf", max_shard_size=1000)
+    assert _complete(tmp_path / "hf") is None and not list((tmp_path / "hf").glob(".*"))
+    # The fix the message names: the head as a tensor of its own.
+    zj.export_weights(apart, tmp_path / "hf", map=SMALL_MAP, layout="hf")
+    np.testing.assert_array_equal(_complete(tmp_path / "hf")["head"], np.asarray(params["head"]["kernel"]).T)
+
+
+QKV = RNG.normal(size=(9, 7)).astype(np.float32)  # torch [out, in]: q rows 0:4, k 4:6, v 6:9
+FUSED = {"attn.qkv.weight": QKV, "up.a": RNG.normal(size=(7, 3)).astype(np.float32),
+         "up.b": RNG.normal(size=(7, 5)).astype(np.float32)}
+FUSED_MAP = zj.WeightMap({"q": transpose(part("attn.qkv.weight", 0, 0)), "k": transpose(part("attn.qkv.weight", 0, 4)),
+                          "v": transpose(part("attn.qkv.weight", 0, 6)),
+                          "up": concat(["up.a", "up.b"], axis=1, sizes=[3, 5])})
+FUSED_ABSTRACT = {"q": jax.ShapeDtypeStruct((7, 4), jnp.float32), "k": jax.ShapeDtypeStruct((7, 2), jnp.float32),
+                  "v": jax.ShapeDtypeStruct((7, 3), jnp.float32), "up": jax.ShapeDtypeStruct((7, 8), jnp.float32)}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_fused_parts_and_concatenations_export_what_they_load(stage, tmp_path):
+    """q, k, v read from one fused tensor and a fused parameter read from two tensors export
+    back to the same tensors, bit for bit, each part writing its own extent; parts that
+    leave a gap or overlap are refused, naming the elements."""
+    save_file(FUSED, str(tmp_path / "fused.safetensors"))
+    state = zj.init_state(FUSED_ABSTRACT, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=stage),
+                          weights=zj.Weights(tmp_path / "fused.safetensors", FUSED_MAP))
+    for layout, out in (("hf", tmp_path / "hf"), ("file", tmp_path / "w.safetensors")):
+        shapes = zj.export_weights(state, out, map=FUSED_MAP, layout=layout, max_shard_size=200)
+        got = _complete(out) if layout == "hf" else load_file(str(out))
+        assert shapes == {k: v.shape for k, v in FUSED.items()} and set(got) == set(FUSED)
+        for k, v in FUSED.items():
+            np.testing.assert_array_equal(got[k], v)
+    params = {k: jnp.ones(v.shape) for k, v in FUSED_ABSTRACT.items() if k in ("q", "v")}
+    two = zj.init_state(params, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=stage))
+    gap = zj.WeightMap({k: e for k, e in FUSED_MAP.entries if k in ("q", "v")})
+    with pytest.raises(ValueError, match=r"elements \[4:6, 0:7\] of tensor 'attn\.qkv\.weight' \[9, 7\] are written "
+                                         r"by no parameter: its parts \(part / concat\) leave a gap"):
+        zj.export_weights(two, tmp_path / "gap", map=gap, layout="hf")
+    three = zj.init_state({**params, "k": jnp.ones((7, 2))}, optax.sgd(0.1), mesh=zj.make_mesh(),
+                          config=zj.ZeroConfig(stage=stage))
+    overlap = zj.WeightMap({**dict(gap.entries), "k": transpose(part("attn.qkv.weight", 0, 3))})
+    with pytest.raises(ValueError, match=r"parameters 'q' and 'k' both write elements \[3:4, 0:7\] of tensor "
+                                         r"'attn\.qkv\.weight' \[9, 7\]"):
+        zj.export_weights(three, tmp_path / "overlap", map=overlap, layout="hf")
+    assert not (tmp_path / "gap").exists() and not (tmp_path / "overlap").exists()
+
+
+def test_re_export_leaves_exactly_the_new_export(small_state, tmp_path):
+    """One file over shards over one file: each export removes the earlier one's weight
+    files (and a killed export's leftovers); a config copied in by hand stays."""
+    state, out = small_state(3), tmp_path / "hf"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    (out / ".model-00001-of-00002.safetensors.partial").write_bytes(b"left by a killed export")
+    for size, files in (("5GB", ["model.safetensors"]), (1000, [f"model-0000{k}-of-00007.safetensors"
+                                                                 for k in range(1, 8)] + ["model.safetensors.index.json"]),
+                        (2000, [f"model-0000{k}-of-00004.safetensors" for k in range(1, 5)]
+                         + ["model.safetensors.index.json"]), ("5GB", ["model.safetensors"])):
+        zj.export_weights(state, out, map=SMALL_MAP, layout="hf", max_shard_size=size)
+        assert sorted(p.name for p in out.iterdir()) == sorted(files + ["config.json"])
+        got = _complete(out)
+        for k, v in SMALL.items():
+            np.testing.assert_array_equal(got[k], v)
+    with pytest.raises(ValueError, match="holds both model.safetensors and model.safetensors.index.json"):
+        (out / "model.safetensors.index.json").write_text("{}")
+        zj.Weights(out, SMALL_MAP).open()
+
+
+class _Killed(BaseException):
+    """A kill: nothing after it runs (the export's clean-up included)."""
+
+
+def test_a_killed_export_leaves_nothing_that_looks_complete(small_state, tmp_path, monkeypatch):
+    """Killed at each step that changes the folder (each file removed, written or renamed,
+    a box written), an export leaves the folder as it was (killed before it began to change
+    it), or nothing a loader would take as complete: never the old export beside new files,
+    never an index naming files that are not there."""
+    from zerojax.checkpoint import sinks
+
+    state, out = small_state(3), tmp_path / "hf"
+    config = {"dtype": "bfloat16", "model_type": "small"}
+    calls = {"n": 0, "kill": None}
+
+    def hook(real):
+        def step(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == calls["kill"]:
+                raise _Killed()
+            return real(*a, **k)
+        return step
+
+    monkeypatch.setattr(sinks.os, "remove", hook(os.remove))
+    monkeypatch.setattr(sinks.os, "replace", hook(os.replace))
+    monkeypatch.setattr(sinks, "write_json", hook(sinks.write_json))
+    monkeypatch.setattr(TensorWriter, "write_box", hook(TensorWriter.write_box))
+    monkeypatch.setattr(sinks.ExportFiles, "cleanup", lambda self: None)
+    kills = changed = 0
+    for kill in range(1, 200):
+        for old in sorted(out.glob("*")) if out.exists() else []:
+            old.unlink()
+        calls["kill"] = None  # the earlier export, in bf16 and another file count
+        zj.export_weights(state, out, map=SMALL_MAP, layout="hf", dtype="bfloat16", max_shard_size=1500)
+        old = _snapshot(out)
+        calls.update(n=0, kill=kill)
+        try:
+            zj.export_weights(state, out, map=SMALL_MAP, layout="hf", max_shard_size=1000,
+                              hf_config=config)
+        except _Killed:
+            kills += 1
+            now = {k: v for k, v in _snapshot(out).items() if not k.startswith(".zerojax-export-probe")}
+            if now != old:
+                changed += 1
+                assert _complete(out) is None, (kill, sorted(now))
+            continue
+        break
+    # Killed before the probe's removal or the old index's: the folder as it was. Then the old
+    # files' removals, the headers, boxes, the config, the renames, the index.
+    assert kills == changed + 2 and changed > 20
+    got = _complete(out)
+    for k, v in SMALL.items():
+        np.testing.assert_array_equal(got[k], v)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_export_writes_config_json_updated_for_its_dtype(small_state, tmp_path):
+    """config.json (and generation_config.json) beside a Hugging Face export: the source's
+    config from the map or given, its dtype key(s) updated, none added; none without one."""
+    from zerojax.checkpoint.configs import exported
+
+    state = small_state(3)
+    fixture = ROOT / "tests" / "data" / "hf_llama_tiny"
+    zj.export_weights(state, tmp_path / "a", map=SMALL_MAP, layout="hf", dtype="bfloat16", hf_config=fixture)
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    source = json.loads((fixture / "config.json").read_text())
+    assert source["dtype"] == "float32" and config == {**source, "dtype": "bfloat16"}
+    assert json.loads((tmp_path / "a" / "generation_config.json").read_text()) == json.loads(
+        (fixture / "generation_config.json").read_text())
+    # transformers 4.x's key, nested configs too; the map's config, overridden by hf_config=.
+    old = {"torch_dtype": "float32", "text_config": {"torch_dtype": "float32"}, "model_type": "x"}
+    wmap = dataclasses.replace(SMALL_MAP, hf_config=old, generation_config={"max_length": 9})
+    assert wmap == SMALL_MAP and hash(wmap) == hash(SMALL_MAP)  # configs play no part in mapping
+    zj.export_weights(state, tmp_path / "b", map=wmap, layout="hf", dtype="float16")
+    assert json.loads((tmp_path / "b" / "config.json").read_text()) == {
+        "torch_dtype": "float16", "text_config": {"torch_dtype": "float16"}, "model_type": "x"}
+    assert json.loads((tmp_path / "b" / "generation_config.json").read_text()) == {"max_length": 9}
+    zj.export_weights(state, tmp_path / "b", map=wmap, layout="hf", hf_config={"model_type": "y"})
+    assert json.loads((tmp_path / "b" / "config.json").read_text()) == {"model_type": "y"}  # no key added
+    # No config: none written.
+    zj.export_weights(state, tmp_path / "c", map=SMALL_MAP, layout="hf")
+    assert not (tmp_path / "c" / "config.json").exists()
+    with pytest.raises(ValueError, match="hf_config / generation_config are written beside a Hugging Face model"):
+        zj.export_weights(state, tmp_path / "w.safetensors", map=SMALL_MAP, hf_config=fixture)
+    with pytest.raises(TypeError, match="WeightMap.hf_config must be JSON"):
+        zj.WeightMap({}, hf_config={"x": object()})
+    # A head of its own beside a config that ties it: untied, or transformers would drop it.
+    assert exported({"tie_word_embeddings": True}, None, dtype="float32", tensors=["lm_head.weight"]) == {
+        "config.json": {"tie_word_embeddings": False}}
+    assert exported({"tie_word_embeddings": True}, None, dtype="float32", tensors=["embed.weight"]) == {
+        "config.json": {"tie_word_embeddings": True}}
+
+
+def test_export_refuses_before_the_first_byte(small_state, tmp_path):
+    """A float16 overflow and a folder that cannot be written are refused before any byte
+    is written: an earlier export in the folder is untouched."""
+    out = tmp_path / "hf"
+    state = small_state(3)
+    zj.export_weights(state, out, map=SMALL_MAP, layout="hf", max_shard_size=1000)
+    before = _snapshot(out)
+    params = jax.tree.map(jnp.asarray, SMALL_REF)
+    params["blocks"]["w"] = params["blocks"]["w"].at[2, 15, 3, 5].set(1e5)
+    big = zj.init_state(params, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3))
+    with pytest.raises(ValueError, match=r"parameter 'blocks\.w' has values up to 1e\+05, beyond float16's range "
+                                         r"\(65504\); export in bfloat16"):
+        zj.export_weights(big, out, map=SMALL_MAP, layout="hf", dtype="float16")
+    assert _snapshot(out) == before
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        target = locked if not os.access(locked, os.W_OK) else pathlib.Path("/sys")  # root writes anywhere else
+        with pytest.raises(OSError, match=r"cannot write in the export folder"):
+            zj.export_weights(state, target / "w.safetensors", map=SMALL_MAP)
+    finally:
+        locked.chmod(0o755)
+    with pytest.raises(IsADirectoryError, match="layout='file' writes one file"):
+        zj.export_weights(state, out, map=SMALL_MAP)
+    assert _snapshot(out) == before

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from zerojax.checkpoint.born import donated, loaded_storage
 from zerojax.config import ZeroConfig
 from zerojax.optim import loss_scale as ls
 from zerojax.optim.update import check_optimizer
@@ -146,8 +147,6 @@ def init_state(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig, rng: Any
     build, args, plan, out = _init_program(params, tx, mesh=mesh, config=config, model_state=model_state,
                                            trainable=trainable, rng=rng, tensor_specs=tensor_specs)
     if weights is not None:
-        from zerojax.checkpoint.born import donated, loaded_storage
-
         loaded_train, loaded_frozen, given = loaded_storage(weights, params, plan, init=is_init_fn(params))
         args = (args[0] if given else [], args[1], loaded_train, loaded_frozen)
         # The loaded shards are the masters' storage itself: donated, so never held twice.
