@@ -519,7 +519,8 @@ def test_the_checkpoint_package_imports_without_a_cycle():
              "zerojax.checkpoint.sources"}
     for name in ("boxes", "names", "casts", "safetensors_files", "tensor_map", "weights", "load", "born", "processes",
                  "configs", "lora", "sinks", "hf_llama"):
-        assert not upper & set(loaded[f"zerojax.checkpoint.{name}"]), (name, upper & set(loaded[f"zerojax.checkpoint.{name}"]))
+        above = upper & set(loaded[f"zerojax.checkpoint.{name}"])
+        assert not above, (name, above)
     assert loaded["zerojax.checkpoint"] == ["zerojax.checkpoint"]  # the package itself imports nothing
     ours = lambda m: m == "zerojax.state" or m.startswith("zerojax.checkpoint")
     for lazy, parents in ((False, lambda pkg: True), (True, lambda pkg: pkg == "zerojax.checkpoint")):

@@ -583,10 +583,10 @@ def test_re_export_leaves_exactly_the_new_export(small_state, tmp_path):
     out.mkdir()
     (out / "config.json").write_text("{}")
     (out / ".model-00001-of-00002.safetensors.partial").write_bytes(b"left by a killed export")
-    for size, files in (("5GB", ["model.safetensors"]), (1000, [f"model-0000{k}-of-00007.safetensors"
-                                                                 for k in range(1, 8)] + ["model.safetensors.index.json"]),
-                        (2000, [f"model-0000{k}-of-00004.safetensors" for k in range(1, 5)]
-                         + ["model.safetensors.index.json"]), ("5GB", ["model.safetensors"])):
+    shards = lambda n: [f"model-0000{k}-of-0000{n}.safetensors" for k in range(1, n + 1)] + [
+        "model.safetensors.index.json"]
+    for size, files in (("5GB", ["model.safetensors"]), (1000, shards(7)), (2000, shards(4)),
+                        ("5GB", ["model.safetensors"])):
         zj.export_weights(state, out, map=SMALL_MAP, layout="hf", max_shard_size=size)
         assert sorted(p.name for p in out.iterdir()) == sorted(files + ["config.json"])
         got = _complete(out)

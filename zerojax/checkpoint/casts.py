@@ -56,7 +56,7 @@ def check_cast(name: str, src: Any, dst: Any, *, what: str = "its checkpoint ten
       >>> check_cast("w", np.int32, np.uint32)
       Traceback (most recent call last):
       ...
-      TypeError: parameter 'w' is uint32 but its checkpoint tensor is int32: negative values would wrap around; make the parameter int32.
+      TypeError: parameter 'w' is uint32 but its checkpoint tensor is int32: negative values would wrap around; ...
     """
     src, dst = as_dtype(src), as_dtype(dst)
     if src == dst:

@@ -114,7 +114,8 @@ def header(names: list[str], tensors: Mapping[str, tuple], metadata: Mapping | N
     for name in names:
         shape, dtype = tensors[name]
         n = nbytes(shape, dtype)
-        head[name] = {"dtype": dtype_code(dtype), "shape": [int(d) for d in shape], "data_offsets": [offset, offset + n]}
+        head[name] = {"dtype": dtype_code(dtype), "shape": [int(d) for d in shape],
+                      "data_offsets": [offset, offset + n]}
         offsets[name] = offset
         offset += n
     blob = json.dumps(head, separators=(",", ":")).encode()
