@@ -532,6 +532,14 @@ def test_a_tensor_read_by_two_parameters_is_written_once_and_checked(tmp_path):
                                          r"'head\.kernel' a tensor of its own instead of transpose\(emb \[13, 16\]\)"):
         zj.export_weights(apart, tmp_path / "hf", map=TIED, layout="hf", max_shard_size=1000)
     assert _complete(tmp_path / "hf") is None and not list((tmp_path / "hf").glob(".*"))
+    # The same from checkpoint directories (process 0 reads each parameter whole).
+    for name, st in (("same", state), ("apart", apart)):
+        zj.save_checkpoint(tmp_path / name, st, step=0, wait=True)
+    zj.export_weights(tmp_path / "same", tmp_path / "from_dir", map=TIED, layout="hf")
+    np.testing.assert_array_equal(_complete(tmp_path / "from_dir")["emb"], TIED_CKPT["emb"])
+    with pytest.raises(ValueError, match=r"'head\.kernel' and 'emb' both read tensor 'emb', and they differ by up to "
+                                         r"0\.5"):
+        zj.export_weights(tmp_path / "apart", tmp_path / "from_dir", map=TIED, layout="hf")
     # The fix the message names: the head as a tensor of its own.
     zj.export_weights(apart, tmp_path / "hf", map=SMALL_MAP, layout="hf")
     np.testing.assert_array_equal(_complete(tmp_path / "hf")["head"], np.asarray(params["head"]["kernel"]).T)

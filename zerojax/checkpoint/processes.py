@@ -60,9 +60,13 @@ class Processes:
         self.client = None
         if self.count > 1:
             self.prefix = f"zerojax/{what}/{next(_CALLS[what])}"
-            from jax._src import distributed
+            try:  # the client jax.distributed.initialize starts (the same API in jax 0.10 and 0.12)
+                from jax._src import distributed
 
-            self.client = distributed.global_state.client
+                self.client = distributed.global_state.client
+            except (ImportError, AttributeError) as e:
+                raise RuntimeError(f"{what}: this jax has no coordination service client where zerojax looks for "
+                                   f"it (jax._src.distributed.global_state.client): {e}.") from None
             if self.client is None:
                 raise RuntimeError(f"{what}: {self.count} processes but no coordination service; start the job with "
                                    "zj.distributed.initialize() (jax.distributed.initialize).")
