@@ -1,5 +1,6 @@
 """Sharded orbax checkpoints: resume anywhere, reshard across stage and device count, export."""
 
+import json
 import pathlib
 import subprocess
 import sys
@@ -348,23 +349,43 @@ def test_export_with_frozen_weights_writes_every_tensor(tmp_path, stage, compute
         np.testing.assert_array_equal(weights[name], x, err_msg=name)
 
 
-def test_safetensors_writer_refuses_missing_or_wrong_tensors(tmp_path):
-    from zerojax.checkpoint.export import write_safetensors
-
-    shapes = {"a": (2, 3), "b": (4,), "c": ()}
-    a, c = ("a", np.ones((2, 3), np.float32)), ("c", np.float32(2.5))
-    out = tmp_path / "w.safetensors"
-    with pytest.raises(ValueError, match=r"no data came for tensors \['b', 'c'\]"):
-        write_safetensors(out, [a], "float32", shapes)
-    with pytest.raises(ValueError, match=r"got tensor 'b' \(3,\) float32 where the header has 'b' \(4,\)"):
-        write_safetensors(out, [a, ("b", np.ones(3, np.float32)), c], "float32", shapes)
-    assert not list(tmp_path.iterdir())
-    write_safetensors(out, [a, ("b", np.arange(4, dtype=np.float32)), c], "float32", shapes)
+def test_safetensors_header_writer_and_checker_agree_with_safetensors(tmp_path):
+    """The one header writer lays a file out that safetensors reads (a scalar, an int and a
+    bf16 tensor among them); the one checker refuses a file whose header or size differs."""
+    import ml_dtypes
     from safetensors.numpy import load_file
 
-    back = load_file(out)
-    np.testing.assert_array_equal(back["b"], np.arange(4))
-    assert back["c"].shape == () and float(back["c"]) == 2.5
+    from zerojax.checkpoint.safetensors_files import (StoredTensor, TensorWriter, check_file, header,
+                                                      stored_dtypes)
+
+    tensors = {"a": ((2, 3), np.float32), "b": ((4,), np.int32), "c": ((), ml_dtypes.bfloat16)}
+    values = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.arange(4, dtype=np.int32),
+              "c": np.asarray(2.5, ml_dtypes.bfloat16)}
+    names = ["a", "b", "c"]
+    head, offsets = header(names, tensors, {"stored_dtypes": '{"a": "float32"}'})
+    path = str(tmp_path / "w.safetensors")
+    with open(path, "wb") as f:
+        f.write(head)
+        f.truncate(len(head) + 6 * 4 + 4 * 4 + 2)
+    places = {n: StoredTensor(n, path, np.dtype(d), s, offsets[n]) for n, (s, d) in tensors.items()}
+    with TensorWriter(places) as w:
+        for n in names:
+            w.write_box(n, tuple((0, d) for d in tensors[n][0]), values[n])
+        with pytest.raises(ValueError, match=r"writing tensor 'a' \(float32\): values float64\[2, 3\]"):
+            w.write_box("a", ((0, 2), (0, 3)), values["a"].astype(np.float64))  # casts are the caller's
+    check_file(path, names, tensors)
+    back = load_file(path)
+    for n in names:
+        np.testing.assert_array_equal(back[n], values[n])
+    assert back["c"].shape == () and stored_dtypes(path) == {"a": "float32"}
+    with pytest.raises(ValueError, match=r"lists tensors \['a', 'b', 'c'\], expected \['a', 'c'\]"):
+        check_file(path, ["a", "c"], tensors)
+    with pytest.raises(ValueError, match=r"tensor 'b' is int32\[4\] at byte \d+; expected int32\[5\]"):
+        check_file(path, names, {**tensors, "b": ((5,), np.int32)})
+    with open(path, "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(ValueError, match=r"has \d+ bytes; its header describes \d+"):
+        check_file(path, names, tensors)
 
 
 def test_reads_right_after_an_async_save_see_that_step(tmp_path):
@@ -387,3 +408,122 @@ def test_reads_right_after_an_async_save_see_that_step(tmp_path):
         want = np.asarray(zj.gather_params(state)["w"])
         np.testing.assert_array_equal(load_file(out)["w"], want)
         np.testing.assert_array_equal(np.asarray(zj.gather_params(restored)["w"]), want)
+
+
+# --- the package's import structure ------------------------------------------------------------
+
+_ISOLATED = r'''
+import importlib, json, pkgutil, sys, types
+root, out = sys.argv[1], {}
+names = ["zerojax.state", "zerojax.checkpoint"] + sorted(
+    "zerojax.checkpoint." + m.name for m in pkgutil.iter_modules([root + "/zerojax/checkpoint"]))
+for name in names:
+    for m in [m for m in sys.modules if m == "zerojax" or m.startswith("zerojax.")]:
+        del sys.modules[m]
+    top = types.ModuleType("zerojax")  # without zerojax/__init__.py, which imports everything
+    top.__path__ = [root + "/zerojax"]
+    sys.modules["zerojax"] = top
+    try:
+        importlib.import_module(name)
+        out[name] = sorted(m for m in sys.modules if m.startswith("zerojax."))
+    except Exception as e:
+        out[name] = f"{type(e).__name__}: {e}"
+print(json.dumps(out))
+'''
+
+
+def _import_graph(lazy: bool, parents) -> dict[str, set[str]]:
+    """zerojax's modules -> the zerojax modules they import (``lazy``: inside functions too;
+    ``if TYPE_CHECKING:`` blocks aside), plus the package ``__init__`` that importing a
+    submodule runs, for the packages ``parents`` accepts."""
+    import ast
+
+    mods = {}
+    for p in (ROOT / "zerojax").rglob("*.py"):
+        parts = list(p.relative_to(ROOT).with_suffix("").parts)
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+
+    def imported(tree):
+        class Visit(ast.NodeVisitor):
+            found: list[str] = []
+
+            def visit_FunctionDef(self, node):
+                if lazy:
+                    self.generic_visit(node)
+
+            visit_AsyncFunctionDef = visit_FunctionDef
+
+            def visit_If(self, node):
+                if getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+                    for n in node.orelse:
+                        self.visit(n)
+                else:
+                    self.generic_visit(node)
+
+            def visit_Import(self, node):
+                self.found += [a.name for a in node.names if a.name.startswith("zerojax")]
+
+            def visit_ImportFrom(self, node):
+                if not node.level and (node.module or "").startswith("zerojax"):
+                    self.found += [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module
+                                   for a in node.names]
+        v = Visit()
+        v.found = []
+        v.visit(tree)
+        return v.found
+
+    graph = {}
+    for m, p in mods.items():
+        deps = set()
+        for name in imported(ast.parse(p.read_text())):
+            while name not in mods and "." in name:
+                name = name.rsplit(".", 1)[0]
+            deps.add(name)
+        parts = m.split(".")
+        deps |= {".".join(parts[:i]) for i in range(2, len(parts)) if parents(".".join(parts[:i]))}
+        graph[m] = deps - {m, "zerojax"}
+    return graph
+
+
+def _cycle_through(graph, start):
+    """The shortest import cycle through ``start``, or None."""
+    prev, queue = {start: None}, [start]
+    while queue:
+        u = queue.pop(0)
+        for w in sorted(graph.get(u, ())):
+            if w == start:
+                path = [u]
+                while prev[path[-1]] is not None:
+                    path.append(prev[path[-1]])
+                return list(reversed(path)) + [start]
+            if w in graph and w not in prev:
+                prev[w] = u
+                queue.append(w)
+    return None
+
+
+def test_the_checkpoint_package_imports_without_a_cycle():
+    """Each module of zerojax.checkpoint, and zerojax.state, imports on its own in a fresh
+    interpreter (zerojax's own __init__, which imports everything, aside), and the modules
+    below the state (maps, reading, loading, born) import neither the state nor the modules
+    that take states (orbax checkpoints, the export pipeline). No cycle runs through the
+    package or the state: neither in the imports that run at import time (with every package
+    __init__ a submodule import runs), nor counting imports inside functions too."""
+    r = subprocess.run([sys.executable, "-c", _ISOLATED, str(ROOT)], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    loaded = json.loads(r.stdout)
+    failed = {k: v for k, v in loaded.items() if isinstance(v, str)}
+    assert not failed, failed
+    upper = {"zerojax.state", "zerojax.checkpoint.io", "zerojax.checkpoint.canonical", "zerojax.checkpoint.export",
+             "zerojax.checkpoint.sources"}
+    for name in ("boxes", "names", "casts", "safetensors_files", "tensor_map", "weights", "load", "born", "processes",
+                 "configs", "lora", "sinks", "hf_llama"):
+        above = upper & set(loaded[f"zerojax.checkpoint.{name}"])
+        assert not above, (name, above)
+    assert loaded["zerojax.checkpoint"] == ["zerojax.checkpoint"]  # the package itself imports nothing
+    ours = lambda m: m == "zerojax.state" or m.startswith("zerojax.checkpoint")
+    for lazy, parents in ((False, lambda pkg: True), (True, lambda pkg: pkg == "zerojax.checkpoint")):
+        graph = _import_graph(lazy, parents)
+        cycles = {m: _cycle_through(graph, m) for m in graph if ours(m)}
+        assert not {m: c for m, c in cycles.items() if c}, cycles

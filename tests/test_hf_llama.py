@@ -59,16 +59,21 @@ def test_the_transformers_checkpoint_loads_into_stage_3_and_gives_its_logits():
 
 @pytest.mark.slow  # reason: 12 s, a LoRA fine-tune, its checkpoint and two exports
 def test_lora_finetune_at_stage_3_exports_merged_and_as_adapters(tmp_path):
-    """10 LoRA steps on 8 devices (base from the checkpoint, adapters from the init function),
-    exported: merged into a plain Llama checkpoint (the default), and as base + adapters."""
+    """10 LoRA steps on 8 devices (base from the checkpoint, adapters from the init function,
+    said explicitly), exported: merged into a plain Llama checkpoint (the default), and as
+    base + adapters."""
     cfg = llama.config_from_hf(str(FIXTURE), lora_rank=4)
     graphdef, _ = llama.init_abstract(cfg)
     tx = optax.adamw(1e-2)
     mesh, zc = zj.make_mesh(), zj.ZeroConfig(stage=3)
     init_fn = lambda: nnx.split(llama.Llama(cfg, nnx.Rngs(0)), nnx.Param)[1]
     wmap = zj.maps.llama_map()
+    # The map names PEFT's adapter tensors, which a base checkpoint lacks: without optional=,
+    # the adapters are an error, not silently left at their initial values.
+    with pytest.raises(ValueError, match=r"missing from the checkpoint \(42\): base_model\.model\..*lora_A"):
+        zj.init_state(init_fn, tx, mesh=mesh, config=zc, trainable=llama.is_lora, weights=zj.Weights(FIXTURE, wmap))
     state = zj.init_state(init_fn, tx, mesh=mesh, config=zc, trainable=llama.is_lora,
-                          weights=zj.Weights(FIXTURE, wmap))
+                          weights=zj.Weights(FIXTURE, wmap, optional=("*.lora.*",)))
     step = zj.make_train_step(llama.make_loss(graphdef), tx, mesh=mesh, config=zc)
     losses = []
     for batch in _batches(cfg, 1) * 10:  # one batch, learnt

@@ -1,6 +1,7 @@
 """Several processes on one machine (gloo CPU collectives): the multi-host path."""
 
 import functools
+import json
 import os
 import pathlib
 import subprocess
@@ -167,6 +168,54 @@ def test_step_timeout_must_be_positive():
     with pytest.raises(ValueError, match="timeout_s must be a positive number"):
         zj.make_train_step(models.stacked_loss, optax.sgd(0.1), mesh=zj.make_mesh(),
                            config=zj.ZeroConfig(), timeout_s=0)
+
+
+@pytest.mark.slow  # reason: 13 s, two processes and four exports that fail
+def test_an_export_that_fails_in_one_process_raises_on_every_process(tmp_path):
+    """Two processes export one stage-3 state; each failure happens in process 1's part
+    only, and every process raises naming process 1 and the problem, within a bounded
+    time, leaving nothing that looks complete (see tests/workers/export_failures_job.py)."""
+    cmd = [sys.executable, "-m", "zerojax.launch", "--nprocs", "2", "--devices-per-proc", "4", "--",
+           sys.executable, str(ROOT / "tests" / "workers" / "export_failures_job.py"), "--out", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    r = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1)]
+    visible = lambda name: sorted(p.name for p in (tmp_path / name).iterdir() if not p.name.startswith(".")) \
+        if (tmp_path / name).exists() else []
+    everything = lambda name: sorted(p.name for p in (tmp_path / name).iterdir()) if (tmp_path / name).exists() else []
+    # A float16 overflow in process 1's shard only: refused on both before a byte is written.
+    assert not r[0]["overflow_held_here"] and r[1]["overflow_held_here"]
+    for k in (0, 1):
+        assert r[k]["overflow"]["type"] == "ValueError"
+        assert r[k]["overflow"]["message"].startswith(
+            "export_weights failed before writing anything; on process 1 of 2: parameter 'w' has values up to 1e+05, "
+            "beyond float16's range (65504)")
+    assert r[1]["overflow_untouched"] and visible("overflow") == ["model-00001-of-00003.safetensors",
+                                                                  "model-00002-of-00003.safetensors",
+                                                                  "model-00003-of-00003.safetensors",
+                                                                  "model.safetensors.index.json"]
+    # A full disk in process 1 while process 0 is still writing: process 0 stops within a
+    # poll (0.25 s) and the box it is writing (0.2 s here), long before it would finish.
+    for k in (0, 1):
+        assert r[k]["disk"]["type"] == "OSError"
+        assert r[k]["disk"]["message"] == ("export_weights failed while writing (no file was completed); on process 1 "
+                                           "of 2: [Errno 28] No space left on device (injected)")
+    assert r[0]["disk"]["t"] - r[1]["disk_injected"] < 1.0, (r[0]["disk"], r[1]["disk_injected"])
+    assert r[1]["disk"]["t"] - r[1]["disk_injected"] < 1.5
+    assert r[0]["disk_writes"] < r[0]["all_writes"]
+    assert everything("disk") == []
+    # A tied head that training moved away from the embedding, in process 1's shard only.
+    assert not r[0]["tied_held_here"] and r[1]["tied_held_here"]
+    for k in (0, 1):
+        assert r[k]["tied"]["type"] == "ValueError"
+        assert ("on process 1 of 2: parameters 'head.kernel' and 'emb' both read tensor 'emb.weight', and they differ "
+                "by up to 0.25") in r[k]["tied"]["message"]
+    assert everything("tied") == []
+    # Process 1 stalls: process 0 gives up after timeout_s=2, naming it.
+    assert r[0]["stall"]["type"] == "TimeoutError"
+    assert "process 1 of 2 neither finished 'data' nor made progress for 2 s" in r[0]["stall"]["message"]
+    assert 2.0 <= r[0]["stall"]["t"] - r[1]["stall_injected"] < 3.0
+    assert r[1]["stall"]["type"] is not None and visible("stall") == []
 
 
 @pytest.mark.slow  # reason: 11 s, two processes; the same path is checked against one process in the default set

@@ -2,10 +2,12 @@
 states are born from a checkpoint in their ZeRO layout, and exports write Hugging Face's
 sharded layout that ``safetensors`` itself reads back."""
 
+import dataclasses
 import functools
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -171,22 +173,78 @@ def test_state_born_from_weights_is_the_state_of_the_same_arrays(name, small_ckp
         assert read == sum(v.size for v in SMALL.values()) * 2  # bf16 bytes, each once
 
 
-def test_init_fn_fills_what_the_map_does_not_name(small_ckpt):
-    """Fine-tuning with new parameters (LoRA adapters, a new head): the map's parameters
-    come from the checkpoint, the rest from the init function, frozen or not."""
+LACKING = zj.WeightMap(dict(SMALL_MAP.entries) | {"new_head.kernel": transpose("lm_head.weight")})
+
+
+def _with(tree, **extra):
+    return {**tree, **extra}
+
+
+def test_a_parameter_the_checkpoint_lacks_is_an_error_on_every_path(small_ckpt):
+    """A map naming a tensor the checkpoint lacks (a new head), or a parameter the map does
+    not name, is refused the same way whether the parameters are abstract, an init
+    function, concrete, or load_weights' like: one ValueError naming them all, before a
+    byte is read. Nothing is left at its initial value unless said (optional=)."""
+    head = jax.ShapeDtypeStruct((16, 13), jnp.float32)
+    abstract = _with(ABSTRACT, new_head={"kernel": head}, adapter=jax.ShapeDtypeStruct((16, 4), jnp.float32))
+    concrete = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract)
+    mesh, cfg, tx = zj.make_mesh(), zj.ZeroConfig(stage=3), optax.sgd(0.1)
+    want = [r"missing from the checkpoint \(1\): lm_head\.weight \(read by new_head\.kernel\)",
+            r"parameters the map does not name \(1\): adapter"]
+    before = TensorFiles.process_bytes_read
+    for params in (abstract, lambda: concrete, concrete):
+        with pytest.raises(ValueError) as e:
+            zj.init_state(params, tx, mesh=mesh, config=cfg, weights=zj.Weights(small_ckpt, LACKING))
+        for w in want:
+            assert re.search(w, str(e.value)), str(e.value)
+        assert "optional=('*.lora.*', ...)" in str(e.value)
+    with pytest.raises(ValueError, match=want[0]):
+        zj.load_weights(zj.Weights(small_ckpt, LACKING), like=abstract)
+    with pytest.raises(ValueError, match=want[0]):
+        zj.load_weights(zj.Weights(small_ckpt, LACKING), like=jax.tree.map(np.asarray, concrete))
+    assert TensorFiles.process_bytes_read == before  # refused before reading
+    # optional= with abstract parameters: there is nothing to take the absent ones from.
+    with pytest.raises(ValueError, match=r"optional=\('new_head\.\*',\).*abstract.*nothing to take them from"):
+        zj.init_state(abstract, tx, mesh=mesh, config=cfg,
+                      weights=zj.Weights(small_ckpt, LACKING, optional=("new_head.*",)))
+
+
+def test_optional_parameters_come_from_the_init_function_or_the_values_given(small_ckpt):
+    """Fine-tuning with new parameters (LoRA adapters, a new head), named optional: the
+    map's parameters come from the checkpoint, the optional ones the checkpoint lacks from
+    the init function or the values given, frozen or not."""
     def init_fn():
         k = jax.random.key(7)
         return {**jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), ABSTRACT),
-                "adapter": jax.random.normal(k, (16, 4))}
+                "adapter": jax.random.normal(k, (16, 4)), "new_head": {"kernel": jnp.full((16, 13), 0.5)}}
 
+    src = zj.Weights(small_ckpt, LACKING, optional=("adapter", "new_head.*"))
     base = lambda p: jax.tree.map(lambda _: True, p) | {"adapter": True, "emb": False}
-    state = zj.init_state(init_fn, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3),
-                          weights=zj.Weights(small_ckpt, SMALL_MAP), trainable=base)
-    got = zj.gather_params(state)
-    np.testing.assert_array_equal(np.asarray(got["adapter"]), np.asarray(init_fn()["adapter"]))
-    for k in ("emb", "head", "blocks"):
-        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got[k],
-                     _bf16(SMALL_REF)[k])
+    for params in (init_fn, init_fn()):
+        state = zj.init_state(params, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3),
+                              weights=src, trainable=base)
+        got = zj.gather_params(state)
+        np.testing.assert_array_equal(np.asarray(got["adapter"]), np.asarray(init_fn()["adapter"]))
+        np.testing.assert_array_equal(np.asarray(got["new_head"]["kernel"]), np.full((16, 13), 0.5, np.float32))
+        for k in ("emb", "head", "blocks"):
+            jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got[k],
+                         _bf16(SMALL_REF)[k])
+    # load_weights: an absent optional leaf is like's own value; abstract, it is refused.
+    like = jax.tree.map(np.asarray, init_fn())
+    out = zj.load_weights(src, like)
+    assert out["adapter"] is like["adapter"] and out["new_head"]["kernel"] is like["new_head"]["kernel"]
+    np.testing.assert_array_equal(out["emb"], np.asarray(_bf16(SMALL_REF)["emb"]))
+    with pytest.raises(ValueError, match=r"lacks the optional parameters adapter, new_head\.kernel.*ShapeDtypeStruct"):
+        zj.load_weights(src, _with(like, adapter=jax.ShapeDtypeStruct((16, 4), jnp.float32),
+                                   new_head={"kernel": jax.ShapeDtypeStruct((16, 13), jnp.float32)}))
+    # An optional parameter that the checkpoint holds in part is neither loaded nor initialised.
+    partial = zj.WeightMap(dict(SMALL_MAP.entries) | {"blocks.n": stack("layers.{i}.n"),
+                                                      "blocks.w": stack(split_dim(transpose("layers.{i}.w"), 1))})
+    four = _with(init_fn(), blocks={"n": jnp.zeros((4, 16)), "w": jnp.zeros((4, 16, 4, 6))})
+    with pytest.raises(ValueError, match=r"optional parameters partly in the checkpoint.*\(2\): blocks\.n \(has "
+                                         r"layers\.0\.n, layers\.1\.n, layers\.2\.n; lacks layers\.3\.n\)"):
+        zj.init_state(four, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3),
+                      weights=zj.Weights(small_ckpt, partial, optional=("blocks.*", "adapter", "new_head.*")))
 
 
 def test_load_weights_places_each_leaf_with_its_sharding(small_ckpt):
@@ -252,6 +310,34 @@ def test_a_cast_that_would_overflow_is_refused(tmp_path):
         zj.init_state({"w": jax.ShapeDtypeStruct((4,), jnp.float32), "b": jax.ShapeDtypeStruct((3,), jnp.float32)},
                       optax.sgd(0.1), mesh=zj.make_mesh(), config=cfg, weights=tmp_path / "w.safetensors",
                       trainable={"w": False, "b": True})
+
+
+def test_lossy_integer_casts_are_refused(tmp_path):
+    """Integer tensors keep their values or are refused, before any array: narrowing,
+    signed to unsigned, to bool, and into a float that would round them."""
+    path = tmp_path / "ints.safetensors"
+    save_file({"i64": np.array([1, -2, 3], np.int64), "i32": np.array([1, -2, 3], np.int32),
+               "i8": np.array([1, -2, 3], np.int8), "u8": np.array([1, 2, 255], np.uint8)}, str(path))
+    ok = {"i64": np.zeros(3, np.int64), "i32": np.zeros(3, np.int32), "i8": np.zeros(3, np.int32),
+          "u8": np.zeros(3, np.int16)}
+    got = zj.load_weights(path, ok)  # widening: exact
+    assert got["i8"].tolist() == [1, -2, 3] and got["u8"].tolist() == [1, 2, 255] and got["u8"].dtype == np.int16
+    refused = {
+        "i64": (np.int32, r"parameter 'i64' is int32 but its checkpoint tensor is int64: values beyond int32's range "
+                          r"would wrap around; make the parameter int64"),
+        "i32": (np.uint32, r"parameter 'i32' is uint32 but its checkpoint tensor is int32: negative values would wrap"),
+        "i8": (np.bool_, r"parameter 'i8' is bool but its checkpoint tensor is int8: every nonzero value would become "
+                         r"True"),
+        "u8": (np.int8, r"parameter 'u8' is int8 but its checkpoint tensor is uint8: values beyond int8's range"),
+    }
+    for name, (dtype, message) in refused.items():
+        for leaf in (np.zeros(3, dtype), jax.ShapeDtypeStruct((3,), dtype)):
+            with pytest.raises(TypeError, match=message):
+                zj.load_weights(path, {**ok, name: leaf})
+    with pytest.raises(TypeError, match=r"'i32' is float32 but its checkpoint tensor is int32: integers above 2\*\*24 "
+                                        r"would be rounded"):
+        zj.load_weights(path, {**ok, "i32": np.zeros(3, np.float32)})
+    assert zj.load_weights(path, {**ok, "i8": np.zeros(3, np.float16)})["i8"].tolist() == [1, -2, 3]
 
 
 # --- export -----------------------------------------------------------------------------------
@@ -384,13 +470,257 @@ def test_export_command_writes_a_checkpoint_directory_in_hugging_face_layout(sma
     from zerojax import cli
 
     zj.save_checkpoint(tmp_path / "ck", small_state(3), 0)
+    fixture = ROOT / "tests" / "data" / "hf_llama_tiny"
     rc = cli.main(["export", str(tmp_path / "ck"), str(tmp_path / "hf"), "--layout", "hf", "--map",
-                   "tests.test_weights:SMALL_MAP", "--max-shard-size", "1000", "--dtype", "bfloat16"])
+                   "tests.test_weights:SMALL_MAP", "--max-shard-size", "1000", "--dtype", "bfloat16",
+                   "--hf-config", str(fixture)])
     assert rc == 0, capsys.readouterr().err
     assert f"wrote {len(SMALL)} tensors" in capsys.readouterr().out
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    for name in ("config.json", "generation_config.json"):
+        (tmp_path / "hf" / name).unlink()
     got, files = _read_hf(tmp_path / "hf")
     assert len(files) == 4  # bf16: half the bytes of the fp32 export's 7 files
     for k, v in SMALL.items():
         np.testing.assert_array_equal(got[k], v.astype(ml_dtypes.bfloat16))
     assert cli.main(["export", str(tmp_path / "ck"), str(tmp_path / "x"), "--layout", "hf", "--map", "nope"]) == 1
     assert "ready map" in capsys.readouterr().err
+
+
+# --- export: every map that loads exports, and nothing silently wrong ------------------------
+
+TIED = zj.WeightMap(dict(SMALL_MAP.entries) | {"head.kernel": transpose("emb")})  # an untied head, tied file
+TIED_CKPT = {k: v for k, v in SMALL.items() if k != "head"}
+
+
+def _complete(folder):
+    """What a loader finds in ``folder``: the tensors of a complete export, or None. Fails on
+    an index that names a file which is not there."""
+    index, single = folder / "model.safetensors.index.json", folder / "model.safetensors"
+    if index.exists():
+        files = set(json.loads(index.read_text())["weight_map"].values())
+        missing = [f for f in files if not (folder / f).exists()]
+        assert not missing, f"the index names files that are not there: {missing}"
+        return {k: v for f in files for k, v in load_file(str(folder / f)).items()}
+    return load_file(str(single)) if single.exists() else None
+
+
+def _snapshot(folder):
+    return {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(folder.iterdir())}
+
+
+def test_a_tensor_read_by_two_parameters_is_written_once_and_checked(tmp_path):
+    """An untied head read from a tied checkpoint's embedding exports the embedding once,
+    under its own name; if the two parameters differ, the export is refused naming both
+    and the largest difference, and nothing is left that looks complete."""
+    save_file(TIED_CKPT, str(tmp_path / "tied.safetensors"))
+    mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=3)
+    state = zj.init_state(ABSTRACT, optax.sgd(0.1), mesh=mesh, config=cfg,
+                          weights=zj.Weights(tmp_path / "tied.safetensors", TIED))
+    shapes = zj.export_weights(state, tmp_path / "hf", map=TIED, layout="hf", max_shard_size=1000)
+    got = _complete(tmp_path / "hf")
+    assert set(got) == set(shapes) == set(TIED_CKPT)
+    for k, v in TIED_CKPT.items():
+        np.testing.assert_array_equal(got[k], v)
+    # Trained apart (here: given apart), the head would be dropped: refused.
+    params = jax.tree.map(jnp.asarray, SMALL_REF) | {"head": {"kernel": jnp.asarray(SMALL["emb"].T)}}
+    params["head"]["kernel"] = params["head"]["kernel"].at[15, 12].add(0.5)
+    apart = zj.init_state(params, optax.sgd(0.1), mesh=mesh, config=cfg)
+    with pytest.raises(ValueError, match=r"parameters 'head\.kernel' and 'emb' both read tensor 'emb', and they differ "
+                                         r"by up to 0\.5: the export writes the tensor once, from 'emb', and would "
+                                         r"drop what 'head\.kernel' learnt\. Tie them in the model .* a map that gives "
+                                         r"'head\.kernel' a tensor of its own instead of transpose\(emb \[13, 16\]\)"):
+        zj.export_weights(apart, tmp_path / "hf", map=TIED, layout="hf", max_shard_size=1000)
+    assert _complete(tmp_path / "hf") is None and not list((tmp_path / "hf").glob(".*"))
+    # The same from checkpoint directories (process 0 reads each parameter whole).
+    for name, st in (("same", state), ("apart", apart)):
+        zj.save_checkpoint(tmp_path / name, st, step=0, wait=True)
+    zj.export_weights(tmp_path / "same", tmp_path / "from_dir", map=TIED, layout="hf")
+    np.testing.assert_array_equal(_complete(tmp_path / "from_dir")["emb"], TIED_CKPT["emb"])
+    with pytest.raises(ValueError, match=r"'head\.kernel' and 'emb' both read tensor 'emb', and they differ by up to "
+                                         r"0\.5"):
+        zj.export_weights(tmp_path / "apart", tmp_path / "from_dir", map=TIED, layout="hf")
+    # The fix the message names: the head as a tensor of its own.
+    zj.export_weights(apart, tmp_path / "hf", map=SMALL_MAP, layout="hf")
+    np.testing.assert_array_equal(_complete(tmp_path / "hf")["head"], np.asarray(params["head"]["kernel"]).T)
+
+
+QKV = RNG.normal(size=(9, 7)).astype(np.float32)  # torch [out, in]: q rows 0:4, k 4:6, v 6:9
+FUSED = {"attn.qkv.weight": QKV, "up.a": RNG.normal(size=(7, 3)).astype(np.float32),
+         "up.b": RNG.normal(size=(7, 5)).astype(np.float32)}
+FUSED_MAP = zj.WeightMap({"q": transpose(part("attn.qkv.weight", 0, 0)), "k": transpose(part("attn.qkv.weight", 0, 4)),
+                          "v": transpose(part("attn.qkv.weight", 0, 6)),
+                          "up": concat(["up.a", "up.b"], axis=1, sizes=[3, 5])})
+FUSED_ABSTRACT = {"q": jax.ShapeDtypeStruct((7, 4), jnp.float32), "k": jax.ShapeDtypeStruct((7, 2), jnp.float32),
+                  "v": jax.ShapeDtypeStruct((7, 3), jnp.float32), "up": jax.ShapeDtypeStruct((7, 8), jnp.float32)}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_fused_parts_and_concatenations_export_what_they_load(stage, tmp_path):
+    """q, k, v read from one fused tensor and a fused parameter read from two tensors export
+    back to the same tensors, bit for bit, each part writing its own extent; parts that
+    leave a gap or overlap are refused, naming the elements."""
+    save_file(FUSED, str(tmp_path / "fused.safetensors"))
+    state = zj.init_state(FUSED_ABSTRACT, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=stage),
+                          weights=zj.Weights(tmp_path / "fused.safetensors", FUSED_MAP))
+    for layout, out in (("hf", tmp_path / "hf"), ("file", tmp_path / "w.safetensors")):
+        shapes = zj.export_weights(state, out, map=FUSED_MAP, layout=layout, max_shard_size=200)
+        got = _complete(out) if layout == "hf" else load_file(str(out))
+        assert shapes == {k: v.shape for k, v in FUSED.items()} and set(got) == set(FUSED)
+        for k, v in FUSED.items():
+            np.testing.assert_array_equal(got[k], v)
+    params = {k: jnp.ones(v.shape) for k, v in FUSED_ABSTRACT.items() if k in ("q", "v")}
+    two = zj.init_state(params, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=stage))
+    gap = zj.WeightMap({k: e for k, e in FUSED_MAP.entries if k in ("q", "v")})
+    with pytest.raises(ValueError, match=r"elements \[4:6, 0:7\] of tensor 'attn\.qkv\.weight' \[9, 7\] are written "
+                                         r"by no parameter: its parts \(part / concat\) leave a gap"):
+        zj.export_weights(two, tmp_path / "gap", map=gap, layout="hf")
+    three = zj.init_state({**params, "k": jnp.ones((7, 2))}, optax.sgd(0.1), mesh=zj.make_mesh(),
+                          config=zj.ZeroConfig(stage=stage))
+    overlap = zj.WeightMap({**dict(gap.entries), "k": transpose(part("attn.qkv.weight", 0, 3))})
+    with pytest.raises(ValueError, match=r"parameters 'q' and 'k' both write elements \[3:4, 0:7\] of tensor "
+                                         r"'attn\.qkv\.weight' \[9, 7\]"):
+        zj.export_weights(three, tmp_path / "overlap", map=overlap, layout="hf")
+    assert not (tmp_path / "gap").exists() and not (tmp_path / "overlap").exists()
+
+
+def test_re_export_leaves_exactly_the_new_export(small_state, tmp_path):
+    """One file over shards over one file: each export removes the earlier one's weight
+    files (and a killed export's leftovers); a config copied in by hand stays."""
+    state, out = small_state(3), tmp_path / "hf"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    (out / ".model-00001-of-00002.safetensors.partial").write_bytes(b"left by a killed export")
+    shards = lambda n: [f"model-0000{k}-of-0000{n}.safetensors" for k in range(1, n + 1)] + [
+        "model.safetensors.index.json"]
+    for size, files in (("5GB", ["model.safetensors"]), (1000, shards(7)), (2000, shards(4)),
+                        ("5GB", ["model.safetensors"])):
+        zj.export_weights(state, out, map=SMALL_MAP, layout="hf", max_shard_size=size)
+        assert sorted(p.name for p in out.iterdir()) == sorted(files + ["config.json"])
+        got = _complete(out)
+        for k, v in SMALL.items():
+            np.testing.assert_array_equal(got[k], v)
+    with pytest.raises(ValueError, match="holds both model.safetensors and model.safetensors.index.json"):
+        (out / "model.safetensors.index.json").write_text("{}")
+        zj.Weights(out, SMALL_MAP).open()
+
+
+class _Killed(BaseException):
+    """A kill: nothing after it runs (the export's clean-up included)."""
+
+
+def test_a_killed_export_leaves_nothing_that_looks_complete(small_state, tmp_path, monkeypatch):
+    """Killed at each step that changes the folder (each file removed, written or renamed,
+    a box written), an export leaves the folder as it was (killed before it began to change
+    it), or nothing a loader would take as complete: never the old export beside new files,
+    never an index naming files that are not there."""
+    from zerojax.checkpoint import sinks
+
+    state, out = small_state(3), tmp_path / "hf"
+    config = {"dtype": "bfloat16", "model_type": "small"}
+    calls = {"n": 0, "kill": None}
+
+    def hook(real):
+        def step(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == calls["kill"]:
+                raise _Killed()
+            return real(*a, **k)
+        return step
+
+    monkeypatch.setattr(sinks.os, "remove", hook(os.remove))
+    monkeypatch.setattr(sinks.os, "replace", hook(os.replace))
+    monkeypatch.setattr(sinks, "write_json", hook(sinks.write_json))
+    monkeypatch.setattr(TensorWriter, "write_box", hook(TensorWriter.write_box))
+    monkeypatch.setattr(sinks.ExportFiles, "cleanup", lambda self: None)
+    kills = changed = 0
+    for kill in range(1, 200):
+        for old in sorted(out.glob("*")) if out.exists() else []:
+            old.unlink()
+        calls["kill"] = None  # the earlier export, in bf16 and another file count
+        zj.export_weights(state, out, map=SMALL_MAP, layout="hf", dtype="bfloat16", max_shard_size=1500)
+        old = _snapshot(out)
+        calls.update(n=0, kill=kill)
+        try:
+            zj.export_weights(state, out, map=SMALL_MAP, layout="hf", max_shard_size=1000,
+                              hf_config=config)
+        except _Killed:
+            kills += 1
+            now = {k: v for k, v in _snapshot(out).items() if not k.startswith(".zerojax-export-probe")}
+            if now != old:
+                changed += 1
+                assert _complete(out) is None, (kill, sorted(now))
+            continue
+        break
+    # Killed before the probe's removal or the old index's: the folder as it was. Then the old
+    # files' removals, the headers, boxes, the config, the renames, the index.
+    assert kills == changed + 2 and changed > 20
+    got = _complete(out)
+    for k, v in SMALL.items():
+        np.testing.assert_array_equal(got[k], v)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_export_writes_config_json_updated_for_its_dtype(small_state, tmp_path):
+    """config.json (and generation_config.json) beside a Hugging Face export: the source's
+    config from the map or given, its dtype key(s) updated, none added; none without one."""
+    from zerojax.checkpoint.configs import exported
+
+    state = small_state(3)
+    fixture = ROOT / "tests" / "data" / "hf_llama_tiny"
+    zj.export_weights(state, tmp_path / "a", map=SMALL_MAP, layout="hf", dtype="bfloat16", hf_config=fixture)
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    source = json.loads((fixture / "config.json").read_text())
+    assert source["dtype"] == "float32" and config == {**source, "dtype": "bfloat16"}
+    assert json.loads((tmp_path / "a" / "generation_config.json").read_text()) == json.loads(
+        (fixture / "generation_config.json").read_text())
+    # transformers 4.x's key, nested configs too; the map's config, overridden by hf_config=.
+    old = {"torch_dtype": "float32", "text_config": {"torch_dtype": "float32"}, "model_type": "x"}
+    wmap = dataclasses.replace(SMALL_MAP, hf_config=old, generation_config={"max_length": 9})
+    assert wmap == SMALL_MAP and hash(wmap) == hash(SMALL_MAP)  # configs play no part in mapping
+    zj.export_weights(state, tmp_path / "b", map=wmap, layout="hf", dtype="float16")
+    assert json.loads((tmp_path / "b" / "config.json").read_text()) == {
+        "torch_dtype": "float16", "text_config": {"torch_dtype": "float16"}, "model_type": "x"}
+    assert json.loads((tmp_path / "b" / "generation_config.json").read_text()) == {"max_length": 9}
+    zj.export_weights(state, tmp_path / "b", map=wmap, layout="hf", hf_config={"model_type": "y"})
+    assert json.loads((tmp_path / "b" / "config.json").read_text()) == {"model_type": "y"}  # no key added
+    # No config: none written.
+    zj.export_weights(state, tmp_path / "c", map=SMALL_MAP, layout="hf")
+    assert not (tmp_path / "c" / "config.json").exists()
+    with pytest.raises(ValueError, match="hf_config / generation_config are written beside a Hugging Face model"):
+        zj.export_weights(state, tmp_path / "w.safetensors", map=SMALL_MAP, hf_config=fixture)
+    with pytest.raises(TypeError, match="WeightMap.hf_config must be JSON"):
+        zj.WeightMap({}, hf_config={"x": object()})
+    # A head of its own beside a config that ties it: untied, or transformers would drop it.
+    assert exported({"tie_word_embeddings": True}, None, dtype="float32", tensors=["lm_head.weight"]) == {
+        "config.json": {"tie_word_embeddings": False}}
+    assert exported({"tie_word_embeddings": True}, None, dtype="float32", tensors=["embed.weight"]) == {
+        "config.json": {"tie_word_embeddings": True}}
+
+
+def test_export_refuses_before_the_first_byte(small_state, tmp_path):
+    """A float16 overflow and a folder that cannot be written are refused before any byte
+    is written: an earlier export in the folder is untouched."""
+    out = tmp_path / "hf"
+    state = small_state(3)
+    zj.export_weights(state, out, map=SMALL_MAP, layout="hf", max_shard_size=1000)
+    before = _snapshot(out)
+    params = jax.tree.map(jnp.asarray, SMALL_REF)
+    params["blocks"]["w"] = params["blocks"]["w"].at[2, 15, 3, 5].set(1e5)
+    big = zj.init_state(params, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3))
+    with pytest.raises(ValueError, match=r"parameter 'blocks\.w' has values up to 1e\+05, beyond float16's range "
+                                         r"\(65504\); export in bfloat16"):
+        zj.export_weights(big, out, map=SMALL_MAP, layout="hf", dtype="float16")
+    assert _snapshot(out) == before
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        target = locked if not os.access(locked, os.W_OK) else pathlib.Path("/sys")  # root writes anywhere else
+        with pytest.raises(OSError, match=r"cannot write in the export folder"):
+            zj.export_weights(state, target / "w.safetensors", map=SMALL_MAP)
+    finally:
+        locked.chmod(0o755)
+    with pytest.raises(IsADirectoryError, match="layout='file' writes one file"):
+        zj.export_weights(state, out, map=SMALL_MAP)
+    assert _snapshot(out) == before

@@ -2,6 +2,7 @@
 
     zerojax export CHECKPOINT_DIR OUT.safetensors [--step N] [--dtype float32|bfloat16|float16]
     zerojax export CHECKPOINT_DIR OUT_DIR --layout hf --map llama [--max-shard-size 5GB] [--lora merge]
+                   [--hf-config SOURCE_MODEL_DIR]
     zerojax estimate --params 7B --devices 64 [--largest-layer N] [--replicas R] [--tensor T]
                      [--dtype float32|bfloat16|float16] [--optimizer adam|adamw|sgd|adafactor]
     zerojax estimate --model llama3-8b --devices 8
@@ -50,6 +51,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ex.add_argument("--max-shard-size", default="5GB", help="largest file of --layout hf (5GB, 500MiB, bytes)")
     ex.add_argument("--lora", choices=["merge", "adapters", "keep"], default="merge",
                     help="LoRA adapters folded into their kernels (default), alone, or kept as parameters")
+    ex.add_argument("--hf-config", default=None, metavar="PATH",
+                    help="--layout hf: the source model's config.json (or its folder, with generation_config.json), "
+                         "written beside the weights with the exported dtype; default: the map's, else none")
     es = sub.add_parser("estimate", help="model-state memory per device: ZeRO paper, DeepSpeed and zerojax")
     es.add_argument("--params", type=_count, default=None,
                     help="parameter count: 7B, 1.3b, 350M, 125k, 1.5e9, 7_000_000 (K/M/B/T suffixes)")
@@ -133,13 +137,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             wmap = None if args.map is None else _load_map(args.map)
             shapes = export_weights(args.checkpoint_dir, args.out, step=args.step, dtype=args.dtype,
                                     show_progress=None, layout=args.layout, map=wmap,
-                                    max_shard_size=args.max_shard_size, lora=args.lora)
+                                    max_shard_size=args.max_shard_size, lora=args.lora, hf_config=args.hf_config)
         except (OSError, ValueError, TypeError) as e:
             print(f"zerojax export: {e}", file=sys.stderr)
             return 1
         n = sum(math.prod(s) for s in shapes.values())
         print(f"wrote {len(shapes)} tensors, {n:,} parameters ({args.dtype}) to {args.out}")
-        if args.layout != "file" or wmap is not None or args.lora != "merge":
+        if args.layout != "file":
             return 0
         from zerojax.checkpoint.export import stored_dtypes
 

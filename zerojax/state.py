@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from zerojax.checkpoint.born import donated, loaded_storage
 from zerojax.config import ZeroConfig
 from zerojax.optim import loss_scale as ls
 from zerojax.optim.update import check_optimizer
@@ -125,9 +126,9 @@ def init_state(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig, rng: Any
         only the structure, shapes and dtypes (abstract leaves from ``jax.eval_shape`` /
         ``nnx.eval_shape`` are enough); every process reads only the bytes of the shards
         its devices hold, straight into the masters' (and frozen weights') ZeRO layout
-        (see :mod:`zerojax.checkpoint.weights`). With ``params`` an ``init_fn``, the
-        parameters the map does not name (new LoRA adapters, a new head) are initialised by
-        it; otherwise every parameter must be in the checkpoint.
+        (see :mod:`zerojax.checkpoint.weights`). Every parameter must be in the checkpoint,
+        except those ``zj.Weights(path, map, optional=patterns)`` names (new LoRA adapters,
+        a new head), which ``params`` (an ``init_fn`` or concrete arrays) then provides.
 
     The optimizer state and masters are created directly in their sharded layout (``jax.jit``
     with ``out_shardings``): no device ever holds more than its share of them.
@@ -146,8 +147,6 @@ def init_state(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig, rng: Any
     build, args, plan, out = _init_program(params, tx, mesh=mesh, config=config, model_state=model_state,
                                            trainable=trainable, rng=rng, tensor_specs=tensor_specs)
     if weights is not None:
-        from zerojax.checkpoint.born import donated, loaded_storage
-
         loaded_train, loaded_frozen, given = loaded_storage(weights, params, plan, init=is_init_fn(params))
         args = (args[0] if given else [], args[1], loaded_train, loaded_frozen)
         # The loaded shards are the masters' storage itself: donated, so never held twice.

@@ -12,25 +12,31 @@ from typing import Any
 
 import jax
 
-from zerojax.checkpoint.export import tensor_names
+from zerojax.checkpoint.casts import check_cast
+from zerojax.checkpoint.names import tensor_names
+from zerojax.checkpoint.processes import Processes
 from zerojax.checkpoint.weights import as_weights, check_ranges, place, resolve
 from zerojax.sharding.plan import ZeroPlan, master_dtype
 
 
 def loaded_storage(source: Any, params: Any, plan: ZeroPlan, *, init: bool) -> tuple[list, list, bool]:
     """``(trainable storage, frozen storage, params given)``: the storage arrays read from
-    ``source`` (``None`` for a parameter the map does not name, which ``params``, an
-    ``init_fn`` or concrete arrays, then provides), and whether ``params`` has values."""
+    ``source`` (``None`` for a parameter ``Weights.optional`` names that the checkpoint
+    lacks, which ``params``, an ``init_fn`` or concrete arrays, then provides), and whether
+    ``params`` has values. Every other parameter is read, or the call raises before
+    anything is placed (on every process of a job: a range error in one process's shards
+    is agreed)."""
     weights = as_weights(source)
     names = tensor_names(list(plan.paths))
     leaves = [] if init else jax.tree.leaves(params)
     concrete = not init and not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
-    optional = (lambda name: True) if (init or concrete) else (lambda name: False)
     train_layouts, train_sh = plan.master_layouts, plan.shardings(plan.master_layouts)
     frozen_layouts, frozen_sh = plan.frozen_layouts, plan.shardings(plan.frozen_layouts)
+    # A mesh over other processes' devices makes the call collective: agree on its checks.
+    group = Processes("init_state") if not plan.replicated.is_fully_addressable else None
     with weights.open() as files:
-        exprs = resolve(weights, files, {n: l.shape for n, l in zip(names, plan.layouts)}, optional=optional,
-                        what="the parameters given")
+        exprs, _ = resolve(weights, files, {n: l.shape for n, l in zip(names, plan.layouts)},
+                           initial=init or concrete, what="the parameters given")
         if not exprs:
             raise ValueError(f"the map reads no parameter from {weights.path!r}: no parameter name matches it. "
                              f"The parameters are named like {', '.join(names[:4])}.")
@@ -46,10 +52,20 @@ def loaded_storage(source: Any, params: Any, plan: ZeroPlan, *, init: bool) -> t
                 f += 1
             if name in exprs:
                 items.append((name, exprs[name], layout, sharding, dtype, where))
-        check_ranges([it[:5] for it in items], files, weights.buffer_bytes)
+        for name, expr, _, _, dtype, _ in items:
+            check_cast(name, expr.dtype, dtype)
+        if group is None:
+            check_ranges([it[:5] for it in items], files, weights.buffer_bytes)
+        else:
+            error = None
+            try:
+                check_ranges([it[:5] for it in items], files, weights.buffer_bytes, group.alive)
+            except Exception as e:  # noqa: BLE001 (agreed by every process, then raised)
+                error = e
+            group.agree("ranges", error, when="before placing any array")
         loaded = {"train": [None] * len(train_layouts), "frozen": [None] * len(frozen_layouts)}
-        for name, expr, layout, sharding, dtype, (group, j) in items:
-            loaded[group][j] = place(name, expr, layout, sharding, dtype, files, weights.buffer_bytes)
+        for name, expr, layout, sharding, dtype, (kind, j) in items:
+            loaded[kind][j] = place(name, expr, layout, sharding, dtype, files, weights.buffer_bytes)
     return loaded["train"], loaded["frozen"], concrete
 
 

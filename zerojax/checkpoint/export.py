@@ -1,336 +1,354 @@
-"""Consolidated weights from a checkpoint: one ``.safetensors`` file, loadable without
-zerojax (the ``zero_to_fp32.py`` equivalent).
+"""Weights out of a run: one ``.safetensors`` file, or Hugging Face's sharded layout.
 
-The file holds each parameter's fp32 master (or its bf16 / fp16 rounding) under a dotted name
-(``layers.w``, ``blocks.linear.kernel``), in the parameter's own shape. Process 0 reads
-the checkpoint one leaf at a time and streams each into the file, so the host holds one
-full leaf at a time; other processes read nothing. Two parameter paths that would get the
-same name (``['a']['b']`` and ``['a.b']``) are refused before anything is written.
-:func:`zerojax.load_weights` reads such a file back into a model's parameter tree.
+One pipeline serves every export: a source (:mod:`zerojax.checkpoint.sources`: a live
+state's shards, written by the process that holds them, or a checkpoint directory's leaves,
+read one at a time by process 0) through the map (:mod:`zerojax.checkpoint.tensor_map`, run
+backwards: names, transposes, unstacked layers, fused parts) into the files
+(:mod:`zerojax.checkpoint.sinks`). No array is gathered; a process holds one piece of one
+shard (or, from a checkpoint directory, one parameter) at a time.
+
+Every check that can fail runs before the first byte is written, and its outcome is agreed
+by every process (:mod:`zerojax.checkpoint.processes`): the map (every element of every
+tensor written exactly once, dtypes the format holds), the output folder (writable by every
+process, one filesystem for all), and the float16 range of each process's own shards. A
+failure in one process raises on every process, naming the process and the problem; a
+process that fails while writing stops every other one within about a second, and one that
+dies outright is given up on after ``timeout_s`` without progress. Either way nothing is
+left that looks complete (see :mod:`zerojax.checkpoint.sinks`).
+
+A tensor that two parameters read (a model's untied head loaded from a tied checkpoint's
+embedding) is written once, under its own name, and the second parameter is compared with
+what the first wrote: equal, the export goes on; different (training moved them apart),
+every process raises, naming both parameters and the largest difference.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import struct
 from typing import Any
 
-import jax
-import ml_dtypes
 import numpy as np
-import orbax.checkpoint as ocp
 
-from zerojax.checkpoint import canonical
-from zerojax.checkpoint.io import _manager, checkpoint_steps
+from zerojax.checkpoint import boxes
+from zerojax.checkpoint import lora as lora_
+from zerojax.checkpoint import tensor_map as tm
+from zerojax.checkpoint.casts import as_dtype, cast, is_float, narrows_range
+from zerojax.checkpoint.configs import exported, source_configs
+from zerojax.checkpoint.names import leaf_name, path_keys, tensor_names
+from zerojax.checkpoint.processes import DEFAULT_TIMEOUT_S, Processes
+from zerojax.checkpoint.safetensors_files import TensorFiles, TensorWriter, dtype_code, stored_dtypes
+from zerojax.checkpoint.sinks import LAYOUTS, ExportFiles, natural, parse_size
+from zerojax.checkpoint.sources import CheckpointSource, Source, StateSource
+from zerojax.checkpoint.weights import storage_expr
 from zerojax.report.progress import progress
+from zerojax.state import ZeroState
 
-_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64"}
+__all__ = ["EXPORT_DTYPES", "export_weights", "leaf_name", "path_keys", "stored_dtypes", "tensor_names"]
+
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
-
-
-# One key of a ``jax.tree_util.keystr`` path: a dict key (``['w']``, the repr of a str), another
-# key or sequence index (``[0]``), or an attribute (``.value``).
-_KEY = re.compile(r"""\[(?P<q>['"])(?P<str>.*?)(?P=q)\]|\[(?P<other>[^\]]*)\]|\.(?P<attr>[A-Za-z_]\w*)""")
-
-
-def path_keys(path: str) -> list[tuple[str, str]]:
-    """A ``keystr`` path as ``(kind, name)`` keys, kind ``"key"`` (dict key or index) or
-    ``"attr"`` (attribute); raises on a path it cannot read."""
-    keys, pos = [], 0
-    for m in _KEY.finditer(path):
-        if m.start() != pos:
-            break
-        pos = m.end()
-        if m.group("attr") is not None:
-            keys.append(("attr", m.group("attr")))
-        else:
-            keys.append(("key", m.group("str") if m.group("q") else m.group("other")))
-    if pos != len(path):
-        raise ValueError(f"cannot read the parameter path {path!r} (at character {pos}).")
-    return keys
-
-
-def leaf_name(path: str) -> str:
-    """``"['layers']['w']"`` / ``"['blocks']['linear']['kernel'].value"`` -> ``"layers.w"`` /
-    ``"blocks.linear.kernel"``: the keys joined by dots, without a trailing ``.value``
-    attribute (a flax.nnx Variable's value). A dict key named ``"value"`` stays:
-    ``"['attn']['value']"`` -> ``"attn.value"``."""
-    if path == "<root>":  # a single array as the whole parameter tree
-        return path
-    keys = path_keys(path)
-    if keys and keys[-1] == ("attr", "value"):
-        keys = keys[:-1]
-    return ".".join(name for _, name in keys)
-
-
-def tensor_names(paths: list[str]) -> list[str]:
-    """Dotted names for parameter paths; raises when two paths map to the same name."""
-    names, seen = [], {}
-    for path in paths:
-        name = leaf_name(path)
-        if name in seen:
-            raise ValueError(
-                f"parameter paths {seen[name]} and {path} both become the tensor name {name!r} in "
-                "a safetensors file; rename one of them (e.g. avoid '.' inside dict keys).")
-        seen[name] = path
-        names.append(name)
-    return names
-
-
-def _header(shapes: dict[str, tuple[int, ...]], dtype: str, metadata: dict) -> bytes:
-    header: dict = {"__metadata__": {k: str(v) for k, v in metadata.items()}}
-    offset, itemsize = 0, np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype).itemsize
-    for name, shape in shapes.items():
-        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
-        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    return blob + b" " * (-len(blob) % 8)
-
-
-def write_safetensors(path: str | os.PathLike, tensors, dtype: str, shapes: dict[str, tuple[int, ...]],
-                      metadata: dict | None = None) -> None:
-    """Writes the safetensors file ``path`` (atomically: temp file, then rename) from
-    ``tensors``, an iterable of ``(name, array)`` in the order of ``shapes``, consumed one
-    at a time. Each array is checked against its header entry as it is written, and the
-    header is read back from the finished file and checked against its size before the
-    file is renamed into place: a file that would not load is never left at ``path``."""
-    blob = _header(shapes, dtype, metadata or {})
-    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
-    want = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(blob)))
-            f.write(blob)
-            expected = iter(shapes.items())
-            for name, x in tensors:
-                x = np.asarray(x, order="C")  # (ascontiguousarray makes 0-d arrays 1-d)
-                want_name, want_shape = next(expected, (None, None))
-                if name != want_name or tuple(x.shape) != tuple(want_shape) or x.dtype != want:
-                    raise ValueError(f"writing {os.fspath(path)!r}: got tensor {name!r} {x.shape} {x.dtype} where "
-                                     f"the header has {want_name!r} {want_shape} {want}.")
-                f.write(x.tobytes())
-            missing = [n for n, _ in expected]
-            if missing:
-                raise ValueError(f"writing {os.fspath(path)!r}: no data came for tensors {missing}.")
-        check_safetensors(tmp, shapes)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def check_safetensors(path: str | os.PathLike, shapes: dict[str, tuple[int, ...]]) -> None:
-    """Reads back the header of the safetensors file ``path`` and checks that it lists the
-    tensors of ``shapes``, each with the bytes its shape and dtype need, contiguous, and
-    that the file holds exactly those bytes; raises ``ValueError`` saying what is wrong."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    itemsize = {v: np.dtype(ml_dtypes.bfloat16 if k == "bfloat16" else k).itemsize for k, v in _ST_DTYPES.items()}
-    if list(header) != list(shapes):
-        raise ValueError(f"{os.fspath(path)!r} lists tensors {list(header)}, expected {list(shapes)}.")
-    offset = 0
-    for name, entry in header.items():
-        begin, end = entry["data_offsets"]
-        nbytes = int(np.prod(entry["shape"], dtype=np.int64)) * itemsize[entry["dtype"]]
-        if tuple(entry["shape"]) != tuple(shapes[name]) or begin != offset or end - begin != nbytes:
-            raise ValueError(f"{os.fspath(path)!r}: tensor {name!r} has shape {entry['shape']} and data offsets "
-                             f"{[begin, end]}; expected shape {list(shapes[name])} at [{offset}, {offset + nbytes}].")
-        offset = end
-    if size != 8 + n + offset:
-        raise ValueError(f"{os.fspath(path)!r} has {size} bytes; its header describes {8 + n + offset} "
-                         f"({offset} bytes of tensor data).")
-
-
-def stored_dtypes(path: str | os.PathLike) -> dict[str, str]:
-    """``{tensor name: dtype it was stored in by the run}`` of a file ``export_weights``
-    wrote (frozen parameters narrower than the file's dtype hold that dtype's rounding)."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(json.loads(f.read(n)).get("__metadata__", {}).get("stored_dtypes", "{}"))
+PIECE_BYTES = 64 * 2**20  # the largest piece of a shard cast and written at once
 
 
 def export_weights(source: Any, out: str | os.PathLike, *, step: int | None = None,
                    dtype: str = "float32", show_progress: bool | None = False, layout: str = "file",
-                   map: Any = None, max_shard_size: int | str = "5GB",
-                   lora: str = "merge") -> dict[str, tuple[int, ...]]:
+                   map: tm.WeightMap | None = None, max_shard_size: int | str = "5GB", lora: str = "merge",
+                   hf_config: dict | str | os.PathLike | None = None,
+                   generation_config: dict | str | os.PathLike | None = None,
+                   timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, tuple[int, ...]]:
     """Writes the weights of ``source`` to ``out`` in ``dtype`` (float32, bfloat16 or
-    float16); returns ``{tensor name: shape}``. A float16 export refuses a parameter with
-    finite values beyond float16's range (65504) rather than write them as inf; bfloat16
-    has float32's range.
+    float16; integer parameters keep their own); returns ``{tensor name: shape}``.
 
-    ``source``: a checkpoint directory (step ``step``, default the latest), or a live
-    ``ZeroState``. From a state every process writes the shards its own devices hold,
-    straight into the files (:mod:`zerojax.checkpoint.hf_export`); from a directory process
-    0 reads one parameter at a time.
+    ``source``: a live ``ZeroState`` (every process writes the shards its own devices hold,
+    straight into the files), or a checkpoint directory (step ``step``, default the latest;
+    process 0 reads one parameter at a time). Every process of a job calls it.
 
     ``layout="file"``: one ``.safetensors`` file at ``out``. ``layout="hf"``: Hugging Face's
-    sharded layout in the folder ``out`` (``model-0000k-of-0000n.safetensors`` of at most
-    ``max_shard_size``, ``"5GB"`` or bytes, and ``model.safetensors.index.json``).
-    ``map``: a :class:`zerojax.WeightMap` naming, transposing and unstacking the parameters
-    into the checkpoint's tensors (the map that loads them: ``zj.maps.llama_map()``); default:
-    each parameter under its own dotted name. ``lora``: ``"merge"`` (default: each
-    ``nnx.LoRALinear`` kernel written as ``kernel + lora_a @ lora_b``, adapters left out: a
-    plain model any loader reads), ``"adapters"`` (the adapters alone, by the map's names
-    for them), or ``"keep"`` (every parameter as it is).
+    layout in the folder ``out``: ``model-0000k-of-0000n.safetensors`` files of at most
+    ``max_shard_size`` (``"5GB"``, decimal as Hugging Face counts, or bytes) and
+    ``model.safetensors.index.json``, or one ``model.safetensors``. Earlier exports' weight
+    files in the folder (``model.safetensors``, shards of any count, an index) are removed,
+    so that the folder holds exactly this export.
 
-    Trainable parameters are written from their fp32 masters; frozen ones as the run
-    stored them (``ZeroConfig.frozen_dtype``: in a bf16 run with the default "compute",
-    the bf16 rounding of the weights given). The file's metadata ``stored_dtypes`` (JSON)
-    names each tensor's stored dtype; :func:`stored_dtypes` reads it back.
+    ``map``: a :class:`zerojax.WeightMap` naming, transposing, unstacking and fusing the
+    parameters into the checkpoint's tensors: the map that loads them (``zj.maps.
+    llama_map()``) serves. Default: each parameter under its own dotted name. Every element
+    of every tensor is written by exactly one parameter: parts (``part``) and concatenations
+    that overlap or leave a gap are refused, naming the elements. A tensor two parameters
+    read is written once and the second is checked equal to it (see the module docstring).
 
-    Load it into a model's parameter tree with :func:`zerojax.load_weights`, or with
-    ``safetensors.numpy.load_file(out)`` (or torch / flax loaders). ``show_progress``: a
-    progress bar over the tensors on stderr (``None``: on a terminal only, as the
-    ``zerojax export`` command does).
+    ``lora``: ``"merge"`` (default: each ``nnx.LoRALinear`` kernel written as ``kernel +
+    lora_a @ lora_b``, the adapters left out: a plain model any loader reads), ``"adapters"``
+    (the adapters alone, under the map's names for them), or ``"keep"`` (every parameter).
+
+    ``config.json``: with ``layout="hf"`` (and not ``lora="adapters"``), the source
+    checkpoint's config is written beside the weights, its ``dtype`` / ``torch_dtype``
+    updated (see :mod:`zerojax.checkpoint.configs`), and its ``generation_config.json``
+    where it had one. The config comes from ``hf_config`` (a dict, a ``config.json`` path,
+    or the source checkpoint's folder, whose ``generation_config.json`` comes too), else
+    from ``map.hf_config``; ``generation_config`` (a dict or a path) overrides either. With
+    neither, no config is written (``from_pretrained`` then needs the model's
+    ``config.json`` copied in) and any in the folder is left as it is.
+
+    Trainable parameters are written from their fp32 masters; frozen ones as the run stored
+    them (``ZeroConfig.frozen_dtype``). A ``layout="file"`` export's metadata
+    ``stored_dtypes`` (JSON) names each tensor's stored dtype (:func:`stored_dtypes`).
+
+    Refused before any byte is written, on every process: float16 values beyond its range
+    (65504: export in bfloat16, which has float32's range), a folder a process cannot write
+    or does not share with process 0, and every problem of the map. ``timeout_s``: a
+    process that neither finishes a phase nor makes progress for this long is given up on
+    (the others raise ``TimeoutError``). ``show_progress``: a progress bar over the
+    parameters on stderr (``None``: on a terminal only, as ``zerojax export`` does).
+
+    Load the result with :func:`zerojax.load_weights`, ``safetensors.numpy.load_file``,
+    or (``layout="hf"`` with a config) ``transformers``' ``from_pretrained(out)``.
     """
-    from zerojax.state import ZeroState
-
-    if isinstance(source, ZeroState):
-        if step is not None:
-            raise ValueError("step= picks a step of a checkpoint directory; a state is exported as it is.")
-        from zerojax.checkpoint.hf_export import export_state
-
-        return export_state(source, out, map=map, layout=layout, dtype=dtype, max_shard_size=max_shard_size,
-                            lora=lora)
-    if dtype not in EXPORT_DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}.")
-    directory = source
-    if layout != "file" or map is not None or lora != "merge":
-        return _export_mapped(directory, out, step=step, dtype=dtype, layout=layout, map=map,
-                              max_shard_size=max_shard_size, lora=lora, show_progress=show_progress)
-    _check_paths(directory, out)
-    steps = checkpoint_steps(directory)
-    if not steps:
-        raise FileNotFoundError(f"no checkpoint in {os.fspath(directory)!r}: it has no complete saved step.")
-    step = steps[-1] if step is None else step
-    if step not in steps:
-        raise FileNotFoundError(f"no checkpoint for step {step} in {os.fspath(directory)!r}; it has steps {steps}.")
-    mngr = _manager(directory)
-    meta = canonical.Meta.from_json(mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
-    names = tensor_names(list(meta.paths))
-    shapes = {name: meta.layout(i).shape for i, name in enumerate(names)}
-    if jax.process_index() != 0:
-        return shapes
-    target = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
-
-    frozen = {i: j for j, i in enumerate(i for i in range(len(names)) if not meta.is_trainable(i))}
-
-    def leaves():
-        for i, name in progress(list(enumerate(names)), "export", unit="tensor",
-                                disable=None if show_progress is None else not show_progress):
-            key = str(i)
-            # Trainable parameters: their fp32 masters; frozen ones: as the run stored them.
-            group, layout = ("frozen", meta.frozen_layout(frozen[i])) if i in frozen else ("master", meta.layout(i))
-            arrays = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                item={group: {key: 0}},
-                restore_args={group: {key: ocp.RestoreArgs(restore_type=np.ndarray)}},
-                partial_restore=True)))["state"][group]
-            yield name, _cast(name, layout.from_storage(np.asarray(arrays[key])), target)
-
-    # What each tensor was stored as: float32 masters, frozen parameters as the run kept them
-    # (ZeroConfig.frozen_dtype: the compute dtype's rounding where "compute" narrowed them).
-    stored = {name: (meta.frozen_layout(frozen[i]).dtype if i in frozen else "float32") for i, name in enumerate(names)}
-    write_safetensors(out, leaves(), dtype, shapes, {"format": "zerojax", "step": step,
-                                                     "source_stage": meta.stage, "source_devices": meta.n,
-                                                     "stored_dtypes": json.dumps(stored)})
-    return shapes
+    # A state on this process's devices alone is exported by this process alone; otherwise
+    # every process takes part (a checkpoint directory: process 0 reads and writes).
+    local = isinstance(source, ZeroState) and source.plan.replicated.is_fully_addressable
+    group = Processes("export_weights", timeout_s, collective=not local)
+    job, error = None, None
+    try:
+        job = _Job(source, out, step=step, dtype=dtype, layout=layout, wmap=map, max_shard_size=max_shard_size,
+                   lora=lora, hf_config=hf_config, generation_config=generation_config, show_progress=show_progress)
+    except Exception as e:  # noqa: BLE001 (agreed by every process, then raised)
+        error = e
+    group.agree("plan", error, when="before writing anything")
+    return job.run(group)
 
 
-def _restore_leaf(mngr, meta, step: int, i: int, frozen: dict[int, int]) -> np.ndarray:
-    """Parameter ``i`` of a checkpoint, whole: its fp32 master, or a frozen one as stored."""
-    key = str(i)
-    group, layout = ("frozen", meta.frozen_layout(frozen[i])) if i in frozen else ("master", meta.layout(i))
-    arrays = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item={group: {key: 0}}, restore_args={group: {key: ocp.RestoreArgs(restore_type=np.ndarray)}},
-        partial_restore=True)))["state"][group]
-    return layout.from_storage(np.asarray(arrays[key]))
+class _Job:
+    """One export, planned from shapes alone: what each parameter writes, and where."""
+
+    def __init__(self, source, out, *, step, dtype, layout, wmap, max_shard_size, lora, hf_config,
+                 generation_config, show_progress):
+        if dtype not in EXPORT_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}.")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
+        wmap = tm.IDENTITY if wmap is None else wmap
+        if not isinstance(wmap, tm.WeightMap):
+            raise TypeError(f"map must be a zj.WeightMap, got {type(wmap).__name__}.")
+        max_bytes = parse_size(max_shard_size)
+        out = os.fspath(out)
+        if layout == "file" and os.path.isdir(out):
+            raise IsADirectoryError(f"{out!r} is a folder; layout='file' writes one file: name the file, or pass "
+                                    "layout='hf' to write Hugging Face's layout into the folder.")
+        if isinstance(source, ZeroState):
+            if step is not None:
+                raise ValueError("step= picks a step of a checkpoint directory; a state is exported as it is.")
+            src: Source = StateSource(source)
+        else:
+            src = CheckpointSource(source, step)
+        self.source, self.show_progress, self.merged = src, show_progress, {}
+        self.chosen, merges = lora_.select(src.names, lora, src.what)
+        self.merges = merges
+        target = as_dtype(dtype)
+        self.out_dtype = {n: target if is_float(src.dtypes[n]) else src.dtypes[n] for n in self.chosen}
+        shapes = {n: src.shapes[n] for n in self.chosen}
+        try:
+            inferred = tm.infer_tensors(wmap, shapes)
+            res = tm.resolve(wmap, shapes, {t: (s, np.dtype(np.float32)) for t, s in inferred.items()})
+            if res.problems():
+                raise ValueError(". ".join(res.problems()))
+            self.duplicates = tm.cover(res.exprs, inferred)
+        except ValueError as e:
+            raise ValueError(f"the map cannot export {src.what}: {e}") from None
+        self.exprs = res.exprs
+        tensors = self._tensors(inferred)
+        skip = {(d.param, d.tensor) for d in self.duplicates}
+        stored: dict[str, set[str]] = {}
+        for n, e in self.exprs.items():
+            for t, _ in e.boxes(boxes.full(tuple(e.shape))):
+                if (n, t) not in skip:
+                    stored.setdefault(t, set()).add(src.stored[n])
+        configs = {}
+        explicit = hf_config is not None or generation_config is not None
+        if layout == "hf" and lora != "adapters":
+            config, generation = source_configs(hf_config, generation_config, wmap.hf_config, wmap.generation_config)
+            configs = exported(config, generation, dtype=dtype, tensors=list(tensors))
+        elif explicit:
+            raise ValueError("hf_config / generation_config are written beside a Hugging Face model export: "
+                             "layout='hf' without lora='adapters'.")
+        if layout == "hf":
+            metadata = {"format": "pt"}
+        else:
+            metadata = {"format": "zerojax", **src.metadata,
+                        "stored_dtypes": json.dumps({t: "/".join(sorted(s)) for t, s in stored.items()})}
+        self.files = ExportFiles(out, layout, tensors, max_bytes=max_bytes, metadata=metadata, configs=configs)
+
+    def _tensors(self, inferred: dict[str, tuple[int, ...]]) -> dict[str, tuple]:
+        """``{tensor: (shape, dtype)}``: the dtype of the parameters written into it."""
+        written: dict[str, dict[np.dtype, str]] = {}
+        for n, e in self.exprs.items():
+            for t, _ in e.boxes(boxes.full(tuple(e.shape))):
+                written.setdefault(t, {}).setdefault(self.out_dtype[n], n)
+        out = {}
+        for t in sorted(inferred, key=natural):
+            dtypes = written[t]
+            if len(dtypes) > 1:
+                raise ValueError(f"tensor {t!r} would hold parameters of different dtypes ("
+                                 + ", ".join(f"{p!r}: {d}" for d, p in dtypes.items())
+                                 + "); map them to tensors of their own.")
+            (d,) = dtypes
+            dtype_code(d)  # a dtype safetensors has
+            out[t] = (tuple(inferred[t]), d)
+        return out
+
+    # -- running it, on every process ----------------------------------------------------------
+
+    def run(self, group: Processes) -> dict[str, tuple[int, ...]]:
+        files, rank, probed = self.files, group.rank, False
+        try:
+            group.start("checks")
+            error = None
+            try:
+                adapters = self.source.whole(sorted({x for ab in self.merges.values() for x in ab}))
+                self.merged = {k: (adapters[a], adapters[b]) for k, (a, b) in self.merges.items() if a in adapters}
+                if self.source.writes:  # (a checkpoint directory: process 0 alone writes)
+                    files.probe(rank)
+                    probed = True
+                self._pass("check", group)
+            except BaseException as e:  # noqa: BLE001
+                error = e
+            group.agree("checks", error, when="before writing anything")
+            error = None
+            try:
+                if self.source.writes:
+                    files.sees(rank)
+            except BaseException as e:  # noqa: BLE001
+                error = e
+            group.agree("folder", error, when="before writing anything")
+        finally:
+            if probed:
+                files.unprobe(rank)
+        try:
+            error = None
+            if rank == 0:
+                try:
+                    files.begin()
+                except BaseException as e:  # noqa: BLE001
+                    error = e
+            group.agree("begin", error, when="before writing any tensor")
+            group.start("data")
+            error = None
+            try:
+                with TensorWriter(files.places) as writer:
+                    self._pass("write", group, writer)
+            except BaseException as e:  # noqa: BLE001
+                error = e
+            group.agree("data", error, when="while writing (no file was completed)")
+            if self.duplicates:
+                group.start("verify")
+                error = None
+                try:
+                    self._verify(group)
+                except BaseException as e:  # noqa: BLE001
+                    error = e
+                group.agree("verify", error, when="after writing (no file was completed)")
+            error = None
+            if rank == 0:
+                try:
+                    files.commit()
+                except BaseException as e:  # noqa: BLE001
+                    error = e
+            group.agree("commit", error, when="while completing the files")
+        except BaseException:
+            if rank == 0:
+                files.cleanup()
+            raise
+        return {t: tuple(s) for t, (s, _) in files.tensors.items()}
+
+    def _narrows(self, n: str) -> bool:
+        return narrows_range(np.float32 if n in self.merged else self.source.dtypes[n], self.out_dtype[n])
+
+    def _pass(self, mode: str, group: Processes, sink: Any = None) -> None:
+        """Runs this process's boxes of the parameters through the map into ``sink``:
+        ``"check"``, the float16 range of those whose cast narrows; ``"write"``, into the
+        files (regions another parameter writes left out); ``"verify"``, the duplicated
+        regions into a comparison."""
+        names = self.chosen
+        if mode == "write" and group.rank == 0:
+            names = progress(names, "export", unit="tensor",
+                             disable=None if self.show_progress is None else not self.show_progress)
+        for n in names:
+            dups = [d for d in self.duplicates if d.param == n]
+            if (mode == "check" and not self._narrows(n)) or (mode == "verify" and not dups):
+                continue
+            expr = self.exprs[n]
+            if n in self.merged:  # kernel + a @ b in fp32, cast (and range-checked) as it is written
+                expr = lora_.LowRankAdd(expr, *self.merged[n])
+            sexpr = storage_expr(expr, self.source.layout(n))
+            out = _Cast(n, self.out_dtype[n], _Null() if mode == "check" else sink if mode == "write"
+                        else _Compare(dups, sink))
+            if mode != "check":
+                out = _Regions([(d.tensor, d.box) for d in dups], keep=mode == "verify", inner=out)
+            for box, values in self.source.chunks(n, PIECE_BYTES):
+                group.alive()
+                sexpr.write(box, values, out)
+
+    def _verify(self, group: Processes) -> None:
+        """Reads back what the writer of each duplicated region wrote and compares this
+        process's boxes of the parameter that reads it too."""
+        diffs: dict[tm.Duplicate, float] = {}
+        with TensorFiles(None, self.files.places) as files:
+            self._pass("verify", group, (files, diffs))
+        bad = [(d, x) for d, x in diffs.items() if x != 0]
+        if bad:
+            raise ValueError("; ".join(
+                f"parameters {d.param!r} and {d.writer!r} both read tensor {d.tensor!r}, and they differ by up to "
+                f"{x:.4g}: the export writes the tensor once, from {d.writer!r}, and would drop what {d.param!r} "
+                f"learnt. Tie them in the model (one parameter for both), or export with a map that gives "
+                f"{d.param!r} a tensor of its own instead of {self.exprs[d.param].describe()} (a head read from the "
+                "embedding: transpose('lm_head.weight'))" for d, x in bad) + ".")
 
 
-def _export_mapped(directory, out, *, step, dtype, layout, map, max_shard_size, lora, show_progress):
-    """A checkpoint directory through a map / into Hugging Face's layout: process 0 reads
-    one parameter at a time and writes it through the map's inverse."""
-    from zerojax.checkpoint import boxes
-    from zerojax.checkpoint import hf_export as hx
-    from zerojax.checkpoint import tensor_map as tm
-
-    if layout not in hx.LAYOUTS:
-        raise ValueError(f"layout must be one of {hx.LAYOUTS}, got {layout!r}.")
-    if lora not in hx.LORA:
-        raise ValueError(f"lora must be one of {hx.LORA}, got {lora!r}.")
-    wmap = tm.IDENTITY if map is None else map
-    if not isinstance(wmap, tm.WeightMap):
-        raise TypeError(f"map must be a zj.WeightMap, got {type(wmap).__name__}.")
-    max_bytes = hx.parse_size(max_shard_size)
-    _check_paths(directory, out)
-    steps = checkpoint_steps(directory)
-    if not steps:
-        raise FileNotFoundError(f"no checkpoint in {os.fspath(directory)!r}: it has no complete saved step.")
-    step = steps[-1] if step is None else step
-    if step not in steps:
-        raise FileNotFoundError(f"no checkpoint for step {step} in {os.fspath(directory)!r}; it has steps {steps}.")
-    mngr = _manager(directory)
-    meta = canonical.Meta.from_json(mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
-    names = tensor_names(list(meta.paths))
-    index = {n: i for i, n in enumerate(names)}
-    frozen = {i: j for j, i in enumerate(i for i in range(len(names)) if not meta.is_trainable(i))}
-    triples = hx.lora_triples(names)
-    adapters = {n for ab in triples.values() for n in ab}
-    chosen = [n for n in names if (n not in adapters if lora == "merge" else n in adapters if lora == "adapters"
-                                   else True)]
-    if lora == "adapters" and not adapters:
-        raise ValueError("lora='adapters' exports the LoRA adapters, but the checkpoint has none.")
-    shapes = {n: meta.layout(index[n]).shape for n in chosen}
-    target = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
-    inferred = tm.infer_tensors(wmap, shapes)
-    res = tm.resolve(wmap, shapes, {t: (s, np.dtype(np.float32)) for t, s in inferred.items()})
-    if res.problems():
-        raise ValueError("the map cannot export this checkpoint: " + ". ".join(res.problems()) + ".")
-    hx._check_cover(res.exprs, inferred)
-    tensors = {t: (s, np.dtype(target)) for t, s in inferred.items()}
-    if jax.process_index() != 0:
-        hx._barrier("zerojax-export-headers")
-        hx._barrier("zerojax-export-data")
-        hx._barrier("zerojax-export-done")
-        return {t: tuple(s) for t, (s, _) in tensors.items()}
-    merged = {k: tuple(_restore_leaf(mngr, meta, step, index[x], frozen).astype(np.float32) for x in ab)
-              for k, ab in triples.items()} if lora == "merge" else {}
-
-    def produce(writer):
-        for n in progress(chosen, "export", unit="tensor", disable=None if show_progress is None else not show_progress):
-            x = _restore_leaf(mngr, meta, step, index[n], frozen)
-            if n in merged:
-                a, b = merged[n]
-                x = x.astype(np.float32) + np.matmul(a, b)
-            res.exprs[n].write(boxes.full(x.shape), _cast(n, x, target), writer)
-
-    hx.write_checkpoint(os.fspath(out), tensors, produce, layout=layout, max_bytes=max_bytes,
-                        metadata={"format": "pt"} if layout == "hf" else {"format": "zerojax", "step": step})
-    return {t: tuple(s) for t, (s, _) in tensors.items()}
+class _Null:
+    def write_box(self, tensor, box, values):
+        pass
 
 
-def _check_paths(directory, out: str | os.PathLike) -> None:
-    """Refuses a checkpoint directory or an output folder that does not exist, saying which."""
-    if isinstance(directory, (str, os.PathLike)):
-        if not os.path.exists(directory):
-            raise FileNotFoundError(f"checkpoint directory {os.fspath(directory)!r} does not exist.")
-        if not os.path.isdir(directory):
-            raise NotADirectoryError(f"checkpoint directory {os.fspath(directory)!r} is not a directory.")
-    folder = os.path.dirname(os.path.abspath(os.fspath(out)))
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"the folder {folder!r} for the output file does not exist; create it first.")
+class _Cast:
+    """Casts (checked: float16's range) what is written of parameter ``name``."""
+
+    def __init__(self, name: str, dtype, inner):
+        self.name, self.dtype, self.inner = name, dtype, inner
+
+    def write_box(self, tensor, box, values):
+        self.inner.write_box(tensor, box, cast(f"parameter {self.name!r}", values, self.dtype,
+                                               fix="export in bfloat16 (float32's range) or float32."))
 
 
-def _cast(name: str, x: np.ndarray, target) -> np.ndarray:
-    """``x`` in ``target``; refuses finite values that ``target`` (float16) would make inf."""
-    with np.errstate(over="ignore"):
-        y = x.astype(target)
-    if np.dtype(target) == np.float16 and not np.array_equal(np.isfinite(x), np.isfinite(y)):
-        raise ValueError(f"tensor {name!r} has values up to {float(np.nanmax(np.abs(x[np.isfinite(x)]))):.4g}, beyond "
-                         "float16's range (65504); export it in bfloat16 or float32.")
-    return y
+class _Regions:
+    """Passes on the writes inside (``keep``) or outside the ``(tensor, box)`` regions."""
+
+    def __init__(self, regions: list[tuple[str, boxes.Box]], keep: bool, inner):
+        self.regions, self.keep, self.inner = regions, keep, inner
+
+    def write_box(self, tensor, box, values):
+        inside = False
+        for t, r in self.regions:
+            if t == tensor and boxes.intersect(box, r) is not None:
+                if boxes.intersect(box, r) != tuple(box):
+                    raise AssertionError(f"a write {box} of {tensor!r} straddles the region {r}.")
+                inside = True
+        if inside == self.keep:
+            self.inner.write_box(tensor, box, values)
+
+
+class _Compare:
+    """Records, per duplicated region, the largest difference between what is written to
+    it and what the file holds."""
+
+    def __init__(self, dups: list[tm.Duplicate], target):
+        self.dups, (self.files, self.diffs) = dups, target
+
+    def write_box(self, tensor, box, values):
+        d = next(d for d in self.dups if d.tensor == tensor and boxes.intersect(box, d.box) == tuple(box))
+        got = self.files.read_box(tensor, box).astype(np.float64)
+        want = np.asarray(values).astype(np.float64)
+        both_nan = np.isnan(got) & np.isnan(want)
+        diff = np.where(both_nan, 0.0, np.abs(got - want))
+        diff = np.where(np.isnan(diff), np.inf, diff)
+        self.diffs[d] = max(self.diffs.get(d, 0.0), float(diff.max()) if diff.size else 0.0)

@@ -2,7 +2,7 @@
 
 :func:`zerojax.export_weights` (``zerojax export``) writes one ``.safetensors`` file whose
 tensors are named by their parameter paths (``blocks.linear.kernel``; see
-:func:`zerojax.checkpoint.export.tensor_names`), or Hugging Face's sharded layout through a
+:func:`zerojax.checkpoint.names.tensor_names`), or Hugging Face's sharded layout through a
 map. :func:`load_weights` reads either (or any Hugging Face checkpoint, with a map) into
 the structure of a tree you already have (an ``nnx.State`` from ``nnx.split(model,
 nnx.Param)``, a linen ``params`` dict, any pytree of arrays or ``jax.ShapeDtypeStruct``),
@@ -19,8 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from zerojax.checkpoint import boxes
-from zerojax.checkpoint.export import tensor_names
-from zerojax.checkpoint.weights import as_weights, check_cast, check_ranges, place, read_box, resolve
+from zerojax.checkpoint.casts import check_cast
+from zerojax.checkpoint.names import tensor_names
+from zerojax.checkpoint.processes import Processes
+from zerojax.checkpoint.weights import as_weights, check_ranges, place, read_box, resolve
 
 
 def load_weights(path: Any, like: Any) -> Any:
@@ -43,7 +45,10 @@ def load_weights(path: Any, like: Any) -> Any:
 
     Raises ``ValueError`` naming every tensor ``like`` needs and the checkpoint lacks, every
     tensor of the checkpoint ``like`` has no leaf for, and every shape that differs, before
-    reading any; ``FileNotFoundError`` for a missing file (or one an index names).
+    reading any; ``FileNotFoundError`` for a missing file (or one an index names). The leaves
+    that ``zj.Weights(..., optional=patterns)`` names may be absent: they are returned as
+    ``like`` gives them, which must then hold values (not ``jax.ShapeDtypeStruct``). In a
+    multi-process job a range error in one process's shards raises on every process.
 
     Example:
       >>> import os, tempfile, numpy as np
@@ -61,13 +66,35 @@ def load_weights(path: Any, like: Any) -> Any:
         raise ValueError("like has no leaves; pass the model's parameter tree (e.g. nnx.split(model, nnx.Param)[1]).")
     names = tensor_names([jax.tree_util.keystr(p) for p, _ in flat])
     leaves = [leaf for _, leaf in flat]
+    # A leaf placed over other processes' devices makes the call collective: agree on it.
+    collective = any(not getattr(getattr(x, "sharding", None), "is_fully_addressable", True) for x in leaves)
+    group = Processes("load_weights") if collective else None
     with weights.open() as files:
-        exprs = resolve(weights, files, {n: tuple(np.shape(x)) for n, x in zip(names, leaves)}, what="like")
-        items = [(n, exprs[n], None, getattr(x, "sharding", None), _dtype(x)) for n, x in zip(names, leaves)]
-        check_ranges([it for it in items if it[3] is not None], files, weights.buffer_bytes)
-        out = [_load(name, expr, sharding, dtype, leaf, files, weights.buffer_bytes)
-               for (name, expr, _, sharding, dtype), leaf in zip(items, leaves)]
-    return jax.tree_util.tree_unflatten(treedef, out)
+        exprs, absent = resolve(weights, files, {n: tuple(np.shape(x)) for n, x in zip(names, leaves)},
+                                initial=True, what="like")
+        given = dict(zip(names, leaves))
+        abstract = [n for n in absent if isinstance(given[n], jax.ShapeDtypeStruct)]
+        if abstract:
+            raise ValueError(f"{weights.path!r} lacks the optional parameters {', '.join(abstract)}, and like gives "
+                             "them as jax.ShapeDtypeStruct, without values to take instead; pass arrays for them in "
+                             "like, or load them from a checkpoint that has them.")
+        items = [(n, exprs[n], None, getattr(x, "sharding", None), _dtype(x)) for n, x in zip(names, leaves)
+                 if n in exprs]
+        for n, expr, _, _, dtype in items:
+            check_cast(n, expr.dtype, dtype)
+        ranged = [it for it in items if it[3] is not None]
+        if group is None:
+            check_ranges(ranged, files, weights.buffer_bytes)
+        else:
+            error = None
+            try:
+                check_ranges(ranged, files, weights.buffer_bytes, group.alive)
+            except Exception as e:  # noqa: BLE001 (agreed by every process, then raised)
+                error = e
+            group.agree("ranges", error, when="before placing any array")
+        loaded = {name: _load(name, expr, sharding, dtype, given[name], files, weights.buffer_bytes)
+                  for name, expr, _, sharding, dtype in items}
+    return jax.tree_util.tree_unflatten(treedef, [loaded.get(n, given[n]) for n in names])
 
 
 def _dtype(leaf: Any):
@@ -78,6 +105,5 @@ def _load(name, expr, sharding, dtype, leaf, files, limit):
     """One leaf: placed shard by shard with its sharding, else read whole."""
     if sharding is not None and not isinstance(leaf, (np.ndarray, np.generic)):
         return place(name, expr, None, sharding, dtype, files, limit)
-    check_cast(name, expr.dtype, dtype)
     x = read_box(name, expr, boxes.full(tuple(expr.shape)), dtype, files, limit)
     return x if isinstance(leaf, (np.ndarray, np.generic)) else jnp.asarray(x)

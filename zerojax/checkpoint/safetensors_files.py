@@ -1,12 +1,15 @@
-"""The tensors of a safetensors checkpoint, one file or Hugging Face's sharded layout, read
-by byte range.
+"""Safetensors files, read and written by byte range: the one place that knows the format.
 
 A safetensors file is an 8-byte little-endian header length, a JSON header naming each
-tensor's dtype, shape and data offsets, then the tensors' bytes in C order. Reading a box of
-a tensor here is one ``pread`` per contiguous run of it (:func:`zerojax.checkpoint.boxes.runs`)
+tensor's dtype, shape and data offsets (and an optional ``__metadata__`` of strings), padded
+with spaces to a multiple of 8, then the tensors' bytes in C order. Reading a box of a
+tensor here is one ``pread`` per contiguous run of it (:func:`zerojax.checkpoint.boxes.runs`)
 straight into the output array: no memory map (its touched pages would count against the
 process), no whole tensor, and every byte read is counted (:attr:`TensorFiles.bytes_read`),
-so a test can check that a process read exactly its own shards.
+so a test can check that a process read exactly its own shards. Writing is the mirror
+image: :func:`header` lays out a file from shapes alone, and :class:`TensorWriter` writes a
+box of a tensor with one ``pwrite`` per run, so that several processes fill one file.
+:func:`check_file` reads a written file's header back against what it should hold.
 
 Hugging Face's sharded layout is ``model.safetensors.index.json`` (``{"metadata":
 {"total_size": ...}, "weight_map": {tensor name: file name}}``) beside the files it names.
@@ -17,14 +20,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import struct
+from typing import Mapping
 
 import ml_dtypes
 import numpy as np
 
 from zerojax.checkpoint import boxes
+from zerojax.checkpoint.casts import as_dtype
 
-# safetensors' dtype codes.
+# safetensors' dtype codes: the one table.
 DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
@@ -35,14 +41,19 @@ DTYPES = {
 CODES = {v: k for k, v in DTYPES.items()}
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors\Z")
 
 
 def dtype_code(dtype) -> str:
     """safetensors' code for a numpy dtype (``float32`` -> ``F32``)."""
-    d = np.dtype(ml_dtypes.bfloat16 if str(dtype) == "bfloat16" else dtype)
+    d = as_dtype(dtype)
     if d not in CODES:
         raise ValueError(f"dtype {d} has no safetensors code; use one of {sorted(str(x) for x in CODES)}.")
     return CODES[d]
+
+
+def nbytes(shape, dtype) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * as_dtype(dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +68,7 @@ class StoredTensor:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return nbytes(self.shape, self.dtype)
 
 
 def read_header(path: str) -> tuple[dict[str, StoredTensor], dict]:
@@ -93,6 +104,51 @@ def read_header(path: str) -> tuple[dict[str, StoredTensor], dict]:
     return out, meta
 
 
+def header(names: list[str], tensors: Mapping[str, tuple], metadata: Mapping | None = None
+           ) -> tuple[bytes, dict[str, int]]:
+    """The head of a safetensors file holding ``names`` (in that order; ``tensors``:
+    ``{name: (shape, dtype)}``) and ``metadata`` (values as strings): ``(bytes, {name:
+    absolute offset of its data})``. The file's size is ``len(bytes)`` plus the tensors' bytes."""
+    head: dict = {"__metadata__": {k: str(v) for k, v in (metadata or {}).items()}}
+    offsets, offset = {}, 0
+    for name in names:
+        shape, dtype = tensors[name]
+        n = nbytes(shape, dtype)
+        head[name] = {"dtype": dtype_code(dtype), "shape": [int(d) for d in shape],
+                      "data_offsets": [offset, offset + n]}
+        offsets[name] = offset
+        offset += n
+    blob = json.dumps(head, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    return struct.pack("<Q", len(blob)) + blob, {k: v + 8 + len(blob) for k, v in offsets.items()}
+
+
+def check_file(path: str, names: list[str], tensors: Mapping[str, tuple]) -> None:
+    """Reads back the header of the safetensors file ``path`` and checks that it lists
+    exactly ``names`` in order, each with its shape and dtype (``tensors``: ``{name: (shape,
+    dtype)}``), contiguous from the data's start, and that the file holds exactly those bytes;
+    raises ``ValueError`` saying what is wrong."""
+    got, _ = read_header(path)
+    if list(got) != list(names):
+        raise ValueError(f"{path!r} lists tensors {list(got)}, expected {list(names)}.")
+    start = min((t.offset for t in got.values()), default=os.path.getsize(path))
+    offset = start
+    for name in names:
+        t, (shape, dtype) = got[name], tensors[name]
+        if t.shape != tuple(shape) or t.dtype != as_dtype(dtype) or t.offset != offset:
+            raise ValueError(f"{path!r}: tensor {name!r} is {t.dtype}{list(t.shape)} at byte {t.offset}; expected "
+                             f"{as_dtype(dtype)}{list(shape)} at byte {offset}.")
+        offset += t.nbytes
+    if os.path.getsize(path) != offset:
+        raise ValueError(f"{path!r} has {os.path.getsize(path)} bytes; its header describes {offset}.")
+
+
+def stored_dtypes(path: str | os.PathLike) -> dict[str, str]:
+    """``{tensor name: dtype it was stored in by the run}`` of a file ``export_weights``
+    wrote (frozen parameters narrower than the file's dtype hold that dtype's rounding)."""
+    return json.loads(read_header(os.fspath(path))[1].get("stored_dtypes", "{}"))
+
+
 def resolve_path(path: str | os.PathLike) -> tuple[str, list[str]]:
     """``(kind, files)`` for a checkpoint path: a ``.safetensors`` file (``"file"``), an
     index JSON (``"index"``), or a directory holding ``model.safetensors.index.json`` or
@@ -102,6 +158,10 @@ def resolve_path(path: str | os.PathLike) -> tuple[str, list[str]]:
     path = os.fspath(path)
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, INDEX)):
+            if os.path.isfile(os.path.join(path, SINGLE)):
+                # Readers disagree on which one a folder means (transformers takes the file).
+                raise ValueError(f"{path!r} holds both {SINGLE} and {INDEX}, two checkpoints: pass the one to "
+                                 "read (its path), or remove the stale one.")
             return resolve_path(os.path.join(path, INDEX))
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
         if SINGLE in files:
@@ -132,15 +192,16 @@ class TensorFiles:
       ([[5.0, 6.0], [9.0, 10.0]], 16)
     """
 
-    def __init__(self, path: str | os.PathLike):
-        kind, files = resolve_path(path)
-        self.path = os.fspath(path)
+    def __init__(self, path: str | os.PathLike | None, tensors: Mapping[str, StoredTensor] | None = None):
         self.metadata: dict = {}
-        self.tensors: dict[str, StoredTensor] = {}
-        if kind == "file":
-            self.tensors, self.metadata = read_header(files[0])
-        else:
-            self._read_index(files[0])
+        self.tensors: dict[str, StoredTensor] = dict(tensors or {})
+        self.path = None if path is None else os.fspath(path)
+        if path is not None:
+            kind, files = resolve_path(path)
+            if kind == "file":
+                self.tensors, self.metadata = read_header(files[0])
+            else:
+                self._read_index(files[0])
         self.bytes_read = 0
         self._fds: dict[str, int] = {}
 
@@ -232,10 +293,13 @@ class TensorWriter:
         self._fds.clear()
 
     def write_box(self, name: str, box: boxes.Box, values: np.ndarray) -> None:
+        """Writes ``values`` (already in the tensor's dtype: casts are the caller's, checked)
+        at ``box`` of tensor ``name``."""
         t = self.places[name]
-        values = np.ascontiguousarray(values, dtype=t.dtype)
-        if values.shape != boxes.box_shape(box):
-            raise ValueError(f"writing tensor {name!r}: values of shape {values.shape} for box {box}")
+        values = np.asarray(values, order="C")  # (ascontiguousarray makes 0-d arrays 1-d)
+        if values.shape != boxes.box_shape(box) or values.dtype != t.dtype:
+            raise ValueError(f"writing tensor {name!r} ({t.dtype}): values {values.dtype}{list(values.shape)} "
+                             f"for box {box}.")
         if t.file not in self._fds:
             self._fds[t.file] = os.open(t.file, os.O_WRONLY)
         fd = self._fds[t.file]

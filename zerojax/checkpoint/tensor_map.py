@@ -1,7 +1,7 @@
 """Maps from a model's parameters to a checkpoint's tensors, read and written by box.
 
 A :class:`WeightMap` says, for each parameter (by its dotted name, as
-:func:`zerojax.checkpoint.export.tensor_names` gives it), how it is made of checkpoint tensors:
+:func:`zerojax.checkpoint.names.tensor_names` gives it), how it is made of checkpoint tensors:
 
     >>> from zerojax.checkpoint import tensor_map as tm
     >>> llama_like = tm.WeightMap({
@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import itertools
+import json
 import math
 import re
 from typing import Any, Callable, Mapping, Sequence
@@ -55,6 +57,11 @@ class Expr:
     def write(self, box: Box, values: np.ndarray, io) -> None:
         raise NotImplementedError
 
+    def boxes(self, box: Box) -> list[tuple[str, Box]]:
+        """The ``(tensor, box)`` regions a write of ``box`` touches (for the whole
+        parameter: its extent in the checkpoint)."""
+        raise NotImplementedError
+
     def tensors(self) -> list[Tensor]:
         raise NotImplementedError
 
@@ -73,6 +80,9 @@ class Tensor(Expr):
 
     def write(self, box, values, io):
         io.write_box(self.name, box, values)
+
+    def boxes(self, box):
+        return [(self.name, tuple(box))]
 
     def tensors(self):
         return [self]
@@ -105,6 +115,9 @@ class Transpose(Expr):
 
     def write(self, box, values, io):
         self.child.write(self._child_box(box), np.asarray(values).transpose(np.argsort(self.perm)), io)
+
+    def boxes(self, box):
+        return self.child.boxes(self._child_box(box))
 
     def tensors(self):
         return self.child.tensors()
@@ -190,6 +203,13 @@ class Reshape(Expr):
         child_box, _ = self._plan(box)
         return boxes.box_size(child_box) == boxes.box_size(box)
 
+    def boxes(self, box):
+        if self._single(box):
+            return self.child.boxes(self._plan(box)[0])
+        starts, length = boxes.runs(self.shape, box)
+        return [tb for s in starts.tolist() for cb in boxes.flat_boxes(self.child.shape, s, s + length)
+                for tb in self.child.boxes(cb)]
+
     def tensors(self):
         return self.child.tensors()
 
@@ -226,6 +246,10 @@ class Pad(Expr):
         inside = boxes.intersect(box, boxes.full(self.child.shape))
         if inside is not None:
             self.child.write(inside, np.asarray(values)[boxes.slices(boxes.shift(inside, [a for a, _ in box]))], io)
+
+    def boxes(self, box):
+        inside = boxes.intersect(box, boxes.full(self.child.shape))
+        return [] if inside is None else self.child.boxes(inside)
 
     def tensors(self):
         return self.child.tensors()
@@ -284,6 +308,9 @@ class Concat(Expr):
             v = values[(slice(None),) * self.axis + (sl,)]
             c.write(cbox, v.reshape(boxes.box_shape(cbox)) if self.stack else v, io)
 
+    def boxes(self, box):
+        return [tb for c, cbox, _ in self._parts(box) for tb in c.boxes(cbox)]
+
     def tensors(self):
         return [t for c in self.children for t in c.tensors()]
 
@@ -320,6 +347,9 @@ class Part(Expr):
 
     def write(self, box, values, io):
         self.child.write(self._child_box(box), values, io)
+
+    def boxes(self, box):
+        return self.child.boxes(self._child_box(box))
 
     def tensors(self):
         return self.child.tensors()
@@ -570,11 +600,19 @@ class WeightMap:
         otherwise refused as extra).
       identity: parameters with no entry are the tensor of their own name (zerojax's own
         export format).
+      hf_config: the source checkpoint's ``config.json`` (a dict), or None. An export with
+        ``layout="hf"`` writes it beside the weights, its dtype updated (see
+        :func:`zerojax.export_weights`); it plays no part in mapping (maps compare, hash and
+        print without it).
+      generation_config: the source's ``generation_config.json`` (a dict), or None; written
+        beside ``config.json``.
     """
 
     entries: Any = ()
     ignore: tuple[str, ...] = ()
     identity: bool = False
+    hf_config: dict | None = dataclasses.field(default=None, compare=False, repr=False)
+    generation_config: dict | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         entries = tuple(self.entries.items()) if isinstance(self.entries, Mapping) else tuple(self.entries)
@@ -584,6 +622,8 @@ class WeightMap:
         object.__setattr__(self, "entries", tuple((k, _spec(s)) for k, s in entries))
         ignore = (self.ignore,) if isinstance(self.ignore, str) else tuple(self.ignore)
         object.__setattr__(self, "ignore", ignore)
+        for field in ("hf_config", "generation_config"):
+            object.__setattr__(self, field, json_object(getattr(self, field), f"WeightMap.{field}"))
 
     def spec_for(self, name: str) -> tuple[Spec, dict] | None:
         for key, spec in self.entries:
@@ -594,6 +634,18 @@ class WeightMap:
 
     def ignored(self, tensor: str) -> bool:
         return any(fnmatch.fnmatchcase(tensor, p) for p in self.ignore)
+
+
+def json_object(value: Any, what: str) -> dict | None:
+    """A private copy of a JSON object (a config), or None; refuses anything else."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{what} is a config as a dict (the JSON object of config.json), got {type(value).__name__}.")
+    try:
+        return json.loads(json.dumps(dict(value)))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{what} must be JSON (as config.json is): {e}.") from None
 
 
 IDENTITY = WeightMap(identity=True)
@@ -609,15 +661,29 @@ class Resolution:
     misshapen: list[str]
     extra: list[str]
     errors: list[str]
+    present: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # ... and those it has
+
+    def absent(self, optional: Callable[[str], bool] = lambda name: False) -> list[str]:
+        """The parameters ``optional`` accepts that the map does not name or the checkpoint
+        lacks entirely: they are taken from elsewhere (an init function, given values)."""
+        return [n for n in self.unmapped if optional(n)] + [
+            n for n in self.missing if optional(n) and not self.present.get(n)]
 
     def problems(self, optional: Callable[[str], bool] = lambda name: False) -> list[str]:
         out = []
         unmapped = [n for n in self.unmapped if not optional(n)]
         if unmapped:
-            out.append(f"parameters the map does not name ({len(unmapped)}): {', '.join(unmapped)}")
+            out.append(f"parameters the map does not name ({len(unmapped)}): {_short(unmapped)}")
         missing = sorted({t for n, ts in self.missing.items() if not optional(n) for t in ts})
         if missing:
-            out.append(f"missing from the checkpoint ({len(missing)}): {_short(missing)}")
+            params = [n for n in self.missing if not optional(n)]
+            out.append(f"missing from the checkpoint ({len(missing)}): {_short(missing)} (read by "
+                       f"{_short(params, 10)})")
+        partial = [f"{n} (has {_short(self.present[n], 3)}; lacks {_short(self.missing[n], 3)})"
+                   for n in self.missing if optional(n) and self.present.get(n)]
+        if partial:
+            out.append(f"optional parameters partly in the checkpoint, neither loadable nor to initialise "
+                       f"({len(partial)}): {'; '.join(partial)}")
         if self.extra:
             out.append(f"in the checkpoint but read by no parameter ({len(self.extra)}): {_short(self.extra)}")
         if self.misshapen:
@@ -645,7 +711,9 @@ def resolve(wmap: WeightMap, params: dict[str, tuple[int, ...]], tensors: dict[s
         try:
             expr = spec.build(tuple(shape), env, shapes)
         except MissingTensor:
-            res.missing[name] = sorted(_missing_names(spec, tuple(shape), env, tensors))
+            wanted = _named(spec, tuple(shape), env)
+            res.missing[name] = sorted(n for n in wanted if n not in tensors)
+            res.present[name] = sorted(n for n in wanted if n in tensors)
             continue
         except ValueError as e:
             res.errors.append(f"{name}: {e}")
@@ -655,21 +723,20 @@ def resolve(wmap: WeightMap, params: dict[str, tuple[int, ...]], tensors: dict[s
             res.misshapen.append(f"{name} {list(shape)} in the model, {list(expr.shape)} from {expr.describe()}")
             continue
         res.exprs[name] = expr
-    res.extra = sorted(t for t in tensors if t not in used and not wmap.ignored(t)
-                       and not any(t in ms for ms in res.missing.values()))
+    # A tensor a parameter with missing ones names is reported with it, not as extra.
+    named = {t for ts in res.present.values() for t in ts}
+    res.extra = sorted(t for t in tensors if t not in used and t not in named and not wmap.ignored(t))
     return res
 
 
-def _missing_names(spec: Spec, shape, env, tensors) -> set[str]:
-    """Every tensor ``spec`` names that ``tensors`` lacks (not only the first)."""
+def _named(spec: Spec, shape, env) -> set[str]:
+    """Every tensor ``spec`` names for a parameter of ``shape`` (present or not)."""
     wanted: dict = {}
     try:
         spec.infer(shape, env, wanted)
     except ValueError:
         pass
-    # Names used by the spec that exist still count as used (not extra); only absent ones
-    # are returned.
-    return {n for n in wanted if n not in tensors}
+    return set(wanted)
 
 
 def infer_tensors(wmap: WeightMap, params: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
@@ -682,3 +749,72 @@ def infer_tensors(wmap: WeightMap, params: dict[str, tuple[int, ...]]) -> dict[s
         spec, env = found
         spec.infer(tuple(shape), env, out)
     return {k: tuple(d if isinstance(d, int) else d[1] for d in v) for k, v in out.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Exports: which parameter writes each element.
+
+
+@dataclasses.dataclass(frozen=True)
+class Duplicate:
+    """A region of a tensor that ``param`` reads and ``writer`` writes (a tied head read
+    from the embedding): exported once, from ``writer``, and checked equal to ``param``."""
+
+    param: str
+    tensor: str
+    box: Box
+    writer: str
+
+
+def cover(exprs: dict[str, Expr], tensors: dict[str, tuple[int, ...]]) -> list[Duplicate]:
+    """Checks that the parameters' expressions write every element of every tensor exactly
+    once (fused parts and concatenations each writing their own extent), and returns the
+    regions that a second parameter reads whole from one writer (see :class:`Duplicate`).
+    Raises ``ValueError`` naming each overlap (with both parameters and the elements) and
+    each gap (with the elements no parameter writes)."""
+    regions: dict[str, list[tuple[int, str, Box]]] = {}
+    for order, (p, e) in enumerate(exprs.items()):
+        for t, b in e.boxes(boxes.full(tuple(e.shape))):
+            regions.setdefault(t, []).append((order, p, b))
+    errors, dups = [], []
+    for t, shape in tensors.items():
+        writers: list[tuple[str, Box]] = []
+        for _, p, b in sorted(regions.get(t, []), key=lambda r: (-boxes.box_size(r[2]), r[0])):
+            if boxes.box_size(b) == 0:
+                continue
+            hits = [(wp, wb) for wp, wb in writers if boxes.intersect(b, wb) is not None]
+            if not hits:
+                writers.append((p, b))
+            elif len(hits) == 1 and boxes.intersect(b, hits[0][1]) == tuple(b):
+                dups.append(Duplicate(p, t, tuple(b), hits[0][0]))
+            else:
+                wp, wb = hits[0]
+                errors.append(f"parameters {wp!r} and {p!r} both write elements {_fmt(boxes.intersect(b, wb))} of "
+                              f"tensor {t!r} {list(shape)}, where one reads only part of what the other writes: "
+                              "parts and concatenations must not overlap")
+        size = int(np.prod(shape, dtype=np.int64))
+        if sum(boxes.box_size(b) for _, b in writers) != size:
+            gap = _gap(tuple(shape), [b for _, b in writers])
+            where = f"elements {_fmt(gap)}" if gap is not None else \
+                f"{size - sum(boxes.box_size(b) for _, b in writers)} elements"
+            errors.append(f"{where} of tensor {t!r} {list(shape)} are written by no parameter: its parts "
+                          "(part / concat) leave a gap")
+    if errors:
+        raise ValueError("; ".join(errors) + ".")
+    return dups
+
+
+def _fmt(box: Box | None) -> str:
+    return "[" + ", ".join(f"{a}:{b}" for a, b in (box or ())) + "]"
+
+
+def _gap(shape: tuple[int, ...], written: list[Box], limit: int = 100_000) -> Box | None:
+    """A box of elements no box of ``written`` (disjoint) holds: one cell of the grid their
+    edges cut ``shape`` into (None when the grid is too large to search)."""
+    cuts = [sorted({0, n} | {x for b in written for x in b[d]}) for d, n in enumerate(shape)]
+    if math.prod(len(c) - 1 for c in cuts) > limit:
+        return None
+    for cell in itertools.product(*[list(zip(c[:-1], c[1:])) for c in cuts]):
+        if not any(boxes.intersect(cell, b) == cell for b in written):
+            return tuple(cell)
+    return None

@@ -13,21 +13,29 @@ and one piece.
 ``zj.init_state(abstract_params, tx, ..., weights=zj.Weights(path, map))`` builds a state
 this way (the masters and frozen weights in their ZeRO layout, the optimizer state from
 them); ``zj.load_weights(path, like)`` gives a parameter tree in the shardings of ``like``.
+
+Every parameter comes from the checkpoint unless ``Weights.optional`` names it: a parameter
+the map does not name, or whose tensors the checkpoint lacks, is an error on every path
+(abstract parameters, an init function, concrete parameters, ``load_weights``), all of them
+in one ``ValueError`` before anything is placed. Parameters meant to start from their
+initial values (LoRA adapters on a base checkpoint, a new head) are said explicitly:
+``zj.Weights(path, map, optional=("*.lora.*",))``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import gc
 import os
 from typing import Any, Callable
 
 import jax
-import ml_dtypes
 import numpy as np
 
 from zerojax.checkpoint import boxes
 from zerojax.checkpoint import tensor_map as tm
+from zerojax.checkpoint.casts import cast, check_cast, narrows_range
 from zerojax.checkpoint.safetensors_files import TensorFiles, resolve_path
 from zerojax.sharding.layout import LeafLayout
 
@@ -46,6 +54,11 @@ class Weights:
         ``zj.maps.llama_map()``.
       buffer_mib: the largest piece read at once (MiB): a shard larger than this is read in
         pieces into its host array.
+      optional: ``fnmatch`` patterns of parameter names (``"*.lora.*"``, ``"head.*"``) that
+        may be absent from the map or the checkpoint: those absent are taken from the init
+        function or the concrete parameters given to ``init_state`` (or from ``like`` in
+        ``load_weights``). Every other parameter must be read from the checkpoint. Refused
+        with abstract parameters, which have no values to take.
 
     Example:
       >>> import os, tempfile, numpy as np, optax, jax, zerojax as zj
@@ -63,6 +76,7 @@ class Weights:
     path: str
     map: tm.WeightMap = tm.IDENTITY
     buffer_mib: float = 64.0
+    optional: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         resolve_path(self.path)  # FileNotFoundError / TypeError for a path that is not there
@@ -72,6 +86,16 @@ class Weights:
                             "zj.WeightMap({parameter name: tensor name or spec}).")
         if not (isinstance(self.buffer_mib, (int, float)) and self.buffer_mib > 0):
             raise ValueError(f"Weights.buffer_mib must be a positive number of MiB, got {self.buffer_mib!r}.")
+        optional = (self.optional,) if isinstance(self.optional, str) else tuple(self.optional)
+        bad = [p for p in optional if not isinstance(p, str) or not p]
+        if bad:
+            raise TypeError(f"Weights.optional is fnmatch patterns of parameter names (e.g. ('*.lora.*',)), got "
+                            f"{bad[0]!r}.")
+        object.__setattr__(self, "optional", optional)
+
+    def is_optional(self, name: str) -> bool:
+        """Whether parameter ``name`` may be absent (an ``optional`` pattern matches it)."""
+        return any(fnmatch.fnmatchcase(name, p) for p in self.optional)
 
     @property
     def buffer_bytes(self) -> int:
@@ -92,46 +116,26 @@ def as_weights(source: Any) -> Weights:
 
 
 def resolve(weights: Weights, files: TensorFiles, params: dict[str, tuple[int, ...]], *,
-            optional: Callable[[str], bool] = lambda name: False, what: str = "the model") -> dict[str, tm.Expr]:
-    """Each parameter's expression; one ``ValueError`` listing every problem (parameters
-    ``optional`` accepts may be absent from the map and the checkpoint: they are initialised)."""
+            initial: bool = False, what: str = "the model") -> tuple[dict[str, tm.Expr], list[str]]:
+    """``(each parameter's expression, the absent optional parameters)``; one ``ValueError``
+    listing every problem. ``initial``: whether absent parameters have values to take (an
+    init function, concrete parameters); without, ``Weights.optional`` is refused."""
+    if weights.optional and not initial:
+        raise ValueError(f"zj.Weights(optional={weights.optional!r}) takes parameters the checkpoint lacks from "
+                         "the init function or the values given, but the parameters given are abstract "
+                         "(jax.ShapeDtypeStruct): there is nothing to take them from. Pass an init function or "
+                         "concrete parameters, or drop optional= so that every parameter is read.")
     res = tm.resolve(weights.map, params, {n: (t.shape, t.dtype) for n, t in files.tensors.items()})
-    problems = res.problems(optional)
+    problems = res.problems(weights.is_optional)
     if problems:
+        hint = (" Parameters meant to start from their initial values (LoRA adapters, a new head) are named "
+                "with zj.Weights(path, map, optional=('*.lora.*', ...)), which takes them from the init "
+                "function or the values given." if res.unmapped or res.missing else "")
         raise ValueError(f"{weights.path!r} does not match {what}: " + ". ".join(problems)
                          + ". Pass the map written for this checkpoint (zj.Weights(path, map)), or add the "
-                           "names to WeightMap(ignore=...) for tensors no parameter reads.")
-    return res.exprs
-
-
-def check_cast(name: str, src: np.dtype, dst: Any) -> None:
-    """Refuses casts that lose what a value is: float to int or bool, signed to unsigned."""
-    dst = np.dtype(ml_dtypes.bfloat16 if str(dst) == "bfloat16" else dst)
-    src_float = np.issubdtype(src, np.floating) or src == np.dtype(ml_dtypes.bfloat16)
-    dst_float = np.issubdtype(dst, np.floating) or dst == np.dtype(ml_dtypes.bfloat16)
-    if src_float and not dst_float:
-        raise TypeError(f"parameter {name!r} is {dst} but its checkpoint tensor is {src}: a float tensor would be "
-                        "truncated; make the parameter a float.")
-
-
-def narrows_range(src: np.dtype, dst: Any) -> bool:
-    """Whether finite values of ``src`` can overflow ``dst`` (float32/bfloat16 -> float16)."""
-    try:
-        return float(ml_dtypes.finfo(src).max) > float(ml_dtypes.finfo(dst).max)
-    except (ValueError, TypeError):
-        return False
-
-
-def _cast(name: str, x: np.ndarray, dtype: Any) -> np.ndarray:
-    with np.errstate(over="ignore", invalid="ignore"):
-        y = x.astype(dtype)
-    if narrows_range(x.dtype, dtype) and not np.array_equal(np.isfinite(x.astype(np.float32)),
-                                                            np.isfinite(y.astype(np.float32))):
-        finite = x.astype(np.float32)[np.isfinite(x.astype(np.float32))]
-        raise ValueError(f"tensor(s) of parameter {name!r} hold values up to {float(np.abs(finite).max()):.4g}, beyond "
-                         f"{np.dtype(dtype)}'s range ({float(ml_dtypes.finfo(dtype).max):.6g}); store it in a wider "
-                         "dtype (ZeroConfig(frozen_dtype='param'), or float32 / bfloat16 parameters).")
-    return y
+                           "names to WeightMap(ignore=...) for tensors no parameter reads." + hint)
+    absent = res.absent(weights.is_optional)
+    return res.exprs, absent
 
 
 def storage_expr(expr: tm.Expr, layout: LeafLayout | None) -> tm.Expr:
@@ -200,14 +204,21 @@ def _release(nbytes: int, limit: int) -> None:
         gc.collect()
 
 
-def check_ranges(items, files: TensorFiles, limit: int) -> None:
+def _cast(name: str, x: np.ndarray, dtype: Any) -> np.ndarray:
+    return cast(f"parameter {name!r} (read from the checkpoint)", x, dtype,
+                fix="store it in a wider dtype (ZeroConfig(frozen_dtype='param'), or float32 / bfloat16 parameters).")
+
+
+def check_ranges(items, files: TensorFiles, limit: int, alive: Callable[[], None] = lambda: None) -> None:
     """Reads this process's shards of the parameters whose cast could overflow (float32
     tensors into float16 storage) and refuses them before anything is placed.
-    ``items``: ``(name, expr, layout, sharding, dtype)``."""
+    ``items``: ``(name, expr, layout, sharding, dtype)``; ``alive`` is called per piece read
+    (:meth:`zerojax.checkpoint.processes.Processes.alive`)."""
     for name, expr, layout, sharding, dtype in items:
         if not narrows_range(expr.dtype, dtype):
             continue
         expr = storage_expr(expr, layout)
         for box in owned_boxes(tuple(expr.shape), sharding):
             for piece in boxes.pieces(box, expr.dtype.itemsize, limit):
+                alive()
                 _cast(name, expr.read(piece, files), dtype)
