@@ -48,18 +48,73 @@ def _logits(cfg, params, tokens, mask=None):
                                                    jnp.asarray(mask, bool)))
 
 
+def _batches(cfg, n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"tokens": jnp.asarray(rng.integers(0, cfg.vocab, (8, 17)), jnp.int32)} for _ in range(n)]
+
+
+def _loaded(name):
+    cfg, wmap = zj.models.from_hf(FIXTURES / name)
+    tx, mesh, zc = optax.sgd(0.1), zj.make_mesh(), zj.ZeroConfig(stage=3)
+    state = zj.init_state(llama.init_abstract(cfg)[1], tx, mesh=mesh, config=zc,
+                          weights=zj.Weights(FIXTURES / name, wmap))
+    return cfg, wmap, state, (tx, mesh, zc)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_each_checkpoint_loads_at_stage_3_with_transformers_logits(name):
     ref = np.load(FIXTURES / name / "reference.npz")
-    cfg, wmap = zj.models.from_hf(FIXTURES / name)
-    state = zj.init_state(llama.init_abstract(cfg)[1], optax.sgd(0.1), mesh=zj.make_mesh(),
-                          config=zj.ZeroConfig(stage=3), weights=zj.Weights(FIXTURES / name, wmap))
+    cfg, _, state, _ = _loaded(name)
     params = zj.gather_params(state)
     err = np.abs(_logits(cfg, params, ref["tokens"]) - ref["logits"]).max()
     assert err <= 2e-5, err  # float32 rounding (measured: at most 4.3e-6)
     keep = ref["mask"].astype(bool)  # padded queries see the same keys but are not compared
     err = np.abs(_logits(cfg, params, ref["tokens"], ref["mask"]) - ref["logits_mask"])[keep].max()
     assert err <= 2e-5, err
+
+
+# A train step compiled per fixture (10-15 s each): the two that combine the most features
+# run in the default set, the others in the slow set.
+SLOW_EXPORTS = ("llama31", "llama_bias", "llama_linear", "mistral_window", "llama32_tied")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_EXPORTS else n
+                                  for n in NAMES])
+def test_each_checkpoint_trains_at_stage_3_and_exports_in_its_layout(name, tmp_path):
+    """Two SGD steps at ZeRO-3 on 8 devices, then exported in Hugging Face's layout: the
+    checkpoint's own tensor names, each in one file, the index's total_size true,
+    config.json beside them; read back, the trained model's logits exactly. (transformers
+    itself reads such exports with the same logits: ``make_hf_fixtures.py --check-export``.)"""
+    ref = np.load(FIXTURES / name / "reference.npz")
+    cfg, wmap, state, (tx, mesh, zc) = _loaded(name)
+    graphdef, abstract = llama.init_abstract(cfg)
+    step = zj.make_train_step(llama.make_loss(graphdef), tx, mesh=mesh, config=zc)
+    for batch in _batches(cfg, 2):
+        state, metrics = step(state, batch)
+    assert np.isfinite(float(metrics["loss"]))
+    tuned = _logits(cfg, zj.gather_params(state), ref["tokens"])
+    assert np.abs(tuned - ref["logits"]).max() > 1e-4  # it trained
+
+    out = tmp_path / "export"
+    zj.export_weights(state, out, layout="hf", map=wmap, max_shard_size="40KB")
+    source = json.loads((FIXTURES / name / "model.safetensors.index.json").read_text())["weight_map"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(source)  # a tied head written once (the embedding), as saved
+    from safetensors import safe_open
+
+    seen, total = {}, 0
+    for file in sorted(set(index["weight_map"].values())):
+        with safe_open(str(out / file), "np") as f:
+            for key in f.keys():
+                assert key not in seen, key  # every tensor in one file
+                seen[key] = file
+                total += f.get_tensor(key).nbytes
+    assert seen == index["weight_map"] and total == index["metadata"]["total_size"]
+    assert json.loads((out / "config.json").read_text()) == json.loads((FIXTURES / name / "config.json").read_text())
+    again_cfg, again_map = zj.models.from_hf(out)
+    assert again_cfg == cfg
+    again = zj.load_weights(zj.Weights(out, again_map), like=abstract)
+    np.testing.assert_array_equal(_logits(cfg, again, ref["tokens"]), tuned)
 
 
 X64_SCRIPT = """
@@ -74,10 +129,11 @@ for name in sys.argv[2:]:
     ref = np.load(os.path.join(d, "reference.npz"))
     cfg, wmap = zj.models.from_hf(d, dtype="float64", param_dtype="float64")
     gd, abstract = zj.models.llama.init_abstract(cfg)
-    model = nnx.merge(gd, zj.load_weights(zj.Weights(d, wmap), like=abstract))
+    params = zj.load_weights(zj.Weights(d, wmap), like=abstract)
     keep = ref["mask"].astype(bool)
-    a = np.asarray(model(jnp.asarray(ref["tokens"])))
-    b = np.asarray(model(jnp.asarray(ref["tokens"]), mask=jnp.asarray(keep)))
+    run = jax.jit(lambda p, t, m: nnx.merge(gd, p)(t, mask=m))
+    a = np.asarray(run(params, jnp.asarray(ref["tokens"]), jnp.ones(keep.shape, bool)))
+    b = np.asarray(run(params, jnp.asarray(ref["tokens"]), jnp.asarray(keep)))
     assert a.dtype == np.float64
     out[name] = [float(np.abs(a - ref["logits64"]).max()), float(np.abs(b - ref["logits64_mask"])[keep].max())]
 print(json.dumps(out))
@@ -107,8 +163,8 @@ def test_a_tied_embedding_gets_the_gradient_of_both_uses():
     gu, pu = llama.init(untied)
     pu = nnx.State({**{k: v for k, v in pt.items()}, "head": {"kernel": nnx.Param(pt["embed"]["embedding"][...].T)}})
     batch = {"tokens": jnp.asarray(np.random.default_rng(0).integers(0, 24, (2, 9)), jnp.int32)}
-    g_tied = jax.grad(llama.make_loss(gt))(pt, batch)
-    g_untied = jax.grad(llama.make_loss(gu))(pu, batch)
+    g_tied = jax.jit(jax.grad(llama.make_loss(gt)))(pt, batch)
+    g_untied = jax.jit(jax.grad(llama.make_loss(gu)))(pu, batch)
     both = np.asarray(g_untied["embed"]["embedding"][...]) + np.asarray(g_untied["head"]["kernel"][...]).T
     np.testing.assert_allclose(np.asarray(g_tied["embed"]["embedding"][...]), both, rtol=1e-5, atol=1e-7)
     assert np.abs(np.asarray(g_untied["head"]["kernel"][...])).max() > 1e-3  # the head's share is not nothing

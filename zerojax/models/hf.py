@@ -7,9 +7,10 @@ import dataclasses
 import os
 from collections.abc import Iterable
 
+from zerojax.checkpoint.configs import GENERATION
 from zerojax.checkpoint.safetensors_files import TensorFiles, resolve_path
 from zerojax.checkpoint.tensor_map import WeightMap
-from zerojax.models.hf_config import config_from_hf
+from zerojax.models.hf_config import config_from_hf, read_config
 from zerojax.models.hf_map import llama_map
 from zerojax.models.llama import LlamaConfig
 
@@ -22,7 +23,10 @@ def from_hf(path: str | os.PathLike, *, accept: Iterable[str] = (), **overrides)
     ``config.json`` (see :func:`~zerojax.models.hf_config.config_from_hf`, which refuses by
     name every field that changes the computation and is not implemented; ``accept`` and
     ``overrides`` as there) and the :class:`~zerojax.WeightMap` of its tensors for that
-    config (:func:`~zerojax.models.hf_map.llama_map`), which loads and exports alike.
+    config (:func:`~zerojax.models.hf_map.llama_map`), which loads and exports alike. The
+    map carries the folder's ``config.json`` (and ``generation_config.json``), which
+    ``export_weights(..., layout="hf", map=wmap)`` writes beside the weights, so that
+    ``from_pretrained`` reads the export as it is.
 
     A tied checkpoint (``tie_word_embeddings``) that stores ``lm_head.weight`` anyway is
     ambiguous: transformers ties the two if they are equal and keeps them apart if not.
@@ -46,7 +50,10 @@ def from_hf(path: str | os.PathLike, *, accept: Iterable[str] = (), **overrides)
                              f"tie_embeddings=False (the head trains apart, from {HEAD}).")
         if cfg.tie_embeddings:
             wmap = dataclasses.replace(wmap, ignore=wmap.ignore + (HEAD,))
-    return cfg, wmap
+    fields, _ = read_config(path)
+    generation = os.path.join(os.fspath(path), GENERATION)
+    generation = read_config(generation)[0] if os.path.isdir(os.fspath(path)) and os.path.isfile(generation) else None
+    return cfg, dataclasses.replace(wmap, hf_config=fields, generation_config=generation)
 
 
 def _tensor_names(path: str | os.PathLike) -> set[str]:
