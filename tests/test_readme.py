@@ -62,10 +62,12 @@ def test_readme_python_blocks_run(capsys):
     # merged in its layout under its own tensor names.
     import json
     assert int(namespace["ft_state"].step) == 1 and np.isfinite(float(namespace["ft_metrics"]["loss"]))
-    ref_index = json.loads((ROOT / "tests/data/hf_llama_tiny/model.safetensors.index.json").read_text())
+    ref_index = json.loads((ROOT / "tests/data/hf/llama32_tied/model.safetensors.index.json").read_text())
     from safetensors.numpy import load_file
     exported = load_file("/tmp/finetuned/model.safetensors")  # under 5GB: one file, as transformers writes it
-    assert set(exported) == set(ref_index["weight_map"])
+    assert set(exported) == set(ref_index["weight_map"]) and "lm_head.weight" not in exported  # tied: saved once
+    written = json.loads(pathlib.Path("/tmp/finetuned/config.json").read_text())
+    assert written["tie_word_embeddings"] and written["dtype"] == "bfloat16"
     # The ahead-of-time figure is the compiled step's own, to the byte.
     compiled = namespace["train_step"].lower(namespace["state"], namespace["batch"]).compile()
     assert namespace["mem"].total == zj.compiled_bytes(compiled)["total"]
