@@ -371,3 +371,27 @@ def test_a_tied_checkpoint_that_stores_its_head_too_is_refused_until_said(tmp_pa
     cfg, wmap = zj.models.from_hf(tmp_path, tie_embeddings=False)  # the head apart, as stored
     params = zj.load_weights(zj.Weights(tmp_path, wmap), like=llama.init_abstract(cfg)[1])
     np.testing.assert_array_equal(np.asarray(params["head"]["kernel"][...]), head.T)
+
+
+def test_the_export_command_takes_the_family_map_or_the_source_config(tmp_path, capsys):
+    """``zerojax export CKPT OUT --layout hf`` with ``--hf-config`` alone (the map read from
+    the source's config.json) and with ``--map qwen3`` (the family's map) writes the
+    checkpoint's own tensors, the same bytes."""
+    from zerojax import cli
+
+    _, _, state, _ = _loaded("qwen3")
+    zj.save_checkpoint(tmp_path / "ck", state, 0)
+    zj.checkpoint.wait()
+    source = json.loads((FIXTURES / "qwen3" / "model.safetensors.index.json").read_text())["weight_map"]
+    from safetensors.numpy import load_file
+
+    got = {}
+    for how, extra in (("config", []), ("family", ["--map", "qwen3"])):
+        out = tmp_path / how
+        rc = cli.main(["export", str(tmp_path / "ck"), str(out), "--layout", "hf", "--hf-config",
+                       str(FIXTURES / "qwen3"), *extra])
+        assert rc == 0, capsys.readouterr().err
+        got[how] = load_file(str(out / "model.safetensors"))
+        assert set(got[how]) == set(source)
+    for k in source:
+        np.testing.assert_array_equal(got["config"][k], got["family"][k])

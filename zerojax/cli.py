@@ -1,8 +1,9 @@
 """The ``zerojax`` command line.
 
     zerojax export CHECKPOINT_DIR OUT.safetensors [--step N] [--dtype float32|bfloat16|float16]
-    zerojax export CHECKPOINT_DIR OUT_DIR --layout hf --map llama [--max-shard-size 5GB] [--lora merge]
-                   [--hf-config SOURCE_MODEL_DIR]
+    zerojax export CHECKPOINT_DIR OUT_DIR --layout hf --map llama|mistral|qwen2|qwen3 [--max-shard-size 5GB]
+                   [--lora merge] [--hf-config SOURCE_MODEL_DIR]
+    zerojax export CHECKPOINT_DIR OUT_DIR --layout hf --hf-config SOURCE_MODEL_DIR   (the map from its config)
     zerojax estimate --params 7B --devices 64 [--largest-layer N] [--replicas R] [--tensor T]
                      [--dtype float32|bfloat16|float16] [--optimizer adam|adamw|sgd|adafactor]
     zerojax estimate --model llama3-8b --devices 8
@@ -45,9 +46,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ex.add_argument("--layout", choices=["file", "hf"], default="file",
                     help="one file, or Hugging Face's sharded layout (model-0000k-of-0000n.safetensors + index)")
     ex.add_argument("--map", default=None,
-                    help="tensor names: a ready map (" + ", ".join(_ready_maps()) + ") or module:attribute "
-                         "(a zj.WeightMap, or a function of no arguments returning one); default: "
-                         "the parameters' own dotted names")
+                    help="tensor names: a family's map (" + ", ".join(_ready_maps()) + ") or module:attribute "
+                         "(a zj.WeightMap, or a function of no arguments returning one); default: the map of "
+                         "--hf-config's config.json (zj.models.from_hf), else the parameters' own dotted names")
     ex.add_argument("--max-shard-size", default="5GB", help="largest file of --layout hf (5GB, 500MiB, bytes)")
     ex.add_argument("--lora", choices=["merge", "adapters", "keep"], default="merge",
                     help="LoRA adapters folded into their kernels (default), alone, or kept as parameters")
@@ -135,6 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             wmap = None if args.map is None else _load_map(args.map)
+            if wmap is None and args.hf_config is not None:  # the source's config says its family and tensors
+                from zerojax.models import from_hf
+
+                wmap = from_hf(args.hf_config)[1]
             shapes = export_weights(args.checkpoint_dir, args.out, step=args.step, dtype=args.dtype,
                                     show_progress=None, layout=args.layout, map=wmap,
                                     max_shard_size=args.max_shard_size, lora=args.lora, hf_config=args.hf_config)
