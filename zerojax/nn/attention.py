@@ -13,23 +13,34 @@ devices of the axis, and:
   all-to-alls of ``B·S·H·D/C`` elements per device. Needs ``C`` to divide the query heads.
 * ``method="ring"``: each device keeps its query chunk and the key/value chunks travel
   round the ring (``C - 1`` collective-permutes of K and of V), merged with an online
-  softmax; any head count. With ``layout="balanced"`` (see :mod:`zerojax.nn.context`)
-  causal attention costs every device the same.
+  softmax; any head count. Causal attention leaves out the chunks the causal mask hides;
+  with ``layout="balanced"`` (see :mod:`zerojax.nn.context`) it costs every device the same.
 * ``method="auto"``: Ulysses where ``C`` divides the query heads, else ring.
 * ``method="xla"``: JAX's function on the global arrays, partitioned by XLA (it gathers
   the sequence: correct, not memory-saving).
 
-Masks (``mask``, ``bias``, causal, sequence lengths, local windows) are applied by global
-position, so every method gives JAX's result. Inside zerojax's train step (manual over the
-data axes, the context axis automatic) and under ``jax.set_mesh(mesh)`` in a plain
-``jax.jit`` alike, the kernels run as a ``shard_map`` manual over the context axis alone.
+Masks (``mask``, ``bias``, causal, sequence lengths, local windows) are
+applied by global position, so every method gives JAX's result, the rows JAX answers with
+an average (every key masked) and with NaN (every key's bias ``-inf`` and none masked)
+included. Inside zerojax's train step (manual over the data axes, the context axis
+automatic) and under ``jax.set_mesh(mesh)`` in a plain ``jax.jit`` alike, the kernels run
+as a ``shard_map`` manual over the context axis alone.
+
+The local attention takes the keys a chunk of ``block_size`` at a time. Each chunk's
+partial result is ``(acc, max, sum)``: ``Σ exp(x - max)·v`` and ``Σ exp(x - max)`` over its
+keys, ``x`` the logits after masking. A masked logit is JAX's fill, ``-0.7 ·
+finfo(float32).max`` (so a row whose every key is masked averages every value, as JAX's
+does); a bias of ``-inf`` stays ``-inf``. A chunk whose keys are all ``-inf`` for a row has
+``max = -inf`` and weighs nothing (its exponentials are taken against 0, never against
+``-inf``); a chunk the causal mask hides from every row is not computed but merged as what
+it is, every logit the fill: ``max`` the fill, ``Σ v`` and its key count (:func:`_unseen`).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,12 +52,9 @@ from zerojax.sharding.mesh import context_size
 
 METHODS = ("auto", "ulysses", "ring", "xla")
 CONTEXT_AXIS = "context"
-
-
-def _large_negative(dtype) -> jax.Array:
-    # jax.nn.dot_product_attention's fill for masked logits (finite, so a fully masked row
-    # averages every value, as JAX's does).
-    return jnp.asarray(-0.7 * min(float(jnp.finfo(dtype).max), float(jnp.finfo(np.float32).max)), dtype)
+# jax.nn.dot_product_attention's fill for masked logits (finite, so that a fully masked row
+# averages every value, as JAX's does); the kernels' logits are float32.
+_FILL = -0.7 * float(np.finfo(np.float32).max)
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: float | None = None,
@@ -63,6 +71,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     ``jax.nn.dot_product_attention``; on a mesh with a context axis, Ulysses or ring
     attention over it (see the module docstring).
 
+    A row whose every key is masked (by ``mask``, causality, lengths or windows) is
+    the mean of every value, as JAX's. A row whose every key has a ``bias`` of ``-inf`` with
+    none masked is NaN, as JAX's (with ``finfo.min`` instead of ``-inf`` it is the mean of the
+    values); where some of its keys are masked it is the mean of those keys' values, as JAX's.
+
     Args beyond JAX's:
       method: ``"auto"``, ``"ulysses"``, ``"ring"`` or ``"xla"``.
       layout: how the sequence is split over the context axis, ``"contiguous"`` or
@@ -73,7 +86,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
       mesh: the mesh (default: the one in context, ``jax.sharding.get_abstract_mesh()``).
       block_size: keys per chunk of the local attention: each device computes its logits
         a chunk at a time, rematerialised in backward, so its memory is linear in the
-        sequence (a divisor of the local key length; the largest not above this).
+        sequence. Every chunk has ``block_size`` keys (all the local keys where fewer): where
+        it does not divide their number the last chunk ends at the last key, overlapping the
+        one before, and the keys it repeats are left out of it exactly.
       broadcast_dropout ... attn_weights_value_einsum: what Flax's attention layers pass an
         ``attention_fn`` (NNX's ``MultiHeadAttention``; linen's passes only the keywords the
         function names, so they are named here): ``dtype`` casts the inputs, ``precision``
@@ -97,59 +112,41 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     c = context_size(mesh, axis)
     ctx._mark_aware()
     layout = ctx.current() if layout is None else layout
-    if c > 1 and method == "xla" and layout != "contiguous":
-        raise ValueError(f"method='xla' is JAX's function, which reads masks, causality and lengths by index; in "
-                         f"the {layout!r} layout the indices are not the positions. Use method='ring' or "
-                         f"'ulysses', or the contiguous layout.")
+    if c > 1 and method == "xla":
+        _check_xla(layout)
     if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
         mask = jnp.asarray(mask)
         if not (jnp.issubdtype(mask.dtype, jnp.floating) or jnp.issubdtype(mask.dtype, jnp.integer)):
-            raise TypeError(f"mask must be boolean (True: attend) or 0/1 numbers as Flax's masks are, got {mask.dtype}.")
+            raise TypeError(f"mask must be boolean (True: attend) or 0/1 numbers as Flax's masks are, got "
+                            f"{mask.dtype}.")
         mask = mask != 0  # Flax's masks (nn.make_causal_mask, nn.make_attention_mask) are 0/1 floats
     if c == 1 or method == "xla":
         return jax.nn.dot_product_attention(
             query, key, value, bias, mask, scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
             key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
             implementation=implementation, return_residual=return_residual)
-    if return_residual:
-        raise ValueError("dot_product_attention(return_residual=True) is not available on a context mesh; call it "
-                         "with method='xla' for JAX's function.")
-    if implementation not in (None, "xla"):
-        raise ValueError(f"implementation={implementation!r} is JAX's kernel choice; on a context mesh zerojax's "
-                         f"kernels run (method={method!r}). Pass implementation=None.")
-    q, k, v = (jnp.asarray(x) for x in (query, key, value))
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"on a context mesh query, key and value are [batch, seq, heads, head_dim]; got shapes "
-                         f"{q.shape}, {k.shape}, {v.shape}.")
+    _check_kernel_arguments(return_residual, implementation, method)
+    q, k, v = _check_arrays(query, key, value)
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
-    if v.shape[:3] != k.shape[:3] or k.shape[0] != b or k.shape[3] != h or n % kh:
-        raise ValueError(f"query {q.shape}, key {k.shape} and value {v.shape} do not fit: key and value need "
-                         f"query's batch and head_dim, one another's length and heads, and heads dividing {n}.")
     ctx.check(t, c, layout, "the query's sequence length")
     ctx.check(s, c, layout, "the key's sequence length")
     if is_causal and t != s:
         raise ValueError(f"is_causal with query length {t} and key length {s}: causal attention needs one sequence.")
-    if method == "auto":
-        method = "ulysses" if n % c == 0 else "ring"
-    if method == "ulysses" and n % c:
-        raise ValueError(f"Ulysses attention splits the {n} query heads over the {c} devices of {axis!r}, which do "
-                         f"not divide them. Use method='ring' (any head count), or a context size dividing {n}.")
+    method = _kernel(method, n, c, axis)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int (keys per chunk), got {block_size!r}.")
-    scale = 1.0 / math.sqrt(h) if scale is None else float(scale)
-    window = None if local_window_size is None else (
-        (local_window_size, local_window_size) if isinstance(local_window_size, int) else tuple(local_window_size))
     mask = _rank4(mask, "mask", (b, n, t, s))
     bias = _rank4(bias, "bias", (b, n, t, s))
     lengths = [jnp.full((b,), t if i == 0 else s, jnp.int32) if x is None else jnp.asarray(x, jnp.int32)
                for i, x in enumerate((query_seq_lengths, key_value_seq_lengths))]
+    window = None if local_window_size is None else (
+        (local_window_size, local_window_size) if isinstance(local_window_size, int) else tuple(local_window_size))
+    scale = 1.0 / math.sqrt(h) if scale is None else float(scale)
     spec = _Spec(c=c, axis=axis, layout=layout, t=t, s=s, n=n, kh=kh, scale=scale, causal=bool(is_causal),
                  window=window, zero_padded_rows=query_seq_lengths is not None, precision=precision, mesh=given,
                  block=block_size)
-    if method == "ulysses":
-        return _ulysses(spec, q, k, v, mask, bias, lengths)
-    return _ring(spec, q, k, v, mask, bias, lengths)
+    return (_ulysses if method == "ulysses" else _ring)(spec, q, k, v, mask, bias, lengths)
 
 
 def chunked_attention(query, key, value, *, is_causal: bool = False, scale: float | None = None,
@@ -175,10 +172,13 @@ def chunked_attention(query, key, value, *, is_causal: bool = False, scale: floa
     spec = _Spec(c=1, axis=None, layout="contiguous", t=t, s=s, n=n, kh=kh,
                  scale=1.0 / math.sqrt(h) if scale is None else float(scale), causal=bool(is_causal), window=None,
                  zero_padded_rows=False, precision=None, mesh=None, block=block_size)
-    qpos, kpos = jnp.arange(t), jnp.arange(s)
-    qlen, kvlen = jnp.full((b,), t, jnp.int32), jnp.full((b,), s, jnp.int32)
-    acc, m, l = _attend(spec, q, k, v, qpos, kpos, qlen, kvlen, None, None)
-    return _finish(spec, acc, m, l, qpos, qlen, q.dtype)
+    rows = _Side(jnp.arange(t), jnp.full((b,), t, jnp.int32))
+    cols = _Side(jnp.arange(s), jnp.full((b,), s, jnp.int32))
+    return _finish(spec, _attend(spec, q, rows, k, v, cols, None, None), rows, q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Arguments.
 
 
 def _flax_arguments(query, key, value, kw: dict):
@@ -195,13 +195,55 @@ def _flax_arguments(query, key, value, kw: dict):
     return query, key, value, kw.get("precision")
 
 
+def _check_xla(layout: str) -> None:
+    if layout != "contiguous":
+        raise ValueError(f"method='xla' is JAX's function, which reads masks, causality and lengths by index; in "
+                         f"the {layout!r} layout the indices are not the positions. Use method='ring' or "
+                         f"'ulysses', or the contiguous layout.")
+
+
+def _check_kernel_arguments(return_residual: bool, implementation, method: str) -> None:
+    if return_residual:
+        raise ValueError("dot_product_attention(return_residual=True) is not available on a context mesh; call it "
+                         "with method='xla' for JAX's function.")
+    if implementation not in (None, "xla"):
+        raise ValueError(f"implementation={implementation!r} is JAX's kernel choice; on a context mesh zerojax's "
+                         f"kernels run (method={method!r}). Pass implementation=None.")
+
+
+def _check_arrays(query, key, value):
+    q, k, v = (jnp.asarray(x) for x in (query, key, value))
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"on a context mesh query, key and value are [batch, seq, heads, head_dim]; got shapes "
+                         f"{q.shape}, {k.shape}, {v.shape}.")
+    n, kh = q.shape[2], k.shape[2]
+    if v.shape[:3] != k.shape[:3] or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or n % kh:
+        raise ValueError(f"query {q.shape}, key {k.shape} and value {v.shape} do not fit: key and value need "
+                         f"query's batch and head_dim, one another's length and heads, and heads dividing {n}.")
+    return q, k, v
+
+
+def _kernel(method: str, n: int, c: int, axis: str) -> str:
+    """``"ulysses"`` or ``"ring"``: ``method``, or the one ``"auto"`` picks for ``n`` query heads."""
+    if method == "auto":
+        return "ulysses" if n % c == 0 else "ring"
+    if method == "ulysses" and n % c:
+        raise ValueError(f"Ulysses attention splits the {n} query heads over the {c} devices of {axis!r}, which do "
+                         f"not divide them. Use method='ring' (any head count), or a context size dividing {n}.")
+    return method
+
+
+def _as_rank4(x):
+    return x.reshape((1,) * (4 - x.ndim) + x.shape)
+
+
 def _rank4(x, name: str, full: tuple[int, ...]):
     if x is None:
         return None
     x = jnp.asarray(x)
     if x.ndim > 4:
         raise ValueError(f"{name} has shape {x.shape}; it must broadcast to [batch, heads, q_len, kv_len] {full}.")
-    x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+    x = _as_rank4(x)
     for d, (a, f) in enumerate(zip(x.shape, full)):
         if a not in (1, f):
             raise ValueError(f"{name} has shape {x.shape}, which does not broadcast to [batch, heads, q_len, kv_len] "
@@ -214,15 +256,33 @@ class _Spec:
         self.__dict__.update(kw)
 
 
-def _valid(spec: _Spec, qpos, kpos, qlen, kvlen):
-    """``[B, 1, 1, Tq, Sk]`` boolean: the logits the causal / window / length masks keep,
-    by global position."""
-    keep = (qpos[None, :, None] < qlen[:, None, None]) & (kpos[None, None, :] < kvlen[:, None, None])
+# ----------------------------------------------------------------------------------------------
+# The local attention: keys a chunk at a time, merged with an online softmax.
+
+
+class _Side(NamedTuple):
+    """What masks one side of the logits (the query rows or the key columns) token by token:
+    global positions ``int32[L]`` and the sequences' lengths ``int32[B]`` (positions at or
+    past them are padding)."""
+
+    pos: Any
+    length: Any
+
+    def part(self, start, size: int) -> _Side:
+        """Tokens ``[start, start + size)``."""
+        return _Side(jax.lax.dynamic_slice_in_dim(self.pos, start, size), self.length)
+
+
+def _valid(spec: _Spec, rows: _Side, cols: _Side):
+    """``[B, 1, 1, Tq, Sk]`` boolean: the logits the causal / window / length masks keep, by
+    global position."""
+    qpos, kpos = rows.pos[:, None], cols.pos[None, :]
+    keep = (qpos[None] < rows.length[:, None, None]) & (kpos[None] < cols.length[:, None, None])
     if spec.causal:
-        keep = keep & (qpos[:, None] >= kpos[None, :])[None]
+        keep = keep & (qpos >= kpos)[None]
     if spec.window is not None:
         left, right = spec.window
-        keep = keep & ((qpos[:, None] <= kpos[None, :] + left) & (qpos[:, None] >= kpos[None, :] - right))[None]
+        keep = keep & ((qpos <= kpos + left) & (qpos >= kpos - right))[None]
     return keep[:, None, None]
 
 
@@ -233,9 +293,10 @@ def _grouped(x, kh: int):
     return x[:, :, None] if x.shape[1] == 1 else x.reshape(x.shape[0], kh, x.shape[1] // kh, *x.shape[2:])
 
 
-def _logits(spec: _Spec, q, k, keep, mask, bias):
+def _logits(spec: _Spec, q, rows: _Side, k, cols: _Side, mask, bias, exists):
     """Masked, scaled logits ``[B, K, G, T, S]`` (fp32), what the masks keep, and the queries
-    grouped by key/value head ``[B, T, K, G, H]``."""
+    grouped by key/value head ``[B, T, K, G, H]``. A masked logit is JAX's fill; a key that
+    ``exists`` (``bool[S]``, None: all) leaves out is ``-inf``, whatever the masks say."""
     b, t, n, h = q.shape
     kh = k.shape[2]
     qg = q.reshape(b, t, kh, n // kh, h)
@@ -244,26 +305,71 @@ def _logits(spec: _Spec, q, k, keep, mask, bias):
     logits = logits * jnp.asarray(spec.scale, logits.dtype)
     if bias is not None:
         logits = (logits + _grouped(bias, kh)).astype(logits.dtype)
-    keep = keep if mask is None else keep & _grouped(mask, kh)
-    return jnp.where(keep, logits, _large_negative(logits.dtype)).astype(jnp.float32), keep, qg
+    keep = _valid(spec, rows, cols)
+    if mask is not None:
+        keep = keep & _grouped(mask, kh)
+    logits = jnp.where(keep, logits, jnp.asarray(_FILL, logits.dtype)).astype(jnp.float32)
+    if exists is not None:
+        logits = jnp.where(exists, logits, -jnp.inf)
+    return logits, keep, qg
 
 
-def _block(spec: _Spec, q, k, v, keep, mask, bias):
-    """One block of attention, unnormalised: ``(acc [B,T,K,G,H], max [B,K,G,T], sum [B,K,G,T])``."""
-    logits, _, _ = _logits(spec, q, k, keep, mask, bias)
-    m = logits.max(axis=-1)
-    p = jnp.exp(logits - m[..., None])
+def _stabiliser(m):
+    """What a row's exponentials are taken against: its maximum logit, or 0 where that is
+    ``-inf`` (every logit ``-inf``: then each ``exp(x - 0)`` is 0, where ``x - max`` is NaN)."""
+    return jnp.where(m == -jnp.inf, jnp.zeros_like(m), m)
+
+
+def _block(spec: _Spec, q, rows: _Side, k, v, cols: _Side, mask, bias, exists):
+    """One chunk of keys, unnormalised: ``(acc [B,T,K,G,H], max [B,K,G,T], sum [B,K,G,T])``.
+    The max is the softmax's stabiliser, on which the normalised result does not depend: it
+    carries no gradient (as in ``jax.nn.softmax``), and the max's derivative, which counts
+    the logits equal to it, is never taken. (It was, in this kernel's autodiff path: in a
+    rematerialised chunk with a bias XLA's CPU backend at ``--xla_backend_optimization_level=0``
+    recomputes the logits apart for the max and for that count, the copies differ in the last
+    bit, no logit equals the max, and the count's division by zero made NaN gradients.)"""
+    logits, _, _ = _logits(spec, q, rows, k, cols, mask, bias, exists)
+    m = jax.lax.stop_gradient(logits.max(axis=-1))
+    p = jnp.exp(logits - _stabiliser(m)[..., None])
     acc = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32,
                      precision=spec.precision)
     return acc, m, p.sum(axis=-1)
 
 
 def _merge(a, b):
-    """Two unnormalised partial attentions over disjoint keys, as one (online softmax)."""
+    """Two unnormalised partial attentions over disjoint keys, as one (online softmax). A
+    part whose max is ``-inf`` (no key but ``-inf`` ones) weighs nothing; both ``-inf``: the
+    merged part is empty too, and the row's result NaN, as JAX's."""
     (acc, m, l), (acc2, m2, l2) = a, b
+    m, m2 = jax.lax.stop_gradient(m), jax.lax.stop_gradient(m2)
     new = jnp.maximum(m, m2)
-    w, w2 = jnp.exp(m - new), jnp.exp(m2 - new)
+    ref = _stabiliser(new)
+    w, w2 = jnp.exp(m - ref), jnp.exp(m2 - ref)
     return (acc * jnp.moveaxis(w, -1, 1)[..., None] + acc2 * jnp.moveaxis(w2, -1, 1)[..., None], new, l * w + l2 * w2)
+
+
+def _unseen(v, rows: int, groups: int):
+    """The partial attention of ``rows`` query rows over keys every one of them has masked
+    (a chunk the causal mask hides), without computing a logit: each is the fill, so the
+    part is ``(Σ v, fill, key count)``. A row that sees some key elsewhere weighs it at
+    ``exp(fill - max) = 0``; a row that sees none (masked by lengths, windows or ``mask``)
+    counts it in full, and gets the mean of every value, as JAX's."""
+    b, s, kh, h = v.shape
+    acc = jnp.broadcast_to(v.astype(jnp.float32).sum(axis=1)[:, None, :, None, :], (b, rows, kh, groups, h))
+    like = jnp.moveaxis(acc[..., 0], 1, -1)  # [B, K, G, rows], derived from v (varying where v is)
+    return acc, jnp.full_like(like, _FILL), jnp.full_like(like, float(s))
+
+
+def _stack_rows(a, b):
+    """Two partial attentions of consecutive query rows over the same keys, as one."""
+    return (jnp.concatenate([a[0], b[0]], axis=1), *(jnp.concatenate([x, y], axis=-1) for x, y in zip(a[1:], b[1:])))
+
+
+def _rows(x, start: int, size: int):
+    """Query rows ``[start, start + size)`` of a mask or bias (whole where it broadcasts)."""
+    if x is None or x.shape[2] == 1:
+        return x
+    return x[:, :, start:start + size]
 
 
 def _columns(x, start, size):
@@ -273,68 +379,91 @@ def _columns(x, start, size):
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=3)
 
 
-def _chunk_size(s: int, block: int) -> int:
-    """The largest divisor of ``s`` not above ``block``."""
-    return next(c for c in range(min(block, s), 0, -1) if s % c == 0)
+def _chunking(s: int, block: int) -> tuple[int, int]:
+    """``(keys per chunk, chunks)`` for ``s`` keys: ``block`` keys (all ``s`` where fewer)."""
+    size = min(block, s)
+    return size, -(-s // size)
 
 
-def _attend(spec: _Spec, q, k, v, qpos, kpos, qlen, kvlen, mask, bias):
-    """``q`` over the keys ``k`` / ``v`` (global positions ``qpos``, ``kpos``), unnormalised:
-    ``(acc, max, sum)``, in chunks of at most ``spec.block`` keys. Forward and backward each
+def _key_chunk(j, size: int, k, v, cols: _Side, mask, bias):
+    """Chunk ``j`` of ``size`` keys: ``(k, v, cols, mask, bias, exists)``. Where ``size`` does
+    not divide the key count the last chunk ends at the last key, overlapping the one before,
+    and ``exists`` (else None) leaves out the keys it repeats (logits ``-inf``: they weigh
+    nothing, even in a row that sees no key)."""
+    s = k.shape[1]
+    if s % size == 0:
+        start, exists = j * size, None
+    else:
+        start = jnp.minimum(j * size, s - size)
+        exists = start + jnp.arange(size) >= j * size
+    cut = lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
+    return cut(k), cut(v), cols.part(start, size), _columns(mask, start, size), _columns(bias, start, size), exists
+
+
+def _unchunk(x, s: int):
+    """Per-chunk key gradients ``[chunks, B, size, K, H]`` -> ``[B, s, K, H]`` (the last chunk's
+    repeated keys dropped: their gradients are zero)."""
+    count, b, size = x.shape[:3]
+    x = jnp.moveaxis(x, 0, 1)
+    if count * size == s:
+        return x.reshape(b, s, *x.shape[3:])
+    head = x[:, :-1].reshape(b, (count - 1) * size, *x.shape[3:])
+    return jnp.concatenate([head, x[:, -1, count * size - s:]], axis=1)
+
+
+def _attend(spec: _Spec, q, rows: _Side, k, v, cols: _Side, mask, bias):
+    """``q`` over the keys ``k`` / ``v`` (masked by ``rows`` and ``cols``), unnormalised:
+    ``(acc, max, sum)``, in chunks of ``spec.block`` keys. Forward and backward each
     hold one chunk's logits at a time, and backward keeps only the inputs and the row maxima
     (flash attention's backward: each chunk's logits recomputed, ``dq`` summed over chunks,
     ``dk`` and ``dv`` chunk by chunk), so memory is linear in the sequence. Masks and bias
     hold all key columns; each chunk slices its own. With a bias (whose gradient is
     quadratic anyway) it is JAX's autodiff of the chunked scan."""
     if bias is not None:
-        return _attend_autodiff(spec, q, k, v, qpos, kpos, qlen, kvlen, mask, bias)
-    return _flash(spec, q, k, v, qpos, kpos, qlen, kvlen, mask)
+        return _attend_autodiff(spec, q, rows, k, v, cols, mask, bias)
+    return _flash(spec, q, k, v, rows, cols, mask)
 
 
-def _flash_forward(spec: _Spec, q, k, v, qpos, kpos, qlen, kvlen, mask):
-    s = k.shape[1]
-    blk = _chunk_size(s, spec.block)
+def _flash_forward(spec: _Spec, q, k, v, rows: _Side, cols: _Side, mask):
+    size, count = _chunking(k.shape[1], spec.block)
 
     def chunk(j):
-        start = j * blk
-        kj, vj = (jax.lax.dynamic_slice_in_dim(x, start, blk, axis=1) for x in (k, v))
-        return _block(spec, q, kj, vj, _valid(spec, qpos, jax.lax.dynamic_slice_in_dim(kpos, start, blk), qlen, kvlen),
-                      _columns(mask, start, blk), None)
+        kj, vj, cj, mj, _, exists = _key_chunk(j, size, k, v, cols, mask, None)
+        return _block(spec, q, rows, kj, vj, cj, mj, None, exists)
 
     first = chunk(0)
-    if blk == s:
+    if count == 1:
         return first
-    out, _ = jax.lax.scan(lambda carry, j: (_merge(carry, chunk(j)), None), first, jnp.arange(1, s // blk))
+    out, _ = jax.lax.scan(lambda carry, j: (_merge(carry, chunk(j)), None), first, jnp.arange(1, count))
     return out
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(spec: _Spec, q, k, v, qpos, kpos, qlen, kvlen, mask):
-    return _flash_forward(spec, q, k, v, qpos, kpos, qlen, kvlen, mask)
+def _flash(spec: _Spec, q, k, v, rows: _Side, cols: _Side, mask):
+    return _flash_forward(spec, q, k, v, rows, cols, mask)
 
 
-def _flash_fwd(spec, q, k, v, qpos, kpos, qlen, kvlen, mask):
-    out = _flash_forward(spec, q, k, v, qpos, kpos, qlen, kvlen, mask)
-    return out, (q, k, v, qpos, kpos, qlen, kvlen, mask, out[1])
+def _flash_fwd(spec, q, k, v, rows, cols, mask):
+    out = _flash_forward(spec, q, k, v, rows, cols, mask)
+    return out, (q, k, v, rows, cols, mask, out[1])
 
 
 def _flash_bwd(spec, res, cotangents):
     """The row maxima are the softmax's stabiliser: the normalised result does not depend on
     them, so their cotangent is dropped and ``acc = Σ exp(x - m)·v``, ``sum = Σ exp(x - m)``
     are differentiated at fixed ``m``."""
-    q, k, v, qpos, kpos, qlen, kvlen, mask, m = res
+    q, k, v, rows, cols, mask, m = res
     d_acc, _, d_l = cotangents
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
-    blk = _chunk_size(s, spec.block)
+    size, count = _chunking(s, spec.block)
     d_acc = d_acc.astype(jnp.float32)  # [B, T, K, G, H]
+    ref = _stabiliser(m)[..., None]
 
     def chunk(dq, j):
-        start = j * blk
-        kj, vj = (jax.lax.dynamic_slice_in_dim(x, start, blk, axis=1) for x in (k, v))
-        keep = _valid(spec, qpos, jax.lax.dynamic_slice_in_dim(kpos, start, blk), qlen, kvlen)
-        logits, keep, qg = _logits(spec, q, kj, keep, _columns(mask, start, blk), None)
-        p = jnp.exp(logits - m[..., None])  # [B, K, G, T, blk]
+        kj, vj, cj, mj, _, exists = _key_chunk(j, size, k, v, cols, mask, None)
+        logits, keep, qg = _logits(spec, q, rows, kj, cj, mj, None, exists)
+        p = jnp.exp(logits - ref)  # [B, K, G, T, size]; 0 where a key is left out
         dv = jnp.einsum("bkgts,btkgh->bskh", p, d_acc, precision=spec.precision)
         dp = jnp.einsum("btkgh,bskh->bkgts", d_acc, vj.astype(jnp.float32), precision=spec.precision) + d_l[..., None]
         dx = jnp.where(keep, p * dp, 0.0) * spec.scale
@@ -342,56 +471,72 @@ def _flash_bwd(spec, res, cotangents):
         dk = jnp.einsum("bkgts,btkgh->bskh", dx, qg.astype(jnp.float32), precision=spec.precision)
         return dq, (dk, dv)
 
-    dq, (dk, dv) = jax.lax.scan(chunk, jnp.zeros((b, t, kh, n // kh, h), jnp.float32), jnp.arange(s // blk))
-    # [chunks, B, blk, K, H] -> [B, S, K, H]
-    dk, dv = (jnp.moveaxis(x, 0, 1).reshape(b, s, kh, h) for x in (dk, dv))
-    return (dq.reshape(b, t, n, h).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-            None, None, None, None, None)
+    dq, (dk, dv) = jax.lax.scan(chunk, jnp.zeros_like(d_acc), jnp.arange(count))
+    return (dq.reshape(b, t, n, h).astype(q.dtype), _unchunk(dk, s).astype(k.dtype), _unchunk(dv, s).astype(v.dtype),
+            None, None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def _attend_autodiff(spec: _Spec, q, k, v, qpos, kpos, qlen, kvlen, mask, bias):
+def _attend_autodiff(spec: _Spec, q, rows: _Side, k, v, cols: _Side, mask, bias):
     """:func:`_attend` with a bias: JAX's autodiff of a ``lax.scan`` over key chunks whose
     step is rematerialised (no chunk's logits are kept, but backward keeps the scan's carry,
     ``[B, T, N, H]``, for every chunk: memory grows as ``T·S/block``)."""
-    s = k.shape[1]
-    blk = _chunk_size(s, spec.block)
+    size, count = _chunking(k.shape[1], spec.block)
 
     def chunk(j):
-        start = j * blk
-        kj, vj = (jax.lax.dynamic_slice_in_dim(x, start, blk, axis=1) for x in (k, v))
-        keep = _valid(spec, qpos, jax.lax.dynamic_slice_in_dim(kpos, start, blk), qlen, kvlen)
-        return _block(spec, q, kj, vj, keep, _columns(mask, start, blk), _columns(bias, start, blk))
+        kj, vj, cj, mj, bj, exists = _key_chunk(j, size, k, v, cols, mask, bias)
+        return _block(spec, q, rows, kj, vj, cj, mj, bj, exists)
 
-    if blk == s:  # one chunk: rematerialised too, so that backward keeps no logits
-        return jax.checkpoint(chunk)(0)
+    first = jax.checkpoint(chunk)(0)  # rematerialised too, so that backward keeps no logits
+    if count == 1:
+        return first
 
     @jax.checkpoint
     def step(carry, j):
         return _merge(carry, chunk(j)), None
 
-    first = jax.checkpoint(chunk)(0)
-    out, _ = jax.lax.scan(step, first, jnp.arange(1, s // blk))
+    out, _ = jax.lax.scan(step, first, jnp.arange(1, count))
     return out
 
 
-def _finish(spec: _Spec, acc, m, l, qpos, qlen, dtype):
+def _finish(spec: _Spec, part, rows: _Side, dtype):
+    """A partial attention normalised, ``[B, T, N, H]`` (NaN in a row whose every logit is
+    ``-inf``, as JAX's)."""
+    acc, _, l = part
     b, t = acc.shape[:2]
     out = acc / jnp.moveaxis(l, -1, 1)[..., None]
     out = out.reshape(b, t, -1, acc.shape[-1]).astype(dtype)
     if spec.zero_padded_rows:  # JAX zeroes the rows past query_seq_lengths
-        out = out * (qpos[None, :] < qlen[:, None])[:, :, None, None].astype(out.dtype)
+        out = out * (rows.pos[None, :] < rows.length[:, None])[:, :, None, None].astype(out.dtype)
     return out
 
 
-def _shard_map(spec: _Spec, body, in_specs, out_specs):
+# ----------------------------------------------------------------------------------------------
+# Running over the context axis.
+
+
+def _run(spec: _Spec, body, args: tuple, in_specs: tuple, out_specs):
+    """``body(*args)`` manual over the context axis, each argument split by its spec."""
     am = jax.sharding.get_abstract_mesh()
     if spec.axis in getattr(am, "manual_axes", ()):  # already inside a shard_map manual over it
-        return body
+        return body(*args)
     kw = {} if spec.mesh is None else {"mesh": spec.mesh}
-    return jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, axis_names={spec.axis}, check_vma=False, **kw)
+    run = jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, axis_names={spec.axis}, check_vma=False, **kw)
+    return run(*(_wide(x, p, spec.axis) for x, p in zip(args, in_specs)))
+
+
+def _wide(x, pspec, axis: str):
+    """A float input narrower than float32 that the context axis does not split (a bias that
+    broadcasts over the split dimension), as float32. Its gradient is summed over the axis
+    by ``shard_map``'s transpose, and XLA's CPU compiler aborts on a bfloat16 all-reduce in a
+    ``shard_map`` manual over some of the mesh's axes (``Invalid binary instruction opcode
+    copy`` in its all-reduce promotion: the reducer ends in a sharding constraint; jax 0.10
+    and 0.12). The kernels add a bias to float32 logits, so the value is the same."""
+    if x is None or axis in tuple(pspec) or not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize >= 4:
+        return x
+    return x.astype(jnp.float32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -411,13 +556,13 @@ def _ulysses(spec: _Spec, q, k, v, mask, bias, lengths):
 
     def body(q, k, v, mask, bias, qlen, kvlen):
         q, k, v = (jax.lax.all_to_all(x, axis, 2, 1, tiled=True) for x in (q, k, v))
-        acc, m, l = _attend(spec, q, k, v, pos, kpos, qlen, kvlen, mask, bias)
-        out = _finish(spec, acc, m, l, pos, qlen, q.dtype)
+        rows, cols = _Side(pos, qlen), _Side(kpos, kvlen)
+        out = _finish(spec, _attend(spec, q, rows, k, v, cols, mask, bias), rows, q.dtype)
         return jax.lax.all_to_all(out, axis, 1, 2, tiled=True)
 
     seq = P(None, axis)
-    run = _shard_map(spec, body, (seq, seq, seq, heads_spec(mask), heads_spec(bias), P(), P()), seq)
-    return run(q, k, v, mask, bias, *lengths)
+    in_specs = (seq, seq, seq, heads_spec(mask), heads_spec(bias), P(), P())
+    return _run(spec, body, (q, k, v, mask, bias, *lengths), in_specs, seq)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -436,24 +581,21 @@ def _ring(spec: _Spec, q, k, v, mask, bias, lengths):
 
     def body(q, k, v, mask, bias, qlen, kvlen):
         i = jax.lax.axis_index(axis)
-        qpos = qpos_all[i]
+        rows = _Side(qpos_all[i], qlen)
+
+        def cols(src):  # the keys of device ``src``
+            return _Side(kpos_all[src], kvlen)
 
         def attend(k, v, src):  # over the chunk of the device ``src`` (this device's at step 0)
-            return _attend(spec, q, k, v, qpos, kpos_all[src], qlen, kvlen, _columns(mask, src * sc, sc),
-                           _columns(bias, src * sc, sc))
+            return _attend(spec, q, rows, k, v, cols(src), _columns(mask, src * sc, sc), _columns(bias, src * sc, sc))
 
-        def full(out, k, v, src):
+        def update(out, k, v, src):
             return _merge(out, attend(k, v, src))
 
-        update = full
-        if _skips(spec, mask):
-            # A sequence of no keys makes every logit of its rows masked, and JAX then
-            # averages every value: only there is each block computed.
-            some_keys = jnp.all(kvlen > 0)
+        if spec.causal:
             # Rematerialised: otherwise the switch hands each branch's residuals (the queries
             # among them) out per ring step, and the scan stacks them C times.
-            update = jax.checkpoint(functools.partial(_causal_update, spec, q, qpos, kpos_all, qlen, kvlen, bias, i,
-                                                      some_keys))
+            update = jax.checkpoint(functools.partial(_causal_update, spec, q, rows, cols, mask, bias, i))
 
         def step(carry, s):  # a scan, not a Python loop: backward then runs the steps in turn
             out, k, v = carry
@@ -461,58 +603,51 @@ def _ring(spec: _Spec, q, k, v, mask, bias, lengths):
             return (update(out, k, v, (i - s) % c), k, v), None
 
         (out, _, _), _ = jax.lax.scan(step, (attend(k, v, i), k, v), jnp.arange(1, c))
-        return _finish(spec, *out, qpos, qlen, q.dtype)
+        return _finish(spec, out, rows, q.dtype)
 
     seq = P(None, axis)
-    run = _shard_map(spec, body, (seq, seq, seq, rows_spec(mask), rows_spec(bias), P(), P()), seq)
-    return run(q, k, v, mask, bias, *lengths)
+    in_specs = (seq, seq, seq, rows_spec(mask), rows_spec(bias), P(), P())
+    return _run(spec, body, (q, k, v, mask, bias, *lengths), in_specs, seq)
 
 
-def _skips(spec: _Spec, mask) -> bool:
-    """Whether the ring leaves out the key chunks causal attention masks whole: causal, and
-    no ``mask`` (whose rows could be wholly masked, which JAX answers with the mean of every
-    value; lengths and ``bias`` are fine)."""
-    return spec.causal and mask is None
-
-
-def _causal_update(spec: _Spec, q, qpos, kpos_all, qlen, kvlen, bias, i, some_keys, out, k, v, src):
+def _causal_update(spec: _Spec, q, rows: _Side, cols, mask, bias, i, out, k, v, src):
     """A ring step of causal attention from device ``i`` over the keys of device ``src``
-    (``src != i``), computing only the part the causal mask keeps.
+    (``src != i``), computing only the logits the causal mask does not hide from every row.
 
     Contiguous layout: every key of ``src`` precedes every query of ``i`` when ``src < i``
-    (the whole chunk), and follows it when ``src > i`` (nothing to do): device ``C - 1`` works
-    on every step, device 0 on none. Balanced layout (device ``i`` holds chunks ``i`` and
+    (the whole chunk), and follows it when ``src > i`` (no logit): device ``C - 1`` works on
+    every step, device 0 on none. Balanced layout (device ``i`` holds chunks ``i`` and
     ``2C - 1 - i``): when ``src < i`` every query sees the early half of ``src``'s keys and none
     of its late half; when ``src > i`` the late half of the queries sees all of them and the
     early half none. Either way half a chunk's logits, on every device and every step.
 
-    Each branch returns the chunk's unnormalised partial attention (a skipped part as one that
-    weighs nothing), merged into ``out`` after the switch.
+    What the causal mask hides from every row is merged as :func:`_unseen` (its logits are
+    all the fill), so a row that sees no key at all, for whatever reason, still gets the
+    mean of every value, as JAX's. Each branch returns the chunk's partial attention,
+    merged into ``out`` after the switch.
     """
     sc, t = k.shape[1], q.shape[1]
-    acc0, m0, l0 = out
-    nothing = lambda rows: (jnp.zeros((acc0.shape[0], rows) + acc0.shape[2:], acc0.dtype),
-                            jnp.full(m0.shape[:-1] + (rows,), _large_negative(m0.dtype), m0.dtype),
-                            jnp.zeros(l0.shape[:-1] + (rows,), l0.dtype))
-    whole = lambda k, v, src: _attend(spec, q, k, v, qpos, kpos_all[src], qlen, kvlen, None, _columns(bias, src * sc, sc))
+    g = q.shape[2] // k.shape[2]
+    keys = cols(src)
+    cut = lambda x, size: _columns(x, src * sc, size)  # a mask's or bias's first ``size`` columns of the chunk
     if spec.layout == "contiguous":
-        branches = [whole, lambda k, v, src: nothing(t)]
-        branch = jnp.where(some_keys & (src > i), 1, 0)
+        def seen(k, v):
+            return _attend(spec, q, rows, k, v, keys, cut(mask, sc), cut(bias, sc))
+
+        branches = [seen, lambda k, v: _unseen(v, t, g)]
+        branch = jnp.where(src > i, 1, 0)
     else:
         th, sh = t // 2, sc // 2
 
-        def early(k, v, src):
-            return _attend(spec, q, k[:, :sh], v[:, :sh], qpos, kpos_all[src][:sh], qlen, kvlen, None,
-                           _columns(bias, src * sc, sh))
+        def early(k, v):
+            part = _attend(spec, q, rows, k[:, :sh], v[:, :sh], keys.part(0, sh), cut(mask, sh), cut(bias, sh))
+            return _merge(part, _unseen(v[:, sh:], t, g))
 
-        def late(k, v, src):
-            rows = bias if bias is None or bias.shape[2] == 1 else bias[:, :, th:]
-            part = _attend(spec, q[:, th:], k, v, qpos[th:], kpos_all[src], qlen, kvlen, None,
-                           _columns(rows, src * sc, sc))
-            pad = nothing(th)
-            return (jnp.concatenate([pad[0], part[0]], axis=1),
-                    *(jnp.concatenate([a, b], axis=-1) for a, b in zip(pad[1:], part[1:])))
+        def late(k, v):
+            part = _attend(spec, q[:, th:], rows.part(th, t - th), k, v, keys, cut(_rows(mask, th, t - th), sc),
+                           cut(_rows(bias, th, t - th), sc))
+            return _stack_rows(_unseen(v, th, g), part)
 
-        branches = [whole, early, late]
-        branch = jnp.where(some_keys, jnp.where(src < i, 1, 2), 0)
-    return _merge(out, jax.lax.switch(branch, branches, k, v, src))
+        branches = [early, late]
+        branch = jnp.where(src < i, 0, 1)
+    return _merge(out, jax.lax.switch(branch, branches, k, v))
