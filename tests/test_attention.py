@@ -293,6 +293,40 @@ def test_rows_jax_answers_with_nan_are_nan():
         assert nan_rows.sum() == (1 if case.causal else 1 + case.n) and nan_rows[1, 15, 1]
 
 
+def test_float_masks_are_flax_zero_one_masks_or_refused():
+    """Bug 2: a float mask was read as ``mask != 0``, so an additive mask (0 kept, -inf
+    masked) was silently inverted. Flax's 0/1 masks are taken (concrete or traced); a
+    concrete mask with another value is refused naming it; a traced one makes NaN of the
+    rows holding one (values and gradients), on a context mesh and off one."""
+    case = Case(method="ring", c=4, mask="full")
+    x = _data(case, 3)
+    keep = x["mask"]
+    q, k, v = x["q"], x["k"], x["v"]
+    want = jax.nn.dot_product_attention(q, k, v, mask=keep)
+    additive = jnp.where(keep, 0.0, -jnp.inf)
+    bad_rows = np.asarray(~keep).any(axis=-1)[:, 0]  # [B, T]: rows holding a -inf
+    attend = lambda q, k, v, m: zj.nn.dot_product_attention(q, k, v, mask=m, method="ring")
+    loss = lambda q, k, v, m: jnp.nansum(attend(q, k, v, m))  # the NaN rows out of the loss, not of its gradients
+    for mesh in (None, _mesh(4)):
+        with _on(mesh):
+            # Flax's 0/1 float mask, concrete and under jit: the boolean mask's result.
+            np.testing.assert_allclose(attend(q, k, v, keep.astype(jnp.float32)), want, atol=2e-6)
+            np.testing.assert_allclose(jax.jit(attend)(q, k, v, keep.astype(jnp.float32)), want, atol=2e-6)
+            with pytest.raises(ValueError, match=r"values other than 0 and 1 \(-inf\).*additive mask.*goes in bias="):
+                attend(q, k, v, additive)
+            with pytest.raises(ValueError, match=r"values other than 0 and 1 \(0.5, 2.0\)"):
+                attend(q, k, v, jnp.where(keep, 2.0, 0.5))
+            with pytest.raises(TypeError, match="mask must be boolean"):
+                attend(q, k, v, keep.astype(jnp.complex64))
+            # Traced: the rows holding another value are NaN, the others the boolean mask's.
+            got = np.asarray(jax.jit(attend)(q, k, v, additive))
+            assert (np.isnan(got).all(axis=(2, 3)) == bad_rows).all()
+            np.testing.assert_allclose(got[~bad_rows], np.asarray(want)[~bad_rows], atol=2e-6)
+            dq, dk, dv = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, additive)
+            assert (np.isnan(np.asarray(dq)).all(axis=(2, 3)) == bad_rows).all()
+            assert np.isnan(np.asarray(dk)).any() and np.isnan(np.asarray(dv)).any()
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "balanced"])
 def test_causal_ring_skipping_is_exact_for_rows_that_see_no_key(layout):
     """Bug 5: causal ring attention with a window and key lengths (rows past ``3 + 2`` see no

@@ -2,9 +2,10 @@
 
 :func:`dot_product_attention` has ``jax.nn.dot_product_attention``'s signature (and takes
 the extra keywords Flax NNX's ``MultiHeadAttention`` passes its ``attention_fn``). Off a
-context mesh (no ``"context"`` axis, or one of size 1) it *is* JAX's function. On one, the
-sequence dimension (axis 1) of ``query``, ``key`` and ``value`` is split over the ``C``
-devices of the axis, and:
+context mesh (no ``"context"`` axis, or one of size 1) it calls JAX's function, a mask of
+Flax's 0/1 numbers, which JAX's function does not take, given as the boolean mask it means
+(see :func:`dot_product_attention` for the rule). On one, the sequence dimension (axis 1)
+of ``query``, ``key`` and ``value`` is split over the ``C`` devices of the axis, and:
 
 * ``method="ulysses"`` (DeepSpeed-Ulysses): an all-to-all turns the sequence split into a
   head split (each device: the whole sequence, ``N/C`` query heads and ``K/C`` key/value
@@ -71,6 +72,19 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     ``jax.nn.dot_product_attention``; on a mesh with a context axis, Ulysses or ring
     attention over it (see the module docstring).
 
+    Masks. ``mask`` is boolean (True: attend), as JAX's. Flax's masks are 0/1 numbers
+    (``nn.make_attention_mask`` and ``nn.make_causal_mask`` give float32, and Flax's attention
+    layers pass them on), so a mask of numbers is taken where every value is 0 or 1. Any other
+    value means it is not such a mask, most likely an additive one (0 where kept, ``-inf``
+    where masked, as PyTorch's), which read as 0/1 would mask what it keeps. A concrete mask's
+    values are checked, and such a mask is refused with a ``ValueError`` naming them. Under
+    ``jax.jit`` the values are not known while tracing, and refusing every traced number mask
+    would refuse Flax's layers; so each query row whose mask holds a value other than 0 and 1
+    is made NaN (the output and the gradients through it), at the cost of one pass over the
+    mask and one over the queries: a wrong mask gives a NaN loss, never a plausible number.
+    (An additive mask's rows that mask nothing, all 0, read as rows that mask every key; its
+    other rows still make the NaNs.) An additive mask goes in ``bias=``.
+
     A row whose every key is masked (by ``mask``, causality, lengths or windows) is
     the mean of every value, as JAX's. A row whose every key has a ``bias`` of ``-inf`` with
     none masked is NaN, as JAX's (with ``finfo.min`` instead of ``-inf`` it is the mean of the
@@ -114,12 +128,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     layout = ctx.current() if layout is None else layout
     if c > 1 and method == "xla":
         _check_xla(layout)
-    if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
-        mask = jnp.asarray(mask)
-        if not (jnp.issubdtype(mask.dtype, jnp.floating) or jnp.issubdtype(mask.dtype, jnp.integer)):
-            raise TypeError(f"mask must be boolean (True: attend) or 0/1 numbers as Flax's masks are, got "
-                            f"{mask.dtype}.")
-        mask = mask != 0  # Flax's masks (nn.make_causal_mask, nn.make_attention_mask) are 0/1 floats
+    mask, query = _boolean_mask(mask, query)
     if c == 1 or method == "xla":
         return jax.nn.dot_product_attention(
             query, key, value, bias, mask, scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
@@ -231,6 +240,39 @@ def _kernel(method: str, n: int, c: int, axis: str) -> str:
         raise ValueError(f"Ulysses attention splits the {n} query heads over the {c} devices of {axis!r}, which do "
                          f"not divide them. Use method='ring' (any head count), or a context size dividing {n}.")
     return method
+
+
+def _is_traced(x) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def _boolean_mask(mask, query):
+    """``(mask, query)`` with ``mask`` boolean: Flax's 0/1 numbers taken as True / False. A
+    concrete mask with any other value is refused; a traced one makes NaN of the query rows
+    whose mask holds one (the rule in :func:`dot_product_attention`'s docstring)."""
+    if mask is None:
+        return None, query
+    traced = _is_traced(mask)
+    mask = mask if traced else jnp.asarray(mask)
+    if mask.dtype == jnp.bool_:
+        return mask, query
+    if not (jnp.issubdtype(mask.dtype, jnp.floating) or jnp.issubdtype(mask.dtype, jnp.integer)):
+        raise TypeError(f"mask must be boolean (True: attend) or Flax's 0/1 numbers, got {mask.dtype}; an additive "
+                        f"mask (0 where kept, -inf where masked) goes in bias=.")
+    if not traced:
+        values = np.asarray(mask)
+        odd = np.unique(values[(values != 0) & (values != 1)])
+        if odd.size:
+            shown = ", ".join(str(x) for x in odd[:4]) + (", ..." if odd.size > 4 else "")
+            raise ValueError(f"mask holds values other than 0 and 1 ({shown}): a mask is boolean (True: attend), or "
+                             f"Flax's 0/1 numbers (nn.make_attention_mask, nn.make_causal_mask). An additive mask "
+                             f"(0 where kept, -inf where masked) goes in bias=.")
+        return mask != 0, query
+    odd = _as_rank4((mask != 0) & (mask != 1)).any(axis=-1)  # [B|1, N|1, T|1]: rows holding another value
+    q = jnp.asarray(query)
+    q4 = q.reshape((1,) * (4 - q.ndim) + q.shape)
+    poison = jnp.where(jnp.moveaxis(odd, 1, 2)[..., None], jnp.nan, 0).astype(q.dtype)  # [B|1, T|1, N|1, 1]
+    return mask != 0, (q4 + poison).reshape(q.shape)  # an addition: the NaN reaches the gradients too
 
 
 def _as_rank4(x):
@@ -524,7 +566,12 @@ def _run(spec: _Spec, body, args: tuple, in_specs: tuple, out_specs):
         return body(*args)
     kw = {} if spec.mesh is None else {"mesh": spec.mesh}
     run = jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, axis_names={spec.axis}, check_vma=False, **kw)
-    return run(*(_wide(x, p, spec.axis) for x, p in zip(args, in_specs)))
+    args = [_wide(x, p, spec.axis) for x, p in zip(args, in_specs)]
+    if not any(_is_traced(x) for x in args):
+        # Called eagerly: jax 0.10 refuses an eager shard_map manual over some of the mesh's
+        # axes ("out_specs refers to 'data'"); compiled, it runs.
+        run = jax.jit(run)
+    return run(*args)
 
 
 def _wide(x, pspec, axis: str):
