@@ -340,6 +340,47 @@ def test_causal_ring_skipping_is_exact_for_rows_that_see_no_key(layout):
     _compare(case, _data(case, 5), "window, lengths, mask")
 
 
+@pytest.mark.parametrize("case", [RING, ULYSSES], ids=["ring", "ulysses"])
+def test_inside_a_shard_map_manual_over_the_context_axis(case):
+    """Bug 6: inside a user's shard_map manual over "context" the kernel failed with a shape
+    error (it was fed global sizes, the arrays being local). There the arrays are this
+    device's chunks and a mask or bias is given whole: JAX's values and
+    gradients (q, k, v, bias), the user's shard_map checking replication (ring) or not."""
+    x = _data(case, 6)
+    rows, inv = ctx.order(case.t, case.c, case.layout), ctx.inverse(case.t, case.c, case.layout)
+    mesh, seq = _mesh(case.c), P(None, "context")
+
+    def inner(q, k, v, bias, mask, lens):
+        return zj.nn.dot_product_attention(q, k, v, bias, mask, is_causal=case.causal, key_value_seq_lengths=lens,
+                                          method=case.method, layout=case.layout, block_size=case.block)
+
+    specs = (seq, seq, seq, P(), P(), P())
+    run = jax.shard_map(inner, mesh=mesh, in_specs=specs, out_specs=seq, check_vma=case.method == "ring")
+
+    def attend(x):
+        return run(x["q"][:, rows], x["k"][:, rows], x["v"][:, rows], _permuted(x["bias"], rows, rows),
+                   _permuted(x["mask"], rows, rows), x["kvlen"])[:, inv]
+
+    out, grads = _vjp(attend)(dict(x))
+    want, want_grads = _reference(case)(dict(x))
+    _close(out, want, 2e-5, "values")
+    for key in want_grads:
+        _close(grads[key], want_grads[key], 2e-5, f"d{key}")
+    with pytest.raises(ValueError, match=r"mask has shape \(2, 1, 4, 16\).*this device's chunks and a mask or bias "
+                                         r"is given whole"):
+        jax.shard_map(inner, mesh=mesh, in_specs=specs[:4] + (P(None, None, "context"), P()), out_specs=seq)(
+            x["q"], x["k"], x["v"], x["bias"], x["mask"], x["kvlen"])
+
+
+def test_manual_axes_are_read_in_one_place():
+    """The JAX-internals read (the abstract mesh's manual axes) is one helper, called once."""
+    import inspect
+
+    src = inspect.getsource(attention)
+    assert src.count('"manual_axes"') == 1 and '"manual_axes"' in inspect.getsource(attention._manual_axes)
+    assert src.count("_manual_axes(") == 2  # its definition and its one call
+
+
 def _scan_lengths(jaxpr) -> list[int]:
     """The lengths of the scans in a jaxpr, sub-jaxprs (a custom VJP's, a remat's) included."""
     out = []

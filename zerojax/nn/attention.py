@@ -25,7 +25,8 @@ applied by global position, so every method gives JAX's result, the rows JAX ans
 an average (every key masked) and with NaN (every key's bias ``-inf`` and none masked)
 included. Inside zerojax's train step (manual over the data axes, the context axis
 automatic) and under ``jax.set_mesh(mesh)`` in a plain ``jax.jit`` alike, the kernels run
-as a ``shard_map`` manual over the context axis alone.
+as a ``shard_map`` manual over the context axis alone; inside a user's ``shard_map`` that
+is already manual over it, on the local chunks.
 
 The local attention takes the keys a chunk of ``block_size`` at a time. Each chunk's
 partial result is ``(acc, max, sum)``: ``Σ exp(x - max)·v`` and ``Σ exp(x - max)`` over its
@@ -109,6 +110,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
         goes to the matmuls, softmax is always fp32; attention dropout and custom einsums
         are refused rather than silently left out.
 
+    Inside a ``shard_map`` already manual over ``axis`` (a user's own), the arrays are this
+    device's: ``query``, ``key`` and ``value`` are its chunks of the sequence
+    (``[B, T/C, ...]``, in the layout's order), ``mask`` and ``bias`` are given whole (their
+    query and key dimensions 1 or the global ``T`` and ``S``, the same on every device), and
+    the lengths are global positions.
+
     Example:
       >>> import jax, jax.numpy as jnp, zerojax as zj
       >>> q = jax.random.normal(jax.random.key(0), (2, 16, 4, 8))
@@ -126,8 +133,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     c = context_size(mesh, axis)
     ctx._mark_aware()
     layout = ctx.current() if layout is None else layout
+    local = c > 1 and axis in _manual_axes()
     if c > 1 and method == "xla":
-        _check_xla(layout)
+        _check_xla(layout, local, axis)
     mask, query = _boolean_mask(mask, query)
     if c == 1 or method == "xla":
         return jax.nn.dot_product_attention(
@@ -136,17 +144,21 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
             implementation=implementation, return_residual=return_residual)
     _check_kernel_arguments(return_residual, implementation, method)
     q, k, v = _check_arrays(query, key, value)
-    b, t, n, h = q.shape
-    s, kh = k.shape[1], k.shape[2]
-    ctx.check(t, c, layout, "the query's sequence length")
-    ctx.check(s, c, layout, "the key's sequence length")
+    b, tl, n, h = q.shape
+    sl, kh = k.shape[1], k.shape[2]
+    t, s = (tl * c, sl * c) if local else (tl, sl)  # the global lengths
+    here = f" (this device's {tl} x {c} devices of {axis!r})" if local else ""
+    ctx.check(t, c, layout, f"the query's sequence length{here}")
+    ctx.check(s, c, layout, f"the key's sequence length{here}")
     if is_causal and t != s:
         raise ValueError(f"is_causal with query length {t} and key length {s}: causal attention needs one sequence.")
     method = _kernel(method, n, c, axis)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int (keys per chunk), got {block_size!r}.")
-    mask = _rank4(mask, "mask", (b, n, t, s))
-    bias = _rank4(bias, "bias", (b, n, t, s))
+    whole = (f" Inside a shard_map manual over {axis!r} the query, key and value are this device's chunks and a "
+             f"mask or bias is given whole (query and key dimensions 1 or the global {t} and {s}).") if local else ""
+    mask = _rank4(mask, "mask", (b, n, t, s), whole)
+    bias = _rank4(bias, "bias", (b, n, t, s), whole)
     lengths = [jnp.full((b,), t if i == 0 else s, jnp.int32) if x is None else jnp.asarray(x, jnp.int32)
                for i, x in enumerate((query_seq_lengths, key_value_seq_lengths))]
     window = None if local_window_size is None else (
@@ -154,7 +166,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     scale = 1.0 / math.sqrt(h) if scale is None else float(scale)
     spec = _Spec(c=c, axis=axis, layout=layout, t=t, s=s, n=n, kh=kh, scale=scale, causal=bool(is_causal),
                  window=window, zero_padded_rows=query_seq_lengths is not None, precision=precision, mesh=given,
-                 block=block_size)
+                 block=block_size, local=local)
     return (_ulysses if method == "ulysses" else _ring)(spec, q, k, v, mask, bias, lengths)
 
 
@@ -180,7 +192,7 @@ def chunked_attention(query, key, value, *, is_causal: bool = False, scale: floa
         raise ValueError(f"is_causal with query length {t} and key length {s}: causal attention needs one sequence.")
     spec = _Spec(c=1, axis=None, layout="contiguous", t=t, s=s, n=n, kh=kh,
                  scale=1.0 / math.sqrt(h) if scale is None else float(scale), causal=bool(is_causal), window=None,
-                 zero_padded_rows=False, precision=None, mesh=None, block=block_size)
+                 zero_padded_rows=False, precision=None, mesh=None, block=block_size, local=False)
     rows = _Side(jnp.arange(t), jnp.full((b,), t, jnp.int32))
     cols = _Side(jnp.arange(s), jnp.full((b,), s, jnp.int32))
     return _finish(spec, _attend(spec, q, rows, k, v, cols, None, None), rows, q.dtype)
@@ -204,7 +216,18 @@ def _flax_arguments(query, key, value, kw: dict):
     return query, key, value, kw.get("precision")
 
 
-def _check_xla(layout: str) -> None:
+def _manual_axes() -> tuple[str, ...]:
+    """The mesh axes the code being traced is manual over (inside a ``shard_map``). This reads
+    JAX internals (the abstract mesh's ``manual_axes``): the only such read in this module, to
+    move with the others into ``zerojax/sharding/jax_compat.py``."""
+    return tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+
+
+def _check_xla(layout: str, local: bool, axis: str) -> None:
+    if local:
+        raise ValueError(f"method='xla' is JAX's function on the arrays it is given; inside a shard_map manual over "
+                         f"{axis!r} they are this device's chunks, so it would attend within the chunk. Use "
+                         f"method='ring' or 'ulysses'.")
     if layout != "contiguous":
         raise ValueError(f"method='xla' is JAX's function, which reads masks, causality and lengths by index; in "
                          f"the {layout!r} layout the indices are not the positions. Use method='ring' or "
@@ -279,17 +302,18 @@ def _as_rank4(x):
     return x.reshape((1,) * (4 - x.ndim) + x.shape)
 
 
-def _rank4(x, name: str, full: tuple[int, ...]):
+def _rank4(x, name: str, full: tuple[int, ...], hint: str = ""):
     if x is None:
         return None
     x = jnp.asarray(x)
     if x.ndim > 4:
-        raise ValueError(f"{name} has shape {x.shape}; it must broadcast to [batch, heads, q_len, kv_len] {full}.")
+        raise ValueError(f"{name} has shape {x.shape}; it must broadcast to [batch, heads, q_len, kv_len] {full}."
+                         + hint)
     x = _as_rank4(x)
     for d, (a, f) in enumerate(zip(x.shape, full)):
         if a not in (1, f):
             raise ValueError(f"{name} has shape {x.shape}, which does not broadcast to [batch, heads, q_len, kv_len] "
-                             f"{full} (dimension {d}).")
+                             f"{full} (dimension {d}).{hint}")
     return x
 
 
@@ -559,11 +583,12 @@ def _finish(spec: _Spec, part, rows: _Side, dtype):
 # Running over the context axis.
 
 
-def _run(spec: _Spec, body, args: tuple, in_specs: tuple, out_specs):
-    """``body(*args)`` manual over the context axis, each argument split by its spec."""
-    am = jax.sharding.get_abstract_mesh()
-    if spec.axis in getattr(am, "manual_axes", ()):  # already inside a shard_map manual over it
-        return body(*args)
+def _run(spec: _Spec, body, args: tuple, in_specs: tuple, out_specs, whole: tuple[int, ...] = ()):
+    """``body(*args)`` manual over the context axis, each argument split by its spec. Inside a
+    ``shard_map`` already manual over it the arguments are this device's already, but for
+    those given whole (the indices ``whole``: a mask, a bias), cut here as their spec says."""
+    if spec.local:
+        return body(*(_part(x, p, spec) if i in whole else x for i, (x, p) in enumerate(zip(args, in_specs))))
     kw = {} if spec.mesh is None else {"mesh": spec.mesh}
     run = jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, axis_names={spec.axis}, check_vma=False, **kw)
     args = [_wide(x, p, spec.axis) for x, p in zip(args, in_specs)]
@@ -584,6 +609,17 @@ def _wide(x, pspec, axis: str):
     if x is None or axis in tuple(pspec) or not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize >= 4:
         return x
     return x.astype(jnp.float32)
+
+
+def _part(x, pspec, spec: _Spec):
+    """This device's part of ``x``, as ``pspec`` splits it over the context axis."""
+    if x is None:
+        return None
+    for d, name in enumerate(pspec):
+        if name == spec.axis:
+            size = x.shape[d] // spec.c
+            return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(spec.axis) * size, size, axis=d)
+    return x
 
 
 # ----------------------------------------------------------------------------------------------
@@ -609,7 +645,7 @@ def _ulysses(spec: _Spec, q, k, v, mask, bias, lengths):
 
     seq = P(None, axis)
     in_specs = (seq, seq, seq, heads_spec(mask), heads_spec(bias), P(), P())
-    return _run(spec, body, (q, k, v, mask, bias, *lengths), in_specs, seq)
+    return _run(spec, body, (q, k, v, mask, bias, *lengths), in_specs, seq, whole=(3, 4))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -654,7 +690,7 @@ def _ring(spec: _Spec, q, k, v, mask, bias, lengths):
 
     seq = P(None, axis)
     in_specs = (seq, seq, seq, rows_spec(mask), rows_spec(bias), P(), P())
-    return _run(spec, body, (q, k, v, mask, bias, *lengths), in_specs, seq)
+    return _run(spec, body, (q, k, v, mask, bias, *lengths), in_specs, seq, whole=(3, 4))
 
 
 def _causal_update(spec: _Spec, q, rows: _Side, cols, mask, bias, i, out, k, v, src):
