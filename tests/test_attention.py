@@ -1,9 +1,10 @@
 """zj.nn.dot_product_attention against jax.nn.dot_product_attention.
 
 A seeded property test draws the kernels' options (method, C, layout, masks, biases,
-lengths, windows, causality, GQA, dtype, chunk size) and compares values and gradients
-(q, k, v, bias) with JAX's function on the global arrays. Then one regression test per bug
-found in the kernels. Shapes are tiny: each test's time is its compiles, and each compiled program runs
+lengths, windows, causality, segment ids, GQA, dtype, chunk size) and compares values and
+gradients (q, k, v, bias) with JAX's function on the global arrays. Then one regression
+test per bug found in the kernels, and packed sequences against attention run document by
+document. Shapes are tiny: each test's time is its compiles, and each compiled program runs
 several data draws."""
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class Case:
     bias: str | None = None  # None, "full" [B, N, T, S] or "keys" [B, 1, 1, S]
     qlen: bool = False
     kvlen: bool = False
+    segments: bool = False
 
     def __post_init__(self):
         if self.s is None:
@@ -81,7 +83,7 @@ def _property_cases(count: int = PROPERTY_CASES, seed: int = 8) -> list[Case]:
                 t=draw([16, 32]), causal=draw([True, False]), window=draw([None, None, "random"]),
                 dtype=draw(["float32", "float32", "bfloat16"]), block=draw([3, 4, 512]),
                 mask=draw([None, "full", "keys"]), bias=draw([None, "full", "keys"]), qlen=draw([False, True]),
-                kvlen=draw([False, True]), gqa=draw([1, 2, 4]), cross=draw([0, 0, 1]))
+                kvlen=draw([False, True]), segments=draw([False, True]), gqa=draw([1, 2, 4]), cross=draw([0, 0, 1]))
     cases = []
     for i in range(count):
         kw = {k: v[i] for k, v in cols.items()}
@@ -97,7 +99,7 @@ def _property_cases(count: int = PROPERTY_CASES, seed: int = 8) -> list[Case]:
 def _data(case: Case, seed: int, bias_fill: str = "finite") -> dict:
     """Inputs in natural order: q, k, v, and the case's mask, bias (``bias_fill``: finite,
     or ``-inf`` / ``finfo.min`` on padded keys and on a whole chunk of keys), lengths and
-    and an output cotangent. Key 0 never has an infinite bias, so no row has
+    segment ids, and an output cotangent. Key 0 never has an infinite bias, so no row has
     every key at ``-inf`` (JAX's NaN rows have their own test)."""
     rng = np.random.default_rng(seed)
     dt = jnp.dtype(case.dtype)
@@ -130,6 +132,11 @@ def _data(case: Case, seed: int, bias_fill: str = "finite") -> dict:
         x["qlen"] = jnp.asarray(rng.integers(1, t + 1, B), jnp.int32)
     if case.kvlen:
         x["kvlen"] = jnp.asarray(rng.integers(0, s + 1, B), jnp.int32)  # 0: a sequence with no keys
+    if case.segments:
+        cuts = lambda n: np.cumsum(rng.random((B, n)) < 4 / n, axis=1)  # documents of about n/4 tokens
+        x["qseg"] = jnp.asarray(cuts(t), jnp.int32)
+        if s != t:
+            x["kseg"] = jnp.asarray(cuts(s), jnp.int32)
     return x
 
 
@@ -153,7 +160,12 @@ def _vjp(attend):
 @functools.lru_cache(maxsize=None)
 def _reference(case: Case):
     def attend(x):
-        return jax.nn.dot_product_attention(x["q"], x["k"], x["v"], x.get("bias"), x.get("mask"), **_kwargs(case, x))
+        mask = x.get("mask")
+        if "qseg" in x:
+            kseg = x.get("kseg", x["qseg"])
+            same = x["qseg"][:, None, :, None] == kseg[:, None, None, :]
+            mask = same if mask is None else mask & same
+        return jax.nn.dot_product_attention(x["q"], x["k"], x["v"], x.get("bias"), mask, **_kwargs(case, x))
 
     return _vjp(attend)
 
@@ -174,10 +186,15 @@ def _ours(case: Case):
     inv = ctx.inverse(case.t, case.c, case.layout)
 
     def attend(x):
+        seg = {}
+        if "qseg" in x:
+            seg = dict(segment_ids=x["qseg"][:, rows])
+            if "kseg" in x:
+                seg["key_value_segment_ids"] = x["kseg"][:, cols]
         out = zj.nn.dot_product_attention(
             x["q"][:, rows], x["k"][:, cols], x["v"][:, cols], _permuted(x.get("bias"), rows, cols),
             _permuted(x.get("mask"), rows, cols), method=case.method, layout=case.layout, block_size=case.block,
-            **_kwargs(case, x))
+            **seg, **_kwargs(case, x))
         return out[:, inv]
 
     fn, mesh = _vjp(attend), _mesh(case.c)
@@ -223,30 +240,33 @@ def test_the_property_cases_cover_every_option():
     cases = _property_cases()
     for field, values in dict(method={"ring", "ulysses"}, c={2, 4, 8}, layout={"contiguous", "balanced"},
                               dtype={"float32", "bfloat16"}, causal={True, False}, mask={None, "full", "keys"},
-                              bias={None, "full", "keys"}, block={3, 4, 512}).items():
+                              bias={None, "full", "keys"}, segments={True, False}, block={3, 4, 512}).items():
         assert {getattr(c, field) for c in cases} == values, field
     for field, count in dict(dtype=2, layout=2, causal=2, c=3).items():
         assert len({(c.method, getattr(c, field)) for c in cases}) == 2 * count, field
     assert any(c.window for c in cases) and any(c.kh < c.n for c in cases) and any(c.kh == 1 for c in cases)
     assert any(c.s != c.t for c in cases) and any(c.kvlen for c in cases) and any(c.qlen for c in cases)
     assert any(c.bias and c.dtype == "bfloat16" for c in cases)
+    assert any(c.method == "ring" and c.causal and c.segments for c in cases)
     assert any(c.method == "ring" and c.causal and c.window for c in cases)
     assert any(c.block == 3 and c.bias for c in cases) and any(c.block == 3 and not c.bias for c in cases)
 
 
 # ----------------------------------------------------------------------------------------------
 # Regression tests, one per bug. They share a few programs with every mask input present
-# (mask, bias, key lengths), each draw setting the ones it does not test to
+# (mask, bias, key lengths, segment ids), each draw setting the ones it does not test to
 # what masks nothing.
 
-RING = Case(method="ring", c=4, layout="balanced", causal=True, mask="full", bias="full", kvlen=True, block=4)
-ULYSSES = Case(method="ulysses", c=4, layout="contiguous", causal=False, mask="full", bias="full", kvlen=True, block=4)
+RING = Case(method="ring", c=4, layout="balanced", causal=True, mask="full", bias="full", kvlen=True, segments=True,
+            block=4)
+ULYSSES = Case(method="ulysses", c=4, layout="contiguous", causal=False, mask="full", bias="full", kvlen=True,
+               segments=True, block=4)
 
 
 def _neutral(case: Case, x: dict) -> dict:
-    """``x`` with its mask, bias and lengths masking nothing."""
+    """``x`` with its mask, bias, lengths and segment ids masking nothing."""
     x = dict(x)
-    for k in ("mask", "bias", "kvlen", "qlen"):
+    for k in ("mask", "bias", "kvlen", "qlen", "qseg", "kseg"):
         if k in x:
             fill = {"mask": True, "kvlen": case.s, "qlen": case.t}.get(k, 0)
             x[k] = jnp.full_like(x[k], fill)
@@ -332,34 +352,36 @@ def test_causal_ring_skipping_is_exact_for_rows_that_see_no_key(layout):
     """Bug 5: causal ring attention with a window and key lengths (rows past ``3 + 2`` see no
     key) averaged such rows over the computed chunks only (0.66 off, gradients too); JAX
     averages every value. The hidden chunks are merged as what they are, for any reason a
-    row sees no key: lengths, windows, masks."""
-    case = Case(method="ring", c=4, layout=layout, t=32, causal=True, window=(2, 0), mask="full", kvlen=True, block=4)
+    row sees no key: lengths, windows, masks, segments."""
+    case = Case(method="ring", c=4, layout=layout, t=32, causal=True, window=(2, 0), mask="full", kvlen=True,
+                segments=True, block=4)
     x = _neutral(case, _data(case, 4))
     x["kvlen"] = jnp.asarray([3, 32], jnp.int32)
     _compare(case, x, "window (2, 0), key lengths [3, 32]")
-    _compare(case, _data(case, 5), "window, lengths, mask")
+    _compare(case, _data(case, 5), "window, lengths, mask, segments")
 
 
 @pytest.mark.parametrize("case", [RING, ULYSSES], ids=["ring", "ulysses"])
 def test_inside_a_shard_map_manual_over_the_context_axis(case):
     """Bug 6: inside a user's shard_map manual over "context" the kernel failed with a shape
     error (it was fed global sizes, the arrays being local). There the arrays are this
-    device's chunks and a mask or bias is given whole: JAX's values and
+    device's chunks (segment ids too) and a mask or bias is given whole: JAX's values and
     gradients (q, k, v, bias), the user's shard_map checking replication (ring) or not."""
     x = _data(case, 6)
     rows, inv = ctx.order(case.t, case.c, case.layout), ctx.inverse(case.t, case.c, case.layout)
     mesh, seq = _mesh(case.c), P(None, "context")
 
-    def inner(q, k, v, bias, mask, lens):
+    def inner(q, k, v, bias, seg, mask, lens):
         return zj.nn.dot_product_attention(q, k, v, bias, mask, is_causal=case.causal, key_value_seq_lengths=lens,
-                                          method=case.method, layout=case.layout, block_size=case.block)
+                                          segment_ids=seg, method=case.method, layout=case.layout,
+                                          block_size=case.block)
 
-    specs = (seq, seq, seq, P(), P(), P())
+    specs = (seq, seq, seq, P(), seq, P(), P())
     run = jax.shard_map(inner, mesh=mesh, in_specs=specs, out_specs=seq, check_vma=case.method == "ring")
 
     def attend(x):
         return run(x["q"][:, rows], x["k"][:, rows], x["v"][:, rows], _permuted(x["bias"], rows, rows),
-                   _permuted(x["mask"], rows, rows), x["kvlen"])[:, inv]
+                   x["qseg"][:, rows], _permuted(x["mask"], rows, rows), x["kvlen"])[:, inv]
 
     out, grads = _vjp(attend)(dict(x))
     want, want_grads = _reference(case)(dict(x))
@@ -368,8 +390,8 @@ def test_inside_a_shard_map_manual_over_the_context_axis(case):
         _close(grads[key], want_grads[key], 2e-5, f"d{key}")
     with pytest.raises(ValueError, match=r"mask has shape \(2, 1, 4, 16\).*this device's chunks and a mask or bias "
                                          r"is given whole"):
-        jax.shard_map(inner, mesh=mesh, in_specs=specs[:4] + (P(None, None, "context"), P()), out_specs=seq)(
-            x["q"], x["k"], x["v"], x["bias"], x["mask"], x["kvlen"])
+        jax.shard_map(inner, mesh=mesh, in_specs=specs[:5] + (P(None, None, "context"), P()), out_specs=seq)(
+            x["q"], x["k"], x["v"], x["bias"], x["qseg"], x["mask"], x["kvlen"])
 
 
 def test_manual_axes_are_read_in_one_place():
@@ -413,3 +435,67 @@ def test_chunks_keep_block_size_keys():
         x = _data(case, 7 + seed)
         x["kvlen"] = jnp.asarray(lengths, jnp.int32)
         _compare(case, x, f"chunks of 8 over 20 keys, key lengths {lengths}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed sequences.
+
+
+PACKED = [[5, 9, 2, 16], [32]]  # documents' lengths in each packed row of 32 tokens
+
+
+@functools.lru_cache(maxsize=None)
+def _packed():
+    """The packed rows (ids, q, k, v, output cotangent) and the reference: each document alone
+    through JAX's causal attention, put back in its place (values and gradients)."""
+    rng = np.random.default_rng(8)
+    ids = jnp.asarray(np.stack([np.repeat(np.arange(len(ls)), ls) for ls in PACKED]), jnp.int32)
+    x = {name: jnp.asarray(rng.normal(size=(len(PACKED), 32, h, H)), jnp.float32)
+         for name, h in (("q", 4), ("k", 2), ("v", 2), ("ct", 4))}
+
+    def attend(x):
+        out = []
+        for row in PACKED:
+            starts = np.cumsum([0] + row)
+            out.append(jnp.concatenate([jax.nn.dot_product_attention(*(x[n][len(out), None, lo:hi] for n in "qkv"),
+                                                                     is_causal=True)[0]
+                                        for lo, hi in zip(starts[:-1], starts[1:])]))
+        return jnp.stack(out)
+
+    return ids, x, _vjp(attend)(dict(x))
+
+
+@pytest.mark.parametrize("method,c,layout", [("ring", 4, "balanced"), ("ulysses", 2, "contiguous"), ("ring", 1, None)])
+def test_packed_sequences_are_attention_document_by_document(method, c, layout):
+    """segment_ids: causal attention over packed rows equals each document alone through JAX's
+    function, values and gradients; on one device (no context axis) too. The causal ring
+    still leaves out the hidden chunks (its switch is in the program)."""
+    ids, x, (want, want_grads) = _packed()
+    rows, inv = (np.arange(32),) * 2 if c == 1 else (ctx.order(32, c, layout), ctx.inverse(32, c, layout))
+
+    def attend(x):
+        return zj.nn.dot_product_attention(x["q"][:, rows], x["k"][:, rows], x["v"][:, rows], is_causal=True,
+                                          segment_ids=ids[:, rows], method=method, layout=layout, block_size=4)[:, inv]
+
+    with _on(_mesh(c) if c > 1 else None):
+        out, grads = _vjp(attend)(dict(x))
+        text = jax.jit(attend).lower(x).as_text()
+    np.testing.assert_allclose(out, want, atol=2e-6)
+    for n in "qkv":
+        np.testing.assert_allclose(grads[n], want_grads[n], atol=1e-5)
+    assert ("stablehlo.case" in text) == (method == "ring" and c > 1)
+
+
+def test_segment_ids_are_checked():
+    q = jnp.zeros((2, 16, 4, 8))
+    seg = jnp.zeros((2, 16), jnp.int32)
+    with pytest.raises(TypeError, match=r"segment_ids must be integers.*got float32.*astype\(jnp.int32\)"):
+        zj.nn.dot_product_attention(q, q, q, segment_ids=seg.astype(jnp.float32))
+    with pytest.raises(ValueError, match=r"segment_ids has shape \(2, 8\); it must be \[batch, length\] \(2, 16\)"):
+        zj.nn.dot_product_attention(q, q, q, segment_ids=seg[:, :8])
+    with pytest.raises(ValueError, match=r"keys' length 32.*pass key_value_segment_ids, \[batch, 32\]"):
+        zj.nn.dot_product_attention(q, jnp.zeros((2, 32, 4, 8)), jnp.zeros((2, 32, 4, 8)), segment_ids=seg)
+    with pytest.raises(ValueError, match="key_value_segment_ids without segment_ids"):
+        zj.nn.dot_product_attention(q, q, q, key_value_segment_ids=seg)
+    with jax.set_mesh(_mesh(4)), pytest.raises(ValueError, match=r"segment_ids has shape \(2, 15\)"):
+        zj.nn.dot_product_attention(q, q, q, segment_ids=seg[:, 1:], method="ring")

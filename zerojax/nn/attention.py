@@ -1,11 +1,12 @@
 """Attention over a sequence split across a context axis: Ulysses and ring attention.
 
 :func:`dot_product_attention` has ``jax.nn.dot_product_attention``'s signature (and takes
-the extra keywords Flax NNX's ``MultiHeadAttention`` passes its ``attention_fn``). Off a
-context mesh (no ``"context"`` axis, or one of size 1) it calls JAX's function, a mask of
-Flax's 0/1 numbers, which JAX's function does not take, given as the boolean mask it means
-(see :func:`dot_product_attention` for the rule). On one, the sequence dimension (axis 1)
-of ``query``, ``key`` and ``value`` is split over the ``C`` devices of the axis, and:
+the extra keywords Flax NNX's ``MultiHeadAttention`` passes its ``attention_fn``), plus
+``segment_ids`` for packed sequences. Off a context mesh (no ``"context"`` axis, or one of
+size 1) it calls JAX's function, with two inputs JAX's function does not take written as
+the boolean mask they mean: Flax's 0/1 masks (see :func:`dot_product_attention` for the
+rule) and segment ids. On one, the sequence dimension (axis 1) of ``query``, ``key`` and
+``value`` is split over the ``C`` devices of the axis, and:
 
 * ``method="ulysses"`` (DeepSpeed-Ulysses): an all-to-all turns the sequence split into a
   head split (each device: the whole sequence, ``N/C`` query heads and ``K/C`` key/value
@@ -20,7 +21,7 @@ of ``query``, ``key`` and ``value`` is split over the ``C`` devices of the axis,
 * ``method="xla"``: JAX's function on the global arrays, partitioned by XLA (it gathers
   the sequence: correct, not memory-saving).
 
-Masks (``mask``, ``bias``, causal, sequence lengths, local windows) are
+Masks (``mask``, ``bias``, causal, sequence lengths, local windows, segment ids) are
 applied by global position, so every method gives JAX's result, the rows JAX answers with
 an average (every key masked) and with NaN (every key's bias ``-inf`` and none masked)
 included. Inside zerojax's train step (manual over the data axes, the context axis
@@ -62,12 +63,13 @@ _FILL = -0.7 * float(np.finfo(np.float32).max)
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: float | None = None,
                           is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
                           local_window_size: int | tuple[int, int] | None = None, implementation: str | None = None,
-                          return_residual: bool = False, method: str = "auto", layout: str | None = None,
-                          axis: str = CONTEXT_AXIS, mesh: Any = None, block_size: int = 512,
-                          broadcast_dropout: bool = True, dropout_rng: Any = None, dropout_rate: float = 0.0,
-                          deterministic: bool = False, dtype: Any = None, precision: Any = None, module: Any = None,
-                          promote_dtype: Any = None, force_fp32_for_softmax: bool = False,
-                          qk_attn_weights_einsum: Any = None, attn_weights_value_einsum: Any = None) -> jax.Array:
+                          return_residual: bool = False, segment_ids=None, key_value_segment_ids=None,
+                          method: str = "auto", layout: str | None = None, axis: str = CONTEXT_AXIS, mesh: Any = None,
+                          block_size: int = 512, broadcast_dropout: bool = True, dropout_rng: Any = None,
+                          dropout_rate: float = 0.0, deterministic: bool = False, dtype: Any = None,
+                          precision: Any = None, module: Any = None, promote_dtype: Any = None,
+                          force_fp32_for_softmax: bool = False, qk_attn_weights_einsum: Any = None,
+                          attn_weights_value_einsum: Any = None) -> jax.Array:
     """Scaled dot-product attention, ``[B, T, N, H]`` queries over ``[B, S, K, H]`` keys and
     values (``N`` a multiple of ``K``: grouped-query attention), as
     ``jax.nn.dot_product_attention``; on a mesh with a context axis, Ulysses or ring
@@ -86,12 +88,21 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     (An additive mask's rows that mask nothing, all 0, read as rows that mask every key; its
     other rows still make the NaNs.) An additive mask goes in ``bias=``.
 
-    A row whose every key is masked (by ``mask``, causality, lengths or windows) is
+    A row whose every key is masked (by ``mask``, causality, lengths, windows or segments) is
     the mean of every value, as JAX's. A row whose every key has a ``bias`` of ``-inf`` with
     none masked is NaN, as JAX's (with ``finfo.min`` instead of ``-inf`` it is the mean of the
     values); where some of its keys are masked it is the mean of those keys' values, as JAX's.
 
     Args beyond JAX's:
+      segment_ids: ``int[B, T]``, for packed sequences: each query attends only to the keys
+        of its own segment (document), ``segment_ids[b, t] == key_value_segment_ids[b, s]``,
+        on top of every other mask; causality and windows stay by position in the packed
+        row. Positions that restart per document are the model's (``docs/long_context.md``).
+        On a context mesh they are a sequence-indexed input like the tokens (in the
+        balanced layout, in its order). Off one they become the boolean mask they mean
+        (``[B, 1, T, S]``, beside ``mask``) for JAX's function.
+      key_value_segment_ids: ``int[B, S]``, the keys' segment ids (default: ``segment_ids``,
+        which needs ``S == T``).
       method: ``"auto"``, ``"ulysses"``, ``"ring"`` or ``"xla"``.
       layout: how the sequence is split over the context axis, ``"contiguous"`` or
         ``"balanced"`` (:mod:`zerojax.nn.context`); the arrays' sequence dimensions are in
@@ -111,7 +122,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
         are refused rather than silently left out.
 
     Inside a ``shard_map`` already manual over ``axis`` (a user's own), the arrays are this
-    device's: ``query``, ``key`` and ``value`` are its chunks of the sequence
+    device's: ``query``, ``key``, ``value`` and the segment ids are its chunks of the sequence
     (``[B, T/C, ...]``, in the layout's order), ``mask`` and ``bias`` are given whole (their
     query and key dimensions 1 or the global ``T`` and ``S``, the same on every device), and
     the lengths are global positions.
@@ -138,10 +149,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
         _check_xla(layout, local, axis)
     mask, query = _boolean_mask(mask, query)
     if c == 1 or method == "xla":
-        return jax.nn.dot_product_attention(
-            query, key, value, bias, mask, scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
-            key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
-            implementation=implementation, return_residual=return_residual)
+        return _jax_attention(query, key, value, bias, mask, segment_ids, key_value_segment_ids, scale=scale,
+                              is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+                              key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
+                              implementation=implementation, return_residual=return_residual)
     _check_kernel_arguments(return_residual, implementation, method)
     q, k, v = _check_arrays(query, key, value)
     b, tl, n, h = q.shape
@@ -161,13 +172,14 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     bias = _rank4(bias, "bias", (b, n, t, s), whole)
     lengths = [jnp.full((b,), t if i == 0 else s, jnp.int32) if x is None else jnp.asarray(x, jnp.int32)
                for i, x in enumerate((query_seq_lengths, key_value_seq_lengths))]
+    segments = _segment_ids(segment_ids, key_value_segment_ids, b, tl, sl, here)
     window = None if local_window_size is None else (
         (local_window_size, local_window_size) if isinstance(local_window_size, int) else tuple(local_window_size))
     scale = 1.0 / math.sqrt(h) if scale is None else float(scale)
     spec = _Spec(c=c, axis=axis, layout=layout, t=t, s=s, n=n, kh=kh, scale=scale, causal=bool(is_causal),
                  window=window, zero_padded_rows=query_seq_lengths is not None, precision=precision, mesh=given,
                  block=block_size, local=local)
-    return (_ulysses if method == "ulysses" else _ring)(spec, q, k, v, mask, bias, lengths)
+    return (_ulysses if method == "ulysses" else _ring)(spec, q, k, v, mask, bias, lengths, segments)
 
 
 def chunked_attention(query, key, value, *, is_causal: bool = False, scale: float | None = None,
@@ -317,6 +329,45 @@ def _rank4(x, name: str, full: tuple[int, ...], hint: str = ""):
     return x
 
 
+def _segment_ids(segment_ids, key_value_segment_ids, b: int, t: int, s: int, here: str = ""):
+    """``(query ids, key ids)``, ``int32[B, T]`` and ``int32[B, S]``, or ``(None, None)``."""
+    if segment_ids is None:
+        if key_value_segment_ids is not None:
+            raise ValueError("key_value_segment_ids without segment_ids: pass the queries' segment_ids too (each "
+                             "query attends to the keys of its own segment).")
+        return None, None
+    qseg = _ids(segment_ids, "segment_ids", (b, t), here)
+    if key_value_segment_ids is None:
+        if s != t:
+            raise ValueError(f"segment_ids {qseg.shape} are the queries'; the keys' length {s} is not theirs ({t}): "
+                             f"pass key_value_segment_ids, [batch, {s}].")
+        return qseg, qseg
+    return qseg, _ids(key_value_segment_ids, "key_value_segment_ids", (b, s), here)
+
+
+def _ids(x, name: str, shape: tuple[int, int], here: str):
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be integers (a segment id per token), got {x.dtype}; pass "
+                        f"{name}=ids.astype(jnp.int32).")
+    if x.shape != shape:
+        raise ValueError(f"{name} has shape {x.shape}; it must be [batch, length] {shape}{here}.")
+    return x.astype(jnp.int32)
+
+
+def _jax_attention(query, key, value, bias, mask, segment_ids, key_value_segment_ids, **kw):
+    """``jax.nn.dot_product_attention``, segment ids given as the boolean mask they mean."""
+    if segment_ids is not None or key_value_segment_ids is not None:
+        q, k = jnp.asarray(query), jnp.asarray(key)
+        if q.ndim != 4 or k.ndim != 4:
+            raise ValueError(f"segment_ids need batched [batch, seq, heads, head_dim] queries and keys; got shapes "
+                             f"{q.shape} and {k.shape}.")
+        qseg, kseg = _segment_ids(segment_ids, key_value_segment_ids, q.shape[0], q.shape[1], k.shape[1])
+        same = qseg[:, None, :, None] == kseg[:, None, None, :]  # [B, 1, T, S]
+        mask = same if mask is None else _as_rank4(mask) & same
+    return jax.nn.dot_product_attention(query, key, value, bias, mask, **kw)
+
+
 class _Spec:
     def __init__(self, **kw):
         self.__dict__.update(kw)
@@ -328,20 +379,22 @@ class _Spec:
 
 class _Side(NamedTuple):
     """What masks one side of the logits (the query rows or the key columns) token by token:
-    global positions ``int32[L]`` and the sequences' lengths ``int32[B]`` (positions at or
-    past them are padding)."""
+    global positions ``int32[L]``, the sequences' lengths ``int32[B]`` (positions at or past
+    them are padding) and segment ids ``int32[B, L]`` (None: none)."""
 
     pos: Any
     length: Any
+    seg: Any = None
 
     def part(self, start, size: int) -> _Side:
         """Tokens ``[start, start + size)``."""
-        return _Side(jax.lax.dynamic_slice_in_dim(self.pos, start, size), self.length)
+        cut = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+        return _Side(cut(self.pos, 0), self.length, None if self.seg is None else cut(self.seg, 1))
 
 
 def _valid(spec: _Spec, rows: _Side, cols: _Side):
-    """``[B, 1, 1, Tq, Sk]`` boolean: the logits the causal / window / length masks keep, by
-    global position."""
+    """``[B, 1, 1, Tq, Sk]`` boolean: the logits the causal / window / length / segment masks
+    keep, by global position."""
     qpos, kpos = rows.pos[:, None], cols.pos[None, :]
     keep = (qpos[None] < rows.length[:, None, None]) & (kpos[None] < cols.length[:, None, None])
     if spec.causal:
@@ -349,6 +402,8 @@ def _valid(spec: _Spec, rows: _Side, cols: _Side):
     if spec.window is not None:
         left, right = spec.window
         keep = keep & ((qpos <= kpos + left) & (qpos >= kpos - right))[None]
+    if rows.seg is not None:
+        keep = keep & (rows.seg[:, :, None] == cols.seg[:, None, :])
     return keep[:, None, None]
 
 
@@ -418,8 +473,8 @@ def _unseen(v, rows: int, groups: int):
     """The partial attention of ``rows`` query rows over keys every one of them has masked
     (a chunk the causal mask hides), without computing a logit: each is the fill, so the
     part is ``(Σ v, fill, key count)``. A row that sees some key elsewhere weighs it at
-    ``exp(fill - max) = 0``; a row that sees none (masked by lengths, windows or ``mask``)
-    counts it in full, and gets the mean of every value, as JAX's."""
+    ``exp(fill - max) = 0``; a row that sees none (masked by lengths, windows, ``mask`` or
+    segments) counts it in full, and gets the mean of every value, as JAX's."""
     b, s, kh, h = v.shape
     acc = jnp.broadcast_to(v.astype(jnp.float32).sum(axis=1)[:, None, :, None, :], (b, rows, kh, groups, h))
     like = jnp.moveaxis(acc[..., 0], 1, -1)  # [B, K, G, rows], derived from v (varying where v is)
@@ -622,11 +677,20 @@ def _part(x, pspec, spec: _Spec):
     return x
 
 
+def _gathered(x, axis: str):
+    """Segment ids ``[B, L/C]`` -> the whole sequence's ``[B, L]`` (in the layout's order)."""
+    return None if x is None else jax.lax.all_gather(x, axis, axis=1, tiled=True)
+
+
+def _seq_spec(x, axis: str):
+    return None if x is None else P(None, axis)
+
+
 # ----------------------------------------------------------------------------------------------
 # Ulysses: all-to-all from sequence-split to head-split and back.
 
 
-def _ulysses(spec: _Spec, q, k, v, mask, bias, lengths):
+def _ulysses(spec: _Spec, q, k, v, mask, bias, lengths, segments):
     c, axis = spec.c, spec.axis
     if spec.kh % c:  # GQA with fewer key/value heads than devices: repeat them up to the query heads
         rep = spec.n // spec.kh
@@ -637,22 +701,22 @@ def _ulysses(spec: _Spec, q, k, v, mask, bias, lengths):
     def heads_spec(x):  # a mask or bias: its head dimension split with the heads, else whole
         return None if x is None else (P(None, axis) if x.shape[1] > 1 else P())
 
-    def body(q, k, v, mask, bias, qlen, kvlen):
+    def body(q, k, v, mask, bias, qlen, kvlen, qseg, kseg):
         q, k, v = (jax.lax.all_to_all(x, axis, 2, 1, tiled=True) for x in (q, k, v))
-        rows, cols = _Side(pos, qlen), _Side(kpos, kvlen)
+        rows, cols = _Side(pos, qlen, _gathered(qseg, axis)), _Side(kpos, kvlen, _gathered(kseg, axis))
         out = _finish(spec, _attend(spec, q, rows, k, v, cols, mask, bias), rows, q.dtype)
         return jax.lax.all_to_all(out, axis, 1, 2, tiled=True)
 
     seq = P(None, axis)
-    in_specs = (seq, seq, seq, heads_spec(mask), heads_spec(bias), P(), P())
-    return _run(spec, body, (q, k, v, mask, bias, *lengths), in_specs, seq, whole=(3, 4))
+    in_specs = (seq, seq, seq, heads_spec(mask), heads_spec(bias), P(), P(), *(_seq_spec(x, axis) for x in segments))
+    return _run(spec, body, (q, k, v, mask, bias, *lengths, *segments), in_specs, seq, whole=(3, 4))
 
 
 # ----------------------------------------------------------------------------------------------
 # Ring: key/value chunks passed round the context axis, merged with an online softmax.
 
 
-def _ring(spec: _Spec, q, k, v, mask, bias, lengths):
+def _ring(spec: _Spec, q, k, v, mask, bias, lengths, segments):
     c, axis = spec.c, spec.axis
     qpos_all = jnp.asarray(ctx.positions(spec.t, c, spec.layout))
     kpos_all = jnp.asarray(ctx.positions(spec.s, c, spec.layout))
@@ -662,12 +726,14 @@ def _ring(spec: _Spec, q, k, v, mask, bias, lengths):
     def rows_spec(x):  # a mask or bias: its query rows split with the queries, key columns whole
         return None if x is None else P(None, None, axis if x.shape[2] > 1 else None)
 
-    def body(q, k, v, mask, bias, qlen, kvlen):
+    def body(q, k, v, mask, bias, qlen, kvlen, qseg, kseg):
         i = jax.lax.axis_index(axis)
-        rows = _Side(qpos_all[i], qlen)
+        rows = _Side(qpos_all[i], qlen, qseg)
+        kseg_all = _gathered(kseg, axis)
 
         def cols(src):  # the keys of device ``src``
-            return _Side(kpos_all[src], kvlen)
+            seg = None if kseg_all is None else jax.lax.dynamic_slice_in_dim(kseg_all, src * sc, sc, axis=1)
+            return _Side(kpos_all[src], kvlen, seg)
 
         def attend(k, v, src):  # over the chunk of the device ``src`` (this device's at step 0)
             return _attend(spec, q, rows, k, v, cols(src), _columns(mask, src * sc, sc), _columns(bias, src * sc, sc))
@@ -689,8 +755,8 @@ def _ring(spec: _Spec, q, k, v, mask, bias, lengths):
         return _finish(spec, out, rows, q.dtype)
 
     seq = P(None, axis)
-    in_specs = (seq, seq, seq, rows_spec(mask), rows_spec(bias), P(), P())
-    return _run(spec, body, (q, k, v, mask, bias, *lengths), in_specs, seq, whole=(3, 4))
+    in_specs = (seq, seq, seq, rows_spec(mask), rows_spec(bias), P(), P(), *(_seq_spec(x, axis) for x in segments))
+    return _run(spec, body, (q, k, v, mask, bias, *lengths, *segments), in_specs, seq, whole=(3, 4))
 
 
 def _causal_update(spec: _Spec, q, rows: _Side, cols, mask, bias, i, out, k, v, src):
