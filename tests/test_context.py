@@ -96,26 +96,24 @@ def test_kernel_gradients_give_jax_gradients(method, block):
 @pytest.mark.parametrize("c,layout", [(2, "contiguous"), (4, "balanced")])
 def test_causal_ring_leaves_out_the_masked_chunks_exactly(c, layout):
     """Causal ring attention computes only what the mask keeps (a switch per ring step:
-    nothing, a whole chunk, or half of one); with a bias, and with a sequence of no keys
-    (whose rows JAX answers with the mean of every value, so every chunk is computed
-    there), values and gradients are JAX's."""
+    nothing, a whole chunk, or half of one), and merges what it leaves out as what it is
+    (every logit masked), so a row that sees no key (a sequence of no keys: JAX's mean of
+    every value) is exact too; with a bias, values and gradients are JAX's. A mask keeps
+    the skipping on."""
     q, k, v = _qkv(16, 4, 2)
     bias = jax.random.normal(jax.random.key(2), (B, 4, 16, 16))
     for lens in (jnp.array([16, 7]), jnp.array([16, 0])):
         kw = dict(is_causal=True, key_value_seq_lengths=lens)
         want = jax.nn.dot_product_attention(q, k, v, bias, **kw)
         np.testing.assert_allclose(_ours(c, "ring", layout, q, k, v, bias, **kw), want, atol=2e-6)
-    # (Gradients without the bias: at the tests' --xla_backend_optimization_level=0 the CPU
-    # backend returns NaN key gradients for a rematerialised block with a bias, with the
-    # ring's switch or without it; at XLA's default level they are JAX's.)
-    want = jax.grad(lambda q, k, v: (jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                                  key_value_seq_lengths=lens) ** 2).sum(),
+    want = jax.grad(lambda q, k, v: (jax.nn.dot_product_attention(q, k, v, bias, **kw) ** 2).sum(),
                     argnums=(0, 1, 2))(q, k, v)
-    for g, w in zip(_ours(c, "ring", layout, q, k, v, grad=True, is_causal=True, key_value_seq_lengths=lens), want):
+    for g, w in zip(_ours(c, "ring", layout, q, k, v, bias, grad=True, **kw), want):
         np.testing.assert_allclose(g, w, atol=1e-5)
     mesh, sh = _mesh(c), NamedSharding(_mesh(c), P(None, "context"))
+    mask = jnp.ones((1, 1, 1, 16), bool)
     with jax.set_mesh(mesh):
-        text = jax.jit(lambda q, k, v: zj.nn.dot_product_attention(q, k, v, is_causal=True, method="ring",
+        text = jax.jit(lambda q, k, v: zj.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, method="ring",
                                                                    layout=layout)).lower(
             *(jax.device_put(x, sh) for x in (q, k, v))).as_text()
     assert "stablehlo.case" in text  # the ring steps branch on which chunk arrived
