@@ -37,6 +37,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from zerojax.nn import context as ctx
+from zerojax.sharding import jax_compat
 from zerojax.sharding.mesh import context_size
 
 METHODS = ("auto", "ulysses", "ring", "xla")
@@ -388,7 +389,7 @@ def _finish(spec: _Spec, acc, m, l, qpos, qlen, dtype):
 
 def _shard_map(spec: _Spec, body, in_specs, out_specs):
     am = jax.sharding.get_abstract_mesh()
-    if spec.axis in getattr(am, "manual_axes", ()):  # already inside a shard_map manual over it
+    if spec.axis in jax_compat.manual_axes(am):  # already inside a shard_map manual over it
         return body
     kw = {} if spec.mesh is None else {"mesh": spec.mesh}
     return jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, axis_names={spec.axis}, check_vma=False, **kw)
