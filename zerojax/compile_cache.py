@@ -20,19 +20,13 @@ executables, which load back whole, keep using it.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import re
 from typing import Any
 
 import jax
 
-try:  # the per-thread setting JAX compares a compile's duration with before it writes
-    from jax._src.config import persistent_cache_min_compile_time_secs as _min_compile_time
-except ImportError as e:  # pragma: no cover - a JAX without it
-    raise ImportError(
-        "zerojax needs jax._src.config.persistent_cache_min_compile_time_secs to keep CPU steps out of "
-        "the compilation cache; this JAX lacks it. Use a jax in the range pyproject.toml names.") from e
+from zerojax.sharding import jax_compat
 
 DEFAULT_BACKEND_OPTIMIZATION_LEVEL = 3  # XLA's default for xla_backend_optimization_level
 _LEVEL = re.compile(r"--xla_backend_optimization_level=(\d+)")
@@ -70,7 +64,7 @@ def jit_options(mesh) -> dict[str, Any]:
 def compiling(mesh):
     """Context for compiling a step over ``mesh``: no cache write where :func:`applies`."""
     if applies(mesh):
-        with _min_compile_time(math.inf):
+        with jax_compat.no_cache_writes():
             yield
     else:
         yield

@@ -51,6 +51,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from zerojax.nn import context as ctx
+from zerojax.sharding import jax_compat
 from zerojax.sharding.mesh import context_size
 
 METHODS = ("auto", "ulysses", "ring", "xla")
@@ -228,11 +229,9 @@ def _flax_arguments(query, key, value, kw: dict):
     return query, key, value, kw.get("precision")
 
 
-def _manual_axes() -> tuple[str, ...]:
-    """The mesh axes the code being traced is manual over (inside a ``shard_map``). This reads
-    JAX internals (the abstract mesh's ``manual_axes``): the only such read in this module, to
-    move with the others into ``zerojax/sharding/jax_compat.py``."""
-    return tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+def _manual_axes() -> frozenset[str]:
+    """The mesh axes the code being traced is manual over (inside a ``shard_map``)."""
+    return jax_compat.manual_axes(jax.sharding.get_abstract_mesh())
 
 
 def _check_xla(layout: str, local: bool, axis: str) -> None:

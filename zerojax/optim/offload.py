@@ -39,12 +39,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental.compute_on import compute_on
-from jax.extend.core import Literal
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax.optim.update import keep_if, update
-from zerojax.sharding import jax_compat
+from zerojax.sharding import walk
 from zerojax.sharding.plan import HOST, ZeroPlan
 
 PLACES = ("auto", "host", "device")
@@ -60,25 +59,33 @@ class UpdateGroups:
     shared: tuple[int, ...]
 
 
+class _Reads(walk.Dataflow):
+    """Which inputs a value reads, as a bit set: a pass on zerojax's program walk. A call
+    (``jit``: jax 0.12's optax runs its tree maps through one) is followed inside; any other
+    equation's outputs read all of its inputs (loops count whole)."""
+
+    follows = frozenset({"call"})
+
+    def literal(self, value: Any) -> int:
+        return 0
+
+    def constant(self, value: Any) -> int:
+        return 0
+
+    def primitive(self, eqn: Any, ins: list[int]) -> list[int]:
+        d = 0
+        for x in ins:
+            d |= x
+        return [d] * len(eqn.outvars)
+
+    def join(self, a: int, b: int) -> int:
+        return a | b
+
+
 def _dependencies(jaxpr: Any, given: list[int] | None = None) -> list[int]:
-    """For each output of ``jaxpr``, the set of inputs it reads, as a bit set. A call (``jit``:
-    jax 0.12's optax runs its tree maps through one) is followed inside; any other equation's
-    outputs read all of its inputs (loops count whole)."""
+    """For each output of ``jaxpr``, the set of inputs it reads, as a bit set (see :class:`_Reads`)."""
     given = [1 << i for i in range(len(jaxpr.invars))] if given is None else given
-    deps: dict[Any, int] = dict(zip(jaxpr.invars, given))
-    read = lambda v: 0 if isinstance(v, Literal) else deps.get(v, 0)
-    for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
-        if eqn.primitive in (jax_compat.P.jit_p, jax_compat.P.closed_call_p):
-            outs = _dependencies(jax_compat.call_body(eqn)[0], ins)
-        else:
-            d = 0
-            for x in ins:
-                d |= x
-            outs = [d] * len(eqn.outvars)
-        for v, d in zip(eqn.outvars, outs):
-            deps[v] = d
-    return [read(v) for v in jaxpr.outvars]
+    return _Reads().run(jaxpr, [0] * len(jaxpr.constvars), given)
 
 
 def _sds(x: Any) -> jax.ShapeDtypeStruct:

@@ -33,15 +33,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax.sharding import jax_compat
+from zerojax.sharding.jax_compat import Equation
 from zerojax.sharding.plan import ZeroPlan
 from zerojax.sharding.retrace import Retracer
-
-_P = jax_compat.P
 
 
 def trace(fn: Callable, args: Sequence[Any], plan: ZeroPlan) -> tuple[Any, Any]:
@@ -63,11 +61,11 @@ class Translator(Retracer):
         self.known = set(plan.mesh.axis_names) | {cfg.tensor_axis}
         self.mesh_axes = tuple(plan.mesh.axis_names)
 
-    def equation(self, eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any] | None:
-        if eqn.primitive is _P.sharding_constraint_p:
+    def replace(self, eqn: Equation, invals: list[Any]) -> list[Any] | None:
+        if jax_compat.is_constraint(eqn):
             return [self._constrain(eqn, invals[0])]
-        if eqn.primitive in (_P.jit_p, _P.closed_call_p):  # inlined: no call keeps the model's mesh
-            return self._eval(*jax_compat.call_body(eqn), invals)
+        if jax_compat.is_call(eqn):  # inlined: no call keeps the model's mesh
+            return self.run(*jax_compat.call_body(eqn), invals)
         return None
 
     def param(self, name: str, value: Any) -> Any:
@@ -76,14 +74,14 @@ class Translator(Retracer):
         return value
 
     # Constraints.
-    def _constrain(self, eqn: jcore.JaxprEqn, x: jax.Array) -> jax.Array:
+    def _constrain(self, eqn: Equation, x: jax.Array) -> jax.Array:
         axes, spec = jax_compat.constraint_spec(eqn)
         kept = [self._entry(e, eqn, axes) for e in spec]
         if all(k is None for k in kept):
             return x
         return jax.lax.with_sharding_constraint(x, NamedSharding(jax.sharding.get_abstract_mesh(), P(*kept)))
 
-    def _entry(self, entry: Any, eqn: jcore.JaxprEqn, model_axes: tuple[str, ...]) -> Any:
+    def _entry(self, entry: Any, eqn: Equation, model_axes: tuple[str, ...]) -> Any:
         names = () if entry is None or entry is P.UNCONSTRAINED else (entry,) if isinstance(entry, str) else entry
         kept = []
         for name in names:
@@ -94,7 +92,7 @@ class Translator(Retracer):
         return None if not kept else kept[0] if len(kept) == 1 else tuple(kept)
 
 
-def _unknown(name: str, eqn: jcore.JaxprEqn, model_axes: tuple[str, ...], mesh_axes: tuple[str, ...],
+def _unknown(name: str, eqn: Equation, model_axes: tuple[str, ...], mesh_axes: tuple[str, ...],
              tensor: str | None) -> None:
     raise ValueError(
         f"the model constrains a value to mesh axis {name!r} (its mesh has axes {model_axes}) at "

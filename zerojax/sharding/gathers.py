@@ -29,9 +29,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jcore
 
 from zerojax.sharding import jax_compat
+from zerojax.sharding.jax_compat import Equation
 from zerojax.sharding.retrace import Retracer
 
 
@@ -65,7 +65,7 @@ class Rewriter(Retracer):
     """Re-traces a program with every ``jnp.take_along_axis``-form gather written as a
     select and a sum (see the module docstring)."""
 
-    def equation(self, eqn: jcore.JaxprEqn, invals: list[Any]) -> list[Any] | None:
+    def replace(self, eqn: Equation, invals: list[Any]) -> list[Any] | None:
         if jax_compat.is_manual_region(eqn):
             return jax_compat.bind(eqn, invals)
         if jax_compat.is_gather(eqn) and jax_compat.has_batching_dims(eqn):
@@ -74,11 +74,11 @@ class Rewriter(Retracer):
                 line = jax_compat.where(eqn) or "a library line"
                 raise ValueError(
                     f"the loss gathers with batching dimensions at {line} in a form zerojax does not "
-                    f"rewrite (dimension numbers {eqn.params['dimension_numbers']}), and on a mesh with both a tensor "
+                    f"rewrite (dimension numbers {jax_compat.gather_form(eqn)}), and on a mesh with both a tensor "
                     "and a context axis XLA's partitioner aborts on such gathers. Index with jnp.take_along_axis "
                     "(one element per index along one axis), or train on zj.make_mesh(context=C) or "
                     "zj.make_mesh(tensor=T) alone.")
-            return [select_sum(form, *invals, out_shape=eqn.outvars[0].aval.shape)]
+            return [select_sum(form, *invals, out_shape=jax_compat.shape(eqn.outvars[0]))]
         return None
 
 

@@ -16,43 +16,24 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
-# Primitives that reduce or gather over named axes (axis_index only reads a device's position).
-_SKIP = frozenset({"axis_index"})
+from zerojax.sharding import jax_compat, walk
 
 
 class PartialBatchCollective(UserWarning):
     """A collective in the loss names only some of the mesh axes the batch is split over."""
 
 
-def _named_axes(params: dict) -> tuple[str, ...]:
-    names: list[str] = []
-    for key in ("axes", "axis_name"):
-        value = params.get(key)
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(v, str):
-                names.append(v)
-    return tuple(names)
-
-
 def _sub_jaxprs(value: Any) -> Iterator[Any]:
-    if hasattr(value, "eqns"):
-        yield value
-    elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
-        yield value.jaxpr
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _sub_jaxprs(v)
+    """The programs in one equation parameter's value (a body, or a tuple of branches)."""
+    yield from jax_compat.programs_in(value)
 
 
 def collectives(jaxpr: Any) -> Iterator[tuple[str, tuple[str, ...]]]:
     """``(primitive name, mesh axes)`` of every collective in ``jaxpr`` and the jaxprs inside it."""
-    for eqn in jaxpr.eqns:
-        names = _named_axes(eqn.params)
-        if names and eqn.primitive.name not in _SKIP:
-            yield eqn.primitive.name, names
-        for value in eqn.params.values():
-            for sub in _sub_jaxprs(value):
-                yield from collectives(sub)
+    for eqn in walk.equations(jaxpr):
+        names = jax_compat.collective_axes(eqn)
+        if names:
+            yield jax_compat.name(eqn), names
 
 
 def warn_partial(fn: Callable, mesh: Any, batch_axes: tuple[str, ...], args: tuple, what: str = "loss_fn") -> None:

@@ -25,12 +25,14 @@ consumes it:
 
 Everything else in the program is evaluated unchanged.
 
-Equations are recognised by primitive object, from ``jax.extend.core.primitives`` (JAX's
-public extension API). Every parameter of a JAX construct this module reads (a call's
-body, a scan's operand split, a checkpoint's options, a slice's bounds) is read through
-:mod:`zerojax.sharding.jax_compat`, which knows each supported JAX release's form and
-checks them at import: a JAX release that moves one fails there, naming the JAX version
-and the construct, instead of silently gathering whole parameters.
+The evaluation is a pass on :mod:`zerojax.sharding.walk` (:class:`Evaluator`): the walk
+goes through the program and binds every equation without a pending operand as JAX would;
+this module's hook takes the equations with one. What it reads of JAX's program form (which
+equations are shape-only, a call's body, a scan's operand split, a checkpoint's options, a
+slice's bounds) it reads through :mod:`zerojax.sharding.jax_compat`, which knows each
+supported JAX release's form and checks them at import: a JAX release that moves one fails
+there, naming the JAX version and the construct, instead of silently gathering whole
+parameters.
 A stacked parameter that reaches a higher-order primitive this module does not handle
 (``while``, ``cond``, ...) is gathered whole there, with a warning that says so.
 """
@@ -44,28 +46,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jcore
 
-from zerojax.sharding import prefetch
+from zerojax.sharding import jax_compat, prefetch, walk
+from zerojax.sharding.jax_compat import Equation, Jaxpr
 from zerojax.sharding.layout import LeafLayout
 from zerojax.sharding.sources import Source, in_host_memory
 
-from zerojax.sharding import jax_compat
-
 jax_compat.self_check()
-_P = jax_compat.P
-# Equations of one operand that only change a value's shape or dtype; a parameter passing
-# through them stays pending and the equation is applied after materialisation.
-_SHAPE_ONLY = frozenset({_P.reshape_p, _P.transpose_p, _P.convert_element_type_p, _P.squeeze_p,
-                         _P.broadcast_in_dim_p, _P.copy_p, _P.sharding_constraint_p})
-# Equations whose backward needs no operand values (only shapes or integer indices):
-# the gathered parameter is not kept for backward, so it needs no re-gather either.
-_NO_RESIDUALS = frozenset({_P.add_p, _P.sub_p, _P.add_jaxvals_p, _P.neg_p, _P.concatenate_p, _P.pad_p,
-                           _P.reduce_sum_p, _P.slice_p, _P.dynamic_slice_p, _P.gather_p, _P.select_n_p})
-# Elementwise shape-only equations that commute with slicing a stack of layers.
-_SLICE_SAFE = frozenset({_P.convert_element_type_p, _P.copy_p})
-# Inlined calls; their body is the ``jaxpr`` parameter.
-_CALLS = frozenset({_P.jit_p, _P.closed_call_p})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,21 +62,21 @@ class Pending:
     arrays: tuple[jax.Array, ...]
     layout: LeafLayout
     source: Source
-    ops: tuple[tuple[jcore.Primitive, dict], ...] = ()
+    ops: tuple[jax_compat.Unary, ...] = ()  # shape-only equations to apply once materialised
     name: str = ""  # the parameter's path, for messages
 
     def materialize(self) -> jax.Array:
         value = self.source.materialize(self.layout, self.arrays)
-        for prim, params in self.ops:
-            value = prim.bind(value, **params)
+        for op in self.ops:
+            value = op.apply(value)
         return value
 
-    def then(self, prim: jcore.Primitive, params: dict) -> Pending:
-        return dataclasses.replace(self, ops=self.ops + ((prim, params),))
+    def then(self, op: jax_compat.Unary) -> Pending:
+        return dataclasses.replace(self, ops=self.ops + (op,))
 
     @property
     def sliceable(self) -> bool:
-        return self.layout.can_slice_layers and all(p in _SLICE_SAFE for p, _ in self.ops)
+        return self.layout.can_slice_layers and all(op.slice_safe for op in self.ops)
 
     # Flattening for passing through jax.checkpoint / lax.scan boundaries.
     def rebuild(self, arrays: Sequence[jax.Array], *, sliced: bool = False) -> Pending:
@@ -146,19 +133,19 @@ class Context:
 _PLAIN = Context()
 
 
-def _eqn_with_pending(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any]:
-    prim = eqn.primitive
+def _eqn_with_pending(eqn: Equation, invals: list[Any], ctx: Context) -> list[Any]:
     pending = [v for v in invals if isinstance(v, Pending)]
 
-    if prim in _SHAPE_ONLY and len(invals) == 1:
-        return [invals[0].then(prim, dict(eqn.params))]
-    if prim in _CALLS:
+    shape_only = jax_compat.shape_only(eqn)
+    if shape_only is not None and len(invals) == 1:
+        return [invals[0].then(shape_only)]
+    if jax_compat.is_call(eqn):
         return eval_jaxpr(*jax_compat.call_body(eqn), invals, ctx)
-    if prim is _P.scan_p:
+    if jax_compat.is_scan(eqn):
         return _scan(eqn, invals, ctx)
-    if prim is _P.slice_p and len(invals) == 1 and _is_row(eqn, invals[0]):
+    if jax_compat.is_slice(eqn) and len(invals) == 1 and _is_row(eqn, invals[0]):
         return [_row(invals[0], jax_compat.static_slice(eqn).start[0], ctx)]
-    if prim is _P.remat_p:
+    if jax_compat.is_remat(eqn):
         return _checkpoint(eqn, invals, ctx)
     _warn_if_stack_gathered_whole(eqn, pending)
 
@@ -166,14 +153,14 @@ def _eqn_with_pending(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> l
     # rather than kept alive from forward.
     if not any(p.source.regathers for p in pending):
         return _bind(eqn, _materialize_all(invals))
-    if prim in _NO_RESIDUALS or ctx.in_remat:
+    if jax_compat.keeps_no_operands(eqn) or ctx.in_remat:
         # Inside a remat region the gathered value is recomputed (gathered again) for this
         # layer's backward anyway; a second re-gather would only add traffic.
         return _bind(eqn, _materialize_all(_tied_to_inputs(invals, ctx)))
     return _regathered(eqn, invals, ctx)
 
 
-def _warn_if_stack_gathered_whole(eqn: jcore.JaxprEqn, pending: list[Pending], how: str = "") -> None:
+def _warn_if_stack_gathered_whole(eqn: Equation, pending: list[Pending], how: str = "") -> None:
     """A stacked parameter entering a loop or branch this module cannot look into is
     materialised whole for all of it: say so, once per trace."""
     if not how and not jax_compat.has_sub_programs(eqn):
@@ -182,13 +169,13 @@ def _warn_if_stack_gathered_whole(eqn: jcore.JaxprEqn, pending: list[Pending], h
         if p.layout.can_slice_layers:
             warnings.warn(
                 f"zerojax: the stacked parameter {p.name or '(unnamed)'} of shape {p.layout.shape} enters "
-                f"a '{eqn.primitive.name}'{how} whole, so it is gathered (stage 3) or its gradient "
+                f"a '{jax_compat.name(eqn)}'{how} whole, so it is gathered (stage 3) or its gradient "
                 "reduced (stage 2) whole there, not one layer at a time. Run the layers with "
                 "jax.lax.scan over the stack (nnx.scan, nn.scan) to keep one layer live.",
                 stacklevel=2)
 
 
-def _is_row(eqn: jcore.JaxprEqn, v: Pending) -> bool:
+def _is_row(eqn: Equation, v: Pending) -> bool:
     """Whether ``eqn`` takes one whole layer of a stacked parameter (``w[i]`` in a Python
     loop over layers: ``slice`` of one row along the layer axis, everything else whole)."""
     sl = jax_compat.static_slice(eqn)
@@ -215,8 +202,8 @@ def _row(v: Pending, i: int, ctx: Context) -> Pending:
     split = cache[key][1]
     row = v.rebuild([rows[i] for rows in split], sliced=True)
     inner = jax.ShapeDtypeStruct(v.layout.shape[1:], v.layout.dtype)
-    for e in jax.make_jaxpr(lambda x: jnp.expand_dims(x, 0))(inner).jaxpr.eqns:
-        row = row.then(e.primitive, dict(e.params))
+    for op in jax_compat.unary_ops(lambda x: jnp.expand_dims(x, 0), inner):
+        row = row.then(op)
     return row
 
 
@@ -288,7 +275,7 @@ def after_all(xs: Sequence[jax.Array], order_by_data: bool = True) -> list[jax.A
     return [_after(x, dep, order_by_data) for x in xs]
 
 
-def _regathered(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any]:
+def _regathered(eqn: Equation, invals: list[Any], ctx: Context) -> list[Any]:
     """Applies ``eqn`` to freshly gathered parameters, in forward and again in backward.
 
     Only the shards and the equation's other inputs are kept for backward; backward
@@ -330,7 +317,7 @@ def _regathered(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> list[An
     return region(flat, [invals[i] for i in traced], dep)
 
 
-def _checkpoint(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any]:
+def _checkpoint(eqn: Equation, invals: list[Any], ctx: Context) -> list[Any]:
     spec = jax_compat.remat(eqn)
     flat, rebuild = _split_pending(invals)
     others_idx = [i for i, v in enumerate(invals) if not isinstance(v, Pending)]
@@ -347,7 +334,7 @@ def _checkpoint(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> list[An
     return list(inner(flat, [invals[i] for i in others_idx]))
 
 
-def _scan(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any]:
+def _scan(eqn: Equation, invals: list[Any], ctx: Context) -> list[Any]:
     p = jax_compat.scan(eqn)
     n_consts, n_carry = p.n_consts, p.n_carry
     _warn_if_stack_gathered_whole(eqn, [v for v in invals[: n_consts + n_carry] if isinstance(v, Pending)],
@@ -392,34 +379,32 @@ def _scan(eqn: jcore.JaxprEqn, invals: list[Any], ctx: Context) -> list[Any]:
     return [*carry_out, *ys]
 
 
-def eval_jaxpr(jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
+class Evaluator(walk.Evaluate):
+    """The walk's hook for per-use evaluation: an equation with a pending operand (or, with
+    a per-layer remat policy, a scan or call whose bodies get it) goes to
+    :func:`_eqn_with_pending`; the walk binds every other one as it is."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+
+    def replace(self, eqn: Equation, ins: list[Any]) -> list[Any] | None:
+        ctx = self.ctx
+        if any(isinstance(v, Pending) for v in ins):
+            return _eqn_with_pending(eqn, ins, ctx)
+        if ((jax_compat.is_scan(eqn) or jax_compat.is_call(eqn)) and ctx.scan_remat is not None
+                and ctx.scan_remat.active):
+            return _eqn_with_pending(eqn, ins, ctx)
+        return None
+
+
+def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
                ctx: Context = _PLAIN) -> list[Any]:
     """Evaluates ``jaxpr`` like ``jax.core.eval_jaxpr``, keeping parameters pending."""
-    env: dict[Any, Any] = {}
     if ctx.rows is None:  # one split of each stack per evaluation (see ``_row``)
         ctx = dataclasses.replace(ctx, rows={})
     if ctx.prefetch:
         ctx = dataclasses.replace(ctx, deps=[])  # this jaxpr's own order of gathered uses
-
-    def read(v):
-        return v.val if isinstance(v, jcore.Literal) else env[v]
-
-    for v, x in zip(jaxpr.constvars, consts):
-        env[v] = x
-    for v, x in zip(jaxpr.invars, args, strict=True):
-        env[v] = x
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        if any(isinstance(v, Pending) for v in invals):
-            outs = _eqn_with_pending(eqn, invals, ctx)
-        elif ((eqn.primitive is _P.scan_p or eqn.primitive in _CALLS) and ctx.scan_remat is not None
-              and ctx.scan_remat.active):
-            outs = _eqn_with_pending(eqn, invals, ctx)
-        else:
-            outs = _bind(eqn, invals)
-        for v, x in zip(eqn.outvars, outs, strict=True):
-            env[v] = x
-    return _materialize_all([read(v) for v in jaxpr.outvars])
+    return _materialize_all(Evaluator(ctx).run(jaxpr, consts, args))
 
 
 def call_per_use(closed: Any, params: Sequence[Any], args: Sequence[Any],

@@ -1,0 +1,303 @@
+"""Refusing a loss that would be silently wrong on a sequence the balanced layout permutes.
+
+With ``ZeroConfig(context_layout="balanced")`` the train step hands the loss each batch
+leaf's sequence dimension permuted into ring attention's balanced order
+(:func:`zerojax.nn.context.order`). What the loss does along that dimension decides whether
+it is still exact:
+
+* exact: elementwise ops (the permuted dimension meets the same permuted dimension, or a
+  value constant along it), reductions over it (a sum or a max does not see the order),
+  contractions where both operands hold the same permuted dimension (attention's
+  ``probs @ v`` over keys), gathers that index other dimensions (a token embedding, optax's
+  integer-label cross-entropy picking each target's logit), and the kernels of
+  ``zj.nn.dot_product_attention``, which know the layout;
+* silently wrong: anything that moves, picks or combines positions along it (a slice such
+  as ``logits[:, :-1]``, a pad, a concatenation, ``jnp.roll``, a reverse, ``jnp.cumsum``, a
+  sort, a gather or dynamic slice along it, a convolution or window over it, ``argmax``
+  over it, a scan that carries state from one position to the next), a contraction of it
+  with a dimension that is not permuted (a token-mixing matmul), and an index built in
+  natural order meeting it: ``jnp.arange(T)`` positions into RoPE, a causal mask
+  ``jnp.tril(jnp.ones((T, T)))``, both an ``iota`` in the program.
+  (``zj.nn.global_positions(T)`` is a constant of the layout's order, so its positions
+  are right.)
+
+:func:`check_sequence_order` is a dataflow pass on :mod:`zerojax.sharding.walk`: each
+value carries, per dimension, a set of tags, ``"permuted"`` (holds the permuted sequence)
+and ``"iota"`` (holds an index in natural order), propagated through every equation by
+how :func:`zerojax.sharding.jax_compat.dims` says the equation maps dimensions (a reshape
+that merges or splits a permuted dimension keeps every part tagged), into and out of
+calls, remat regions, custom derivatives' primals, scan and while bodies (carries to a
+fixed point) and cond branches. Inside a ``shard_map`` the tags also record which mesh axes
+a dimension is split over, so a collective that sums or moves blocks of the sequence
+across devices is refused and one that gathers or scatters them in order is not (the
+sequence-parallel matmuls of :mod:`zerojax.nn.sequence`); the regions
+``zj.nn.dot_product_attention`` makes are taken as layout-aware (each output dimension
+split over the region's axes carries the tags of the inputs' split dimensions), except for
+a mask or bias handed to them that was built over the sequence in natural order
+(``nn.make_causal_mask``): the kernels read it by the permuted indices.
+
+It refuses with a ``ValueError`` naming the op, the line of the user's code that made it
+and the fix. An equation whose primitive zerojax does not know is refused when a permuted
+dimension reaches it (never guessed exact); the elementwise ones it knows are
+``jax_compat.ELEMENTWISE``. Not detected: positions built by a loop counter, a learned
+position table sliced ``table[:T]`` (a parameter, untagged like the constant
+``global_positions`` returns), and an ``iota`` that passes through an unknown primitive.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from zerojax.sharding import jax_compat, walk
+from zerojax.sharding.jax_compat import Equation
+
+PERMUTED = "permuted"
+IOTA = "iota"
+# The regions whose kernels know the layout: zj.nn.dot_product_attention's.
+LAYOUT_AWARE = (os.path.join("zerojax", "nn", "attention.py"),)
+
+FIX = ("Give shifted targets in the batch (separate inputs and targets leaves, not tokens[:, :-1] and "
+       "tokens[:, 1:] in the loss); build positions with zj.nn.global_positions instead of jnp.arange; use "
+       "zj.nn.dot_product_attention for attention and its causal mask; or train with "
+       "context_layout='contiguous'.")
+
+Tags = tuple[frozenset, ...] | None  # per dimension; None: nothing tagged
+
+
+def check_sequence_order(closed_jaxpr: Any, permuted_dims: Sequence[frozenset[int]], *, what: str = "the loss") -> None:
+    """Refuses (``ValueError``) a program that would be silently wrong on inputs whose
+    dimensions ``permuted_dims[i]`` (one set per flat input of ``closed_jaxpr``, negative
+    counting from the end) hold a sequence in the balanced layout's order; returns None
+    for an exact one. ``what`` names the program in the message (``"loss_fn"``).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> def loss(x):
+      ...     return jnp.mean(x ** 2)            # exact on any order
+      >>> check_sequence_order(jax.make_jaxpr(loss)(jnp.ones((2, 8))), [frozenset({1})])
+      >>> def shifted(x):
+      ...     return jnp.mean(x[:, 1:] - x[:, :-1])
+      >>> check_sequence_order(jax.make_jaxpr(shifted)(jnp.ones((2, 8))), [frozenset({1})])
+      Traceback (most recent call last):
+      ...
+      ValueError: the loss would be silently wrong...
+    """
+    jaxpr, consts = jax_compat.open_jaxpr(closed_jaxpr)
+    if len(permuted_dims) != len(jaxpr.invars):
+        raise ValueError(f"check_sequence_order: {len(permuted_dims)} sets of permuted dimensions for a program of "
+                         f"{len(jaxpr.invars)} inputs; give one (possibly empty) per flat input.")
+    args = []
+    for k, (v, dims) in enumerate(zip(jaxpr.invars, permuted_dims)):
+        n = len(jax_compat.shape(v))
+        dims = {int(d) for d in dims}
+        if any(not -n <= d < n for d in dims):
+            raise ValueError(f"check_sequence_order: input {k} has shape {jax_compat.shape(v)}, no dimension "
+                             f"{sorted(d for d in dims if not -n <= d < n)}.")
+        args.append(_make([frozenset({PERMUTED}) if d in {x % n for x in dims} else frozenset() for d in range(n)]))
+    _Tags(what).run(jaxpr, [None] * len(consts), args)
+
+
+# ----------------------------------------------------------------------------------------
+# Tags.
+
+
+def _make(dims: Sequence[frozenset]) -> Tags:
+    return tuple(dims) if any(dims) else None
+
+
+def _at(tags: Tags, d: int) -> frozenset:
+    return frozenset() if tags is None or d >= len(tags) else tags[d]
+
+
+def _full(tags: Tags, ndim: int) -> list[frozenset]:
+    return [frozenset()] * ndim if tags is None else list(tags)
+
+
+def _order(tags: frozenset) -> frozenset:
+    """The tags that say what order a dimension is in (not where its blocks live)."""
+    return frozenset(t for t in tags if t in (PERMUTED, IOTA))
+
+
+def _split_over(tags: frozenset, axes) -> bool:
+    return any(("split", a) in tags for a in axes)
+
+
+class _Tags(walk.Dataflow):
+    """The dataflow pass (see the module docstring)."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.calls: list[str] = []  # names of the calls being walked, for messages
+
+    # Facts of constants: nothing tagged.
+    def literal(self, value: Any) -> Tags:
+        return None
+
+    def constant(self, value: Any) -> Tags:
+        return None
+
+    def join(self, a: Tags, b: Tags) -> Tags:
+        if a is None or b is None:
+            return b if a is None else a
+        return tuple(x | y for x, y in zip(a, b))
+
+    def unstack(self, tags: Tags) -> Tags:
+        return None if tags is None else _make(tags[1:])
+
+    # Refusals.
+    def refuse(self, eqn: Equation, detail: str) -> None:
+        inside = f" (inside {self.calls[-1]!r})" if self.calls and self.calls[-1] else ""
+        raise ValueError(
+            f"{self.what} would be silently wrong with ZeroConfig(context_layout='balanced'): the step hands it each "
+            f"batch sequence permuted into ring attention's balanced order (zj.nn.context.order), and at "
+            f"{self.where(eqn)}{inside} '{jax_compat.name(eqn)}' {detail}. {FIX}")
+
+    def _operand(self, eqn: Equation, i: int) -> str:
+        return jax_compat.type_name(eqn.invars[i])
+
+    # Plain equations.
+    def primitive(self, eqn: Equation, ins: list[Tags]) -> list[Tags]:
+        d = jax_compat.dims(eqn)
+        if d is None:
+            if jax_compat.no_outputs(eqn):
+                return []
+            for i, t in enumerate(ins):
+                for k, tags in enumerate(_full(t, len(jax_compat.shape(eqn.invars[i])))):
+                    if PERMUTED in tags:
+                        self.refuse(eqn, f"is an operation zerojax does not know the dimensions of, applied to "
+                                         f"dimension {k} of a {self._operand(eqn, i)} value, which holds the permuted "
+                                         "sequence; zerojax refuses rather than guess that it is exact there")
+            return [None] * len(eqn.outvars)
+        if all(t is None for t in ins) and not d.iota:
+            return [None] * len(eqn.outvars)
+        tag = lambda i, k: _at(ins[i], k)
+        accounted: set[tuple[int, int]] = set(d.reduced)
+
+        for i, k in d.mixed:
+            accounted.add((i, k))
+            if PERMUTED in tag(i, k):
+                self.refuse(eqn, f"{d.what} dimension {k} of a {self._operand(eqn, i)} value, which holds the "
+                                 "permuted sequence")
+        for group in d.contracted:
+            accounted.update(group)
+            perm = [PERMUTED in tag(i, k) for i, k in group]
+            if any(perm) and not all(perm):
+                (pi, pk), (oi, ok) = group[perm.index(True)], group[perm.index(False)]
+                self.refuse(eqn, f"contracts dimension {pk} of a {self._operand(eqn, pi)} value, which holds the "
+                                 f"permuted sequence, with dimension {ok} of a {self._operand(eqn, oi)} value, which "
+                                 "does not (a matmul over positions is exact only between two values both holding "
+                                 "the permuted sequence there)")
+            if any(perm) and any(IOTA in tag(i, k) for i, k in group):
+                self.refuse(eqn, "contracts the permuted sequence with an index in natural order (an iota: "
+                                 "jnp.arange, jnp.tril, jnp.triu)")
+        outs: list[list[frozenset]] = []
+        for o, sources in enumerate(d.out):
+            dims = []
+            for k, src in enumerate(sources):
+                accounted.update(src)
+                tags = frozenset().union(*(tag(i, j) for i, j in src)) if src else frozenset()
+                if PERMUTED in tags and IOTA in tags:
+                    self.refuse(eqn, f"combines the permuted sequence with an index in natural order (an iota: "
+                                     f"jnp.arange, jnp.tril, jnp.triu, a mask or positions built over the sequence "
+                                     f"length) at dimension {k} of its {jax_compat.type_name(eqn.outvars[o])} result")
+                dims.append(tags)
+            outs.append(dims)
+        for o, k in d.iota:
+            outs[o][k] = outs[o][k] | {IOTA}
+            if PERMUTED in outs[o][k]:
+                self.refuse(eqn, "combines the permuted sequence with an index in natural order")
+        if d.collective is not None:
+            self._collective(eqn, d, ins, outs)
+        for i, t in enumerate(ins):
+            for k, tags in enumerate(_full(t, len(jax_compat.shape(eqn.invars[i])))):
+                if PERMUTED in tags and (i, k) not in accounted:
+                    self.refuse(eqn, f"drops or moves dimension {k} of a {self._operand(eqn, i)} value, which holds "
+                                     "the permuted sequence, in a way zerojax does not follow")
+        return [_make(dims) for dims in outs]
+
+    def _collective(self, eqn: Equation, d: jax_compat.Dims, ins: list[Tags], outs: list[list[frozenset]]) -> None:
+        """A collective inside a ``shard_map``: blocks of the sequence may be summed or moved
+        across devices (refused) or gathered and scattered in device order (kept)."""
+        c = d.collective
+        axes = c.axes
+        blocks = [(i, k) for i, t in enumerate(ins) for k, tags in enumerate(_full(t, 0))
+                  if PERMUTED in tags and _split_over(tags, axes)]
+        joined = set()
+        for o, k in c.joins:
+            src = d.out[o][k]
+            if not src:  # a new dimension of the devices' blocks (an untiled all_gather)
+                if blocks:
+                    outs[o][k] = outs[o][k] | {PERMUTED}
+                    joined.update(blocks)
+                continue
+            for i, j in src:
+                tags = _at(ins[i], j)
+                if PERMUTED in tags and not all(("split", a) in tags for a in axes):
+                    self.refuse(eqn, f"joins the devices' blocks along dimension {j} of a {self._operand(eqn, i)} "
+                                     f"value, which holds the whole permuted sequence on each device (not split "
+                                     f"over {axes})")
+                joined.add((i, j))
+            outs[o][k] = frozenset(t for t in outs[o][k] if not (isinstance(t, tuple) and t[1] in axes))
+        for o, k in c.splits:
+            outs[o][k] = outs[o][k] | {("split", a) for a in axes}
+        left = [b for b in blocks if b not in joined]
+        if left and (c.combines or c.moves or c.joins):
+            i, k = left[0]
+            how = "reduces across devices" if c.combines else "moves between devices" if c.moves else "stacks"
+            self.refuse(eqn, f"{how} blocks of dimension {k} of a {self._operand(eqn, i)} value, which holds the "
+                             f"permuted sequence split over {axes}: it mixes different positions")
+
+    # Constructs.
+    def call(self, eqn: Equation, c: jax_compat.Call, ins: list[Tags]) -> list[Tags]:
+        self.calls.append(c.name)
+        try:
+            return super().call(eqn, c, ins)
+        finally:
+            self.calls.pop()
+
+    def scan(self, eqn: Equation, s: jax_compat.Scan, ins: list[Tags]) -> list[Tags]:
+        xs = ins[s.n_consts + s.n_carry:]
+        lead = frozenset().union(*(_order(_at(t, 0)) for t in xs))
+        if PERMUTED in lead and s.n_carry:
+            i = next(i for i, t in enumerate(xs) if PERMUTED in _at(t, 0)) + s.n_consts + s.n_carry
+            self.refuse(eqn, f"loops over dimension 0 of a {self._operand(eqn, i)} value, which holds the permuted "
+                             "sequence, carrying state from one position to the next")
+        outs = super().scan(eqn, s, ins)
+        ys = outs[s.n_carry:]
+        ranks = [len(jax_compat.shape(v)) for v in eqn.outvars[s.n_carry:]]
+        return [*outs[:s.n_carry], *(_make([lead, *_full(y, n - 1)]) for y, n in zip(ys, ranks))]
+
+    def region(self, eqn: Equation, r: jax_compat.ManualRegion, ins: list[Tags]) -> list[Tags]:
+        files = (r.source,) if r.source else jax_compat.source_files(eqn)
+        if any(f and f.endswith(p) for f in files for p in LAYOUT_AWARE):
+            self._natural_mask(eqn, ins)
+            split = frozenset().union(*(
+                _order(_at(t, k)) for t, spec in zip(ins, r.in_specs) for k, axes in enumerate(spec)
+                if set(axes) & r.axes))
+            return [_make([split if set(axes) & r.axes else frozenset() for axes in spec]) for spec in r.out_specs]
+        body_in = [_make([_at(t, k) | {("split", a) for a in axes} for k, axes in enumerate(spec)])
+                   for t, spec in zip(ins, r.in_specs)]
+        outs = self.run(r.body, [None] * len(r.consts), body_in)
+        whole = lambda tags: frozenset(x for x in tags if not (isinstance(x, tuple) and x[1] in r.axes))
+        return [None if t is None else _make([whole(tags) for tags in t]) for t in outs]
+
+    def _natural_mask(self, eqn: Equation, ins: list[Tags]) -> None:
+        """A layout-aware kernel reads a mask or bias by the loss's (permuted) indices: one
+        built over the sequence in natural order (an ``iota``: ``nn.make_causal_mask``,
+        ``jnp.tril``) and holding nothing permuted would be read wrong. Such an input is
+        told apart from the queries (whose head dimension may hold RoPE's ``iota``) by
+        holding no permuted dimension, and from other inputs by its ``iota`` dimension
+        having the sequence's length."""
+        shapes = [jax_compat.shape(v) for v in eqn.invars]
+        lengths = {shapes[i][k] for i, t in enumerate(ins) for k, tags in enumerate(_full(t, 0)) if PERMUTED in tags}
+        for i, t in enumerate(ins):
+            tags = _full(t, 0)
+            if tags and not any(PERMUTED in x for x in tags):
+                for k, x in enumerate(tags):
+                    if IOTA in x and shapes[i][k] in lengths:
+                        self.refuse(eqn, f"(zj.nn.dot_product_attention's kernel) is given a {self._operand(eqn, i)} "
+                                         f"mask or bias whose dimension {k} was built over the sequence in natural "
+                                         "order (an iota: nn.make_causal_mask, jnp.tril); the kernel reads it by the "
+                                         "permuted indices. Pass is_causal=True instead")
