@@ -394,15 +394,6 @@ def test_inside_a_shard_map_manual_over_the_context_axis(case):
             x["q"], x["k"], x["v"], x["bias"], x["qseg"], x["mask"], x["kvlen"])
 
 
-def test_manual_axes_are_read_in_one_place():
-    """The JAX-internals read (the abstract mesh's manual axes) is one helper, called once."""
-    import inspect
-
-    src = inspect.getsource(attention)
-    assert src.count('"manual_axes"') == 1 and '"manual_axes"' in inspect.getsource(attention._manual_axes)
-    assert src.count("_manual_axes(") == 2  # its definition and its one call
-
-
 def _scan_lengths(jaxpr) -> list[int]:
     """The lengths of the scans in a jaxpr, sub-jaxprs (a custom VJP's, a remat's) included."""
     out = []

@@ -219,7 +219,7 @@ def _train(c, attention, stage, tensor=1, with_positions=False, layout="contiguo
     tx, mesh = optax.sgd(0.3), zj.make_mesh(context=c, tensor=tensor)
     zc = zj.ZeroConfig(stage=stage, context_layout=layout)
     state = zj.init_state(params, tx, mesh=mesh, config=zc)
-    step = zj.make_train_step(llama.make_loss(graphdef), tx, mesh=mesh, config=zc)
+    step = zj.make_train_step(llama.make_loss(graphdef), tx, mesh=mesh, config=zc, with_layout=layout != "contiguous")
     losses = []
     for b in _data(with_positions):
         state, m = step(state, b)
@@ -267,9 +267,12 @@ def test_the_balanced_layout_trains_as_on_one_device(c, attention, with_position
     _check(state, losses, with_positions)
 
 
-def test_the_balanced_layout_refuses_a_loss_without_the_kernel():
-    """Plain-ops attention would see the permuted sequence as if it were in order."""
-    with pytest.raises(ValueError, match=r"context_layout='balanced'.*never called zj.nn.dot_product_attention"):
+def test_the_balanced_layout_refuses_plain_ops_attention():
+    """Plain-ops causal attention would see the permuted sequence as if it were in order: its
+    causal mask (an iota over the sequence) meets the permuted positions, refused before
+    compiling at the model's line."""
+    with pytest.raises(ValueError, match=r"(?s)context_layout='balanced'.*llama.py:\d+ \(Block.attention\).*"
+                                         r"index in natural order.*zj.nn.dot_product_attention"):
         _train(2, "einsum", 1, layout="balanced")
     with pytest.raises(ValueError, match="context_layout must be 'contiguous' or 'balanced'"):
         zj.ZeroConfig(context_layout="zigzag")
@@ -282,26 +285,30 @@ def test_the_balanced_layout_refuses_a_loss_without_the_kernel():
         step(state, b)
 
 
-def test_global_positions_follow_the_step_layout():
+def test_the_step_hands_the_loss_its_layout_as_a_value():
+    """with_layout=True: the loss gets the step's zj.context.Layout (no ambient state), and
+    zj.nn.global_positions(T, layout) gives its positions."""
     seen = []
 
-    def loss(p, b):
-        seen.append(ctx.current())
+    def loss(p, b, layout):
+        seen.append(layout)
         return jnp.mean((b["x"] * p["w"]) ** 2) + 0.0 * zj.nn.dot_product_attention(
-            b["q"], b["q"], b["q"], is_causal=True).sum()
+            b["q"], b["q"], b["q"], is_causal=True, layout=layout).sum()
 
     mesh = zj.make_mesh(context=2)
-    for layout in ("contiguous", "balanced"):
-        zc = zj.ZeroConfig(stage=0, context_layout=layout)
+    for kind in ("contiguous", "balanced"):
+        zc = zj.ZeroConfig(stage=0, context_layout=kind)
         st = zj.init_state({"w": jnp.ones(())}, optax.sgd(0.1), mesh=mesh, config=zc)
-        zj.make_train_step(loss, optax.sgd(0.1), mesh=mesh, config=zc).lower(
+        zj.make_train_step(loss, optax.sgd(0.1), mesh=mesh, config=zc, with_layout=True).lower(
             st, {"x": jnp.ones((4, 8)), "q": jnp.ones((4, 8, 2, 4))})
-        assert set(seen) == {layout}
+        assert set(seen) == {zj.context.Layout(kind, 2)}
         seen.clear()
-        with jax.set_mesh(mesh), ctx.tracing(layout):
-            np.testing.assert_array_equal(np.asarray(zj.nn.global_positions(8)), ctx.order(8, 2, layout))
-    assert ctx.current() == "contiguous"
+        with jax.set_mesh(mesh):
+            np.testing.assert_array_equal(np.asarray(zj.nn.global_positions(8, zj.context.Layout(kind, 2))),
+                                          ctx.order(8, 2, kind))
     np.testing.assert_array_equal(np.asarray(zj.nn.global_positions(8)), np.arange(8))
+    with pytest.raises(TypeError, match=r"loss_fn\(params, batch, layout=...\) with with_layout=True"):
+        zj.make_train_step(lambda p, b: 0.0, optax.sgd(0.1), mesh=mesh, config=zc, with_layout=True)
 
 
 @pytest.mark.parametrize("c,attention,stage", [
@@ -356,7 +363,8 @@ def test_context_parallelism_with_the_other_features(name, kw, attention, tol):
     mesh = zj.make_mesh(context=2, replicas=kw.pop("replicas", 1))
     tx, zc = optax.sgd(0.3), zj.ZeroConfig(stage=3, **kw)
     state = zj.init_state(params, tx, mesh=mesh, config=zc)
-    step = zj.make_train_step(llama.make_loss(graphdef), tx, mesh=mesh, config=zc)
+    step = zj.make_train_step(llama.make_loss(graphdef), tx, mesh=mesh, config=zc,
+                              with_layout=zc.context_layout == "balanced")
     losses = []
     for b in _data():
         state, m = step(state, b)
@@ -538,3 +546,214 @@ def test_a_stock_linen_model_on_tensor_and_context_axes():
     assert state.master["Dense_2"]["kernel"].sharding.spec == P(("data", "context"), "tensor")
     got = zj.make_eval_step(loss_fn, mesh=mesh, config=zc)(state, data[0])
     np.testing.assert_allclose(float(got), float(loss_fn(zj.gather_params(state), data[0])), rtol=1e-5)
+
+
+def test_sequence_and_tensor_marks_keep_the_context_split():
+    """On data x context x tensor = 2 x 2 x 2, zj.nn.sequence_parallel splits the sequence over
+    context x tensor (a quarter per device, not the half the tensor axis alone would leave),
+    and zj.nn.tensor_parallel keeps the batch and the sequence where they were; the values
+    are untouched."""
+    mesh = zj.make_mesh(context=2, tensor=2)
+    x = jax.device_put(jnp.arange(4 * 16 * 8.0).reshape(4, 16, 8), NamedSharding(mesh, P("data", "context")))
+    with jax.set_mesh(mesh):
+        for mark, shard in ((zj.nn.sequence_parallel, (2, 4, 8)), (zj.nn.tensor_parallel, (2, 8, 4))):
+            out = jax.jit(lambda x: mark(x) * 2)(x)
+            assert out.sharding.shard_shape(out.shape) == shard, (mark, out.sharding)
+            np.testing.assert_array_equal(np.asarray(out), np.asarray(x) * 2)
+        with pytest.raises(ValueError, match=r"mesh axis 'context x tensor' \(4 devices\) does not divide.*8 or 12"):
+            jax.jit(zj.nn.sequence_parallel)(jnp.ones((4, 10, 8)))
+
+
+def test_global_batch_takes_the_axis_names_of_the_step():
+    """A mesh whose tensor axis is named "model": the rows split over the data axis only (the
+    tensor devices share them), the sequence over context, as the step splits them."""
+    mesh = zj.make_mesh(context=2, tensor=2, tensor_axis="model")
+    zc = zj.ZeroConfig(tensor_axis="model")
+    local = {"tokens": np.arange(4 * 8).reshape(4, 8), "label": np.arange(4)}
+    for b in (zj.distributed.global_batch(local, mesh, config=zc),
+              zj.distributed.global_batch(local, mesh, tensor_axis="model")):
+        assert b["tokens"].sharding.spec == P(("data",), "context") and b["label"].sharding.spec == P(("data",))
+        np.testing.assert_array_equal(np.asarray(b["tokens"]), local["tokens"])
+    assert zj.distributed.process_slices(4, 8, mesh, config=zc) == (slice(0, 4), slice(0, 8))
+
+
+# The balanced layout cannot be silently wrong: a loss that mixes positions along a
+# permuted sequence is refused before compiling, naming its line; what is exact trains as
+# on one device.
+
+def _balanced_step(loss, c=4, **kw):
+    mesh, zc = zj.make_mesh(context=c), zj.ZeroConfig(stage=1, context_layout="balanced", **kw)
+    return mesh, zc, zj.make_train_step(loss, optax.sgd(0.1), mesh=mesh, config=zc, with_layout=True)
+
+
+def test_a_loss_that_shifts_its_own_targets_is_refused_on_the_balanced_layout():
+    graphdef, params = llama.init(llama.LlamaConfig(**{**BASE.__dict__, "attention": "ring"}))
+    loss = llama.make_loss(graphdef)  # {"tokens"}: logits[:, :-1] against tokens[:, 1:]
+    mesh, zc, step = _balanced_step(loss)
+    state = zj.init_state(params, optax.sgd(0.1), mesh=mesh, config=zc)
+    tokens = jnp.zeros((8, 16), jnp.int32)  # the model then sees 15 positions, which do not split either
+    with pytest.raises(ValueError, match=r"sequence length 15 does not split.*slices the batch's sequence.*give the "
+                                         r"shifted targets in the batch"):
+        step(state, {"tokens": tokens})
+
+    def shifted(p, b, layout):  # where the lengths do split, the slices themselves are refused
+        x = b["x"] * p["w"]
+        return jnp.mean((x[:, :-8] - x[:, 8:]) ** 2)
+
+    mesh, zc, step = _balanced_step(shifted)
+    st = zj.init_state({"w": jnp.ones(())}, optax.sgd(0.1), mesh=mesh, config=zc)
+    with pytest.raises(ValueError, match=r"(?s)permuted.*test_context.py:\d+ \(.*shifted\).*'slice'.*shifted "
+                                         r"targets in the batch"):
+        step(st, {"x": jnp.ones((8, 16))})
+
+    def rolled(p, b, layout):  # a roll along the sequence is as wrong
+        x = b["x"] * p["w"]
+        return jnp.mean((x - jnp.roll(x, 1, axis=1)) ** 2)
+
+    mesh, zc, step = _balanced_step(rolled)
+    st = zj.init_state({"w": jnp.ones(())}, optax.sgd(0.1), mesh=mesh, config=zc)
+    with pytest.raises(ValueError, match=r"(?s)permuted.*test_context.py"):
+        step(st, {"x": jnp.ones((8, 16))})
+
+
+def test_positions_from_arange_are_refused_on_the_balanced_layout():
+    """Positions built with jnp.arange(T) meet the permuted sequence: refused (the fix:
+    zj.nn.global_positions(T, layout)); the same loss with global_positions trains."""
+    def loss(p, b, layout, positions):
+        angle = positions(b["x"].shape[1], layout)[None] * p["w"]
+        return jnp.mean(jnp.cos(angle) * b["x"]) + 0.0 * zj.nn.dot_product_attention(
+            b["q"], b["q"], b["q"], is_causal=True, layout=layout).sum()
+
+    batch = {"x": jnp.asarray(np.random.default_rng(0).normal(size=(8, 16)), jnp.float32),
+             "q": jnp.ones((8, 16, 4, 4))}
+    arange = lambda t, layout: jnp.arange(t)
+    mesh, zc, step = _balanced_step(lambda p, b, layout: loss(p, b, layout, arange))
+    st = zj.init_state({"w": jnp.ones(())}, optax.sgd(0.1), mesh=mesh, config=zc)
+    with pytest.raises(ValueError, match=r"(?s)global_positions"):
+        step(st, batch)
+    mesh, zc, step = _balanced_step(lambda p, b, layout: loss(p, b, layout, zj.nn.global_positions))
+    st, m = step(zj.init_state({"w": jnp.ones(())}, optax.sgd(0.1), mesh=mesh, config=zc), batch)
+    want = jax.jit(lambda w: jnp.mean(jnp.cos(jnp.arange(16)[None] * w) * batch["x"]))(1.0)
+    np.testing.assert_allclose(float(m["loss"]), float(want), rtol=1e-6)
+
+
+def test_which_leaves_are_sequences_is_explicit_on_the_balanced_layout():
+    """A [B, T, T] mask is permuted on its rows and its columns when context_dims says so
+    (exact, against one device); left to the default it is refused, as is a batch whose
+    leaves disagree on the sequence length (a [B, 8] per-example leaf beside [B, 16])."""
+    def loss(p, b, layout):
+        q = b["q"] * p["w"]
+        out = zj.nn.dot_product_attention(q, q, q, mask=b["mask"][:, None], layout=layout, method="ring")
+        return jnp.mean(out ** 2)
+
+    rng = np.random.default_rng(0)
+    mask = rng.random((8, 16, 16)) < 0.7
+    mask |= np.eye(16, dtype=bool)[None]
+    batch = {"q": jnp.asarray(rng.normal(size=(8, 16, 2, 4)), jnp.float32), "mask": jnp.asarray(mask)}
+    mesh, zc, step = _balanced_step(loss)
+    st = zj.init_state({"w": jnp.ones(())}, optax.sgd(0.1), mesh=mesh, config=zc)
+    with pytest.raises(ValueError, match=r"\['mask'\] \[8, 16, 16\] has the sequence length 16 on dimension\(s\) "
+                                         r"\[1, 2\].*context_dims"):
+        step(st, batch)
+    mesh, zc, step = _balanced_step(loss, context_dims={"['q']": 1, "['mask']": (1, 2)})
+    st, m = step(zj.init_state({"w": jnp.ones(())}, optax.sgd(0.1), mesh=mesh, config=zc), batch)
+    want = jax.jit(lambda b: jnp.mean(jax.nn.dot_product_attention(b["q"], b["q"], b["q"],
+                                                                   mask=b["mask"][:, None]) ** 2))(batch)
+    np.testing.assert_allclose(float(m["loss"]), float(want), rtol=1e-5)
+
+    def per_example(p, b, layout):
+        return loss(p, b, layout) + jnp.mean(b["label"] * p["w"])
+
+    mesh, zc, step = _balanced_step(per_example)
+    st = zj.init_state({"w": jnp.ones(())}, optax.sgd(0.1), mesh=mesh, config=zc)
+    with pytest.raises(ValueError, match=r"different lengths on dimension 1.*\['label'\] \[8, 8\].*context_dims"):
+        step(st, {**batch, "label": jnp.ones((8, 8))})
+
+
+def test_one_jitted_apply_serves_a_balanced_and_a_contiguous_step():
+    """The layout is a static argument of the user's jitted function: each step traces it
+    for its own layout, both exact. Without it (the layout not passed on), the balanced
+    step refuses the kernel traced for the contiguous layout instead of training wrong."""
+    cfg = llama.LlamaConfig(**{**BASE.__dict__, "attention": "ring"})
+    graphdef, params = llama.init(cfg)
+    apply = jax.jit(lambda p, x, layout: nnx.merge(graphdef, p)(x, layout=layout), static_argnums=2)
+
+    def loss(p, b, layout):
+        logits = apply(p, b["inputs"], layout)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"]).mean()
+
+    data = [{k: b[k] for k in ("inputs", "targets")} for b in _data()]
+    ref_params, ref_losses = reference_run(lambda p, b: loss(p, b, None), jax.tree.map(jnp.asarray, params),
+                                           optax.sgd(0.3), data)
+    tx = optax.sgd(0.3)
+    for kind in ("balanced", "contiguous"):
+        mesh, zc = zj.make_mesh(context=4), zj.ZeroConfig(stage=1, context_layout=kind)
+        step = zj.make_train_step(loss, tx, mesh=mesh, config=zc, with_layout=True)
+        state, losses = zj.init_state(params, tx, mesh=mesh, config=zc), []
+        for b in data:
+            state, m = step(state, b)
+            losses.append(float(m["loss"]))
+        np.testing.assert_allclose(losses, ref_losses, atol=1e-5)
+        for a, b in zip(jax.tree.leaves(zj.gather_params(state)), jax.tree.leaves(ref_params)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+    forgot = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))  # the kernel traced contiguous, once
+    mesh, zc = zj.make_mesh(context=4), zj.ZeroConfig(stage=1, context_layout="balanced")
+    step = zj.make_train_step(lambda p, b: optax.softmax_cross_entropy_with_integer_labels(
+        forgot(p, b["inputs"]), b["targets"]).mean(), tx, mesh=mesh, config=zc)
+    with pytest.raises(ValueError, match=r"traced for the 'contiguous' layout, but this step lays its sequences out "
+                                         r"'balanced'"):
+        step(zj.init_state(params, tx, mesh=mesh, config=zc), data[0])
+
+
+def _packed_batch(rows=8, length=16, seed=3):
+    """Rows of 2-3 documents packed end to end: tokens, targets (each document's own next
+    token; a document's last target is masked out by a zero weight), segment ids and positions
+    that restart at every document."""
+    rng = np.random.default_rng(seed)
+    toks, seg, pos, w = (np.zeros((rows, length), np.int32) for _ in range(4))
+    docs = []
+    for r in range(rows):
+        cuts = np.sort(rng.choice(np.arange(3, length - 2), rng.integers(1, 3), replace=False))
+        bounds = [0, *cuts.tolist(), length]
+        for d, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+            doc = rng.integers(0, 64, b - a + 1)
+            toks[r, a:b], seg[r, a:b], pos[r, a:b] = doc[:-1], d, np.arange(b - a)
+            w[r, a:b] = 1
+            docs.append((r, a, b, doc))
+    targets = np.zeros_like(toks)
+    for r, a, b, doc in docs:
+        targets[r, a:b] = doc[1:]
+    return {"inputs": jnp.asarray(toks), "targets": jnp.asarray(targets), "segment_ids": jnp.asarray(seg),
+            "positions": jnp.asarray(pos)}, docs
+
+
+def test_packed_sequences_train_as_their_documents_alone():
+    """A packed batch (segment_ids, positions restarting per document): each document's logits
+    in the packed row are its logits alone (plain-ops attention, one device); trained on
+    data x context = 2 x 4 with ring attention in the balanced layout, the parameters are
+    single-device optax's on the same packed batch."""
+    cfg = llama.LlamaConfig(**{**BASE.__dict__, "attention": "ring"})
+    plain = llama.LlamaConfig(**BASE.__dict__)
+    graphdef, params = llama.init(cfg)
+    batch, docs = _packed_batch()
+    plain_def = llama.init_abstract(plain)[0]
+    run = jax.jit(lambda p, x, pos, seg: nnx.merge(plain_def, p)(x, positions=pos, segment_ids=seg))
+    packed = np.asarray(run(params, batch["inputs"], batch["positions"], batch["segment_ids"]))
+    for r, a, b, doc in docs:
+        x = jnp.asarray(doc[None, :-1])
+        alone = np.asarray(run(params, x, jnp.arange(b - a)[None], jnp.zeros_like(x)))
+        np.testing.assert_allclose(packed[r, a:b], alone[0], atol=1e-5)
+    ref, ref_losses = reference_run(llama.make_loss(llama.init_abstract(plain)[0]),
+                                    jax.tree.map(jnp.asarray, params), optax.sgd(0.3), [batch] * 2)
+    tx, mesh = optax.sgd(0.3), zj.make_mesh(context=4)
+    zc = zj.ZeroConfig(stage=3, context_layout="balanced")
+    state = zj.init_state(params, tx, mesh=mesh, config=zc)
+    step = zj.make_train_step(llama.make_loss(graphdef), tx, mesh=mesh, config=zc, with_layout=True)
+    losses = []
+    for b in [batch] * 2:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(zj.gather_params(state)), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)

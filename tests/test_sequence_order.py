@@ -3,6 +3,8 @@ balanced layout permutes is refused before compiling, naming the op, its line an
 an exact one passes. Each small loss is also evaluated on the permuted sequence: the ones
 refused change value there, the ones passed do not."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
 from experiments import llama
+from zerojax.context import Layout
 from zerojax.nn import context as layouts
 from zerojax.sharding.sequence_order import check_sequence_order
 
@@ -142,8 +145,8 @@ def test_dropout_on_the_permuted_sequence_passes():
 def test_positions_from_global_positions_pass():
     """zj.nn.global_positions is a constant of the layout's order: its RoPE is right."""
     batch = _inputs()
-    with jax.set_mesh(zj.make_mesh(context=C)), layouts.tracing("balanced"):
-        _check(lambda b: _rope(b["x"], zj.nn.global_positions(T)[None]).sum(), batch)
+    with jax.set_mesh(zj.make_mesh(context=C)):
+        _check(lambda b: _rope(b["x"], zj.nn.global_positions(T, Layout("balanced", C))[None]).sum(), batch)
     natural = _rope(batch["x"], jnp.arange(T)[None]).sum()
     assert np.allclose(_rope(_permuted(batch)["x"], jnp.asarray(ORDER)[None]).sum(), natural, rtol=1e-5)
 
@@ -161,8 +164,9 @@ def test_the_llama_with_the_context_kernels_passes(attention, extras):
     batch = {"inputs": jax.ShapeDtypeStruct((B, T), jnp.int32), "targets": jax.ShapeDtypeStruct((B, T), jnp.int32)}
     kinds = {"weights": jnp.float32, "mask": jnp.bool_, "positions": jnp.int32}
     batch.update({k: jax.ShapeDtypeStruct((B, T), kinds[k]) for k in extras})
-    with jax.set_mesh(zj.make_mesh(context=C)), layouts.tracing("balanced"):
-        closed = jax.make_jaxpr(llama.make_loss(graphdef))(params, batch)
+    with jax.set_mesh(zj.make_mesh(context=C)):
+        closed = jax.make_jaxpr(functools.partial(llama.make_loss(graphdef), layout=Layout("balanced", C)))(params,
+                                                                                                           batch)
     dims = [frozenset()] * len(jax.tree.leaves(params)) + [frozenset({1})] * len(batch)
     check_sequence_order(closed, dims, what="loss_fn")
 
@@ -173,26 +177,32 @@ def test_a_natural_order_mask_handed_to_the_kernels_is_refused(method):
     mask (an iota over the sequence) would mask the wrong keys. is_causal=True is right."""
     import flax.linen as nn
 
-    def loss(b, causal_mask):
+    def loss(b, causal_mask, boolean=False):
         q = b["x"].reshape(B, T, 2, D // 2)
-        mask = nn.make_causal_mask(b["tokens"]) if causal_mask else None
-        return zj.nn.dot_product_attention(q, q, q, mask=mask, is_causal=not causal_mask, method=method).sum()
+        mask = nn.make_causal_mask(b["tokens"], dtype=bool if boolean else jnp.float32) if causal_mask else None
+        return zj.nn.dot_product_attention(q, q, q, mask=mask, is_causal=not causal_mask, method=method,
+                                           layout="balanced").sum()
 
     batch = {"tokens": jax.ShapeDtypeStruct((B, T), jnp.int32), "x": jax.ShapeDtypeStruct((B, T, D), jnp.float32)}
-    with jax.set_mesh(zj.make_mesh(context=2)), layouts.tracing("balanced"):
+    with jax.set_mesh(zj.make_mesh(context=2)):
         _check(lambda b: loss(b, False), batch)
+        # Flax's float 0/1 mask is refused where it first meets the permuted queries (a
+        # boolean one where the kernel is handed it).
+        with pytest.raises(ValueError, match=rf"{LINE}.*index in natural order"):
+            _check(lambda b: loss(b, True), batch)
         with pytest.raises(ValueError, match=rf"{LINE}.*'shard_map' \(zj.nn.dot_product_attention's kernel\) is "
                                              r"given a bool\[2,1,16,16\] mask or bias whose dimension 2 was built "
                                              r"over the sequence in natural order.*Pass is_causal=True instead"):
-            _check(lambda b: loss(b, True), batch)
+            _check(lambda b: loss(b, True, boolean=True), batch)
 
 
 def test_the_llama_with_plain_attention_is_refused():
     cfg = llama.LlamaConfig(vocab=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, seq_len=T)
     graphdef, params = llama.init_abstract(cfg)
     batch = {k: jax.ShapeDtypeStruct((B, T), jnp.int32) for k in ("inputs", "targets")}
-    with jax.set_mesh(zj.make_mesh(context=C)), layouts.tracing("balanced"):
-        closed = jax.make_jaxpr(llama.make_loss(graphdef))(params, batch)
+    with jax.set_mesh(zj.make_mesh(context=C)):
+        closed = jax.make_jaxpr(functools.partial(llama.make_loss(graphdef), layout=Layout("balanced", C)))(params,
+                                                                                                           batch)
     dims = [frozenset()] * len(jax.tree.leaves(params)) + [frozenset({1})] * len(batch)
     with pytest.raises(ValueError, match=r"llama.py:\d+ \(Block.attention\).*'select_n' combines the permuted "
                                          r"sequence with an index in natural order"):
@@ -206,14 +216,14 @@ def test_sequence_parallel_matmuls_beside_ring_attention_pass():
     def loss(p, b):
         x = zj.nn.sequence_parallel(p["emb"][b["inputs"]])
         q, k, v = (y.reshape(B, T, 2, D // 2) for y in zj.nn.column_parallel(x, (p["q"], p["k"], p["v"])))
-        x = x + zj.nn.row_parallel(zj.nn.dot_product_attention(q, k, v, is_causal=True, method="ring")
-                                   .reshape(B, T, D), p["o"])
+        x = x + zj.nn.row_parallel(zj.nn.dot_product_attention(q, k, v, is_causal=True, method="ring",
+                                                               layout="balanced").reshape(B, T, D), p["o"])
         return _xent(zj.nn.column_parallel(x, p["head"]), b["targets"]).mean()
 
     p = {"emb": (V, D), "q": (D, D), "k": (D, D), "v": (D, D), "o": (D, D), "head": (D, V)}
     p = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in p.items()}
     b = {k: jax.ShapeDtypeStruct((B, T), jnp.int32) for k in ("inputs", "targets")}
-    with jax.set_mesh(zj.make_mesh(context=2, tensor=2)), layouts.tracing("balanced"):
+    with jax.set_mesh(zj.make_mesh(context=2, tensor=2)):
         closed = jax.make_jaxpr(loss)(p, b)
     check_sequence_order(closed, [frozenset()] * len(p) + [frozenset({1})] * 2, what="loss_fn")
 

@@ -27,21 +27,30 @@ def _dtype_name(value: Any, field: str, allowed: tuple[str, ...]) -> str:
 
 
 def _check_context_dims(dims: Any) -> Any:
-    """``context_dims`` as None, an int, or a tuple of ``(batch leaf path, dim | None)``."""
-    if dims is None or (isinstance(dims, int) and not isinstance(dims, bool) and dims >= 1):
+    """``context_dims`` as None, an int, or a tuple of ``(batch leaf path, dims)`` with dims
+    an int, a tuple of distinct ints (the first split over the context axis) or None."""
+    def dim(d):
+        return isinstance(d, int) and not isinstance(d, bool) and d >= 1
+
+    if dims is None or dim(dims):
         return dims
     if isinstance(dims, Mapping) or (isinstance(dims, (tuple, list)) and all(
             isinstance(p, (tuple, list)) and len(p) == 2 for p in dims)):
         pairs = tuple(dims.items()) if isinstance(dims, Mapping) else tuple(tuple(p) for p in dims)
+        out = []
         for path, d in pairs:
-            if not isinstance(path, str) or not (d is None or (isinstance(d, int) and not isinstance(d, bool)
-                                                               and d >= 1)):
+            if isinstance(d, list):
+                d = tuple(d)
+            ok = d is None or dim(d) or (isinstance(d, tuple) and d and all(dim(x) for x in d)
+                                         and len(set(d)) == len(d))
+            if not isinstance(path, str) or not ok:
                 break
+            out.append((path, d))
         else:
-            return pairs
-    raise ValueError(f"ZeroConfig.context_dims must be None (dimension 1 of every batch leaf with 2+ dimensions), "
-                     f"an int >= 1 (the sequence dimension of every leaf), or {{batch leaf path: dim or None}} "
-                     f"(paths as jax.tree_util.keystr writes them, e.g. \"['tokens']\"); got {dims!r}.")
+            return tuple(out)
+    raise ValueError(f"ZeroConfig.context_dims must be None (see zerojax.context.batch), an int >= 1 (the sequence "
+                     f"dimension of every leaf), or {{batch leaf path: dim, (dims...) or None}} (paths as "
+                     f"jax.tree_util.keystr writes them, e.g. \"['tokens']\"; a [B, T, T] mask: (1, 2)); got {dims!r}.")
 
 
 def _check_rules(rules: Any) -> tuple:
@@ -111,16 +120,19 @@ class ZeroConfig:
         (device i holds positions ``[i·T/C, (i+1)·T/C)``) or ``"balanced"`` (ring
         attention's load balancing for causal attention: 2C chunks, device i holds chunks
         i and 2C-1-i, so every device does the same causal work). In the balanced layout
-        the step permutes each batch leaf's sequence into that order
-        (``zj.nn.context.order``) and the loss sees it so: attention must be
-        ``zj.nn.dot_product_attention`` (ring or Ulysses; it takes the layout from the
-        step) and positions built in the model must come from ``zj.nn.global_positions``
-        (positions given in the batch are permuted with it). A balanced step whose loss
-        calls neither is refused, since plain-ops attention would see a shuffled sequence.
-        Sequence-shaped aux outputs come back in that order (``zj.nn.context.inverse``).
-      context_dims: which dimension of each batch leaf is the sequence: None (dimension 1
-        of every leaf with two or more dimensions; others are not split), an int for every
-        leaf, or a tree like the batch of ints / None (not split).
+        the step permutes each sequence dimension of the batch into that order
+        (``zj.context.Layout.order``) and the loss sees it so. The step hands the loss the
+        layout (``make_train_step(..., with_layout=True)``: ``loss_fn(params, batch,
+        layout=...)``), which it passes to ``zj.nn.dot_product_attention(...,
+        layout=layout)`` and ``zj.nn.global_positions(T, layout)``. Before compiling, the
+        step refuses a loss that mixes positions along a permuted dimension (shifted
+        targets, rolls, slices, cumulative sums, positions from ``jnp.arange``) or calls
+        the attention kernel with another layout, naming the line. Sequence-shaped aux
+        outputs come back in that order (``Layout.inverse``).
+      context_dims: which dimensions of each batch leaf are sequences (the first split
+        over the context axis, all of them permuted in the balanced layout): None (see
+        :mod:`zerojax.context.batch`), an int for every leaf, or ``{batch leaf path: dim,
+        (dims...) or None}``.
       axis_rules: logical axis rules for models annotated with logical names (linen's
         ``nn.with_logical_partitioning``, MaxText style): ``(("mlp", "tensor"),
         ("heads", "tensor"), ("embed", None), ...)``, each logical name mapped to a mesh

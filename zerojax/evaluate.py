@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from zerojax import compile_cache
 from zerojax.config import ZeroConfig
 from zerojax.sharding import gathers, outputs, per_use
-from zerojax.sharding import context as sequence
+from zerojax.context import batch as sequence
 from zerojax.sharding.gradients import cast_batch, context, local_shapes, pending
 from zerojax.sharding.mesh import auto_axes, batch_axes, batch_devices
 from zerojax.sharding.plan import ZeroPlan
@@ -34,15 +34,15 @@ class EvalStep:
     """
 
     def __init__(self, fn: Callable, *, mesh: Mesh, config: ZeroConfig, reduce: Any = None,
-                 with_model_state: bool = False):
+                 with_model_state: bool = False, with_layout: bool = False):
         if not callable(fn):
             raise TypeError(f"fn must be callable as fn(params, batch), got {fn!r}.")
         if not isinstance(config, ZeroConfig):
             raise TypeError(f"config must be a zj.ZeroConfig, got {type(config).__name__}.")
         self.n = batch_devices(mesh, config.axis, config.replica_axis)
         self.mesh, self.config, self.fn, self.reduce = auto_axes(mesh), config, fn, reduce
-        self.with_model_state = with_model_state
-        check_keywords(fn, "fn", model_state=with_model_state)
+        self.with_model_state, self.with_layout = with_model_state, with_layout
+        check_keywords(fn, "fn", model_state=with_model_state, layout=with_layout)
         self._jitted: dict[ZeroPlan, Any] = {}
         self._compiles = 0
 
@@ -55,10 +55,6 @@ class EvalStep:
         sequence.check(state.plan, batch)
 
     def _run(self, state: ZeroState, batch: Any) -> Any:
-        with sequence.tracing(state.plan):
-            return self._traced(state, batch)
-
-    def _traced(self, state: ZeroState, batch: Any) -> Any:
         self._compiles += 1
         plan = state.plan
         axis, n, compute = plan.axis, plan.world, jnp.dtype(plan.config.compute_dtype)
@@ -68,6 +64,8 @@ class EvalStep:
         def user_fn(leaves, inputs):
             b, ms = inputs
             kwargs = {"model_state": jax.tree.map(lambda x: x, ms)} if self.with_model_state else {}
+            if self.with_layout:
+                kwargs["layout"] = sequence.layout_of(plan)
             return gathers.wrap(plan, self.fn)(plan.unflatten(leaves), cast_batch(b, compute), **kwargs)
 
         ms = state.model_state if self.with_model_state else None
@@ -79,7 +77,8 @@ class EvalStep:
             closed, out_shapes = foreign.trace(user_fn, (shapes, (local, ms)), plan)
             program = lambda: (foreign.Translator(plan).program(closed), out_shapes)
         else:
-            out_shapes = local_shapes(plan, user_fn, shapes, (local, ms))
+            out_shapes = local_shapes(plan, lambda leaves, b, ms: user_fn(leaves, (b, ms)), shapes, local, ms,
+                                      batch_at=1)
         combine = outputs.plan(self.reduce, out_shapes, "outputs", "reduce")
         batch = sequence.constrain(plan, batch)
         batch_spec = jax.tree.map(lambda _: P(over), batch)
@@ -126,12 +125,13 @@ class EvalStep:
 
 
 def make_eval_step(fn: Callable, *, mesh: Mesh, config: ZeroConfig, reduce: Any = None,
-                   with_model_state: bool = False) -> EvalStep:
+                   with_model_state: bool = False, with_layout: bool = False) -> EvalStep:
     """Builds a forward-only step for ``fn(params, batch)`` (a held-out loss, per-example
     predictions) that reads the parameters where they live: at stage 3, gathered layer by
     layer as in training, never the whole model on one device. ``with_model_state=True``
     calls ``fn(params, batch, model_state=state.model_state)`` (BatchNorm in inference
-    mode reads its running statistics) and leaves the state as it is.
+    mode reads its running statistics) and leaves the state as it is. ``with_layout=True``
+    calls ``fn(params, batch, layout=layout)``, as ``make_train_step`` does.
 
     Example:
       >>> import jax.numpy as jnp, optax, zerojax as zj
@@ -145,4 +145,5 @@ def make_eval_step(fn: Callable, *, mesh: Mesh, config: ZeroConfig, reduce: Any 
       >>> float(out["loss"]), out["pred"].shape
       (9.0, (8, 1))
     """
-    return EvalStep(fn, mesh=mesh, config=config, reduce=reduce, with_model_state=with_model_state)
+    return EvalStep(fn, mesh=mesh, config=config, reduce=reduce, with_model_state=with_model_state,
+                    with_layout=with_layout)

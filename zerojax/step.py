@@ -23,7 +23,7 @@ from zerojax.optim.apply import apply_optimizer
 from zerojax.optim.offload import choose_place
 from zerojax.optim.update import check_optimizer, clip_by_global_norm, keep_if
 from zerojax.sharding.gradients import Loss, own_sharding_hint
-from zerojax.sharding import context
+from zerojax.context import batch as context
 from zerojax.sharding.mesh import auto_axes, batch_axes, batch_devices
 from zerojax.sharding.partial_axes import warn_partial
 from zerojax.sharding.plan import ZeroPlan
@@ -58,8 +58,8 @@ def _step(loss_fn: Callable, tx: Any, options: dict, state: ZeroState, batch: An
     rng = jax.random.fold_in(state.rng, state.step) if options["with_rng"] else None
     model_state = state.model_state if options["with_model_state"] else None
     loss = Loss.build(plan, loss_fn, batch, has_aux=options["has_aux"], with_rng=options["with_rng"],
-                      with_model_state=options["with_model_state"], aux_reduce=options["aux_reduce"], rng=rng,
-                      model_state=model_state)
+                      with_model_state=options["with_model_state"], with_layout=options["with_layout"],
+                      aux_reduce=options["aux_reduce"], rng=rng, model_state=model_state)
     if plan.replica and cfg.axis_map is None:  # hybrid mesh: a collective over one batch axis only sees part of the batch
         shape = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), t)
         rows = lambda b: jax.ShapeDtypeStruct((b.shape[0] // (plan.world * cfg.grad_accum_steps),) + b.shape[1:],
@@ -162,7 +162,7 @@ class TrainStep:
 
     def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation, *, mesh: Mesh,
                  config: ZeroConfig, has_aux: bool = False, aux_reduce: Any = None, with_rng: bool = False,
-                 with_model_state: bool = False, timeout_s: float | None = None):
+                 with_model_state: bool = False, with_layout: bool = False, timeout_s: float | None = None):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(params, batch), got {loss_fn!r}.")
         check_optimizer(tx)
@@ -179,17 +179,17 @@ class TrainStep:
         self._places: dict[ZeroPlan, str] = {}
         self._compiles = 0
         self._unchecked: tuple[jax.Array, int] | None = None  # (overflow_at_min_scale, step)
-        for name, flag in (("has_aux", has_aux), ("with_rng", with_rng), ("with_model_state", with_model_state)):
+        for name, flag in (("has_aux", has_aux), ("with_rng", with_rng), ("with_model_state", with_model_state),
+                           ("with_layout", with_layout)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}.")
         self.options = dict(has_aux=has_aux, aux_reduce=aux_reduce, with_rng=with_rng,
-                            with_model_state=with_model_state)
-        check_keywords(loss_fn, "loss_fn", rng=with_rng, model_state=with_model_state)
+                            with_model_state=with_model_state, with_layout=with_layout)
+        check_keywords(loss_fn, "loss_fn", rng=with_rng, model_state=with_model_state, layout=with_layout)
 
         def step(state, batch, place="device"):
             self._compiles += 1  # runs once per trace: once per compiled program
-            with context.tracing(state.plan):
-                return _step(loss_fn, tx, {**self.options, "update_place": place}, state, batch)
+            return _step(loss_fn, tx, {**self.options, "update_place": place}, state, batch)
 
         self._step = step
 
@@ -344,7 +344,7 @@ def check_batch(batch: Any, n: int, axis: str | tuple[str, ...], k: int = 1) -> 
 
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, mesh: Mesh,
                     config: ZeroConfig, has_aux: bool = False, aux_reduce: Any = None,
-                    with_rng: bool = False, with_model_state: bool = False,
+                    with_rng: bool = False, with_model_state: bool = False, with_layout: bool = False,
                     timeout_s: float | None = None) -> TrainStep:
     """Builds the train step for ``loss_fn(params, batch)`` and optimizer ``tx``.
 
@@ -368,8 +368,12 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, mesh
     the data axis is bound inside the loss, so ``nn.BatchNorm(axis_name=config.axis)``
     syncs its statistics over devices. The new state is carried from micro-batch to
     micro-batch, then averaged over the devices (floating leaves; integer ones are taken
-    from the first device), and kept unchanged by a skipped step. The keywords are the
-    whole contract: declare them as ordinary parameters if you like.
+    from the first device), and kept unchanged by a skipped step. ``with_layout=True``
+    calls ``loss_fn(params, batch, layout=layout)`` with the step's sequence layout (a
+    :class:`zerojax.context.Layout`; see ``ZeroConfig.context_layout``), to hand to
+    ``zj.nn.dot_product_attention(..., layout=layout)`` and ``zj.nn.global_positions(T,
+    layout)``. The keywords are the whole contract: declare them as ordinary parameters if
+    you like.
 
     ``timeout_s`` bounds each step in multi-process jobs: a step that has not finished by
     then (a peer stalled or died inside a collective) ends this process with status 1 and
@@ -389,4 +393,5 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, mesh
       1.0
     """
     return TrainStep(loss_fn, tx, mesh=mesh, config=config, has_aux=has_aux, aux_reduce=aux_reduce,
-                     with_rng=with_rng, with_model_state=with_model_state, timeout_s=timeout_s)
+                     with_rng=with_rng, with_model_state=with_model_state, with_layout=with_layout,
+                     timeout_s=timeout_s)

@@ -60,13 +60,12 @@ class Processes:
         self.client = None
         if self.count > 1:
             self.prefix = f"zerojax/{what}/{next(_CALLS[what])}"
-            try:  # the client jax.distributed.initialize starts (the same API in jax 0.10 and 0.12)
-                from jax._src import distributed
+            from zerojax.sharding import jax_compat
 
-                self.client = distributed.global_state.client
-            except (ImportError, AttributeError) as e:
-                raise RuntimeError(f"{what}: this jax has no coordination service client where zerojax looks for "
-                                   f"it (jax._src.distributed.global_state.client): {e}.") from None
+            try:  # the client jax.distributed.initialize starts (the same API in jax 0.10 and 0.12)
+                self.client = jax_compat.distributed_client()
+            except ImportError as e:
+                raise RuntimeError(f"{what}: {e}") from None
             if self.client is None:
                 raise RuntimeError(f"{what}: {self.count} processes but no coordination service; start the job with "
                                    "zj.distributed.initialize() (jax.distributed.initialize).")

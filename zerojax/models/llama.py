@@ -246,7 +246,7 @@ class Block(nnx.Module):
         self.down = linear(F, d, use_bias=cfg.mlp_bias, **row)
 
     def attention(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array | None,
-                  window: jax.Array) -> jax.Array:
+                  window: jax.Array, layout=None, segments: jax.Array | None = None) -> jax.Array:
         b, t, _ = x.shape
         cfg = self.cfg
         h, kv, hd = cfg.n_heads, cfg.kv_heads, cfg.hd
@@ -259,7 +259,7 @@ class Block(nnx.Module):
             keys = None if mask is None else mask[:, None, None, :].astype(bool)
             w = cfg.layer_windows()[0]
             out = znn.dot_product_attention(q, k, v, mask=keys, is_causal=True, method=cfg.attention,
-                                            block_size=cfg.attention_block,
+                                            block_size=cfg.attention_block, layout=layout, segment_ids=segments,
                                             local_window_size=(w - 1, 0) if w else None)
             return self.o(out.reshape(b, t, h * hd))
         wide = _wide(q.dtype)
@@ -270,26 +270,33 @@ class Block(nnx.Module):
         allowed = allowed[None, None, None]
         if mask is not None:  # padded keys get no attention
             allowed = allowed & mask[:, None, None, None, :].astype(bool)
+        if segments is not None:  # packed sequences: each token sees its own document only
+            allowed = allowed & (segments[:, None, None, :, None] == segments[:, None, None, None, :])
         scores = jnp.where(allowed, scores, jnp.finfo(wide).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
         return self.o(out.reshape(b, t, h * hd))
 
-    def __call__(self, x, cos, sin, mask=None, window=None):
+    def __call__(self, x, cos, sin, mask=None, window=None, layout=None, segments=None):
         window = jnp.zeros((), jnp.int32) if window is None else window
-        x = x + checkpoint_name(self.attention(self.attn_norm(x), cos, sin, mask, window), "attn_out")
+        x = x + checkpoint_name(self.attention(self.attn_norm(x), cos, sin, mask, window, layout, segments),
+                                "attn_out")
         h = self.mlp_norm(x)
         return x + checkpoint_name(self.down(jax.nn.silu(self.gate(h)) * self.up(h)), "mlp_out")
 
 
 class Llama(nnx.Module):
-    """``Llama(cfg, rngs)(tokens, positions=None, mask=None) -> logits`` (``cfg.dtype``
-    ``[batch, seq, vocab]``): ``tokens`` ``int32[batch, seq]``; ``positions``
-    ``int[batch, seq]`` (default ``zj.nn.global_positions(seq)``, i.e. ``arange(seq)`` as
-    Hugging Face's forward without ``position_ids``, padding or not); ``mask``
-    ``bool[batch, seq]``: False keys get no attention (Hugging Face's ``attention_mask``).
-    A query with no unmasked key at or before it (left padding) has meaningless output, as
-    in Hugging Face.
+    """``Llama(cfg, rngs)(tokens, positions=None, mask=None, layout=None) -> logits``
+    (``cfg.dtype`` ``[batch, seq, vocab]``): ``tokens`` ``int32[batch, seq]``; ``positions``
+    ``int[batch, seq]`` (default ``zj.nn.global_positions(seq, layout)``: ``arange(seq)`` as
+    Hugging Face's forward without ``position_ids``, padding or not, in the sequence's
+    layout); ``mask`` ``bool[batch, seq]``: False keys get no attention (Hugging Face's
+    ``attention_mask``); ``layout``: the :class:`zerojax.context.Layout` the train step
+    hands its loss (``with_layout=True``), for the attention kernel and the positions;
+    ``segment_ids`` ``int[batch, seq]``: packed sequences, each token attending only to the
+    tokens of its own document (give ``positions`` that restart at each document, as
+    Hugging Face's ``DataCollatorWithFlattening`` does). A query with no unmasked key at or
+    before it (left padding) has meaningless output, as in Hugging Face.
 
     Example:
       >>> import jax.numpy as jnp
@@ -318,19 +325,25 @@ class Llama(nnx.Module):
             self.head = nnx.Linear(cfg.d_model, cfg.vocab, use_bias=False, dtype=dt, param_dtype=pdt, rngs=rngs,
                                    **{k: v for k, v in _split(cfg, (None, "tensor")).items() if k == "kernel_init"})
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, mask: jax.Array | None = None):
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, mask: jax.Array | None = None,
+                 layout=None, segment_ids: jax.Array | None = None):
         cfg = self.cfg
         if positions is None:
-            positions = znn.global_positions(tokens.shape[1])[None]  # jnp.arange, but in the step's layout
+            positions = znn.global_positions(tokens.shape[1], layout)[None]  # jnp.arange, in the layout
         cos, sin = rope(positions, cfg.hd, cfg.rope_theta, cfg.rope_scaling, jnp.dtype(cfg.dtype))
-        windows = jnp.asarray(np.asarray(cfg.layer_windows(), np.int32))
+        windows = cfg.layer_windows()
+        if len(set(windows)) == 1:  # one window for every layer: a constant of the loop
+            per_layer, window = None, jnp.asarray(windows[0], jnp.int32)
+        else:  # scanned with the layers; as floats (exact integers), since per-use prefetch
+            # runs layer loops whose scanned values are all floating
+            per_layer, window = jnp.asarray(np.asarray(windows, np.float32)), None
 
-        @nnx.scan(in_axes=(nnx.Carry, 0, None, None, None, 0), out_axes=nnx.Carry,
+        @nnx.scan(in_axes=(nnx.Carry, 0, None, None, None, 0, None), out_axes=nnx.Carry,
                   transform_metadata={nnx.PARTITION_NAME: None})
-        def run(x, block, cos, sin, mask, window):
-            return block(x, cos, sin, mask, window)
+        def run(x, block, cos, sin, mask, scanned, segments):
+            return block(x, cos, sin, mask, window if scanned is None else scanned, layout, segments)
 
-        x = self.norm(run(self.embed(tokens), self.blocks, cos, sin, mask, windows))
+        x = self.norm(run(self.embed(tokens), self.blocks, cos, sin, mask, per_layer, segment_ids))
         return self.embed.attend(x) if cfg.tie_embeddings else self.head(x)
 
 
@@ -364,16 +377,19 @@ def make_loss(graphdef):
     ``{"inputs", "targets"}`` ``int32[B, T]`` with optional ``"mask"`` (the inputs' keys),
     ``"weights"`` (per-target weights normalised over the global batch,
     ``m * (m.size / m.sum())``: the loss is their mean, the global masked mean on any number
-    of devices) and ``"positions"``."""
+    of devices), ``"positions"`` and ``"segment_ids"`` (packed sequences, with positions
+    restarting at each document). ``layout``: the step's sequence layout
+    (``make_train_step(..., with_layout=True)``), handed to the model."""
 
-    def loss_fn(params, batch):
+    def loss_fn(params, batch, layout=None):
         if "inputs" in batch:  # the form whose sequence splits over a context axis
             inputs, targets, mask, weight = batch["inputs"], batch["targets"], batch.get("mask"), batch.get("weights")
         else:
             tokens, full = batch["tokens"], batch.get("mask")
             inputs, targets = tokens[:, :-1], tokens[:, 1:]
             mask, weight = (None, None) if full is None else (full[:, :-1], full[:, 1:])
-        logits = nnx.merge(graphdef, params)(inputs, positions=batch.get("positions"), mask=mask)
+        logits = nnx.merge(graphdef, params)(inputs, positions=batch.get("positions"), mask=mask, layout=layout,
+                                             segment_ids=batch.get("segment_ids"))
         losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
         if weight is None:
             return losses.mean()

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from zerojax.context.layout import KERNEL_SCOPE
 from zerojax.nn import context as ctx
 from zerojax.sharding import jax_compat
 from zerojax.sharding.mesh import context_size
@@ -105,10 +106,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
       key_value_segment_ids: ``int[B, S]``, the keys' segment ids (default: ``segment_ids``,
         which needs ``S == T``).
       method: ``"auto"``, ``"ulysses"``, ``"ring"`` or ``"xla"``.
-      layout: how the sequence is split over the context axis, ``"contiguous"`` or
-        ``"balanced"`` (:mod:`zerojax.nn.context`); the arrays' sequence dimensions are in
-        that layout's order. None: the train step's ``ZeroConfig.context_layout`` inside
-        one, else contiguous.
+      layout: how the sequence is split over the context axis: a
+        :class:`zerojax.context.Layout` (the one the train step hands the loss with
+        ``with_layout=True``), ``"contiguous"``, ``"balanced"``, or None (contiguous); the
+        arrays' sequence dimensions are in that layout's order.
       axis: the context axis's name.
       mesh: the mesh (default: the one in context, ``jax.sharding.get_abstract_mesh()``).
       block_size: keys per chunk of the local attention: each device computes its logits
@@ -143,8 +144,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     given = mesh
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     c = context_size(mesh, axis)
-    ctx._mark_aware()
-    layout = ctx.current() if layout is None else layout
+    layout = ctx.resolve(layout, c).kind
     local = c > 1 and axis in _manual_axes()
     if c > 1 and method == "xla":
         _check_xla(layout, local, axis)
@@ -160,8 +160,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     sl, kh = k.shape[1], k.shape[2]
     t, s = (tl * c, sl * c) if local else (tl, sl)  # the global lengths
     here = f" (this device's {tl} x {c} devices of {axis!r})" if local else ""
-    ctx.check(t, c, layout, f"the query's sequence length{here}")
-    ctx.check(s, c, layout, f"the key's sequence length{here}")
+    ctx.check(t, c, layout, f"the query's sequence length{here}", in_loss=True)
+    ctx.check(s, c, layout, f"the key's sequence length{here}", in_loss=True)
     if is_causal and t != s:
         raise ValueError(f"is_causal with query length {t} and key length {s}: causal attention needs one sequence.")
     method = _kernel(method, n, c, axis)
@@ -180,7 +180,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     spec = _Spec(c=c, axis=axis, layout=layout, t=t, s=s, n=n, kh=kh, scale=scale, causal=bool(is_causal),
                  window=window, zero_padded_rows=query_seq_lengths is not None, precision=precision, mesh=given,
                  block=block_size, local=local)
-    return (_ulysses if method == "ulysses" else _ring)(spec, q, k, v, mask, bias, lengths, segments)
+    with jax.named_scope(f"{KERNEL_SCOPE}{layout}"):  # the layout it was traced with, in the program
+        return (_ulysses if method == "ulysses" else _ring)(spec, q, k, v, mask, bias, lengths, segments)
 
 
 def chunked_attention(query, key, value, *, is_causal: bool = False, scale: float | None = None,
@@ -277,7 +278,7 @@ def _kernel(method: str, n: int, c: int, axis: str) -> str:
 
 
 def _is_traced(x) -> bool:
-    return isinstance(x, jax.core.Tracer)
+    return jax_compat.is_tracer(x)
 
 
 def _boolean_mask(mask, query):

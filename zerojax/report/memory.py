@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from zerojax.config import ZeroConfig
-from zerojax.sharding.context import batch_shardings
+from zerojax.context.batch import batch_shardings
 from zerojax.state import ZeroState, abstract_state
 
 

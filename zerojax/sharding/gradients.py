@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zerojax.sharding import collectives, gathers, outputs, per_use
-from zerojax.sharding import context as sequence
+from zerojax.context import batch as sequence
 from zerojax.sharding.plan import ZeroPlan
 from zerojax.sharding.sources import Source
 
@@ -78,8 +78,9 @@ class Loss:
     compute dtype, one device's micro-batch, and (when asked for) a key and the model
     state; returning ``(fp32 loss, aux, new model state)``.
 
-    The loss is called ``fn(params, batch, **extras)`` with ``rng=`` (``with_rng``) and
-    ``model_state=`` (``with_model_state``) as keywords. It returns ``loss``, ``(loss, aux)``
+    The loss is called ``fn(params, batch, **extras)`` with ``rng=`` (``with_rng``),
+    ``model_state=`` (``with_model_state``) and ``layout=`` (``with_layout``: the step's
+    :class:`zerojax.context.Layout`) as keywords. It returns ``loss``, ``(loss, aux)``
     (``has_aux``), ``(loss, new_model_state)`` (``with_model_state``) or
     ``(loss, (new_model_state, aux))`` (both)."""
 
@@ -88,15 +89,18 @@ class Loss:
     has_aux: bool = False
     with_rng: bool = False
     with_model_state: bool = False
+    layout: Any = None  # the zerojax.context.Layout handed to the loss (with_layout), else None
     aux: outputs.Combine | None = None  # how aux combines (has_aux only)
     # ZeroConfig.axis_map: the loss traced outside the step's shard_map, and its output shapes
     program: Any = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def build(cls, plan: ZeroPlan, fn: Callable, batch: Any, *, has_aux: bool = False, with_rng: bool = False,
-              with_model_state: bool = False, aux_reduce: Any = None, rng: Any = None, model_state: Any = None) -> Loss:
-        """The loss, checked once on abstract values of one device's micro-batch."""
-        loss = cls(plan, fn, has_aux, with_rng, with_model_state)
+              with_model_state: bool = False, with_layout: bool = False, aux_reduce: Any = None, rng: Any = None,
+              model_state: Any = None) -> Loss:
+        """The loss, checked once on abstract values of one device's micro-batch (on a
+        context mesh, also for the sequence layout: :func:`zerojax.context.checks.check`)."""
+        loss = cls(plan, fn, has_aux, with_rng, with_model_state, sequence.layout_of(plan) if with_layout else None)
         cfg = plan.config
         rows = lambda b: jax.ShapeDtypeStruct((b.shape[0] // (plan.world * cfg.grad_accum_steps),) + b.shape[1:], b.dtype)
         abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), t)
@@ -105,11 +109,15 @@ class Loss:
             from zerojax.sharding import foreign
 
             closed, shapes = foreign.trace(loss.__call__, args, plan)
+            if plan.context > 1:
+                from zerojax.context import checks
+
+                checks.check(plan, closed, args, 1)
             loss = dataclasses.replace(loss, program=(closed, shapes))
             _, aux, new_ms = shapes
         else:
             with own_sharding_hint(cfg):
-                _, aux, new_ms = local_shapes(plan, loss.__call__, *args)
+                _, aux, new_ms = local_shapes(plan, loss.__call__, *args, batch_at=1)
         if with_model_state:
             _check_model_state(model_state, new_ms)
         return dataclasses.replace(loss, aux=outputs.plan(aux_reduce, aux)) if has_aux else loss
@@ -120,6 +128,8 @@ class Loss:
 
     def __call__(self, leaves: list, batch: Any, rng: Any = None, model_state: Any = None) -> tuple:
         kwargs = {}
+        if self.layout is not None:
+            kwargs["layout"] = self.layout
         if self.with_rng:
             kwargs["rng"] = rng
         if self.with_model_state:
@@ -191,12 +201,20 @@ def context(plan: ZeroPlan, remat: bool = True) -> per_use.Context:
                            prefetch=cfg.prefetch if plan.stage == 3 else 0)
 
 
-def local_shapes(plan: ZeroPlan, fn: Callable, *args: Any) -> Any:
+def local_shapes(plan: ZeroPlan, fn: Callable, *args: Any, batch_at: int | None = None) -> Any:
     """The output shapes of ``fn`` called on one device with ``args`` (shapes of that device's
-    inputs), with the data axis bound, as in the step (a BatchNorm may ``pmean`` over it)."""
+    inputs), with the data axis bound, as in the step (a BatchNorm may ``pmean`` over it).
+    On a context mesh the traced program is checked for the step's sequence layout
+    (:func:`zerojax.context.checks.check`; ``args[batch_at]`` is the batch)."""
     run = jax.shard_map(fn, mesh=plan.mesh, in_specs=P(), out_specs=P(), axis_names=plan.manual_axes,
                         check_vma=False)
-    return jax.eval_shape(run, *args)
+    if plan.context == 1 or batch_at is None:
+        return jax.eval_shape(run, *args)
+    from zerojax.context import checks
+
+    closed, shapes = jax.make_jaxpr(run, return_shape=True)(*args)
+    checks.check(plan, closed, args, batch_at)
+    return shapes
 
 
 def _parse(out: Any, has_aux: bool, with_model_state: bool) -> tuple:

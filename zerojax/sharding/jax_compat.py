@@ -119,6 +119,31 @@ def sub_programs(eqn: Equation) -> Iterator[tuple[Jaxpr, tuple]]:
         yield open_jaxpr(sub)
 
 
+def is_tracer(x: Any) -> bool:
+    """Whether ``x`` is a value being traced (not a concrete array)."""
+    return isinstance(x, jax.core.Tracer)
+
+
+def distributed_client() -> Any:
+    """The coordination service client ``jax.distributed.initialize`` starts (its key-value
+    store: ``key_value_set``, ``key_value_dir_get``, ...), or None on one process without
+    one. (JAX keeps it in ``jax._src.distributed``, the same on 0.10 and 0.12.)"""
+    try:
+        from jax._src import distributed
+    except ImportError as e:
+        raise _unsupported("its coordination service client", f"jax._src.distributed: {e}") from None
+    state = getattr(distributed, "global_state", None)
+    if state is None or not hasattr(state, "client"):
+        raise _unsupported("its coordination service client", "jax._src.distributed.global_state.client")
+    return state.client
+
+
+def scope(eqn: Equation) -> str:
+    """The ``jax.named_scope`` names an equation was traced under, ``"a/b"`` (relative to
+    the equation that runs its program, for an equation of a sub-program)."""
+    return str(getattr(eqn.source_info, "name_stack", ""))
+
+
 def programs_in(value: Any) -> Iterator[Jaxpr]:
     """The jaxprs in one parameter value (a program, or a tuple of them), opened."""
     if is_program(value):
@@ -959,7 +984,9 @@ def no_outputs(eqn: Equation) -> bool:
 
 
 def _library_file(path: str) -> bool:
-    """Whether ``path`` is zerojax's, Flax's or optax's own code (not the user's)."""
+    """Whether ``path`` is zerojax's, Flax's or optax's own code (not the user's). The
+    reference models (``zerojax/models``) count as the user's: a message points at the
+    model line that did it."""
     import os
 
     import flax
@@ -968,7 +995,10 @@ def _library_file(path: str) -> bool:
     import zerojax
 
     roots = [os.path.dirname(m.__file__) for m in (zerojax, flax, optax)]
-    return any(os.path.abspath(path).startswith(r + os.sep) for r in roots)
+    path = os.path.abspath(path)
+    if path.startswith(os.path.join(os.path.dirname(zerojax.__file__), "models") + os.sep):
+        return False
+    return any(path.startswith(r + os.sep) for r in roots)
 
 
 def user_line(eqn: Equation, frames: int = 4) -> str | None:

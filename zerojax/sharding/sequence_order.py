@@ -46,17 +46,15 @@ position table sliced ``table[:T]`` (a parameter, untagged like the constant
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
+from zerojax.context.layout import KERNEL_SCOPE
 from zerojax.sharding import jax_compat, walk
 from zerojax.sharding.jax_compat import Equation
 
 PERMUTED = "permuted"
 IOTA = "iota"
-# The regions whose kernels know the layout: zj.nn.dot_product_attention's.
-LAYOUT_AWARE = (os.path.join("zerojax", "nn", "attention.py"),)
 
 FIX = ("Give shifted targets in the batch (separate inputs and targets leaves, not tokens[:, :-1] and "
        "tokens[:, 1:] in the loss); build positions with zj.nn.global_positions instead of jnp.arange; use "
@@ -270,8 +268,7 @@ class _Tags(walk.Dataflow):
         return [*outs[:s.n_carry], *(_make([lead, *_full(y, n - 1)]) for y, n in zip(ys, ranks))]
 
     def region(self, eqn: Equation, r: jax_compat.ManualRegion, ins: list[Tags]) -> list[Tags]:
-        files = (r.source,) if r.source else jax_compat.source_files(eqn)
-        if any(f and f.endswith(p) for f in files for p in LAYOUT_AWARE):
+        if KERNEL_SCOPE in jax_compat.scope(eqn):  # zj.nn.dot_product_attention's kernel: it knows the layout
             self._natural_mask(eqn, ins)
             split = frozenset().union(*(
                 _order(_at(t, k)) for t, spec in zip(ins, r.in_specs) for k, axes in enumerate(spec)

@@ -12,7 +12,7 @@ import numpy as np
 from zerojax.tuning.budget import fmt_bytes
 from zerojax.tuning.candidates import Candidate, SearchSpace, valid_batch_sizes
 from zerojax.config import ZeroConfig
-from zerojax.sharding.context import check_lengths, sequence_dims
+from zerojax.context.batch import check_lengths, sequence_dims
 from zerojax.sharding.mesh import context_size, make_mesh
 from zerojax.state import is_init_fn
 
@@ -104,7 +104,7 @@ def context_meshes(mesh, config: ZeroConfig, space: SearchSpace, batch: Any) -> 
         fits = [c for c in range(1, group + 1) if group % c == 0]
         raise ValueError(f"SearchSpace(context={degrees}): {bad} do not divide the {group} devices that hold the same "
                          f"weights (a replica group); use context degrees among {fits}.")
-    if any(c > 1 for c in degrees) and all(d is None for d in sequence_dims(config, batch)):
+    if any(c > 1 for c in degrees) and not any(sequence_dims(config, batch)):
         raise ValueError(f"SearchSpace(context={degrees}) splits each sequence over the context axis, but no batch "
                          f"leaf has a sequence dimension (leaves with 2+ dimensions, or ZeroConfig.context_dims).")
     for c in degrees:
