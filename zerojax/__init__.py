@@ -1,6 +1,6 @@
 """zerojax: ZeRO (stages 0-3) for JAX and Flax over a jax.sharding mesh."""
 
-from zerojax import checkpoint, compile_cache, distributed, maps, models, nn, nnx, remat, xla_flags
+from zerojax import checkpoint, compile_cache, context, distributed, maps, models, nn, nnx, remat, xla_flags
 from zerojax.tuning import autotune
 from zerojax.checkpoint import export_weights, load_weights, restore_checkpoint, save_checkpoint
 from zerojax.checkpoint.tensor_map import WeightMap
@@ -45,6 +45,7 @@ __all__ = [
     "communication_report",
     "compile_cache",
     "compiled_bytes",
+    "context",
     "gather_params",
     "init_state",
     "make_eval_step",
