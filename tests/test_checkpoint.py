@@ -518,7 +518,7 @@ def test_the_checkpoint_package_imports_without_a_cycle():
     upper = {"zerojax.state", "zerojax.checkpoint.io", "zerojax.checkpoint.canonical", "zerojax.checkpoint.export",
              "zerojax.checkpoint.sources"}
     for name in ("boxes", "names", "casts", "safetensors_files", "tensor_map", "weights", "load", "born", "processes",
-                 "configs", "lora", "sinks", "hf_llama"):
+                 "configs", "lora", "sinks"):
         above = upper & set(loaded[f"zerojax.checkpoint.{name}"])
         assert not above, (name, above)
     assert loaded["zerojax.checkpoint"] == ["zerojax.checkpoint"]  # the package itself imports nothing
