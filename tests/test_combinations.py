@@ -8,7 +8,8 @@ BatchNorm). This suite runs a pairwise-covering sample of
     x precision {fp32, bf16, fp16}
     x {prefetch, int8 gathers, int8 gradients, offload optimizer, offload params, frozen
        weights, accumulation, rng, model state, has_aux, eval step, checkpoint round trip,
-       the model's own sharding (axis_map), the NNX API (zj.nnx.Optimizer)}
+       the model's own sharding (axis_map), the NNX API (zj.nnx.Optimizer), packed
+       sequences (segment ids through zj.nn.dot_product_attention)}
 
 (every pair of values of any two factors that the config allows appears in some run), each
 on a model with a scanned stack, a weight used twice, a causal mix along the sequence and
@@ -37,7 +38,8 @@ FACTORS: dict[str, tuple] = {
     "mesh": ("1-D", "hybrid", "tensor", "context", "tensor+context"),
     "precision": ("float32", "bfloat16", "float16"),
     **{f: (False, True) for f in ("prefetch", "int8", "int8_grads", "offload_opt", "offload_params", "frozen",
-                                  "accum", "rng", "model_state", "aux", "eval", "checkpoint", "axis_map", "nnx")},
+                                  "accum", "rng", "model_state", "aux", "eval", "checkpoint", "axis_map", "nnx",
+                                  "packed")},
 }
 NAMES = tuple(FACTORS)
 
@@ -118,11 +120,17 @@ def no_constraint(x, spec):
     return x
 
 
-def forward(p, x, constrain=no_constraint):
+def forward(p, x, constrain=no_constraint, seg=None):
     """x: [rows, SEQ, IN] -> [rows, SEQ, OUT]. Each position also sees the mean of the
-    positions up to it (plain ops: on a context mesh XLA partitions them exactly)."""
+    positions up to it (plain ops: on a context mesh XLA partitions them exactly); with
+    packed sequences (``seg``: [rows, SEQ] document ids) it also attends, causally, within its
+    own document (zj.nn.dot_product_attention's segment ids: Ulysses on a context mesh)."""
     h = constrain(jnp.tanh(x @ p["emb"]), (("batch", "fsdp"), None, "model"))
     h = h + 0.5 * jnp.cumsum(h, axis=1) / jnp.arange(1, h.shape[1] + 1, dtype=h.dtype)[:, None]
+    if seg is not None:  # attention in float32: XLA's CPU dot has no fp16 x fp16 -> fp32 form
+        q = h.reshape(*h.shape[:2], 2, D // 2).astype(jnp.float32)
+        att = zj.nn.dot_product_attention(q, q, q, is_causal=True, segment_ids=seg)
+        h = h + 0.5 * att.reshape(h.shape).astype(h.dtype)
 
     def layer(h, w):
         return constrain(h + jnp.tanh(h @ w["w"] + w["b"]), (("batch", "fsdp"), None, None)), None
@@ -135,16 +143,22 @@ def forward(p, x, constrain=no_constraint):
 def mse(p, b, constrain=no_constraint):
     """Squared error, plus a tenth of a cross-entropy of the outputs against integer labels
     (optax's take_along_axis: a batched gather, rewritten on the tensor+context mesh)."""
-    out = forward(p, b["x"], constrain).astype(jnp.float32)
+    out = forward(p, b["x"], constrain, b.get("seg")).astype(jnp.float32)
     picked = optax.softmax_cross_entropy_with_integer_labels(out, b["c"]).mean()
     return jnp.mean((out - b["y"]) ** 2) + 0.1 * picked
 
 
-def batch(step: int) -> dict:
+def batch(step: int, packed: bool = False) -> dict:
+    """The global batch of a step; ``packed``: with document ids, two documents per row
+    split at a random place (or one)."""
     rng = np.random.default_rng(100 + step)
     x = rng.normal(size=(BATCH, SEQ, IN)).astype(np.float32)
-    return {"x": jnp.asarray(x), "y": jnp.asarray(np.tanh(x[..., :OUT] * 1.5), jnp.float32),
-            "c": jnp.asarray(rng.integers(0, OUT, (BATCH, SEQ)), jnp.int32)}
+    out = {"x": jnp.asarray(x), "y": jnp.asarray(np.tanh(x[..., :OUT] * 1.5), jnp.float32),
+           "c": jnp.asarray(rng.integers(0, OUT, (BATCH, SEQ)), jnp.int32)}
+    if packed:
+        cut = rng.integers(1, SEQ + 1, (BATCH, 1))
+        out["seg"] = jnp.asarray(np.arange(SEQ)[None] >= cut, jnp.int32)
+    return out
 
 
 TRAINABLE = {"emb": True, "stack": {"w": True, "b": True}, "head": {"w": False, "b": False}, "gain": False,
@@ -167,7 +181,7 @@ def loss_for(row: dict):
             new = {"mean": 0.5 * model_state["mean"] + 0.5 * jnp.mean(b["x"], axis=(0, 1)),
                    "seen": model_state["seen"]}
         if row["aux"]:
-            aux = {"mse": value, "pred": forward(p, b["x"], constrain),
+            aux = {"mse": value, "pred": forward(p, b["x"], constrain, b.get("seg")),
                    "rows": jnp.sum(jnp.ones(b["x"].shape[0], jnp.int32))}
             out = (value, (new, aux)) if model_state is not None else (value, aux)
         elif model_state is not None:
@@ -205,8 +219,8 @@ class Model(nnx.Module):
                 "head": {"w": self.head_w[...], "b": self.head_b[...]}, "gain": self.gain[...],
                 "temp": self.temp[...]}
 
-    def __call__(self, x):
-        return forward(self.params(), x, self.constrain)
+    def __call__(self, x, seg=None):
+        return forward(self.params(), x, self.constrain, seg)
 
 
 def nnx_wrt(row: dict):
@@ -223,7 +237,8 @@ def nnx_loss_for(row: dict):
         if row["model_state"]:
             model.mean[...] = 0.5 * model.mean[...] + 0.5 * jnp.mean(b["x"], axis=(0, 1))
         if row["aux"]:
-            return value, {"mse": value, "pred": model(b["x"]), "rows": jnp.sum(jnp.ones(b["x"].shape[0], jnp.int32))}
+            return value, {"mse": value, "pred": model(b["x"], b.get("seg")),
+                           "rows": jnp.sum(jnp.ones(b["x"].shape[0], jnp.int32))}
         return value
 
     return loss_fn
@@ -236,7 +251,7 @@ def reference(row: dict):
     opt = TX.init(params)
     losses, trace = [], []
     for i in range(STEPS):
-        loss, g = jax.value_and_grad(mse)(params, batch(i))
+        loss, g = jax.value_and_grad(mse)(params, batch(i, row["packed"]))
         g = jax.tree.map(lambda x, m: x if m else jnp.zeros_like(x), g, mask)
         u, opt = TX.update(g, opt, params)
         params = optax.apply_updates(params, u)
@@ -311,7 +326,7 @@ def test_the_sample_covers_every_allowed_pair():
     want = set().union(*(pairs(r) for r in pool))
     got = set().union(*(pairs(r) for r in ROWS))
     assert want <= got, sorted(want - got)[:5]
-    assert all(allowed(r) for r in ROWS) and len(ROWS) <= 26
+    assert all(allowed(r) for r in ROWS) and len(ROWS) <= 28
 
 
 def refuse(row: dict) -> None:
@@ -368,7 +383,8 @@ class FunctionalRun:
 
     def evaluate(self, b) -> dict:
         constrain = own_constraint if self.row["axis_map"] else no_constraint
-        ev = zj.make_eval_step(lambda p, b: {"loss": mse(p, b, constrain), "pred": forward(p, b["x"], constrain)},
+        ev = zj.make_eval_step(lambda p, b: {"loss": mse(p, b, constrain),
+                                             "pred": forward(p, b["x"], constrain, b.get("seg"))},
                                mesh=self.mesh, config=self.cfg, reduce=EVAL_REDUCE)
         return ev(self.state, b)
 
@@ -399,7 +415,7 @@ class NNXRun:
 
     def evaluate(self, b) -> dict:
         ev = zj.nnx.make_eval_step(lambda model, b: {"loss": mse(model.params(), b, model.constrain),
-                                                     "pred": model(b["x"])}, reduce=EVAL_REDUCE)
+                                                     "pred": model(b["x"], b.get("seg"))}, reduce=EVAL_REDUCE)
         return ev(self.opt, b)
 
     def restored(self, directory, mesh, cfg) -> tuple[int, dict]:
@@ -423,13 +439,14 @@ def test_combination_trains_like_single_device_optax(row, tmp_path):
     tol = tolerance(row)
     loss_tol = max(tol, 1e-2) if row["int8"] else tol  # the loss of int8-gathered weights (0.4% measured)
     for i in range(STEPS):
-        m = run.train(batch(i))
+        m = run.train(batch(i, row["packed"]))
         assert not bool(m["skipped"]), f"step {i} skipped (loss scale {float(m['loss_scale'])})"
         np.testing.assert_allclose(float(m["loss"]), ref_losses[i], rtol=loss_tol, atol=loss_tol)
         if row["aux"]:
             np.testing.assert_allclose(float(m["aux"]["mse"]), ref_losses[i], rtol=loss_tol, atol=loss_tol)
             assert m["aux"]["mse"].dtype == jnp.float32 and int(m["aux"]["rows"]) == BATCH
-            want_pred = forward(make_params() if i == 0 else trace[i - 1], batch(i)["x"])
+            b = batch(i, row["packed"])
+            want_pred = forward(make_params() if i == 0 else trace[i - 1], b["x"], seg=b.get("seg"))
             assert m["aux"]["pred"].shape == want_pred.shape
             np.testing.assert_allclose(np.asarray(m["aux"]["pred"], np.float32), want_pred, atol=10 * loss_tol)
     got = run.params()
@@ -450,10 +467,11 @@ def test_combination_trains_like_single_device_optax(row, tmp_path):
         np.testing.assert_allclose(run.model_mean(), model_state_reference(batch_groups(mesh), k),
                                    atol=1e-5 if row["precision"] == "float32" else tol)
     if row["eval"]:
-        out = run.evaluate(batch(5))
+        out = run.evaluate(batch(5, row["packed"]))
         assert out["loss"].dtype == jnp.float32
-        np.testing.assert_allclose(float(out["loss"]), float(mse(want, batch(5))), rtol=loss_tol, atol=loss_tol)
-        want_pred = forward(want, batch(5)["x"])
+        b5 = batch(5, row["packed"])
+        np.testing.assert_allclose(float(out["loss"]), float(mse(want, b5)), rtol=loss_tol, atol=loss_tol)
+        want_pred = forward(want, b5["x"], seg=b5.get("seg"))
         assert out["pred"].shape == want_pred.shape
         np.testing.assert_allclose(np.asarray(out["pred"], np.float32), want_pred, atol=10 * loss_tol)
     if row["checkpoint"]:

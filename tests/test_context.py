@@ -65,6 +65,7 @@ CASES = [  # (C, method, layout, N, K)
 ]
 
 
+@pytest.mark.slow  # reason: the seeded property cases of tests/test_attention.py cover it (values and gradients)
 @pytest.mark.parametrize("c,method,layout,n,kh", CASES)
 def test_kernels_give_jax_attention(c, method, layout, n, kh):
     """Causal with a padding mask (key lengths), and non-causal with a full boolean mask and
@@ -81,6 +82,7 @@ def test_kernels_give_jax_attention(c, method, layout, n, kh):
     np.testing.assert_allclose(_ours(c, method, layout, q, k, v, bias, mask), want, atol=2e-6)
 
 
+@pytest.mark.slow  # reason: the seeded property cases of tests/test_attention.py cover it (values and gradients)
 @pytest.mark.parametrize("method,block", [("ulysses", 512), ("ring", 512), ("ulysses", 4), ("ring", 2)])
 def test_kernel_gradients_give_jax_gradients(method, block):
     """Whole (one chunk of keys per device) and chunked local attention (a rematerialised
@@ -119,6 +121,7 @@ def test_causal_ring_leaves_out_the_masked_chunks_exactly(c, layout):
     assert "stablehlo.case" in text  # the ring steps branch on which chunk arrived
 
 
+@pytest.mark.slow  # reason: the seeded property cases of tests/test_attention.py cover it (values and gradients)
 def test_query_lengths_and_local_windows_as_jax():
     q, k, v = _qkv(16, 4, 2)
     kw = dict(is_causal=True, query_seq_lengths=jnp.array([16, 11]), local_window_size=(3, 0))
@@ -251,12 +254,15 @@ def test_llama_on_a_context_mesh_trains_as_on_one_device(c, attention, stage):
                                                                          abs=64)
 
 
+@pytest.mark.slow  # reason: 6 s; the balanced Ulysses case below takes positions from the batch too
 def test_positions_from_the_batch_are_split_with_it():
     state, _, losses = _train(4, "ring", 3, with_positions=True)
     _check(state, losses, with_positions=True)
 
 
-@pytest.mark.parametrize("c,attention,with_positions", [(4, "ring", False), (2, "ulysses", True)])
+@pytest.mark.parametrize("c,attention,with_positions", [
+    # slow: 5 s; ring in the balanced layout at stage 3 trains in the packed-sequence test too
+    pytest.param(4, "ring", False, marks=pytest.mark.slow), (2, "ulysses", True)])
 def test_the_balanced_layout_trains_as_on_one_device(c, attention, with_positions):
     """context_layout="balanced": the step permutes inputs, targets, mask, weights (and
     positions from the batch) into the balanced order; the model's RoPE positions come from
@@ -682,7 +688,7 @@ def test_one_jitted_apply_serves_a_balanced_and_a_contiguous_step():
         logits = apply(p, b["inputs"], layout)
         return optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"]).mean()
 
-    data = [{k: b[k] for k in ("inputs", "targets")} for b in _data()]
+    data = [{k: b[k] for k in ("inputs", "targets")} for b in _data()[:2]]
     ref_params, ref_losses = reference_run(lambda p, b: loss(p, b, None), jax.tree.map(jnp.asarray, params),
                                            optax.sgd(0.3), data)
     tx = optax.sgd(0.3)
@@ -757,3 +763,18 @@ def test_packed_sequences_train_as_their_documents_alone():
     np.testing.assert_allclose(losses, ref_losses, atol=1e-5)
     for a, b in zip(jax.tree.leaves(zj.gather_params(state)), jax.tree.leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def test_the_packed_fine_tuning_example_runs():
+    """docs/long_context.md's packed fine-tuning step runs as written: the loss is the mean
+    over the real tokens (single-device, plain attention, on the same packed batch)."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "long_context.md").read_text()
+    section = text[text.index("### A packed fine-tuning step"):]
+    ns: dict = {}
+    exec(compile(re.search(r"```python\n(.*?)```", section, re.S).group(1), "docs/long_context.md", "exec"), ns)
+    plain = llama.LlamaConfig(**{**ns["cfg"].__dict__, "attention": "einsum"})
+    want = llama.make_loss(llama.init_abstract(plain)[0])(ns["params"], ns["batch"])
+    np.testing.assert_allclose(float(ns["metrics"]["loss"]), float(want), rtol=1e-5)
