@@ -194,12 +194,10 @@ def packed_table(args, base) -> None:
     seq, longest = args.packed_seq, args.packed_seq // 2
     lengths = documents(8 * seq * 7 // 8, longest)  # 7/8 of 8 rows of seq: the packing fits
     packed = pack(lengths, seq, 8)
-    print(f"
-Packed sequences: {len(lengths)} documents of {min(lengths)}-{max(lengths)} tokens "
+    print(f"\nPacked sequences: {len(lengths)} documents of {min(lengths)}-{max(lengths)} tokens "
           f"({sum(lengths)} in all), packed into 8 rows of {seq} (segment_ids, positions restarting per document) "
           f"or one per row padded to {longest}; Llama d{args.d_model} L{args.layers}, ring attention, ZeRO-3, "
-          f"full remat, median of 3 steps on the simulated devices:
-")
+          f"full remat, median of 3 steps on the simulated devices:\n")
     print("| C | batch | rows x length | tokens (padding) | temp MiB/device | step seconds | packed vs padded |")
     print("|---|---|---|---|---|---|---|")
     cfg = llama.LlamaConfig(**{**base.__dict__, "attention": "ring", "seq_len": seq})
