@@ -22,7 +22,7 @@ host memory" columns come from the arrays, their peak memory from the device's c
 A long-context table follows (``--long-seqs``; empty to skip): one attention's forward and
 backward on the chip, bf16, causal, at each length, as JAX's XLA function, cuDNN's (where
 the backend has it) and zerojax's chunked local attention (what every device of a ring or
-Ulysses step computes; ``zj.nn.attention.chunked_attention``): time, TFLOP/s of the causal
+Ulysses step computes; ``zj.context.attention.chunked_attention``): time, TFLOP/s of the causal
 half of the logits' matmuls, and the compiled temp bytes (a length that does not fit
 says so instead of stopping the script).
 
@@ -120,7 +120,7 @@ def long_context(seqs: list[int], heads: int, block: int, peak: float | None, he
 
     impls = {"xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"),
              "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
-             "zerojax chunked": lambda q, k, v: zj.nn.attention.chunked_attention(q, k, v, is_causal=True,
+             "zerojax chunked": lambda q, k, v: zj.context.attention.chunked_attention(q, k, v, is_causal=True,
                                                                                   block_size=block)}
     rows = []
     for seq in seqs:

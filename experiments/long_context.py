@@ -73,7 +73,7 @@ def context_traffic(comp, mesh) -> dict[str, tuple[int, float]]:
 def ring_work(seq: int, c: int, layout: str, skip: bool) -> list[int]:
     """Logits each device computes in causal ring attention over ``c`` devices: its own chunk,
     then each other device's chunk whole (``skip=False``) or as the kernel's rule leaves it
-    (``zerojax.nn.attention._causal_update``: contiguous, the whole chunk of an earlier device
+    (``zerojax.context.attention._causal_update``: contiguous, the whole chunk of an earlier device
     and nothing of a later one; balanced, half a chunk from every device)."""
     t = seq // c
     out = []

@@ -21,8 +21,7 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
-from zerojax.nn import attention
-from zerojax.nn import context as ctx
+from zerojax.context import Layout, attention
 
 B, H = 2, 8
 TOL = {"float32": 2e-5, "bfloat16": 4e-2}
@@ -182,8 +181,8 @@ def _permuted(x, rows, cols):
 def _ours(case: Case):
     """The kernel on the arrays permuted into the layout's order (inside the program, so the
     gradients come back in natural order), under ``jax.set_mesh`` of a context mesh."""
-    rows, cols = ctx.order(case.t, case.c, case.layout), ctx.order(case.s, case.c, case.layout)
-    inv = ctx.inverse(case.t, case.c, case.layout)
+    rows, cols = Layout(case.layout, case.c).order(case.t), Layout(case.layout, case.c).order(case.s)
+    inv = Layout(case.layout, case.c).inverse(case.t)
 
     def attend(x):
         seg = {}
@@ -368,7 +367,7 @@ def test_inside_a_shard_map_manual_over_the_context_axis(case):
     device's chunks (segment ids too) and a mask or bias is given whole: JAX's values and
     gradients (q, k, v, bias), the user's shard_map checking replication (ring) or not."""
     x = _data(case, 6)
-    rows, inv = ctx.order(case.t, case.c, case.layout), ctx.inverse(case.t, case.c, case.layout)
+    rows, inv = Layout(case.layout, case.c).order(case.t), Layout(case.layout, case.c).inverse(case.t)
     mesh, seq = _mesh(case.c), P(None, "context")
 
     def inner(q, k, v, bias, seg, mask, lens):
@@ -462,7 +461,7 @@ def test_packed_sequences_are_attention_document_by_document(method, c, layout):
     function, values and gradients; on one device (no context axis) too. The causal ring
     still leaves out the hidden chunks (its switch is in the program)."""
     ids, x, (want, want_grads) = _packed()
-    rows, inv = (np.arange(32),) * 2 if c == 1 else (ctx.order(32, c, layout), ctx.inverse(32, c, layout))
+    rows, inv = (np.arange(32),) * 2 if c == 1 else (Layout(layout, c).order(32), Layout(layout, c).inverse(32))
 
     def attend(x):
         return zj.nn.dot_product_attention(x["q"][:, rows], x["k"][:, rows], x["v"][:, rows], is_causal=True,

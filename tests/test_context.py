@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 import zerojax as zj
 from experiments import llama
 from tests.models import abs_errors, reference_run
-from zerojax.nn import context as ctx
+from zerojax.context import Layout
 from zerojax.report.comm import collectives
 
 B, H = 2, 8
@@ -43,7 +43,7 @@ def _ours(c, method, layout, q, k, v, bias=None, mask=None, grad=False, **kw):
     """zj.nn.dot_product_attention on the layout-permuted arrays, split over the context
     axis, under jax.set_mesh; the result (or gradients) back in natural order."""
     t = q.shape[1]
-    perm, inv = ctx.order(t, c, layout), ctx.inverse(t, c, layout)
+    perm, inv = Layout(layout, c).order(t), Layout(layout, c).inverse(t)
     q, k, v = (x[:, perm] for x in (q, k, v))
     if mask is not None:
         mask = mask[:, :, perm][:, :, :, perm] if mask.shape[2] > 1 else mask[..., perm]
@@ -311,7 +311,7 @@ def test_the_step_hands_the_loss_its_layout_as_a_value():
         seen.clear()
         with jax.set_mesh(mesh):
             np.testing.assert_array_equal(np.asarray(zj.nn.global_positions(8, zj.context.Layout(kind, 2))),
-                                          ctx.order(8, 2, kind))
+                                          Layout(kind, 2).order(8))
     np.testing.assert_array_equal(np.asarray(zj.nn.global_positions(8)), np.arange(8))
     with pytest.raises(TypeError, match=r"loss_fn\(params, batch, layout=...\) with with_layout=True"):
         zj.make_train_step(lambda p, b: 0.0, optax.sgd(0.1), mesh=mesh, config=zc, with_layout=True)

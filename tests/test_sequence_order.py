@@ -15,11 +15,10 @@ from jax.sharding import PartitionSpec as P
 import zerojax as zj
 from experiments import llama
 from zerojax.context import Layout
-from zerojax.nn import context as layouts
 from zerojax.sharding.sequence_order import check_sequence_order
 
 B, T, V, D, C = 2, 16, 12, 8, 4
-ORDER = layouts.order(T, C)
+ORDER = Layout("balanced", C).order(T)
 LINE = r"test_sequence_order.py:\d+"
 FIX = r"Give shifted targets in the batch.*zj.nn.global_positions.*zj.nn.dot_product_attention"
 

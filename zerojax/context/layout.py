@@ -143,3 +143,21 @@ def resolve(layout: Layout | str | None, c: int) -> Layout:
         raise ValueError(f"{layout} is laid out over {layout.c} context devices, but the mesh's context axis has "
                          f"{c}; pass the layout the step hands the loss.")
     return Layout(layout.kind, c)
+
+
+def global_positions(seq_len: int, layout: Layout | str | None = None, axis: str = "context") -> jax.Array:
+    """``int32[seq_len]``: the global position of each index of a sequence laid out in
+    ``layout`` (the one the step hands the loss: ``make_train_step(..., with_layout=True)``),
+    ``jnp.arange(seq_len)`` for the contiguous layout (None) or off a context mesh. Use it
+    where a model builds positions (RoPE, learned position embeddings, masks).
+
+    Example:
+      >>> import zerojax as zj
+      >>> zj.nn.global_positions(4).tolist()      # contiguous: 0, 1, 2, 3
+      [0, 1, 2, 3]
+    """
+    from zerojax.sharding.mesh import context_size
+
+    c = context_size(jax.sharding.get_abstract_mesh(), axis)
+    return resolve(layout, c).positions(seq_len)
+

@@ -2,7 +2,7 @@
 
 With ``ZeroConfig(context_layout="balanced")`` the train step hands the loss each batch
 leaf's sequence dimension permuted into ring attention's balanced order
-(:func:`zerojax.nn.context.order`). What the loss does along that dimension decides whether
+(:meth:`zerojax.context.Layout.order`). What the loss does along that dimension decides whether
 it is still exact:
 
 * exact: elementwise ops (the permuted dimension meets the same permuted dimension, or a
@@ -30,7 +30,7 @@ calls, remat regions, custom derivatives' primals, scan and while bodies (carrie
 fixed point) and cond branches. Inside a ``shard_map`` the tags also record which mesh axes
 a dimension is split over, so a collective that sums or moves blocks of the sequence
 across devices is refused and one that gathers or scatters them in order is not (the
-sequence-parallel matmuls of :mod:`zerojax.nn.sequence`); the regions
+sequence-parallel matmuls of :mod:`zerojax.nn.megatron`); the regions
 ``zj.nn.dot_product_attention`` makes are taken as layout-aware (each output dimension
 split over the region's axes carries the tags of the inputs' split dimensions), except for
 a mask or bias handed to them that was built over the sequence in natural order
@@ -149,7 +149,7 @@ class _Tags(walk.Dataflow):
         inside = f" (inside {self.calls[-1]!r})" if self.calls and self.calls[-1] else ""
         raise ValueError(
             f"{self.what} would be silently wrong with ZeroConfig(context_layout='balanced'): the step hands it each "
-            f"batch sequence permuted into ring attention's balanced order (zj.nn.context.order), and at "
+            f"batch sequence permuted into ring attention's balanced order (zj.context.Layout.order), and at "
             f"{self.where(eqn)}{inside} '{jax_compat.name(eqn)}' {detail}. {FIX}")
 
     def _operand(self, eqn: Equation, i: int) -> str:

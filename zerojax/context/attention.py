@@ -16,7 +16,7 @@ rule) and segment ids. On one, the sequence dimension (axis 1) of ``query``, ``k
 * ``method="ring"``: each device keeps its query chunk and the key/value chunks travel
   round the ring (``C - 1`` collective-permutes of K and of V), merged with an online
   softmax; any head count. Causal attention leaves out the chunks the causal mask hides;
-  with ``layout="balanced"`` (see :mod:`zerojax.nn.context`) it costs every device the same.
+  with ``layout="balanced"`` (see :mod:`zerojax.context.layout`) it costs every device the same.
 * ``method="auto"``: Ulysses where ``C`` divides the query heads, else ring.
 * ``method="xla"``: JAX's function on the global arrays, partitioned by XLA (it gathers
   the sequence: correct, not memory-saving).
@@ -50,8 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from zerojax.context.layout import KERNEL_SCOPE
-from zerojax.nn import context as ctx
+from zerojax.context.layout import KERNEL_SCOPE, Layout, resolve
 from zerojax.sharding import jax_compat
 from zerojax.sharding.mesh import context_size
 
@@ -144,7 +143,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     given = mesh
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     c = context_size(mesh, axis)
-    layout = ctx.resolve(layout, c).kind
+    lay = resolve(layout, c)
+    layout = lay.kind
     local = c > 1 and axis in _manual_axes()
     if c > 1 and method == "xla":
         _check_xla(layout, local, axis)
@@ -160,8 +160,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     sl, kh = k.shape[1], k.shape[2]
     t, s = (tl * c, sl * c) if local else (tl, sl)  # the global lengths
     here = f" (this device's {tl} x {c} devices of {axis!r})" if local else ""
-    ctx.check(t, c, layout, f"the query's sequence length{here}", in_loss=True)
-    ctx.check(s, c, layout, f"the key's sequence length{here}", in_loss=True)
+    lay.check(t, f"the query's sequence length{here}", in_loss=True)
+    lay.check(s, f"the key's sequence length{here}", in_loss=True)
     if is_causal and t != s:
         raise ValueError(f"is_causal with query length {t} and key length {s}: causal attention needs one sequence.")
     method = _kernel(method, n, c, axis)
@@ -195,7 +195,7 @@ def chunked_attention(query, key, value, *, is_causal: bool = False, scale: floa
     Example:
       >>> import jax, jax.numpy as jnp, zerojax as zj
       >>> q = jax.random.normal(jax.random.key(0), (1, 64, 2, 8))
-      >>> out = zj.nn.attention.chunked_attention(q, q, q, is_causal=True, block_size=16)
+      >>> out = zj.context.attention.chunked_attention(q, q, q, is_causal=True, block_size=16)
       >>> bool(jnp.allclose(out, jax.nn.dot_product_attention(q, q, q, is_causal=True), atol=1e-5))
       True
     """
@@ -695,8 +695,8 @@ def _ulysses(spec: _Spec, q, k, v, mask, bias, lengths, segments):
     if spec.kh % c:  # GQA with fewer key/value heads than devices: repeat them up to the query heads
         rep = spec.n // spec.kh
         k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-    pos = jnp.asarray(ctx.order(spec.t, c, spec.layout))
-    kpos = jnp.asarray(ctx.order(spec.s, c, spec.layout))
+    pos = jnp.asarray(Layout(spec.layout, c).order(spec.t))
+    kpos = jnp.asarray(Layout(spec.layout, c).order(spec.s))
 
     def heads_spec(x):  # a mask or bias: its head dimension split with the heads, else whole
         return None if x is None else (P(None, axis) if x.shape[1] > 1 else P())
@@ -718,8 +718,8 @@ def _ulysses(spec: _Spec, q, k, v, mask, bias, lengths, segments):
 
 def _ring(spec: _Spec, q, k, v, mask, bias, lengths, segments):
     c, axis = spec.c, spec.axis
-    qpos_all = jnp.asarray(ctx.positions(spec.t, c, spec.layout))
-    kpos_all = jnp.asarray(ctx.positions(spec.s, c, spec.layout))
+    qpos_all = jnp.asarray(Layout(spec.layout, c).device_positions(spec.t))
+    kpos_all = jnp.asarray(Layout(spec.layout, c).device_positions(spec.s))
     sc = spec.s // c
     perm = [(j, (j + 1) % c) for j in range(c)]
 

@@ -1,4 +1,4 @@
-"""Sequence parallelism on the tensor axis (Megatron-LM's, arXiv 2205.05198).
+"""Megatron-LM's sequence parallelism on the tensor axis (arXiv 2205.05198).
 
 Tensor parallelism splits the matmuls of attention and the MLP over a tensor axis, but the
 activations between them (the residual stream, LayerNorm, dropout) stay whole on every
