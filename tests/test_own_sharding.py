@@ -130,3 +130,111 @@ def test_bad_axis_map():
     graphdef, params = build()
     with pytest.raises(ValueError, match=r"maps the model's axis 'fsdp' to 'model', which is not an axis"):
         zj.abstract_state(params, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(axis_map={"fsdp": "model"}))
+
+
+# A model whose attention runs on values that carry its own mesh. JAX's vmap (inside
+# jax.nn.dot_product_attention, around its masks) broadcasts an unbatched operand under that
+# value's mesh, and JAX records the mesh with the equation; re-bound under it inside the step,
+# the broadcast took the model's mesh again and met the step's values ("Mesh for all inputs
+# should be equal", jax.nn.dot_product_attention with is_causal=True, with or without a mask).
+OWN_MESH = jax.make_mesh((2, 2, 2), ("batch", "fsdp", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+OWN_MAP = {"batch": "data", "fsdp": "data", "model": "tensor"}
+T, N, K, H = 4, 4, 2, 2  # sequence, query heads, key/value heads (grouped), head size
+
+
+def _attention_loss(kind: str, constrain: bool):
+    """A one-layer attention model, its activations constrained to OWN_MESH (``constrain``),
+    its mask per ``kind``: ``causal`` (is_causal=True), ``mask+causal`` (the input's segments
+    and is_causal), ``tril`` (jnp.tril and jnp.logical_and with the segments, as a mask),
+    ``vmap`` (a hand-written attention under jax.vmap over the heads, with a gate every head
+    shares: vmap broadcasts that unbatched value on the model's mesh, no attention code of
+    JAX's involved)."""
+    from jax.sharding import NamedSharding
+
+    def own(x, spec):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(OWN_MESH, spec)) if constrain else x
+
+    def loss(p, b):
+        B = b["x"].shape[0]
+        h = own(b["x"] @ p["wqkv"], P(("batch", "fsdp"), None, "model"))
+        q, k, v = jnp.split(h, [N * H, (N + K) * H], axis=-1)
+        q, k, v = q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)
+        same = (b["seg"][:, :, None] == b["seg"][:, None, :])[:, None]  # [B, 1, T, T], from the input
+        if kind == "causal":
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        elif kind == "mask+causal":
+            out = jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True)
+        elif kind == "tril":
+            out = jax.nn.dot_product_attention(q, k, v, mask=jnp.logical_and(jnp.tril(jnp.ones((T, T), bool)), same))
+        else:
+            k, v = (jnp.repeat(x, N // K, axis=2) for x in (k, v))
+            gate = own(jax.nn.sigmoid(h[..., :H]), P(("batch", "fsdp"), None, "model"))  # [B, T, H], every head's
+
+            def head(qh, kh, vh, gate):
+                logits = jnp.einsum("bqh,bkh->bqk", qh, kh)
+                probs = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((T, T), bool)), logits, -1e9), axis=-1)
+                return jnp.einsum("bqk,bkh->bqh", probs, vh) * gate
+
+            out = jax.vmap(head, in_axes=(2, 2, 2, None), out_axes=2)(q, k, v, gate)
+        out = own(out.reshape(B, T, N * H), P(("batch", "fsdp"), None, "model"))
+        return jnp.mean((out @ p["wo"] - b["y"]) ** 2)
+
+    return loss
+
+
+def _attention_data(steps: int = 2, rows: int = 16):
+    rng = np.random.default_rng(7)
+    return [{"x": jnp.asarray(rng.normal(size=(rows, T, 6)), jnp.float32),
+             "y": jnp.asarray(rng.normal(size=(rows, T, 3)), jnp.float32),
+             "seg": jnp.asarray(np.sort(rng.integers(0, 2, size=(rows, T)), axis=1), jnp.int32)}
+            for _ in range(steps)]
+
+
+def _attention_params():
+    rng = np.random.default_rng(0)
+    return {"wqkv": jnp.asarray(rng.normal(size=(6, (N + 2 * K) * H)) / 2, jnp.float32),
+            "wo": jnp.asarray(rng.normal(size=(N * H, 3)) / 2, jnp.float32)}
+
+
+@pytest.mark.parametrize("kind,tensor", [("causal", 1), ("mask+causal", 1), ("tril", 1), ("vmap", 1),
+                                         ("mask+causal", 2)])  # tensor 2: the "model" constraints kept
+def test_attention_on_the_models_mesh_trains_as_on_one_device(kind, tensor):
+    params, tx, batches = _attention_params(), optax.sgd(0.1), _attention_data()
+    ref, ref_losses = reference_run(_attention_loss(kind, constrain=False), params, tx, batches)
+    loss_fn, mesh = _attention_loss(kind, constrain=True), zj.make_mesh(tensor=tensor)
+    for stage in (0, 3):
+        cfg = zj.ZeroConfig(stage=stage, axis_map=OWN_MAP)
+        state = zj.init_state(params, tx, mesh=mesh, config=cfg)
+        step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=cfg)
+        losses = []
+        for b in batches:
+            state, m = step(state, b)
+            losses.append(float(m["loss"]))
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=f"stage {stage}")
+        assert abs_errors(zj.gather_params(state), ref).max() <= 1e-5, stage
+
+
+def test_the_translated_program_binds_nothing_under_the_models_mesh():
+    """JAX records the mesh each equation was traced under and binds it again under that one.
+    Outside the step, vmap traced the gate's broadcast under the model's mesh; translated,
+    every equation is bound under the step's (inside its shard_map: manual over "data")."""
+    from zerojax.sharding import foreign, jax_compat, walk
+    from zerojax.sharding.plan import make_plan
+
+    params, b = _attention_params(), _attention_data(1, rows=8)[0]
+    plan = make_plan(params, zj.make_mesh(), zj.ZeroConfig(axis_map=OWN_MAP))
+    local = jax.tree.map(lambda x: x[:1], b)  # one device's rows
+    closed, _ = foreign.trace(_attention_loss("vmap", constrain=True), (params, local), plan)
+    outside = {jax_compat.traced_mesh(e).axis_names for e in walk.equations(jax_compat.open_jaxpr(closed)[0])}
+    assert ("batch", "fsdp", "model") in outside, outside
+    inside = []
+
+    def capture(p, batch):
+        program = foreign.Translator(plan).program(closed)
+        inside.extend(jax_compat.traced_mesh(e) for e in walk.equations(jax_compat.open_jaxpr(program)[0]))
+        return batch["x"]
+
+    jax.eval_shape(jax.shard_map(capture, mesh=plan.mesh, in_specs=(P(), P("data")), out_specs=P("data"),
+                                 axis_names=plan.manual_axes), params, b)
+    assert inside and {m.axis_names for m in inside} == {("data",)}, inside
+    assert all(jax_compat.manual_axes(m) == {"data"} for m in inside), inside

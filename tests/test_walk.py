@@ -19,7 +19,8 @@ _INTERNAL_MODULES = ("jax._src", "jax.extend", "jax.core", "jax.interpreters")
 # Attributes of JAX's program objects that only the boundary reads: an equation's
 # primitive and parameters, where it came from.
 _INTERNAL_ATTRIBUTES = {"primitive": "an equation's primitive", "params": "an equation's parameters",
-                        "source_info": "an equation's source information", "_src": "a private JAX module"}
+                        "source_info": "an equation's source information", "ctx": "an equation's tracing context",
+                        "_src": "a private JAX module"}
 
 
 def _dotted(node: ast.AST) -> str:
@@ -74,7 +75,7 @@ def crossings(source: str) -> list[tuple[int, str]]:
                 found.append((node.lineno, "reads a mesh's manual axes (.manual_axes)"))
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
             if len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and \
-                    node.args[1].value in ("manual_axes", "primitive", "params", "source_info"):
+                    node.args[1].value in ("manual_axes", "primitive", "params", "source_info", "ctx"):
                 found.append((node.lineno, f"reads .{node.args[1].value} through {node.func.id}"))
     return sorted(set(found))
 
@@ -105,6 +106,7 @@ def test_only_jax_compat_reads_jax_internals():
     ("n = f(x).primitive.name", "an equation's primitive"),
     ("out = e.params", "an equation's parameters"),
     ("n = eqn.primitive.name", "an equation's primitive"),
+    ("m = eqn.ctx.cur_abstract_mesh", "an equation's tracing context"),
     ("d = eqn.params['dimension_numbers']", "an equation's parameters"),
     ("d = eqn.params.get('axes')", "an equation's parameters"),
     ("t = eqn.source_info.traceback", "source information"),

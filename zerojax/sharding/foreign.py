@@ -18,9 +18,12 @@ zerojax instead
    own mesh, so activation constraints over "tensor" still steer XLA's partitioner. A
    constraint left with no axis is removed. Shardings the model's mesh left in other
    equations' parameters (a ``broadcast_in_dim`` of zeros, a ``dot_general``'s output) are
-   cleared, and every sub-program (a ``scan`` body, a ``checkpoint``, a custom derivative's
-   primal and rule) is re-traced the same way, so no value of the step carries the model's
-   mesh.
+   cleared; every equation is bound under the step's mesh, not the one it was traced under
+   (JAX records that with each equation and binds it again under it: no mesh outside the
+   step, or the model's where JAX entered a value's mesh itself, as vmap does to broadcast an
+   unbatched operand); and every sub-program (a ``scan`` body, a ``checkpoint``, a custom
+   derivative's primal and rule) is re-traced the same way, so no value of the step carries
+   the model's mesh.
 
 A constraint naming an axis neither ``axis_map`` nor zerojax's mesh knows raises a
 ``ValueError`` naming the equation's source line and the mapping to add. Everything this
@@ -72,6 +75,16 @@ class Translator(Retracer):
         if isinstance(value, NamedSharding) and value.mesh.abstract_mesh != jax.sharding.get_abstract_mesh():
             return None  # an output sharding inferred from the model's mesh: the step's context decides
         return value
+
+    def mesh(self, traced: Any) -> Any:
+        # Outside the step an equation was traced under no mesh, or under the model's, which
+        # JAX enters from a value's sharding (vmap broadcasting an unbatched operand, as
+        # jax.nn.dot_product_attention's masks): bound so again, a broadcast or iota whose
+        # sharding param was cleared would take the model's mesh from it. Here it is bound
+        # under the step's, as if traced inside it. A shard_map body keeps its own.
+        if jax_compat.manual_axes(traced):
+            return traced
+        return jax.sharding.get_abstract_mesh()
 
     # Constraints.
     def _constrain(self, eqn: Equation, x: jax.Array) -> jax.Array:

@@ -14,6 +14,7 @@ sub-program   ``ClosedJaxpr(jaxpr, consts)``        ``Jaxpr`` carrying its ``con
 scan split    ``num_consts``, ``num_carry``         ``ft_in`` (consts, carry, xs trees)
 one equation  ``ClosedJaxpr(Jaxpr(...), [])``       ``Jaxpr(..., consts=[])``
 custom rules  ``jvp_jaxpr_fun``, ``fwd_jaxpr_thunk``  the same
+traced mesh   ``eqn.ctx.cur_abstract_mesh``         the same
 constraint    ``sharding_constraint(sharding=NamedSharding)``  the same
 gather        ``gather(dimension_numbers, slice_sizes, mode, fill_value)``  the same
 manual region ``shard_map(jaxpr, in_specs, out_specs, newly_manual_axes)``  the same
@@ -214,12 +215,33 @@ def wrap_rule(thunk: Any, rebuild) -> Any:
     return lu.wrap_init(traced, debug_info=thunk.debug_info)
 
 
+def traced_mesh(eqn: Equation) -> Any:
+    """The abstract mesh ``eqn`` was traced under (``jax.sharding.get_abstract_mesh()`` then).
+
+    JAX records it with every equation and binds the equation again under it (its
+    ``eval_jaxpr`` enters the equation's context). It is the trace's mesh, or one JAX itself
+    entered from a value's sharding (vmap broadcasting an unbatched operand, a
+    ``reshard``), or a ``shard_map`` body's (its manual axes)."""
+    return eqn.ctx.cur_abstract_mesh
+
+
+def _under_mesh(eqn: Equation, mesh: Any) -> Equation:
+    """``eqn`` recorded as traced under ``mesh`` (its other context settings kept)."""
+    if mesh == traced_mesh(eqn):
+        return eqn
+    with eqn.ctx.manager, jax.sharding.use_abstract_mesh(mesh):
+        ctx = type(eqn.ctx)()  # JAX's equation context, read from the settings in force
+    return eqn.replace(ctx=ctx)
+
+
 def rebind(eqn: Equation, invals: Sequence[Any], *, program: Callable[[Any], Any],
-           rule: Callable[[Jaxpr, tuple], tuple[Any, tuple]], param: Callable[[str, Any], Any]) -> list[Any]:
+           rule: Callable[[Jaxpr, tuple], tuple[Any, tuple]], param: Callable[[str, Any], Any],
+           mesh: Callable[[Any], Any] | None = None) -> list[Any]:
     """Binds ``eqn`` on ``invals`` with its parameters rewritten: each sub-program through
     ``program(sub) -> sub`` (tuples of them too), each lazily traced custom rule through
     ``rule(jaxpr, consts) -> (jaxpr, consts)``, every other parameter through
-    ``param(name, value) -> value``."""
+    ``param(name, value) -> value``; and under the abstract mesh ``mesh(traced) -> mesh``
+    of the one it was traced under (:func:`traced_mesh`), where given."""
     params = {}
     for k, v in eqn.params.items():
         v = param(k, v)
@@ -230,7 +252,10 @@ def rebind(eqn: Equation, invals: Sequence[Any], *, program: Callable[[Any], Any
         elif isinstance(v, (tuple, list)) and v and all(is_program(x) for x in v):
             v = type(v)(program(x) for x in v)
         params[k] = v
-    return bind(eqn.replace(params=params), invals)
+    eqn = eqn.replace(params=params)
+    if mesh is not None:
+        eqn = _under_mesh(eqn, mesh(traced_mesh(eqn)))
+    return bind(eqn, invals)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1130,6 +1155,15 @@ def _checks():
     from jax.sharding import AbstractMesh, AxisType
 
     mesh = AbstractMesh((1,), ("zerojax_check",), axis_types=(AxisType.Auto,))
+
+    def under_mesh(x):
+        with jax.sharding.use_abstract_mesh(mesh):
+            return jnp.sin(x)
+
+    no_mesh = AbstractMesh((), ())
+    yield ("the mesh an equation was traced under", under_mesh, "sin",
+           lambda e: traced_mesh(e) == mesh and traced_mesh(_under_mesh(e, no_mesh)) == no_mesh)
+
     gathered = lambda x: jax.lax.all_gather(x, "zerojax_check", axis=0, tiled=True) * 2
     yield ("jax.shard_map", jax.shard_map(gathered, mesh=mesh, in_specs=jax.P("zerojax_check"),
                                           out_specs=jax.P("zerojax_check")), "shard_map",

@@ -7,8 +7,9 @@ mesh (:mod:`zerojax.sharding.gathers`). Both are :class:`Retracer` passes on
 :mod:`zerojax.sharding.walk`: every equation is bound again, in the trace they run in, and
 every sub-program (a ``scan`` body, a ``checkpoint``, a custom derivative's primal and
 rule) is re-traced by the same walk. A subclass says what it does differently with
-:meth:`Retracer.replace` (an equation replaced) and :meth:`Retracer.param` (a parameter
-replaced). Everything read of JAX's program form goes through
+:meth:`Retracer.replace` (an equation replaced), :meth:`Retracer.param` (a parameter
+replaced) and :meth:`Retracer.mesh` (the abstract mesh an equation is bound under, by
+default the one it was traced under). Everything read of JAX's program form goes through
 :mod:`zerojax.sharding.jax_compat`.
 """
 
@@ -40,9 +41,14 @@ class Retracer(walk.Evaluate):
         """An equation parameter as this pass binds it (sub-programs aside)."""
         return value
 
+    def mesh(self, traced: Any) -> Any:
+        """The abstract mesh an equation is bound under, given the one it was traced under
+        (JAX binds it again under that one unless a pass says otherwise)."""
+        return traced
+
     # The walk's binding: parameters rewritten, sub-programs re-traced.
     def bind(self, eqn: Equation, ins: list[Any]) -> list[Any]:
-        return jax_compat.rebind(eqn, ins, program=self._sub, rule=self._rule, param=self.param)
+        return jax_compat.rebind(eqn, ins, program=self._sub, rule=self._rule, param=self.param, mesh=self.mesh)
 
     def _retrace(self, jaxpr: Jaxpr, consts: Sequence[Any]) -> Any:
         avals = [jax_compat.shape_struct(v) for v in jaxpr.invars]

@@ -38,10 +38,10 @@ gathering's values may be *pending* (storage shards plus the shape-only equation
 apply), and at a ``scan`` or ``checkpoint`` it runs the body itself, with its own options
 per body (a remat policy per layer, prefetch's order of gathers), through the same
 :meth:`Walk.run`; the re-tracer's values are always plain, and it rewrites the parameters of
-the equations it binds (sub-programs re-traced by the same walk). The dataflow passes
-differ in their facts and in which constructs they follow (:attr:`Dataflow.follows`): the
-update groups follow calls only and count a loop whole, the sequence-order check follows
-every construct.
+the equations it binds (sub-programs re-traced by the same walk) and, where a pass says so,
+the mesh each is bound under. The dataflow passes differ in their facts and in which
+constructs they follow (:attr:`Dataflow.follows`): the update groups follow calls only and
+count a loop whole, the sequence-order check follows every construct.
 
 Nothing here names a JAX primitive or parameter: :mod:`zerojax.sharding.jax_compat` does.
 """
