@@ -278,7 +278,10 @@ def _key_bias(case: Case, keys: np.ndarray, fill) -> jax.Array:
     return jnp.asarray(np.broadcast_to(np.where(keys, fill, 0.0)[:, None, None, :], shape), case.dtype)
 
 
-@pytest.mark.parametrize("case", [RING, dataclasses.replace(RING, dtype="bfloat16"), ULYSSES,
+# slow: 3-5 s each; ring in float32 and Ulysses in bfloat16 stay in the default set (the
+# property draws mix -inf biases with either method and dtype too)
+@pytest.mark.parametrize("case", [RING, pytest.param(dataclasses.replace(RING, dtype="bfloat16"), marks=pytest.mark.slow),
+                                  pytest.param(ULYSSES, marks=pytest.mark.slow),
                                   dataclasses.replace(ULYSSES, dtype="bfloat16")],
                          ids=["ring-float32", "ring-bfloat16", "ulysses-float32", "ulysses-bfloat16"])
 def test_minus_inf_key_padding_bias_is_jax(case):
