@@ -58,43 +58,6 @@ def _ours(c, method, layout, q, k, v, bias=None, mask=None, grad=False, **kw):
     return tuple(np.asarray(o)[:, inv] for o in out) if grad else np.asarray(out)[:, inv]
 
 
-CASES = [  # (C, method, layout, N, K)
-    (2, "ulysses", "contiguous", 4, 2), (4, "ulysses", "balanced", 4, 2), (4, "ulysses", "contiguous", 4, 1),
-    (2, "ring", "balanced", 4, 2), (4, "ring", "contiguous", 4, 2), (8, "ring", "balanced", 4, 2),
-    (8, "ring", "contiguous", 3, 1), (8, "ulysses", "contiguous", 8, 2),
-]
-
-
-@pytest.mark.slow  # reason: the seeded property cases of tests/test_attention.py cover it (values and gradients)
-@pytest.mark.parametrize("c,method,layout,n,kh", CASES)
-def test_kernels_give_jax_attention(c, method, layout, n, kh):
-    """Causal with a padding mask (key lengths), and non-causal with a full boolean mask and
-    a bias: JAX's result on the global arrays, to fp32 rounding."""
-    t = 16
-    q, k, v = _qkv(t, n, kh)
-    lens = jnp.array([t, 9])
-    want = jax.nn.dot_product_attention(q, k, v, is_causal=True, key_value_seq_lengths=lens)
-    got = _ours(c, method, layout, q, k, v, is_causal=True, key_value_seq_lengths=lens)
-    np.testing.assert_allclose(got, want, atol=2e-6)
-    mask = jax.random.bernoulli(jax.random.key(1), 0.7, (B, 1, t, t))
-    bias = jax.random.normal(jax.random.key(2), (B, n, t, t))
-    want = jax.nn.dot_product_attention(q, k, v, bias, mask)
-    np.testing.assert_allclose(_ours(c, method, layout, q, k, v, bias, mask), want, atol=2e-6)
-
-
-@pytest.mark.slow  # reason: the seeded property cases of tests/test_attention.py cover it (values and gradients)
-@pytest.mark.parametrize("method,block", [("ulysses", 512), ("ring", 512), ("ulysses", 4), ("ring", 2)])
-def test_kernel_gradients_give_jax_gradients(method, block):
-    """Whole (one chunk of keys per device) and chunked local attention (a rematerialised
-    scan over chunks of ``block`` keys)."""
-    q, k, v = _qkv(16, 4, 2)
-    want = jax.grad(lambda q, k, v: (jax.nn.dot_product_attention(q, k, v, is_causal=True) ** 2).sum(),
-                    argnums=(0, 1, 2))(q, k, v)
-    got = _ours(4, method, "balanced", q, k, v, grad=True, is_causal=True, block_size=block)
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, atol=1e-5)
-
-
 @pytest.mark.slow  # reason: 16 s; test_attention's causal-ring skipping tests cover both layouts
 @pytest.mark.parametrize("c,layout", [(2, "contiguous"), (4, "balanced")])
 def test_causal_ring_leaves_out_the_masked_chunks_exactly(c, layout):
@@ -120,19 +83,6 @@ def test_causal_ring_leaves_out_the_masked_chunks_exactly(c, layout):
                                                                    layout=layout)).lower(
             *(jax.device_put(x, sh) for x in (q, k, v))).as_text()
     assert "stablehlo.case" in text  # the ring steps branch on which chunk arrived
-
-
-@pytest.mark.slow  # reason: the seeded property cases of tests/test_attention.py cover it (values and gradients)
-def test_query_lengths_and_local_windows_as_jax():
-    q, k, v = _qkv(16, 4, 2)
-    kw = dict(is_causal=True, query_seq_lengths=jnp.array([16, 11]), local_window_size=(3, 0))
-    want = jax.nn.dot_product_attention(q, k, v, **kw)
-    for method in ("ulysses", "ring"):  # chunks of 4 keys: the masks sliced chunk by chunk
-        np.testing.assert_allclose(_ours(4, method, "balanced", q, k, v, block_size=4, **kw), want, atol=2e-6)
-    mask = jax.random.bernoulli(jax.random.key(1), 0.7, (B, 1, 16, 16))
-    bias = jax.random.normal(jax.random.key(2), (B, 4, 16, 16))
-    want = jax.nn.dot_product_attention(q, k, v, bias, mask)
-    np.testing.assert_allclose(_ours(2, "ring", "contiguous", q, k, v, bias, mask, block_size=2), want, atol=2e-6)
 
 
 def test_off_a_context_mesh_it_is_jax_function():
