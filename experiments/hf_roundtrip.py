@@ -10,7 +10,7 @@ logits with zerojax's, in the private venv of the fixture script::
 
     python experiments/hf_roundtrip.py --out /tmp/exports
     for n in $(ls tests/data/hf); do
-      /tmp/hfref/bin/python experiments/make_hf_fixtures.py --check-export /tmp/exports/$n \\
+      $HFVENV/bin/python experiments/make_hf_fixtures.py --check-export /tmp/exports/$n \\
           --reference tests/data/hf/$n/reference.npz --logits /tmp/exports/${n}_logits.npz
     done
 """

@@ -50,7 +50,7 @@ It needs ``torch`` and ``transformers``, which are not dependencies of the proje
 private virtual environment::
 
     python3 -m venv /work/hfref && /work/hfref/bin/pip install torch==2.13.0 transformers safetensors numpy
-    /work/hfref/bin/python experiments/make_hf_fixtures.py --out tests/data/hf
+    $HFVENV/bin/python experiments/make_hf_fixtures.py --out tests/data/hf
 
 Made with torch 2.13.0 and transformers 5.25.0; the same seed gives the same files.
 
@@ -60,7 +60,7 @@ the largest logit difference against the reference (or against logits in the npz
 ``--logits``: keys ``logits``/``logits_mask``, and ``logits64``/``logits64_mask`` with
 ``--float64``); the exit status is non-zero on any key problem or difference over ``--tol``::
 
-    /work/hfref/bin/python experiments/make_hf_fixtures.py --check-export EXPORT_DIR \\
+    $HFVENV/bin/python experiments/make_hf_fixtures.py --check-export EXPORT_DIR \\
         --reference tests/data/hf/llama31/reference.npz [--config tests/data/hf/llama31] [--logits OURS.npz]
 """
 
