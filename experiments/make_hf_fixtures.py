@@ -49,7 +49,7 @@ no missing or unexpected key and gives the same logits.
 It needs ``torch`` and ``transformers``, which are not dependencies of the project; run it in a
 private virtual environment::
 
-    python3 -m venv /work/hfref && /work/hfref/bin/pip install torch==2.13.0 transformers safetensors numpy
+    python3 -m venv $HFVENV && $HFVENV/bin/pip install torch==2.13.0 transformers safetensors numpy
     $HFVENV/bin/python experiments/make_hf_fixtures.py --out tests/data/hf
 
 Made with torch 2.13.0 and transformers 5.25.0; the same seed gives the same files.
