@@ -116,6 +116,15 @@ class ZeroConfig:
         the same weights). The loss sees whole sequences (the axis stays automatic in the
         step, as the tensor axis does), so plain attention is partitioned by XLA and stays
         exact; ``zj.nn.dot_product_attention`` runs Ulysses or ring attention over it.
+      expert_axis: name of the mesh axis of expert parallelism, used where the mesh has it
+        (``zj.make_mesh(expert=E)``): the batch is split over data x expert, and each
+        parameter whose annotation names it (the stacked routed experts' expert dimension,
+        e.g. the logical name ``"expert"`` with ``axis_rules=(("expert", "expert"),)``) is
+        split over it on that dimension (``n_experts / E`` experts per device) and ZeRO-sharded
+        over the data axes on another; every other parameter is replicated over the expert
+        axis and ZeRO-sharded over the data axes. The axis stays automatic in the step, so a
+        MoE written with plain ops is partitioned by XLA and stays exact;
+        ``zj.nn.routed_experts`` dispatches tokens by all-to-all over it (docs/moe.md).
       context_layout: how each sequence is split over the context axis: ``"contiguous"``
         (device i holds positions ``[i·T/C, (i+1)·T/C)``) or ``"balanced"`` (ring
         attention's load balancing for causal attention: 2C chunks, device i holds chunks
@@ -260,6 +269,7 @@ class ZeroConfig:
     context_layout: str = "contiguous"
     axis_rules: Any = ()
     axis_map: Any = None
+    expert_axis: str = "expert"
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in STAGES:
@@ -284,6 +294,11 @@ class ZeroConfig:
             raise ValueError(f"ZeroConfig.context_axis must be a mesh axis name other than axis={self.axis!r}, "
                              f"replica_axis={self.replica_axis!r} and tensor_axis={self.tensor_axis!r}, got "
                              f"{self.context_axis!r}.")
+        if not isinstance(self.expert_axis, str) or not self.expert_axis or self.expert_axis in (
+                self.axis, self.replica_axis, self.tensor_axis, self.context_axis):
+            raise ValueError(f"ZeroConfig.expert_axis must be a mesh axis name other than axis={self.axis!r}, "
+                             f"replica_axis={self.replica_axis!r}, tensor_axis={self.tensor_axis!r} and "
+                             f"context_axis={self.context_axis!r}, got {self.expert_axis!r}.")
         if self.context_layout not in ("contiguous", "balanced"):
             raise ValueError(f"ZeroConfig.context_layout must be 'contiguous' or 'balanced' (ring attention's load "
                              f"balancing for causal attention), got {self.context_layout!r}.")

@@ -15,7 +15,7 @@ from zerojax.config import ZeroConfig
 from zerojax.sharding import gathers, outputs, per_use
 from zerojax.context import batch as sequence
 from zerojax.sharding.gradients import cast_batch, context, local_shapes, pending
-from zerojax.sharding.mesh import auto_axes, batch_axes, batch_devices
+from zerojax.sharding.mesh import auto_axes, batch_axes, batch_devices, row_split
 from zerojax.sharding.plan import ZeroPlan
 from zerojax.sharding.stages import stage_of
 from zerojax.state import ZeroState
@@ -51,7 +51,7 @@ class EvalStep:
         if self.with_model_state and state.model_state is None:
             raise ValueError("make_eval_step(..., with_model_state=True) needs a state built with "
                              "zj.init_state(..., model_state=...).")
-        check_batch(batch, self.n, batch_axes(self.mesh, self.config.axis, self.config.replica_axis))
+        check_batch(batch, *row_split(self.mesh, self.config))
         sequence.check(state.plan, batch)
 
     def _run(self, state: ZeroState, batch: Any) -> Any:

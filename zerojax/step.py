@@ -24,7 +24,7 @@ from zerojax.optim.offload import choose_place
 from zerojax.optim.update import check_optimizer, clip_by_global_norm, keep_if
 from zerojax.sharding.gradients import Loss, own_sharding_hint
 from zerojax.context import batch as context
-from zerojax.sharding.mesh import auto_axes, batch_axes, batch_devices
+from zerojax.sharding.mesh import auto_axes, batch_axes, batch_devices, row_split
 from zerojax.sharding.partial_axes import warn_partial
 from zerojax.sharding.plan import ZeroPlan
 from zerojax.sharding.stages import stage_of
@@ -218,7 +218,7 @@ class TrainStep:
         if self.options["with_model_state"] and state.model_state is None:
             raise ValueError("make_train_step(..., with_model_state=True) hands the loss the model state: build "
                              "the state with zj.init_state(..., model_state=...).")
-        check_batch(batch, self.n, batch_axes(self.mesh, self.config.axis, self.config.replica_axis),
+        check_batch(batch, *row_split(self.mesh, self.config),
                     self.config.grad_accum_steps)
         context.check(state.plan, batch)
 

@@ -107,8 +107,17 @@ def batch_shardings(plan: Any, batch: Any) -> list[NamedSharding]:
             for x, d in zip(leaves, dims)]
 
 
+def _rows(plan: Any) -> Any:
+    """The axes a leaf's rows are split over: the batch axes, and the expert axis after them
+    on an expert mesh (automatic in the step: each expert device holds its own rows)."""
+    if plan.expert == 1:
+        return plan.batch_axes
+    b = plan.batch_axes
+    return (*((b,) if isinstance(b, str) else b), plan.config.expert_axis)
+
+
 def _spec(plan: Any, ndim: int, dims: tuple[int, ...]) -> P:
-    spec = [plan.batch_axes] + [None] * (ndim - 1)
+    spec = [_rows(plan)] + [None] * (ndim - 1)
     if dims:
         spec[dims[0]] = plan.config.context_axis
     return P(*spec)
@@ -134,14 +143,15 @@ def check_lengths(config: Any, batch: Any, c: int) -> None:
 
 def constrain(plan: Any, batch: Any) -> Any:
     """``batch`` with each leaf's sequence split over the context axis (and its rows over
-    the data axes); in the balanced layout, every sequence dimension permuted into its
-    order first."""
-    if plan.context == 1:
+    the data axes, and over the expert axis on an expert mesh); in the balanced layout, every
+    sequence dimension permuted into its order first."""
+    if plan.context == 1 and plan.expert == 1:
         return batch
     layout = layout_of(plan)
     leaves, treedef = jax.tree.flatten(batch)
     out = []
-    for x, dims in zip(leaves, sequence_dims(plan.config, batch)):
+    seqs = sequence_dims(plan.config, batch) if plan.context > 1 else [()] * len(leaves)
+    for x, dims in zip(leaves, seqs):
         for d in dims:
             x = layout.permute(x, d)
         out.append(jax.lax.with_sharding_constraint(x, NamedSharding(plan.mesh, _spec(plan, x.ndim, dims))))
@@ -159,8 +169,10 @@ def whole(plan: Any, x: jax.Array, layout: Any = None) -> jax.Array:
     """Inside the step's ``shard_map``: ``x`` (a gradient in its parameter's shape) made whole
     over the automatic context axis, so that a collective over the data axes takes it (XLA
     reduces a gradient's per-chunk sums over the context axis here); a tensor-parallel
-    leaf keeps its split over the tensor axis (``layout``: its leaf layout)."""
-    if plan.context == 1:
+    leaf keeps its split over the tensor axis (``layout``: its leaf layout). On an expert
+    mesh the same holds over the automatic expert axis (the rows are split over it), a
+    routed expert's gradient keeping its split over it."""
+    if plan.context == 1 and plan.expert == 1:
         return x
     spec = layout.tensor_spec() if layout is not None and layout.tp and x.ndim == len(layout.shape) else P()
     return jax.lax.with_sharding_constraint(x, spec)

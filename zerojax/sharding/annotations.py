@@ -100,16 +100,25 @@ class _Spec:
 def tensor_dims(names: list[Annotation | None], shapes: list[tuple[int, ...]], paths: list[str], mesh: Mesh,
                 config: ZeroConfig) -> tuple[int, ...]:
     """Per parameter: the dimension split over the tensor axis (-1: none), checked."""
+    return tuple(d if a == config.tensor_axis else -1 for d, a in split_dims(names, shapes, paths, mesh, config))
+
+
+def split_dims(names: list[Annotation | None], shapes: list[tuple[int, ...]], paths: list[str], mesh: Mesh,
+               config: ZeroConfig) -> tuple[tuple[int, str], ...]:
+    """Per parameter: ``(dimension, axis)`` split over the tensor axis or the expert axis
+    (``ZeroConfig.expert_axis``, a routed expert's expert dimension), or ``(-1, "")``,
+    checked: a weight is split over one of them on one dimension."""
     rules = tuple(config.axis_rules)
-    t_axis = config.tensor_axis
-    t = int(mesh.shape[t_axis]) if t_axis in mesh.axis_names else 1
-    known = set(mesh.axis_names) | {t_axis}
+    t_axis, e_axis = config.tensor_axis, config.expert_axis
+    sizes = {a: int(mesh.shape[a]) if a in mesh.axis_names else 1 for a in (t_axis, e_axis)}
+    split = any(k > 1 for k in sizes.values())
+    known = set(mesh.axis_names) | {t_axis, e_axis}
     out = []
     for ann, shape, path in zip(names, shapes, paths):
-        if ann is None or (t == 1 and not rules):
-            # Without a tensor axis and without rules nothing is split: annotations (logical
-            # names of a model written for another mesh too) are not read.
-            out.append(-1)
+        if ann is None or (not split and not rules):
+            # Without a tensor or expert axis and without rules nothing is split: annotations
+            # (logical names of a model written for another mesh too) are not read.
+            out.append((-1, ""))
             continue
         leaf_names = ann.names
         if len(leaf_names) > len(shape):
@@ -119,28 +128,41 @@ def tensor_dims(names: list[Annotation | None], shapes: list[tuple[int, ...]], p
             targets = logical.resolve(ann, rules)
         except ValueError as e:
             raise ValueError(f"params{path}: {e}") from None
-        dims = []
+        dims = {t_axis: [], e_axis: []}
         for d, (name, target) in enumerate(zip(leaf_names, targets)):
             if target is logical.UNRULED:
                 axes = _unruled(name, known, path, d, mesh, config)
             else:
                 axes = _rule_target(name, target, known, path, d, mesh, config)
-            if t_axis in axes:
-                dims.append(d)
-        if len(dims) > 1:
-            raise ValueError(f"params{path} (shape {shape}): its annotation {leaf_names} puts the tensor axis "
-                             f"{t_axis!r} on dimensions {dims}; a weight is split over it on one dimension. Annotate "
-                             f"one of them (e.g. the output features of a column-parallel kernel).")
-        if not dims or t == 1:
-            out.append(-1)
+            for a in dims:
+                if a in axes:
+                    dims[a].append(d)
+        for a, ds in dims.items():
+            if len(ds) > 1:
+                what = "tensor" if a == t_axis else "expert"
+                raise ValueError(f"params{path} (shape {shape}): its annotation {leaf_names} puts the {what} axis "
+                                 f"{a!r} on dimensions {ds}; a weight is split over it on one dimension. Annotate "
+                                 f"one of them (e.g. the output features of a column-parallel kernel, or the "
+                                 f"stacked experts' expert dimension).")
+        used = [(ds[0], a) for a, ds in dims.items() if ds and sizes[a] > 1]
+        if len(used) > 1:
+            raise ValueError(f"params{path} (shape {shape}): its annotation {leaf_names} splits it over both the "
+                             f"tensor axis {t_axis!r} (dimension {dims[t_axis][0]}) and the expert axis {e_axis!r} "
+                             f"(dimension {dims[e_axis][0]}); a weight split over both is not supported yet. Leave "
+                             f"one of them whole on this mesh (a rule mapping its name to None), or use a mesh "
+                             f"without one of the two axes.")
+        if not used:
+            out.append((-1, ""))
             continue
-        d = dims[0]
-        if shape[d] % t:
-            ok = [k for k in range(1, shape[d] + 1) if shape[d] % k == 0 and mesh.devices.size % k == 0]
-            raise ValueError(f"params{path} (shape {shape}) is split over {t_axis!r} on dimension {d} of size "
-                             f"{shape[d]}, which does not divide into {t} tensor shards. Use a tensor degree "
-                             f"dividing {shape[d]} (one of {ok}), or a model size that divides {t}.")
-        out.append(d)
+        d, a = used[0]
+        k = sizes[a]
+        if shape[d] % k:
+            ok = [j for j in range(1, shape[d] + 1) if shape[d] % j == 0 and mesh.devices.size % j == 0]
+            what = "tensor" if a == t_axis else "expert"
+            raise ValueError(f"params{path} (shape {shape}) is split over {a!r} on dimension {d} of size "
+                             f"{shape[d]}, which does not divide into {k} {what} shards. Use {'an' if what == 'expert' else 'a'} {what} degree "
+                             f"dividing {shape[d]} (one of {ok}), or a model size that divides {k}.")
+        out.append((d, a))
     return tuple(out)
 
 

@@ -22,7 +22,8 @@ from jax.sharding import AxisType, Mesh
 
 def make_mesh(devices: Sequence[jax.Device] | None = None, axis: str = "data", *, replicas: int = 1,
               replica_axis: str = "replica", tensor: int = 1, tensor_axis: str = "tensor",
-              group_size: int | None = None, context: int = 1, context_axis: str = "context") -> Mesh:
+              group_size: int | None = None, context: int = 1, context_axis: str = "context", expert: int = 1,
+              expert_axis: str = "expert") -> Mesh:
     """Builds the mesh zerojax shards over: ``(N,)`` named ``axis``, or with ``replicas=R``,
     ``(R, N/R)`` named ``(replica_axis, axis)``: every stage shards over ``axis`` within a
     group of ``N/R`` devices and replicates over ``replica_axis`` (hybrid sharding).
@@ -45,6 +46,13 @@ def make_mesh(devices: Sequence[jax.Device] | None = None, axis: str = "data", *
     data and tensor axes: ``(replica, data, context, tensor)``, the replica and tensor axes
     only where asked. The batch's sequence dimension is split over it and ZeRO shards the
     state over data x context (see ``ZeroConfig.context_axis``).
+
+    With ``expert=E`` the mesh gains an expert-parallel axis ``expert_axis`` after the data
+    axis: ``(replica, data, expert, context, tensor)``. The batch is split over data x expert
+    (an expert group's devices are data-parallel for every layer but the routed experts);
+    weights annotated with the expert axis (the stacked experts' expert dimension) are
+    split over it, each device holding ``n_experts / E`` experts (see ``ZeroConfig.expert_axis``
+    and docs/moe.md).
 
     ``group_size=G`` asks for replica groups of ``G`` devices instead of a number of them
     (``replicas = N // G``, DeepSpeed's ``mics_shard_size``), refused where ``G`` does not
@@ -69,6 +77,8 @@ def make_mesh(devices: Sequence[jax.Device] | None = None, axis: str = "data", *
       {'replica': 2, 'data': 2, 'tensor': 2}
       >>> dict(zj.make_mesh(context=4).shape)
       {'data': 2, 'context': 4}
+      >>> dict(zj.make_mesh(expert=4).shape)
+      {'data': 2, 'expert': 4}
       >>> dict(zj.make_mesh(group_size=4).shape)
       {'replica': 2, 'data': 4}
     """
@@ -81,6 +91,11 @@ def make_mesh(devices: Sequence[jax.Device] | None = None, axis: str = "data", *
         raise ValueError(f"make_mesh(tensor=...) must be a positive int (tensor-parallel degree), got {tensor!r}.")
     if isinstance(context, bool) or not isinstance(context, int) or context < 1:
         raise ValueError(f"make_mesh(context=...) must be a positive int (context-parallel degree), got {context!r}.")
+    if isinstance(expert, bool) or not isinstance(expert, int) or expert < 1:
+        raise ValueError(f"make_mesh(expert=...) must be a positive int (expert-parallel degree), got {expert!r}.")
+    if expert > 1:
+        return _with_expert(devices, axis, replicas, replica_axis, tensor, tensor_axis, context, context_axis, expert,
+                            expert_axis)
     if context > 1:
         return _with_context(devices, axis, replicas, replica_axis, tensor, tensor_axis, context, context_axis)
     if tensor > 1:
@@ -139,6 +154,39 @@ def _with_context(devices: list, axis: str, replicas: int, replica_axis: str, te
     shape = [(n, k) for n, k in shape if k > 1 or n in (axis, context_axis)]
     grid = np.array(ordered, dtype=object).reshape([k for _, k in shape])
     return Mesh(grid, tuple(n for n, _ in shape), axis_types=(AxisType.Auto,) * len(shape))
+
+
+def _with_expert(devices: list, axis: str, replicas: int, replica_axis: str, tensor: int, tensor_axis: str,
+                 context: int, context_axis: str, expert: int, expert_axis: str) -> Mesh:
+    """``(replica, data, expert, context, tensor)``, the size-1 replica, context and tensor
+    axes left out: an expert group is neighbouring devices (its all-to-alls stay close)."""
+    names = [n for n in (axis, replica_axis, tensor_axis, context_axis) if isinstance(n, str) and n]
+    if not isinstance(expert_axis, str) or not expert_axis or expert_axis in names:
+        raise ValueError(f"make_mesh(expert_axis={expert_axis!r}) must be a non-empty name other than the data, "
+                         f"replica, tensor and context axes {names}.")
+    for name, value in (("replicas", replicas), ("tensor", tensor), ("context", context)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"make_mesh({name}=...) must be a positive int, got {value!r}.")
+    other = replicas * context * tensor
+    if len(devices) % (other * expert):
+        ok = [e for e in range(1, len(devices) + 1) if len(devices) % (other * e) == 0]
+        raise ValueError(f"make_mesh(expert={expert}, context={context}, tensor={tensor}, replicas={replicas}): "
+                         f"{len(devices)} devices do not split into groups of {expert} x {context} x {tensor}"
+                         f"{f' in {replicas} replica groups' if replicas > 1 else ''}. Use expert in {ok}.")
+    ordered = [d for _, d in sorted(enumerate(devices), key=lambda t: (t[1].process_index, t[0]))]
+    data = len(devices) // (other * expert)
+    shape = [(replica_axis, replicas), (axis, data), (expert_axis, expert), (context_axis, context),
+             (tensor_axis, tensor)]
+    shape = [(n, k) for n, k in shape if k > 1 or n in (axis, expert_axis)]
+    grid = np.array(ordered, dtype=object).reshape([k for _, k in shape])
+    return Mesh(grid, tuple(n for n, _ in shape), axis_types=(AxisType.Auto,) * len(shape))
+
+
+def expert_size(mesh: Any, expert_axis: str = "expert") -> int:
+    """Devices of the expert axis of ``mesh`` (1 when it has none, or for no mesh)."""
+    if mesh is None:
+        return 1
+    return int(dict(mesh.shape)[expert_axis]) if expert_axis in mesh.axis_names else 1
 
 
 def context_size(mesh: Any, context_axis: str = "context") -> int:
@@ -208,6 +256,16 @@ def batch_devices(mesh: Mesh, axis: str, replica_axis: str) -> int:
     tensor axis's: a tensor group shares its batch rows)."""
     n = axis_size(mesh, axis)
     return n * int(mesh.shape[replica_axis]) if replica_axis in mesh.axis_names else n
+
+
+def row_split(mesh: Mesh, config: Any) -> tuple[int, tuple[str, ...]]:
+    """How many ways, and over which axes, a batch's rows are split: the batch axes, and
+    the expert axis after them where the mesh has one (automatic in the step)."""
+    b = batch_axes(mesh, config.axis, config.replica_axis)
+    axes = (b,) if isinstance(b, str) else tuple(b)
+    n = batch_devices(mesh, config.axis, config.replica_axis)
+    e = expert_size(mesh, config.expert_axis)
+    return (n * e, (*axes, config.expert_axis)) if e > 1 else (n, axes)
 
 
 def tensor_size(mesh: Mesh, tensor_axis: str) -> int:

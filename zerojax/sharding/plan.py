@@ -15,8 +15,8 @@ from optax import MaskedNode
 
 from zerojax.config import ZeroConfig
 from zerojax.sharding.layout import LeafLayout, layout_for
-from zerojax.sharding.mesh import (auto_axes, axis_size, batch_axes, batch_devices, context_size, manual_axes,
-                                   tensor_size)
+from zerojax.sharding.mesh import (auto_axes, axis_size, batch_axes, batch_devices, context_size, expert_size,
+                                   manual_axes, tensor_size)
 
 
 HOST = "pinned_host"  # the memory kind of offloaded state
@@ -55,6 +55,11 @@ class ZeroPlan:
     def context(self) -> int:
         """Devices of the context axis (1 without context parallelism)."""
         return context_size(self.mesh, self.config.context_axis)
+
+    @property
+    def expert(self) -> int:
+        """Devices of the expert axis (1 without expert parallelism)."""
+        return expert_size(self.mesh, self.config.expert_axis)
 
     @property
     def storage_axes(self) -> str | tuple[str, str]:
@@ -213,14 +218,14 @@ class ZeroPlan:
     def _opt_layout(self, path: str, x: Any) -> LeafLayout:
         """An optimizer-state array's layout: its parameter's tensor split where it has the
         parameter's shape and path (Adam's moments), none otherwise (scalars, factored stats)."""
-        tdim = -1
-        if self.tensor > 1:
-            best = -1
-            for p, l in zip(self.paths, self.layouts):
-                if l.tp and tuple(x.shape) == l.shape and path.endswith(p) and len(p) > best:
-                    tdim, best = l.tdim, len(p)
-        return layout_for(x.shape, x.dtype, self.shards, tensor=self.tensor if tdim >= 0 else 1, tdim=tdim,
-                          taxis=self.config.tensor_axis)
+        match = None
+        best = -1
+        for p, l in zip(self.paths, self.layouts):
+            if l.tp and tuple(x.shape) == l.shape and path.endswith(p) and len(p) > best:
+                match, best = l, len(p)
+        if match is None:
+            return layout_for(x.shape, x.dtype, self.shards)
+        return layout_for(x.shape, x.dtype, self.shards, tensor=match.tensor, tdim=match.tdim, taxis=match.taxis)
 
 
 def master_dtype(dtype) -> jnp.dtype:
@@ -243,13 +248,19 @@ def make_plan(params: Any, mesh: Mesh, config: ZeroConfig, tx: Any = None, train
     mesh = auto_axes(mesh)
     t = tensor_size(mesh, config.tensor_axis)
     c = context_size(mesh, config.context_axis)
-    if mesh.devices.size != batch_devices(mesh, config.axis, config.replica_axis) * t * c:
+    e = expert_size(mesh, config.expert_axis)
+    if mesh.devices.size != batch_devices(mesh, config.axis, config.replica_axis) * t * c * e:
         raise ValueError(
             f"mesh {dict(mesh.shape)} has axes other than {config.axis!r} (the data axis), "
-            f"{config.tensor_axis!r} (tensor parallelism), {config.context_axis!r} (context parallelism) and "
-            f"{config.replica_axis!r} (replica groups) with size > 1; zerojax shards over one data axis, optionally "
-            f"replicated, beside tensor and context axes. Build the mesh with zj.make_mesh(), "
-            f"zj.make_mesh(replicas=R), zj.make_mesh(tensor=T) or zj.make_mesh(context=C).")
+            f"{config.tensor_axis!r} (tensor parallelism), {config.context_axis!r} (context parallelism), "
+            f"{config.expert_axis!r} (expert parallelism) and {config.replica_axis!r} (replica groups) with size > 1; "
+            f"zerojax shards over one data axis, optionally replicated, beside tensor, context and expert axes. Build "
+            f"the mesh with zj.make_mesh(), zj.make_mesh(replicas=R), zj.make_mesh(tensor=T), "
+            f"zj.make_mesh(context=C) or zj.make_mesh(expert=E).")
+    if e > 1 and config.axis_map is not None:
+        raise ValueError("ZeroConfig.axis_map (a model with its own sharding) is not supported on an expert mesh yet: "
+                         "its constraints are translated onto the data and tensor axes only. Annotate the experts "
+                         "with a logical name and ZeroConfig.axis_rules instead (docs/moe.md).")
     if c > 1 and config.axis_map is not None:
         raise ValueError("ZeroConfig.axis_map (a model with its own sharding) is not supported on a context mesh yet: "
                          "its constraints are translated onto the data and tensor axes only. Use zj.make_mesh() or "
@@ -281,10 +292,11 @@ def make_plan(params: Any, mesh: Mesh, config: ZeroConfig, tx: Any = None, train
     if len(names) != len(leaves_with_path):
         raise ValueError(f"params has {len(leaves_with_path)} leaves but its annotations name {len(names)}; pass "
                          "the parameter tree as the model gives it.")
-    tdims = annotations.tensor_dims(names, [tuple(x.shape) for _, x in leaves_with_path], paths, mesh, config)
-    for (_, leaf), tdim in zip(leaves_with_path, tdims):
-        layouts.append(layout_for(tuple(leaf.shape), leaf.dtype, n * c, tensor=t if tdim >= 0 else 1, tdim=tdim,
-                                  taxis=config.tensor_axis))
+    splits = annotations.split_dims(names, [tuple(x.shape) for _, x in leaves_with_path], paths, mesh, config)
+    degree = {config.tensor_axis: t, config.expert_axis: e}
+    for (_, leaf), (tdim, taxis) in zip(leaves_with_path, splits):
+        layouts.append(layout_for(tuple(leaf.shape), leaf.dtype, n * c, tensor=degree[taxis] if tdim >= 0 else 1,
+                                  tdim=tdim, taxis=taxis or config.tensor_axis))
     mask = _trainable_mask(trainable, params, treedef, paths)
     plan = ZeroPlan(config=config, mesh=mesh, treedef=treedef, layouts=tuple(layouts), paths=tuple(paths),
                     trainable=() if all(mask) else mask)

@@ -1,0 +1,239 @@
+"""Mixture-of-experts beside ZeRO: ``zj.nn.routed_experts`` against a per-token float64
+reference, the expert axis exact against single-device optax at every stage, the
+all-to-alls in the compiled program, the state per device from the arrays, and bad input."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zerojax as zj
+from tests.models import abs_errors, reference_run
+from zerojax.moe import capacity, load_balancing_loss, routed_experts, z_loss
+from zerojax.report.comm import collectives
+
+B, T, D, F, E = 16, 4, 8, 16, 8
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel against a per-token loop in float64 (written from the definitions, not from it).
+
+
+def reference(x, logits, up, down, gate, k, *, normalize, cf=None, groups=1, score="softmax", bias=None,
+              scale=1.0):
+    x = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
+    lg = np.asarray(logits, np.float64).reshape(x.shape[0], -1)
+    n, ne = lg.shape
+    if score == "softmax":
+        s = np.exp(lg - lg.max(1, keepdims=True))
+        s /= s.sum(1, keepdims=True)
+        choose = s
+    else:
+        s = 1 / (1 + np.exp(-lg))
+        choose = s + (0 if bias is None else np.asarray(bias, np.float64))
+    top = np.argsort(-choose, axis=1, kind="stable")[:, :k]
+    keep = np.ones((n, k), bool)
+    if cf is not None:
+        ng, cap = n // groups, capacity(n // groups, k, ne, cf)
+        for g in range(groups):
+            used = np.zeros(ne, int)
+            for slot in range(k):
+                for t in range(g * ng, (g + 1) * ng):
+                    keep[t, slot] = used[top[t, slot]] < cap
+                    used[top[t, slot]] += 1
+    silu = lambda a: a / (1 + np.exp(-a))
+    y = np.zeros_like(x)
+    for t in range(n):
+        w = s[t, top[t]]
+        w = w / w.sum() if normalize else w
+        for slot in range(k):
+            e = top[t, slot]
+            h = x[t] @ np.asarray(up[e], np.float64)
+            h = silu(x[t] @ np.asarray(gate[e], np.float64)) * h if gate is not None else silu(h)
+            if keep[t, slot]:
+                y[t] += scale * w[slot] * (h @ np.asarray(down[e], np.float64))
+    return y, 1 - keep.mean()
+
+
+def _arrays(seed, ne=E, d=D, f=F, lead=(B, T)):
+    r = np.random.default_rng(seed)
+    a = lambda *s, sc=1.0: jnp.asarray(r.normal(size=s) * sc, jnp.float32)
+    return (a(*lead, d), a(*lead, ne, sc=2.0), a(ne, d, f, sc=0.3), a(ne, f, d, sc=0.3), a(ne, d, f, sc=0.3))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_routed_experts_equal_the_per_token_definition(seed):
+    """Randomized: k, normalisation, gate or none, the grouped or the dense form, dropless
+    or a capacity over groups, softmax or sigmoid with a selection bias."""
+    r = np.random.default_rng(100 + seed)
+    ne = int(r.choice([4, 8]))
+    k = int(r.integers(1, 4))
+    x, logits, up, down, gate = _arrays(seed, ne=ne)
+    gate = gate if seed % 2 == 0 else None
+    cf = [None, 0.5, 1.0][seed % 3]
+    groups = [1, 2, 4][seed % 3]
+    score = "sigmoid" if seed in (3, 4) else "softmax"
+    bias = jnp.asarray(r.normal(size=ne), jnp.float32) if score == "sigmoid" else None
+    scale = 2.5 if score == "sigmoid" else 1.0
+    kw = dict(normalize=bool(seed % 2), cf=cf, groups=groups, score=score, bias=bias, scale=scale)
+    want, want_dropped = reference(x, logits, up, down, gate, k, **kw)
+    y, stats = routed_experts(x, logits, up, down, gate, top_k=k, normalize=kw["normalize"], capacity_factor=cf,
+                              capacity_groups=groups, method="dense" if seed == 5 else "ragged", score=score,
+                              selection_bias=bias, scale=scale)
+    np.testing.assert_allclose(np.asarray(y, np.float64).reshape(want.shape), want, atol=2e-5, rtol=1e-5)
+    assert float(stats.dropped) == pytest.approx(want_dropped, abs=1e-7)
+    if cf == 0.5:
+        assert float(stats.dropped) > 0  # the capacity case drops, so the drop path is tested
+    assert int(stats.counts.sum()) == B * T * k
+
+
+def test_auxiliary_losses_are_their_definitions():
+    """E·Σ fᵢ·Pᵢ with fᵢ assignments per token and Pᵢ the mean probability; the z-loss."""
+    _, logits, *_ = _arrays(7)
+    lg = np.asarray(logits, np.float64).reshape(-1, E)
+    p = np.exp(lg - lg.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    top = np.argsort(-p, 1, kind="stable")[:, :2]
+    f = np.bincount(top.ravel(), minlength=E) / len(lg)
+    want = E * np.sum(f * p.mean(0))
+    probs = jax.nn.softmax(logits, -1)
+    got = load_balancing_loss(probs, jax.lax.top_k(probs, 2)[1])
+    assert float(got) == pytest.approx(want, rel=1e-6)
+    lse = np.log(np.exp(lg - lg.max(1, keepdims=True)).sum(1)) + lg.max(1)
+    assert float(z_loss(logits)) == pytest.approx(np.mean(lse ** 2), rel=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# Over an expert axis: the same values and gradients, by all-to-all.
+
+
+@pytest.fixture(scope="module")
+def arrays():
+    return _arrays(1)
+
+
+def _loss(x, logits, up, down, gate, cf=None):
+    y, st = routed_experts(x, logits, up, down, gate, top_k=2, normalize=True, capacity_factor=cf)
+    return jnp.sum(y ** 2) + st.load_balancing_loss + st.z_loss
+
+
+@pytest.mark.parametrize("ep", [2, 8])
+def test_expert_parallel_dispatch_equals_one_device(arrays, ep):
+    mesh = zj.make_mesh(expert=ep)
+    placed = [jax.device_put(a, NamedSharding(mesh, P("expert"))) for a in arrays]
+    grad = jax.grad(_loss, argnums=(0, 1, 2, 3, 4))
+    with jax.set_mesh(mesh):
+        fn = jax.jit(jax.value_and_grad(_loss, argnums=(0, 1, 2, 3, 4)))
+        (value, grads), compiled = fn(*placed), fn.lower(*placed).compile()
+    want_value, want = _loss(*arrays), grad(*arrays)
+    assert float(value) == pytest.approx(float(want_value), rel=1e-6)
+    for g, w in zip(grads, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5 * float(jnp.abs(w).max()))
+    found = collectives(compiled.as_text())
+    a2a = [c for c in found if c.kind == "all-to-all" and c.axes(mesh) == ("expert",)]
+    # Forward: rows out, their expert ids out, outputs back; backward: the rows' and the
+    # outputs' transposes. Each row buffer holds the device's tokens x k rows per destination.
+    rows = (B * T // ep) * 2 * ep * D * 4
+    assert sorted(c.bytes for c in a2a if c.dtype == "f32") == [rows] * 4, [(c.dtype, c.bytes) for c in a2a]
+    assert not [c for c in found if c.kind == "all-gather" and "expert" in c.axes(mesh) and c.bytes >= E * D * F * 4]
+
+
+# ----------------------------------------------------------------------------------------------
+# Training on an expert mesh: single-device optax, every stage.
+
+
+def moe_params(seed=0):
+    r = np.random.default_rng(seed)
+    f = lambda *s: jnp.asarray(r.normal(size=s) / np.sqrt(s[-2]), jnp.float32)
+    return {"router": f(D, E) * 3, "up": f(E, D, F), "gate": f(E, D, F), "down": f(E, F, D), "shared": f(D, D),
+            "out": f(D, D)}
+
+
+SPECS = {"router": None, "up": P("expert"), "gate": P("expert"), "down": P("expert"), "shared": None, "out": None}
+
+
+def plain_moe(p, x, k):
+    """A MoE written with plain ops: router, top-k, every expert on every token, one-hot gates."""
+    probs = jax.nn.softmax(x @ p["router"], -1)
+    w, e = jax.lax.top_k(probs, k)
+    gates = (jax.nn.one_hot(e, E) * (w / w.sum(-1, keepdims=True))[..., None]).sum(-2)
+    h = jax.nn.silu(jnp.einsum("btd,edf->btef", x, p["gate"])) * jnp.einsum("btd,edf->btef", x, p["up"])
+    return jnp.einsum("btef,efd,bte->btd", h, p["down"], gates), 0.0
+
+
+def zj_moe(p, x, k, cf=None, groups=None):
+    y, st = routed_experts(x, x @ p["router"], p["up"], p["down"], p["gate"], top_k=k, normalize=True,
+                           capacity_factor=cf, capacity_groups=groups)
+    return y, 0.01 * st.load_balancing_loss + 0.001 * st.z_loss
+
+
+def moe_loss(p, b, moe):
+    y, aux = moe(p, b["x"])
+    return jnp.mean((((y + b["x"] @ p["shared"]) @ p["out"]) - b["y"]) ** 2) + aux
+
+
+def data(steps=3, seed=1):
+    r = np.random.default_rng(seed)
+    return [{"x": jnp.asarray(r.normal(size=(B, T, D)), jnp.float32),
+             "y": jnp.asarray(r.normal(size=(B, T, D)), jnp.float32)} for _ in range(steps)]
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(name):
+    moe = {"plain": functools.partial(plain_moe, k=2), "zj": functools.partial(zj_moe, k=2),
+           "capacity": functools.partial(zj_moe, k=1, cf=1.0, groups=8)}[name]
+    return reference_run(lambda p, b: moe_loss(p, b, moe), moe_params(), optax.sgd(0.1), data())
+
+
+@pytest.mark.parametrize("name,stage,ep,specs", [
+    ("plain", 0, 4, True), ("plain", 3, 4, False), ("zj", 1, 4, True), ("zj", 3, 2, True), ("capacity", 2, 8, True),
+    ("capacity", 3, 4, True)])
+def test_moe_trains_as_one_device_on_an_expert_mesh(name, stage, ep, specs):
+    """3 SGD steps against plain single-device optax (1e-5). ``capacity``: one group per
+    device on the mesh, the same 8 groups on one device."""
+    moe = {"plain": functools.partial(plain_moe, k=2), "zj": functools.partial(zj_moe, k=2),
+           "capacity": functools.partial(zj_moe, k=1, cf=1.0)}[name]
+    mesh = zj.make_mesh(expert=ep)
+    cfg = zj.ZeroConfig(stage=stage)
+    state = zj.init_state(moe_params(), optax.sgd(0.1), mesh=mesh, config=cfg, tensor_specs=SPECS if specs else None)
+    step = zj.make_train_step(lambda p, b: moe_loss(p, b, moe), optax.sgd(0.1), mesh=mesh, config=cfg)
+    losses = []
+    for b in data():
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    ref_params, ref_losses = _reference(name)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5
+    assert abs_errors(zj.gather_params(state), ref_params).max() < 1e-5
+    # The parameters per device, from the arrays (fp32 SGD: no master, no optimizer state): a
+    # routed expert's leaf holds n_experts / ep experts, a dense one is whole over "expert";
+    # both split over the data devices at stage 3 only.
+    held = state.params if state.params is not None else state.master  # stage 3 fp32: the masters
+    n_data = 8 // ep
+    for leaf, full in (("up", E * D * F), ("shared", D * D)):
+        split = ep if (leaf == "up" and specs) else 1
+        sizes = {s.data.size for s in held[leaf].addressable_shards}
+        assert sizes == {full // split // (n_data if stage == 3 else 1)}, leaf
+
+
+def test_expert_degree_and_router_arguments_are_checked():
+    with pytest.raises(ValueError, match=r"dimension 0 of size 8, which does not divide into 3 expert shards. Use an expert degree dividing 8 \(one of \[1, 2\]\)"):
+        zj.init_state({"up": jnp.zeros((8, 4, 4))}, optax.sgd(0.1), mesh=zj.make_mesh(jax.devices()[:6], expert=3),
+                      config=zj.ZeroConfig(), tensor_specs={"up": P("expert")})
+    x, logits, up, down, gate = _arrays(2)
+    with pytest.raises(ValueError, match=r"top_k must be an int in 1\.\.8.*got 9"):
+        routed_experts(x, logits, up, down, gate, top_k=9)
+    with pytest.raises(ValueError, match=r"capacity_factor must be None \(dropless\) or a number > 0, got 0"):
+        routed_experts(x, logits, up, down, gate, top_k=2, capacity_factor=0)
+    with pytest.raises(ValueError, match=r"router_logits has shape \(16, 4, 7\); its last dimension must be the 8"):
+        routed_experts(x, logits[..., :7], up, down, gate, top_k=2)
+    with pytest.raises(ValueError, match="selection_bias is DeepSeek-V3's"):
+        routed_experts(x, logits, up, down, gate, top_k=2, selection_bias=jnp.zeros(8))
+    with pytest.raises(ValueError, match=r"make_mesh\(expert=3.*Use expert in \[1, 2, 4, 8\]"):
+        zj.make_mesh(expert=3)
