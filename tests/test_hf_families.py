@@ -32,6 +32,9 @@ FEATURES = {
     "qwen2_window": lambda c: (c.window_layers == (False, True) and c.rope_scaling.kind == "yarn" and c.qkv_bias
                                and not c.o_bias and c.tie_embeddings),
     "qwen3": lambda c: c.qk_norm and c.tie_embeddings and c.hd == 12,
+    "qwen3_moe": lambda c: (c.n_experts == 4 and c.top_k == 2 and c.moe_d_ff == 8 and c.norm_topk_prob and c.qk_norm
+                            and c.router_aux_loss_coef == 0.0),
+    "mixtral": lambda c: c.n_experts == 4 and c.top_k == 2 and c.expert_d_ff == 8 and c.norm_topk_prob,
 }
 
 
@@ -77,7 +80,7 @@ def test_each_checkpoint_loads_at_stage_3_with_transformers_logits(name):
 # run in the default set; the slow set adds the fixtures whose tensors export differently
 # (every bias, a tied head). The RoPE variants and the window change no tensor: loaded above.
 EXPORTS = [pytest.param("llama_bias", marks=pytest.mark.slow), pytest.param("llama32_tied", marks=pytest.mark.slow),
-           "qwen2_window", "qwen3"]
+           pytest.param("mixtral", marks=pytest.mark.slow), "qwen2_window", "qwen3", "qwen3_moe"]
 
 
 @pytest.mark.parametrize("name", EXPORTS)
@@ -97,7 +100,7 @@ def test_each_checkpoint_trains_at_stage_3_and_exports_in_its_layout(name, tmp_p
     assert np.abs(tuned - ref["logits"]).max() > 1e-4  # it trained
 
     out = tmp_path / "export"
-    zj.export_weights(state, out, layout="hf", map=wmap, max_shard_size="40KB")
+    zj.export_weights(state, out, layout="hf", map=wmap, max_shard_size="10KB" if cfg.n_experts else "40KB")
     source = json.loads((FIXTURES / name / "model.safetensors.index.json").read_text())["weight_map"]
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(source)  # a tied head written once (the embedding), as saved

@@ -44,6 +44,11 @@ def test_readme_python_blocks_run(capsys):
     np.testing.assert_array_equal(np.asarray(frozen["l1"]["kernel"][...]), np.asarray(params["l1"]["kernel"][...]))
     assert not np.array_equal(np.asarray(frozen["l2"]["kernel"][...]), np.asarray(params["l2"]["kernel"][...]))
     assert zj.state_bytes_per_device(namespace["fstate"])["frozen"] == 4 * (13 * 64 + 64) // 8
+    # The MoE example: each device holds 8 / 4 experts (over 1/2 of the rest at stage 3).
+    moe = namespace["moe_state"]
+    held = moe.params if moe.params is not None else moe.master
+    assert {s.data.size for s in held["up"].addressable_shards} == {8 * 16 * 32 // 4 // 2}
+    assert np.isfinite(float(namespace["moe_metrics"]["loss"]))
     # Offload: everything but a step count in host memory, and the same first step.
     split = zj.state_bytes_per_device(namespace["state_off"])
     assert split["device"] <= 16 and split["host"] == split["total"] - split["device"] > 0

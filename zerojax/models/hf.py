@@ -11,15 +11,15 @@ from zerojax.checkpoint.configs import GENERATION
 from zerojax.checkpoint.safetensors_files import TensorFiles, resolve_path
 from zerojax.checkpoint.tensor_map import WeightMap
 from zerojax.models.hf_config import config_from_hf, read_config
-from zerojax.models.hf_map import llama_map
+from zerojax.models.hf_map import EXPERT_LAYOUTS, llama_map
 from zerojax.models.llama import LlamaConfig
 
 HEAD = "lm_head.weight"
 
 
 def from_hf(path: str | os.PathLike, *, accept: Iterable[str] = (), **overrides) -> tuple[LlamaConfig, WeightMap]:
-    """``(config, map)`` of a Hugging Face Llama, Mistral, Qwen2 / Qwen2.5 or Qwen3
-    checkpoint folder: the :class:`~zerojax.models.llama.LlamaConfig` of its
+    """``(config, map)`` of a Hugging Face Llama, Mistral, Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE or
+    Mixtral checkpoint folder: the :class:`~zerojax.models.llama.LlamaConfig` of its
     ``config.json`` (see :func:`~zerojax.models.hf_config.config_from_hf`, which refuses by
     name every field that changes the computation and is not implemented; ``accept`` and
     ``overrides`` as there) and the :class:`~zerojax.WeightMap` of its tensors for that
@@ -41,7 +41,8 @@ def from_hf(path: str | os.PathLike, *, accept: Iterable[str] = (), **overrides)
                               weights=zj.Weights("tests/data/hf/llama32_tied", wmap))
     """
     cfg = config_from_hf(path, accept=accept, **overrides)
-    wmap = llama_map(cfg)
+    family = read_config(path)[0].get("model_type")
+    wmap = llama_map(cfg, experts=family if family in EXPERT_LAYOUTS else "qwen3_moe")
     if config_from_hf(path, accept=accept).tie_embeddings and HEAD in _tensor_names(path):
         if "tie_embeddings" not in overrides:
             raise ValueError(f"{os.fspath(path)!r} ties the head to the embedding (tie_word_embeddings) but stores "

@@ -26,7 +26,7 @@ from typing import Any
 from zerojax.models.llama import LlamaConfig
 from zerojax.models.rope import RopeScaling
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 
 # transformers 5's defaults (its *Config classes) for fields a file may leave out; None:
 # the field's own rule (head_dim: d_model // heads; num_key_value_heads: the query heads).
@@ -40,7 +40,16 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": dict(num_key_value_heads=32, head_dim=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
                   attention_bias=False, use_sliding_window=False, sliding_window=4096, max_window_layers=28,
                   layer_types=None),
+    "mixtral": dict(num_key_value_heads=8, head_dim=None, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                    sliding_window=None, num_experts_per_tok=2, num_local_experts=8, output_router_logits=False,
+                    router_aux_loss_coef=0.001, router_jitter_noise=0.0),
+    "qwen3_moe": dict(num_key_value_heads=4, head_dim=None, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                      attention_bias=False, use_sliding_window=False, sliding_window=4096, max_window_layers=28,
+                      layer_types=None, decoder_sparse_step=1, moe_intermediate_size=768, num_experts_per_tok=8,
+                      num_local_experts=128, norm_topk_prob=False, output_router_logits=False,
+                      router_aux_loss_coef=0.001, mlp_only_layers=None),
 }
+_MOE = {"num_experts_per_tok", "num_local_experts", "num_experts", "output_router_logits", "router_aux_loss_coef"}
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _COMMON = set(SIZES) | {"num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings",
                         "rope_parameters", "rope_scaling", "rope_theta", "max_position_embeddings", "model_type"}
@@ -51,6 +60,10 @@ READ: dict[str, frozenset[str]] = {
     "qwen2": frozenset(_COMMON | {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}),
     "qwen3": frozenset(_COMMON | {"attention_bias", "use_sliding_window", "sliding_window", "max_window_layers",
                                   "layer_types"}),
+    "mixtral": frozenset(_COMMON | _MOE | {"sliding_window", "router_jitter_noise"}),
+    "qwen3_moe": frozenset(_COMMON | _MOE | {"attention_bias", "use_sliding_window", "sliding_window",
+                                             "max_window_layers", "layer_types", "decoder_sparse_step",
+                                             "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers"}),
 }
 # Fields that must hold the value that changes nothing (the value is the default).
 NEUTRAL = {"hidden_act": "silu", "attention_dropout": 0.0, "use_mrope": False, "partial_rotary_factor": 1.0}
@@ -101,8 +114,8 @@ def read_config(source: str | os.PathLike | Mapping) -> tuple[dict, str]:
 
 
 def config_from_hf(source: str | os.PathLike | Mapping, *, accept: Iterable[str] = (), **overrides) -> LlamaConfig:
-    """The :class:`LlamaConfig` of a Hugging Face Llama, Mistral, Qwen2 / Qwen2.5 or Qwen3
-    ``config.json`` (its path, the checkpoint folder, or the parsed dict).
+    """The :class:`LlamaConfig` of a Hugging Face Llama, Mistral, Qwen2 / Qwen2.5, Qwen3,
+    Qwen3-MoE or Mixtral ``config.json`` (its path, the checkpoint folder, or the parsed dict).
 
     Reads transformers 5's ``rope_parameters`` and earlier releases' ``rope_scaling`` /
     ``rope_theta`` alike. ``accept``: fields the file has that zerojax does not know, which
@@ -163,9 +176,33 @@ def config_from_hf(source: str | os.PathLike | Mapping, *, accept: Iterable[str]
         kw.update(qkv_bias=bool(d["attention_bias"]), o_bias=bool(d["attention_bias"]))
     if family == "llama":
         kw.update(mlp_bias=bool(d["mlp_bias"]))
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         kw.update(qk_norm=True)
+    if family in ("mixtral", "qwen3_moe"):
+        kw.update(_experts(family, c, d, where))
     return LlamaConfig(**{**kw, **overrides})
+
+
+def _experts(family: str, c: dict, d: dict, where: str) -> dict:
+    """The routed experts of Mixtral and Qwen3-MoE: every layer's MLP (layers of dense MLP
+    among them are refused: the layers are scanned alike)."""
+    if "num_experts" in c and "num_local_experts" in c and c["num_experts"] != c["num_local_experts"]:
+        raise ValueError(f"{where}: num_experts = {c['num_experts']!r} and num_local_experts = "
+                         f"{c['num_local_experts']!r} disagree (transformers reads them as one field).")
+    n = c.get("num_experts", d["num_local_experts"])
+    kw = dict(n_experts=n, top_k=d["num_experts_per_tok"],
+              # transformers adds the load-balancing loss only with output_router_logits
+              router_aux_loss_coef=float(d["router_aux_loss_coef"]) if d["output_router_logits"] else 0.0)
+    if family == "mixtral":
+        if d["router_jitter_noise"]:
+            raise ValueError(f"{where}: router_jitter_noise = {d['router_jitter_noise']!r} (random noise on the "
+                             f"router's input in training) is not implemented by zerojax's Llama.")
+        return dict(kw, norm_topk_prob=True)
+    if d["decoder_sparse_step"] != 1 or d["mlp_only_layers"]:
+        raise ValueError(f"{where}: decoder_sparse_step = {d['decoder_sparse_step']!r}, mlp_only_layers = "
+                         f"{d['mlp_only_layers']!r}: layers of dense MLP among the expert layers are not implemented "
+                         f"by zerojax's Llama (its layers are scanned alike).")
+    return dict(kw, moe_d_ff=d["moe_intermediate_size"], norm_topk_prob=bool(d["norm_topk_prob"]))
 
 
 def _rope(c: dict, where: str) -> dict:
@@ -221,6 +258,9 @@ def _windows(family: str, d: dict, where: str) -> dict:
     ``use_sliding_window``."""
     if family == "llama":
         return {}
+    if family == "qwen3_moe" and d.get("use_sliding_window"):
+        raise ValueError(f"{where}: use_sliding_window = true in a Qwen3-MoE is not implemented by zerojax's Llama.")
+    family = "mistral" if family == "mixtral" else "qwen3" if family == "qwen3_moe" else family
     window = d.get("sliding_window")
     if family != "mistral" and not d.get("use_sliding_window"):
         window = None

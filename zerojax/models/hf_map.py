@@ -1,6 +1,7 @@
 """The map between :class:`zerojax.models.llama.Llama`'s parameters and Hugging Face's tensors
 for the Llama family (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
-``Qwen3ForCausalLM`` share one layout): built from the model's config, so that the
+``Qwen3ForCausalLM`` share one layout; ``Qwen3MoeForCausalLM`` and ``MixtralForCausalLM`` add
+their routed experts): built from the model's config, so that the
 biases, q/k norms and the head it has are the tensors the map names."""
 
 from __future__ import annotations
@@ -12,6 +13,14 @@ from zerojax.models.llama import LlamaConfig
 LINEARS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
            "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 PEFT_PREFIX = "base_model.model."
+# Routed experts (LlamaConfig.n_experts > 0): each layout's router and its experts' gate, up
+# and down under model.layers.{i}, expert {j}.
+EXPERT_LAYOUTS = {
+    "qwen3_moe": {"router": "mlp.gate", "gate": "mlp.experts.{j}.gate_proj", "up": "mlp.experts.{j}.up_proj",
+                  "down": "mlp.experts.{j}.down_proj"},
+    "mixtral": {"router": "block_sparse_moe.gate", "gate": "block_sparse_moe.experts.{j}.w1",
+                "up": "block_sparse_moe.experts.{j}.w3", "down": "block_sparse_moe.experts.{j}.w2"},
+}
 
 
 def _biased(cfg: LlamaConfig, flax: str) -> bool:
@@ -22,14 +31,19 @@ def _biased(cfg: LlamaConfig, flax: str) -> bool:
     return cfg.mlp_bias
 
 
-def llama_map(config: LlamaConfig | None = None, *, prefix: str = "model", biases: bool = False) -> WeightMap:
+def llama_map(config: LlamaConfig | None = None, *, prefix: str = "model", biases: bool = False,
+              experts: str = "qwen3_moe") -> WeightMap:
     """Hugging Face tensors for each parameter of a :class:`~zerojax.models.llama.Llama` with
     ``config``: kernels are the transposes of torch's ``[out, in]`` weights, ``blocks.*``
     stacks ``{prefix}.layers.{i}.*``; the biases and q/k norms the config turns on; the head
     ``lm_head.weight``, or none with ``tie_embeddings``. LoRA adapters (``blocks.X.lora.lora_a`` / ``lora_b``)
     are PEFT's ``lora_A`` / ``lora_B`` weights (``export_weights(..., lora="adapters")``
     writes them; PEFT's ``lora_alpha`` must equal the rank, as ``nnx.LoRA`` has no scaling).
-    Without ``config``: the untied Llama, with q/k/v biases if ``biases`` (Qwen2).
+    Without ``config``: the untied Llama, with q/k/v biases if ``biases`` (Qwen2). A mixture of
+    experts (``config.n_experts > 0``) reads its router and its experts (stacked over
+    ``{j}`` into the expert dimension) in the ``experts`` layout: ``"qwen3_moe"``
+    (``mlp.gate``, ``mlp.experts.{j}.gate_proj``, ...) or ``"mixtral"``
+    (``block_sparse_moe.gate``, ``block_sparse_moe.experts.{j}.w1`` / ``w3`` / ``w2``).
     :func:`zerojax.models.from_hf` builds the map of a checkpoint from its ``config.json``.
 
     Example:
@@ -56,7 +70,16 @@ def llama_map(config: LlamaConfig | None = None, *, prefix: str = "model", biase
     if config.qk_norm:
         entries["blocks.q_norm.scale"] = stack(f"{layer}.self_attn.q_norm.weight")
         entries["blocks.k_norm.scale"] = stack(f"{layer}.self_attn.k_norm.weight")
-    for flax, hf in LINEARS.items():
+    if experts not in EXPERT_LAYOUTS:
+        raise ValueError(f"llama_map(experts={experts!r}): the expert layouts are {sorted(EXPERT_LAYOUTS)}.")
+    linears = LINEARS
+    if config.n_experts:
+        names = EXPERT_LAYOUTS[experts]
+        linears = {k: v for k, v in LINEARS.items() if k not in ("gate", "up", "down")}
+        entries["blocks.moe.router.kernel"] = stack(transpose(f"{layer}.{names['router']}.weight"))
+        for flax in ("gate", "up", "down"):
+            entries[f"blocks.moe.{flax}"] = stack(stack(transpose(f"{layer}.{names[flax]}.weight"), var="j"))
+    for flax, hf in linears.items():
         entries[f"blocks.{flax}.kernel"] = stack(transpose(f"{layer}.{hf}.weight"))
         entries[f"blocks.{flax}.lora.lora_a"] = stack(transpose(f"{PEFT_PREFIX}{layer}.{hf}.lora_A.weight"))
         entries[f"blocks.{flax}.lora.lora_b"] = stack(transpose(f"{PEFT_PREFIX}{layer}.{hf}.lora_B.weight"))
@@ -72,6 +95,8 @@ FAMILY_TENSORS = {
     "mistral": dict(),
     "qwen2": dict(qkv_bias=True),
     "qwen3": dict(qkv_bias=True, o_bias=True, qk_norm=True),  # attention_bias
+    "mixtral": dict(n_experts=1, top_k=1),  # the experts' count comes from the shapes
+    "qwen3_moe": dict(qkv_bias=True, o_bias=True, qk_norm=True, n_experts=1, top_k=1),
 }
 
 
@@ -90,4 +115,5 @@ def family_map(family: str, *, prefix: str = "model") -> WeightMap:
     """
     if family not in FAMILY_TENSORS:
         raise ValueError(f"no map for the family {family!r}; the families are {sorted(FAMILY_TENSORS)}.")
-    return llama_map(LlamaConfig(**FAMILY_TENSORS[family]), prefix=prefix)
+    return llama_map(LlamaConfig(**FAMILY_TENSORS[family]), prefix=prefix,
+                     experts=family if family in EXPERT_LAYOUTS else "qwen3_moe")

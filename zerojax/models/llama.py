@@ -17,6 +17,7 @@ families, each a field:
 ``mlp_bias``                       Llama's ``mlp_bias``
 ``qk_norm``                        Qwen3: RMSNorm over each head of q and k, before RoPE
 ``head_dim``                       Mistral, Qwen3 (not ``d_model / n_heads``)
+``n_experts``, ``top_k``, ...      Mixtral, Qwen3-MoE: routed experts in place of the MLP
 =================================  =======================================================
 
 :func:`zerojax.models.from_hf` reads a checkpoint's ``config.json`` into a config and the
@@ -39,6 +40,20 @@ along a leading layer axis)::
     blocks.down.kernel       [L, F, d]       model.layers.{i}.mlp.down_proj.weight.T
     norm.scale               [d]             model.norm.weight
     head.kernel              [d, V]          lm_head.weight.T   (none with tie_embeddings)
+
+A mixture of experts (``n_experts > 0``) has, in place of ``gate``/``up``/``down`` (``E``
+experts of ``Fe = moe_d_ff`` features; Qwen3-MoE's ``mlp.gate`` / ``mlp.experts.{j}.*_proj``,
+Mixtral's ``block_sparse_moe.gate`` / ``block_sparse_moe.experts.{j}.w1|w3|w2``)::
+
+    blocks.moe.router.kernel [L, d, E]       model.layers.{i}.mlp.gate.weight.T
+    blocks.moe.gate          [L, E, d, Fe]   model.layers.{i}.mlp.experts.{j}.gate_proj.weight.T
+    blocks.moe.up            [L, E, d, Fe]   model.layers.{i}.mlp.experts.{j}.up_proj.weight.T
+    blocks.moe.down          [L, E, Fe, d]   model.layers.{i}.mlp.experts.{j}.down_proj.weight.T
+
+the expert dimension annotated ``"expert"`` (split over ``zj.make_mesh(expert=E)``), run by
+``zj.nn.routed_experts`` (softmax router, top-k, ``norm_topk_prob``); the model's
+load-balancing loss is Hugging Face's (``E · Σ fᵢ · Pᵢ`` over the tokens of every layer
+together), added by :func:`make_loss` times ``router_aux_loss_coef``.
 
 with ``blocks.X.bias`` (``..._proj.bias``) for the biases the config turns on,
 ``blocks.q_norm.scale`` / ``blocks.k_norm.scale`` ``[L, hd]`` (``self_attn.q_norm.weight``)
@@ -69,6 +84,7 @@ from zerojax import nn as znn
 from zerojax import remat as zremat
 from zerojax.models import rope as zrope
 from zerojax.models.rope import RopeScaling
+from zerojax.moe.experts import routed_experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +131,14 @@ class LlamaConfig:
     attention_block: int = 512  # block_size of zj.nn.dot_product_attention: keys per chunk
     dtype: str = "float32"  # compute dtype (norms, RoPE and softmax at least float32)
     param_dtype: str = "float32"
+    # Mixture of experts (Mixtral, Qwen3-MoE): every layer's MLP is n_experts routed experts.
+    n_experts: int = 0  # num_experts (Qwen3-MoE), num_local_experts (Mixtral); 0: a dense MLP
+    top_k: int = 0  # num_experts_per_tok
+    moe_d_ff: int = 0  # moe_intermediate_size (Qwen3-MoE); 0: d_ff (Mixtral's intermediate_size)
+    norm_topk_prob: bool = True  # the kept probabilities rescaled to sum to one (Mixtral: always)
+    router_aux_loss_coef: float = 0.0  # make_loss adds it times the load-balancing loss
+    capacity_factor: float | None = None  # None: dropless (as transformers); see zj.nn.routed_experts
+    expert_method: str = "ragged"  # zj.nn.routed_experts' method
 
     def __post_init__(self) -> None:
         zremat.resolve(self.remat)  # unknown names raise here, with the valid ones
@@ -164,6 +188,24 @@ class LlamaConfig:
                              f"({self.layer_windows()}); use attention='einsum' for per-layer windows.")
         for name in ("dtype", "param_dtype"):
             jnp.dtype(getattr(self, name))  # unknown names raise here
+        for name in ("n_experts", "top_k", "moe_d_ff"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"LlamaConfig.{name} must be an int >= 0, got {value!r}.")
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"LlamaConfig.top_k must be in 1..n_experts ({self.n_experts}) for a mixture of experts, "
+                             f"got {self.top_k!r}.")
+        if not self.n_experts and (self.top_k or self.moe_d_ff):
+            raise ValueError("LlamaConfig.top_k / moe_d_ff describe routed experts; give n_experts too (or leave them 0).")
+        if self.n_experts and (self.lora_rank or self.tensor_parallel):
+            raise ValueError("LlamaConfig: a mixture of experts with lora_rank or tensor_parallel is not supported yet.")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise TypeError(f"LlamaConfig.norm_topk_prob must be a bool, got {self.norm_topk_prob!r}.")
+        if isinstance(self.router_aux_loss_coef, bool) or not isinstance(self.router_aux_loss_coef, (int, float)) \
+                or self.router_aux_loss_coef < 0:
+            raise ValueError(f"LlamaConfig.router_aux_loss_coef must be a number >= 0, got {self.router_aux_loss_coef!r}.")
+        if self.expert_method not in ("ragged", "dense"):
+            raise ValueError(f"LlamaConfig.expert_method must be 'ragged' or 'dense', got {self.expert_method!r}.")
 
     @property
     def kv_heads(self) -> int:
@@ -172,6 +214,11 @@ class LlamaConfig:
     @property
     def hd(self) -> int:
         return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def expert_d_ff(self) -> int:
+        """Each routed expert's hidden features."""
+        return self.moe_d_ff or self.d_ff
 
     def layer_windows(self) -> tuple[int, ...]:
         """Each layer's sliding window (keys a query sees, itself included; 0: no window)."""
@@ -183,8 +230,11 @@ class LlamaConfig:
     def num_params(self) -> int:
         d, L, V, F = self.d_model, self.n_layers, self.vocab, self.d_ff
         q, kv = self.n_heads * self.hd, self.kv_heads * self.hd
-        block = (2 * d + d * (q + 2 * kv) + q * d + 3 * d * F + (q + 2 * kv) * self.qkv_bias + d * self.o_bias
-                 + (2 * F + d) * self.mlp_bias + 2 * self.hd * self.qk_norm)
+        mlp = 3 * d * F + (2 * F + d) * self.mlp_bias
+        if self.n_experts:
+            mlp = d * self.n_experts + 3 * self.n_experts * d * self.expert_d_ff
+        block = (2 * d + d * (q + 2 * kv) + q * d + mlp + (q + 2 * kv) * self.qkv_bias + d * self.o_bias
+                 + 2 * self.hd * self.qk_norm)
         return V * d + L * block + d + d * V * (not self.tie_embeddings)
 
 
@@ -223,6 +273,32 @@ def rope(positions: jax.Array, head_dim: int, theta: float, scaling: RopeScaling
     return zrope.cos_sin(positions, head_dim, theta, scaling, _wide(dtype))
 
 
+class MoE(nnx.Module):
+    """Routed experts in place of the MLP (Qwen3-MoE's ``Qwen3MoeSparseMoeBlock``, Mixtral's
+    ``MixtralSparseMoeBlock``): a router ``[d, E]`` and ``E`` SwiGLU experts stacked on a
+    leading expert dimension annotated ``"expert"``, run by ``zj.nn.routed_experts``.
+    Returns the output and its :class:`zerojax.moe.MoEStats`."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        d, e, f = cfg.d_model, cfg.n_experts, cfg.expert_d_ff
+        pdt = jnp.dtype(cfg.param_dtype)
+        self.cfg = cfg
+        self.router = nnx.Linear(d, e, use_bias=False, dtype=jnp.dtype(cfg.dtype), param_dtype=pdt, rngs=rngs)
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,)),
+                                     ("expert", None, None))
+        self.gate = nnx.Param(init(rngs.params(), (e, d, f), pdt))
+        self.up = nnx.Param(init(rngs.params(), (e, d, f), pdt))
+        self.down = nnx.Param(init(rngs.params(), (e, f, d), pdt))
+
+    def __call__(self, x: jax.Array):
+        cfg = self.cfg
+        dt = jnp.dtype(cfg.dtype)
+        logits = self.router(x)
+        return routed_experts(x, logits, self.up[...].astype(dt), self.down[...].astype(dt), self.gate[...].astype(dt),
+                              top_k=cfg.top_k, normalize=cfg.norm_topk_prob, capacity_factor=cfg.capacity_factor,
+                              method=cfg.expert_method)
+
+
 class Block(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         d, q, kv, F = cfg.d_model, cfg.n_heads * cfg.hd, cfg.kv_heads * cfg.hd, cfg.d_ff
@@ -241,9 +317,12 @@ class Block(nnx.Module):
             self.q_norm = RMSNorm(cfg.hd, cfg.rms_eps, pdt)
             self.k_norm = RMSNorm(cfg.hd, cfg.rms_eps, pdt)
         self.mlp_norm = RMSNorm(d, cfg.rms_eps, pdt)
-        self.gate = linear(d, F, use_bias=cfg.mlp_bias, **col)
-        self.up = linear(d, F, use_bias=cfg.mlp_bias, **col)
-        self.down = linear(F, d, use_bias=cfg.mlp_bias, **row)
+        if cfg.n_experts:
+            self.moe = MoE(cfg, rngs)
+        else:
+            self.gate = linear(d, F, use_bias=cfg.mlp_bias, **col)
+            self.up = linear(d, F, use_bias=cfg.mlp_bias, **col)
+            self.down = linear(F, d, use_bias=cfg.mlp_bias, **row)
 
     def attention(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array | None,
                   window: jax.Array, layout=None, segments: jax.Array | None = None) -> jax.Array:
@@ -282,6 +361,9 @@ class Block(nnx.Module):
         x = x + checkpoint_name(self.attention(self.attn_norm(x), cos, sin, mask, window, layout, segments),
                                 "attn_out")
         h = self.mlp_norm(x)
+        if self.cfg.n_experts:  # (x, (fractions, mean probs, z-loss, counts, dropped)) for the layer loop
+            y, st = self.moe(h)
+            return x + checkpoint_name(y, "mlp_out"), (st.fractions, st.mean_probs, st.z_loss, st.counts, st.dropped)
         return x + checkpoint_name(self.down(jax.nn.silu(self.gate(h)) * self.up(h)), "mlp_out")
 
 
@@ -326,7 +408,7 @@ class Llama(nnx.Module):
                                    **{k: v for k, v in _split(cfg, (None, "tensor")).items() if k == "kernel_init"})
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, mask: jax.Array | None = None,
-                 layout=None, segment_ids: jax.Array | None = None):
+                 layout=None, segment_ids: jax.Array | None = None, return_stats: bool = False):
         cfg = self.cfg
         if positions is None:
             positions = znn.global_positions(tokens.shape[1], layout)[None]  # jnp.arange, in the layout
@@ -340,11 +422,32 @@ class Llama(nnx.Module):
 
         @nnx.scan(in_axes=(nnx.Carry, 0, None, None, None, 0, None), out_axes=nnx.Carry,
                   transform_metadata={nnx.PARTITION_NAME: None})
-        def run(x, block, cos, sin, mask, scanned, segments):
-            return block(x, cos, sin, mask, window if scanned is None else scanned, layout, segments)
+        def run(carry, block, cos, sin, mask, scanned, segments):
+            if not cfg.n_experts:
+                return block(carry, cos, sin, mask, window if scanned is None else scanned, layout, segments)
+            x, sums = carry  # the experts' statistics summed over the layers, in the carry
+            x, stats = block(x, cos, sin, mask, window if scanned is None else scanned, layout, segments)
+            return x, tuple(a + b.astype(a.dtype) for a, b in zip(sums, stats))
 
-        x = self.norm(run(self.embed(tokens), self.blocks, cos, sin, mask, per_layer, segment_ids))
-        return self.embed.attend(x) if cfg.tie_embeddings else self.head(x)
+        x = self.embed(tokens)
+        if cfg.n_experts:
+            e = cfg.n_experts
+            zeros = (jnp.zeros((e,), jnp.float32), jnp.zeros((e,), jnp.float32), jnp.zeros((), jnp.float32),
+                     jnp.zeros((e,), jnp.int32), jnp.zeros((), jnp.float32))
+            x, sums = run((x, zeros), self.blocks, cos, sin, mask, per_layer, segment_ids)
+        else:
+            x = run(x, self.blocks, cos, sin, mask, per_layer, segment_ids)
+        x = self.norm(x)
+        logits = self.embed.attend(x) if cfg.tie_embeddings else self.head(x)
+        if not return_stats:
+            return logits
+        if not cfg.n_experts:
+            return logits, {}
+        f, p, z, counts, dropped = sums
+        n = cfg.n_layers
+        # Hugging Face's load_balancing_loss_func: f and P over every layer's tokens together.
+        return logits, {"load_balancing_loss": e * jnp.sum((f / n) * (p / n)), "z_loss": z / n,
+                        "expert_counts": counts.astype(jnp.float32), "dropped": dropped / n}
 
 
 def init(cfg: LlamaConfig, seed: int = 0):
@@ -369,7 +472,14 @@ def init_abstract(cfg: LlamaConfig):
         return nnx.split(nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0))), nnx.Param)
 
 
-def make_loss(graphdef):
+# How make_loss(..., with_stats=True)'s statistics of a mixture of experts combine in the step
+# (aux_reduce=): each is a mean over the devices' values (the expert counts and the dropped
+# fraction are global already, summed over the data axes inside the model; each device's
+# load-balancing term averages to the global loss) and over the micro-batches.
+STATS_REDUCE = {k: "mean" for k in ("cross_entropy", "dropped", "expert_counts", "load_balancing_loss", "z_loss")}
+
+
+def make_loss(graphdef, *, with_stats: bool = False):
     """Next-token cross-entropy: ``loss_fn(params, {"tokens": int32[B, T + 1]})``; an optional
     ``"mask": bool[B, T + 1]`` masks padded keys and averages the loss over the targets whose
     mask is True. The form whose sequence splits over a context axis (and the only one the
@@ -379,7 +489,14 @@ def make_loss(graphdef):
     ``m * (m.size / m.sum())``: the loss is their mean, the global masked mean on any number
     of devices), ``"positions"`` and ``"segment_ids"`` (packed sequences, with positions
     restarting at each document). ``layout``: the step's sequence layout
-    (``make_train_step(..., with_layout=True)``), handed to the model."""
+    (``make_train_step(..., with_layout=True)``), handed to the model.
+
+    A mixture of experts adds ``router_aux_loss_coef`` times its load-balancing loss (as
+    transformers does with ``output_router_logits``); ``with_stats=True`` returns
+    ``(loss, stats)`` (``make_train_step(..., has_aux=True, aux_reduce=STATS_REDUCE)``): the
+    cross-entropy, the load-balancing and z losses, the assignments per expert over the
+    global (micro-)batch summed over the layers (float32; with accumulation, the mean over
+    the micro-batches), and the dropped fraction."""
 
     def loss_fn(params, batch, layout=None):
         if "inputs" in batch:  # the form whose sequence splits over a context axis
@@ -388,15 +505,22 @@ def make_loss(graphdef):
             tokens, full = batch["tokens"], batch.get("mask")
             inputs, targets = tokens[:, :-1], tokens[:, 1:]
             mask, weight = (None, None) if full is None else (full[:, :-1], full[:, 1:])
-        logits = nnx.merge(graphdef, params)(inputs, positions=batch.get("positions"), mask=mask, layout=layout,
-                                             segment_ids=batch.get("segment_ids"))
+        model = nnx.merge(graphdef, params)
+        logits, stats = model(inputs, positions=batch.get("positions"), mask=mask, layout=layout,
+                              segment_ids=batch.get("segment_ids"), return_stats=True)
         losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
         if weight is None:
-            return losses.mean()
-        weight = weight.astype(jnp.float32)
-        if "inputs" in batch:  # weights normalised over the global batch (the README's recipe)
-            return (losses * weight).mean()
-        return (losses * weight).sum() / jnp.maximum(weight.sum(), 1.0)
+            loss = losses.mean()
+        else:
+            weight = weight.astype(jnp.float32)
+            if "inputs" in batch:  # weights normalised over the global batch (the README's recipe)
+                loss = (losses * weight).mean()
+            else:
+                loss = (losses * weight).sum() / jnp.maximum(weight.sum(), 1.0)
+        total = loss
+        if stats and model.cfg.router_aux_loss_coef:
+            total = loss + model.cfg.router_aux_loss_coef * stats["load_balancing_loss"]
+        return (total, {"cross_entropy": loss, **stats}) if with_stats else total
 
     return loss_fn
 

@@ -58,12 +58,18 @@ class MoEStats(NamedTuple):
       z_loss: the router z-loss.
       counts: ``[n_experts]`` int32, assignments routed to each expert (before drops).
       dropped: the fraction of assignments dropped by the capacity (0 when dropless).
+      fractions: ``[n_experts]`` the ``fᵢ`` of the load-balancing loss (global, no gradient).
+      mean_probs: ``[n_experts]`` the ``Pᵢ`` over this data shard's tokens (see
+        :mod:`zerojax.moe.losses`): a model that balances over several layers at once (Hugging
+        Face's loss concatenates the layers' tokens) combines ``E · Σ mean(f) · mean(P)``.
     """
 
     load_balancing_loss: jax.Array
     z_loss: jax.Array
     counts: jax.Array
     dropped: jax.Array
+    fractions: jax.Array
+    mean_probs: jax.Array
 
 
 def expert_size(mesh: Any, axis: str = "expert") -> int:
@@ -135,7 +141,9 @@ def routed_experts(x: jax.Array, router_logits: jax.Array, up: jax.Array, down: 
     r = routing.route(lf, top_k, score=score, normalize=normalize, selection_bias=selection_bias, scale=scale)
     axes = losses.manual_batch_axes()
     counts = losses.global_counts(r.experts, n_experts, axes)
-    stats_lb = losses.load_balancing_loss(r.probs, r.experts, axes=axes)
+    fractions = losses.fractions(r.experts, n_experts, axes)
+    mean_probs = jnp.mean(r.probs, axis=0)
+    stats_lb = n_experts * jnp.sum(fractions * mean_probs)
     stats_z = losses.z_loss(lf)
     body = lambda xf, e, w, u, dn, g: _dispatch(xf, e, w, u, dn, g, ep=ep if ep > 1 else 1, axis=axis,
                                                  groups=groups // split, capacity_factor=capacity_factor,
@@ -146,7 +154,7 @@ def routed_experts(x: jax.Array, router_logits: jax.Array, up: jax.Array, down: 
         kw = {} if given_mesh is None else {"mesh": given_mesh}
         run = jax.shard_map(body, in_specs=specs, out_specs=(P(axis), P(axis)), axis_names={axis}, check_vma=False,
                             **kw)
-        if not any(isinstance(a, jax.core.Tracer) for a in args if a is not None):
+        if not any(jax_compat.is_tracer(a) for a in args if a is not None):
             run = jax.jit(run)  # eager: jax 0.10 refuses an eager shard_map manual over some axes
         y, kept = run(*args)
     else:
@@ -158,7 +166,7 @@ def routed_experts(x: jax.Array, router_logits: jax.Array, up: jax.Array, down: 
     if inside:
         kept, total = jax.lax.psum(kept, axis), total * ep
     dropped = 1.0 - kept.astype(jnp.float32) / total
-    return y.reshape(x.shape), MoEStats(stats_lb, stats_z, counts, dropped)
+    return y.reshape(x.shape), MoEStats(stats_lb, stats_z, counts, dropped, fractions, mean_probs)
 
 
 def _check(x, router_logits, up, down, gate, top_k, score, selection_bias, scale, capacity_factor, method) -> int:
@@ -236,7 +244,8 @@ def _dispatch(xf, experts, weights, up, down, gate, *, ep: int, axis: str, group
     y = out.at[dest, pos].get(mode="fill", fill_value=0)  # [a, d]
     y = jnp.where(keep[:, None], y, 0)
     w = weights.reshape(groups, ng, k).transpose(0, 2, 1).reshape(-1)
-    combined = jnp.zeros((n, d), jnp.float32).at[token].add(y.astype(jnp.float32) * w[:, None])
+    acc = jnp.promote_types(xf.dtype, jnp.float32)  # the sum over the k in float32, or wider
+    combined = jnp.zeros((n, d), acc).at[token].add(y.astype(acc) * w[:, None].astype(acc))
     return combined.astype(xf.dtype), jnp.sum(keep).reshape(1)
 
 

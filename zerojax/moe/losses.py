@@ -46,6 +46,14 @@ def global_counts(experts: jax.Array, n_experts: int, axes: tuple[str, ...] = ()
     return jax.lax.psum(counts, axes) if axes else counts
 
 
+def fractions(experts: jax.Array, n_experts: int, axes: tuple[str, ...] = ()) -> jax.Array:
+    """``fᵢ``: assignments routed to each expert per token, over every token of the manual
+    ``axes`` too (float32, no gradient; ``Σᵢ fᵢ = k``)."""
+    tokens = experts.reshape(-1, experts.shape[-1]).shape[0]
+    total = tokens * (jax.lax.psum(1, axes) if axes else 1)
+    return jax.lax.stop_gradient(global_counts(experts, n_experts, axes).astype(jnp.float32) / total)
+
+
 def load_balancing_loss(probs: jax.Array, experts: jax.Array, *, axes: tuple[str, ...] | None = None) -> jax.Array:
     """``E · Σᵢ fᵢ · Pᵢ`` (module docstring) of ``probs`` ``[..., E]`` and the chosen
     ``experts`` ``[..., k]``; ``axes``: the manual axes the tokens are split over (default:
@@ -61,9 +69,7 @@ def load_balancing_loss(probs: jax.Array, experts: jax.Array, *, axes: tuple[str
     """
     axes = manual_batch_axes() if axes is None else tuple(axes)
     n = probs.shape[-1]
-    tokens = probs.reshape(-1, n).shape[0]
-    total = tokens * (jax.lax.psum(1, axes) if axes else 1)
-    f = jax.lax.stop_gradient(global_counts(experts, n, axes).astype(jnp.float32) / total)
+    f = fractions(experts, n, axes)
     p = jnp.mean(probs.reshape(-1, n).astype(jnp.float32), axis=0)
     return n * jnp.sum(f * p)
 
@@ -76,5 +82,5 @@ def z_loss(router_logits: jax.Array) -> jax.Array:
       >>> round(float(z_loss(jnp.zeros((3, 4)))), 4)   # log(4)² = 1.9218
       1.9218
     """
-    z = jax.nn.logsumexp(router_logits.astype(jnp.float32), axis=-1)
+    z = jax.nn.logsumexp(router_logits.astype(jnp.promote_types(router_logits.dtype, jnp.float32)), axis=-1)
     return jnp.mean(z * z)

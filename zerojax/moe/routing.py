@@ -30,7 +30,8 @@ class Routing(NamedTuple):
     """Where each token goes.
 
     Attributes:
-      weights: ``[..., k]`` the weight of each chosen expert's output (float32).
+      weights: ``[..., k]`` the weight of each chosen expert's output (float32, or the
+        logits' dtype where wider).
       experts: ``[..., k]`` int32 expert indices, in decreasing score order.
       probs: ``[..., n_experts]`` the router's distribution over every expert (softmax, or the
         sigmoid scores normalized to sum to one): the ``P`` of the load-balancing loss.
@@ -79,14 +80,14 @@ def route(router_logits: jax.Array, top_k: int, *, score: str = "softmax", norma
     """
     n = router_logits.shape[-1]
     check_router(router_logits, top_k, n, score, selection_bias, scale)
-    logits = router_logits.astype(jnp.float32)
+    logits = router_logits.astype(jnp.promote_types(router_logits.dtype, jnp.float32))  # float32 or wider
     if score == "softmax":
         probs = jax.nn.softmax(logits, axis=-1)
         weights, experts = jax.lax.top_k(probs, top_k)
     else:
         scores = jax.nn.sigmoid(logits)
         choose = scores if selection_bias is None else scores + jax.lax.stop_gradient(
-            jnp.asarray(selection_bias, jnp.float32))
+            jnp.asarray(selection_bias, scores.dtype))
         _, experts = jax.lax.top_k(choose, top_k)
         weights = jnp.take_along_axis(scores, experts, axis=-1)
         probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
