@@ -2,7 +2,8 @@
 
 For each checkpoint of ``tests/data/hf`` (one per Llama-family feature, made by
 ``experiments/make_hf_fixtures.py``): ``zj.models.from_hf``, ``zj.init_state`` from the
-weights on 8 simulated CPU devices at stage 3, three AdamW steps, the fine-tuned model's
+weights on 8 simulated CPU devices at stage 3 (a mixture of experts on ``make_mesh(expert=4)``),
+three AdamW steps, the fine-tuned model's
 logits on the fixture's batch, and ``zj.export_weights(..., layout="hf")`` (sharded files,
 index and ``config.json``) to ``OUT/<name>``, with the logits in ``OUT/<name>_logits.npz``.
 Then transformers itself loads each export (no missing or unexpected keys) and compares its
@@ -43,7 +44,8 @@ def roundtrip(name: str, out: pathlib.Path, steps: int = 3) -> tuple[float, floa
     ref = np.load(FIXTURES / name / "reference.npz")
     cfg, wmap = zj.models.from_hf(FIXTURES / name)
     graphdef, abstract = llama.init_abstract(cfg)
-    tx, mesh, zc = optax.adamw(1e-2), zj.make_mesh(), zj.ZeroConfig(stage=3)
+    # A mixture of experts trains with its experts split over an expert axis of 4.
+    tx, mesh, zc = optax.adamw(1e-2), zj.make_mesh(expert=4 if cfg.n_experts else 1), zj.ZeroConfig(stage=3)
     state = zj.init_state(abstract, tx, mesh=mesh, config=zc, weights=zj.Weights(FIXTURES / name, wmap))
     step = zj.make_train_step(llama.make_loss(graphdef), tx, mesh=mesh, config=zc)
     rng = np.random.default_rng(0)
@@ -53,7 +55,7 @@ def roundtrip(name: str, out: pathlib.Path, steps: int = 3) -> tuple[float, floa
     tokens = jnp.asarray(ref["tokens"])
     logits = np.asarray(model(tokens))
     masked = np.asarray(model(tokens, mask=jnp.asarray(ref["mask"], bool)))
-    zj.export_weights(state, out / name, layout="hf", map=wmap, max_shard_size="40KB")
+    zj.export_weights(state, out / name, layout="hf", map=wmap, max_shard_size="10KB" if cfg.n_experts else "40KB")
     np.savez(out / f"{name}_logits.npz", logits=logits, logits_mask=masked)
     return float(metrics["loss"]), float(np.abs(logits - ref["logits"]).max())
 
@@ -62,11 +64,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="folder for the exports and their logits")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--only", nargs="*", help="these fixtures only (default: every one)")
     args = ap.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print("| fixture | loss after the steps | logits moved from the checkpoint's |\n|---|---|---|")
-    for name in sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").exists()):
+    for name in args.only or sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").exists()):
         loss, moved = roundtrip(name, out, args.steps)
         print(f"| {name} | {loss:.4f} | {moved:.2f} |", flush=True)
 

@@ -378,3 +378,15 @@ def test_sequence_parallel_size_is_the_context_axis():
     assert translate({"sequence_parallel_size": 1}).context is None
     with pytest.raises(ValueError, match="sequence_parallel_size"):
         translate({"sequence_parallel_size": 0})
+
+
+def test_autoep_expert_parallel_is_the_expert_axis():
+    """DeepSpeed AutoEP's section (PR #7938 / #8064): autoep_size is the expert axis; an
+    expert tensor-parallel degree is refused; disabled or size 1 builds no axis."""
+    t = translate({"zero_optimization": {"stage": 3},
+                   "expert_parallel": {"enabled": True, "autoep_size": 4, "expert_tensor_parallel_size": 1}})
+    assert t.expert == 4 and "expert_parallel" not in t.unmapped
+    assert t.mesh_code() == "zj.make_mesh(expert=4)" and dict(t.make_mesh().shape) == {"data": 2, "expert": 4}
+    assert translate({"expert_parallel": {"enabled": False, "autoep_size": 4}}).expert is None
+    with pytest.raises(ValueError, match="expert_tensor_parallel_size' = 2"):
+        translate({"expert_parallel": {"enabled": True, "autoep_size": 2, "expert_tensor_parallel_size": 2}})

@@ -53,6 +53,7 @@ class Translation:
         not translated); it is already the learning rate of :attr:`optimizer` and :attr:`tx`.
       context: devices of the context axis (``sequence_parallel_size``, DeepSpeed-Ulysses),
         or None: a property of the mesh, as :attr:`shard_size` is (see :meth:`mesh_code`).
+      expert: devices of the expert axis (AutoEP's ``expert_parallel.autoep_size``), or None.
     """
 
     config: ZeroConfig
@@ -64,6 +65,7 @@ class Translation:
     tx: Any = None
     schedule: str | None = None
     context: int | None = None
+    expert: int | None = None
 
     def _mesh_kwargs(self) -> dict[str, int]:
         kw = {}
@@ -71,13 +73,16 @@ class Translation:
             kw["group_size"] = self.shard_size
         if self.context is not None:
             kw["context"] = self.context
+        if self.expert is not None:
+            kw["expert"] = self.expert
         return kw
 
     def mesh_code(self) -> str:
         """The mesh to build: ``zj.make_mesh()``; with replica groups of ``shard_size``
         devices ``zj.make_mesh(group_size=shard_size)``, which refuses a size that does not
         divide the devices, as DeepSpeed does and as :meth:`make_mesh` does; with
-        ``sequence_parallel_size`` ``context=C`` (the context axis)."""
+        ``sequence_parallel_size`` ``context=C`` (the context axis); with AutoEP's
+        ``expert_parallel.autoep_size`` ``expert=E`` (the expert axis)."""
         return "zj.make_mesh(" + ", ".join(f"{k}={v}" for k, v in self._mesh_kwargs().items()) + ")"
 
     def make_mesh(self, devices: Any = None) -> Any:
@@ -354,10 +359,13 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
                          f"context as DeepSpeed-Ulysses shards over the data and sequence groups together); the model's "
                          f"attention runs Ulysses with zj.nn.dot_product_attention (method='ulysses').")
 
+    # AutoEP: {"expert_parallel": {"enabled": true, "autoep_size": E, "expert_tensor_parallel_size": 1}}.
+    expert = _expert_parallel(ds.get("expert_parallel"), notes, unmapped)
+
     # Everything else at the top level.
     handled = {"zero_optimization", "fp16", "bf16", "bfloat16", "gradient_clipping", "gradient_accumulation_steps",
                "communication_data_type", "activation_checkpointing", "optimizer", "scheduler",
-               "sequence_parallel_size"}
+               "sequence_parallel_size", "expert_parallel"}
     for key in ds:
         if key not in handled:
             unmapped[key] = REASONS.get(key, "unknown to this mapping (not a DeepSpeed key zerojax knows)")
@@ -380,7 +388,35 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
     except (TypeError, ValueError) as e:
         raise ValueError(f"the DeepSpeed config maps to an invalid ZeroConfig: {e}") from None
     return Translation(config, unmapped, tuple(notes), None if tx is None else tx.code(), shard_size, resolved,
-                       None if tx is None else tx.build(), None if sched.lr is None else sched.lr.code(), context)
+                       None if tx is None else tx.build(), None if sched.lr is None else sched.lr.code(), context,
+                       expert)
+
+
+def _expert_parallel(ep: Any, notes: list[str], unmapped: dict[str, str]) -> int | None:
+    """DeepSpeed AutoEP's ``expert_parallel`` section: ``autoep_size`` devices split the
+    routed experts (the expert axis); an expert tensor-parallel degree is refused."""
+    if ep is None:
+        return None
+    if not isinstance(ep, Mapping):
+        raise ValueError(f"DeepSpeed key 'expert_parallel' must be an object, got {ep!r}.")
+    if not ep.get("enabled", False):
+        return None
+    size = _number(ep.get("autoep_size", 1), "expert_parallel.autoep_size", integer=True, minimum=1)
+    etp = _number(ep.get("expert_tensor_parallel_size", 1), "expert_parallel.expert_tensor_parallel_size",
+                  integer=True, minimum=1)
+    if etp != 1:
+        raise ValueError(f"DeepSpeed key 'expert_parallel.expert_tensor_parallel_size' = {etp}: an expert split over "
+                         f"a tensor axis too is not supported by zerojax yet. Use 1.")
+    for key in ep:
+        if key not in ("enabled", "autoep_size", "expert_tensor_parallel_size"):
+            unmapped[f"expert_parallel.{key}"] = "no equivalent (zj.nn.routed_experts takes its own arguments)"
+    if size == 1:
+        return None
+    notes.append(f"expert_parallel.autoep_size={size} is the expert axis: build the mesh with zj.make_mesh(expert={size}) "
+                 f"(the routed experts split over {size} devices, the batch over data x expert) and annotate the "
+                 f"experts' stacked weights with the expert axis (docs/moe.md); DeepSpeed finds the MoE layers itself, "
+                 f"zerojax reads the model's annotations.")
+    return size
 
 
 def _shard_size(zero: Mapping, notes: list[str], stage: int, unmapped: dict[str, str]) -> int | None:

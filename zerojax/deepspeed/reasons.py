@@ -91,8 +91,10 @@ for _k in ("override_module_apply", "pipeline_loading_checkpoint"):
     REASONS[f"zero_optimization.{_k}"] = "no equivalent"
 for _k in ("log_trace_cache_warnings", "enable_sanity_checks"):
     REASONS[f"zero_optimization.{_k}"] = _LOGGING
-for _k in ("pipeline", "tensor_parallel", "moe"):
+for _k in ("pipeline", "tensor_parallel"):
     REASONS[_k] = "no equivalent: zerojax is data parallel (ZeRO) only"
+REASONS["moe"] = ("no equivalent: DeepSpeed-MoE's ep_size is an argument of deepspeed.moe.layer.MoE in the model; "
+                  "zerojax's is zj.make_mesh(expert=E) (docs/moe.md)")
 REASONS["seq_parallel_communication_data_type"] = (
     "no equivalent: the context axis's all-to-alls and permutes move the compute dtype")
 for _k in ("compression_training", "data_efficiency", "curriculum_learning", "autotuning", "elasticity", "aio",
