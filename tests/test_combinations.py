@@ -4,7 +4,8 @@ Every feature has tests of its own; the bugs that got through lived where featur
 (fp16 outputs of an eval step, an export of frozen weights, a hybrid mesh under a synced
 BatchNorm). This suite runs a pairwise-covering sample of
 
-    stage {0,1,2,3} x mesh {1-D, hybrid, tensor (T = 2), context (C = 2), both (T = C = 2)}
+    stage {0,1,2,3} x mesh {1-D, hybrid, tensor (T = 2), context (C = 2), both (T = C = 2),
+                            expert (E = 2: the batch over data x expert, a weight split over it)}
     x precision {fp32, bf16, fp16}
     x {prefetch, int8 gathers, int8 gradients, offload optimizer, offload params, frozen
        weights, accumulation, rng, model state, has_aux, eval step, checkpoint round trip,
@@ -35,7 +36,7 @@ import zerojax as zj
 
 FACTORS: dict[str, tuple] = {
     "stage": (0, 1, 2, 3),
-    "mesh": ("1-D", "hybrid", "tensor", "context", "tensor+context"),
+    "mesh": ("1-D", "hybrid", "tensor", "context", "tensor+context", "expert"),
     "precision": ("float32", "bfloat16", "float16"),
     **{f: (False, True) for f in ("prefetch", "int8", "int8_grads", "offload_opt", "offload_params", "frozen",
                                   "accum", "rng", "model_state", "aux", "eval", "checkpoint", "axis_map", "nnx",
@@ -50,7 +51,7 @@ def allowed(row: dict) -> bool:
     return ((s3 or not (row["prefetch"] or row["int8"] or row["offload_params"]))
             and (row["stage"] > 0 or not (row["offload_opt"] or row["int8_grads"]))
             and not (row["prefetch"] and row["offload_params"])
-            and not (row["mesh"] in ("context", "tensor+context") and row["axis_map"]))
+            and not (row["mesh"] in ("context", "tensor+context", "expert") and row["axis_map"]))
 
 
 def pairs(row: dict) -> set:
@@ -284,14 +285,21 @@ def config_for(row: dict) -> zj.ZeroConfig:
 
 def mesh_for(row: dict):
     return zj.make_mesh(replicas=2 if row["mesh"] == "hybrid" else 1, tensor=2 if "tensor" in row["mesh"] else 1,
-                        context=2 if "context" in row["mesh"] else 1)
+                        context=2 if "context" in row["mesh"] else 1, expert=2 if row["mesh"] == "expert" else 1)
 
 
 def batch_groups(mesh) -> int:
-    """Devices that see different rows: every device but the tensor and context splits."""
+    """Groups that update the model state on their own rows: every device but the tensor and
+    context splits, and but the expert split (automatic in the step: a data shard's loss
+    sees the rows of its whole expert group)."""
     shape = dict(mesh.shape)
-    return mesh.devices.size // (shape.get("tensor", 1) * shape.get("context", 1))
+    return mesh.devices.size // (shape.get("tensor", 1) * shape.get("context", 1) * shape.get("expert", 1))
 
+
+# The expert mesh splits the stack's weights over "expert" on their input features (the
+# split machinery of a routed expert's expert dimension, on a weight plain ops use).
+EXPERT_SPECS = {"emb": None, "stack": {"w": P(None, "expert", None), "b": None}, "head": {"w": None, "b": None},
+                "gain": None, "temp": None}
 
 # The tensor-parallel mesh splits the embedding and the stack over "tensor" (T = 2 divides
 # their 24 features); the 7-wide head and the small leaves stay whole.
@@ -326,7 +334,7 @@ def test_the_sample_covers_every_allowed_pair():
     want = set().union(*(pairs(r) for r in pool))
     got = set().union(*(pairs(r) for r in ROWS))
     assert want <= got, sorted(want - got)[:5]
-    assert all(allowed(r) for r in ROWS) and len(ROWS) <= 28
+    assert all(allowed(r) for r in ROWS) and len(ROWS) <= 34
 
 
 def refuse(row: dict) -> None:
@@ -354,6 +362,7 @@ def test_every_pair_the_matrix_leaves_out_is_refused_by_zerojax():
             refused.append(f"{a}={va} & {b}={vb}")
     # stage < 3 with prefetch, int8 gathers, offload_params; ...; a context mesh with axis_map
     assert len(refused) >= 7 and "mesh=context & axis_map=True" in refused, refused
+    assert "mesh=expert & axis_map=True" in refused, refused
 
 
 class FunctionalRun:
@@ -365,7 +374,8 @@ class FunctionalRun:
                        "model_state": ({"mean": jnp.zeros(IN), "seen": jnp.zeros((), jnp.int32)}
                                        if row["model_state"] else None),
                        "trainable": TRAINABLE if row["frozen"] else None,
-                       "tensor_specs": TENSOR_SPECS if "tensor" in row["mesh"] else None}
+                       "tensor_specs": (TENSOR_SPECS if "tensor" in row["mesh"] else
+                                        EXPERT_SPECS if row["mesh"] == "expert" else None)}
         self.state = zj.init_state(make_params(), TX, mesh=mesh, config=cfg, **self.extras)
         self.step = zj.make_train_step(loss_for(row), TX, mesh=mesh, config=cfg, has_aux=row["aux"],
                                        aux_reduce=AUX_REDUCE if row["aux"] else None,

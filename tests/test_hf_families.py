@@ -35,6 +35,8 @@ FEATURES = {
     "qwen3_moe": lambda c: (c.n_experts == 4 and c.top_k == 2 and c.moe_d_ff == 8 and c.norm_topk_prob and c.qk_norm
                             and c.router_aux_loss_coef == 0.0),
     "mixtral": lambda c: c.n_experts == 4 and c.top_k == 2 and c.expert_d_ff == 8 and c.norm_topk_prob,
+    "qwen2_moe": lambda c: (c.n_experts == 4 and c.shared_d_ff == 12 and c.shared_gate and not c.norm_topk_prob
+                            and c.qkv_bias and not c.o_bias),
 }
 
 
@@ -80,7 +82,8 @@ def test_each_checkpoint_loads_at_stage_3_with_transformers_logits(name):
 # run in the default set; the slow set adds the fixtures whose tensors export differently
 # (every bias, a tied head). The RoPE variants and the window change no tensor: loaded above.
 EXPORTS = [pytest.param("llama_bias", marks=pytest.mark.slow), pytest.param("llama32_tied", marks=pytest.mark.slow),
-           pytest.param("mixtral", marks=pytest.mark.slow), "qwen2_window", "qwen3", "qwen3_moe"]
+           pytest.param("mixtral", marks=pytest.mark.slow), pytest.param("qwen2_moe", marks=pytest.mark.slow),
+           "qwen2_window", "qwen3", "qwen3_moe"]
 
 
 @pytest.mark.parametrize("name", EXPORTS)

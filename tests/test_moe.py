@@ -310,9 +310,9 @@ def test_a_checkpoint_saved_at_four_expert_devices_restores_at_two_and_one(tmp_p
         assert abs_errors(zj.gather_params(run(restored, mesh, cfg, batches[2:])), want).max() < 1e-6, (ep, stage)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_transformers_moe_checkpoints_load_split_over_the_expert_axis(name):
-    """tests/data/hf/{qwen3_moe,mixtral} (made by transformers) at E = 4, stage 3: each
+    """tests/data/hf/{qwen3_moe,mixtral,qwen2_moe} (made by transformers) at E = 4, stage 3: each
     device holds one of the 4 experts, and the logits are transformers' (fp32 rounding)."""
     from flax import nnx
 

@@ -1,7 +1,7 @@
 """The ``zerojax`` command line.
 
     zerojax export CHECKPOINT_DIR OUT.safetensors [--step N] [--dtype float32|bfloat16|float16]
-    zerojax export CHECKPOINT_DIR OUT_DIR --layout hf --map llama|mistral|qwen2|qwen3|mixtral|qwen3_moe [--max-shard-size 5GB]
+    zerojax export CHECKPOINT_DIR OUT_DIR --layout hf --map llama|mistral|qwen2|qwen3|mixtral|qwen3_moe|qwen2_moe [--max-shard-size 5GB]
                    [--lora merge] [--hf-config SOURCE_MODEL_DIR]
     zerojax export CHECKPOINT_DIR OUT_DIR --layout hf --hf-config SOURCE_MODEL_DIR   (the map from its config)
     zerojax estimate --params 7B --devices 64 [--largest-layer N] [--replicas R] [--tensor T]

@@ -26,7 +26,7 @@ from typing import Any
 from zerojax.models.llama import LlamaConfig
 from zerojax.models.rope import RopeScaling
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe")
 
 # transformers 5's defaults (its *Config classes) for fields a file may leave out; None:
 # the field's own rule (head_dim: d_model // heads; num_key_value_heads: the query heads).
@@ -48,6 +48,11 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                       layer_types=None, decoder_sparse_step=1, moe_intermediate_size=768, num_experts_per_tok=8,
                       num_local_experts=128, norm_topk_prob=False, output_router_logits=False,
                       router_aux_loss_coef=0.001, mlp_only_layers=None),
+    "qwen2_moe": dict(num_key_value_heads=16, head_dim=None, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                      use_sliding_window=False, sliding_window=4096, max_window_layers=28, layer_types=None,
+                      decoder_sparse_step=1, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+                      num_experts_per_tok=4, num_local_experts=60, norm_topk_prob=False, output_router_logits=False,
+                      router_aux_loss_coef=0.001, mlp_only_layers=None, qkv_bias=True),
 }
 _MOE = {"num_experts_per_tok", "num_local_experts", "num_experts", "output_router_logits", "router_aux_loss_coef"}
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -64,6 +69,10 @@ READ: dict[str, frozenset[str]] = {
     "qwen3_moe": frozenset(_COMMON | _MOE | {"attention_bias", "use_sliding_window", "sliding_window",
                                              "max_window_layers", "layer_types", "decoder_sparse_step",
                                              "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers"}),
+    "qwen2_moe": frozenset(_COMMON | _MOE | {"use_sliding_window", "sliding_window", "max_window_layers",
+                                             "layer_types", "decoder_sparse_step", "moe_intermediate_size",
+                                             "shared_expert_intermediate_size", "norm_topk_prob", "mlp_only_layers",
+                                             "qkv_bias"}),
 }
 # Fields that must hold the value that changes nothing (the value is the default).
 NEUTRAL = {"hidden_act": "silu", "attention_dropout": 0.0, "use_mrope": False, "partial_rotary_factor": 1.0}
@@ -115,7 +124,7 @@ def read_config(source: str | os.PathLike | Mapping) -> tuple[dict, str]:
 
 def config_from_hf(source: str | os.PathLike | Mapping, *, accept: Iterable[str] = (), **overrides) -> LlamaConfig:
     """The :class:`LlamaConfig` of a Hugging Face Llama, Mistral, Qwen2 / Qwen2.5, Qwen3,
-    Qwen3-MoE or Mixtral ``config.json`` (its path, the checkpoint folder, or the parsed dict).
+    Qwen3-MoE, Qwen2-MoE or Mixtral ``config.json`` (its path, the checkpoint folder, or the parsed dict).
 
     Reads transformers 5's ``rope_parameters`` and earlier releases' ``rope_scaling`` /
     ``rope_theta`` alike. ``accept``: fields the file has that zerojax does not know, which
@@ -172,13 +181,15 @@ def config_from_hf(source: str | os.PathLike | Mapping, *, accept: Iterable[str]
     kw.update(_windows(family, d, where))
     if family == "qwen2":
         kw.update(qkv_bias=True)
+    elif family == "qwen2_moe":
+        kw.update(qkv_bias=bool(d["qkv_bias"]))
     elif family in ("llama", "qwen3"):
         kw.update(qkv_bias=bool(d["attention_bias"]), o_bias=bool(d["attention_bias"]))
     if family == "llama":
         kw.update(mlp_bias=bool(d["mlp_bias"]))
     if family in ("qwen3", "qwen3_moe"):
         kw.update(qk_norm=True)
-    if family in ("mixtral", "qwen3_moe"):
+    if family in ("mixtral", "qwen3_moe", "qwen2_moe"):
         kw.update(_experts(family, c, d, where))
     return LlamaConfig(**{**kw, **overrides})
 
@@ -202,7 +213,10 @@ def _experts(family: str, c: dict, d: dict, where: str) -> dict:
         raise ValueError(f"{where}: decoder_sparse_step = {d['decoder_sparse_step']!r}, mlp_only_layers = "
                          f"{d['mlp_only_layers']!r}: layers of dense MLP among the expert layers are not implemented "
                          f"by zerojax's Llama (its layers are scanned alike).")
-    return dict(kw, moe_d_ff=d["moe_intermediate_size"], norm_topk_prob=bool(d["norm_topk_prob"]))
+    kw.update(moe_d_ff=d["moe_intermediate_size"], norm_topk_prob=bool(d["norm_topk_prob"]))
+    if family == "qwen2_moe" and d["shared_expert_intermediate_size"]:
+        kw.update(shared_d_ff=d["shared_expert_intermediate_size"], shared_gate=True)
+    return kw
 
 
 def _rope(c: dict, where: str) -> dict:
@@ -258,9 +272,10 @@ def _windows(family: str, d: dict, where: str) -> dict:
     ``use_sliding_window``."""
     if family == "llama":
         return {}
-    if family == "qwen3_moe" and d.get("use_sliding_window"):
-        raise ValueError(f"{where}: use_sliding_window = true in a Qwen3-MoE is not implemented by zerojax's Llama.")
-    family = "mistral" if family == "mixtral" else "qwen3" if family == "qwen3_moe" else family
+    if family in ("qwen3_moe", "qwen2_moe") and d.get("use_sliding_window"):
+        raise ValueError(f"{where}: use_sliding_window = true in a {family} model is not implemented by zerojax's "
+                         f"Llama.")
+    family = "mistral" if family == "mixtral" else "qwen3" if family in ("qwen3_moe", "qwen2_moe") else family
     window = d.get("sliding_window")
     if family != "mistral" and not d.get("use_sliding_window"):
         window = None

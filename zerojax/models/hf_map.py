@@ -1,7 +1,7 @@
 """The map between :class:`zerojax.models.llama.Llama`'s parameters and Hugging Face's tensors
 for the Llama family (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
-``Qwen3ForCausalLM`` share one layout; ``Qwen3MoeForCausalLM`` and ``MixtralForCausalLM`` add
-their routed experts): built from the model's config, so that the
+``Qwen3ForCausalLM`` share one layout; ``Qwen3MoeForCausalLM``, ``Qwen2MoeForCausalLM`` and
+``MixtralForCausalLM`` add their routed experts, Qwen2-MoE its shared one): built from the model's config, so that the
 biases, q/k norms and the head it has are the tensors the map names."""
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ EXPERT_LAYOUTS = {
     "mixtral": {"router": "block_sparse_moe.gate", "gate": "block_sparse_moe.experts.{j}.w1",
                 "up": "block_sparse_moe.experts.{j}.w3", "down": "block_sparse_moe.experts.{j}.w2"},
 }
+EXPERT_LAYOUTS["qwen2_moe"] = EXPERT_LAYOUTS["qwen3_moe"]
 
 
 def _biased(cfg: LlamaConfig, flax: str) -> bool:
@@ -79,6 +80,11 @@ def llama_map(config: LlamaConfig | None = None, *, prefix: str = "model", biase
         entries["blocks.moe.router.kernel"] = stack(transpose(f"{layer}.{names['router']}.weight"))
         for flax in ("gate", "up", "down"):
             entries[f"blocks.moe.{flax}"] = stack(stack(transpose(f"{layer}.{names[flax]}.weight"), var="j"))
+        if config.shared_d_ff:  # Qwen2-MoE's shared expert and its gate
+            for flax in ("gate", "up", "down"):
+                entries[f"blocks.moe.shared.{flax}.kernel"] = stack(transpose(f"{layer}.mlp.shared_expert.{flax}_proj.weight"))
+            if config.shared_gate:
+                entries["blocks.moe.shared_gate.kernel"] = stack(transpose(f"{layer}.mlp.shared_expert_gate.weight"))
     for flax, hf in linears.items():
         entries[f"blocks.{flax}.kernel"] = stack(transpose(f"{layer}.{hf}.weight"))
         entries[f"blocks.{flax}.lora.lora_a"] = stack(transpose(f"{PEFT_PREFIX}{layer}.{hf}.lora_A.weight"))
@@ -97,6 +103,7 @@ FAMILY_TENSORS = {
     "qwen3": dict(qkv_bias=True, o_bias=True, qk_norm=True),  # attention_bias
     "mixtral": dict(n_experts=1, top_k=1),  # the experts' count comes from the shapes
     "qwen3_moe": dict(qkv_bias=True, o_bias=True, qk_norm=True, n_experts=1, top_k=1),
+    "qwen2_moe": dict(qkv_bias=True, n_experts=1, top_k=1, shared_d_ff=1, shared_gate=True),
 }
 
 

@@ -17,7 +17,8 @@ families, each a field:
 ``mlp_bias``                       Llama's ``mlp_bias``
 ``qk_norm``                        Qwen3: RMSNorm over each head of q and k, before RoPE
 ``head_dim``                       Mistral, Qwen3 (not ``d_model / n_heads``)
-``n_experts``, ``top_k``, ...      Mixtral, Qwen3-MoE: routed experts in place of the MLP
+``n_experts``, ``top_k``, ...      Mixtral, Qwen3-MoE, Qwen2-MoE: routed experts in place of the MLP
+``shared_d_ff``, ``shared_gate``    Qwen2-MoE: a (gated) shared expert beside them
 =================================  =======================================================
 
 :func:`zerojax.models.from_hf` reads a checkpoint's ``config.json`` into a config and the
@@ -50,6 +51,9 @@ Mixtral's ``block_sparse_moe.gate`` / ``block_sparse_moe.experts.{j}.w1|w3|w2``)
     blocks.moe.up            [L, E, d, Fe]   model.layers.{i}.mlp.experts.{j}.up_proj.weight.T
     blocks.moe.down          [L, E, Fe, d]   model.layers.{i}.mlp.experts.{j}.down_proj.weight.T
 
+with ``shared_d_ff`` a shared expert ``blocks.moe.shared.{gate,up,down}.kernel``
+(``mlp.shared_expert.*_proj.weight.T``) and with ``shared_gate`` its gate
+``blocks.moe.shared_gate.kernel`` ``[L, d, 1]`` (``mlp.shared_expert_gate.weight.T``, Qwen2-MoE);
 the expert dimension annotated ``"expert"`` (split over ``zj.make_mesh(expert=E)``), run by
 ``zj.nn.routed_experts`` (softmax router, top-k, ``norm_topk_prob``); the model's
 load-balancing loss is Hugging Face's (``E · Σ fᵢ · Pᵢ`` over the tokens of every layer
@@ -138,6 +142,10 @@ class LlamaConfig:
     norm_topk_prob: bool = True  # the kept probabilities rescaled to sum to one (Mixtral: always)
     router_aux_loss_coef: float = 0.0  # make_loss adds it times the load-balancing loss
     capacity_factor: float | None = None  # None: dropless (as transformers); see zj.nn.routed_experts
+    # A shared expert beside the routed ones (Qwen2-MoE): a SwiGLU MLP of shared_d_ff features
+    # every token goes through, times sigmoid(h @ shared_gate) with shared_gate (Qwen2-MoE's).
+    shared_d_ff: int = 0  # shared_expert_intermediate_size; 0: none
+    shared_gate: bool = False
     expert_method: str = "ragged"  # zj.nn.routed_experts' method
 
     def __post_init__(self) -> None:
@@ -188,17 +196,22 @@ class LlamaConfig:
                              f"({self.layer_windows()}); use attention='einsum' for per-layer windows.")
         for name in ("dtype", "param_dtype"):
             jnp.dtype(getattr(self, name))  # unknown names raise here
-        for name in ("n_experts", "top_k", "moe_d_ff"):
+        for name in ("n_experts", "top_k", "moe_d_ff", "shared_d_ff"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"LlamaConfig.{name} must be an int >= 0, got {value!r}.")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"LlamaConfig.top_k must be in 1..n_experts ({self.n_experts}) for a mixture of experts, "
                              f"got {self.top_k!r}.")
-        if not self.n_experts and (self.top_k or self.moe_d_ff):
-            raise ValueError("LlamaConfig.top_k / moe_d_ff describe routed experts; give n_experts too (or leave them 0).")
+        if not self.n_experts and (self.top_k or self.moe_d_ff or self.shared_d_ff or self.shared_gate):
+            raise ValueError("LlamaConfig.top_k / moe_d_ff / shared_d_ff / shared_gate describe routed experts; give "
+                             "n_experts too (or leave them 0).")
+        if self.shared_gate and not self.shared_d_ff:
+            raise ValueError("LlamaConfig.shared_gate gates a shared expert: give shared_d_ff too.")
         if self.n_experts and (self.lora_rank or self.tensor_parallel):
             raise ValueError("LlamaConfig: a mixture of experts with lora_rank or tensor_parallel is not supported yet.")
+        if not isinstance(self.shared_gate, bool):
+            raise TypeError(f"LlamaConfig.shared_gate must be a bool, got {self.shared_gate!r}.")
         if not isinstance(self.norm_topk_prob, bool):
             raise TypeError(f"LlamaConfig.norm_topk_prob must be a bool, got {self.norm_topk_prob!r}.")
         if isinstance(self.router_aux_loss_coef, bool) or not isinstance(self.router_aux_loss_coef, (int, float)) \
@@ -232,7 +245,8 @@ class LlamaConfig:
         q, kv = self.n_heads * self.hd, self.kv_heads * self.hd
         mlp = 3 * d * F + (2 * F + d) * self.mlp_bias
         if self.n_experts:
-            mlp = d * self.n_experts + 3 * self.n_experts * d * self.expert_d_ff
+            mlp = (d * self.n_experts + 3 * self.n_experts * d * self.expert_d_ff + 3 * d * self.shared_d_ff
+                   + d * self.shared_gate)
         block = (2 * d + d * (q + 2 * kv) + q * d + mlp + (q + 2 * kv) * self.qkv_bias + d * self.o_bias
                  + 2 * self.hd * self.qk_norm)
         return V * d + L * block + d + d * V * (not self.tie_embeddings)
@@ -289,14 +303,33 @@ class MoE(nnx.Module):
         self.gate = nnx.Param(init(rngs.params(), (e, d, f), pdt))
         self.up = nnx.Param(init(rngs.params(), (e, d, f), pdt))
         self.down = nnx.Param(init(rngs.params(), (e, f, d), pdt))
+        if cfg.shared_d_ff:
+            kw = dict(use_bias=False, dtype=jnp.dtype(cfg.dtype), param_dtype=pdt, rngs=rngs)
+            self.shared = SwiGLU(d, cfg.shared_d_ff, kw)
+            if cfg.shared_gate:
+                self.shared_gate = nnx.Linear(d, 1, **kw)
 
     def __call__(self, x: jax.Array):
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         logits = self.router(x)
-        return routed_experts(x, logits, self.up[...].astype(dt), self.down[...].astype(dt), self.gate[...].astype(dt),
-                              top_k=cfg.top_k, normalize=cfg.norm_topk_prob, capacity_factor=cfg.capacity_factor,
-                              method=cfg.expert_method)
+        y, stats = routed_experts(x, logits, self.up[...].astype(dt), self.down[...].astype(dt),
+                                  self.gate[...].astype(dt), top_k=cfg.top_k, normalize=cfg.norm_topk_prob,
+                                  capacity_factor=cfg.capacity_factor, method=cfg.expert_method)
+        if cfg.shared_d_ff:
+            shared = self.shared(x)
+            y = y + (jax.nn.sigmoid(self.shared_gate(x)) * shared if cfg.shared_gate else shared)
+        return y, stats
+
+
+class SwiGLU(nnx.Module):
+    """``down(silu(gate(x)) * up(x))``: a shared expert (Qwen2-MoE's ``shared_expert``)."""
+
+    def __init__(self, d: int, f: int, kw: dict):
+        self.gate, self.up, self.down = nnx.Linear(d, f, **kw), nnx.Linear(d, f, **kw), nnx.Linear(f, d, **kw)
+
+    def __call__(self, x):
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
 
 
 class Block(nnx.Module):
