@@ -244,21 +244,23 @@ def test_expert_degree_and_router_arguments_are_checked():
 
 MOE_CFG = dict(vocab=64, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=24, n_experts=8, top_k=2,
                moe_d_ff=12, router_aux_loss_coef=0.01, qk_norm=True)
+SHARED = dict(shared_d_ff=8, shared_gate=True)
 
 
-@pytest.mark.parametrize("stage,ep", [(3, 4), (1, 8)])
-def test_the_reference_moe_trains_as_one_device(stage, ep):
+@pytest.mark.parametrize("stage,ep,shared", [(3, 4, False), (1, 8, True)])
+def test_the_reference_moe_trains_as_one_device(stage, ep, shared):
     """Qwen3-MoE-like (q/k norms, GQA, 8 experts, top-2, normalised, with its load-balancing
-    loss): 3 SGD steps on an expert mesh equal single-device optax; the statistics come back
-    in the step's metrics (every assignment counted once)."""
+    loss; ``shared``: with Qwen2-MoE's gated shared expert): 3 SGD steps on an expert mesh
+    equal single-device optax; the statistics come back in the step's metrics (every
+    assignment counted once)."""
     from zerojax.models import llama
 
-    cfg = llama.LlamaConfig(**MOE_CFG)
+    cfg = llama.LlamaConfig(**MOE_CFG, **(SHARED if shared else {}))
     graphdef, params = llama.init(cfg)
     tx = optax.sgd(0.5)
     r = np.random.default_rng(1)
     batches = [{"tokens": jnp.asarray(r.integers(0, 64, (16, 9)), jnp.int32)} for _ in range(3)]
-    ref_params, ref_losses = _llama_reference()
+    ref_params, ref_losses = _llama_reference(shared)
     mesh = zj.make_mesh(expert=ep)
     cfg0 = zj.ZeroConfig(stage=stage)
     state = zj.init_state(params, tx, mesh=mesh, config=cfg0)
@@ -278,11 +280,11 @@ def test_the_reference_moe_trains_as_one_device(stage, ep):
 
 
 @functools.lru_cache(maxsize=None)
-def _llama_reference():
+def _llama_reference(shared):
     from zerojax.models import llama
 
     tx = optax.sgd(0.5)
-    graphdef, params = llama.init(llama.LlamaConfig(**MOE_CFG))
+    graphdef, params = llama.init(llama.LlamaConfig(**MOE_CFG, **(SHARED if shared else {})))
     r = np.random.default_rng(1)
     batches = [{"tokens": jnp.asarray(r.integers(0, 64, (16, 9)), jnp.int32)} for _ in range(3)]
     return reference_run(llama.make_loss(graphdef), params, tx, batches)
