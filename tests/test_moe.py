@@ -211,15 +211,17 @@ def test_moe_trains_as_one_device_on_an_expert_mesh(name, stage, ep, specs):
     ref_params, ref_losses = _reference(name)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5
     assert abs_errors(zj.gather_params(state), ref_params).max() < 1e-5
-    # The parameters per device, from the arrays (fp32 SGD: no master, no optimizer state): a
-    # routed expert's leaf holds n_experts / ep experts, a dense one is whole over "expert";
-    # both split over the data devices at stage 3 only.
+    # The parameters per device, from the arrays (fp32 SGD: no master, no optimizer state),
+    # as docs/moe.md's formula says: a routed expert's leaf holds n_experts / ep experts (split
+    # over the data devices at stage 3), a dense one (and an unmarked expert stack) is whole at
+    # stages 0-2 and split over data x expert, all 8 devices, at stage 3.
     held = state.params if state.params is not None else state.master  # stage 3 fp32: the masters
     n_data = 8 // ep
     for leaf, full in (("up", E * D * F), ("shared", D * D)):
-        split = ep if (leaf == "up" and specs) else 1
+        expert = leaf == "up" and specs
         sizes = {s.data.size for s in held[leaf].addressable_shards}
-        assert sizes == {full // split // (n_data if stage == 3 else 1)}, leaf
+        want = (full // ep // (n_data if stage == 3 else 1)) if expert else full // (8 if stage == 3 else 1)
+        assert sizes == {want}, leaf
 
 
 def test_expert_degree_and_router_arguments_are_checked():
@@ -351,7 +353,7 @@ def test_the_expert_axis_beside_tensor_context_and_replicas(mesh_kw):
     assert abs_errors(zj.gather_params(state), ref_params).max() < 1e-5
     if "tensor" in mesh_kw:
         held = state.params if state.params is not None else state.master
-        assert {s.data.size for s in held["shared"].addressable_shards} == {D * D // 2 // 2}  # tensor x data
+        assert {s.data.size for s in held["shared"].addressable_shards} == {D * D // 8}  # tensor x data x expert
 
 
 def test_auxiliary_losses_under_accumulation_are_per_micro_batch_over_every_device():

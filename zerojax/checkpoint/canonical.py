@@ -67,27 +67,31 @@ class Meta:
                    model_state=None if ms is None else tuple((tuple(shape), dtype) for shape, dtype in ms),
                    model_state_treedef=d.get("model_state_treedef"), rng_impl=d.get("rng_impl"))
 
-    def layout(self, i: int, n: int | None = None, tensor: int | None = None) -> LeafLayout:
-        """Parameter ``i``'s saved layout, for ``n`` shards (default: as saved), read onto a
-        mesh of ``tensor`` tensor devices (see :func:`_for_reading`)."""
-        return _for_reading(LeafLayout.from_json(self.layouts[i]), n, tensor)
+    def layout(self, i: int, plan: Any = None) -> LeafLayout:
+        """Parameter ``i``'s saved layout, as saved, or read onto ``plan``'s mesh (see
+        :func:`_for_reading`)."""
+        return _for_reading(LeafLayout.from_json(self.layouts[i]), plan)
 
-    def opt_layout(self, k: int, n: int | None = None, tensor: int | None = None) -> LeafLayout:
-        return _for_reading(LeafLayout.from_json(self.opt_layouts[k]), n, tensor)
+    def opt_layout(self, k: int, plan: Any = None) -> LeafLayout:
+        return _for_reading(LeafLayout.from_json(self.opt_layouts[k]), plan)
 
-    def frozen_layout(self, j: int, n: int | None = None, tensor: int | None = None) -> LeafLayout:
-        return _for_reading(LeafLayout.from_json(self.frozen_layouts[j]), n, tensor)
+    def frozen_layout(self, j: int, plan: Any = None) -> LeafLayout:
+        return _for_reading(LeafLayout.from_json(self.frozen_layouts[j]), plan)
 
     def is_trainable(self, i: int) -> bool:
         return not self.trainable or self.trainable[i]
 
 
-def _for_reading(l: LeafLayout, n: int | None, tensor: int | None) -> LeafLayout:
-    """A saved layout for ``n`` data shards; saved with another tensor degree than the
-    target mesh's ``tensor``, its grid is read whole over the tensor axis and re-laid out
-    (checkpoints reshard across tensor degrees, e.g. saved at T=2, restored at T=1 or 4)."""
-    l = l if n is None else l.with_n(n)
-    return l.without_tensor() if tensor is not None and l.tp and l.tensor != tensor else l
+def _for_reading(l: LeafLayout, plan: Any) -> LeafLayout:
+    """A saved layout read onto ``plan``'s mesh (None: as saved): split over a tensor or
+    expert axis of another degree there than when saved, its grid is read whole over that
+    axis and re-laid out (checkpoints reshard across tensor and expert degrees, e.g. saved at
+    T=2 or E=4, restored at T=1 or E=2); then sharded over the plan's devices for it."""
+    if plan is None:
+        return l
+    if l.tp and l.tensor != plan.axis_degree(l.taxis):
+        l = l.without_tensor()
+    return l.with_n(plan.shards_of(l))
 
 
 def relayout(src: LeafLayout, dst: LeafLayout, x: jax.Array) -> jax.Array:
@@ -154,13 +158,13 @@ def restore_targets(meta: Meta, plan: ZeroPlan) -> dict:
 
     frozen_idx = [i for i in range(len(meta.layouts)) if not meta.is_trainable(i)]
     out = {
-        "master": {str(i): target(meta.layout(i, plan.shards, plan.tensor), master_dtype(meta.layout(i).dtype))
+        "master": {str(i): target(meta.layout(i, plan), master_dtype(meta.layout(i).dtype))
                    for i in range(len(meta.layouts)) if meta.is_trainable(i)},
-        "opt": {str(k): target(meta.opt_layout(k, plan.shards, plan.tensor), meta.opt_layout(k).dtype)
+        "opt": {str(k): target(meta.opt_layout(k, plan), meta.opt_layout(k).dtype)
                 for k in range(len(meta.opt_layouts))},
     }
     if frozen_idx:
-        out["frozen"] = {str(i): target(meta.frozen_layout(j, plan.shards, plan.tensor), meta.frozen_layout(j).dtype)
+        out["frozen"] = {str(i): target(meta.frozen_layout(j, plan), meta.frozen_layout(j).dtype)
                          for j, i in enumerate(frozen_idx)}
     if meta.model_state is not None:
         out["model_state"] = {str(i): jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=plan.replicated)
@@ -179,10 +183,10 @@ def from_canonical(arrays: dict, meta: Meta, plan: ZeroPlan, model_state_def: An
     frozen_idx = [i for i in range(len(plan.layouts)) if not plan.is_trainable(i)]
 
     def build(masters, frozen, opt):
-        masters = [relayout(meta.layout(i, plan.shards, plan.tensor), l, masters[str(i)]) for i, l in zip(train_idx, plan.master_layouts)]
-        frozen = [relayout(meta.frozen_layout(j, plan.shards, plan.tensor), l, frozen[str(i)]).astype(l.dtype)
+        masters = [relayout(meta.layout(i, plan), l, masters[str(i)]) for i, l in zip(train_idx, plan.master_layouts)]
+        frozen = [relayout(meta.frozen_layout(j, plan), l, frozen[str(i)]).astype(l.dtype)
                   for j, (i, l) in enumerate(zip(frozen_idx, plan.frozen_layouts))]
-        opt = [relayout(meta.opt_layout(k, plan.shards, plan.tensor), l, opt[str(k)]).astype(l.dtype)
+        opt = [relayout(meta.opt_layout(k, plan), l, opt[str(k)]).astype(l.dtype)
                for k, l in enumerate(plan.opt_storage_layouts)]
         params, master = stage.fields(plan, masters)
         return (None if params is None else plan.unflatten_train(params),

@@ -45,7 +45,7 @@ def view(plan: ZeroPlan, layouts: tuple[LeafLayout, ...], storage: list[jax.Arra
     for l, x in zip(layouts, storage):
         v = l.from_storage(x)
         if l.kind != "replicated" or l.tp:
-            v = jax.lax.with_sharding_constraint(v, NamedSharding(plan.mesh, l.view_spec(plan.storage_axes), memory_kind=memory_kind))
+            v = jax.lax.with_sharding_constraint(v, NamedSharding(plan.mesh, l.view_spec(plan.storage_axes_of(l)), memory_kind=memory_kind))
         out.append(v)
     return out
 

@@ -47,9 +47,35 @@ class ZeroPlan:
 
     @property
     def shards(self) -> int:
-        """Devices the state is sharded over (one replica group: data x context): every
-        leaf's shard count."""
-        return int(self.mesh.shape[self.config.axis]) * self.context
+        """Devices the state is sharded over (one replica group: data x context, and x expert
+        on an expert mesh): every leaf's shard count but a routed expert's
+        (:meth:`shards_of`)."""
+        return int(self.mesh.shape[self.config.axis]) * self.context * self.expert
+
+    def is_expert(self, layout: LeafLayout) -> bool:
+        """Whether ``layout`` is split over the expert axis (a routed expert's weight)."""
+        return layout.tp and layout.taxis == self.config.expert_axis
+
+    def shards_of(self, layout: LeafLayout) -> int:
+        """The shard count of a leaf of ``layout``: data x context for a routed expert's
+        (the expert axis splits its experts), :attr:`shards` for every other."""
+        return self.shards // self.expert if self.is_expert(layout) else self.shards
+
+    def storage_axes_of(self, layout: LeafLayout) -> str | tuple[str, ...]:
+        """The mesh axes the split dimension of a leaf of ``layout`` lies over: data, then
+        expert (but for a routed expert's, which the expert axis splits by expert), then
+        context; data-major, so that inside the step's ``shard_map`` (manual over the data
+        axis) a device's block is contiguous and split over the others automatically."""
+        axes = [self.config.axis]
+        if self.expert > 1 and not self.is_expert(layout):
+            axes.append(self.config.expert_axis)
+        if self.context > 1:
+            axes.append(self.config.context_axis)
+        return axes[0] if len(axes) == 1 else tuple(axes)
+
+    def axis_degree(self, name: str) -> int:
+        """Devices of the mesh axis ``name`` (1 for an axis the mesh lacks, or none)."""
+        return int(self.mesh.shape[name]) if name and name in self.mesh.axis_names else 1
 
     @property
     def context(self) -> int:
@@ -179,7 +205,7 @@ class ZeroPlan:
         return tuple(self.stored(l) for l in self.opt_layouts)
 
     def sharding(self, layout: LeafLayout, memory_kind: str | None = None) -> NamedSharding:
-        return NamedSharding(self.mesh, layout.storage_spec(self.storage_axes), memory_kind=memory_kind)
+        return NamedSharding(self.mesh, layout.storage_spec(self.storage_axes_of(layout)), memory_kind=memory_kind)
 
     def shardings(self, layouts, memory_kind: str | None = None) -> list[NamedSharding]:
         return [self.sharding(l, memory_kind) for l in layouts]
@@ -225,7 +251,8 @@ class ZeroPlan:
                 match, best = l, len(p)
         if match is None:
             return layout_for(x.shape, x.dtype, self.shards)
-        return layout_for(x.shape, x.dtype, self.shards, tensor=match.tensor, tdim=match.tdim, taxis=match.taxis)
+        return layout_for(x.shape, x.dtype, self.shards_of(match), tensor=match.tensor, tdim=match.tdim,
+                          taxis=match.taxis)
 
 
 def master_dtype(dtype) -> jnp.dtype:
@@ -295,7 +322,10 @@ def make_plan(params: Any, mesh: Mesh, config: ZeroConfig, tx: Any = None, train
     splits = annotations.split_dims(names, [tuple(x.shape) for _, x in leaves_with_path], paths, mesh, config)
     degree = {config.tensor_axis: t, config.expert_axis: e}
     for (_, leaf), (tdim, taxis) in zip(leaves_with_path, splits):
-        layouts.append(layout_for(tuple(leaf.shape), leaf.dtype, n * c, tensor=degree[taxis] if tdim >= 0 else 1,
+        # A routed expert's weight is sharded over data x context (the expert axis splits its
+        # experts); every other over data x context x expert, all the devices that hold it.
+        shards = n * c if (tdim >= 0 and taxis == config.expert_axis) else n * c * e
+        layouts.append(layout_for(tuple(leaf.shape), leaf.dtype, shards, tensor=degree[taxis] if tdim >= 0 else 1,
                                   tdim=tdim, taxis=taxis or config.tensor_axis))
     mask = _trainable_mask(trainable, params, treedef, paths)
     plan = ZeroPlan(config=config, mesh=mesh, treedef=treedef, layouts=tuple(layouts), paths=tuple(paths),
