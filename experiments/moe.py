@@ -6,7 +6,7 @@ bytes against the formulas of docs/moe.md), from compiled programs on 8 simulate
 
 Largest: zerojax.models' Llama with routed experts (d 128, 2 layers, 4 heads, experts of
 512 features, top-2), AdamW, 8 sequences of 32 tokens, ZeRO-3, at E = 1, 4 and 8 (data 8,
-2 and 1); the number of experts is doubled from 8 until the compiled step (argument +
+2 and 1) dropless, and at E = 8 with a capacity factor of 1.25; the number of experts is doubled from 8 until the compiled step (argument +
 output - alias + temp, per device) exceeds the budget, then bisected in steps of 8.
 
 Dispatch: ``zj.nn.routed_experts`` alone, forward and backward, on ``make_mesh(expert=8)``,
@@ -39,14 +39,14 @@ from zerojax.report.memory import compiled_bytes  # noqa: E402
 MIB = 2 ** 20
 
 
-def moe_config(n_experts: int) -> llama.LlamaConfig:
+def moe_config(n_experts: int, capacity_factor: float | None = None) -> llama.LlamaConfig:
     return llama.LlamaConfig(vocab=256, d_model=128, n_layers=2, n_heads=4, d_ff=512, n_experts=n_experts, top_k=2,
-                             moe_d_ff=512, router_aux_loss_coef=0.01)
+                             moe_d_ff=512, router_aux_loss_coef=0.01, capacity_factor=capacity_factor)
 
 
-def step_total(n_experts: int, ep: int) -> tuple[int, int]:
+def step_total(n_experts: int, ep: int, capacity_factor: float | None = None) -> tuple[int, int]:
     """(compiled bytes per device, parameters) of the stage-3 step."""
-    cfg = moe_config(n_experts)
+    cfg = moe_config(n_experts, capacity_factor)
     graphdef, abstract = llama.init_abstract(cfg)
     batch = {"tokens": jax.ShapeDtypeStruct((8, 33), jnp.int32)}
     mem = zj.step_memory(llama.make_loss(graphdef), abstract, optax.adamw(1e-3), batch,
@@ -54,11 +54,11 @@ def step_total(n_experts: int, ep: int) -> tuple[int, int]:
     return mem.argument + mem.output - mem.alias + mem.temp, cfg.num_params()
 
 
-def largest(budget: int, ep: int) -> tuple[int, int, int]:
+def largest(budget: int, ep: int, capacity_factor: float | None = None) -> tuple[int, int, int]:
     """The most experts (a multiple of 8) whose step fits ``budget``: (experts, bytes, params)."""
     n, fit = 8, None
     while True:
-        total, params = step_total(n, ep)
+        total, params = step_total(n, ep, capacity_factor)
         print(f"  E={ep}: {n} experts, {params / 1e6:.2f} M parameters: {total / MIB:.2f} MiB", flush=True)
         if total > budget:
             break
@@ -66,7 +66,7 @@ def largest(budget: int, ep: int) -> tuple[int, int, int]:
     lo, hi = (fit[0] if fit else 0), n
     while hi - lo > 8:
         mid = (lo + hi) // 16 * 8
-        total, params = step_total(mid, ep)
+        total, params = step_total(mid, ep, capacity_factor)
         print(f"  E={ep}: {mid} experts, {params / 1e6:.2f} M parameters: {total / MIB:.2f} MiB", flush=True)
         if total <= budget:
             lo, fit = mid, (mid, total, params)
@@ -108,15 +108,16 @@ def main() -> None:
     a = p.parse_args()
     if not a.only_dispatch:
         budget = int(a.budget_mib * MIB)
-        fits = {ep: largest(budget, ep) for ep in (1, 4, 8)}
+        fits = {(ep, None): largest(budget, ep) for ep in (1, 4, 8)}
+        fits[(8, 1.25)] = largest(budget, 8, 1.25)
         print(f"\nLargest MoE whose ZeRO-3 step fits {a.budget_mib:g} MiB per device (Llama d128 L2, experts of 512 "
-              "features, top-2, dropless, AdamW, 8 x 32 tokens, 8 simulated devices):\n")
-        print("| expert axis | mesh | experts | parameters | step MiB/device | vs E = 1 |")
-        print("|---|---|---|---|---|---|")
-        for ep, (n, total, params) in fits.items():
+              "features, top-2, AdamW, 8 x 32 tokens, 8 simulated devices):\n")
+        print("| expert axis | mesh | dispatch | experts | parameters | step MiB/device | vs E = 1 |")
+        print("|---|---|---|---|---|---|---|")
+        for (ep, cf), (n, total, params) in fits.items():
             mesh = dict(zj.make_mesh(expert=ep).shape)
-            print(f"| E = {ep} | {mesh} | {n} | {params / 1e6:.2f} M | {total / MIB:.2f} | "
-                  f"{params / fits[1][2]:.2f}x |")
+            print(f"| E = {ep} | {mesh} | {'dropless' if cf is None else f'capacity {cf}'} | {n} | "
+                  f"{params / 1e6:.2f} M | {total / MIB:.2f} | {params / fits[(1, None)][2]:.2f}x |")
     if not a.only_largest:
         print("\nDispatch of zj.nn.routed_experts alone, forward + backward, E = 8, 512 tokens per device of width "
               "64, 64 experts of 128 features, top-2 (float32):\n")

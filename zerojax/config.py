@@ -121,8 +121,8 @@ class ZeroConfig:
         parameter whose annotation names it (the stacked routed experts' expert dimension,
         e.g. the logical name ``"expert"`` with ``axis_rules=(("expert", "expert"),)``) is
         split over it on that dimension (``n_experts / E`` experts per device) and ZeRO-sharded
-        over the data axes on another; every other parameter is replicated over the expert
-        axis and ZeRO-sharded over the data axes. The axis stays automatic in the step, so a
+        over the data axes on another; every other parameter is ZeRO-sharded over data x
+        expert, all the devices that hold it. The axis stays automatic in the step, so a
         MoE written with plain ops is partitioned by XLA and stays exact;
         ``zj.nn.routed_experts`` dispatches tokens by all-to-all over it (docs/moe.md).
       context_layout: how each sequence is split over the context axis: ``"contiguous"``
