@@ -460,3 +460,37 @@ def test_context_degrees_that_do_not_fit_are_refused_before_compiling(monkeypatc
                     mesh=zj.make_mesh(), memory="2MiB", device=SPEC, space=SearchSpace(context=(2,)))
     with pytest.raises(ValueError, match=r"SearchSpace.context must be positive ints"):
         SearchSpace(context=(0,))
+
+
+# --- Expert degrees: a mixture of experts searched over zj.make_mesh(expert=E) ---------------
+
+EXPERT = SearchSpace(stages=(3,), accum=(1,), remat=("none",), offload=("none",), prefetch=(0,), expert=(1, 4))
+
+
+def _moe():
+    from zerojax.models import llama
+
+    cfg = llama.LlamaConfig(vocab=64, d_model=32, n_layers=2, n_heads=2, d_ff=64, n_experts=8, top_k=2, moe_d_ff=64)
+    graphdef, abstract = llama.init_abstract(cfg)
+    return llama.make_loss(graphdef), abstract, cfg
+
+
+def test_expert_degrees_are_searched_each_on_its_own_mesh():
+    """One plan per degree, each on zj.make_mesh(expert=E) over the same devices; each plan's
+    memory is zj.step_memory's on its mesh; the formula's lower bound (Ψ_d + Ψ_e/E kept
+    whole, Ψ/N sharded) prunes nothing that fits; E = 3 is refused before compiling."""
+    loss, params, cfg = _moe()
+    tokens = {"tokens": jax.ShapeDtypeStruct((16, 17), "int32")}
+    result = zj.autotune(loss, params, optax.adamw(1e-3), tokens, mesh=zj.make_mesh(), memory="1GiB", device=SPEC,
+                         space=EXPERT)
+    by_e = {p.expert: p for p in result}
+    assert sorted(by_e) == [1, 4] and not result.pruned
+    assert dict(by_e[4].mesh.shape) == {"data": 2, "expert": 4} and by_e[4].micro_batch == 2
+    assert "expert 4" in by_e[4].describe() and "| expert |" in result.table()
+    direct = zj.step_memory(loss, params, optax.adamw(1e-3), tokens, mesh=by_e[4].mesh, config=by_e[4].config)
+    assert by_e[4].memory.step == direct
+    # Stage 3 shards everything over the 8 devices at either E: the same state per device.
+    assert by_e[1].memory.state == by_e[4].memory.state
+    with pytest.raises(ValueError, match=r"SearchSpace\(expert=\(1, 3\)\): \[3\] do not divide the 8 devices"):
+        zj.autotune(loss, params, optax.adamw(1e-3), tokens, mesh=zj.make_mesh(), memory="1GiB", device=SPEC,
+                    space=dataclasses.replace(EXPERT, expert=(1, 3)))

@@ -61,6 +61,11 @@ class SearchSpace:
         before); None: the given mesh's own (1 without a context axis). Each ``C`` must divide
         the devices of a replica group and every batch leaf's sequence (``2C`` in the
         balanced layout); a plan's ``context`` says which mesh it runs on.
+      expert: expert-parallel degrees ``E`` (``zj.make_mesh(expert=E)`` over the same
+        devices: the batch over data × expert, the weights annotated with the expert axis
+        split over it); None: the given mesh's own (1 without an expert axis). Each ``E``
+        must divide the devices of a replica group (with ``C``) and every expert stack; a
+        plan's ``expert`` says which mesh it runs on.
 
     Combinations a ``ZeroConfig`` refuses (offload at stage 0, prefetch with offloaded
     parameters, ...) are left out.
@@ -83,6 +88,7 @@ class SearchSpace:
     prefetch: tuple[int, ...] = (0, 1)
     gather_dtypes: tuple[Any, ...] = (None,)
     context: tuple[int, ...] | None = None
+    expert: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)
@@ -104,12 +110,15 @@ class SearchSpace:
             raise ValueError(f"SearchSpace.prefetch values must be ints >= 0, got {self.prefetch}.")
         if any(g not in (None, "int8") for g in self.gather_dtypes):
             raise ValueError(f"SearchSpace.gather_dtypes values must be None or 'int8', got {self.gather_dtypes}.")
-        if self.context is not None:
-            context = (self.context,) if isinstance(self.context, int) else tuple(dict.fromkeys(self.context))
-            if not context or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in context):
-                raise ValueError(f"SearchSpace.context must be positive ints (context-parallel degrees) or None "
-                                 f"(the mesh's own), got {self.context!r}.")
-            set_("context", tuple(sorted(context)))
+        for name, what in (("context", "context-parallel"), ("expert", "expert-parallel")):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            degrees = (value,) if isinstance(value, int) else tuple(dict.fromkeys(value))
+            if not degrees or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in degrees):
+                raise ValueError(f"SearchSpace.{name} must be positive ints ({what} degrees) or None (the mesh's "
+                                 f"own), got {value!r}.")
+            set_(name, tuple(sorted(degrees)))
         if self.accum is not None:
             accum = (self.accum,) if isinstance(self.accum, int) else tuple(dict.fromkeys(self.accum))
             if not accum or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in accum):
@@ -147,6 +156,12 @@ class Candidate:
     offload: str
     formula_bytes: float
     context: int = 1  # context-parallel degree: the mesh is zj.make_mesh(context=context)
+    expert: int = 1  # expert-parallel degree: the mesh is zj.make_mesh(expert=expert)
+
+    @property
+    def split(self) -> tuple[int, int]:
+        """(context degree, expert degree): which of the searched meshes it runs on."""
+        return (self.context, self.expert)
 
     @property
     def family(self) -> tuple:
@@ -156,7 +171,7 @@ class Candidate:
         meshes (rows per device, sequence per device): neither decides the other."""
         c = self.config
         rank = _REMAT_RANK.get(c.remat.kind)
-        return (c.stage, c.prefetch, c.gather_dtype, c.remat if rank is None else None, self.context)
+        return (c.stage, c.prefetch, c.gather_dtype, c.remat if rank is None else None, self.context, self.expert)
 
     @property
     def levers(self) -> tuple[int, int, int]:
@@ -166,11 +181,13 @@ class Candidate:
 
     def describe(self) -> str:
         """A short name: ``stage 3, accum 2, remat full, offload optimizer, prefetch 1``
-        (and ``context 4`` on a context mesh)."""
+        (and ``context 4`` on a context mesh, ``expert 4`` on an expert mesh)."""
         c = self.config
         parts = [f"stage {c.stage}", f"accum {c.grad_accum_steps}", f"remat {remat_name(c.remat)}"]
         if self.context > 1:
             parts.append(f"context {self.context}")
+        if self.expert > 1:
+            parts.append(f"expert {self.expert}")
         if self.offload != "none":
             parts.append(f"offload {self.offload}")
         if c.prefetch:
@@ -203,11 +220,11 @@ def needs_more_memory(c: Candidate, d: Candidate) -> bool:
 
 
 def enumerate_candidates(base: ZeroConfig, space: SearchSpace, counts: Sequence[int], *, num_params: float,
-                         shards: int, opt_bytes: float, context: int = 1) -> list[Candidate]:
+                         shards: int, opt_bytes: float, context: int = 1, expert: int = 1) -> list[Candidate]:
     """Every valid configuration of ``space`` over ``base`` with accumulation ``counts``,
     each with its persistent device bytes (``num_params`` trainable parameters sharded over
     ``shards`` devices, ``opt_bytes`` of optimizer state per parameter), on the mesh of
-    context degree ``context``."""
+    context degree ``context`` and expert degree ``expert``."""
     out: list[Candidate] = []
     for stage in space.stages:
         for offload in space.offload:
@@ -227,15 +244,15 @@ def enumerate_candidates(base: ZeroConfig, space: SearchSpace, counts: Sequence[
                                 offload_optimizer=offload != "none", offload_params=offload == "params",
                                 gather_dtype=gather)
                             out.append(Candidate(config=config, offload=offload, formula_bytes=formula,
-                                                 context=context))
+                                                 context=context, expert=expert))
     return _unique(out)
 
 
 def _unique(cands: list[Candidate]) -> list[Candidate]:
     seen, out = set(), []
     for c in cands:
-        if (c.config, c.context) not in seen:
-            seen.add((c.config, c.context))
+        if (c.config, c.split) not in seen:
+            seen.add((c.config, c.split))
             out.append(c)
     return out
 

@@ -64,6 +64,9 @@ def parser(prog: str = "zerojax autotune") -> argparse.ArgumentParser:
     ap.add_argument("--context", default=None,
                     help="context-parallel degrees to search, e.g. 1,2,4 (each sequence split over C devices; "
                          "default: no context axis)")
+    ap.add_argument("--expert", default=None,
+                    help="expert-parallel degrees to search, e.g. 1,2,4 (the experts the model annotates split over "
+                         "E devices; default: no expert axis)")
     ap.add_argument("--exhaustive", action="store_true", help="compile every candidate the formula does not prune")
     ap.add_argument("--limit", type=int, default=10, help="plans shown (default 10)")
     ap.add_argument("--quiet", action="store_true", help="no line per candidate on stderr")
@@ -94,7 +97,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "zerojax autotune") -> i
                             remat=tuple(args.remat.split(",")), offload=tuple(args.offload.split(",")),
                             prefetch=_ints(args.prefetch),
                             gather_dtypes=tuple(None if g == "none" else g for g in args.gather.split(",")),
-                            context=None if args.context is None else _ints(args.context))
+                            context=None if args.context is None else _ints(args.context),
+                            expert=None if args.expert is None else _ints(args.expert))
     except ValueError as e:
         ap.error(str(e))
     devices = jax.devices()
@@ -125,9 +129,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "zerojax autotune") -> i
         return 1
     print(result.table(limit=args.limit))
     print(f"\nbest: {code(result.best.config)}")
-    if result.best.context > 1:
+    if result.best.context > 1 or result.best.expert > 1:
+        axes = [f"{k}={v}" for k, v in (("context", result.best.context), ("expert", result.best.expert)) if v > 1]
         replicas = f", replicas={args.replicas}" if args.replicas > 1 else ""
-        print(f"mesh: zj.make_mesh(context={result.best.context}{replicas})")
+        print(f"mesh: zj.make_mesh({', '.join(axes)}{replicas})")
     if devices[0].platform == "cpu" and result.device.source == "datasheet":
         print(f"(memory from the CPU compiler's program on {n} simulated devices: state and batch exact, temporaries "
               f"an estimate of the {result.device.name}'s; time priced with its datasheet rates)")

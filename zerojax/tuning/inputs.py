@@ -13,7 +13,7 @@ from zerojax.tuning.budget import fmt_bytes
 from zerojax.tuning.candidates import Candidate, SearchSpace, valid_batch_sizes
 from zerojax.config import ZeroConfig
 from zerojax.context.batch import check_lengths, sequence_dims
-from zerojax.sharding.mesh import context_size, make_mesh
+from zerojax.sharding.mesh import context_size, expert_size, make_mesh
 from zerojax.state import is_init_fn
 
 
@@ -59,11 +59,12 @@ def check_mesh(mesh, config: ZeroConfig) -> None:
     if config.axis not in mesh.axis_names:
         raise ValueError(f"the mesh has no axis {config.axis!r} (ZeroConfig.axis); its axes: {mesh.axis_names}.")
     other = {a: s for a, s in dict(mesh.shape).items()
-             if a not in (config.axis, config.replica_axis, config.context_axis) and s > 1}
+             if a not in (config.axis, config.replica_axis, config.context_axis, config.expert_axis) and s > 1}
     if other:
         raise ValueError(f"autotune searches ZeRO over the data axis {config.axis!r} (and {config.replica_axis!r} for "
-                         f"hybrid sharding, {config.context_axis!r} for context parallelism); this mesh also splits "
-                         f"{other}, whose memory its formulas do not model. Tune on the mesh without those axes.")
+                         f"hybrid sharding, {config.context_axis!r} for context parallelism, {config.expert_axis!r} "
+                         f"for expert parallelism); this mesh also splits {other}, whose memory its formulas do not "
+                         f"model. Tune on the mesh without those axes.")
 
 
 def _rows(batch: Any, mesh, config: ZeroConfig) -> tuple[int, int]:
@@ -89,34 +90,42 @@ def _rows(batch: Any, mesh, config: ZeroConfig) -> tuple[int, int]:
     return global_batch // n, global_batch
 
 
-def context_meshes(mesh, config: ZeroConfig, space: SearchSpace, batch: Any) -> dict[int, Any]:
-    """``{C: mesh}`` for each context degree of ``space`` (None: the mesh's own): the given
-    mesh for its own degree, ``zj.make_mesh(devices, replicas=R, context=C)`` over its
-    devices for the others. Refuses, before anything compiles, a degree that does not divide
-    a replica group's devices or a batch leaf's sequence (naming the degrees that would)."""
+def split_meshes(mesh, config: ZeroConfig, space: SearchSpace, batch: Any) -> dict[tuple[int, int], Any]:
+    """``{(C, E): mesh}`` for each context and expert degree of ``space`` (None: the mesh's
+    own): the given mesh for its own degrees, ``zj.make_mesh(devices, replicas=R, context=C,
+    expert=E)`` over its devices for the others. Refuses, before anything compiles, degrees
+    that do not divide a replica group's devices or a batch leaf's sequence (naming the
+    degrees that would)."""
     sizes = dict(mesh.shape)
-    own = context_size(mesh, config.context_axis)
-    degrees = space.context if space.context is not None else (own,)
+    own_c, own_e = context_size(mesh, config.context_axis), expert_size(mesh, config.expert_axis)
+    contexts = space.context if space.context is not None else (own_c,)
+    experts = space.expert if space.expert is not None else (own_e,)
     replicas = sizes.get(config.replica_axis, 1)
-    group = sizes[config.axis] * own
-    bad = [c for c in degrees if group % c]
+    group = sizes[config.axis] * own_c * own_e
+    bad = [c for c in contexts if group % c]
     if bad:
         fits = [c for c in range(1, group + 1) if group % c == 0]
-        raise ValueError(f"SearchSpace(context={degrees}): {bad} do not divide the {group} devices that hold the same "
+        raise ValueError(f"SearchSpace(context={contexts}): {bad} do not divide the {group} devices that hold the same "
                          f"weights (a replica group); use context degrees among {fits}.")
-    if any(c > 1 for c in degrees) and not any(sequence_dims(config, batch)):
-        raise ValueError(f"SearchSpace(context={degrees}) splits each sequence over the context axis, but no batch "
+    bad = [(c, e) for c in contexts for e in experts if group % (c * e)]
+    if bad:
+        fits = [e for e in range(1, group + 1) if all(group % (c * e) == 0 for c in contexts)]
+        raise ValueError(f"SearchSpace(expert={experts}): {sorted({e for _, e in bad})} do not divide the {group} "
+                         f"devices of a replica group{f' with context degrees {contexts}' if contexts != (1,) else ''}; "
+                         f"use expert degrees among {fits}.")
+    if any(c > 1 for c in contexts) and not any(sequence_dims(config, batch)):
+        raise ValueError(f"SearchSpace(context={contexts}) splits each sequence over the context axis, but no batch "
                          f"leaf has a sequence dimension (leaves with 2+ dimensions, or ZeroConfig.context_dims).")
-    for c in degrees:
+    for c in contexts:
         try:
             check_lengths(config, batch, c)
         except ValueError as e:
-            raise ValueError(f"SearchSpace(context={degrees}), context {c}: {e}") from None
+            raise ValueError(f"SearchSpace(context={contexts}), context {c}: {e}") from None
     devices = list(mesh.devices.flat)
-    return {c: mesh if c == own else make_mesh(devices, config.axis, replicas=replicas,
-                                                replica_axis=config.replica_axis, context=c,
-                                                context_axis=config.context_axis)
-            for c in degrees}
+    return {(c, e): mesh if (c, e) == (own_c, own_e) else make_mesh(
+                devices, config.axis, replicas=replicas, replica_axis=config.replica_axis, context=c,
+                context_axis=config.context_axis, expert=e, expert_axis=config.expert_axis)
+            for c in contexts for e in experts}
 
 
 def accumulation_counts(space: SearchSpace, rows: int, global_batch: int, devices: int) -> tuple[int, ...]:
@@ -162,7 +171,7 @@ def nothing_fits_compiled(plans: dict, space: SearchSpace, counts: dict, rows: d
     degree)."""
     smallest = min(plans.items(), key=lambda kv: kv[1].memory.device)
     cand, plan = smallest
-    counts, rows = counts[cand.context], rows[cand.context]
+    counts, rows = counts[cand.split], rows[cand.split]
     over = plan.memory.device - budget
     levers = []
     bigger_k = [k for k in range(cand.config.grad_accum_steps + 1, rows + 1) if rows % k == 0]

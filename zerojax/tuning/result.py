@@ -62,9 +62,9 @@ class Plan:
     ``cost`` what it is predicted from; ``micro_batch`` the rows each device runs at once;
     ``program`` a short hash of the lowered program (plans with the same one compile to the
     same step: a remat policy on a model without a layer loop changes nothing); ``context``
-    the context-parallel degree and ``mesh`` the mesh the plan was compiled for (the given
-    one, or ``zj.make_mesh(context=C)`` over its devices where ``SearchSpace(context=...)``
-    searched other degrees): train with ``zj.make_train_step(..., mesh=plan.mesh,
+    the context-parallel degree, ``expert`` the expert-parallel one, and ``mesh`` the mesh the
+    plan was compiled for (the given one, or ``zj.make_mesh(context=C, expert=E)`` over its
+    devices where ``SearchSpace(context=..., expert=...)`` searched other degrees): train with ``zj.make_train_step(..., mesh=plan.mesh,
     config=plan.config)``.
     """
 
@@ -77,6 +77,7 @@ class Plan:
     program: str = ""
     context: int = 1
     mesh: Any = None
+    expert: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, ZeroConfig):
@@ -90,9 +91,11 @@ class Plan:
             raise ValueError(f"Plan.micro_batch must be a positive int (rows per device), got {self.micro_batch!r}.")
         if isinstance(self.context, bool) or not isinstance(self.context, int) or self.context < 1:
             raise ValueError(f"Plan.context must be a positive int (context-parallel degree), got {self.context!r}.")
+        if isinstance(self.expert, bool) or not isinstance(self.expert, int) or self.expert < 1:
+            raise ValueError(f"Plan.expert must be a positive int (expert-parallel degree), got {self.expert!r}.")
 
     def describe(self) -> str:
-        return Candidate(self.config, self.offload, 0.0, self.context).describe()
+        return Candidate(self.config, self.offload, 0.0, self.context, self.expert).describe()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,13 +187,16 @@ class AutotuneResult(Sequence):
     def table(self, limit: int | None = None) -> str:
         """A markdown table of the plans (the first ``limit``), with the summary line."""
         context = any(p.context > 1 for p in self.plans)  # a context column where a plan splits sequences
-        rows = [f"| # | stage |{' context |' if context else ''} accum (rows) | remat | offload | prefetch | gather | "
-                "device memory | host | time / step | compute | comm |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if context else "")]
+        expert = any(p.expert > 1 for p in self.plans)  # an expert column where a plan splits experts
+        rows = [f"| # | stage |{' context |' if context else ''}{' expert |' if expert else ''} accum (rows) | remat | "
+                "offload | prefetch | gather | device memory | host | time / step | compute | comm |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if context else "")
+                + ("---|" if expert else "")]
         for i, p in enumerate(self.plans[:limit], 1):
             c, parts = p.config, p.cost.breakdown(self.device)
             rows.append(
-                f"| {i} | {c.stage} |{f' {p.context} |' if context else ''} {c.grad_accum_steps} ({p.micro_batch}) | "
+                f"| {i} | {c.stage} |{f' {p.context} |' if context else ''}{f' {p.expert} |' if expert else ''} "
+                f"{c.grad_accum_steps} ({p.micro_batch}) | "
                 f"{remat_name(c.remat)} | {p.offload} | "
                 f"{c.prefetch} | {c.gather_dtype or c.compute_dtype} | {fmt_bytes(p.memory.device)}"
                 f"{'*' if p.memory.source == 'formula' else ''} | {fmt_bytes(p.memory.host)} | {_seconds(p.time)} | "

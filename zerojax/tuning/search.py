@@ -37,7 +37,7 @@ from zerojax.tuning.inputs import (
     accumulation_counts,
     batch_devices,
     check_mesh,
-    context_meshes,
+    split_meshes,
     nothing_fits_compiled,
     nothing_fits_formula,
     param_counts,
@@ -46,7 +46,7 @@ from zerojax.tuning.inputs import (
 from zerojax.tuning.result import AutotuneResult, Plan, PlanMemory, Skipped
 from zerojax.config import ZeroConfig
 from zerojax.report.memory import StepMemory, abstract_batch, compiled_bytes
-from zerojax.sharding.mesh import context_size
+from zerojax.sharding.mesh import context_size, expert_size
 from zerojax.state import abstract_state
 
 Progress = Callable[[int, int, str], None]
@@ -118,21 +118,36 @@ def autotune(loss_fn: Callable, params: Any, tx: Any, batch: Any, *, mesh, memor
         raise TypeError(f"space must be a zerojax.tuning.SearchSpace, got {type(space).__name__}.")
     shapes = abstract_params(params)
     check_mesh(mesh, base)
-    meshes = context_meshes(mesh, base, space, batch)
+    meshes = split_meshes(mesh, base, space, batch)
     psi, opt_bytes = param_counts(shapes, tx)
-    shards = dict(mesh.shape)[base.axis] * context_size(mesh, base.context_axis)  # data x context: C moves none
+    # A replica group's devices: data x context x expert, whatever the split (C and E move none).
+    shards = (dict(mesh.shape)[base.axis] * context_size(mesh, base.context_axis)
+              * expert_size(mesh, base.expert_axis))
     cands, rows, counts = [], {}, {}
-    for c, mesh_c in meshes.items():
+    for (c, e), mesh_c in meshes.items():
         try:
-            rows[c], global_batch = rows_per_device(batch, mesh_c, base)
-            counts[c] = accumulation_counts(space, rows[c], global_batch, batch_devices(mesh_c, base))
-        except ValueError as e:
-            if list(meshes) == [1]:
+            rows[c, e], global_batch = rows_per_device(batch, mesh_c, base)
+            if rows[c, e] % e:
+                raise ValueError(f"the global batch of {global_batch} rows gives each of the "
+                                 f"{batch_devices(mesh_c, base)} data groups {rows[c, e]} rows, which do not split over "
+                                 f"the {e} devices of the expert axis.")
+            rows[c, e] //= e  # each device of an expert group runs its own rows
+            counts[c, e] = accumulation_counts(space, rows[c, e], global_batch, batch_devices(mesh_c, base) * e)
+        except ValueError as err:
+            if list(meshes) == [(1, 1)]:
                 raise
-            raise ValueError(f"SearchSpace(context={tuple(meshes)}), context {c} (the batch over "
-                             f"{batch_devices(mesh_c, base)} data groups): {e}") from None
-        cands += enumerate_candidates(base, space, counts[c], num_params=psi, shards=shards, opt_bytes=opt_bytes,
-                                      context=c)
+            contexts, experts = tuple(dict.fromkeys(k[0] for k in meshes)), tuple(dict.fromkeys(k[1] for k in meshes))
+            if experts == (1,):
+                raise ValueError(f"SearchSpace(context={contexts}), context {c} (the batch over "
+                                 f"{batch_devices(mesh_c, base)} data groups): {err}") from None
+            raise ValueError(f"SearchSpace(context={contexts}, expert={experts}), context {c}, expert {e} (the batch "
+                             f"over {batch_devices(mesh_c, base) * e} devices): {err}") from None
+        # Stages 0-2 keep Ψ_d + Ψ_e / E parameters whole per device (a routed expert's stack is
+        # split E ways): the formula with that count over the whole group is a lower bound of the
+        # state (what it shards is Ψ / N), so it prunes no candidate that could fit.
+        num = psi if e == 1 else psi - expert_params(shapes, mesh_c, base) * (1 - 1 / e)
+        cands += enumerate_candidates(base, space, counts[c, e], num_params=num, shards=shards, opt_bytes=opt_bytes,
+                                      context=c, expert=e)
     limit = usable(budget, margin)
     pruned = [c for c in cands if c.formula_bytes > limit]
     alive = [c for c in cands if c.formula_bytes <= limit]
@@ -221,7 +236,7 @@ class _Search:
             memory, cost = self.by_program[key]
             how = "same program as one compiled before"
         else:
-            mesh = self.meshes[c.context]
+            mesh = self.meshes[c.split]
             compiled = lowered.compile(**_compile_options(mesh))
             self.compiles += 1
             memory = self.memory(compiled, state, c)
@@ -231,8 +246,8 @@ class _Search:
             self.by_program[key] = (memory, cost)
             how = f"compiled in {time.perf_counter() - t0:.1f} s"
         plan = Plan(config=c.config, memory=memory, time=cost.seconds(self.spec), cost=cost,
-                    micro_batch=self.rows[c.context] // c.config.grad_accum_steps, offload=c.offload,
-                    program=key[:12], context=c.context, mesh=self.meshes[c.context])
+                    micro_batch=self.rows[c.split] // c.config.grad_accum_steps, offload=c.offload,
+                    program=key[:12], context=c.context, mesh=self.meshes[c.split], expert=c.expert)
         self.plans[c] = plan
         self.fits[c] = memory.device <= self.budget
         verdict = "fits" if self.fits[c] else f"over by {fmt_bytes(memory.device - self.budget)}"
@@ -250,7 +265,7 @@ class _Search:
     def lower(self, c: Candidate):
         from zerojax.step import make_train_step
 
-        mesh = self.meshes[c.context]
+        mesh = self.meshes[c.split]
         state = abstract_state(self.shapes, self.tx, mesh=mesh, config=c.config)
         step = make_train_step(self.loss_fn, self.tx, mesh=mesh, config=c.config, has_aux=self.has_aux)
         return state, step.lower(state, abstract_batch(state.plan, self.batch))
@@ -281,6 +296,15 @@ def _lever_order(members: list[Candidate]):
     """Sort key: fewest levers first (each lever's values ranked within the family)."""
     ranks = [sorted({c.levers[i] for c in members}) for i in range(3)]
     return lambda c: (sum(r.index(v) for r, v in zip(ranks, c.levers)), c.levers)
+
+
+def expert_params(shapes: Any, mesh: Any, config: ZeroConfig) -> int:
+    """Ψ_e: the parameters split over ``mesh``'s expert axis (the routed experts' stacks the
+    model's annotations mark), read from the plan of ``shapes`` on it."""
+    from zerojax.sharding.plan import make_plan
+
+    plan = make_plan(shapes, mesh, config)
+    return sum(l.size for l in plan.layouts if plan.is_expert(l))
 
 
 def _compile_options(mesh) -> dict:
