@@ -383,3 +383,47 @@ def test_auxiliary_losses_under_accumulation_are_per_micro_batch_over_every_devi
     assert abs_errors(zj.gather_params(state), ref_params).max() < 1e-5
     # ... and it is not the loss over the accumulated batch (f·P is not linear in the tokens).
     assert abs(float(definition(moe_params(), data()[0])) - float(loss(moe_params(), data()[0]))) > 1e-4
+
+
+def test_padding_is_not_routed_and_is_left_out_of_the_losses():
+    """token_mask: padding tokens get zero output and take no capacity; the load-balancing
+    loss is Hugging Face's load_balancing_loss_func with attention_mask (f and P over the
+    unmasked tokens); real tokens' outputs are the unmasked call's (dropless); and training
+    with padding on (data 2, expert 4) equals single-device optax (the masked means are
+    global: each data shard's share averages to them)."""
+    x, logits, up, down, gate = _arrays(9)
+    mask = np.ones((B, T), bool)
+    mask[::3, 2:] = False
+    y, st = routed_experts(x, logits, up, down, gate, top_k=2, token_mask=jnp.asarray(mask))
+    y0, _ = routed_experts(x, logits, up, down, gate, top_k=2)
+    assert not np.asarray(y)[~mask].any()
+    np.testing.assert_array_equal(np.asarray(y)[mask], np.asarray(y0)[mask])
+    lg = np.asarray(logits, np.float64).reshape(-1, E)
+    p = np.exp(lg - lg.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    m = mask.reshape(-1).astype(np.float64)
+    top = np.argsort(-p, 1, kind="stable")[:, :2]
+    f = np.zeros(E)
+    np.add.at(f, top.ravel(), np.repeat(m, 2))
+    want = E * np.sum((f / m.sum()) * ((m[:, None] * p).sum(0) / m.sum()))
+    assert float(st.load_balancing_loss) == pytest.approx(want, rel=1e-6)
+    assert int(st.counts.sum()) == int(m.sum()) * 2
+
+    def loss(p, b):
+        y, st = routed_experts(b["x"], b["x"] @ p["router"], p["up"], p["down"], p["gate"], top_k=2, normalize=True,
+                               token_mask=b["m"])
+        out = (y + b["x"] @ p["shared"]) @ p["out"]
+        return jnp.mean((out - b["y"]) ** 2) + 0.01 * st.load_balancing_loss + 0.001 * st.z_loss
+
+    r = np.random.default_rng(3)
+    batches = [dict(b, m=jnp.asarray(r.random((B, T)) > 0.3)) for b in data()]
+    ref_params, ref_losses = reference_run(loss, moe_params(), optax.sgd(0.1), batches)
+    mesh, cfg = zj.make_mesh(expert=4), zj.ZeroConfig(stage=2)
+    state = zj.init_state(moe_params(), optax.sgd(0.1), mesh=mesh, config=cfg, tensor_specs=SPECS)
+    step = zj.make_train_step(loss, optax.sgd(0.1), mesh=mesh, config=cfg)
+    losses = []
+    for b in batches:
+        state, mt = step(state, b)
+        losses.append(float(mt["loss"]))
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5
+    assert abs_errors(zj.gather_params(state), ref_params).max() < 1e-5

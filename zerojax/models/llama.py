@@ -291,7 +291,8 @@ class MoE(nnx.Module):
     """Routed experts in place of the MLP (Qwen3-MoE's ``Qwen3MoeSparseMoeBlock``, Mixtral's
     ``MixtralSparseMoeBlock``): a router ``[d, E]`` and ``E`` SwiGLU experts stacked on a
     leading expert dimension annotated ``"expert"``, run by ``zj.nn.routed_experts``.
-    Returns the output and its :class:`zerojax.moe.MoEStats`."""
+    Returns the output and its :class:`zerojax.moe.MoEStats`; ``mask`` (``bool[batch, seq]``,
+    False: padding) leaves padding out of the routing and of the load-balancing loss."""
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         d, e, f = cfg.d_model, cfg.n_experts, cfg.expert_d_ff
@@ -309,13 +310,13 @@ class MoE(nnx.Module):
             if cfg.shared_gate:
                 self.shared_gate = nnx.Linear(d, 1, **kw)
 
-    def __call__(self, x: jax.Array):
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None):
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         logits = self.router(x)
         y, stats = routed_experts(x, logits, self.up[...].astype(dt), self.down[...].astype(dt),
                                   self.gate[...].astype(dt), top_k=cfg.top_k, normalize=cfg.norm_topk_prob,
-                                  capacity_factor=cfg.capacity_factor, method=cfg.expert_method)
+                                  capacity_factor=cfg.capacity_factor, method=cfg.expert_method, token_mask=mask)
         if cfg.shared_d_ff:
             shared = self.shared(x)
             y = y + (jax.nn.sigmoid(self.shared_gate(x)) * shared if cfg.shared_gate else shared)
@@ -395,7 +396,7 @@ class Block(nnx.Module):
                                 "attn_out")
         h = self.mlp_norm(x)
         if self.cfg.n_experts:  # (x, (fractions, mean probs, z-loss, counts, dropped)) for the layer loop
-            y, st = self.moe(h)
+            y, st = self.moe(h, mask)  # padding (mask False) is not routed, as HF's loss leaves it out
             return x + checkpoint_name(y, "mlp_out"), (st.fractions, st.mean_probs, st.z_loss, st.counts, st.dropped)
         return x + checkpoint_name(self.down(jax.nn.silu(self.gate(h)) * self.up(h)), "mlp_out")
 

@@ -83,7 +83,8 @@ def routed_experts(x: jax.Array, router_logits: jax.Array, up: jax.Array, down: 
                    gate: jax.Array | None = None, *, top_k: int, activation: Callable = jax.nn.silu,
                    score: str = "softmax", normalize: bool = False, selection_bias: jax.Array | None = None,
                    scale: float = 1.0, capacity_factor: float | None = None, capacity_groups: int | None = None,
-                   method: str = "ragged", mesh: Any = None, axis: str = "expert") -> tuple[jax.Array, MoEStats]:
+                   method: str = "ragged", token_mask: jax.Array | None = None, mesh: Any = None,
+                   axis: str = "expert") -> tuple[jax.Array, MoEStats]:
     """The routed experts' combined output for tokens ``x`` (see the module docstring).
 
     Args:
@@ -98,6 +99,10 @@ def routed_experts(x: jax.Array, router_logits: jax.Array, up: jax.Array, down: 
       capacity_groups: capacity groups among the tokens given (default: the devices of
         ``axis`` they are split over, or 1).
       method: ``"ragged"`` (grouped matmul) or ``"dense"`` (every local expert on every row).
+      token_mask: ``bool[...]`` (x's leading dimensions), False for padding: such a token is
+        not dispatched (its output is zero, it takes no capacity) and is left out of the
+        auxiliary losses and the counts, as Hugging Face's ``load_balancing_loss_func`` leaves
+        out what ``attention_mask`` masks. None: every token.
       mesh: the mesh (default: the one in context); ``axis``: its expert axis.
 
     Returns:
@@ -138,19 +143,25 @@ def routed_experts(x: jax.Array, router_logits: jax.Array, up: jax.Array, down: 
         raise ValueError(f"capacity_groups={capacity_groups!r}: the {n} tokens (x {tuple(x.shape)} flattened) must "
                          f"split into whole groups, a multiple of the {split} device(s) of {axis!r} they are split "
                          f"over. Use a group count dividing {n} that {split} divides.")
+    mask = None
+    if token_mask is not None:
+        if tuple(getattr(token_mask, "shape", ())) != tuple(x.shape[:-1]):
+            raise ValueError(f"token_mask has shape {tuple(getattr(token_mask, 'shape', ()))}; it must be x's leading "
+                             f"dimensions {tuple(x.shape[:-1])} (True: a token, False: padding).")
+        mask = jnp.asarray(token_mask).astype(bool).reshape(-1)
     r = routing.route(lf, top_k, score=score, normalize=normalize, selection_bias=selection_bias, scale=scale)
     axes = losses.manual_batch_axes()
-    counts = losses.global_counts(r.experts, n_experts, axes)
-    fractions = losses.fractions(r.experts, n_experts, axes)
-    mean_probs = jnp.mean(r.probs, axis=0)
+    counts = losses.global_counts(r.experts, n_experts, axes, mask)
+    fractions = losses.fractions(r.experts, n_experts, axes, mask)
+    mean_probs = losses.mean_probs(r.probs, axes, mask)
     stats_lb = n_experts * jnp.sum(fractions * mean_probs)
-    stats_z = losses.z_loss(lf)
-    body = lambda xf, e, w, u, dn, g: _dispatch(xf, e, w, u, dn, g, ep=ep if ep > 1 else 1, axis=axis,
-                                                 groups=groups // split, capacity_factor=capacity_factor,
-                                                 activation=activation, method=method, n_experts=n_experts)
-    args = (xf, r.experts, r.weights, up, down, gate)
+    stats_z = losses.z_loss(lf, mask, axes)
+    body = lambda xf, e, w, m, u, dn, g: _dispatch(xf, e, w, m, u, dn, g, ep=ep if ep > 1 else 1, axis=axis,
+                                                    groups=groups // split, capacity_factor=capacity_factor,
+                                                    activation=activation, method=method, n_experts=n_experts)
+    args = (xf, r.experts, r.weights, jnp.ones((n,), bool) if mask is None else mask, up, down, gate)
     if split > 1:
-        specs = (P(axis), P(axis), P(axis), P(axis), P(axis), None if gate is None else P(axis))
+        specs = (P(axis), P(axis), P(axis), P(axis), P(axis), P(axis), None if gate is None else P(axis))
         kw = {} if given_mesh is None else {"mesh": given_mesh}
         run = jax.shard_map(body, in_specs=specs, out_specs=(P(axis), P(axis)), axis_names={axis}, check_vma=False,
                             **kw)
@@ -160,12 +171,12 @@ def routed_experts(x: jax.Array, router_logits: jax.Array, up: jax.Array, down: 
     else:
         y, kept = body(*args)
     kept = jnp.sum(kept)
-    total = n * top_k
+    total = n * top_k if mask is None else jnp.sum(mask.astype(jnp.int32)) * top_k
     if axes:
         kept, total = jax.lax.psum(kept, axes), total * jax.lax.psum(1, axes)
     if inside:
         kept, total = jax.lax.psum(kept, axis), total * ep
-    dropped = 1.0 - kept.astype(jnp.float32) / total
+    dropped = 1.0 - kept.astype(jnp.float32) / jnp.maximum(total, 1)
     return y.reshape(x.shape), MoEStats(stats_lb, stats_z, counts, dropped, fractions, mean_probs)
 
 
@@ -205,11 +216,12 @@ def capacity(tokens: int, top_k: int, n_experts: int, capacity_factor: float) ->
     return max(1, math.ceil(capacity_factor * tokens * top_k / n_experts))
 
 
-def _dispatch(xf, experts, weights, up, down, gate, *, ep: int, axis: str, groups: int, capacity_factor,
+def _dispatch(xf, experts, weights, mask, up, down, gate, *, ep: int, axis: str, groups: int, capacity_factor,
               activation, method: str, n_experts: int):
-    """One device's tokens ``xf`` [n, d] (its ``groups`` capacity groups) through the experts
-    (``up``/``down``/``gate`` this device's ``n_experts / ep``); ``ep > 1``: manual over ``axis``.
-    Returns the combined output ``[n, d]`` and the kept assignments ``[1]``."""
+    """One device's tokens ``xf`` [n, d] (its ``groups`` capacity groups; ``mask`` [n]: False
+    for padding, never dispatched) through the experts (``up``/``down``/``gate`` this device's
+    ``n_experts / ep``); ``ep > 1``: manual over ``axis``. Returns the combined output
+    ``[n, d]`` and the kept assignments ``[1]``."""
     n, d = xf.shape
     k = experts.shape[-1]
     local = n_experts // ep
@@ -217,18 +229,20 @@ def _dispatch(xf, experts, weights, up, down, gate, *, ep: int, axis: str, group
     ng = n // groups
     e = experts.reshape(groups, ng, k).transpose(0, 2, 1).reshape(-1)  # [a]
     token = jnp.arange(n).reshape(groups, ng)[:, None, :].repeat(k, 1).reshape(-1)
+    real = mask[token]  # padding tokens take no slot and no capacity
     dest, lexp = e // local, e % local
     if capacity_factor is None:
         slots = n * k  # every assignment of this device may go to one destination
         onehot = (dest[:, None] == jnp.arange(ep)[None, :]).astype(jnp.int32)
         pos = jnp.take_along_axis(jnp.cumsum(onehot, axis=0) - 1, dest[:, None], axis=1)[:, 0]
-        keep = jnp.ones_like(pos, dtype=bool)
+        keep = real
     else:
         cap = capacity(ng, k, n_experts, capacity_factor)
         slots = local * groups * cap
-        onehot = (e.reshape(groups, ng * k)[..., None] == jnp.arange(n_experts)).astype(jnp.int32)
+        onehot = ((e.reshape(groups, ng * k)[..., None] == jnp.arange(n_experts))
+                  & real.reshape(groups, ng * k, 1)).astype(jnp.int32)
         rank = jnp.take_along_axis(jnp.cumsum(onehot, axis=1) - 1, e.reshape(groups, ng * k, 1), axis=2).reshape(-1)
-        keep = rank < cap
+        keep = (rank < cap) & real
         group = jnp.arange(groups).repeat(ng * k)
         pos = jnp.where(keep, (lexp * groups + group) * cap + rank, slots)
     pos = jnp.where(keep, pos, slots)  # out of range: dropped on the scatter, never read

@@ -39,25 +39,50 @@ def manual_batch_axes() -> tuple[str, ...]:
     return tuple(a for a in getattr(mesh, "axis_names", ()) if a in manual)
 
 
-def global_counts(experts: jax.Array, n_experts: int, axes: tuple[str, ...] = ()) -> jax.Array:
-    """Assignments per expert (``[n_experts]`` int32) over ``experts`` (any shape of expert
-    indices), summed over the manual ``axes``."""
-    counts = jnp.zeros((n_experts,), jnp.int32).at[experts.reshape(-1)].add(1)
+def global_counts(experts: jax.Array, n_experts: int, axes: tuple[str, ...] = (),
+                  mask: jax.Array | None = None) -> jax.Array:
+    """Assignments per expert (``[n_experts]`` int32) over ``experts`` (``[..., k]`` expert
+    indices), summed over the manual ``axes``; ``mask`` (``[...]``, False: a padding token)
+    leaves tokens out."""
+    w = jnp.ones(experts.shape, jnp.int32) if mask is None else jnp.broadcast_to(
+        mask.reshape(mask.shape + (1,)).astype(jnp.int32), experts.shape)
+    counts = jnp.zeros((n_experts,), jnp.int32).at[experts.reshape(-1)].add(w.reshape(-1))
     return jax.lax.psum(counts, axes) if axes else counts
 
 
-def fractions(experts: jax.Array, n_experts: int, axes: tuple[str, ...] = ()) -> jax.Array:
+def _tokens(experts_or_probs: jax.Array, mask: jax.Array | None, axes: tuple[str, ...]) -> jax.Array:
+    """The tokens counted (the mask's True ones, or all), over the manual ``axes`` too."""
+    n = (jnp.asarray(experts_or_probs.reshape(-1, experts_or_probs.shape[-1]).shape[0], jnp.float32)
+         if mask is None else jnp.sum(mask.astype(jnp.float32)))
+    return jax.lax.stop_gradient(jax.lax.psum(n, axes) if axes else n)
+
+
+def fractions(experts: jax.Array, n_experts: int, axes: tuple[str, ...] = (),
+              mask: jax.Array | None = None) -> jax.Array:
     """``fᵢ``: assignments routed to each expert per token, over every token of the manual
-    ``axes`` too (float32, no gradient; ``Σᵢ fᵢ = k``)."""
-    tokens = experts.reshape(-1, experts.shape[-1]).shape[0]
-    total = tokens * (jax.lax.psum(1, axes) if axes else 1)
-    return jax.lax.stop_gradient(global_counts(experts, n_experts, axes).astype(jnp.float32) / total)
+    ``axes`` too (float32, no gradient; ``Σᵢ fᵢ = k``); ``mask`` leaves padding tokens out."""
+    total = jnp.maximum(_tokens(experts, mask, axes), 1.0)
+    return jax.lax.stop_gradient(global_counts(experts, n_experts, axes, mask).astype(jnp.float32) / total)
 
 
-def load_balancing_loss(probs: jax.Array, experts: jax.Array, *, axes: tuple[str, ...] | None = None) -> jax.Array:
+def mean_probs(probs: jax.Array, axes: tuple[str, ...] = (), mask: jax.Array | None = None) -> jax.Array:
+    """``Pᵢ`` as this data shard contributes it: the mean of ``probs`` ``[..., E]`` over its
+    tokens, scaled so that the mean over the shards of the manual ``axes`` is the mean over
+    every token (equal shares without a mask; the mask's tokens with one)."""
+    p = probs.reshape(-1, probs.shape[-1]).astype(jnp.promote_types(probs.dtype, jnp.float32))
+    if mask is None:
+        return jnp.mean(p, axis=0)
+    m = mask.reshape(-1).astype(p.dtype)
+    shards = jax.lax.psum(1, axes) if axes else 1
+    return jnp.sum(m[:, None] * p, axis=0) * shards / jnp.maximum(_tokens(probs, mask, axes), 1.0)
+
+
+def load_balancing_loss(probs: jax.Array, experts: jax.Array, *, axes: tuple[str, ...] | None = None,
+                        mask: jax.Array | None = None) -> jax.Array:
     """``E · Σᵢ fᵢ · Pᵢ`` (module docstring) of ``probs`` ``[..., E]`` and the chosen
     ``experts`` ``[..., k]``; ``axes``: the manual axes the tokens are split over (default:
-    those of the trace, :func:`manual_batch_axes`).
+    those of the trace, :func:`manual_batch_axes`); ``mask`` (``[...]``, False: padding) leaves
+    tokens out of both, as Hugging Face's ``load_balancing_loss_func(..., attention_mask)``.
 
     Example:
       >>> import jax.numpy as jnp
@@ -69,13 +94,12 @@ def load_balancing_loss(probs: jax.Array, experts: jax.Array, *, axes: tuple[str
     """
     axes = manual_batch_axes() if axes is None else tuple(axes)
     n = probs.shape[-1]
-    f = fractions(experts, n, axes)
-    p = jnp.mean(probs.reshape(-1, n).astype(jnp.float32), axis=0)
-    return n * jnp.sum(f * p)
+    return n * jnp.sum(fractions(experts, n, axes, mask) * mean_probs(probs, axes, mask))
 
 
-def z_loss(router_logits: jax.Array) -> jax.Array:
-    """ST-MoE's router z-loss: the mean over tokens of ``logsumexp(logits)²``.
+def z_loss(router_logits: jax.Array, mask: jax.Array | None = None, axes: tuple[str, ...] = ()) -> jax.Array:
+    """ST-MoE's router z-loss: the mean over tokens of ``logsumexp(logits)²`` (with ``mask``,
+    over its True tokens, this shard's share of the mean over the manual ``axes``).
 
     Example:
       >>> import jax.numpy as jnp
@@ -83,4 +107,8 @@ def z_loss(router_logits: jax.Array) -> jax.Array:
       1.9218
     """
     z = jax.nn.logsumexp(router_logits.astype(jnp.promote_types(router_logits.dtype, jnp.float32)), axis=-1)
-    return jnp.mean(z * z)
+    if mask is None:
+        return jnp.mean(z * z)
+    m = mask.reshape(z.shape).astype(z.dtype)
+    shards = jax.lax.psum(1, axes) if axes else 1
+    return jnp.sum(m * z * z) * shards / jnp.maximum(_tokens(router_logits, mask, axes), 1.0)
