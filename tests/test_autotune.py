@@ -475,6 +475,7 @@ def _moe():
     return llama.make_loss(graphdef), abstract, cfg
 
 
+@pytest.mark.slow  # two step compiles of a Llama with routed experts (14 s); the context search covers the rest
 def test_expert_degrees_are_searched_each_on_its_own_mesh():
     """One plan per degree, each on zj.make_mesh(expert=E) over the same devices; each plan's
     memory is zj.step_memory's on its mesh; the formula's lower bound (Ψ_d + Ψ_e/E kept

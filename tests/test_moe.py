@@ -124,7 +124,7 @@ def _loss(x, logits, up, down, gate, cf=None):
     return jnp.sum(y ** 2) + st.load_balancing_loss + st.z_loss
 
 
-@pytest.mark.parametrize("ep", [2, 8])
+@pytest.mark.parametrize("ep", [pytest.param(2, marks=pytest.mark.slow), 8])  # E = 2: a second compile (8 s)
 def test_expert_parallel_dispatch_equals_one_device(arrays, ep):
     mesh = zj.make_mesh(expert=ep)
     placed = [jax.device_put(a, NamedSharding(mesh, P("expert"))) for a in arrays]
@@ -249,7 +249,10 @@ MOE_CFG = dict(vocab=64, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=2
 SHARED = dict(shared_d_ff=8, shared_gate=True)
 
 
-@pytest.mark.parametrize("stage,ep,shared", [(3, 4, False), (1, 8, True)])
+@pytest.mark.parametrize("stage,ep,shared", [
+    (3, 4, False),
+    pytest.param(1, 8, True, marks=pytest.mark.slow),  # a second model's step compile (13 s)
+])
 def test_the_reference_moe_trains_as_one_device(stage, ep, shared):
     """Qwen3-MoE-like (q/k norms, GQA, 8 experts, top-2, normalised, with its load-balancing
     loss; ``shared``: with Qwen2-MoE's gated shared expert): 3 SGD steps on an expert mesh
