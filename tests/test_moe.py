@@ -84,9 +84,10 @@ def test_routed_experts_equal_the_per_token_definition(seed):
     scale = 2.5 if score == "sigmoid" else 1.0
     kw = dict(normalize=bool(seed % 2), cf=cf, groups=groups, score=score, bias=bias, scale=scale)
     want, want_dropped = reference(x, logits, up, down, gate, k, **kw)
-    y, stats = routed_experts(x, logits, up, down, gate, top_k=k, normalize=kw["normalize"], capacity_factor=cf,
-                              capacity_groups=groups, method="dense" if seed == 5 else "ragged", score=score,
-                              selection_bias=bias, scale=scale)
+    run = jax.jit(functools.partial(  # one compile, not one per primitive as eagerly
+        routed_experts, top_k=k, normalize=kw["normalize"], capacity_factor=cf, capacity_groups=groups,
+        method="dense" if seed == 5 else "ragged", score=score, scale=scale))
+    y, stats = run(x, logits, up, down, gate, selection_bias=bias)
     np.testing.assert_allclose(np.asarray(y, np.float64).reshape(want.shape), want, atol=2e-5, rtol=1e-5)
     assert float(stats.dropped) == pytest.approx(want_dropped, abs=1e-7)
     if cf == 0.5:
@@ -193,8 +194,9 @@ def _reference(name):
 
 
 @pytest.mark.parametrize("name,stage,ep,specs", [
-    ("plain", 0, 4, True), ("plain", 3, 4, False), ("zj", 1, 4, True), ("zj", 3, 2, True), ("capacity", 2, 8, True),
-    ("capacity", 3, 4, True)])
+    ("plain", 0, 4, True), ("plain", 3, 4, False), ("zj", 1, 4, True), ("capacity", 3, 4, True),
+    # E = 2 and 8 (also trained by the dispatch and combination tests): a step compile each
+    pytest.param("zj", 3, 2, True, marks=pytest.mark.slow), pytest.param("capacity", 2, 8, True, marks=pytest.mark.slow)])
 def test_moe_trains_as_one_device_on_an_expert_mesh(name, stage, ep, specs):
     """3 SGD steps against plain single-device optax (1e-5). ``capacity``: one group per
     device on the mesh, the same 8 groups on one device."""
@@ -317,7 +319,8 @@ def test_a_checkpoint_saved_at_four_expert_devices_restores_at_two_and_one(tmp_p
         assert abs_errors(zj.gather_params(run(restored, mesh, cfg, batches[2:])), want).max() < 1e-6, (ep, stage)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow),  # (loaded whole by
+                                  pytest.param("qwen2_moe", marks=pytest.mark.slow)])  # test_hf_families in default)
 def test_transformers_moe_checkpoints_load_split_over_the_expert_axis(name):
     """tests/data/hf/{qwen3_moe,mixtral,qwen2_moe} (made by transformers) at E = 4, stage 3: each
     device holds one of the 4 experts, and the logits are transformers' (fp32 rounding)."""
@@ -397,8 +400,9 @@ def test_padding_is_not_routed_and_is_left_out_of_the_losses():
     x, logits, up, down, gate = _arrays(9)
     mask = np.ones((B, T), bool)
     mask[::3, 2:] = False
-    y, st = routed_experts(x, logits, up, down, gate, top_k=2, token_mask=jnp.asarray(mask))
-    y0, _ = routed_experts(x, logits, up, down, gate, top_k=2)
+    run = jax.jit(functools.partial(routed_experts, top_k=2))
+    y, st = run(x, logits, up, down, gate, token_mask=jnp.asarray(mask))
+    y0, _ = run(x, logits, up, down, gate)
     assert not np.asarray(y)[~mask].any()
     np.testing.assert_array_equal(np.asarray(y)[mask], np.asarray(y0)[mask])
     lg = np.asarray(logits, np.float64).reshape(-1, E)

@@ -109,14 +109,15 @@ def routed_experts(x: jax.Array, router_logits: jax.Array, up: jax.Array, down: 
       ``(y, stats)``: ``y`` shaped like ``x``, and :class:`MoEStats`.
 
     Example:
-      >>> import jax, jax.numpy as jnp
+      >>> import functools, jax, jax.numpy as jnp
       >>> from zerojax.moe import routed_experts
       >>> k = jax.random.split(jax.random.key(0), 5)
       >>> x = jax.random.normal(k[0], (2, 6, 8))
       >>> logits = jax.random.normal(k[1], (2, 6, 4))
       >>> up, gate = jax.random.normal(k[2], (4, 8, 16)), jax.random.normal(k[3], (4, 8, 16))
       >>> down = jax.random.normal(k[4], (4, 16, 8))
-      >>> y, stats = routed_experts(x, logits, up, down, gate, top_k=2, normalize=True)
+      >>> run = jax.jit(functools.partial(routed_experts, top_k=2, normalize=True))
+      >>> y, stats = run(x, logits, up, down, gate)
       >>> y.shape, stats.counts.sum().item(), stats.dropped.item()
       ((2, 6, 8), 24, 0.0)
     """
