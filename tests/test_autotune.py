@@ -405,6 +405,7 @@ def tuned_context():
                        memory="1GiB", device=SPEC, space=CONTEXT)
 
 
+@pytest.mark.slow  # three Llama step compiles on context meshes (14 s, with the next test's 7 s)
 def test_context_degrees_are_searched_each_on_its_own_mesh(tuned_context):
     """One plan per degree, each compiled on zj.make_mesh(context=C) over the same devices:
     the same state per device (data x context = 8 shards the weights), the rows per device
@@ -430,6 +431,7 @@ def test_context_degrees_are_searched_each_on_its_own_mesh(tuned_context):
     assert any(t.axes == "context" for t in by_c[4].cost.traffic)
 
 
+@pytest.mark.slow  # shares the compiles above
 def test_a_budget_only_a_context_split_fits_chooses_it(tuned_context):
     """Between the C = 1 and C = 2 plans' memory, C = 1 does not fit: the search picks C = 2."""
     by_c = {p.context: p for p in tuned_context}

@@ -251,9 +251,9 @@ MOE_CFG = dict(vocab=64, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=2
 SHARED = dict(shared_d_ff=8, shared_gate=True)
 
 
-@pytest.mark.parametrize("stage,ep,shared", [
-    (3, 4, False),
-    pytest.param(1, 8, True, marks=pytest.mark.slow),  # a second model's step compile (13 s)
+@pytest.mark.parametrize("stage,ep,shared", [  # a Llama step compile each (10-13 s); the model's expert
+    pytest.param(3, 4, False, marks=pytest.mark.slow),  # leaves load on an expert mesh and train at stage 3
+    pytest.param(1, 8, True, marks=pytest.mark.slow),   # in the default set (test_hf_families, below)
 ])
 def test_the_reference_moe_trains_as_one_device(stage, ep, shared):
     """Qwen3-MoE-like (q/k norms, GQA, 8 experts, top-2, normalised, with its load-balancing
