@@ -251,10 +251,10 @@ MOE_CFG = dict(vocab=64, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=2
 SHARED = dict(shared_d_ff=8, shared_gate=True)
 
 
-@pytest.mark.parametrize("stage,ep,shared", [  # a Llama step compile each (10-13 s); the model's expert
-    pytest.param(3, 4, False, marks=pytest.mark.slow),  # leaves load on an expert mesh and train at stage 3
-    pytest.param(1, 8, True, marks=pytest.mark.slow),   # in the default set (test_hf_families, below)
-])
+@pytest.mark.parametrize("stage,ep,shared", [  # a Llama step compile each (10-13 s); in the default set the
+    pytest.param(3, 4, False, marks=pytest.mark.slow),  # model loads on an expert mesh (below) and trains at
+    pytest.param(1, 8, True, marks=pytest.mark.slow),   # stage 3 (test_hf_families); routed_experts trains on one
+])                                                      # in test_moe_trains_as_one_device_on_an_expert_mesh
 def test_the_reference_moe_trains_as_one_device(stage, ep, shared):
     """Qwen3-MoE-like (q/k norms, GQA, 8 experts, top-2, normalised, with its load-balancing
     loss; ``shared``: with Qwen2-MoE's gated shared expert): 3 SGD steps on an expert mesh
