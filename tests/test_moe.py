@@ -186,6 +186,15 @@ def data(steps=3, seed=1):
              "y": jnp.asarray(r.normal(size=(B, T, D)), jnp.float32)} for _ in range(steps)]
 
 
+def _train(step, state, batches):
+    """``state`` after ``step`` on each batch, the losses, and the last metrics."""
+    losses, m = [], None
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    return state, losses, m
+
+
 @functools.lru_cache(maxsize=None)
 def _reference(name):
     moe = {"plain": functools.partial(plain_moe, k=2), "zj": functools.partial(zj_moe, k=2),
@@ -206,10 +215,7 @@ def test_moe_trains_as_one_device_on_an_expert_mesh(name, stage, ep, specs):
     cfg = zj.ZeroConfig(stage=stage)
     state = zj.init_state(moe_params(), optax.sgd(0.1), mesh=mesh, config=cfg, tensor_specs=SPECS if specs else None)
     step = zj.make_train_step(lambda p, b: moe_loss(p, b, moe), optax.sgd(0.1), mesh=mesh, config=cfg)
-    losses = []
-    for b in data():
-        state, m = step(state, b)
-        losses.append(float(m["loss"]))
+    state, losses, m = _train(step, state, data())
     ref_params, ref_losses = _reference(name)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5
     assert abs_errors(zj.gather_params(state), ref_params).max() < 1e-5
@@ -273,10 +279,7 @@ def test_the_reference_moe_trains_as_one_device(stage, ep, shared):
     state = zj.init_state(params, tx, mesh=mesh, config=cfg0)
     step = zj.make_train_step(llama.make_loss(graphdef, with_stats=True), tx, mesh=mesh, config=cfg0, has_aux=True,
                               aux_reduce=llama.STATS_REDUCE)
-    losses = []
-    for b in batches:
-        state, m = step(state, b)
-        losses.append(float(m["loss"]))
+    state, losses, m = _train(step, state, batches)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5
     assert abs_errors(zj.gather_params(state), ref_params).max() < 1e-5
     assert float(m["aux"]["expert_counts"].sum()) == 16 * 8 * 2 * 2  # tokens x k x layers
@@ -350,10 +353,7 @@ def test_the_expert_axis_beside_tensor_context_and_replicas(mesh_kw):
     mesh, cfg = zj.make_mesh(**mesh_kw), zj.ZeroConfig(stage=3)
     state = zj.init_state(moe_params(), optax.sgd(0.1), mesh=mesh, config=cfg, tensor_specs=specs)
     step = zj.make_train_step(lambda p, b: moe_loss(p, b, moe), optax.sgd(0.1), mesh=mesh, config=cfg)
-    losses = []
-    for b in data():
-        state, m = step(state, b)
-        losses.append(float(m["loss"]))
+    state, losses, m = _train(step, state, data())
     ref_params, ref_losses = _reference("zj")
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5
     assert abs_errors(zj.gather_params(state), ref_params).max() < 1e-5
@@ -381,10 +381,7 @@ def test_auxiliary_losses_under_accumulation_are_per_micro_batch_over_every_devi
     mesh, cfg = zj.make_mesh(expert=4), zj.ZeroConfig(stage=2, grad_accum_steps=k)
     state = zj.init_state(moe_params(), optax.sgd(0.1), mesh=mesh, config=cfg, tensor_specs=SPECS)
     step = zj.make_train_step(loss, optax.sgd(0.1), mesh=mesh, config=cfg)
-    losses = []
-    for b in data():
-        state, m = step(state, b)
-        losses.append(float(m["loss"]))
+    state, losses, m = _train(step, state, data())
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5
     assert abs_errors(zj.gather_params(state), ref_params).max() < 1e-5
     # ... and it is not the loss over the accumulated batch (f·P is not linear in the tokens).
@@ -428,9 +425,6 @@ def test_padding_is_not_routed_and_is_left_out_of_the_losses():
     mesh, cfg = zj.make_mesh(expert=4), zj.ZeroConfig(stage=2)
     state = zj.init_state(moe_params(), optax.sgd(0.1), mesh=mesh, config=cfg, tensor_specs=SPECS)
     step = zj.make_train_step(loss, optax.sgd(0.1), mesh=mesh, config=cfg)
-    losses = []
-    for b in batches:
-        state, mt = step(state, b)
-        losses.append(float(mt["loss"]))
+    state, losses, mt = _train(step, state, batches)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5
     assert abs_errors(zj.gather_params(state), ref_params).max() < 1e-5

@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.moe import losses, routing
 from zerojax.sharding import jax_compat
+from zerojax.sharding.mesh import expert_size
 
 METHODS = ("ragged", "dense")
 
@@ -70,13 +71,6 @@ class MoEStats(NamedTuple):
     dropped: jax.Array
     fractions: jax.Array
     mean_probs: jax.Array
-
-
-def expert_size(mesh: Any, axis: str = "expert") -> int:
-    """Devices of ``axis`` in ``mesh`` (1 without one, or for no mesh)."""
-    if mesh is None or axis not in getattr(mesh, "axis_names", ()):
-        return 1
-    return int(dict(mesh.shape)[axis])
 
 
 def routed_experts(x: jax.Array, router_logits: jax.Array, up: jax.Array, down: jax.Array,

@@ -148,12 +148,8 @@ def _with_context(devices: list, axis: str, replicas: int, replica_axis: str, te
         raise ValueError(f"make_mesh(context={context}, tensor={tensor}, replicas={replicas}): {len(devices)} devices "
                          f"do not split into groups of {context} x {tensor}{f' in {replicas} replica groups' if replicas > 1 else ''}. "
                          f"Use context in {ok}.")
-    ordered = [d for _, d in sorted(enumerate(devices), key=lambda t: (t[1].process_index, t[0]))]
-    data = len(devices) // (replicas * context * tensor)
-    shape = [(replica_axis, replicas), (axis, data), (context_axis, context), (tensor_axis, tensor)]
-    shape = [(n, k) for n, k in shape if k > 1 or n in (axis, context_axis)]
-    grid = np.array(ordered, dtype=object).reshape([k for _, k in shape])
-    return Mesh(grid, tuple(n for n, _ in shape), axis_types=(AxisType.Auto,) * len(shape))
+    return _laid_out(devices, axis, replicas, replica_axis, [(context_axis, context), (tensor_axis, tensor)],
+                     keep=context_axis)
 
 
 def _with_expert(devices: list, axis: str, replicas: int, replica_axis: str, tensor: int, tensor_axis: str,
@@ -173,11 +169,18 @@ def _with_expert(devices: list, axis: str, replicas: int, replica_axis: str, ten
         raise ValueError(f"make_mesh(expert={expert}, context={context}, tensor={tensor}, replicas={replicas}): "
                          f"{len(devices)} devices do not split into groups of {expert} x {context} x {tensor}"
                          f"{f' in {replicas} replica groups' if replicas > 1 else ''}. Use expert in {ok}.")
+    return _laid_out(devices, axis, replicas, replica_axis,
+                     [(expert_axis, expert), (context_axis, context), (tensor_axis, tensor)], keep=expert_axis)
+
+
+def _laid_out(devices: list, axis: str, replicas: int, replica_axis: str, inner: list[tuple[str, int]],
+              keep: str) -> Mesh:
+    """``(replica, data, *inner)`` over ``devices`` in process order, the data axis sized by
+    what is left, and the size-1 axes left out but the data axis and ``keep``."""
     ordered = [d for _, d in sorted(enumerate(devices), key=lambda t: (t[1].process_index, t[0]))]
-    data = len(devices) // (other * expert)
-    shape = [(replica_axis, replicas), (axis, data), (expert_axis, expert), (context_axis, context),
-             (tensor_axis, tensor)]
-    shape = [(n, k) for n, k in shape if k > 1 or n in (axis, expert_axis)]
+    data = len(devices) // (replicas * int(np.prod([k for _, k in inner])))
+    shape = [(replica_axis, replicas), (axis, data), *inner]
+    shape = [(n, k) for n, k in shape if k > 1 or n in (axis, keep)]
     grid = np.array(ordered, dtype=object).reshape([k for _, k in shape])
     return Mesh(grid, tuple(n for n, _ in shape), axis_types=(AxisType.Auto,) * len(shape))
 

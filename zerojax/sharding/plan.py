@@ -88,14 +88,6 @@ class ZeroPlan:
         return expert_size(self.mesh, self.config.expert_axis)
 
     @property
-    def storage_axes(self) -> str | tuple[str, str]:
-        """The mesh axes a sharded array's split dimension lies over: the data axis, and the
-        context axis after it where the mesh has one (data-major: inside the step's
-        ``shard_map``, manual over the data axis, a device's block is contiguous and split
-        over the context axis automatically)."""
-        return (self.config.axis, self.config.context_axis) if self.context > 1 else self.config.axis
-
-    @property
     def replica(self) -> str | None:
         """The mesh axis of replica groups (hybrid sharding), or None on a 1-D mesh."""
         return self.config.replica_axis if self.config.replica_axis in self.mesh.axis_names else None
