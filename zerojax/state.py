@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
@@ -158,7 +159,7 @@ def init_state(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig, rng: Any
     rep = plan.replicated
     return ZeroState(
         step=jax.device_put(jnp.zeros((), jnp.int32), rep), params=p, master=master, frozen=frozen,
-        opt_state=opt_state, model_state=ms, rng=None if rng is None else jax.device_put(_key(rng), rep),
+        opt_state=opt_state, model_state=ms, rng=None if rng is None else _replicated_key(_key(rng), rep),
         loss_scale=jax.device_put(ls.init(config), rep), skipped=jax.device_put(jnp.zeros((), jnp.int32), rep),
         plan=plan,
     )
@@ -212,6 +213,13 @@ def _refuse_abstract(params: Any) -> None:
 def is_init_fn(x: Any) -> bool:
     """Whether ``x`` is a function that builds a tree (rather than the tree itself)."""
     return callable(x) and not hasattr(x, "shape") and not isinstance(x, (dict, list, tuple))
+
+
+def _replicated_key(key: jax.Array, sharding: Any) -> jax.Array:
+    """``key`` on every device of ``sharding``: built by a program of its own, since
+    ``device_put`` of a key onto devices of other processes is refused."""
+    data, impl = np.asarray(jax.random.key_data(key)), jax.random.key_impl(key)
+    return jax.jit(lambda: jax.random.wrap_key_data(data, impl=impl), out_shardings=sharding)()
 
 
 def _key(rng: Any) -> jax.Array:
