@@ -36,6 +36,12 @@ from zerojax.state import ZeroState, check_alive, is_init_fn
 Directory = str | os.PathLike | ocp.CheckpointManager
 
 
+class CheckpointMismatchError(ValueError):
+    """The checkpoint holds another model or optimizer than the restore asks for (leaves,
+    shapes, frozen mask, model state or optimizer state differ): a wrong restore target,
+    never a damaged checkpoint."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Retention:
     """Which checkpoints to keep: the last ``keep_last`` (None: all), plus every step that
@@ -96,7 +102,7 @@ def _describe(directory: Directory) -> str:
 
 def save_checkpoint(directory: Directory, state: ZeroState, step: int, *,
                     keep_last: int | None = None, keep_every: int | None = None,
-                    wait: bool = False) -> None:
+                    wait: bool = False, extra: dict | None = None) -> None:
     """Saves ``state`` as checkpoint ``step`` under ``directory``, asynchronously.
 
     ``directory`` is a path or your own ``orbax.checkpoint.CheckpointManager`` (whose
@@ -105,6 +111,9 @@ def save_checkpoint(directory: Directory, state: ZeroState, step: int, *,
     save: a call without them keeps every step. ``wait=True`` blocks until the checkpoint
     is complete; otherwise it completes in the background, and at the latest when the
     interpreter exits (on CPython 3.12.0–3.12.1, before it returns: see the module docstring).
+    ``extra`` (a JSON-serialisable dict: a data position, a run's counters) is saved in the
+    same step directory, complete or absent together with the state; read it back with
+    :func:`checkpoint_extra`.
 
     Example:
       >>> import tempfile, jax.numpy as jnp, optax, zerojax as zj
@@ -125,15 +134,51 @@ def save_checkpoint(directory: Directory, state: ZeroState, step: int, *,
     if isinstance(directory, ocp.CheckpointManager) and (keep_last or keep_every):
         raise ValueError("keep_last / keep_every apply to a directory zerojax manages; with your own "
                          "CheckpointManager set max_to_keep / keep_period in its options.")
+    if extra is not None:
+        _check_json(extra)
     mngr = _manager(directory, Retention(keep_last, keep_every))
     _wait_at_exit()
     arrays, meta = canonical.to_canonical(state)
-    mngr.save(step, args=ocp.args.Composite(
-        state=ocp.args.PyTreeSave(arrays), meta=ocp.args.JsonSave(meta.to_json())))
+    items = dict(state=ocp.args.PyTreeSave(arrays), meta=ocp.args.JsonSave(meta.to_json()))
+    if extra is not None:
+        items["extra"] = ocp.args.JsonSave(extra)
+    mngr.save(step, args=ocp.args.Composite(**items))
     if not wait and _EXIT_CANNOT_FINISH_SAVES:
         _warn_synchronous()
     if wait or _EXIT_CANNOT_FINISH_SAVES:
         mngr.wait_until_finished()
+
+
+def _check_json(extra: Any) -> None:
+    import json
+
+    if not isinstance(extra, dict):
+        raise TypeError(f"extra must be a dict of JSON values, got {type(extra).__name__}.")
+    try:
+        json.dumps(extra, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"extra must hold JSON values only (str, int, float, bool, None, lists, dicts): {e}") from None
+
+
+def checkpoint_extra(directory: Directory, step: int) -> dict | None:
+    """The ``extra`` dict saved with checkpoint ``step`` (None when it was saved without one).
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp, optax, zerojax as zj
+      >>> st = zj.init_state({"w": jnp.ones(8)}, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig())
+      >>> d = tempfile.mkdtemp()
+      >>> zj.save_checkpoint(d, st, step=3, wait=True, extra={"data": {"position": 96}})
+      >>> zj.checkpoint.checkpoint_extra(d, 3)
+      {'data': {'position': 96}}
+    """
+    steps = checkpoint_steps(directory)
+    if step not in steps:
+        raise FileNotFoundError(f"no checkpoint for step {step} in {_describe(directory)}; it has steps {steps}.")
+    mngr = _manager(directory)
+    path = os.path.join(os.fspath(mngr.directory), str(step), "extra")
+    if not os.path.exists(path):
+        return None
+    return mngr.restore(step, args=ocp.args.Composite(extra=ocp.args.JsonRestore()))["extra"]
 
 
 # CPython 3.12.0 and 3.12.1 refuse new threads once exit begins (gh-113964), and finishing an
@@ -226,22 +271,20 @@ def checkpoint_steps(directory: Directory) -> list[int]:
 
 
 def _check_params(meta: canonical.Meta, params: Any) -> None:
+    """Every leaf whose path or shape differs from the checkpoint's, named in one error."""
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    paths = [jax.tree_util.keystr(p) for p, _ in leaves]
-    saved = list(meta.paths)
-    for i in range(max(len(paths), len(saved))):
-        mine = paths[i] if i < len(paths) else None
-        theirs = saved[i] if i < len(saved) else None
-        if mine != theirs:
-            raise ValueError(
-                f"params tree differs from the checkpoint's at leaf {i}: checkpoint has "
-                f"{theirs!r}, params have {mine!r}. Restore into the model that was saved.")
-        shape = tuple(leaves[i][1].shape)
-        want = meta.layout(i).shape
-        if shape != want:
-            raise ValueError(
-                f"params leaf {mine} has shape {shape} but the checkpoint holds shape {want}. "
-                "Restore into the model configuration that was saved.")
+    mine = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in leaves}
+    saved = {p: meta.layout(i).shape for i, p in enumerate(meta.paths)}
+    if list(mine) != list(saved) or mine != saved:
+        lines = [f"  {p}: checkpoint {saved[p]}, params {mine[p]}" for p in saved if p in mine and saved[p] != mine[p]]
+        lines += [f"  {p}: in the checkpoint {saved[p]}, not in params" for p in saved if p not in mine]
+        lines += [f"  {p}: in params {mine[p]}, not in the checkpoint" for p in mine if p not in saved]
+        if not lines:
+            lines = ["  the same leaves in another order: checkpoint " + ", ".join(list(saved)[:8])]
+        more = f"\n  ... and {len(lines) - 20} more" if len(lines) > 20 else ""
+        raise CheckpointMismatchError(
+            f"params differ from the checkpoint's in {len(lines)} leaves:\n" + "\n".join(lines[:20]) + more
+            + "\nRestore into the model configuration that was saved.")
 
 
 def restore_checkpoint(directory: Directory, target: Any, tx: optax.GradientTransformation | None = None, *,
@@ -319,18 +362,18 @@ def restore_checkpoint(directory: Directory, target: Any, tx: optax.GradientTran
 def _check_extras(meta: canonical.Meta, plan, model_state: Any) -> None:
     if tuple(meta.trainable) != tuple(plan.trainable):
         frozen = lambda mask: [p for i, p in enumerate(meta.paths) if mask and not mask[i]]
-        raise ValueError(f"the checkpoint's frozen parameters are {frozen(meta.trainable)}; this restore freezes "
+        raise CheckpointMismatchError(f"the checkpoint's frozen parameters are {frozen(meta.trainable)}; this restore freezes "
                          f"{frozen(plan.trainable)}. Pass the trainable= mask the run was saved with.")
     if meta.model_state is None:
         if model_state is not None:
-            raise ValueError("model_state was given, but the checkpoint holds no model state.")
+            raise CheckpointMismatchError("model_state was given, but the checkpoint holds no model state.")
         return
     if model_state is None:
-        raise ValueError("the checkpoint holds a model state: pass model_state= (arrays or jax.ShapeDtypeStruct "
+        raise CheckpointMismatchError("the checkpoint holds a model state: pass model_state= (arrays or jax.ShapeDtypeStruct "
                          "of its structure), or a target built by zj.abstract_state(..., model_state=...).")
     mine = tuple((tuple(int(d) for d in jnp.shape(x)), jnp.dtype(x.dtype).name) for x in jax.tree.leaves(model_state))
     if str(jax.tree.structure(model_state)) != meta.model_state_treedef or mine != meta.model_state:
-        raise ValueError(f"model_state does not match the checkpoint's: it holds {meta.model_state_treedef} "
+        raise CheckpointMismatchError(f"model_state does not match the checkpoint's: it holds {meta.model_state_treedef} "
                          f"{list(meta.model_state)}, model_state has {jax.tree.structure(model_state)} {list(mine)}.")
 
 
@@ -338,7 +381,7 @@ def _check_optimizer(meta: canonical.Meta, plan) -> None:
     saved = [(meta.opt_layout(k).shape, meta.opt_layout(k).dtype) for k in range(len(meta.opt_layouts))]
     mine = [(l.shape, l.dtype) for l in plan.opt_layouts]
     if str(plan.opt_treedef) != meta.opt_treedef or saved != mine:
-        raise ValueError(
+        raise CheckpointMismatchError(
             "the optimizer does not match the checkpoint's: the checkpoint holds optimizer "
             f"state {meta.opt_treedef} ({len(saved)} arrays), this tx.init gives "
             f"{plan.opt_treedef} ({len(mine)} arrays). Restore with the optimizer that was saved.")
