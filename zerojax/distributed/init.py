@@ -8,6 +8,7 @@ import os
 import jax
 from jax.sharding import Mesh
 
+from zerojax.distributed.heartbeat import start_heartbeat
 from zerojax.sharding.mesh import make_mesh
 
 ENV_COORDINATOR = "ZEROJAX_COORDINATOR"
@@ -62,7 +63,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     :func:`detect`); on CPU, collectives use gloo and ``local_cpu_devices`` (or
     ``ZEROJAX_LOCAL_DEVICES``) simulates that many devices per process. A process that dies
     is noticed by the others within ``heartbeat_timeout_s``, which then fail instead of
-    waiting; joining gives up after ``timeout_s``.
+    waiting; joining gives up after ``timeout_s``. Under ``zerojax launch
+    --heartbeat-timeout`` it also starts the heartbeat the launcher watches
+    (:mod:`zerojax.distributed.heartbeat`).
 
     Example (one process: nothing to join, the mesh spans the local devices):
       >>> import zerojax as zj
@@ -70,6 +73,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       ('data',)
     """
     launch = detect(coordinator_address, num_processes, process_id)
+    start_heartbeat()
     local = local_cpu_devices if local_cpu_devices is not None else os.environ.get(ENV_LOCAL_DEVICES)
     if launch.launcher != "single" or local is not None:
         try:
