@@ -1,6 +1,6 @@
 """zerojax: ZeRO (stages 0-3) for JAX and Flax over a jax.sharding mesh."""
 
-from zerojax import checkpoint, compile_cache, context, distributed, maps, models, moe, nn, nnx, remat, xla_flags
+from zerojax import checkpoint, compile_cache, context, distributed, maps, models, moe, nn, nnx, remat, resume, xla_flags
 from zerojax.tuning import autotune
 from zerojax.checkpoint import export_weights, load_weights, restore_checkpoint, save_checkpoint
 from zerojax.checkpoint.tensor_map import WeightMap
@@ -41,6 +41,7 @@ __all__ = [
     "moe",
     "remat",
     "restore_checkpoint",
+    "resume",
     "save_checkpoint",
     "checkpoint",
     "communication_report",

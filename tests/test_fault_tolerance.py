@@ -1,0 +1,244 @@
+"""``zerojax launch --max-restarts`` and resumable multi-process runs, tested by breaking them.
+
+The launcher's own rules run on tiny commands (no JAX, seconds). The slow set runs the
+experiments' GPT at ZeRO-3 in 4 processes under a seeded schedule of SIGKILLs (one
+landing as a checkpoint is written), a SIGSTOP and a SIGTERM, and checks that the job ends
+bit-identical to an uninterrupted run; and a run stopped at 4 processes and resumed at 2.
+"""
+
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import zerojax as zj
+from zerojax.distributed.heartbeat import complete_steps
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "workers" / "resume_job.py"
+
+
+def launcher(args, script, timeout=60, **kw):
+    cmd = [sys.executable, "-m", "zerojax.launch", *args, "--", sys.executable, "-c", textwrap.dedent(script)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kw)
+
+
+def test_a_command_that_fails_at_once_is_not_restarted():
+    start = time.monotonic()
+    out = launcher(["--nprocs", "2", "--max-restarts", "5", "--restart-delay", "0"], "import sys; sys.exi(0)")
+    assert out.returncode == 1, out.stdout
+    assert 1 <= out.stdout.count("AttributeError: module 'sys' has no attribute 'exi'") <= 2  # one start
+    assert "failed before any checkpoint was written: not restarting" in out.stdout
+    assert "restart 1/" not in out.stdout and time.monotonic() - start < 30
+
+
+def test_killed_processes_are_restarted_up_to_max_restarts():
+    # Each start: process 1 kills itself; the second restart finishes (ZEROJAX_RESTART counts starts).
+    script = """
+        import os, signal
+        if os.environ["ZEROJAX_RESTART"] != "2" and os.environ["ZEROJAX_PROCESS_ID"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        print("start", os.environ["ZEROJAX_RESTART"], "ok")
+    """
+    out = launcher(["--nprocs", "2", "--max-restarts", "2", "--restart-delay", "0"], script)
+    assert out.returncode == 0, out.stdout
+    assert out.stdout.count("was killed by SIGKILL") == 2
+    assert "restart 2/2 in 0s: the job starts from the beginning (no complete checkpoint yet)" in out.stdout
+    assert "[rank 1] start 2 ok" in out.stdout and "the job finished after 2 restarts" in out.stdout
+    out = launcher(["--nprocs", "2", "--max-restarts", "1", "--restart-delay", "0"], script)
+    assert out.returncode == 128 + signal.SIGKILL, out.stdout
+    assert "no restart left (--max-restarts 1): the job did not finish" in out.stdout
+
+
+def test_a_stopped_process_is_caught_by_its_heartbeat(tmp_path):
+    script = """
+        import os, signal, time
+        from zerojax.distributed.heartbeat import start_heartbeat
+        assert start_heartbeat()
+        if os.environ["ZEROJAX_PROCESS_ID"] == "1":
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(60)
+    """
+    start = time.monotonic()
+    out = launcher(["--nprocs", "2", "--heartbeat-timeout", "1.5"], script)
+    assert out.returncode == 1, out.stdout
+    assert re.search(r"process 1 \(pid \d+\) stopped answering: no heartbeat for 1\.\d+s "
+                     r"\(--heartbeat-timeout 1\.5\)", out.stdout), out.stdout
+    assert time.monotonic() - start < 20
+
+
+def test_a_preempted_job_is_restarted_and_a_sigterm_to_the_launcher_is_passed_on(tmp_path):
+    script = """
+        import os, sys
+        sys.exit(75 if os.environ["ZEROJAX_RESTART"] == "0" else 0)
+    """
+    out = launcher(["--nprocs", "2", "--max-restarts", "1", "--restart-delay", "0"], script)
+    assert out.returncode == 0, out.stdout
+    assert "saved and stopped on a preemption notice (status 75)" in out.stdout
+    assert "restart 1/1" in out.stdout
+    # SIGTERM to the launcher reaches every process, and their status is the launcher's.
+    marker = tmp_path / "ready"
+    script = f"""
+        import os, signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
+        open("{marker}." + os.environ["ZEROJAX_PROCESS_ID"], "w").close()
+        time.sleep(60)
+    """
+    cmd = [sys.executable, "-m", "zerojax.launch", "--nprocs", "2", "--max-restarts", "3", "--", sys.executable,
+           "-c", textwrap.dedent(script)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    deadline = time.monotonic() + 30
+    while not all(os.path.exists(f"{marker}.{r}") for r in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    stdout, _ = p.communicate(timeout=30)
+    assert p.returncode == 75, stdout
+    assert "SIGTERM: passing it to every process" in stdout and "restart" not in stdout
+
+
+def test_launcher_options_are_checked():
+    for args, match in [(["--max-restarts", "-1"], "--max-restarts must be an int >= 0"),
+                        (["--heartbeat-timeout", "0"], "--heartbeat-timeout must be > 0"),
+                        (["--restart-delay", "-2"], "--restart-delay must be >= 0")]:
+        out = launcher(["--nprocs", "1", *args], "pass")
+        assert out.returncode == 2 and match in out.stderr, out.stderr
+
+
+# -- the real thing (slow) -------------------------------------------------------------------
+
+STEPS, SAVE_EVERY = 15, 3
+
+
+def job(out, args, nprocs=4, timeout=400, watch=None):
+    cmd = [sys.executable, "-m", "zerojax.launch", "--nprocs", str(nprocs), "--devices-per-proc", "1", *args, "--",
+           sys.executable, str(WORKER), "--dir", str(out / "ck"), "--out", str(out / "out"), "--steps", str(STEPS),
+           "--save-every", str(SAVE_EVERY)]
+    start = time.monotonic()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    timer = threading.Timer(timeout, p.kill)
+    timer.start()
+    lines = []
+    try:
+        for line in p.stdout:
+            lines.append(line)
+            if watch:
+                watch(line)
+        p.wait()
+    finally:
+        timer.cancel()
+    return p.returncode, "".join(lines), time.monotonic() - start
+
+
+def final_params(out):
+    got = np.load(out / "out" / "params.npz")
+    return [got[str(i)] for i in range(len(got.files))]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    code, log, seconds = job(out, ["--timeout", "300"])
+    assert code == 0, log[-4000:]
+    return final_params(out), seconds
+
+
+class Chaos:
+    """Fires a seeded schedule of faults at a launched job, reading its output as it comes."""
+
+    def __init__(self, seed, faults):
+        self.rng = np.random.default_rng(seed)
+        self.faults = list(faults)
+        self.fired, self.pids, self.resume, self.trigger = [], {}, None, None
+        self.lock = threading.Lock()
+
+    def __call__(self, line):
+        if m := re.match(r"\[rank (\d+)\] process \d+ pid (\d+)", line):
+            self.pids[int(m[1])] = int(m[2])
+        elif "zerojax.launch: restart" in line:
+            self.pids, self.resume, self.trigger = {}, None, None
+        elif m := re.match(r"\[rank 0\] zerojax.resume: (?:resuming at step (\d+)|no checkpoint)", line):
+            self.resume = int(m[1] or 0)
+            if len(self.fired) < len(self.faults):
+                kind = self.faults[len(self.fired)]
+                k = self.resume + int(self.rng.integers(1, 4))
+                if kind == "SIGKILL in a save":  # the step whose completion writes a checkpoint
+                    k = (k // SAVE_EVERY + 1) * SAVE_EVERY
+                self.trigger = min(k, STEPS - 2)
+        elif (m := re.match(r"\[rank 0\] step (\d+) loss", line)) and self.trigger is not None:
+            done = int(m[1]) + 1  # steps complete once this one's Run.completed returns
+            if done >= self.trigger and len(self.pids) == 4:
+                kind = self.faults[len(self.fired)]
+                rank = int(self.rng.integers(0, 4))
+                delay = 0.0 if kind == "SIGKILL in a save" else float(self.rng.uniform(0.0, 0.3))
+                sig = {"SIGSTOP": signal.SIGSTOP, "SIGTERM": signal.SIGTERM}.get(kind, signal.SIGKILL)
+                threading.Timer(delay, os.kill, (self.pids[rank], sig)).start()
+                self.fired.append((kind, rank, done, round(delay, 3)))
+                self.trigger = None
+
+
+@pytest.mark.slow  # reason: six starts of a 4-process job (about 2-4 minutes on 2 cores)
+def test_chaos_ends_bit_identical_to_an_uninterrupted_run(tmp_path, uninterrupted):
+    faults = ["SIGKILL in a save", "SIGKILL", "SIGSTOP", "SIGTERM", "SIGKILL"]
+    chaos = Chaos(seed=48, faults=np.random.default_rng(48).permutation(faults).tolist())
+    code, log, seconds = job(tmp_path, ["--max-restarts", str(len(faults)), "--restart-delay", "0.5",
+                                        "--heartbeat-timeout", "5", "--preempt-grace", "60", "--timeout", "600"],
+                             timeout=650, watch=chaos)
+    assert code == 0, log[-6000:]
+    assert len(chaos.fired) == len(faults), (chaos.fired, log[-4000:])
+    restarts = re.findall(r"zerojax.launch: restart \d+/\d+", log)
+    assert len(restarts) == len(faults), log[-4000:]
+    ref, ref_seconds = uninterrupted
+    got = final_params(tmp_path)
+    assert len(got) == len(ref) and all(np.array_equal(a, b) for a, b in zip(got, ref))
+    ran = [int(s) for s in re.findall(r"\[rank 0\] step (\d+) loss", log)]
+    assert sorted(set(ran)) == list(range(STEPS))
+    # At most the steps since the last complete checkpoint repeat (a preemption repeats none).
+    assert len(ran) - STEPS <= len(faults) * SAVE_EVERY, ran
+    assert "preemption notice: saved step" in log and "stopped answering" in log
+    # Every checkpoint the faults left that looks complete restores, with its run record.
+    steps = complete_steps(tmp_path / "ck")
+    assert steps and steps[-1] == STEPS
+    from experiments import gpt
+
+    cfg = gpt.GPTConfig(vocab=256, seq_len=16, d_model=32, n_layers=2, n_heads=2, dropout=0.1)
+    params = gpt.init_abstract(cfg)[1]
+    mesh = zj.make_mesh(jax.devices()[:4])
+    target = zj.abstract_state(params, optax.adamw(1e-2), mesh=mesh, config=zj.ZeroConfig(stage=3),
+                               rng=jax.random.key(7))
+    for s in steps:
+        state = zj.restore_checkpoint(tmp_path / "ck", target, step=s)
+        assert int(state.step) == s and zj.checkpoint.checkpoint_extra(tmp_path / "ck", s)["step"] == s
+    print(f"\nchaos: faults {chaos.fired}; restarts {len(restarts)}; steps run {len(ran)} for {STEPS} "
+          f"({len(ran) - STEPS} repeated); {seconds:.0f}s against {ref_seconds:.0f}s uninterrupted "
+          f"({seconds - ref_seconds:.0f}s lost)")
+
+
+@pytest.mark.slow  # reason: three starts of a multi-process job (about a minute on 2 cores)
+def test_elastic_four_processes_then_two(tmp_path):
+    # No dropout: its keys are per device and micro-batch, so another device count draws other masks.
+    def run(nprocs, steps, out):
+        cmd = [sys.executable, "-m", "zerojax.launch", "--nprocs", str(nprocs), "--devices-per-proc", "1",
+               "--timeout", "300", "--", sys.executable, str(WORKER), "--dir", str(out / "ck"), "--out",
+               str(out / "out"), "--steps", str(steps), "--save-every", "3", "--dropout", "0"]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=330, cwd=ROOT)
+        assert p.returncode == 0, p.stdout[-4000:]
+        return p.stdout
+
+    run(4, 9, tmp_path / "ref")
+    run(4, 5, tmp_path / "run")  # checkpoints 3 and 5 (the last step); then 2 processes resume at 5
+    log = run(2, 9, tmp_path / "run")
+    assert "on 2 devices grad_accum_steps becomes 2 (2 rows per device per micro-batch)" in log, log[-3000:]
+    assert "resuming at step 5" in log
+    for a, b in zip(final_params(tmp_path / "run"), final_params(tmp_path / "ref")):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
