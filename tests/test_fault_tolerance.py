@@ -159,7 +159,7 @@ class Chaos:
     def __init__(self, seed, faults):
         self.rng = np.random.default_rng(seed)
         self.faults = list(faults)
-        self.fired, self.pids, self.resume, self.trigger = [], {}, None, None
+        self.fired, self.pids, self.resume, self.trigger, self.resumes = [], {}, None, None, []
         self.lock = threading.Lock()
 
     def __call__(self, line):
@@ -169,6 +169,7 @@ class Chaos:
             self.pids, self.resume, self.trigger = {}, None, None
         elif m := re.match(r"\[rank 0\] zerojax.resume: (?:resuming at step (\d+)|no checkpoint)", line):
             self.resume = int(m[1] or 0)
+            self.resumes.append(self.resume)
             if len(self.fired) < len(self.faults):
                 kind = self.faults[len(self.fired)]
                 k = self.resume + int(self.rng.integers(1, 4))
@@ -219,7 +220,8 @@ def test_chaos_ends_bit_identical_to_an_uninterrupted_run(tmp_path, uninterrupte
     for s in steps:
         state = zj.restore_checkpoint(tmp_path / "ck", target, step=s)
         assert int(state.step) == s and zj.checkpoint.checkpoint_extra(tmp_path / "ck", s)["step"] == s
-    print(f"\nchaos: faults {chaos.fired}; restarts {len(restarts)}; steps run {len(ran)} for {STEPS} "
+    print(f"\nchaos: faults (kind, rank, steps done, delay s) {chaos.fired}; starts at steps {chaos.resumes}; "
+          f"restarts {len(restarts)}; steps run {len(ran)} for {STEPS} "
           f"({len(ran) - STEPS} repeated); {seconds:.0f}s against {ref_seconds:.0f}s uninterrupted "
           f"({seconds - ref_seconds:.0f}s lost)")
 
@@ -227,10 +229,12 @@ def test_chaos_ends_bit_identical_to_an_uninterrupted_run(tmp_path, uninterrupte
 @pytest.mark.slow  # reason: three starts of a multi-process job (about a minute on 2 cores)
 def test_elastic_four_processes_then_two(tmp_path):
     # No dropout: its keys are per device and micro-batch, so another device count draws other masks.
+    # SGD: AdamW would scale the rounding noise of the attention key bias's gradient (zero in
+    # exact arithmetic) up to steps of the learning rate's size, on any change of device count.
     def run(nprocs, steps, out):
         cmd = [sys.executable, "-m", "zerojax.launch", "--nprocs", str(nprocs), "--devices-per-proc", "1",
                "--timeout", "300", "--", sys.executable, str(WORKER), "--dir", str(out / "ck"), "--out",
-               str(out / "out"), "--steps", str(steps), "--save-every", "3", "--dropout", "0"]
+               str(out / "out"), "--steps", str(steps), "--save-every", "3", "--dropout", "0", "--optimizer", "sgd"]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=330, cwd=ROOT)
         assert p.returncode == 0, p.stdout[-4000:]
         return p.stdout
@@ -240,5 +244,7 @@ def test_elastic_four_processes_then_two(tmp_path):
     log = run(2, 9, tmp_path / "run")
     assert "on 2 devices grad_accum_steps becomes 2 (2 rows per device per micro-batch)" in log, log[-3000:]
     assert "resuming at step 5" in log
-    for a, b in zip(final_params(tmp_path / "run"), final_params(tmp_path / "ref")):
+    got, ref = final_params(tmp_path / "run"), final_params(tmp_path / "ref")
+    for a, b in zip(got, ref):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    print(f"\nelastic 4 -> 2 processes: largest parameter difference {max(np.abs(a - b).max() for a, b in zip(got, ref)):.1e}")

@@ -2,6 +2,7 @@
 the data position, a preemption notice, and bad input."""
 
 import glob
+import json
 import os
 import signal
 
@@ -172,6 +173,37 @@ def test_bad_input_is_refused_with_the_fix(tmp_path, step8):
     with pytest.raises(zj.resume.NotARunError, match="not saved by a zerojax.resume.Run"):
         Run(RunConfig(plain, save_every=2)).restore_or_init(models.stacked_params(), TX, mesh=zj.make_mesh(),
                                                             config=CONFIG)
+
+
+class BytesPosition:
+    """A data iterator whose state is bytes, as grain's DataLoader iterators give."""
+
+    def __init__(self):
+        self.sampler = IndexSampler(N_RECORDS, BATCH, seed=5)
+
+    def __next__(self):
+        return next(self.sampler)
+
+    def get_state(self):
+        return json.dumps(self.sampler.get_state()).encode()
+
+    def set_state(self, state):
+        assert isinstance(state, bytes)
+        self.sampler.set_state(json.loads(state))
+
+
+def test_a_data_position_in_bytes_comes_back(tmp_path, step8):
+    mesh = zj.make_mesh()
+    for until in (2, 3):
+        run, data = Run(RunConfig(tmp_path, save_every=2)), BytesPosition()
+        state = run.restore_or_init(models.stacked_params(), TX, mesh=mesh, config=CONFIG, data=data)
+        while run.step < until:
+            idx = next(data)
+            state, _ = step8(state, jax.tree.map(lambda x: x[idx], DATA))
+            run.completed(state)
+        run.finish(state)
+    assert data.sampler.position == 3
+    assert isinstance(zj.checkpoint.checkpoint_extra(tmp_path, 3)["data"]["bytes_base64"], str)
 
 
 @pytest.mark.parametrize("seed", range(4))

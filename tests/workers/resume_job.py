@@ -27,6 +27,9 @@ ap.add_argument("--accum", type=int, default=1, help="grad_accum_steps of a fres
 ap.add_argument("--keep-last", type=int, default=0, help="0: keep every checkpoint")
 ap.add_argument("--sleep", type=float, default=0.0, help="seconds added to each step")
 ap.add_argument("--local-devices", type=int, default=None)
+ap.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
+                help="sgd (momentum) for elastic resumes: AdamW scales the rounding noise of gradients that are "
+                     "zero in exact arithmetic (the attention key bias's) up to steps of the learning rate's size")
 ap.add_argument("--dropout", type=float, default=0.1, help="0 for elastic resumes (keys are per device)")
 args = ap.parse_args()
 
@@ -45,7 +48,7 @@ cfg = gpt.GPTConfig(vocab=256, seq_len=SEQ, d_model=32, n_layers=2, n_heads=2, d
 graphdef, params = gpt.init(cfg, 0)
 corpus = data.stdlib_bytes(1 << 16)
 records = np.lib.stride_tricks.sliding_window_view(corpus, SEQ + 1)[:: SEQ + 1][:256].astype(np.int32)
-tx = optax.adamw(1e-2)
+tx = optax.adamw(1e-2) if args.optimizer == "adamw" else optax.sgd(0.3, momentum=0.9)
 
 run = Run(RunConfig(args.dir, save_every=args.save_every, keep_last=args.keep_last or None))
 sampler = IndexSampler(len(records), args.batch, seed=0)
