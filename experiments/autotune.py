@@ -87,7 +87,7 @@ def _gpt(cfg, memory: str, space: dict) -> dict:
     import numpy as np
     import optax
 
-    from experiments import gpt
+    from zerojax.models import gpt
 
     graphdef, params = gpt.init(cfg)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab, (32, cfg.seq_len + 1), dtype=np.int32)
@@ -98,13 +98,13 @@ def _gpt(cfg, memory: str, space: dict) -> dict:
 
 
 def gpt6_setup():
-    from experiments import gpt
+    from zerojax.models import gpt
 
     return _gpt(gpt.GPTConfig(vocab=256, seq_len=64, d_model=128, n_layers=6, n_heads=2), "37.8MiB", {})
 
 
 def gpt_setup():
-    from experiments import gpt
+    from zerojax.models import gpt
 
     return _gpt(gpt.GPTConfig(vocab=256, seq_len=32, d_model=256, n_layers=4, n_heads=4), "28MiB", {})
 
@@ -376,7 +376,7 @@ def paper(args) -> dict:
     import optax
 
     import zerojax as zj
-    from experiments import gpt
+    from zerojax.models import gpt
     from zerojax.report.estimate import MODELS
 
     shape = MODELS["gpt-7.5b"]

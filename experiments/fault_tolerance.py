@@ -41,7 +41,7 @@ def save_table(args) -> list[str]:
     import optax
 
     import zerojax as zj
-    from experiments import gpt
+    from zerojax.models import gpt
 
     cfg = gpt.GPTConfig(vocab=256, seq_len=64, d_model=args.d_model, n_layers=args.layers, n_heads=4)
     mesh, zc = zj.make_mesh(), zj.ZeroConfig(stage=3, compute_dtype="bfloat16")

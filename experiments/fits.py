@@ -59,7 +59,7 @@ def main(argv=None) -> list[dict]:
     import optax
 
     import zerojax as zj
-    from experiments import gpt
+    from zerojax.models import gpt
     from zerojax.report import estimate
 
     devices = jax.devices()

@@ -53,7 +53,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data, gpt  # noqa: E402
+from experiments import data  # noqa: E402
+from zerojax.models import gpt  # noqa: E402
 from experiments.progress import bar  # noqa: E402
 
 AXIS = "data"
@@ -115,7 +116,7 @@ def linear(x, p):
 
 
 def block(x, w, n_heads: int):
-    """experiments/gpt.py's ``Block`` on gathered weights ``w``."""
+    """zerojax/models/gpt.py's ``Block`` on gathered weights ``w``."""
     b, t, d = x.shape
     h = n_heads
     q, k, v = jnp.split(linear(layer_norm(x, w["ln1"]), w["qkv"]).reshape(b, t, 3 * h, d // h), 3, axis=2)
@@ -267,7 +268,7 @@ def place_tokens(batch, mesh):
 
 
 def reference_losses(cfg, params, graphdef, tx, batches) -> list[float]:
-    """Single-device optax on experiments/gpt.py's NNX model: the loss at each step."""
+    """Single-device optax on zerojax/models/gpt.py's NNX model: the loss at each step."""
     loss_fn = gpt.make_loss(graphdef)
     dev = jax.devices()[0]
 

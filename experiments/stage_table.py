@@ -19,7 +19,8 @@ import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data, gpt  # noqa: E402
+from experiments import data  # noqa: E402
+from zerojax.models import gpt  # noqa: E402
 
 FORMULA = {0: "12Ψ", 1: "4Ψ + 8Ψ/N", 2: "4Ψ + 8Ψ/N", 3: "12Ψ/N"}
 MIB = 2**20

@@ -103,7 +103,8 @@ def train(args: argparse.Namespace) -> list[dict]:
     import optax
 
     import zerojax as zj
-    from experiments import data, gpt
+    from experiments import data
+    from zerojax.models import gpt
 
     platform = jax.devices()[0].platform
     devices = jax.devices()[: args.devices] if platform == "cpu" else jax.devices()

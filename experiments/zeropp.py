@@ -1,6 +1,6 @@
 """ZeRO++'s quantized communication: weight gathers × gradient exchanges, bytes and loss.
 
-On 8 simulated CPU devices, the GPT of ``experiments/gpt.py``:
+On 8 simulated CPU devices, the GPT of ``zerojax/models/gpt.py``:
 
 * traffic: for each weight-gather dtype (fp32; bf16; int8 = qwZ, bf16 compute) and each
   gradient-exchange dtype (fp32; bf16; int8 = qgZ), the compiled ZeRO-3 step's bytes per
@@ -32,7 +32,8 @@ import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data, gpt  # noqa: E402
+from experiments import data  # noqa: E402
+from zerojax.models import gpt  # noqa: E402
 from experiments.progress import bar  # noqa: E402
 
 WEIGHTS = {"fp32": dict(compute_dtype="float32"), "bf16": dict(compute_dtype="bfloat16"),

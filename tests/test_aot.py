@@ -5,7 +5,8 @@ import optax
 import pytest
 
 import zerojax as zj
-from experiments import data, gpt
+from experiments import data
+from zerojax.models import gpt
 
 
 @pytest.mark.parametrize("stage,dtype", [

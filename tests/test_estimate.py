@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from experiments import gpt
+from zerojax.models import gpt
 from zerojax.report import estimate
 
 

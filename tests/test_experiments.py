@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import zerojax as zj
-from experiments import gpt
+from zerojax.models import gpt
 
 ROOT = Path(__file__).resolve().parents[1]
 

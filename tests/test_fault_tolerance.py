@@ -210,7 +210,7 @@ def test_chaos_ends_bit_identical_to_an_uninterrupted_run(tmp_path, uninterrupte
     # Every checkpoint the faults left that looks complete restores, with its run record.
     steps = complete_steps(tmp_path / "ck")
     assert steps and steps[-1] == STEPS
-    from experiments import gpt
+    from zerojax.models import gpt
 
     cfg = gpt.GPTConfig(vocab=256, seq_len=16, d_model=32, n_layers=2, n_heads=2, dropout=0.1)
     params = gpt.init_abstract(cfg)[1]

@@ -11,7 +11,8 @@ import optax
 import pytest
 from flax import nnx
 
-from experiments import data, gpt
+from experiments import data
+from zerojax.models import gpt
 from tests import models
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -3,7 +3,8 @@ single-device optax does (on every supported JAX: 0.10 has reduced shardings too
 
 import pytest
 
-from experiments import gpt, jax_fsdp
+from experiments import jax_fsdp
+from zerojax.models import gpt
 
 
 @pytest.mark.slow  # reason: 19 s, JAX's own recipe (the comparison's, not zerojax's code) trained and checked against optax

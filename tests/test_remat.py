@@ -8,7 +8,8 @@ import pytest
 from flax import linen as nn
 
 import zerojax as zj
-from experiments import data, gpt
+from experiments import data
+from zerojax.models import gpt
 from tests import models
 
 ALL = [zj.remat.Remat(k) for k in zj.remat.KINDS if k not in ("names", "offload_names")] + [

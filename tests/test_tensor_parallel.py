@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
-from experiments import gpt
+from zerojax.models import gpt
 from tests.models import abs_errors, reference_run
 from zerojax.report.comm import collectives, communication_report
 

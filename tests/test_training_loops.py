@@ -413,7 +413,7 @@ def test_frozen_weights_survive_a_checkpoint(tmp_path):
 # --- Models built already sharded ------------------------------------------------------------
 
 def gpt_init_fn():
-    from experiments import gpt
+    from zerojax.models import gpt
 
     cfg = gpt.GPTConfig(vocab=256, seq_len=16, d_model=64, n_layers=2, n_heads=2)
     return lambda: gpt.init(cfg)[1]
@@ -431,7 +431,7 @@ def test_init_fn_builds_each_shard_where_it_lives():
     """The compiled init of the experiments' GPT from an init_fn takes no argument and needs
     at most the sharded state plus its largest leaf: the full model exists nowhere, not
     even on the host, where concrete params must first be built whole."""
-    from experiments import gpt
+    from zerojax.models import gpt
 
     cfg = gpt.GPTConfig(vocab=256, seq_len=64, d_model=256, n_layers=4, n_heads=4)
     init_fn = lambda: gpt.init(cfg)[1]

@@ -4,7 +4,7 @@
     zerojax autotune --model gpt-7.5b --batch 512 --devices 64 --device h100 --memory 80GB --dtype bfloat16
     zerojax autotune my_script:setup --devices 8 --memory 16GiB
 
-``--model gpt`` builds the experiments' GPT (``experiments/gpt.py`` of a zerojax checkout)
+``--model gpt`` builds the experiments' GPT (``zerojax.models.gpt``)
 from ``--d-model``, ``--layers``, ``--heads``, ``--seq-len`` and ``--vocab``; ``--model NAME``
 takes those from a GPT preset of ``zerojax estimate`` (``gpt2-small`` … ``gpt-7.5b``).
 ``module:function`` imports ``module`` (from the current directory too) and calls
@@ -27,7 +27,6 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 OPTIMIZERS = ("adam", "adamw", "sgd", "adafactor")
@@ -176,12 +175,7 @@ def _gpt(args, ap, n: int):
     from zerojax.config import ZeroConfig
     from zerojax.report.estimate import MODELS, GPTShape
 
-    root = Path(__file__).resolve().parents[2]
-    if not (root / "experiments" / "gpt.py").is_file():
-        ap.error("--model builds the experiments' GPT (experiments/gpt.py of a zerojax checkout), which this "
-                 "installation does not have; pass module:function for your own model")
-    sys.path.insert(0, str(root))
-    from experiments import gpt
+    from zerojax.models import gpt
 
     presets = {k: v for k, v in MODELS.items() if isinstance(v, GPTShape)}
     if args.model == "gpt":

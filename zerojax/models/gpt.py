@@ -17,7 +17,13 @@ import optax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-import zerojax as zj
+from zerojax import nn as znn
+from zerojax import remat as zremat
+from zerojax.config import ZeroConfig
+from zerojax.report.memory import step_memory
+from zerojax.sharding.mesh import make_mesh
+from zerojax.state import init_state
+from zerojax.step import make_train_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,21 +41,21 @@ class GPTConfig:
     lora_rank: int = 0  # > 0: LoRA adapters (nnx.LoRALinear) on every block's linear layers
     # Megatron annotations (nnx.with_partitioning): q/k/v, the MLP's first layer and the head
     # column-parallel (output features over "tensor"), the attention projection and the MLP's
-    # second layer row-parallel (input features over "tensor"); zj.make_mesh(tensor=T) uses them.
+    # second layer row-parallel (input features over "tensor"); make_mesh(tensor=T) uses them.
     tensor_parallel: bool = False
     # Megatron's sequence parallelism: the residual stream (and so LayerNorms, dropout and the
-    # residual adds) split along the sequence over "tensor" (zj.nn.sequence_parallel); the
+    # residual adds) split along the sequence over "tensor" (znn.sequence_parallel); the
     # identity on a mesh without a tensor axis.
     sequence_parallel: bool = False
     # With sequence_parallel: Megatron's collectives written out around the tensor-parallel
-    # matmuls (zj.nn.column_parallel gathers the sequence once for q, k and v and again for
-    # the MLP, zj.nn.row_parallel reduce-scatters onto the sequence split); False: the values
-    # marked only (zj.nn.tensor_parallel), the collectives left to XLA's partitioner. LoRA
+    # matmuls (znn.column_parallel gathers the sequence once for q, k and v and again for
+    # the MLP, znn.row_parallel reduce-scatters onto the sequence split); False: the values
+    # marked only (znn.tensor_parallel), the collectives left to XLA's partitioner. LoRA
     # layers (lora_rank > 0) are always marked only.
     sp_matmuls: bool = True
 
     def __post_init__(self) -> None:
-        zj.remat.resolve(self.remat)  # unknown names raise here, with the valid ones
+        zremat.resolve(self.remat)  # unknown names raise here, with the valid ones
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}.")
         if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
@@ -107,18 +113,18 @@ class Block(nnx.Module):
         self.out = linear(cfg.mlp_ratio * d, d, **row)
         self.drop = nnx.Dropout(cfg.dropout)
         keep = lambda x, **_: x
-        self.split = zj.nn.sequence_parallel if cfg.sequence_parallel else keep
-        self.cols = zj.nn.tensor_parallel if cfg.sequence_parallel else keep  # gather the sequence, not the weight
+        self.split = znn.sequence_parallel if cfg.sequence_parallel else keep
+        self.cols = znn.tensor_parallel if cfg.sequence_parallel else keep  # gather the sequence, not the weight
         self.sp_matmuls = cfg.tensor_parallel and cfg.sequence_parallel and cfg.sp_matmuls and not cfg.lora_rank
 
     def column(self, x: jax.Array, *layers: nnx.Linear) -> tuple[jax.Array, ...]:
         """Column-parallel ``layers`` on the sequence-split ``x``: one gather for all."""
-        return zj.nn.column_parallel(x, tuple(l.kernel[...] for l in layers), tuple(l.bias[...] for l in layers))
+        return znn.column_parallel(x, tuple(l.kernel[...] for l in layers), tuple(l.bias[...] for l in layers))
 
     def row(self, x: jax.Array, layer: nnx.Linear) -> jax.Array:
         """Row-parallel ``layer``: born split along the sequence with explicit collectives."""
         if self.sp_matmuls:
-            return zj.nn.row_parallel(x, layer.kernel[...], layer.bias[...])
+            return znn.row_parallel(x, layer.kernel[...], layer.bias[...])
         return layer(x)
 
     def attention(self, x: jax.Array) -> jax.Array:
@@ -156,7 +162,7 @@ class GPT(nnx.Module):
         self.wte = nnx.Embed(cfg.vocab, cfg.d_model, rngs=rngs)
         self.wpe = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.seq_len, cfg.d_model)))
 
-        layer = zj.remat.nnx_module(Block, cfg.remat)
+        layer = zremat.nnx_module(Block, cfg.remat)
 
         @nnx.split_rngs(splits=cfg.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
@@ -170,10 +176,10 @@ class GPT(nnx.Module):
     def __call__(self, tokens: jax.Array, key: jax.Array | None = None) -> jax.Array:
         """``key``: dropout key (None, or ``cfg.dropout == 0``: no dropout)."""
         if self.cfg.sequence_parallel:  # the lookups too: never the whole sequence's embeddings on a device
-            tokens = zj.nn.sequence_parallel(tokens)
+            tokens = znn.sequence_parallel(tokens)
         x = self.wte(tokens) + self.wpe[: tokens.shape[1]]
         if self.cfg.sequence_parallel:
-            x = zj.nn.sequence_parallel(x)
+            x = znn.sequence_parallel(x)
         if key is None or not self.cfg.dropout:
             @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: None})
             def run(x, block):
@@ -193,7 +199,7 @@ class GPT(nnx.Module):
         matmuls, the sequence gathered inside the matmul only."""
         cfg = self.cfg
         if cfg.tensor_parallel and cfg.sequence_parallel and cfg.sp_matmuls:
-            return zj.nn.column_parallel(self.ln_f(x), self.head.kernel[...])
+            return znn.column_parallel(self.ln_f(x), self.head.kernel[...])
         return self.head(self.ln_f(x))
 
 
@@ -217,16 +223,16 @@ def _init_program(cfg: GPTConfig, seed: int):
 
 def init_abstract(cfg: GPTConfig):
     """``(graphdef, params)`` with ``jax.ShapeDtypeStruct`` leaves: nothing is allocated, for
-    planning with ``zj.step_memory`` models larger than the machine."""
+    planning with ``step_memory`` models larger than the machine."""
     with nnx.use_eager_sharding(False):
         return nnx.split(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0))), nnx.Param)
 
 
-def zero_setup(cfg: GPTConfig, tx: optax.GradientTransformation, *, mesh, config: zj.ZeroConfig, seed: int = 0):
+def zero_setup(cfg: GPTConfig, tx: optax.GradientTransformation, *, mesh, config: ZeroConfig, seed: int = 0):
     """``(state, train_step)`` of a fresh model under ``config``: what every experiment builds."""
     graphdef, params = init(cfg, seed)
-    state = zj.init_state(params, tx, mesh=mesh, config=config)
-    return state, zj.make_train_step(make_loss(graphdef), tx, mesh=mesh, config=config)
+    state = init_state(params, tx, mesh=mesh, config=config)
+    return state, make_train_step(make_loss(graphdef), tx, mesh=mesh, config=config)
 
 
 def make_loss(graphdef, with_rng: bool = False):
@@ -234,7 +240,7 @@ def make_loss(graphdef, with_rng: bool = False):
     ``{"inputs": int32[B, T], "targets": int32[B, T]}``, the form whose sequence splits
     over a context axis), or with
     ``with_rng`` ``loss_fn(params, batch, rng)`` (dropout, for
-    ``zj.make_train_step(..., with_rng=True)``)."""
+    ``make_train_step(..., with_rng=True)``)."""
 
     def loss_fn(params, batch, rng=None):
         if "inputs" in batch:  # {"inputs", "targets"}: int32[B, T] each (a split sequence's form)
