@@ -105,6 +105,19 @@ def _decode(saved: Any) -> Any:
     return saved
 
 
+def _same_steps(steps: list[int]) -> list[int]:
+    """Process 0's list of complete checkpoints, on every process: each then tries the same
+    steps in the same order (a shared file system may show a rename late on some hosts)."""
+    if jax.process_count() == 1:
+        return steps
+    from jax.experimental import multihost_utils
+
+    n = int(multihost_utils.broadcast_one_to_all(np.array(len(steps), dtype=np.int64)))
+    padded = np.full(max(n, 1), -1, dtype=np.int64)
+    padded[:min(n, len(steps))] = steps[:n]
+    return [int(s) for s in multihost_utils.broadcast_one_to_all(padded)[:n]]
+
+
 def _agree(ok: bool) -> bool:
     """Whether every process's ``ok`` is True (each process learns the same answer)."""
     if jax.process_count() == 1:
@@ -243,7 +256,7 @@ class Run:
         self._data = data
         self._mesh, self._zero = mesh, config
         abstract_kwargs = {k: v for k, v in init_kwargs.items() if k != "weights"}
-        steps = checkpoint_steps(self.directory)
+        steps = _same_steps(checkpoint_steps(self.directory))
         target = abstract_state(params, tx, mesh=mesh, config=config, **abstract_kwargs) if steps else None
         for s in reversed(steps):
             state, record, error = None, None, None
