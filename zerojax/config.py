@@ -431,24 +431,3 @@ class ZeroConfig:
     def mixed(self) -> bool:
         """Whether compute runs in a narrower dtype than the fp32 masters."""
         return self.compute_dtype != "float32"
-
-    @classmethod
-    def from_deepspeed(cls, source: Any, **kwargs: Any) -> ZeroConfig:
-        """Deprecated: ``zj.from_deepspeed(source)``, under its old name (kept for scripts
-        written before the rename; warns with ``DeprecationWarning``).
-
-        Example:
-          >>> import warnings, zerojax as zj
-          >>> with warnings.catch_warnings(record=True) as w:
-          ...     warnings.simplefilter("always")
-          ...     cfg = zj.ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 2}})
-          >>> cfg.stage, w[0].category.__name__
-          (2, 'DeprecationWarning')
-        """
-        import warnings
-
-        from zerojax.deepspeed import from_deepspeed  # imported here: the translator imports this module
-
-        warnings.warn("ZeroConfig.from_deepspeed(...) is deprecated and will be removed in zerojax 0.3; call "
-                      "zj.from_deepspeed(...) (the same arguments and result).", DeprecationWarning, stacklevel=2)
-        return from_deepspeed(source, **kwargs)

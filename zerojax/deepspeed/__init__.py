@@ -41,3 +41,4 @@ from zerojax.deepspeed.mapping import DEFAULT_GRAD_CLIP, Translation, from_deeps
 
 __all__ = ["DEFAULT_GRAD_CLIP", "HF_DEFAULTS", "HF_NAMES", "REASONS", "Translation", "from_deepspeed", "optax_code",
            "translate"]
+

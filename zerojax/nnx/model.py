@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zerojax.nnx.filters import describe, is_filter, is_variable, path_keys, select
+from zerojax.sharding.filters import describe, is_filter, is_variable, path_keys, select
 
 
 def _params_filter(wrt: Any) -> Any:

@@ -1017,11 +1017,10 @@ def _library_file(path: str) -> bool:
     import flax
     import optax
 
-    import zerojax
-
-    roots = [os.path.dirname(m.__file__) for m in (zerojax, flax, optax)]
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # zerojax/
+    roots = [package] + [os.path.dirname(m.__file__) for m in (flax, optax)]
     path = os.path.abspath(path)
-    if path.startswith(os.path.join(os.path.dirname(zerojax.__file__), "models") + os.sep):
+    if path.startswith(os.path.join(package, "models") + os.sep):
         return False
     return any(path.startswith(r + os.sep) for r in roots)
 

@@ -328,7 +328,7 @@ def make_plan(params: Any, mesh: Mesh, config: ZeroConfig, tx: Any = None, train
 def _trainable_mask(trainable: Any, params: Any, treedef: Any, paths: list[str]) -> tuple[bool, ...]:
     if trainable is None:
         return (True,) * len(paths)
-    from zerojax.nnx.filters import is_filter, select
+    from zerojax.sharding.filters import is_filter, select
 
     if is_filter(trainable):
         return select(trainable, params, name="trainable")

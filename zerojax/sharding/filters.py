@@ -39,7 +39,7 @@ def is_filter(x: Any) -> bool:
 
     Example:
       >>> from flax import nnx
-      >>> from zerojax.nnx.filters import is_filter
+      >>> from zerojax.sharding.filters import is_filter
       >>> is_filter(nnx.LoRAParam), is_filter(nnx.Not(nnx.LoRAParam)), is_filter({"w": True})
       (True, True, False)
     """
@@ -105,7 +105,7 @@ def select(f: Any, tree: Any, *, name: str) -> tuple[bool, ...]:
     Example:
       >>> import jax.numpy as jnp
       >>> from flax import nnx
-      >>> from zerojax.nnx.filters import select
+      >>> from zerojax.sharding.filters import select
       >>> lora = nnx.LoRA(4, 2, 4, base_module=nnx.Linear(4, 4, rngs=nnx.Rngs(0)), rngs=nnx.Rngs(1))
       >>> params = nnx.state(lora, nnx.Param)     # base bias and kernel, then LoRA's a and b
       >>> select(nnx.LoRAParam, params, name="wrt")
