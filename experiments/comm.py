@@ -28,8 +28,8 @@ import optax  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
 from experiments import data  # noqa: E402
-from zerojax.models import gpt  # noqa: E402
 from experiments.progress import bar  # noqa: E402
+from zerojax.models import gpt  # noqa: E402
 from zerojax.report.comm import collectives  # noqa: E402
 from zerojax.report.hlo import DTYPE_BYTES  # noqa: E402
 
@@ -63,7 +63,7 @@ def measure(cfg: gpt.GPTConfig, stage: int, compute_dtype: str, batch_size: int,
                     if c.bytes / DTYPE_BYTES.get(c.dtype, 4) >= small})
     # The same volume at the dtypes asked for (what a backend that keeps 16-bit collectives moves).
     asked_bytes = 0.0
-    for key, runs in kinds.items():
+    for key in kinds:
         kind, dtype = key.split(":")
         wanted = [a.split()[1] for a in asked if a.split()[0] == kind]
         size = DTYPE_BYTES[wanted[0]] if len(wanted) == 1 else DTYPE_BYTES[dtype]

@@ -56,8 +56,8 @@ import optax  # noqa: E402
 
 import zerojax as zj  # noqa: E402
 from experiments import remat_table  # noqa: E402
-from zerojax.models import gpt  # noqa: E402
 from experiments.progress import bar  # noqa: E402
+from zerojax.models import gpt  # noqa: E402
 
 OFFLOAD_POLICIES = "none,names,offload_names,dots_no_batch,offload_dots"
 

@@ -54,8 +54,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
 from experiments import data  # noqa: E402
-from zerojax.models import gpt  # noqa: E402
 from experiments.progress import bar  # noqa: E402
+from zerojax.models import gpt  # noqa: E402
 
 AXIS = "data"
 MIB = 2**20

@@ -3,5 +3,4 @@ zerojax), re-exported so that the scripts here read ``llama.LlamaConfig``, ``lla
 ``llama.make_loss``, ... as before."""
 
 from zerojax.models.hf_config import config_from_hf  # noqa: F401
-from zerojax.models.llama import (  # noqa: F401
-    Block, Llama, LlamaConfig, RMSNorm, init, init_abstract, is_lora, make_loss, rope)
+from zerojax.models.llama import Block, Llama, LlamaConfig, RMSNorm, init, init_abstract, is_lora, make_loss, rope  # noqa: F401

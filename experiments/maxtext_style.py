@@ -180,8 +180,8 @@ def main(argv=None) -> list[dict]:
     print(f"MaxText-style decoder ({psi:,} parameters, {LAYERS} scanned remat'd layers), SGD, 3 steps, 8 x "
           f"{jax.devices()[0].platform}, jax {jax.__version__}")
     print(f"axis_map = {AXIS_MAP}")
-    print(f"axis_rules = MaxText's (embed -> (fsdp, fsdp_transpose), mlp -> (fsdp_transpose, tensor), heads -> "
-          f"tensor, vocab -> tensor, ...)\n")
+    print("axis_rules = MaxText's (embed -> (fsdp, fsdp_transpose), mlp -> (fsdp_transpose, tensor), heads -> "
+          "tensor, vocab -> tensor, ...)\n")
     print(f"reference losses (plain jax.jit on the model's mesh): {', '.join(f'{x:.6f}' for x in ref_losses)}\n")
     print("| data x tensor | stage | weights split over tensor | max abs param diff | losses | "
           "state bytes/device (arrays) | formula |")

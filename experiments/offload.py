@@ -37,8 +37,8 @@ import optax  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
 from experiments import data  # noqa: E402
-from zerojax.models import gpt  # noqa: E402
 from experiments.progress import bar  # noqa: E402
+from zerojax.models import gpt  # noqa: E402
 
 MIB = 2**20
 # (stage, compute dtype, offload_optimizer, offload_params, offload_update). The last row is

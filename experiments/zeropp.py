@@ -33,8 +33,8 @@ import optax  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
 from experiments import data  # noqa: E402
-from zerojax.models import gpt  # noqa: E402
 from experiments.progress import bar  # noqa: E402
+from zerojax.models import gpt  # noqa: E402
 
 WEIGHTS = {"fp32": dict(compute_dtype="float32"), "bf16": dict(compute_dtype="bfloat16"),
            "int8": dict(compute_dtype="bfloat16", gather_dtype="int8")}

@@ -156,7 +156,7 @@ def _vjp(attend):
     return jax.jit(run)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(case: Case):
     def attend(x):
         mask = x.get("mask")
@@ -177,7 +177,7 @@ def _permuted(x, rows, cols):
     return x[:, :, :, cols] if x.shape[3] > 1 else x
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _ours(case: Case):
     """The kernel on the arrays permuted into the layout's order (inside the program, so the
     gradients come back in natural order), under ``jax.set_mesh`` of a context mesh."""
@@ -437,7 +437,7 @@ def test_chunks_keep_block_size_keys():
 PACKED = [[5, 9, 2, 16], [32]]  # documents' lengths in each packed row of 32 tokens
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _packed():
     """The packed rows (ids, q, k, v, output cotangent) and the reference: each document alone
     through JAX's causal attention, put back in its place (values and gradients)."""

@@ -10,9 +10,9 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 from jax.sharding import Mesh
-import numpy as np
 
 import zerojax as zj
 

@@ -6,7 +6,6 @@ cost_analysis(), the communication report; and results to rounding."""
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest

@@ -45,7 +45,7 @@ def check(name, got, ref, got_losses, ref_losses, got_norms=None, ref_norms=None
         np.testing.assert_allclose(got_norms, ref_norms, rtol=1e-5)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(model, opt):
     make_params, loss_fn = ALL_MODELS[model]
     tx = {**SGD_FAMILY, **ADAM_FAMILY}[opt]()

@@ -145,7 +145,7 @@ def test_make_mesh_with_a_context_axis():
 BASE = llama.LlamaConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, seq_len=16)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _data(with_positions: bool = False):
     rng = np.random.default_rng(0)
     out = []
@@ -160,14 +160,16 @@ def _data(with_positions: bool = False):
     return tuple(out)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(with_positions: bool = False):
     graphdef, params = llama.init(BASE)
     return reference_run(llama.make_loss(graphdef), jax.tree.map(jnp.asarray, params), optax.sgd(0.3),
                          list(_data(with_positions)))
 
 
+@functools.lru_cache(maxsize=None)  # (4, "ring", 3) trains for three tests: its step compiles once
 def _train(c, attention, stage, tensor=1, with_positions=False, layout="contiguous"):
+    """The trained state (read, never stepped again: a cached run is shared), the step and the losses."""
     cfg = llama.LlamaConfig(**{**BASE.__dict__, "attention": attention, "tensor_parallel": tensor > 1})
     graphdef, params = llama.init(cfg)
     tx, mesh = optax.sgd(0.3), zj.make_mesh(context=c, tensor=tensor)
@@ -178,7 +180,7 @@ def _train(c, attention, stage, tensor=1, with_positions=False, layout="contiguo
     for b in _data(with_positions):
         state, m = step(state, b)
         losses.append(float(m["loss"]))
-    return state, step, losses
+    return state, step, tuple(losses)
 
 
 def _check(state, losses, with_positions=False):

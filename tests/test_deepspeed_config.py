@@ -20,7 +20,6 @@ from zerojax import cli
 from zerojax.deepspeed import translate
 from zerojax.optim import schedules
 
-
 # --- DeepSpeed's schedulers, in plain Python floats ----------------------------------------
 # Each keeps the optimizer's learning rate in ``lr`` as DeepSpeed's update_lr sets it: in
 # the constructor (last_batch_iteration -1), then in step().

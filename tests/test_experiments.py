@@ -206,7 +206,7 @@ def test_stage_table_numbers(capsys):
     out = capsys.readouterr().out
     assert out.count("\n| ") == 5  # header + 4 stages
     psi = rows[0]["psi"]
-    for s, r in rows.items():
+    for r in rows.values():
         assert r["state"] == r["formula"] + 12  # + step, skipped, Adam's count
     assert [round(rows[s]["traffic"], 3) for s in (0, 1, 2)] == [2.0, 2.0, 2.0]
     # Stage 3: 3Ψ less what backward does not re-gather (embedding, position table and

@@ -1,8 +1,8 @@
 """Flax NNX and linen models (scan stacks, submodules, norms, embeddings) match optax."""
 
+import pathlib
 import subprocess
 import sys
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 
 from experiments import data
-from zerojax.models import gpt
 from tests import models
+from zerojax.models import gpt
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 import zerojax as zj
-from zerojax.models import hf_config, llama
+from zerojax.models import llama
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "data" / "hf"

@@ -34,7 +34,7 @@ def _batches(cfg, n, seed=0):
     return [{"tokens": jnp.asarray(rng.integers(0, cfg.vocab, (8, 12)), jnp.int32)} for _ in range(n)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _loaded(stage: int):
     cfg = llama.config_from_hf(str(FIXTURE))
     abstract = llama.init_abstract(cfg)[1]

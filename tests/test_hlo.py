@@ -139,8 +139,8 @@ def test_async_collectives_count_their_results():
 
 def test_permute_groups_and_mesh_axes():
     import jax
-    from jax.sharding import Mesh
     import numpy as np
+    from jax.sharding import Mesh
 
     assert permute_groups("source_target_pairs={{0,2},{2,0},{1,3},{3,1}}") == [[0, 2], [1, 3]]
     assert permute_groups("channel_id=1") is None
@@ -169,4 +169,4 @@ def test_bad_input():
         hlo.parse(b"ENTRY")
     missing = _ASYNC.replace("calls=%wrapped\n  %ad", "calls=%absent\n  %ad")
     with pytest.raises(ValueError, match="absent"):
-        hlo.parse(missing).runs
+        _ = hlo.parse(missing).runs

@@ -7,9 +7,9 @@ import optax
 import pytest
 
 import zerojax as zj
-from zerojax import cli
 from tests import models
 from tests.test_training_loops import bn_reference, bn_run, run_dropout
+from zerojax import cli
 from zerojax.report import estimate
 from zerojax.report.comm import collectives
 from zerojax.report.groups import group_axes, replica_groups

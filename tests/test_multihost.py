@@ -14,8 +14,8 @@ import optax
 import pytest
 
 import zerojax as zj
-from zerojax.distributed import init as dist_init
 from tests import models
+from zerojax.distributed import init as dist_init
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "multihost_train.py"
@@ -28,7 +28,7 @@ def launch(args, worker_args, timeout=240):
     return out, time.monotonic() - start
 
 
-@functools.lru_cache(maxsize=None)  # shared by the tests that compare with one process
+@functools.cache  # shared by the tests that compare with one process
 def single_process_reference(stage, steps=3):
     mesh = zj.make_mesh()
     tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1, momentum=0.9))

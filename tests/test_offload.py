@@ -38,7 +38,7 @@ def train(cfg, tx=TX, batches=BATCHES, params=None):
     return state, step, losses
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def without_offload(cfg, tx=TX):
     """The run the offloaded ones are compared with, trained once per (config, optimizer):
     (gathered params, losses, optimizer-state leaves)."""

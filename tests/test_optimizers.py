@@ -87,7 +87,7 @@ def reference(name):
     return _REF[name]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def errors(name, stage, n=8):
     ref, ref_losses = reference(name)
     got, losses = models.zero_run(awkward_loss, awkward_params(), TRANSFORMS[name](), batches(), stage, n)

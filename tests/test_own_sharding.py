@@ -114,6 +114,7 @@ def test_unknown_axis_names_the_source_lines_of_the_helper_and_its_callers():
         step(state, data(1)[0])
     # The helper that constrains (as MaxText's maybe_shard_with_name) and the layer that called it.
     import inspect
+
     from experiments import maxtext_style
 
     helper = inspect.getsourcelines(maxtext_style.constrain)[1]

@@ -80,7 +80,7 @@ def snapshot(state):
 LOW_TX = optax.sgd(0.05, momentum=0.9)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def low_precision_reference():
     """Single-device fp32 optax on the stacked model, 3 steps: (params, losses, batches)."""
     params = models.stacked_params()
@@ -89,7 +89,7 @@ def low_precision_reference():
     return params, ref, ref_losses, batches
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def low_precision_run(stage, dtype, reduce_dtype="float32"):
     """The same 3 steps with zerojax in ``dtype`` compute (shared by the tests that read
     them): (params after, losses, skipped flags)."""

@@ -9,8 +9,8 @@ from flax import linen as nn
 
 import zerojax as zj
 from experiments import data
-from zerojax.models import gpt
 from tests import models
+from zerojax.models import gpt
 
 ALL = [zj.remat.Remat(k) for k in zj.remat.KINDS if k not in ("names", "offload_names")] + [
     zj.remat.Remat("names", names=("attn_out",)),
@@ -57,7 +57,7 @@ def _grads_via_config(remat, stage, cfg, batch):
 def test_every_policy_leaves_gradients_unchanged(small_gpt, stage):
     cfg, batch = small_gpt
     graphdef, params = gpt.init(cfg)
-    ref = jax.grad(gpt.make_loss(graphdef))(params, batch)
+    ref = jax.jit(jax.grad(gpt.make_loss(graphdef)))(params, batch)
     # Every policy's JAX rule is checked on a function in test_remat_function_wrapper;
     # here each distinct path through the train step.
     kinds = ("full", "dots", "names", "offload_names") if stage == 3 else ("full", "names")
@@ -71,13 +71,13 @@ def test_nnx_module_class_remat_gradients(small_gpt):
     """Per-layer remat built into the model (zj.remat.nnx_module under nnx.scan)."""
     cfg, batch = small_gpt
     _, params = gpt.init(cfg)
-    ref = jax.grad(gpt.make_loss(gpt.init(cfg)[0]))(params, batch)
+    ref = jax.jit(jax.grad(gpt.make_loss(gpt.init(cfg)[0])))(params, batch)  # jitted: one compile, not one per op
     for kind in ("full", "dots", "dots_no_batch"):
         rcfg = gpt.GPTConfig(**{**cfg.__dict__, "remat": kind})
         graphdef, p = gpt.init(rcfg)
         jaxpr = str(jax.make_jaxpr(gpt.make_loss(graphdef))(p, batch))
         assert "checkpoint" in jaxpr or "remat" in jaxpr
-        got = jax.grad(gpt.make_loss(graphdef))(p, batch)
+        got = jax.jit(jax.grad(gpt.make_loss(graphdef)))(p, batch)
         assert models.abs_errors(got, ref).max() <= 1e-6, kind
 
 
@@ -121,17 +121,29 @@ def test_remat_function_wrapper():
         np.testing.assert_allclose(g, jax.grad(f)(x), atol=1e-6)
 
 
+_TABLE: dict = {}
+
+
 @pytest.fixture(scope="module")
 def table():
+    """``table(*policies)``: the remat table's rows, each policy's step compiled once per
+    worker (the default test needs three of the slow test's four)."""
     from experiments import remat_table
 
-    return remat_table.main(["--layers", "3", "--d-model", "128", "--batch", "32",
-                             "--policies", "none,dots,full,offload_dots"])
+    def rows(*policies):
+        todo = [p for p in policies if p not in _TABLE]
+        if todo:
+            _TABLE.update(remat_table.main(["--layers", "3", "--d-model", "128", "--batch", "32",
+                                            "--policies", ",".join(todo)]))
+        return {p: _TABLE[p] for p in policies}
+
+    return rows
 
 
 @pytest.mark.slow  # reason: 22 s, four policies of a 3-layer d128 step compiled for the table; every policy's gradients are checked in the default set
 def test_memory_ordering_and_full_recompute_tradeoff(table):
-    none, dots, full = table["none"], table["dots"], table["full"]
+    rows = table("none", "dots", "full")
+    none, dots, full = rows["none"], rows["dots"], rows["full"]
     assert none["temp"] > dots["temp"] > full["temp"]
     assert none["temp"] >= 2 * full["temp"]  # activations (and all temporaries) cut >= 2x
     assert full["flops"] <= 1.4 * none["flops"]  # at most ~one extra forward
@@ -144,6 +156,7 @@ def test_offload_policy_compiles_on_cpu_and_saves_no_more_than_dots(table):
     keeps the same values on the device) shows only on a GPU, where XLA moves them to
     pinned host memory: ``python experiments/remat_table.py --check-offload``, run by
     ``experiments/gpu_throughput.py``. On CPU the move is a no-op and host temp stays 0."""
+    table = table("none", "dots", "offload_dots")
     assert table["offload_dots"]["host_temp"] == 0
     assert table["offload_dots"]["temp"] < table["none"]["temp"]
     assert table["offload_dots"]["temp"] <= table["dots"]["temp"]

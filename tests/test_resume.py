@@ -213,7 +213,7 @@ def test_sampler_is_a_pure_function_of_its_position(seed):
     b = int(rng.integers(1, n + 1))
     s = IndexSampler(n, b, seed=seed)
     drawn = [next(s) for _ in range(int(rng.integers(1, 4 * (n // b) + 2)))]
-    for k, batch in enumerate(drawn):  # each epoch: distinct records, a permutation's blocks
+    for batch in drawn:  # each epoch: distinct records, a permutation's blocks
         assert batch.shape == (b,) and len(set(batch.tolist())) == b and batch.max() < n
     per_epoch = n // b
     for e in range(len(drawn) // per_epoch):

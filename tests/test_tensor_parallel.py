@@ -13,8 +13,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
-from zerojax.models import gpt
 from tests.models import abs_errors, reference_run
+from zerojax.models import gpt
 from zerojax.report.comm import collectives, communication_report
 
 D, F = 16, 32

@@ -137,7 +137,7 @@ def test_flax_dropout_gets_its_key(setup):
         state = zj.init_state(params, SGD, mesh=mesh, config=cfg, rng=jax.random.key(3))
         step = zj.make_train_step(loss, SGD, mesh=mesh, config=cfg, with_rng=True)
         losses = []
-        for t in range(3):
+        for _ in range(3):
             state, m = step(state, models.batch(16, 0))  # the same batch: only the masks change
             losses.append(float(m["loss"]))
         assert len(set(losses)) == 3  # new masks every step

@@ -24,7 +24,7 @@ import zerojax as zj
 from tests import weights_model
 from zerojax.checkpoint import boxes
 from zerojax.checkpoint import tensor_map as tm
-from zerojax.checkpoint.safetensors_files import TensorFiles, TensorWriter, StoredTensor
+from zerojax.checkpoint.safetensors_files import TensorFiles, TensorWriter
 from zerojax.maps import concat, merge_dims, part, split_dim, stack, transpose
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -349,7 +349,7 @@ def small_state(tmp_path_factory):
     folder = tmp_path_factory.mktemp("small32")
     save_file(SMALL, str(folder / "model.safetensors"))
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def build(stage):
         return zj.init_state(ABSTRACT, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=stage),
                              weights=zj.Weights(folder, SMALL_MAP))

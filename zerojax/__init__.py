@@ -1,7 +1,19 @@
 """zerojax: ZeRO (stages 0-3) for JAX and Flax over a jax.sharding mesh."""
 
-from zerojax import checkpoint, compile_cache, context, distributed, maps, models, moe, nn, nnx, remat, resume, xla_flags
-from zerojax.tuning import autotune
+from zerojax import (
+    checkpoint,
+    compile_cache,
+    context,
+    distributed,
+    maps,
+    models,
+    moe,
+    nn,
+    nnx,
+    remat,
+    resume,
+    xla_flags,
+)
 from zerojax.checkpoint import export_weights, load_weights, restore_checkpoint, save_checkpoint
 from zerojax.checkpoint.tensor_map import WeightMap
 from zerojax.checkpoint.weights import Weights
@@ -20,6 +32,7 @@ from zerojax.report.memory import (
 from zerojax.sharding.mesh import make_mesh
 from zerojax.state import ZeroState, abstract_state, init_state
 from zerojax.step import LossScaleError, TrainStep, make_train_step
+from zerojax.tuning import autotune
 
 __all__ = [
     "EvalStep",

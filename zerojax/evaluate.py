@@ -12,10 +12,10 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax import compile_cache
 from zerojax.config import ZeroConfig
-from zerojax.sharding import gathers, outputs, per_use
 from zerojax.context import batch as sequence
+from zerojax.sharding import gathers, outputs, per_use
 from zerojax.sharding.gradients import cast_batch, context, local_shapes, pending
-from zerojax.sharding.mesh import auto_axes, batch_axes, batch_devices, row_split
+from zerojax.sharding.mesh import auto_axes, batch_devices, row_split
 from zerojax.sharding.plan import ZeroPlan
 from zerojax.sharding.stages import stage_of
 from zerojax.state import ZeroState

@@ -22,9 +22,9 @@ import argparse
 import dataclasses
 import os
 import re
+import shutil
 import signal
 import socket
-import shutil
 import subprocess
 import sys
 import tempfile

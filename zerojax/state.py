@@ -6,8 +6,8 @@ import dataclasses
 from typing import Any
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from zerojax.checkpoint.born import donated, loaded_storage

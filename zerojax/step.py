@@ -18,13 +18,13 @@ from jax.sharding import Mesh
 
 from zerojax import compile_cache
 from zerojax.config import ZeroConfig
+from zerojax.context import batch as context
 from zerojax.optim import loss_scale as ls
 from zerojax.optim.apply import apply_optimizer
 from zerojax.optim.offload import choose_place
 from zerojax.optim.update import check_optimizer, clip_by_global_norm, keep_if
 from zerojax.sharding.gradients import Loss, own_sharding_hint
-from zerojax.context import batch as context
-from zerojax.sharding.mesh import auto_axes, batch_axes, batch_devices, row_split
+from zerojax.sharding.mesh import auto_axes, batch_devices, row_split
 from zerojax.sharding.partial_axes import warn_partial
 from zerojax.sharding.plan import ZeroPlan
 from zerojax.sharding.stages import stage_of

@@ -21,13 +21,13 @@ import zerojax as zj  # noqa: E402
 mesh = zj.distributed.initialize(heartbeat_timeout_s=10)
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from zerojax.checkpoint.safetensors_files import TensorFiles, TensorWriter  # noqa: E402
 from tests.weights_model import MAP, abstract_params  # noqa: E402
+from zerojax.checkpoint.safetensors_files import TensorFiles, TensorWriter  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--ckpt", required=True)

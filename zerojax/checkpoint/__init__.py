@@ -27,8 +27,15 @@ __all__ = ["CheckpointMismatchError", "Retention", "export_weights", "checkpoint
 
 if TYPE_CHECKING:  # pragma: no cover
     from zerojax.checkpoint.export import export_weights
-    from zerojax.checkpoint.io import (CheckpointMismatchError, Retention, checkpoint_extra, checkpoint_steps,
-                                       restore_checkpoint, save_checkpoint, wait)
+    from zerojax.checkpoint.io import (
+        CheckpointMismatchError,
+        Retention,
+        checkpoint_extra,
+        checkpoint_steps,
+        restore_checkpoint,
+        save_checkpoint,
+        wait,
+    )
     from zerojax.checkpoint.load import load_weights
 
 

@@ -10,7 +10,7 @@ that cover it, in order. Both let a reader touch exactly the bytes a shard needs
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -98,7 +98,8 @@ def pieces(box: Box, itemsize: int, limit: int) -> Iterator[Box]:
     if box_size(box) * itemsize <= limit or not box:
         yield box
         return
-    for d, (a, b) in enumerate(box):
+    # d, the first dimension of more than one index, is read after the loop.
+    for d, (a, b) in enumerate(box):  # noqa: B007
         if b - a > 1:
             break
     else:

@@ -11,7 +11,6 @@ matching each leaf to the tensor of its name.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import jax

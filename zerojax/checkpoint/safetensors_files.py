@@ -22,7 +22,7 @@ import json
 import os
 import re
 import struct
-from typing import Mapping
+from collections.abc import Mapping
 
 import ml_dtypes
 import numpy as np

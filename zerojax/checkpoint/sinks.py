@@ -28,8 +28,7 @@ import re
 
 import numpy as np
 
-from zerojax.checkpoint.safetensors_files import (INDEX, SHARD, SINGLE, StoredTensor, check_file, header,
-                                                  nbytes)
+from zerojax.checkpoint.safetensors_files import INDEX, SHARD, SINGLE, StoredTensor, check_file, header, nbytes
 
 LAYOUTS = ("file", "hf")
 PROBE = ".zerojax-export-probe-{rank}"

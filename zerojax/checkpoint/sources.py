@@ -14,7 +14,8 @@ gives) and yields, for one parameter, the boxes this process writes and their va
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import numpy as np

@@ -33,13 +33,13 @@ import itertools
 import json
 import math
 import re
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from zerojax.checkpoint import boxes
 from zerojax.checkpoint.boxes import Box
-
 
 # ----------------------------------------------------------------------------------------------
 # Expressions: a parameter as a rearrangement of tensors, read and written by box.

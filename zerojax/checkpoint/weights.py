@@ -28,7 +28,8 @@ import dataclasses
 import fnmatch
 import gc
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np

@@ -576,7 +576,7 @@ def _flash_bwd(spec, res, cotangents):
     q, k, v, rows, cols, mask, m = res
     d_acc, _, d_l = cotangents
     b, t, n, h = q.shape
-    s, kh = k.shape[1], k.shape[2]
+    s = k.shape[1]
     size, count = _chunking(s, spec.block)
     d_acc = d_acc.astype(jnp.float32)  # [B, T, K, G, H]
     ref = _stabiliser(m)[..., None]

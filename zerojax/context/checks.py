@@ -21,8 +21,8 @@ import jax
 
 from zerojax.context.batch import layout_of, permuted_dims
 from zerojax.context.layout import KERNEL_SCOPE
-from zerojax.sharding.sequence_order import check_sequence_order
 from zerojax.sharding import jax_compat, walk
+from zerojax.sharding.sequence_order import check_sequence_order
 
 
 def kernel_layouts(jaxpr: Any) -> list[tuple[str, Any]]:

@@ -2,7 +2,16 @@
 :mod:`zerojax.checkpoint.tensor_map`), and ready ones for Hugging Face layouts."""
 
 from zerojax.checkpoint.tensor_map import (
-    IDENTITY, WeightMap, concat, infer_tensors, merge_dims, part, split_dim, stack, transpose)
+    IDENTITY,
+    WeightMap,
+    concat,
+    infer_tensors,
+    merge_dims,
+    part,
+    split_dim,
+    stack,
+    transpose,
+)
 from zerojax.models.hf_map import family_map, llama_map
 
 __all__ = ["IDENTITY", "WeightMap", "concat", "family_map", "infer_tensors", "llama_map", "merge_dims", "part",

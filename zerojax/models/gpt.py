@@ -20,8 +20,6 @@ from jax.ad_checkpoint import checkpoint_name
 from zerojax import nn as znn
 from zerojax import remat as zremat
 from zerojax.config import ZeroConfig
-from zerojax.report.memory import step_memory
-from zerojax.sharding.mesh import make_mesh
 from zerojax.state import init_state
 from zerojax.step import make_train_step
 
@@ -212,7 +210,7 @@ def init(cfg: GPTConfig, seed: int = 0):
     return graphdef, build()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _init_program(cfg: GPTConfig, seed: int):
     def build():
         with nnx.use_eager_sharding(False):

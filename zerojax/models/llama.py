@@ -491,7 +491,7 @@ def init(cfg: LlamaConfig, seed: int = 0):
     return graphdef, build()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _init_program(cfg: LlamaConfig, seed: int):
     def build():
         with nnx.use_eager_sharding(False):

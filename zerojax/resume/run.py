@@ -266,7 +266,7 @@ class Run:
                 jax.block_until_ready(state.params)
             except (CheckpointMismatchError, NotARunError):
                 raise
-            except Exception as e:  # noqa: BLE001: any failure to read is a damaged checkpoint
+            except Exception as e:  # any failure to read is a damaged checkpoint
                 error = e
             if _agree(error is None):
                 return self._resumed(s, state, record)

@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from zerojax.sharding import collectives, gathers, outputs, per_use
 from zerojax.context import batch as sequence
+from zerojax.sharding import collectives, gathers, outputs, per_use
 from zerojax.sharding.plan import ZeroPlan
 from zerojax.sharding.sources import Source
 

@@ -10,14 +10,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-
 from optax import MaskedNode
 
 from zerojax.config import ZeroConfig
 from zerojax.sharding.layout import LeafLayout, layout_for
-from zerojax.sharding.mesh import (auto_axes, axis_size, batch_axes, batch_devices, context_size, expert_size,
-                                   manual_axes, tensor_size)
-
+from zerojax.sharding.mesh import (
+    auto_axes,
+    axis_size,
+    batch_axes,
+    batch_devices,
+    context_size,
+    expert_size,
+    manual_axes,
+    tensor_size,
+)
 
 HOST = "pinned_host"  # the memory kind of offloaded state
 

@@ -173,9 +173,8 @@ def _gpt(args, ap, n: int):
     import optax
 
     from zerojax.config import ZeroConfig
-    from zerojax.report.estimate import MODELS, GPTShape
-
     from zerojax.models import gpt
+    from zerojax.report.estimate import MODELS, GPTShape
 
     presets = {k: v for k, v in MODELS.items() if isinstance(v, GPTShape)}
     if args.model == "gpt":

@@ -43,9 +43,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from zerojax.report.comm import communication_report
 from zerojax.tuning.devices import DeviceSpec
 from zerojax.tuning.hlo_cost import loop_cost
-from zerojax.report.comm import communication_report
 
 
 @dataclasses.dataclass(frozen=True)

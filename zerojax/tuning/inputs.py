@@ -9,12 +9,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from zerojax.tuning.budget import fmt_bytes
-from zerojax.tuning.candidates import Candidate, SearchSpace, valid_batch_sizes
 from zerojax.config import ZeroConfig
 from zerojax.context.batch import check_lengths, sequence_dims
 from zerojax.sharding.mesh import context_size, expert_size, make_mesh
 from zerojax.state import is_init_fn
+from zerojax.tuning.budget import fmt_bytes
+from zerojax.tuning.candidates import Candidate, SearchSpace, valid_batch_sizes
 
 
 def abstract_params(params: Any) -> Any:

@@ -7,12 +7,12 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from zerojax.config import ZeroConfig
+from zerojax.report.memory import StepMemory
 from zerojax.tuning.budget import fmt_bytes
 from zerojax.tuning.candidates import Candidate, remat_name
 from zerojax.tuning.cost import StepCost
 from zerojax.tuning.devices import DeviceSpec
-from zerojax.config import ZeroConfig
-from zerojax.report.memory import StepMemory
 
 MEMORY_SOURCES = ("compiled", "formula")
 

@@ -28,6 +28,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from zerojax.config import ZeroConfig
+from zerojax.report.memory import StepMemory, abstract_batch, compiled_bytes
+from zerojax.sharding.mesh import context_size, expert_size
+from zerojax.state import abstract_state
 from zerojax.tuning.budget import check_margin, fmt_bytes, parse_memory, usable
 from zerojax.tuning.candidates import Candidate, SearchSpace, enumerate_candidates, more_levers, needs_more_memory
 from zerojax.tuning.cost import StepCost, step_cost
@@ -37,17 +41,13 @@ from zerojax.tuning.inputs import (
     accumulation_counts,
     batch_devices,
     check_mesh,
-    split_meshes,
     nothing_fits_compiled,
     nothing_fits_formula,
     param_counts,
     rows_per_device,
+    split_meshes,
 )
 from zerojax.tuning.result import AutotuneResult, Plan, PlanMemory, Skipped
-from zerojax.config import ZeroConfig
-from zerojax.report.memory import StepMemory, abstract_batch, compiled_bytes
-from zerojax.sharding.mesh import context_size, expert_size
-from zerojax.state import abstract_state
 
 Progress = Callable[[int, int, str], None]
 
