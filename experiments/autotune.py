@@ -6,7 +6,7 @@ Part 1 (8 simulated CPU devices): the experiments' GPT (layers in a ``scan``) at
 and 1 cannot meet (``gpt6``'s admits stage 0 with remat). The tuner searches
 (its time, and the candidates compiled, pruned by the formula, decided without compiling and
 sharing a program are printed). Then, as validation only: each returned plan is compiled
-directly (``zj.step_memory``: against the budget and the tuner's figure) and run, one warm-up
+directly (``zj.report.step_memory``: against the budget and the tuner's figure) and run, one warm-up
 step and ``--rounds`` timed steps each, the plans taking turns in a shuffled order each round
 so that a busy stretch of the machine falls on all of them; reported are the Spearman rank
 correlation of predicted and measured (median) step times and how far the chosen plan is from
@@ -175,7 +175,7 @@ def run_model(name: str, args) -> dict:
     plans += [p for p in family if p.program not in {q.program for q in plans}]
     rows = []
     for plan in plans:
-        direct = zj.step_memory(s["loss_fn"], shapes, s["tx"], batch_shapes, mesh=mesh, config=plan.config)
+        direct = zj.report.step_memory(s["loss_fn"], shapes, s["tx"], batch_shapes, mesh=mesh, config=plan.config)
         rows.append({"plan": plan.describe(), "stage": plan.config.stage, "predicted_bytes": plan.memory.device,
                      "tuner_compiled_bytes": plan.memory.compiled, "direct_bytes": direct.device_total,
                      "predicted_s": plan.time, "parts": plan.cost.breakdown(spec),

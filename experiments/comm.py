@@ -1,7 +1,7 @@
 """Communication per device per step of every ZeRO stage and compute dtype, beside the paper.
 
 For one GPT on 8 simulated CPU devices, each stage is compiled in fp32 and bf16 and its
-collectives are read from the compiled HLO (``zj.communication_report``: every collective
+collectives are read from the compiled HLO (``zj.report.communication_report``: every collective
 counted as often as it runs, layer loops included). Volumes are given in parameter
 elements (the paper's unit: an all-gather or reduce-scatter of Ψ elements moves Ψ, an
 all-reduce 2Ψ) and in bytes, beside the paper's 2Ψ / 2Ψ / 2Ψ / 3Ψ.
@@ -45,7 +45,7 @@ def measure(cfg: gpt.GPTConfig, stage: int, compute_dtype: str, batch_size: int,
     state, step = gpt.zero_setup(cfg, optax.adamw(1e-3), mesh=mesh, config=zc)
     batch = next(data.batches(data.stdlib_bytes(1 << 20), batch_size, cfg.seq_len))
     lowered = step.lower(state, batch)
-    report = zj.communication_report(lowered.compile())
+    report = zj.report.communication_report(lowered.compile())
     psi = cfg.num_params()
     small = 1e-3 * psi  # per-step scalars (loss, norms, overflow flags) are not model traffic
     kinds, elements, nbytes = {}, 0.0, 0

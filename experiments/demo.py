@@ -32,8 +32,8 @@ def memory_table(params, tx, mesh) -> None:
     texts = {0: "12Ψ", 1: "4Ψ + 8Ψ/N", 2: "4Ψ + 8Ψ/N", 3: "12Ψ/N"}
     for stage in range(4):
         state = zj.init_state(params, tx, mesh=mesh, config=zj.ZeroConfig(stage=stage))
-        got = zj.state_bytes_per_device(state)["total"]
-        want = zj.zero_formula_bytes(psi, n, stage)
+        got = zj.report.state_bytes_per_device(state)["total"]
+        want = zj.report.zero_formula_bytes(psi, n, stage)
         print(f"{stage:>5} | {got / 2**20:>14.2f} MiB | {want / 2**20:>14.2f} MiB | {texts[stage]}")
         del state
 
@@ -56,7 +56,7 @@ def main(argv=None) -> None:
     train_step = zj.make_train_step(gpt.make_loss(graphdef), tx, mesh=mesh, config=zero)
     stream = data.batches(data.stdlib_bytes(), args.batch, cfg.seq_len)
     first = next(stream)
-    report = zj.communication_report(train_step.lower(state, first).compile())
+    report = zj.report.communication_report(train_step.lower(state, first).compile())
     psi_bytes = 4 * cfg.num_params()
     print(f"\nZeRO-3 traffic per device per step: {report['total']['zero_bytes'] / psi_bytes:.2f}Ψ "
           "(paper: 3Ψ = all-gather forward + all-gather backward + reduce-scatter)")

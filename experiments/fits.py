@@ -84,8 +84,8 @@ def main(argv=None) -> list[dict]:
     rows = []
     for stage in (int(s) for s in args.stages.split(",")):
         zc = zj.ZeroConfig(stage=stage, compute_dtype=dtype)
-        mem = zj.step_memory(gpt.make_loss(graphdef), params, tx, {"tokens": tokens}, mesh=mesh, config=zc)
-        formula = zj.zero_formula_bytes(psi, n, stage, compute_dtype=dtype)
+        mem = zj.report.step_memory(gpt.make_loss(graphdef), params, tx, {"tokens": tokens}, mesh=mesh, config=zc)
+        formula = zj.report.zero_formula_bytes(psi, n, stage, compute_dtype=dtype)
         fits = "—" if args.budget_gib is None else ("yes" if mem.fits(args.budget_gib * 2**30) else "no")
         rows.append({"stage": stage, "state": mem.state, "temp": mem.temp, "total": mem.total,
                      "formula": formula, "fits": fits})

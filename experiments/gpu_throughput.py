@@ -85,7 +85,7 @@ def measure(cfg: gpt.GPTConfig, stage: int, batch: int, steps: int, device, pref
     mesh = zj.make_mesh([device])
     zc = zj.ZeroConfig(stage=stage, compute_dtype="bfloat16", grad_clip=1.0, prefetch=prefetch, **OFFLOAD[offload])
     state = zj.init_state(params, tx, mesh=mesh, config=zc)
-    placed = zj.state_bytes_per_device(state)
+    placed = zj.report.state_bytes_per_device(state)
     del params
     step = zj.make_train_step(gpt.make_loss(graphdef), tx, mesh=mesh, config=zc)
     rng = np.random.default_rng(0)
@@ -133,7 +133,7 @@ def long_context(seqs: list[int], heads: int, block: int, peak: float | None, he
             try:
                 grad = jax.jit(jax.grad(lambda q, k, v: fn(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
                 compiled = grad.lower(q, k, v).compile()
-                row["temp_bytes"] = zj.compiled_bytes(compiled)["temp"]
+                row["temp_bytes"] = zj.report.compiled_bytes(compiled)["temp"]
                 jax.block_until_ready(compiled(q, k, v))
                 times = []
                 for _ in range(5):

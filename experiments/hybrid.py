@@ -2,7 +2,7 @@
 weights gathered in fp32, bf16 and int8.
 
 For each mesh and gather dtype the GPT's train step is compiled on 8 simulated CPU devices
-and its collectives are read from the HLO (``zj.communication_report(compiled, mesh=mesh)``):
+and its collectives are read from the HLO (``zj.report.communication_report(compiled, mesh=mesh)``):
 bytes per device per step inside a replica group (the data axis), across groups (the
 replica axis: only the gradient shards' all-reduce) and over every device (the scalar
 loss). On a cluster with one replica group per node, only the replica column leaves a node;

@@ -47,7 +47,7 @@ def gather_traffic(cfg: gpt.GPTConfig, batch: int) -> dict[str, dict]:
         zc = zj.ZeroConfig(stage=3, **kw)
         state = zj.init_state(params, tx, mesh=mesh, config=zc)
         lowered = zj.make_train_step(gpt.make_loss(graphdef), tx, mesh=mesh, config=zc).lower(state, tokens)
-        rep = zj.communication_report(lowered.compile())
+        rep = zj.report.communication_report(lowered.compile())
         by_dtype = {k.split(":")[1]: v["bytes"] for k, v in rep.items() if k.startswith("all-gather:")}
         if name == "bf16":  # the CPU backend widens bf16 collectives: count them as asked
             by_dtype = {"bf16": by_dtype.get("f32", 0) // 2}

@@ -327,7 +327,7 @@ def print_check(c: dict) -> None:
 def collectives(compiled) -> dict:
     """``{kind: (executions per step, MiB per device per step)}`` for all-gather,
     reduce-scatter and all-reduce (loop bodies counted per iteration)."""
-    rep = zj.communication_report(compiled)
+    rep = zj.report.communication_report(compiled)
     out = {}
     for kind in ("all-gather", "reduce-scatter", "all-reduce"):
         runs = [v for k, v in rep.items() if k.split(":")[0] == kind]
@@ -386,7 +386,7 @@ def main(argv=None) -> dict:
             def run(state, i, zstep=zstep):
                 state, m = zstep(state, zbatches[i])
                 return state, m["loss"]
-        runs.append({"name": name, "run": run, "state": state, "memory": zj.compiled_bytes(compiled),
+        runs.append({"name": name, "run": run, "state": state, "memory": zj.report.compiled_bytes(compiled),
                      "collectives": collectives(compiled), "times": [], "losses": []})
         del compiled
         progress.update(1)

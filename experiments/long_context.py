@@ -5,7 +5,7 @@ The experiments' Llama (GQA, RoPE, SwiGLU) at ZeRO-3 with full remat on 8 simula
 devices, as ``zj.make_mesh(context=C)`` (data = 8 / C), one sequence per data group: each
 device holds 1/C of a sequence. For each C and attention (plain ops partitioned by XLA,
 Ulysses, ring) the train step is compiled, not run, and read: its temp bytes (activations,
-gathered layers) and state bytes per device (``zj.compiled_bytes``), and the collectives
+gathered layers) and state bytes per device (``zj.report.compiled_bytes``), and the collectives
 over the context axis in its HLO (per execution, scanned layers counted per layer).
 
     python experiments/long_context.py                       # the tables in docs/long_context.md
@@ -212,7 +212,7 @@ def packed_table(args, base) -> None:
         for name, batch in (("packed", packed), ("padded", padded)):
             batch = {k: jnp.asarray(v) for k, v in batch.items()}
             state = zj.init_state(params, tx, mesh=mesh, config=zc)
-            temp = zj.compiled_bytes(step.lower(state, batch).compile())["temp"]
+            temp = zj.report.compiled_bytes(step.lower(state, batch).compile())["temp"]
             state, m = step(state, batch)
             jax.block_until_ready(m["loss"])
             times = []
@@ -274,7 +274,7 @@ def memory_tables(args, base) -> None:
     for c in (1, 2, 4, 8):
         for att in ATTENTIONS if c > 1 else ("einsum",):
             comp, mesh = compiled(llama.LlamaConfig(**{**base.__dict__, "attention": att}), c, args.seq_len)
-            b = zj.compiled_bytes(comp)
+            b = zj.report.compiled_bytes(comp)
             first = first or b["temp"]
             traffic = ", ".join(f"{k} {n} ({mib:.2f})" for k, (n, mib) in context_traffic(comp, mesh).items()) or "-"
             print(f"| {8 // c} x {c} | {att} | {b['temp'] / 2**20:.2f} | {b['argument'] / 2**20:.2f} "
@@ -290,7 +290,7 @@ def memory_tables(args, base) -> None:
         unit, best, seq = 128 * c, 0, 256 * c
         while True:
             comp, _ = compiled(llama.LlamaConfig(**{**base.__dict__, "attention": att, "seq_len": seq}), c, seq)
-            if zj.compiled_bytes(comp)["total"] > args.budget_mib * 2**20:
+            if zj.report.compiled_bytes(comp)["total"] > args.budget_mib * 2**20:
                 break
             best, seq = seq, seq * 2
         lo, hi = best, seq  # refine between the last fit and the first miss
@@ -299,7 +299,7 @@ def memory_tables(args, base) -> None:
             if mid in (lo, hi):
                 break
             comp, _ = compiled(llama.LlamaConfig(**{**base.__dict__, "attention": att, "seq_len": mid}), c, mid)
-            lo, hi = (mid, hi) if zj.compiled_bytes(comp)["total"] <= args.budget_mib * 2**20 else (lo, mid)
+            lo, hi = (mid, hi) if zj.report.compiled_bytes(comp)["total"] <= args.budget_mib * 2**20 else (lo, mid)
         if not lo:
             print(f"| {c} | {att} | none of {unit} or more fits | - |", flush=True)
             continue

@@ -42,15 +42,15 @@ def measure(cfg: gpt.GPTConfig, stage: int, lora: bool, args) -> dict:
     step = zj.make_train_step(gpt.make_loss(graphdef), tx, mesh=mesh, config=zc)
     stream = data.batches(data.stdlib_bytes(1 << 20), args.batch, cfg.seq_len)
     first = next(stream)
-    temp = zj.compiled_bytes(step.lower(state, first).compile())["temp"]
+    temp = zj.report.compiled_bytes(step.lower(state, first).compile())["temp"]
     losses, batch = [], first
     for _ in range(args.steps):
         state, m = step(state, batch)
         losses.append(float(m["loss"]))
         batch = next(stream)
     return {"stage": stage, "run": "LoRA" if lora else "full", "psi_t": psi_t, "psi_f": psi_f,
-            "state": zj.state_bytes_per_device(state)["total"],
-            "formula": zj.zero_formula_bytes(psi_t, mesh.devices.size, stage, compute_dtype=args.precision,
+            "state": zj.report.state_bytes_per_device(state)["total"],
+            "formula": zj.report.zero_formula_bytes(psi_t, mesh.devices.size, stage, compute_dtype=args.precision,
                                              frozen_params=psi_f),
             "temp": temp, "loss_first": losses[0], "loss_last": sum(losses[-5:]) / len(losses[-5:])}
 

@@ -173,8 +173,8 @@ def main(argv=None) -> list[dict]:
                                                                        jax.tree.leaves(ref)))
             unsplit = sum(l.size for l in state.plan.layouts if not l.tp)
             rows.append({"tensor": tensor, "stage": stage, "err": err, "losses": losses,
-                         "state": zj.state_bytes_per_device(state)["total"],
-                         "formula": zj.zero_formula_bytes(psi, 8 // tensor, stage, opt_bytes=0, tensor=tensor,
+                         "state": zj.report.state_bytes_per_device(state)["total"],
+                         "formula": zj.report.zero_formula_bytes(psi, 8 // tensor, stage, opt_bytes=0, tensor=tensor,
                                                           tensor_replicated=unsplit if tensor > 1 else 0),
                          "split": sum(l.tp for l in state.plan.layouts)})
     print(f"MaxText-style decoder ({psi:,} parameters, {LAYERS} scanned remat'd layers), SGD, 3 steps, 8 x "

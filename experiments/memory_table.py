@@ -56,11 +56,11 @@ def measure(cfg: gpt.GPTConfig, stage: int, compute_dtype: str, batch_size: int,
     zc = zj.ZeroConfig(stage=stage, compute_dtype=compute_dtype)
     state, step = gpt.zero_setup(cfg, optax.adamw(1e-3), mesh=mesh, config=zc)
     batch = next(data.batches(data.stdlib_bytes(1 << 20), batch_size, cfg.seq_len))
-    mem = zj.compiled_bytes(step.lower(state, batch).compile())
-    arrays = zj.state_bytes_per_device(state)
+    mem = zj.report.compiled_bytes(step.lower(state, batch).compile())
+    arrays = zj.report.state_bytes_per_device(state)
     n = mesh.devices.size
     psi = cfg.num_params()
-    formula = zj.zero_formula_bytes(psi, n, stage, compute_dtype=compute_dtype)
+    formula = zj.report.zero_formula_bytes(psi, n, stage, compute_dtype=compute_dtype)
     row = {
         "d_model": cfg.d_model, "layers": cfg.n_layers, "params": psi, "stage": stage, "n": n,
         "compute_dtype": compute_dtype,

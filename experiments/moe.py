@@ -49,7 +49,7 @@ def step_total(n_experts: int, ep: int, capacity_factor: float | None = None) ->
     cfg = moe_config(n_experts, capacity_factor)
     graphdef, abstract = llama.init_abstract(cfg)
     batch = {"tokens": jax.ShapeDtypeStruct((8, 33), jnp.int32)}
-    mem = zj.step_memory(llama.make_loss(graphdef), abstract, optax.adamw(1e-3), batch,
+    mem = zj.report.step_memory(llama.make_loss(graphdef), abstract, optax.adamw(1e-3), batch,
                          mesh=zj.make_mesh(expert=ep), config=zj.ZeroConfig(stage=3))
     return mem.argument + mem.output - mem.alias + mem.temp, cfg.num_params()
 

@@ -5,7 +5,7 @@ For each configuration (stage, compute dtype, what is offloaded, where the updat
 script trains ``--steps`` steps beside the same run without offload, and prints: the
 per-device bytes in device and host memory (from the arrays' ``addressable_shards`` and
 memory kinds) against the ZeRO formulas, the compiled step's device total
-(``zj.step_memory``), the largest parameter difference from the run without offload, and
+(``zj.report.step_memory``), the largest parameter difference from the run without offload, and
 the step time relative to it (interleaved). The last row measures, the same way, stage 3
 against stage 2 without offload: how far two programs that compute the same thing in a
 different order drift apart (AdamW turns the rounding noise of a gradient that is zero in
@@ -86,8 +86,8 @@ def main(argv=None) -> list[dict]:
         for c in (plain, zc):
             state = zj.init_state(params, tx, mesh=mesh, config=c)
             step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=c)
-            mem = zj.step_memory(loss_fn, params, tx, batches[0], mesh=mesh, config=c)
-            bytes_ = zj.state_bytes_per_device(state)
+            mem = zj.report.step_memory(loss_fn, params, tx, batches[0], mesh=mesh, config=c)
+            bytes_ = zj.report.state_bytes_per_device(state)
             runs.append({"state": state, "step": step, "mem": mem, "bytes": bytes_, "times": [], "losses": []})
         for b in batches:  # interleaved: both runs see the same machine
             for r in runs:
@@ -99,7 +99,7 @@ def main(argv=None) -> list[dict]:
         diff = max(float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
                    for a, b in zip(jax.tree.leaves(zj.gather_params(base["state"])),
                                    jax.tree.leaves(zj.gather_params(off["state"]))))
-        formula = {m: zj.zero_formula_bytes(psi, n, stage, compute_dtype=dtype, offload_optimizer=opt,
+        formula = {m: zj.report.zero_formula_bytes(psi, n, stage, compute_dtype=dtype, offload_optimizer=opt,
                                             offload_params=par, memory=m) for m in ("device", "host")}
         t = lambda r: statistics.median(r["times"][1:] or r["times"])  # the first step compiles
         rows.append({"stage": stage, "dtype": dtype, "offload_optimizer": opt, "offload_params": par,

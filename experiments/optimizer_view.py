@@ -50,12 +50,12 @@ def measure(d: int, n_layers: int, stage: int, batch: int) -> dict:
     step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=cfg)
     compiled = step.lower(state, jnp.ones((batch, d))).compile()
     psi = n_layers * d * d
-    rep = zj.communication_report(compiled)
+    rep = zj.report.communication_report(compiled)
     return {"width": d, "stage": stage, "layout": state.plan.layouts[0].describe(),
             "kind": state.plan.layouts[0].kind, "psi": psi,
-            "state": zj.state_bytes_per_device(state)["total"] - 12,  # less the int32 counters
-            "formula": zj.zero_formula_bytes(psi, mesh.devices.size, stage),
-            "temp": zj.compiled_bytes(compiled)["temp"],
+            "state": zj.report.state_bytes_per_device(state)["total"] - 12,  # less the int32 counters
+            "formula": zj.report.zero_formula_bytes(psi, mesh.devices.size, stage),
+            "temp": zj.report.compiled_bytes(compiled)["temp"],
             "all_gather": rep.get("all-gather:f32", {}).get("zero_bytes", 0) / (4 * psi),
             "reduce_scatter": rep.get("reduce-scatter:f32", {}).get("zero_bytes", 0) / (4 * psi)}
 

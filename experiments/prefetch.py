@@ -65,11 +65,11 @@ def main(argv=None) -> list[dict]:
         step = zj.make_train_step(gpt.make_loss(graphdef), tx, mesh=mesh, config=zc)
         compiled = step.lower(state, batch).compile()
         indep, pairs = loop_independence(compiled.as_text())
-        rep = zj.communication_report(compiled)
+        rep = zj.report.communication_report(compiled)
         state, m = step(state, batch)  # compile and warm up
         float(m["loss"])
         rows.append({"run": name, "stage": stage, "prefetch": pf, "remat": remat,
-                     "temp": zj.compiled_bytes(compiled)["temp"], "independent": indep, "pairs": pairs,
+                     "temp": zj.report.compiled_bytes(compiled)["temp"], "independent": indep, "pairs": pairs,
                      "gathers": rep.get("all-gather:f32", {}).get("count", 0),
                      "gather_traffic": rep.get("all-gather:f32", {}).get("zero_bytes", 0) / (4 * psi), "times": []})
         steps.append([step, state])

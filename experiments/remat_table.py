@@ -60,7 +60,7 @@ def measure(policy: zj.remat.Remat, stage: int, batch: int, how: str, layers: in
     step = zj.make_train_step(gpt.make_loss(graphdef), tx, mesh=mesh, config=zc)
     b = next(data.batches(data.stdlib_bytes(1 << 20), batch, cfg.seq_len))
     compiled = step.lower(state, b).compile()
-    mem = zj.compiled_bytes(compiled)
+    mem = zj.report.compiled_bytes(compiled)
     return {"temp": mem["temp"], "host_temp": mem["host_temp"], "flops": compiled.cost_analysis()["flops"]}
 
 

@@ -2,7 +2,7 @@
 
 On 8 simulated CPU devices, every device gets the same budget (``--budget-mib``). For each
 stage the deepest GPT of a fixed width whose compiled train step fits the budget
-(``zj.step_memory``: argument + output − alias + temp, from ``memory_analysis()``, found
+(``zj.report.step_memory``: argument + output − alias + temp, from ``memory_analysis()``, found
 ahead of time without allocating anything) is then built for real and trained for a few
 steps; its state is measured from its arrays. This is the ZeRO paper's claim that
 sharding model states lets the same devices train much larger models, shown end to end.
@@ -56,10 +56,10 @@ class Setup:
     def zero(self, stage: int) -> zj.ZeroConfig:
         return zj.ZeroConfig(stage=stage, compute_dtype=self.args.compute_dtype)
 
-    def memory(self, stage: int, layers: int) -> zj.StepMemory:
+    def memory(self, stage: int, layers: int) -> zj.report.StepMemory:
         cfg = self.cfg(layers)
         graphdef, params = gpt.init_abstract(cfg)
-        return zj.step_memory(gpt.make_loss(graphdef), params, self.tx, {"tokens": self.tokens},
+        return zj.report.step_memory(gpt.make_loss(graphdef), params, self.tx, {"tokens": self.tokens},
                               mesh=self.mesh, config=self.zero(stage))
 
     def build(self, stage: int, layers: int):
@@ -96,7 +96,7 @@ def largest(setup: Setup, stage: int, budget: float, max_layers: int) -> tuple[i
 
 def train_for_real(setup: Setup, stage: int, layers: int, steps: int) -> dict:
     state, step = setup.build(stage, layers)
-    arrays = zj.state_bytes_per_device(state)["total"]
+    arrays = zj.report.state_bytes_per_device(state)["total"]
     losses, times = [], []
     for _ in range(steps):
         batch = next(setup.stream)

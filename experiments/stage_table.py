@@ -56,10 +56,10 @@ def main(argv=None) -> list[dict]:
         state = zj.init_state(params, tx, mesh=mesh, config=zc)
         step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=zc)
         compiled = step.lower(state, batch).compile()
-        got = zj.state_bytes_per_device(state)["total"]
-        want = zj.zero_formula_bytes(psi, n, stage)
-        mem = zj.compiled_bytes(compiled)
-        rep = zj.communication_report(compiled)
+        got = zj.report.state_bytes_per_device(state)["total"]
+        want = zj.report.zero_formula_bytes(psi, n, stage)
+        mem = zj.report.compiled_bytes(compiled)
+        rep = zj.report.communication_report(compiled)
         traffic = rep["total"]["zero_bytes"] / (4 * psi)
         kinds = ", ".join(f"{k.split(':')[0]} ×{v['count']}" for k, v in rep.items()
                           if k != "total" and v["bytes"] > 1e-3 * 4 * psi)  # not the scalars

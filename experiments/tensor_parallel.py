@@ -4,7 +4,7 @@ per data group (the model replica's batch, what tensor parallelism is meant to m
 
 For each tensor degree T the train step (ZeRO-3, AdamW, fp32) is compiled on 8 simulated
 CPU devices and measured: the persistent state bytes per device, read from the arrays
-(``zj.state_bytes_per_device``), against 12Ψ/8 and zerojax's formula with ``tensor=T``
+(``zj.report.state_bytes_per_device``), against 12Ψ/8 and zerojax's formula with ``tensor=T``
 (the parameters no annotation splits, LayerNorms and row-parallel biases, are held by
 every tensor shard); the compiled program's temp bytes (activations and gathered layers:
 each tensor shard computes 1/T of every column-parallel activation); collective bytes per
@@ -62,10 +62,10 @@ def measure(cfg: gpt.GPTConfig, tensor: int, batch: int, steps: int = 5) -> dict
         jax.block_until_ready(m["loss"])
         times.append(time.perf_counter() - t)
     psi = cfg.num_params()
-    return {"tensor": tensor, "data": 8 // tensor, "state": zj.state_bytes_per_device(state)["total"],
-            "formula": zj.zero_formula_bytes(psi, 8 // tensor, 3, opt_bytes=8, tensor=tensor,
+    return {"tensor": tensor, "data": 8 // tensor, "state": zj.report.state_bytes_per_device(state)["total"],
+            "formula": zj.report.zero_formula_bytes(psi, 8 // tensor, 3, opt_bytes=8, tensor=tensor,
                                              tensor_replicated=replicated),
-            "paper": 12 * psi / 8, "temp": zj.compiled_bytes(compiled)["temp"], "axes": axes,
+            "paper": 12 * psi / 8, "temp": zj.report.compiled_bytes(compiled)["temp"], "axes": axes,
             "ms": 1e3 * statistics.median(times), "loss": float(m["loss"]), "replicated": replicated,
             "batch": batch}
 
@@ -102,7 +102,7 @@ def sequence_rows(args, degrees: list[int]) -> list[dict]:
                         if "tensor" in c.axes(mesh) and c.total_bytes:
                             kinds[c.kind] = kinds.get(c.kind, 0) + c.total_bytes
                     out.append({"d_model": d, "remat": remat, "tensor": t, "variant": name,
-                                "temp": zj.compiled_bytes(compiled)["temp"], "tensor_kinds": kinds})
+                                "temp": zj.report.compiled_bytes(compiled)["temp"], "tensor_kinds": kinds})
     return out
 
 

@@ -80,7 +80,7 @@ def measure(gcfg: gpt.GPTConfig, batch: int, steps: int, todo: list, progress) -
         step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=cfg)
         stream = data.batches(data.stdlib_bytes(), batch, gcfg.seq_len, seed=0)
         first = next(stream)
-        bytes_ = traffic(zj.communication_report(step.lower(state, first).compile()), cfg)
+        bytes_ = traffic(zj.report.communication_report(step.lower(state, first).compile()), cfg)
         losses = []
         b = first
         for _ in range(steps):

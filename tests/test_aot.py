@@ -25,17 +25,17 @@ def test_abstract_step_memory_equals_the_real_one(stage, dtype):
 
     _, abstract_params = gpt.init_abstract(cfg)
     tokens = jax.ShapeDtypeStruct(batch["tokens"].shape, batch["tokens"].dtype)
-    mem = zj.step_memory(loss_fn, abstract_params, tx, {"tokens": tokens}, mesh=mesh, config=zc)
+    mem = zj.report.step_memory(loss_fn, abstract_params, tx, {"tokens": tokens}, mesh=mesh, config=zc)
 
     state = zj.init_state(params, tx, mesh=mesh, config=zc)
-    real = zj.compiled_bytes(zj.make_train_step(loss_fn, tx, mesh=mesh, config=zc).lower(state, batch).compile())
-    assert mem.state == zj.state_bytes_per_device(state)["total"]
+    real = zj.report.compiled_bytes(zj.make_train_step(loss_fn, tx, mesh=mesh, config=zc).lower(state, batch).compile())
+    assert mem.state == zj.report.state_bytes_per_device(state)["total"]
     assert mem.batch == batch["tokens"].nbytes // 8
     for key in ("argument", "output", "alias", "temp", "total"):
         assert getattr(mem, key) == real[key], key
     assert mem.argument == mem.state + mem.batch
-    assert zj.state_bytes_per_device(zj.abstract_state(abstract_params, tx, mesh=mesh, config=zc)) == \
-        zj.state_bytes_per_device(state)
+    assert zj.report.state_bytes_per_device(zj.abstract_state(abstract_params, tx, mesh=mesh, config=zc)) == \
+        zj.report.state_bytes_per_device(state)
 
 
 def test_plans_a_model_larger_than_this_machine():
@@ -46,9 +46,9 @@ def test_plans_a_model_larger_than_this_machine():
     assert psi > 4e9
     graphdef, abstract_params = gpt.init_abstract(cfg)
     tokens = jax.ShapeDtypeStruct((8, cfg.seq_len + 1), "int32")
-    mem = zj.step_memory(gpt.make_loss(graphdef), abstract_params, optax.adamw(1e-4), {"tokens": tokens},
+    mem = zj.report.step_memory(gpt.make_loss(graphdef), abstract_params, optax.adamw(1e-4), {"tokens": tokens},
                          mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3, compute_dtype="bfloat16"))
-    assert mem.state == pytest.approx(zj.zero_formula_bytes(psi, 8, 3), rel=1e-4)
+    assert mem.state == pytest.approx(zj.report.zero_formula_bytes(psi, 8, 3), rel=1e-4)
     # Stage 3 gathers a layer at a time: a device needs less than the fp32 params alone.
     assert mem.total < 4 * psi
     assert not mem.fits(mem.total - 1) and mem.fits(mem.total)
@@ -57,6 +57,6 @@ def test_plans_a_model_larger_than_this_machine():
 def test_batch_that_does_not_divide_is_refused_before_compiling():
     params = {"w": jax.ShapeDtypeStruct((64, 64), "float32")}
     with pytest.raises(ValueError, match="leading dimension 12"):
-        zj.step_memory(lambda p, x: (x @ p["w"]).mean(), params, optax.sgd(0.1),
+        zj.report.step_memory(lambda p, x: (x @ p["w"]).mean(), params, optax.sgd(0.1),
                        jax.ShapeDtypeStruct((12, 64), "float32"), mesh=zj.make_mesh(),
                        config=zj.ZeroConfig(stage=3))

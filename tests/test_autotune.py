@@ -1,5 +1,5 @@
 """zj.autotune: plans from compiled programs and a cost model, checked against references
-computed here independently (zj.step_memory, zj.zero_formula_bytes, XLA's cost analysis of
+computed here independently (zj.report.step_memory, zj.report.zero_formula_bytes, XLA's cost analysis of
 unrolled programs, a matmul's 2·M·N·K)."""
 
 import dataclasses
@@ -57,7 +57,7 @@ def test_plans_fit_and_memory_is_step_memory_of_the_same_config(tuned):
         assert plan.memory.device <= budget
         assert plan.memory.source == "compiled"
     best = tuned.best
-    direct = zj.step_memory(tiny_loss, tiny_params(), optax.adam(1e-3), BATCH, mesh=mesh, config=best.config)
+    direct = zj.report.step_memory(tiny_loss, tiny_params(), optax.adam(1e-3), BATCH, mesh=mesh, config=best.config)
     assert best.memory.step == direct
     assert best.memory.compiled == direct.device_total
     assert best.memory.device == int(np.ceil(direct.device_total * 1.10))  # the default 10% margin
@@ -70,10 +70,10 @@ def test_pruned_are_exactly_the_candidates_whose_formula_exceeds_the_budget(tune
     opt_bytes = (8 * psi + 4) / psi  # Adam's m and v, and its int32 step count
     assert tuned.candidates == 8  # 4 stages x 2 accumulation counts
     for c in tuned.pruned:
-        want = zj.zero_formula_bytes(psi, 8, c.config.stage, opt_bytes=opt_bytes, memory="device")
+        want = zj.report.zero_formula_bytes(psi, 8, c.config.stage, opt_bytes=opt_bytes, memory="device")
         assert c.formula_bytes == pytest.approx(want) and want > usable
     for stage in range(4):
-        formula = zj.zero_formula_bytes(psi, 8, stage, opt_bytes=opt_bytes, memory="device")
+        formula = zj.report.zero_formula_bytes(psi, 8, stage, opt_bytes=opt_bytes, memory="device")
         pruned = {c.config.grad_accum_steps for c in tuned.pruned if c.config.stage == stage}
         assert pruned == ({1, 2} if formula > usable else set()), stage
     assert {c.config.stage for c in tuned.pruned} == {0}
@@ -277,7 +277,7 @@ def test_zero_memory_analysis_falls_back_to_the_formula_with_a_warning(monkeypat
                              memory="2MiB", device=SPEC, space=space)
     mem = result.best.memory
     psi = 2 * D_IN * D_HID
-    state = int(np.ceil(zj.zero_formula_bytes(psi, 8, 3, opt_bytes=(8 * psi + 4) / psi, memory="device")))
+    state = int(np.ceil(zj.report.zero_formula_bytes(psi, 8, 3, opt_bytes=(8 * psi + 4) / psi, memory="device")))
     assert mem.source == "formula" and mem.compiled == state + 32 * D_IN * 4 // 8 > 0
     assert "*" in result.table()
 
@@ -410,7 +410,7 @@ def test_context_degrees_are_searched_each_on_its_own_mesh(tuned_context):
     """One plan per degree, each compiled on zj.make_mesh(context=C) over the same devices:
     the same state per device (data x context = 8 shards the weights), the rows per device
     growing with C (a data group of 8 / C devices takes 8 / (8 / C) sequences), the
-    activations per device falling with C; the C = 4 plan's memory is zj.step_memory's of
+    activations per device falling with C; the C = 4 plan's memory is zj.report.step_memory's of
     the same config on its mesh."""
     by_c = {p.context: p for p in tuned_context}
     assert sorted(by_c) == [1, 2, 4]
@@ -422,7 +422,7 @@ def test_context_degrees_are_searched_each_on_its_own_mesh(tuned_context):
     temp = [by_c[c].memory.step.temp for c in (1, 2, 4)]
     assert temp[0] > temp[1] > temp[2], temp  # (weights gathered per layer are the same at every C)
     loss, params = _llama()
-    direct = zj.step_memory(loss, params, optax.adamw(1e-3), {"inputs": SEQ, "targets": SEQ}, mesh=by_c[4].mesh,
+    direct = zj.report.step_memory(loss, params, optax.adamw(1e-3), {"inputs": SEQ, "targets": SEQ}, mesh=by_c[4].mesh,
                             config=by_c[4].config)
     assert by_c[4].memory.step == direct
     assert by_c[4].memory.step.batch == 2 * (8 // 2) * (256 // 4) * 4  # two int32 leaves: 4 rows x 64 tokens each
@@ -480,7 +480,7 @@ def _moe():
 @pytest.mark.slow  # two step compiles of a Llama with routed experts (14 s); the context search covers the rest
 def test_expert_degrees_are_searched_each_on_its_own_mesh():
     """One plan per degree, each on zj.make_mesh(expert=E) over the same devices; each plan's
-    memory is zj.step_memory's on its mesh; the formula's lower bound (Ψ_d + Ψ_e/E kept
+    memory is zj.report.step_memory's on its mesh; the formula's lower bound (Ψ_d + Ψ_e/E kept
     whole, Ψ/N sharded) prunes nothing that fits; E = 3 is refused before compiling."""
     loss, params, cfg = _moe()
     tokens = {"tokens": jax.ShapeDtypeStruct((16, 17), "int32")}
@@ -490,7 +490,7 @@ def test_expert_degrees_are_searched_each_on_its_own_mesh():
     assert sorted(by_e) == [1, 4] and not result.pruned
     assert dict(by_e[4].mesh.shape) == {"data": 2, "expert": 4} and by_e[4].micro_batch == 2
     assert "expert 4" in by_e[4].describe() and "| expert |" in result.table()
-    direct = zj.step_memory(loss, params, optax.adamw(1e-3), tokens, mesh=by_e[4].mesh, config=by_e[4].config)
+    direct = zj.report.step_memory(loss, params, optax.adamw(1e-3), tokens, mesh=by_e[4].mesh, config=by_e[4].config)
     assert by_e[4].memory.step == direct
     # Stage 3 shards everything over the 8 devices at either E: the same state per device.
     assert by_e[1].memory.state == by_e[4].memory.state

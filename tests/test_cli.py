@@ -84,7 +84,7 @@ def test_estimate_prints_zerojax_formula_beside_the_paper_and_deepspeed(dtype, o
 def test_estimate_columns_agree_with_zero_formula_bytes():
     for stage in range(4):
         line = estimate.table(1e9, 16, compute_dtype="bfloat16").splitlines()[3 + stage]
-        assert line.endswith(gb(zj.zero_formula_bytes(1e9, 16, stage, compute_dtype="bfloat16")))
+        assert line.endswith(gb(zj.report.zero_formula_bytes(1e9, 16, stage, compute_dtype="bfloat16")))
     with pytest.raises(ValueError, match="optimizer must be one of adam, adamw, sgd, adafactor, got 'lion'"):
         estimate.table(1e9, 16, optimizer="lion")
 

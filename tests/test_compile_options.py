@@ -52,9 +52,9 @@ def test_hlo_is_the_same(programs):
 def test_memory_cost_and_collectives_are_the_same(programs):
     _, mesh, out = programs
     (a, *_), (b, *_) = out[0], out[3]
-    assert zj.compiled_bytes(a) == zj.compiled_bytes(b)
+    assert zj.report.compiled_bytes(a) == zj.report.compiled_bytes(b)
     assert step_cost(a, mesh) == step_cost(b, mesh)
-    assert zj.communication_report(a, mesh=mesh) == zj.communication_report(b, mesh=mesh)
+    assert zj.report.communication_report(a, mesh=mesh) == zj.report.communication_report(b, mesh=mesh)
 
 
 def test_results_agree_to_rounding(programs):

@@ -43,7 +43,7 @@ def test_collectives_match_zero_formulas(deep):
     """2Ψ of traffic for stages 0–2, 3Ψ for stage 3; the right collective for each."""
     kind, params, compiled = deep
     psi_bytes = nbytes(params)  # D divides N: no padding in this model
-    rep = {s: zj.communication_report(c) for s, c in compiled.items()}
+    rep = {s: zj.report.communication_report(c) for s, c in compiled.items()}
     get = lambda s, k: rep[s].get(f"{k}:f32", {}).get("zero_bytes", 0) / psi_bytes
     # Scalars only (loss, the global gradient norm): far below 1% of Ψ.
     big_allreduce = lambda s: rep[s].get("all-reduce:f32", {}).get("bytes", 0) > 0.001 * psi_bytes
@@ -92,13 +92,13 @@ def test_layers_taken_by_index_move_one_layer_at_a_time():
     ag = [c for c in collectives(c3.as_text()) if c.kind == "all-gather" and c.bytes >= layer]
     assert {c.bytes for c in ag} == {layer}
     assert LAYERS <= sum(c.count for c in ag) <= 2 * LAYERS
-    assert zj.compiled_bytes(c3)["temp"] < 4 * full / LAYERS + 2 * full / N
+    assert zj.report.compiled_bytes(c3)["temp"] < 4 * full / LAYERS + 2 * full / N
 
 
 def test_stage3_peak_far_below_full_params(deep):
     kind, params, compiled = deep
     full = nbytes(params)
-    mem = zj.compiled_bytes(compiled[3])
+    mem = zj.report.compiled_bytes(compiled[3])
     # Arguments are 12Ψ/N; temporaries hold one gathered layer at a time plus 1/N pieces.
     assert mem["argument"] == pytest.approx(3 * full / N, rel=0.01)
     assert mem["temp"] < 0.4 * full, (kind, mem, full)
@@ -113,7 +113,7 @@ def test_stage3_peak_does_not_grow_with_depth(stacked):
     for layers in (8, 16):
         params = models.deep_params(layers, D, stacked)
         c = compile_step(params, models.deep_loss, 3, x_for(D))
-        temps[layers] = zj.compiled_bytes(c)["temp"]
+        temps[layers] = zj.report.compiled_bytes(c)["temp"]
     growth_per_layer = (temps[16] - temps[8]) / 8
     layer_bytes = (D * D + D) * 4
     assert growth_per_layer < 0.3 * layer_bytes, (temps, layer_bytes)
@@ -122,8 +122,8 @@ def test_stage3_peak_does_not_grow_with_depth(stacked):
 def test_stage2_peak_below_stage1_by_most_of_a_gradient(deep):
     kind, params, compiled = deep
     grad = nbytes(params)
-    t1 = zj.compiled_bytes(compiled[1])["temp"]
-    t2 = zj.compiled_bytes(compiled[2])["temp"]
+    t1 = zj.report.compiled_bytes(compiled[1])["temp"]
+    t2 = zj.report.compiled_bytes(compiled[2])["temp"]
     assert t1 - t2 > 0.6 * grad, (kind, t1, t2, grad)
     # Stage 1 holds at least one full gradient.
     assert t1 >= grad
@@ -169,10 +169,10 @@ def test_flax_submodules_are_gathered_per_layer():
     full = nbytes(params)
     layer = full / layers
     # DeepSpeed's budget: 4 x the largest layer, plus 1/N-sized gradient pieces.
-    temp = zj.compiled_bytes(c)["temp"]
+    temp = zj.report.compiled_bytes(c)["temp"]
     assert temp < 4 * layer + 2 * full / N, (temp, layer, full)
     assert temp < 0.4 * full
-    rep = zj.communication_report(c)
+    rep = zj.report.communication_report(c)
     assert rep["all-gather:f32"]["zero_bytes"] > 1.8 * full
 
 

@@ -22,3 +22,15 @@ def test_public_api():
     for name in zerojax.__all__:
         assert hasattr(zerojax, name), name
         assert getattr(zerojax, name).__doc__, f"zerojax.{name} has no docstring"
+
+
+def test_moved_names_still_resolve_with_a_warning_naming_the_new_place():
+    from zerojax._deprecated import MOVED
+
+    for name, (module, new) in MOVED.items():
+        with pytest.warns(DeprecationWarning, match=rf"zj\.{name} moved to {new.replace('.', '[.]')}"):
+            value = getattr(zerojax, name)
+        assert value is getattr(importlib.import_module(module), name)
+        assert name not in zerojax.__all__
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        zerojax.not_a_name  # noqa: B018

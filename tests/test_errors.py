@@ -99,7 +99,7 @@ def test_not_an_optimizer():
 
 def test_formula_refuses_an_unknown_compute_dtype():
     with pytest.raises(ValueError, match="compute_dtype must be 'float32', 'bfloat16' or 'float16', got 'fp16'"):
-        zj.zero_formula_bytes(1e9, 8, 1, compute_dtype="fp16")
+        zj.report.zero_formula_bytes(1e9, 8, 1, compute_dtype="fp16")
 
 
 DONATED = r"""

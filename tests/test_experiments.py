@@ -142,7 +142,7 @@ def test_gpu_throughput_script_runs_on_cpu(tmp_path):
     assert [by[o]["update"] for o in ("optimizer", "optimizer-device", "params")] == ["host", "device", "host"]
     assert by["none"]["state_host"] == 0 and by["params"]["state_device"] < 64
     for o, kw in (("optimizer", {}), ("params", {"offload_params": True})):
-        want = zj.zero_formula_bytes(psi, 1, 3, offload_optimizer=True, memory="host", **kw)
+        want = zj.report.zero_formula_bytes(psi, 1, 3, offload_optimizer=True, memory="host", **kw)
         assert want <= by[o]["state_host"] <= 1.03 * want + 64
         assert by[o]["state_device"] + by[o]["state_host"] == by["none"]["state_device"]
     assert "--xla_gpu_enable_pipelined_all_gather=true" in result["xla_flags"]
@@ -285,7 +285,7 @@ def test_offload_script_matches_the_formulas_and_the_run_without():
     psi, n = gpt.GPTConfig(vocab=256, seq_len=64, d_model=32, n_layers=1, n_heads=1).num_params(), 8
     for r in rows[:2]:  # offloaded rows: bytes as the formulas, training bit for bit
         for memory in ("device", "host"):
-            want = zj.zero_formula_bytes(psi, n, r["stage"], compute_dtype=r["dtype"], offload_optimizer=True,
+            want = zj.report.zero_formula_bytes(psi, n, r["stage"], compute_dtype=r["dtype"], offload_optimizer=True,
                                          offload_params=r["offload_params"], memory=memory)
             assert want <= r[memory] <= 1.03 * want + 64
         assert r["max_abs_diff"] == 0.0 and r["max_loss_diff"] == 0.0

@@ -112,8 +112,8 @@ def test_persistent_bytes_are_the_formulas_with_the_group_size(replicas, stage):
     psi = sum(x.size for x in jax.tree.leaves(params))
     mesh = zj.make_mesh(replicas=replicas)
     state = zj.init_state(params, ADAM(), mesh=mesh, config=zj.ZeroConfig(stage=stage))
-    got = zj.state_bytes_per_device(state)
-    want = zj.zero_formula_bytes(psi, N // replicas, stage)
+    got = zj.report.state_bytes_per_device(state)
+    want = zj.report.zero_formula_bytes(psi, N // replicas, stage)
     counters = 3 * 4  # the step, the skip counter, Adam's count
     assert got["total"] == want + counters, (got, want)
     assert got["padding"] == 0
@@ -163,7 +163,7 @@ def test_communication_report_splits_bytes_per_mesh_axis():
     psi = sum(x.size for x in jax.tree.leaves(params))
     mesh1, c1 = _compiled(3, 1, params, optax.adam(1e-3))
     mesh2, c2 = _compiled(3, 2, params, optax.adam(1e-3))
-    one, two = zj.communication_report(c1, mesh=mesh1), zj.communication_report(c2, mesh=mesh2)
+    one, two = zj.report.communication_report(c1, mesh=mesh1), zj.report.communication_report(c2, mesh=mesh2)
     assert set(one["by_axis"]) == {"data"}
     # The same gathers and reduce-scatters, now inside a group (the scalar loss spans both axes).
     assert one["total"]["bytes"] == two["by_axis"]["data"]["bytes"] + two["by_axis"]["replica+data"]["bytes"]

@@ -70,9 +70,9 @@ def test_the_program_gathers_int8_and_moves_a_quarter_of_the_fp32_bytes():
     lowered = step.lower(state, x)
     s8 = [l for l in lowered.as_text().splitlines() if "all_gather" in l and "xi8>" in l]
     assert s8, "no int8 all-gather in the lowered program"
-    q = zj.communication_report(lowered.compile())
+    q = zj.report.communication_report(lowered.compile())
     state32, step32 = step_for(zj.ZeroConfig(stage=3))
-    ref = zj.communication_report(step32.lower(state32, x).compile())
+    ref = zj.report.communication_report(step32.lower(state32, x).compile())
     fp32 = ref["all-gather:f32"]["bytes"]
     assert "all-gather:s8" in q and q["all-gather:s8"]["count"] == ref["all-gather:f32"]["count"]
     assert q["all-gather:s8"]["bytes"] * 4 == fp32  # one byte per element instead of four

@@ -83,7 +83,7 @@ def step_for(stage, replicas=1, **kw):
     cfg = zj.ZeroConfig(stage=stage, **kw)
     state = zj.init_state(params, tx, mesh=mesh, config=cfg)
     step = zj.make_train_step(models.deep_loss, tx, mesh=mesh, config=cfg)
-    return mesh, zj.communication_report(step.lower(state, jnp.ones((16, 64))).compile(), mesh=mesh)
+    return mesh, zj.report.communication_report(step.lower(state, jnp.ones((16, 64))).compile(), mesh=mesh)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -71,7 +71,7 @@ def test_optimizer_matches_single_device_nnx(stage, wrt):
     if wrt is nnx.LoRAParam:                   # the base stays as it was, with no optimizer state
         base = Net(nnx.Rngs(0))
         np.testing.assert_array_equal(got.inp.kernel.get_value(), base.inp.kernel.get_value())
-        assert sum(opt.state.plan.trainable) == 2 and zj.state_bytes_per_device(opt.state)["frozen"] > 0
+        assert sum(opt.state.plan.trainable) == 2 and zj.report.state_bytes_per_device(opt.state)["frozen"] > 0
 
 
 def test_batch_stats_per_device_when_not_synced():
@@ -224,7 +224,7 @@ def test_nnx_with_bf16_prefetch_and_the_compiled_program():
     opt = zj.nnx.Optimizer(Net(nnx.Rngs(0)), tx, mesh=zj.make_mesh(), config=cfg)
     step = zj.nnx.make_train_step(loss_fn)
     compiled = step.lower(opt, data[0]).compile()
-    gathers = zj.communication_report(compiled)
+    gathers = zj.report.communication_report(compiled)
     assert gathers["total"]["bytes"] > 0
     losses = [float(step(opt, b)["loss"]) for b in data]
     np.testing.assert_allclose(losses, ref_losses, rtol=5e-3)       # bf16 rounding of fp32 training

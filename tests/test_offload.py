@@ -170,17 +170,17 @@ def test_state_bytes_split_device_and_host_as_the_formulas(stage, dtype, offload
     psi = sum(x.size for x in jax.tree.leaves(params))
     cfg = zj.ZeroConfig(stage=stage, compute_dtype=dtype, offload_optimizer=True, offload_params=offload_params)
     state = zj.init_state(params, TX, mesh=zj.make_mesh(), config=cfg)
-    got = zj.state_bytes_per_device(state)
+    got = zj.report.state_bytes_per_device(state)
     assert got["device"] + got["host"] == got["total"]
-    plain = zj.state_bytes_per_device(zj.init_state(params, TX, mesh=zj.make_mesh(),
+    plain = zj.report.state_bytes_per_device(zj.init_state(params, TX, mesh=zj.make_mesh(),
                                                     config=zj.ZeroConfig(stage=stage, compute_dtype=dtype)))
     assert got["total"] == plain["total"]  # offload moves bytes, it adds none
     for memory in ("device", "host"):
-        want = zj.zero_formula_bytes(psi, 8, stage, compute_dtype=dtype, offload_optimizer=True,
+        want = zj.report.zero_formula_bytes(psi, 8, stage, compute_dtype=dtype, offload_optimizer=True,
                                      offload_params=offload_params, memory=memory)
         assert want <= got[memory] <= 1.03 * want + 64, (memory, got, want)  # + scalars (step counts)
     # ... and what the compiled step is told: the offloaded state, taken out of the device total.
-    mem = zj.step_memory(models.deep_loss, params, TX, jax.ShapeDtypeStruct((16, 64), "float32"),
+    mem = zj.report.step_memory(models.deep_loss, params, TX, jax.ShapeDtypeStruct((16, 64), "float32"),
                          mesh=zj.make_mesh(), config=cfg)
     assert mem.state == got["total"] and mem.state_host == got["host"]
     assert mem.device_total == mem.total - got["host"]  # the CPU backend reports host arguments together

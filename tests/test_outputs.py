@@ -135,7 +135,7 @@ def test_stage3_eval_gathers_one_layer_at_a_time():
     ev = zj.make_eval_step(models.deep_loss, mesh=mesh, config=cfg)
     compiled = ev.lower(state, x).compile()
     full = sum(p.size * 4 for p in jax.tree.leaves(params))
-    mem = zj.compiled_bytes(compiled)
+    mem = zj.report.compiled_bytes(compiled)
     assert mem["argument"] < 1.01 * full / 8 + x.nbytes
     assert mem["temp"] < 3 * full / layers + x.nbytes, (mem, full)
     gathers = [c for c in zj.report.comm.collectives(compiled.as_text()) if c.kind == "all-gather"]

@@ -123,10 +123,10 @@ def test_bf16_per_device_bytes(stage):
     psi = sum(x.size for x in jax.tree.leaves(params))
     mesh, zc = zj.make_mesh(), zj.ZeroConfig(stage=stage, compute_dtype="bfloat16")
     state = zj.init_state(params, optax.adamw(1e-3), mesh=mesh, config=zc)
-    got = zj.state_bytes_per_device(state)["total"]
+    got = zj.report.state_bytes_per_device(state)["total"]
     want = {0: 12 * psi, 1: 2 * psi + 12 * psi / N, 2: 2 * psi + 12 * psi / N, 3: 12 * psi / N}[stage]
     assert got == pytest.approx(want, rel=0.01), (got, want)
-    assert got == pytest.approx(zj.zero_formula_bytes(psi, N, stage, compute_dtype="bfloat16"), rel=0.01)
+    assert got == pytest.approx(zj.report.zero_formula_bytes(psi, N, stage, compute_dtype="bfloat16"), rel=0.01)
 
 
 def test_stage3_gathers_in_compute_dtype_and_reduces_in_reduce_dtype():
@@ -137,14 +137,14 @@ def test_stage3_gathers_in_compute_dtype_and_reduces_in_reduce_dtype():
     for reduce, rs_key in (("float32", "reduce-scatter:f32"), ("bfloat16", "reduce-scatter:bf16")):
         state, step = make(3, optax.sgd(0.1), models.deep_loss, params, compute_dtype="bfloat16",
                            reduce_dtype=reduce)
-        rep = zj.communication_report(step.lower(state, x).as_text(dialect="hlo"))
+        rep = zj.report.communication_report(step.lower(state, x).as_text(dialect="hlo"))
         gathers = {k for k in rep if k.startswith("all-gather")}
         scatters = {k for k in rep if k.startswith("reduce-scatter")}
         assert gathers == {"all-gather:bf16"}, rep
         assert scatters == {rs_key}, rep
     # Stages 1-2 gather the updated params in the compute dtype too.
     state, step = make(2, optax.sgd(0.1), models.deep_loss, params, compute_dtype="bfloat16")
-    rep = zj.communication_report(step.lower(state, x).as_text(dialect="hlo"))
+    rep = zj.report.communication_report(step.lower(state, x).as_text(dialect="hlo"))
     assert {k for k in rep if k.startswith("all-gather")} == {"all-gather:bf16"}
 
 
@@ -296,7 +296,7 @@ def test_accumulator_is_sharded_from_stage2():
     temps = {}
     for stage in (1, 2):
         state, step = make(stage, optax.sgd(0.1), models.deep_loss, params, grad_accum_steps=4)
-        temps[stage] = zj.compiled_bytes(step.lower(state, x).compile())["temp"]
+        temps[stage] = zj.report.compiled_bytes(step.lower(state, x).compile())["temp"]
     assert temps[1] - temps[2] > 0.6 * grad, (temps, grad)
 
 

@@ -125,7 +125,7 @@ def test_prefetch_memory_stays_bounded(stacked):
         params = models.deep_params(layers, d, stacked)
         for prefetch in (0, 1):
             c = compiled(params, models.deep_loss, jnp.ones((64, d)), prefetch=prefetch, remat="full")
-            temp[(layers, prefetch)] = zj.compiled_bytes(c)["temp"]
+            temp[(layers, prefetch)] = zj.report.compiled_bytes(c)["temp"]
     assert (temp[(16, 1)] - temp[(8, 1)]) / 8 < 0.3 * layer, temp
     assert temp[(16, 1)] - temp[(16, 0)] <= 2.5 * layer, temp
 

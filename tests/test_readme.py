@@ -43,14 +43,14 @@ def test_readme_python_blocks_run(capsys):
     frozen, params = zj.gather_params(namespace["fstate"]), namespace["params"]
     np.testing.assert_array_equal(np.asarray(frozen["l1"]["kernel"][...]), np.asarray(params["l1"]["kernel"][...]))
     assert not np.array_equal(np.asarray(frozen["l2"]["kernel"][...]), np.asarray(params["l2"]["kernel"][...]))
-    assert zj.state_bytes_per_device(namespace["fstate"])["frozen"] == 4 * (13 * 64 + 64) // 8
+    assert zj.report.state_bytes_per_device(namespace["fstate"])["frozen"] == 4 * (13 * 64 + 64) // 8
     # The MoE example: each device holds 8 / 4 experts (over 1/2 of the rest at stage 3).
     moe = namespace["moe_state"]
     held = moe.params if moe.params is not None else moe.master
     assert {s.data.size for s in held["up"].addressable_shards} == {8 * 16 * 32 // 4 // 2}
     assert np.isfinite(float(namespace["moe_metrics"]["loss"]))
     # Offload: everything but a step count in host memory, and the same first step.
-    split = zj.state_bytes_per_device(namespace["state_off"])
+    split = zj.report.state_bytes_per_device(namespace["state_off"])
     assert split["device"] <= 16 and split["host"] == split["total"] - split["device"] > 0
     assert namespace["step_off"].update_place(namespace["state_off"]) == "host"
     born = zj.gather_params(namespace["born_sharded"])
@@ -75,8 +75,8 @@ def test_readme_python_blocks_run(capsys):
     assert written["tie_word_embeddings"] and written["dtype"] == "bfloat16"
     # The ahead-of-time figure is the compiled step's own, to the byte.
     compiled = namespace["train_step"].lower(namespace["state"], namespace["batch"]).compile()
-    assert namespace["mem"].total == zj.compiled_bytes(compiled)["total"]
-    assert namespace["mem"].state == zj.state_bytes_per_device(namespace["state"])["total"]
+    assert namespace["mem"].total == zj.report.compiled_bytes(compiled)["total"]
+    assert namespace["mem"].state == zj.report.state_bytes_per_device(namespace["state"])["total"]
 
 
 def test_readme_commands_match_ci():
@@ -110,11 +110,11 @@ def test_readme_says_how_to_get_simulated_devices_and_what_the_report_total_is(t
                        text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu",
                                                      "JAX_NUM_CPU_DEVICES": "8"})
     assert r.stdout.strip() == "8", r.stderr[-2000:]
-    (line,) = [l for l in README.splitlines() if "zj.communication_report(compiled)" in l and l.startswith("print(")]
+    (line,) = [l for l in README.splitlines() if "zj.report.communication_report(compiled)" in l and l.startswith("print(")]
     expr = line[len("print("):line.index("  #")].rstrip()[:-1]
     mesh, cfg, tx = zj.make_mesh(), zj.ZeroConfig(stage=2), optax.sgd(0.1)
     state = zj.init_state({"w": jnp.zeros((64, 64))}, tx, mesh=mesh, config=cfg)
     step = zj.make_train_step(lambda p, b: jnp.mean(jnp.tanh(b @ p["w"])), tx, mesh=mesh, config=cfg)
     compiled = step.lower(state, jnp.ones((8, 64))).compile()
     value = eval(expr, {"zj": zj, "compiled": compiled})
-    assert isinstance(value, int) and value == zj.communication_report(compiled)["total"]["bytes"] > 0
+    assert isinstance(value, int) and value == zj.report.communication_report(compiled)["total"]["bytes"] > 0

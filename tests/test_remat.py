@@ -178,7 +178,7 @@ def test_stage3_remat_regathers_in_backward_without_a_third_gather():
         w = [col for col in zj.report.comm.collectives(c.as_text())
              if col.kind == "all-gather" and col.bytes == d * d * 4]
         counts[pol] = sum(col.count for col in w)
-        temps[pol] = zj.compiled_bytes(c)["temp"]
+        temps[pol] = zj.report.compiled_bytes(c)["temp"]
     # Forward, then again in backward (the recomputed forward feeds the layer's backward).
     assert counts == {"none": 2 * layers, "full": 2 * layers}
     assert temps["full"] < temps["none"]

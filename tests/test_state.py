@@ -45,13 +45,13 @@ def test_bytes_match_formula(gpt):
     _, psi, states = gpt
     counters = 4 + 4 + 4
     for s, state in states.items():
-        got = zj.state_bytes_per_device(state)
+        got = zj.report.state_bytes_per_device(state)
         padded = sum(math.prod(l.storage_shape) for l in state.plan.layouts)  # stored elements
         exact = {0: 12 * psi, 1: 4 * psi + 8 * padded // N, 2: 4 * psi + 8 * padded // N, 3: 12 * padded // N}[s]
         assert got["total"] == exact + counters, (s, got, exact)
         assert padded - psi < 0.01 * psi  # and the padding is small: the formula holds to 1%
-        assert got["total"] == pytest.approx(zj.zero_formula_bytes(psi, N, s), rel=0.01)
-    s3 = zj.state_bytes_per_device(states[3])
+        assert got["total"] == pytest.approx(zj.report.zero_formula_bytes(psi, N, s), rel=0.01)
+    s3 = zj.report.state_bytes_per_device(states[3])
     assert s3["replicated"] == counters
 
 
@@ -73,7 +73,7 @@ def test_padding_under_one_percent(gpt):
     pad = sum(l.padding for l in st.plan.layouts)
     assert 0 < pad < 0.01 * psi
     # Stored three times (master, Adam's two moments: their layouts are the parameters').
-    assert zj.state_bytes_per_device(st)["padding"] == pad * 12 // N
+    assert zj.report.state_bytes_per_device(st)["padding"] == pad * 12 // N
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -91,7 +91,7 @@ def test_state_is_born_sharded():
     params = gpt_style_params(d=128, layers=4)
     tx = optax.adam(1e-3)
     lowered = zj.state.lower_init(params, tx, mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3))
-    mem = zj.compiled_bytes(lowered.compile())
+    mem = zj.report.compiled_bytes(lowered.compile())
     full_opt = 8 * sum(x.size for x in jax.tree.leaves(params))
     # Output is 12Ψ/N; temporaries far below one full moment (4Ψ).
     assert mem["output"] <= 1.01 * 1.5 * full_opt / N + 64

@@ -177,7 +177,7 @@ def test_nnx_gpt_annotations_match_single_device(stage, tensor):
 @pytest.mark.slow
 def test_nnx_gpt_prefetch_remat_accumulation_and_step_memory():
     """A three-layer stack: prefetch through the scan, full remat, accumulation, exact; and
-    zj.step_memory plans the tensor-parallel step from abstract parameters."""
+    zj.report.step_memory plans the tensor-parallel step from abstract parameters."""
     cfg = gpt.GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=3, n_heads=4, tensor_parallel=True)
     graphdef, params = gpt.init(cfg)
     loss_fn, tx, data = gpt.make_loss(graphdef), optax.sgd(0.1), _gpt_data()
@@ -188,10 +188,10 @@ def test_nnx_gpt_prefetch_remat_accumulation_and_step_memory():
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
         assert abs_errors(zj.gather_params(state), ref).max() <= 1e-5, config
     mesh, zc = zj.make_mesh(tensor=2), zj.ZeroConfig(stage=3)
-    mem = zj.step_memory(loss_fn, gpt.init_abstract(cfg)[1], optax.adam(1e-3),
+    mem = zj.report.step_memory(loss_fn, gpt.init_abstract(cfg)[1], optax.adam(1e-3),
                          {"tokens": jax.ShapeDtypeStruct((16, 17), jnp.int32)}, mesh=mesh, config=zc)
     real = zj.init_state(params, optax.adam(1e-3), mesh=mesh, config=zc)
-    assert mem.state == zj.state_bytes_per_device(real)["total"]
+    assert mem.state == zj.report.state_bytes_per_device(real)["total"]
 
 
 @pytest.mark.slow
@@ -316,8 +316,8 @@ def test_state_bytes_formula():
     for tensor in (2, 4):
         mesh = zj.make_mesh(tensor=tensor)
         state = zj.init_state(params, tx, mesh=mesh, config=zj.ZeroConfig(stage=3), tensor_specs=MLP_SPECS)
-        got = zj.state_bytes_per_device(state)
-        want = zj.zero_formula_bytes(psi, 8 // tensor, 3, tensor=tensor, tensor_replicated=rep)
+        got = zj.report.state_bytes_per_device(state)
+        want = zj.report.zero_formula_bytes(psi, 8 // tensor, 3, tensor=tensor, tensor_replicated=rep)
         count = 4  # Adam's int32 step count
         assert got["padding"] == 0 and got["params"] + got["opt_state"] == want + count, (tensor, got, want)
 
@@ -382,9 +382,9 @@ def test_estimate_cli_tensor(capsys):
     assert main(["estimate", "--params", "7.5B", "--devices", "64", "--tensor", "4"]) == 0
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
             if line.strip()[:1].isdigit()}
-    want = lambda stage: zj.zero_formula_bytes(7.5e9, 16, stage, tensor=4) / 1e9
+    want = lambda stage: zj.report.zero_formula_bytes(7.5e9, 16, stage, tensor=4) / 1e9
     assert float(rows["3"][-2]) == pytest.approx(want(3), abs=0.05) == pytest.approx(
-        zj.zero_formula_bytes(7.5e9, 64, 3) / 1e9, abs=0.05)
+        zj.report.zero_formula_bytes(7.5e9, 64, 3) / 1e9, abs=0.05)
     assert float(rows["0"][-2]) == pytest.approx(want(0), abs=0.05) == pytest.approx(90 / 4, abs=0.05)
     with pytest.raises(SystemExit):
         main(["estimate", "--params", "7.5B", "--devices", "64", "--tensor", "3"])
@@ -427,7 +427,7 @@ def test_sequence_parallel_temp_falls_with_the_tensor_degree_at_the_same_global_
         state = zj.abstract_state(params, optax.sgd(0.1), mesh=mesh, config=zc)
         step = zj.make_train_step(gpt.make_loss(graphdef), optax.sgd(0.1), mesh=mesh, config=zc)
         compiled = step.lower(state, {"tokens": jax.ShapeDtypeStruct((16, 17), jnp.int32)}).compile()
-        temps[t] = zj.compiled_bytes(compiled)["temp"]
+        temps[t] = zj.report.compiled_bytes(compiled)["temp"]
         found[t] = [c for c in collectives(compiled.as_text()) if "tensor" in c.axes(mesh)]
     assert temps[4] < 0.8 * temps[1], temps
     rows = 16 // 2 * 16 // 4  # a tensor shard's rows x sequence chunk

@@ -357,8 +357,8 @@ def test_frozen_bytes_follow_the_formula(stage, dtype):
     psi_t, psi_f = params["b"].size, params["w"].size
     mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=stage, compute_dtype=dtype)
     state = zj.init_state(params, optax.adam(1e-3), mesh=mesh, config=cfg, trainable=mask)
-    got = zj.state_bytes_per_device(state)
-    want = zj.zero_formula_bytes(psi_t, N, stage, compute_dtype=dtype, frozen_params=psi_f)
+    got = zj.report.state_bytes_per_device(state)
+    want = zj.report.zero_formula_bytes(psi_t, N, stage, compute_dtype=dtype, frozen_params=psi_f)
     assert got["total"] == want + 4 + 4 + 4  # + step, skipped, Adam's count
     c = 2 if dtype == "bfloat16" else 4
     assert got["frozen"] == c * psi_f // (N if stage == 3 else 1)
@@ -439,9 +439,9 @@ def test_init_fn_builds_each_shard_where_it_lives():
     psi = sum(x.size for x in jax.tree.leaves(shapes))
     largest = 4 * max(x.size for x in jax.tree.leaves(shapes))
     tx, mesh, zc = optax.adamw(1e-3), zj.make_mesh(), zj.ZeroConfig(stage=3)
-    lazy = zj.compiled_bytes(zj.state.lower_init(init_fn, tx, mesh=mesh, config=zc).compile())
-    eager = zj.compiled_bytes(zj.state.lower_init(jax.device_get(init_fn()), tx, mesh=mesh, config=zc).compile())
-    sharded = zj.state_bytes_per_device(zj.abstract_state(init_fn, tx, mesh=mesh, config=zc))["total"]
+    lazy = zj.report.compiled_bytes(zj.state.lower_init(init_fn, tx, mesh=mesh, config=zc).compile())
+    eager = zj.report.compiled_bytes(zj.state.lower_init(jax.device_get(init_fn()), tx, mesh=mesh, config=zc).compile())
+    sharded = zj.report.state_bytes_per_device(zj.abstract_state(init_fn, tx, mesh=mesh, config=zc))["total"]
     assert sharded == pytest.approx(12 * psi / N, abs=64)
     assert lazy["argument"] == 0 and eager["argument"] == 4 * psi // N
     assert lazy["output"] - sharded < 1024  # + the output tuple's pointers
@@ -463,7 +463,7 @@ def test_linen_init_fn_and_model_state_fn():
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-6, atol=1e-7)
     assert models.abs_errors(state.model_state["batch_stats"], want["batch_stats"]).max() == 0.0
     abstract = zj.abstract_state(init_fn, SGD, mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3))
-    assert zj.state_bytes_per_device(abstract)["total"] == zj.state_bytes_per_device(
+    assert zj.report.state_bytes_per_device(abstract)["total"] == zj.report.state_bytes_per_device(
         dataclasses.replace(state, model_state=None))["total"]
 
 
@@ -491,10 +491,10 @@ def test_frozen_dtype_is_a_visible_choice(tmp_path, stage):
         zj.export_weights(d, d / "w.safetensors")
         assert stored_dtypes(d / "w.safetensors") == {"w": jnp.dtype(want_dtype).name, "b": "float32"}
         np.testing.assert_array_equal(load_file(d / "w.safetensors")["w"], base.astype(want_dtype).astype(np.float32))
-        bytes_[frozen_dtype] = zj.state_bytes_per_device(state)["frozen"]
-        assert bytes_[frozen_dtype] == (zj.zero_formula_bytes(params["b"].size, N, stage, compute_dtype="bfloat16",
+        bytes_[frozen_dtype] = zj.report.state_bytes_per_device(state)["frozen"]
+        assert bytes_[frozen_dtype] == (zj.report.zero_formula_bytes(params["b"].size, N, stage, compute_dtype="bfloat16",
                                                               frozen_params=base.size, frozen_dtype=frozen_dtype)
-                                        - zj.zero_formula_bytes(params["b"].size, N, stage, compute_dtype="bfloat16"))
+                                        - zj.report.zero_formula_bytes(params["b"].size, N, stage, compute_dtype="bfloat16"))
         step = zj.make_train_step(models.deep_loss, optax.adam(1e-3), mesh=mesh, config=cfg)
         _, m = step(state, x)
         losses[frozen_dtype] = float(m["loss"])

@@ -121,7 +121,7 @@ L = 3
 SMALL = {"emb": RNG.normal(size=(13, 16)).astype(np.float32), "head": RNG.normal(size=(13, 16)).astype(np.float32),
          **{f"layers.{i}.w": RNG.normal(size=(24, 16)).astype(np.float32) for i in range(L)},
          **{f"layers.{i}.n": RNG.normal(size=(16,)).astype(np.float32) for i in range(L)}}
-SMALL_MAP = zj.WeightMap({"emb": "emb", "head.kernel": transpose("head"),
+SMALL_MAP = zj.maps.WeightMap({"emb": "emb", "head.kernel": transpose("head"),
                           "blocks.w": stack(split_dim(transpose("layers.{i}.w"), 1)),
                           "blocks.n": stack("layers.{i}.n")})
 SMALL_REF = {"emb": SMALL["emb"], "head": {"kernel": SMALL["head"].T},
@@ -173,7 +173,7 @@ def test_state_born_from_weights_is_the_state_of_the_same_arrays(name, small_ckp
         assert read == sum(v.size for v in SMALL.values()) * 2  # bf16 bytes, each once
 
 
-LACKING = zj.WeightMap(dict(SMALL_MAP.entries) | {"new_head.kernel": transpose("lm_head.weight")})
+LACKING = zj.maps.WeightMap(dict(SMALL_MAP.entries) | {"new_head.kernel": transpose("lm_head.weight")})
 
 
 def _with(tree, **extra):
@@ -238,7 +238,7 @@ def test_optional_parameters_come_from_the_init_function_or_the_values_given(sma
         zj.load_weights(src, _with(like, adapter=jax.ShapeDtypeStruct((16, 4), jnp.float32),
                                    new_head={"kernel": jax.ShapeDtypeStruct((16, 13), jnp.float32)}))
     # An optional parameter that the checkpoint holds in part is neither loaded nor initialised.
-    partial = zj.WeightMap(dict(SMALL_MAP.entries) | {"blocks.n": stack("layers.{i}.n"),
+    partial = zj.maps.WeightMap(dict(SMALL_MAP.entries) | {"blocks.n": stack("layers.{i}.n"),
                                                       "blocks.w": stack(split_dim(transpose("layers.{i}.w"), 1))})
     four = _with(init_fn(), blocks={"n": jnp.zeros((4, 16)), "w": jnp.zeros((4, 16, 4, 6))})
     with pytest.raises(ValueError, match=r"optional parameters partly in the checkpoint.*\(2\): blocks\.n \(has "
@@ -259,7 +259,7 @@ def test_load_weights_places_each_leaf_with_its_sharding(small_ckpt):
 
 
 def test_every_problem_in_one_message_before_any_array(small_ckpt, tmp_path):
-    wrong = zj.WeightMap({"emb": "emb", "head.kernel": "head", "blocks.w": stack(transpose("layers.{i}.w")),
+    wrong = zj.maps.WeightMap({"emb": "emb", "head.kernel": "head", "blocks.w": stack(transpose("layers.{i}.w")),
                           "blocks.n": stack("layers.{i}.norm")}, ignore=("layers.*.w",))
     with pytest.raises(ValueError) as e:
         zj.init_state({**ABSTRACT, "extra": jax.ShapeDtypeStruct((2,), jnp.float32)}, optax.sgd(0.1),
@@ -415,7 +415,7 @@ def test_export_merges_lora_adapters_by_default(tmp_path):
     params = {"q": {"kernel": RNG.normal(size=(16, 8)).astype(np.float32),
                     "lora": {"lora_a": RNG.normal(size=(16, 2)).astype(np.float32),
                              "lora_b": RNG.normal(size=(2, 8)).astype(np.float32)}}}
-    wmap = zj.WeightMap({"q.kernel": transpose("q_proj.weight"), "q.lora.lora_a": transpose("q_proj.lora_A.weight"),
+    wmap = zj.maps.WeightMap({"q.kernel": transpose("q_proj.weight"), "q.lora.lora_a": transpose("q_proj.lora_A.weight"),
                          "q.lora.lora_b": transpose("q_proj.lora_B.weight")})
     state = zj.init_state(jax.tree.map(jnp.asarray, params), optax.sgd(0.1), mesh=zj.make_mesh(),
                           config=zj.ZeroConfig(stage=3), trainable=lambda p: {"q": {"kernel": False, "lora": {
@@ -489,7 +489,7 @@ def test_export_command_writes_a_checkpoint_directory_in_hugging_face_layout(sma
 
 # --- export: every map that loads exports, and nothing silently wrong ------------------------
 
-TIED = zj.WeightMap(dict(SMALL_MAP.entries) | {"head.kernel": transpose("emb")})  # an untied head, tied file
+TIED = zj.maps.WeightMap(dict(SMALL_MAP.entries) | {"head.kernel": transpose("emb")})  # an untied head, tied file
 TIED_CKPT = {k: v for k, v in SMALL.items() if k != "head"}
 
 
@@ -548,7 +548,7 @@ def test_a_tensor_read_by_two_parameters_is_written_once_and_checked(tmp_path):
 QKV = RNG.normal(size=(9, 7)).astype(np.float32)  # torch [out, in]: q rows 0:4, k 4:6, v 6:9
 FUSED = {"attn.qkv.weight": QKV, "up.a": RNG.normal(size=(7, 3)).astype(np.float32),
          "up.b": RNG.normal(size=(7, 5)).astype(np.float32)}
-FUSED_MAP = zj.WeightMap({"q": transpose(part("attn.qkv.weight", 0, 0)), "k": transpose(part("attn.qkv.weight", 0, 4)),
+FUSED_MAP = zj.maps.WeightMap({"q": transpose(part("attn.qkv.weight", 0, 0)), "k": transpose(part("attn.qkv.weight", 0, 4)),
                           "v": transpose(part("attn.qkv.weight", 0, 6)),
                           "up": concat(["up.a", "up.b"], axis=1, sizes=[3, 5])})
 FUSED_ABSTRACT = {"q": jax.ShapeDtypeStruct((7, 4), jnp.float32), "k": jax.ShapeDtypeStruct((7, 2), jnp.float32),
@@ -571,13 +571,13 @@ def test_fused_parts_and_concatenations_export_what_they_load(stage, tmp_path):
             np.testing.assert_array_equal(got[k], v)
     params = {k: jnp.ones(v.shape) for k, v in FUSED_ABSTRACT.items() if k in ("q", "v")}
     two = zj.init_state(params, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=stage))
-    gap = zj.WeightMap({k: e for k, e in FUSED_MAP.entries if k in ("q", "v")})
+    gap = zj.maps.WeightMap({k: e for k, e in FUSED_MAP.entries if k in ("q", "v")})
     with pytest.raises(ValueError, match=r"elements \[4:6, 0:7\] of tensor 'attn\.qkv\.weight' \[9, 7\] are written "
                                          r"by no parameter: its parts \(part / concat\) leave a gap"):
         zj.export_weights(two, tmp_path / "gap", map=gap, layout="hf")
     three = zj.init_state({**params, "k": jnp.ones((7, 2))}, optax.sgd(0.1), mesh=zj.make_mesh(),
                           config=zj.ZeroConfig(stage=stage))
-    overlap = zj.WeightMap({**dict(gap.entries), "k": transpose(part("attn.qkv.weight", 0, 3))})
+    overlap = zj.maps.WeightMap({**dict(gap.entries), "k": transpose(part("attn.qkv.weight", 0, 3))})
     with pytest.raises(ValueError, match=r"parameters 'q' and 'k' both write elements \[3:4, 0:7\] of tensor "
                                          r"'attn\.qkv\.weight' \[9, 7\]"):
         zj.export_weights(three, tmp_path / "overlap", map=overlap, layout="hf")
@@ -690,7 +690,7 @@ def test_export_writes_config_json_updated_for_its_dtype(small_state, tmp_path):
     with pytest.raises(ValueError, match="hf_config / generation_config are written beside a Hugging Face model"):
         zj.export_weights(state, tmp_path / "w.safetensors", map=SMALL_MAP, hf_config=fixture)
     with pytest.raises(TypeError, match="WeightMap.hf_config must be JSON"):
-        zj.WeightMap({}, hf_config={"x": object()})
+        zj.maps.WeightMap({}, hf_config={"x": object()})
     # A head of its own beside a config that ties it: untied, or transformers would drop it.
     assert exported({"tie_word_embeddings": True}, None, dtype="float32", tensors=["lm_head.weight"]) == {
         "config.json": {"tie_word_embeddings": False}}

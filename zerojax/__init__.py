@@ -1,8 +1,13 @@
-"""zerojax: ZeRO (stages 0-3) for JAX and Flax over a jax.sharding mesh."""
+"""zerojax: ZeRO (stages 0-3) for JAX and Flax over a jax.sharding mesh.
+
+The top level holds what a training loop calls: the mesh, the config, the state, the
+steps, gathering, checkpoints and weights, the autotuner; everything else lives in the
+subpackage that owns it (``zj.report``, ``zj.maps``, ``zj.nn``, ``zj.nnx``, ``zj.moe``,
+``zj.distributed``, ``zj.resume``, ``zj.models``, ``zj.context``, ``zj.remat``).
+"""
 
 from zerojax import (
     checkpoint,
-    compile_cache,
     context,
     distributed,
     maps,
@@ -11,24 +16,16 @@ from zerojax import (
     nn,
     nnx,
     remat,
+    report,
     resume,
-    xla_flags,
 )
+from zerojax._deprecated import module_getattr as __getattr__  # noqa: F401 (moved names)
 from zerojax.checkpoint import export_weights, load_weights, restore_checkpoint, save_checkpoint
-from zerojax.checkpoint.tensor_map import WeightMap
 from zerojax.checkpoint.weights import Weights
 from zerojax.config import ZeroConfig
 from zerojax.deepspeed import from_deepspeed
 from zerojax.evaluate import EvalStep, make_eval_step
 from zerojax.params import gather_params
-from zerojax.report.comm import communication_report
-from zerojax.report.memory import (
-    StepMemory,
-    compiled_bytes,
-    state_bytes_per_device,
-    step_memory,
-    zero_formula_bytes,
-)
 from zerojax.sharding.mesh import make_mesh
 from zerojax.state import ZeroState, abstract_state, init_state
 from zerojax.step import LossScaleError, TrainStep, make_train_step
@@ -37,40 +34,32 @@ from zerojax.tuning import autotune
 __all__ = [
     "EvalStep",
     "LossScaleError",
-    "StepMemory",
     "TrainStep",
+    "Weights",
     "ZeroConfig",
     "ZeroState",
     "abstract_state",
     "autotune",
+    "checkpoint",
+    "context",
     "distributed",
-    "WeightMap",
-    "Weights",
     "export_weights",
     "from_deepspeed",
-    "load_weights",
-    "maps",
-    "models",
-    "moe",
-    "remat",
-    "restore_checkpoint",
-    "resume",
-    "save_checkpoint",
-    "checkpoint",
-    "communication_report",
-    "compile_cache",
-    "compiled_bytes",
-    "context",
     "gather_params",
     "init_state",
+    "load_weights",
     "make_eval_step",
     "make_mesh",
     "make_train_step",
+    "maps",
+    "models",
+    "moe",
     "nn",
     "nnx",
-    "state_bytes_per_device",
-    "step_memory",
-    "xla_flags",
-    "zero_formula_bytes",
+    "remat",
+    "report",
+    "restore_checkpoint",
+    "resume",
+    "save_checkpoint",
 ]
 __version__ = "0.1.0"

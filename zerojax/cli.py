@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="one file, or Hugging Face's sharded layout (model-0000k-of-0000n.safetensors + index)")
     ex.add_argument("--map", default=None,
                     help="tensor names: a family's map (" + ", ".join(_ready_maps()) + ") or module:attribute "
-                         "(a zj.WeightMap, or a function of no arguments returning one); default: the map of "
+                         "(a zj.maps.WeightMap, or a function of no arguments returning one); default: the map of "
                          "--hf-config's config.json (zj.models.from_hf), else the parameters' own dotted names")
     ex.add_argument("--max-shard-size", default="5GB", help="largest file of --layout hf (5GB, 500MiB, bytes)")
     ex.add_argument("--lora", choices=["merge", "adapters", "keep"], default="merge",
@@ -182,7 +182,7 @@ def _load_map(spec: str):
         raise ValueError(f"--map {spec!r}: {e}") from None
     obj = obj() if callable(obj) and not isinstance(obj, maps.WeightMap) else obj
     if not isinstance(obj, maps.WeightMap):
-        raise TypeError(f"--map {spec!r} is a {type(obj).__name__}, not a zj.WeightMap.")
+        raise TypeError(f"--map {spec!r} is a {type(obj).__name__}, not a zj.maps.WeightMap.")
     return obj
 
 

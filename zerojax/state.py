@@ -178,7 +178,7 @@ def abstract_state(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig, rng:
     Nothing is allocated: ``params`` may itself be abstract (``jax.eval_shape`` /
     ``nnx.eval_shape``) or an ``init_fn``, so a model far larger than the machine can be
     planned. ``train_step.lower(abstract, batch).compile()`` then gives the compiled step
-    and its ``memory_analysis()`` before any array exists (see :func:`zerojax.step_memory`).
+    and its ``memory_analysis()`` before any array exists (see :func:`zerojax.report.step_memory`).
 
     Example:
       >>> import jax, optax, zerojax as zj

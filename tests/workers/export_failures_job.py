@@ -40,8 +40,8 @@ rank = jax.process_index()
 rng = np.random.default_rng(0)
 EMB = rng.normal(size=(64, 16)).astype(np.float32)
 PARAMS = {"emb": EMB, "head": {"kernel": EMB.T.copy()}, "w": rng.normal(size=(64, 32)).astype(np.float32)}
-MAP = zj.WeightMap({"emb": "emb.weight", "head.kernel": transpose("lm_head.weight"), "w": transpose("w.weight")})
-TIED = zj.WeightMap({"emb": "emb.weight", "head.kernel": transpose("emb.weight"), "w": transpose("w.weight")})
+MAP = zj.maps.WeightMap({"emb": "emb.weight", "head.kernel": transpose("lm_head.weight"), "w": transpose("w.weight")})
+TIED = zj.maps.WeightMap({"emb": "emb.weight", "head.kernel": transpose("emb.weight"), "w": transpose("w.weight")})
 CFG = zj.ZeroConfig(stage=3)
 report = {}
 

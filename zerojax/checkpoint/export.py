@@ -70,7 +70,7 @@ def export_weights(source: Any, out: str | os.PathLike, *, step: int | None = No
     files in the folder (``model.safetensors``, shards of any count, an index) are removed,
     so that the folder holds exactly this export.
 
-    ``map``: a :class:`zerojax.WeightMap` naming, transposing, unstacking and fusing the
+    ``map``: a :class:`zerojax.maps.WeightMap` naming, transposing, unstacking and fusing the
     parameters into the checkpoint's tensors: the map that loads them (``zj.maps.
     llama_map()``) serves. Default: each parameter under its own dotted name. Every element
     of every tensor is written by exactly one parameter: parts (``part``) and concatenations
@@ -129,7 +129,7 @@ class _Job:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
         wmap = tm.IDENTITY if wmap is None else wmap
         if not isinstance(wmap, tm.WeightMap):
-            raise TypeError(f"map must be a zj.WeightMap, got {type(wmap).__name__}.")
+            raise TypeError(f"map must be a zj.maps.WeightMap, got {type(wmap).__name__}.")
         max_bytes = parse_size(max_shard_size)
         out = os.fspath(out)
         if layout == "file" and os.path.isdir(out):

@@ -66,7 +66,7 @@ class Weights:
       >>> from safetensors.numpy import save_file
       >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
       >>> save_file({"lm_head.weight": np.arange(24, dtype=np.float32).reshape(6, 4)}, path)
-      >>> src = zj.Weights(path, zj.WeightMap({"head": zj.maps.transpose("lm_head.weight")}))
+      >>> src = zj.Weights(path, zj.maps.WeightMap({"head": zj.maps.transpose("lm_head.weight")}))
       >>> like = {"head": jax.ShapeDtypeStruct((4, 6), np.float32)}
       >>> state = zj.init_state(like, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3),
       ...                       weights=src)
@@ -83,8 +83,8 @@ class Weights:
         resolve_path(self.path)  # FileNotFoundError / TypeError for a path that is not there
         object.__setattr__(self, "path", os.fspath(self.path))
         if not isinstance(self.map, tm.WeightMap):
-            raise TypeError(f"Weights.map must be a zj.WeightMap, got {type(self.map).__name__}; build one with "
-                            "zj.WeightMap({parameter name: tensor name or spec}).")
+            raise TypeError(f"Weights.map must be a zj.maps.WeightMap, got {type(self.map).__name__}; build one with "
+                            "zj.maps.WeightMap({parameter name: tensor name or spec}).")
         if not (isinstance(self.buffer_mib, (int, float)) and self.buffer_mib > 0):
             raise ValueError(f"Weights.buffer_mib must be a positive number of MiB, got {self.buffer_mib!r}.")
         optional = (self.optional,) if isinstance(self.optional, str) else tuple(self.optional)

@@ -22,7 +22,7 @@ def from_hf(path: str | os.PathLike, *, accept: Iterable[str] = (), **overrides)
     Mixtral checkpoint folder: the :class:`~zerojax.models.llama.LlamaConfig` of its
     ``config.json`` (see :func:`~zerojax.models.hf_config.config_from_hf`, which refuses by
     name every field that changes the computation and is not implemented; ``accept`` and
-    ``overrides`` as there) and the :class:`~zerojax.WeightMap` of its tensors for that
+    ``overrides`` as there) and the :class:`~zerojax.maps.WeightMap` of its tensors for that
     config (:func:`~zerojax.models.hf_map.llama_map`), which loads and exports alike. The
     map carries the folder's ``config.json`` (and ``generation_config.json``), which
     ``export_weights(..., layout="hf", map=wmap)`` writes beside the weights, so that

@@ -40,7 +40,7 @@ class Optimizer:
     an rng stream) are the model state, and its ``nnx.Rngs`` streams drive dropout: see
     :mod:`zerojax.nnx.model`. Train with :func:`zerojax.nnx.make_train_step`; take the
     trained module back with :meth:`gathered_model`. ``state`` is the :class:`zerojax.ZeroState`
-    (for ``zj.state_bytes_per_device``, ``communication_report`` and the rest).
+    (for ``zj.report.state_bytes_per_device``, ``communication_report`` and the rest).
 
     Example:
       >>> import jax.numpy as jnp, optax, zerojax as zj

@@ -8,13 +8,13 @@ Three models side by side:
   (CPU offload: 2Ψ on the GPU, Ψ·max(4·GPUs, 16)·1.5 on the host); ZeRO-3
   4·largest_layer + 18Ψ/N (optimizer offload: 4·largest_layer + 2Ψ/N; both offloaded:
   4·largest_layer), largest_layer in parameters;
-* zerojax's own (:func:`zerojax.zero_formula_bytes`): the persistent bytes of a zerojax
+* zerojax's own (:func:`zerojax.report.zero_formula_bytes`): the persistent bytes of a zerojax
   state, fp32 masters plus the optimizer's state (:data:`OPTIMIZER_BYTES` per parameter)
   plus a compute-dtype copy of the parameters where a stage keeps one (fp32 Adam: 12Ψ,
   4Ψ + 8Ψ/N, 4Ψ + 8Ψ/N, 12Ψ/N); gradients are transient in JAX (the step's temporaries)
   and not counted.
 
-For the compiled step's own figure, ahead of time, see :func:`zerojax.step_memory` or :func:`zerojax.compiled_bytes` on
+For the compiled step's own figure, ahead of time, see :func:`zerojax.report.step_memory` or :func:`zerojax.report.compiled_bytes` on
 ``train_step.lower(state, batch).compile()``.
 
 Model shapes (:data:`MODELS`, ``zerojax estimate --model``) compute Ψ from the architecture:
@@ -308,7 +308,7 @@ def table(num_params: float, n: int, largest_layer: float = 0.0, replicas: int =
 
     The paper's column is always mixed-precision Adam (K = 12) and DeepSpeed's its fp16
     Adam estimator; ``compute_dtype`` (float32, bfloat16, float16) and ``optimizer``
-    (:data:`OPTIMIZER_BYTES`) set zerojax's column (:func:`zerojax.zero_formula_bytes`).
+    (:data:`OPTIMIZER_BYTES`) set zerojax's column (:func:`zerojax.report.zero_formula_bytes`).
 
     With ``replicas=R`` (hybrid sharding) the state is sharded over a group of ``N/R``
     devices: the formulas take ``N/R``, and the lines after the table give the gradient
@@ -364,7 +364,7 @@ def assumptions(compute_dtype: str = "float32", optimizer: str = "adam") -> list
     Example:
       >>> from zerojax.report.estimate import assumptions
       >>> print(assumptions("bfloat16", "sgd")[2])
-      zerojax: the state kept between steps: fp32 masters (4 bytes per parameter), a replicated bfloat16 copy for forward at stages 1-2 (2 bytes), optimizer state 0 bytes per parameter (plain SGD, optax.sgd without momentum, keeps none; momentum would add 4); gradients are the step's temporaries, not counted (zj.step_memory gives the compiled step's total).
+      zerojax: the state kept between steps: fp32 masters (4 bytes per parameter), a replicated bfloat16 copy for forward at stages 1-2 (2 bytes), optimizer state 0 bytes per parameter (plain SGD, optax.sgd without momentum, keeps none; momentum would add 4); gradients are the step's temporaries, not counted (zj.report.step_memory gives the compiled step's total).
     """
     if compute_dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"compute_dtype must be 'float32', 'bfloat16' or 'float16', got {compute_dtype!r}.")
@@ -376,5 +376,5 @@ def assumptions(compute_dtype: str = "float32", optimizer: str = "adam") -> list
         "sharded); it has no estimate for stages 0 and 1.",
         f"zerojax: the state kept between steps: fp32 masters (4 bytes per parameter){copy}, optimizer state "
         f"{optimizer_bytes(optimizer)} bytes per parameter ({_OPTIMIZER_NOTES[optimizer]}); gradients are the step's temporaries, "
-        "not counted (zj.step_memory gives the compiled step's total).",
+        "not counted (zj.report.step_memory gives the compiled step's total).",
     ]

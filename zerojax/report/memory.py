@@ -65,7 +65,7 @@ def state_bytes_per_device(state: ZeroState) -> dict[str, int]:
       >>> import jax.numpy as jnp, optax, zerojax as zj
       >>> params = {"w": jnp.ones((64, 64))}
       >>> st = zj.init_state(params, optax.adam(1e-3), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3))
-      >>> zj.state_bytes_per_device(st)["total"] == 12 * 64 * 64 // 8 + 4 + 4 + 4
+      >>> zj.report.state_bytes_per_device(st)["total"] == 12 * 64 * 64 // 8 + 4 + 4 + 4
       True
     """
     params = _bytes_per_device((state.params, state.master, state.frozen))
@@ -128,11 +128,11 @@ def zero_formula_bytes(num_params: int, n: int, stage: int, *, compute_dtype: st
 
     Example:
       >>> import zerojax as zj
-      >>> zj.zero_formula_bytes(7.5e9, 64, 1) / 1e9
+      >>> zj.report.zero_formula_bytes(7.5e9, 64, 1) / 1e9
       30.9375
-      >>> zj.zero_formula_bytes(7.5e9, 64, 3, offload_optimizer=True, memory="device") / 1e9
+      >>> zj.report.zero_formula_bytes(7.5e9, 64, 3, offload_optimizer=True, memory="device") / 1e9
       0.46875
-      >>> zj.zero_formula_bytes(7.5e9, 16, 3, tensor=4) == zj.zero_formula_bytes(7.5e9, 64, 3)
+      >>> zj.report.zero_formula_bytes(7.5e9, 16, 3, tensor=4) == zj.report.zero_formula_bytes(7.5e9, 64, 3)
       True
     """
     if isinstance(tensor, bool) or not isinstance(tensor, int) or tensor < 1:
@@ -189,7 +189,7 @@ class StepMemory:
     """Per-device bytes of one compiled train step, known before it runs.
 
     ``state`` is the persistent train state (from its shardings, what
-    :func:`zerojax.state_bytes_per_device` reports once it exists), ``batch`` this device's
+    :func:`zerojax.report.state_bytes_per_device` reports once it exists), ``batch`` this device's
     share of the batch; the rest is ``compiled.memory_analysis()`` (see
     :func:`compiled_bytes`). ``total`` = argument + output − alias + temp.
 
@@ -269,7 +269,7 @@ def step_memory(loss_fn, params: Any, tx, batch: Any, *, mesh: Mesh, config: Zer
       >>> params = {"w": jax.ShapeDtypeStruct((2048, 2048), "float32")}
       >>> batch = jax.ShapeDtypeStruct((64, 2048), "float32")
       >>> loss_fn = lambda p, x: jnp.mean(jnp.tanh(x @ p["w"]))
-      >>> mem = zj.step_memory(loss_fn, params, optax.adam(1e-3), batch,
+      >>> mem = zj.report.step_memory(loss_fn, params, optax.adam(1e-3), batch,
       ...                      mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3))
       >>> mem.state == 12 * 2048 * 2048 // 8 + 4 + 4 + 4   # 12Ψ/N plus the step counters
       True

@@ -6,7 +6,7 @@ A candidate is the user's :class:`~zerojax.ZeroConfig` with the tuned fields set
 values each tuned field takes.
 
 Before anything is compiled a candidate whose persistent state alone
-(:func:`zerojax.zero_formula_bytes`, on the device) exceeds the usable budget is pruned:
+(:func:`zerojax.report.zero_formula_bytes`, on the device) exceeds the usable budget is pruned:
 its compiled program holds that state as arguments, so it cannot fit.
 
 Three levers trade memory: accumulation (more micro-batches: the same FLOPs, weights read
@@ -150,7 +150,7 @@ class SearchSpace:
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """A configuration to consider, with its formula bytes (persistent state per device on
-    the device, :func:`zerojax.zero_formula_bytes`) and offload name."""
+    the device, :func:`zerojax.report.zero_formula_bytes`) and offload name."""
 
     config: ZeroConfig
     offload: str

@@ -6,7 +6,7 @@ Read from the compiled program, per device and per step (nothing runs):
   program), with the loop iterations it leaves out added from the HLO
   (:mod:`zerojax.tuning.hlo_cost`);
 * collective bytes per set of mesh axes, and how many collectives run:
-  :func:`zerojax.communication_report`;
+  :func:`zerojax.report.communication_report`;
 * host traffic of offloaded state: every offloaded byte crosses the host link, or is
   touched by the host's update, once each way per step (2 × the offloaded state).
 

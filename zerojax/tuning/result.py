@@ -25,7 +25,7 @@ class PlanMemory:
       device: predicted device memory: ``compiled`` × (1 + margin), what must fit the budget.
       compiled: the compiled program's device bytes, argument + output − alias + temp (less
         offloaded state where the backend counts it with the rest, as
-        :attr:`zerojax.StepMemory.device_total`).
+        :attr:`zerojax.report.StepMemory.device_total`).
       host: host memory per device: offloaded state and host temporaries.
       state: the persistent train state on the device.
       source: "compiled" (``memory_analysis()``), or "formula" where the backend reported

@@ -9,7 +9,7 @@ levers is compiled first (when it fits it dominates the whole family); after it,
 whose result decides the most others by the dominance rules, either way, like a bisection,
 until every candidate is compiled or decided.
 Each compile is ahead of time, on the parameters' and the batch's shapes: memory from
-``memory_analysis()`` (as :func:`zerojax.step_memory`), time from the cost model
+``memory_analysis()`` (as :func:`zerojax.report.step_memory`), time from the cost model
 (:mod:`zerojax.tuning.cost`). Candidates that lower to the same program (a remat policy on
 a model with no layer loop) share one compile.
 """
@@ -279,7 +279,7 @@ class _Search:
                 warnings.warn("memory_analysis() of the compiled step reports zero bytes on this backend (jax issue "
                               "#18954): plan memory falls back to zerojax's state formula plus the batch, which does "
                               "not count activations or temporaries; leave more margin, or check the chosen plan "
-                              "with zj.step_memory on a backend that reports it.", RuntimeWarning, stacklevel=4)
+                              "with zj.report.step_memory on a backend that reports it.", RuntimeWarning, stacklevel=4)
                 self.warned = True
             compiled_total = int(math.ceil(c.formula_bytes)) + batch_bytes
             return PlanMemory(device=int(math.ceil(compiled_total * (1 + self.margin))), compiled=compiled_total,
