@@ -167,7 +167,7 @@ def _reference(with_positions: bool = False):
                          list(_data(with_positions)))
 
 
-@functools.lru_cache(maxsize=None)  # (4, "ring", 3) trains for three tests: its step compiles once
+@functools.cache  # (4, "ring", 3) trains for three tests: its step compiles once
 def _train(c, attention, stage, tensor=1, with_positions=False, layout="contiguous"):
     """The trained state (read, never stepped again: a cached run is shared), the step and the losses."""
     cfg = llama.LlamaConfig(**{**BASE.__dict__, "attention": attention, "tensor_parallel": tensor > 1})

@@ -195,7 +195,7 @@ def _train(step, state, batches):
     return state, losses, m
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(name):
     moe = {"plain": functools.partial(plain_moe, k=2), "zj": functools.partial(zj_moe, k=2),
            "capacity": functools.partial(zj_moe, k=1, cf=1.0, groups=8)}[name]
@@ -289,7 +289,7 @@ def test_the_reference_moe_trains_as_one_device(stage, ep, shared):
     assert {s.data.size for s in up.addressable_shards} == {2 * 8 * 16 * 12 // ep // ((8 // ep) if stage == 3 else 1)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _llama_reference(shared):
     from zerojax.models import llama
 
