@@ -20,6 +20,7 @@ leaves whose shapes divide no device count, each compared with plain optax on on
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 
@@ -247,12 +248,23 @@ def nnx_loss_for(row: dict):
 
 def reference(row: dict):
     """Plain optax on one device, fp32, the global batch: params after each step, and the
-    losses."""
-    params, mask = make_params(), TRAINABLE if row["frozen"] else jax.tree.map(lambda _: True, make_params())
+    losses. It depends on two factors only: computed once per (frozen, packed) and worker."""
+    return _reference(row["frozen"], row["packed"])
+
+
+# The reference's and the checks' one-device programs, compiled once (not one per primitive).
+_value_and_grad = jax.jit(jax.value_and_grad(mse))
+_forward = jax.jit(forward)
+_mse = jax.jit(mse)
+
+
+@functools.cache
+def _reference(frozen: bool, packed: bool):
+    params, mask = make_params(), TRAINABLE if frozen else jax.tree.map(lambda _: True, make_params())
     opt = TX.init(params)
     losses, trace = [], []
     for i in range(STEPS):
-        loss, g = jax.value_and_grad(mse)(params, batch(i, row["packed"]))
+        loss, g = _value_and_grad(params, batch(i, packed))
         g = jax.tree.map(lambda x, m: x if m else jnp.zeros_like(x), g, mask)
         u, opt = TX.update(g, opt, params)
         params = optax.apply_updates(params, u)
@@ -456,7 +468,7 @@ def test_combination_trains_like_single_device_optax(row, tmp_path):
             np.testing.assert_allclose(float(m["aux"]["mse"]), ref_losses[i], rtol=loss_tol, atol=loss_tol)
             assert m["aux"]["mse"].dtype == jnp.float32 and int(m["aux"]["rows"]) == BATCH
             b = batch(i, row["packed"])
-            want_pred = forward(make_params() if i == 0 else trace[i - 1], b["x"], seg=b.get("seg"))
+            want_pred = _forward(make_params() if i == 0 else trace[i - 1], b["x"], seg=b.get("seg"))
             assert m["aux"]["pred"].shape == want_pred.shape
             np.testing.assert_allclose(np.asarray(m["aux"]["pred"], np.float32), want_pred, atol=10 * loss_tol)
     got = run.params()
@@ -480,8 +492,8 @@ def test_combination_trains_like_single_device_optax(row, tmp_path):
         out = run.evaluate(batch(5, row["packed"]))
         assert out["loss"].dtype == jnp.float32
         b5 = batch(5, row["packed"])
-        np.testing.assert_allclose(float(out["loss"]), float(mse(want, b5)), rtol=loss_tol, atol=loss_tol)
-        want_pred = forward(want, b5["x"], seg=b5.get("seg"))
+        np.testing.assert_allclose(float(out["loss"]), float(_mse(want, b5)), rtol=loss_tol, atol=loss_tol)
+        want_pred = _forward(want, b5["x"], seg=b5.get("seg"))
         assert out["pred"].shape == want_pred.shape
         np.testing.assert_allclose(np.asarray(out["pred"], np.float32), want_pred, atol=10 * loss_tol)
     if row["checkpoint"]:
