@@ -204,7 +204,7 @@ def test_llama_on_a_context_mesh_trains_as_on_one_device(c, attention, stage):
         for w in jax.tree.leaves(state.master):
             assert w.addressable_shards[0].data.size * 8 == w.size
         psi = sum(l.size for l in state.plan.layouts)
-        assert zj.state_bytes_per_device(state)["total"] == pytest.approx(zj.zero_formula_bytes(psi, 8, 3, opt_bytes=0),
+        assert zj.report.state_bytes_per_device(state)["total"] == pytest.approx(zj.report.zero_formula_bytes(psi, 8, 3, opt_bytes=0),
                                                                          abs=64)
 
 
