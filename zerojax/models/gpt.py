@@ -8,7 +8,6 @@ Each block tags its attention and MLP outputs (``checkpoint_name``: ``attn_out``
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
@@ -20,6 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 from zerojax import nn as znn
 from zerojax import remat as zremat
 from zerojax.config import ZeroConfig
+from zerojax.models import building
 from zerojax.state import init_state
 from zerojax.step import make_train_step
 
@@ -206,24 +206,13 @@ def init(cfg: GPTConfig, seed: int = 0):
     ``tensor_parallel``, annotated as metadata only: zerojax places the arrays). The
     parameters are built by one compiled program per (config, seed), not op by op: the same
     random draws (the initialisers' arithmetic rounds within 1e-8), in half the time."""
-    graphdef, build = _init_program(cfg, seed)
-    return graphdef, build()
-
-
-@functools.cache
-def _init_program(cfg: GPTConfig, seed: int):
-    def build():
-        with nnx.use_eager_sharding(False):
-            return nnx.split(GPT(cfg, nnx.Rngs(seed)), nnx.Param)[1]
-
-    return init_abstract(cfg)[0], jax.jit(build)
+    return building.built(GPT, cfg, seed)
 
 
 def init_abstract(cfg: GPTConfig):
     """``(graphdef, params)`` with ``jax.ShapeDtypeStruct`` leaves: nothing is allocated, for
     planning with ``step_memory`` models larger than the machine."""
-    with nnx.use_eager_sharding(False):
-        return nnx.split(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0))), nnx.Param)
+    return building.abstract(GPT, cfg)
 
 
 def zero_setup(cfg: GPTConfig, tx: optax.GradientTransformation, *, mesh, config: ZeroConfig, seed: int = 0):

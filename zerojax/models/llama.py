@@ -74,7 +74,6 @@ math equals transformers' to 1e-9). Each block tags its attention and MLP output
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
@@ -86,6 +85,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from zerojax import nn as znn
 from zerojax import remat as zremat
+from zerojax.models import building
 from zerojax.models import rope as zrope
 from zerojax.models.rope import RopeScaling
 from zerojax.moe.experts import routed_experts
@@ -487,23 +487,12 @@ class Llama(nnx.Module):
 def init(cfg: LlamaConfig, seed: int = 0):
     """``(graphdef, params)`` of a fresh model (``nnx.Param`` leaves, LoRA's included),
     built by one compiled program per (config, seed)."""
-    graphdef, build = _init_program(cfg, seed)
-    return graphdef, build()
-
-
-@functools.cache
-def _init_program(cfg: LlamaConfig, seed: int):
-    def build():
-        with nnx.use_eager_sharding(False):
-            return nnx.split(Llama(cfg, nnx.Rngs(seed)), nnx.Param)[1]
-
-    return init_abstract(cfg)[0], jax.jit(build)
+    return building.built(Llama, cfg, seed)
 
 
 def init_abstract(cfg: LlamaConfig):
     """``(graphdef, params)`` with ``jax.ShapeDtypeStruct`` leaves: nothing is allocated."""
-    with nnx.use_eager_sharding(False):
-        return nnx.split(nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0))), nnx.Param)
+    return building.abstract(Llama, cfg)
 
 
 # How make_loss(..., with_stats=True)'s statistics of a mixture of experts combine in the step
