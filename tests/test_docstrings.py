@@ -32,5 +32,7 @@ def test_moved_names_still_resolve_with_a_warning_naming_the_new_place():
             value = getattr(zerojax, name)
         assert value is getattr(importlib.import_module(module), name)
         assert name not in zerojax.__all__
+    assert zerojax.xla_flags.__name__ == "zerojax.xla_flags"  # settings modules: reachable, not listed
+    assert "xla_flags" not in zerojax.__all__ and "compile_cache" not in zerojax.__all__
     with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
         zerojax.not_a_name  # noqa: B018

@@ -19,8 +19,16 @@ MOVED = {
 }
 
 
+# Modules of compiler settings, not listed at the top level but reachable as ``zj.<name>``
+# (imported on first use, as ``import zerojax.<name>`` would).
+SUBMODULES = ("compile_cache", "xla_flags")
+
+
 def module_getattr(name: str) -> Any:
-    """The package's ``__getattr__``: a moved name, with a warning; otherwise AttributeError."""
+    """The package's ``__getattr__``: a moved name, with a warning; a settings module;
+    otherwise AttributeError."""
+    if name in SUBMODULES:
+        return importlib.import_module(f"zerojax.{name}")
     if name in MOVED:
         module, new = MOVED[name]
         warnings.warn(f"zj.{name} moved to {new}; the top-level name will be removed in zerojax 0.3.",
