@@ -6,6 +6,7 @@ landing as a checkpoint is written), a SIGSTOP and a SIGTERM, and checks that th
 bit-identical to an uninterrupted run; and a run stopped at 4 processes and resumed at 2.
 """
 
+import io
 import os
 import pathlib
 import re
@@ -22,15 +23,31 @@ import optax
 import pytest
 
 import zerojax as zj
+from zerojax import launch
 from zerojax.distributed.heartbeat import complete_steps
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "resume_job.py"
 
 
-def launcher(args, script, timeout=60, **kw):
-    cmd = [sys.executable, "-m", "zerojax.launch", *args, "--", sys.executable, "-c", textwrap.dedent(script)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kw)
+class Launched:
+    def __init__(self, returncode, stdout, stderr=""):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def launcher(args, script):
+    """``zerojax launch ARGS -- python -c SCRIPT``, the launcher run in this process (its
+    processes are real ones): what it printed and its exit status."""
+    out = io.StringIO()
+    cmd = [sys.executable, "-c", textwrap.dedent(script)]
+    opts = dict(zip(args[::2], args[1::2]))
+    code = launch.launch(cmd, int(opts.pop("--nprocs")), out=out, grace_s=2.0,
+                         max_restarts=int(opts.pop("--max-restarts", 0)),
+                         restart_delay_s=float(opts.pop("--restart-delay", 5.0)),
+                         heartbeat_timeout_s=float(opts["--heartbeat-timeout"]) if "--heartbeat-timeout" in opts else None)
+    opts.pop("--heartbeat-timeout", None)
+    assert not opts, opts
+    return Launched(code, out.getvalue())
 
 
 def test_a_command_that_fails_at_once_is_not_restarted():
@@ -107,12 +124,13 @@ def test_a_preempted_job_is_restarted_and_a_sigterm_to_the_launcher_is_passed_on
     assert "SIGTERM: passing it to every process" in stdout and "restart" not in stdout
 
 
-def test_launcher_options_are_checked():
+def test_launcher_options_are_checked(capsys):
     for args, match in [(["--max-restarts", "-1"], "--max-restarts must be an int >= 0"),
                         (["--heartbeat-timeout", "0"], "--heartbeat-timeout must be > 0"),
                         (["--restart-delay", "-2"], "--restart-delay must be >= 0")]:
-        out = launcher(["--nprocs", "1", *args], "pass")
-        assert out.returncode == 2 and match in out.stderr, out.stderr
+        with pytest.raises(SystemExit) as e:
+            launch.main(["--nprocs", "1", *args, "--", "true"])
+        assert e.value.code == 2 and match in capsys.readouterr().err
 
 
 # -- the real thing (slow) -------------------------------------------------------------------
