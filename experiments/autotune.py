@@ -47,8 +47,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=11, help="timed steps per plan and pass (after one warm-up step)")
     ap.add_argument("--top", type=int, default=0, help="measure the N plans predicted fastest (0: every plan)")
     ap.add_argument("--passes", type=int, default=1, help="blocks of --rounds interleaved rounds, reported apart")
-    ap.add_argument("--remat-family", action="store_true",
-                    help="also measure every remat policy at the fastest setting where all of them fit")
+    ap.add_argument(
+        "--remat-family",
+        action="store_true",
+        help="also measure every remat policy at the fastest setting where all of them fit",
+    )
     ap.add_argument("--png", default=None, help="predicted vs measured step time (needs matplotlib)")
     ap.add_argument("--json", default=None, help="write every plan's figures here")
     ap.add_argument("--paper", action="store_true", help="part 2: the 7.5B model on 64 abstract H100s, 80 GB")
@@ -91,10 +94,19 @@ def _gpt(cfg, memory: str, space: dict) -> dict:
 
     graphdef, params = gpt.init(cfg)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab, (32, cfg.seq_len + 1), dtype=np.int32)
-    desc = (f"GPT d_model {cfg.d_model}, {cfg.n_layers} layers (scan), {cfg.n_heads} heads, seq {cfg.seq_len}, "
-            f"Ψ = {cfg.num_params():,}; global batch 32; AdamW, fp32")
-    return dict(loss_fn=gpt.make_loss(graphdef), params=params, tx=optax.adamw(1e-3),
-                batch={"tokens": jax.numpy.asarray(tokens)}, memory=memory, space=space, desc=desc)
+    desc = (
+        f"GPT d_model {cfg.d_model}, {cfg.n_layers} layers (scan), {cfg.n_heads} heads, seq {cfg.seq_len}, "
+        f"Ψ = {cfg.num_params():,}; global batch 32; AdamW, fp32"
+    )
+    return dict(
+        loss_fn=gpt.make_loss(graphdef),
+        params=params,
+        tx=optax.adamw(1e-3),
+        batch={"tokens": jax.numpy.asarray(tokens)},
+        memory=memory,
+        space=space,
+        desc=desc,
+    )
 
 
 def gpt6_setup():
@@ -128,12 +140,22 @@ def mlp_setup():
     rng = np.random.default_rng(0)
     w = lambda *s: jnp.asarray(rng.normal(size=s) / np.sqrt(s[0]), jnp.float32)
     params = {"layers": [{"w": w(d, d), "b": jnp.zeros((d,))} for _ in range(layers)], "out": w(d, 1)}
-    batch = {"x": jnp.asarray(rng.normal(size=(rows, d)), jnp.float32),
-             "y": jnp.asarray(rng.normal(size=(rows, 1)), jnp.float32)}
+    batch = {
+        "x": jnp.asarray(rng.normal(size=(rows, d)), jnp.float32),
+        "y": jnp.asarray(rng.normal(size=(rows, 1)), jnp.float32),
+    }
     psi = layers * (d * d + d) + d
     desc = f"MLP {layers} x {d} (unrolled), Ψ = {psi:,}; global batch {rows}; AdamW, fp32"
-    return dict(loss_fn=mlp_loss, params=params, tx=optax.adamw(1e-3), batch=batch, memory="36MiB",
-                space={"accum": (1, 2)}, exhaustive=True, desc=desc)
+    return dict(
+        loss_fn=mlp_loss,
+        params=params,
+        tx=optax.adamw(1e-3),
+        batch=batch,
+        memory="36MiB",
+        space={"accum": (1, 2)},
+        exhaustive=True,
+        desc=desc,
+    )
 
 
 SETUPS = {"gpt6": gpt6_setup, "gpt": gpt_setup, "mlp": mlp_setup}
@@ -153,14 +175,26 @@ def run_model(name: str, args) -> dict:
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), s["params"])
     batch_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), s["batch"])
     print(f"\n## {name}: {s['desc']}; {s['memory']} per device; 8 CPU devices, jax {jax.__version__}\n", flush=True)
-    tune = lambda exhaustive: zj.autotune(s["loss_fn"], shapes, s["tx"], batch_shapes, mesh=mesh, memory=s["memory"],
-                                          space=SearchSpace(**s["space"]), exhaustive=exhaustive, verbose=True)
+    tune = lambda exhaustive: zj.autotune(
+        s["loss_fn"],
+        shapes,
+        s["tx"],
+        batch_shapes,
+        mesh=mesh,
+        memory=s["memory"],
+        space=SearchSpace(**s["space"]),
+        exhaustive=exhaustive,
+        verbose=True,
+    )
     result = tune(False)
     print(result.table(), flush=True)
     spec = result.device
-    print(f"\ndevice rates (calibrated): {spec.peak_flops / 1e9:.2f} GFLOP/s, {spec.hbm_bandwidth / 1e9:.2f} GB/s "
-          f"memory, {spec.link_bandwidth / 1e9:.2f} GB/s links, {spec.collective_latency * 1e3:.2f} ms per collective "
-          f"(per device; 8 devices share the host's cores)", flush=True)
+    print(
+        f"\ndevice rates (calibrated): {spec.peak_flops / 1e9:.2f} GFLOP/s, {spec.hbm_bandwidth / 1e9:.2f} GB/s "
+        f"memory, {spec.link_bandwidth / 1e9:.2f} GB/s links, {spec.collective_latency * 1e3:.2f} ms per collective "
+        f"(per device; 8 devices share the host's cores)",
+        flush=True,
+    )
     checked = result
     if s.get("exhaustive"):  # validate the search's rules, and the model over every plan that fits
         checked = tune(True)
@@ -170,18 +204,28 @@ def run_model(name: str, args) -> dict:
     # Validation: compile each distinct program directly, then run them all in turns.
     plans = list({p.program: p for p in reversed(checked.plans)}.values())[::-1]  # one plan per program
     if args.top:
-        plans = plans[:args.top]
+        plans = plans[: args.top]
     family = remat_family(checked.plans) if args.remat_family else []
     plans += [p for p in family if p.program not in {q.program for q in plans}]
     rows = []
     for plan in plans:
         direct = zj.report.step_memory(s["loss_fn"], shapes, s["tx"], batch_shapes, mesh=mesh, config=plan.config)
-        rows.append({"plan": plan.describe(), "stage": plan.config.stage, "predicted_bytes": plan.memory.device,
-                     "tuner_compiled_bytes": plan.memory.compiled, "direct_bytes": direct.device_total,
-                     "predicted_s": plan.time, "parts": plan.cost.breakdown(spec),
-                     "flops": plan.cost.flops, "bytes_accessed": plan.cost.bytes_accessed,
-                     "comm_bytes": plan.cost.comm_bytes, "collectives": plan.cost.collectives,
-                     "same_program": [p.describe() for p in checked.plans if p.program == plan.program][1:]})
+        rows.append(
+            {
+                "plan": plan.describe(),
+                "stage": plan.config.stage,
+                "predicted_bytes": plan.memory.device,
+                "tuner_compiled_bytes": plan.memory.compiled,
+                "direct_bytes": direct.device_total,
+                "predicted_s": plan.time,
+                "parts": plan.cost.breakdown(spec),
+                "flops": plan.cost.flops,
+                "bytes_accessed": plan.cost.bytes_accessed,
+                "comm_bytes": plan.cost.comm_bytes,
+                "collectives": plan.cost.collectives,
+                "same_program": [p.describe() for p in checked.plans if p.program == plan.program][1:],
+            }
+        )
     load = os.getloadavg()[0]
     measured = measure([p.config for p in plans], s, mesh, args.rounds * args.passes)
     for row, times in zip(rows, measured):
@@ -194,11 +238,21 @@ def run_model(name: str, args) -> dict:
         report_passes(rows, chosen, args.rounds, args.passes)
     if family:
         report_remat(rows, [p.describe() for p in family])
-    return {"desc": s["desc"], "budget": result.budget, "search_seconds": result.search_seconds,
-            "compiled": result.compiled, "pruned": len(result.pruned), "skipped": len(result.skipped),
-            "shared": result.shared, "candidates": result.candidates, "rows": rows, "chosen": chosen,
-            "device": {k: getattr(spec, k) for k in ("peak_flops", "hbm_bandwidth", "link_bandwidth",
-                                                     "collective_latency")}}
+    return {
+        "desc": s["desc"],
+        "budget": result.budget,
+        "search_seconds": result.search_seconds,
+        "compiled": result.compiled,
+        "pruned": len(result.pruned),
+        "skipped": len(result.skipped),
+        "shared": result.shared,
+        "candidates": result.candidates,
+        "rows": rows,
+        "chosen": chosen,
+        "device": {
+            k: getattr(spec, k) for k in ("peak_flops", "hbm_bandwidth", "link_bandwidth", "collective_latency")
+        },
+    }
 
 
 def remat_family(plans) -> list:
@@ -223,9 +277,12 @@ def report_remat(rows: list[dict], family: list[str]) -> None:
     print("|---|---|---|---|---|---|")
     for r in (r for r in rows if r["plan"] in family):
         parts = r["parts"]
-        print(f"| {r['plan']} | {r['flops'] / 1e9:.2f} G | {r['bytes_accessed'] / 2**20:.0f} MiB | "
-              f"{r['predicted_s'] * 1e3:.0f} ms | {parts['compute'] * 1e3:.0f} ms, {parts['memory'] * 1e3:.0f} ms | "
-              f"{r['measured_s'] * 1e3:.0f} ms |", flush=True)
+        print(
+            f"| {r['plan']} | {r['flops'] / 1e9:.2f} G | {r['bytes_accessed'] / 2**20:.0f} MiB | "
+            f"{r['predicted_s'] * 1e3:.0f} ms | {parts['compute'] * 1e3:.0f} ms, {parts['memory'] * 1e3:.0f} ms | "
+            f"{r['measured_s'] * 1e3:.0f} ms |",
+            flush=True,
+        )
 
 
 def check_rules(fast, full) -> None:
@@ -233,13 +290,21 @@ def check_rules(fast, full) -> None:
     candidate ruled out fits; no dominated candidate predicted faster than its dominator."""
     time_of = {p.config: p.time for p in full.plans}
     ruled_out_fit = [s for s in fast.skipped if s.reason == "ruled out" and s.candidate.config in time_of]
-    faster = [s for s in fast.skipped if s.reason == "dominated" and s.candidate.config in time_of
-              and s.by.config in time_of and time_of[s.candidate.config] < time_of[s.by.config]]
-    print(f"rules checked: same best plan as the exhaustive search: "
-          f"{'yes' if fast.best.config == full.best.config else 'NO: ' + full.best.describe()}; candidates ruled "
-          f"out that fit: {len(ruled_out_fit)}; dominated candidates predicted faster than the plan dominating "
-          f"them: {len(faster)} (of {sum(s.reason == 'dominated' for s in fast.skipped)} dominated, "
-          f"{sum(s.reason == 'ruled out' for s in fast.skipped)} ruled out)")
+    faster = [
+        s
+        for s in fast.skipped
+        if s.reason == "dominated"
+        and s.candidate.config in time_of
+        and s.by.config in time_of
+        and time_of[s.candidate.config] < time_of[s.by.config]
+    ]
+    print(
+        f"rules checked: same best plan as the exhaustive search: "
+        f"{'yes' if fast.best.config == full.best.config else 'NO: ' + full.best.describe()}; candidates ruled "
+        f"out that fit: {len(ruled_out_fit)}; dominated candidates predicted faster than the plan dominating "
+        f"them: {len(faster)} (of {sum(s.reason == 'dominated' for s in fast.skipped)} dominated, "
+        f"{sum(s.reason == 'ruled out' for s in fast.skipped)} ruled out)"
+    )
     for s in ruled_out_fit + faster:
         print(f"  {s.reason}: {s.candidate.describe()} (by {s.by.describe()})")
 
@@ -299,28 +364,41 @@ def report(name: str, result, rows: list[dict], chosen: int, load: tuple[float, 
     rho_fast = spearman(pred, [r["fastest_s"] for r in rows])
     off = meas[chosen] / min(meas) - 1
     print(f"\n### {name}: validation (each plan compiled directly, and run {rounds} times: median and fastest)\n")
-    print("| # | plan | predicted memory | compiled directly | predicted / compiled | predicted time | "
-          "measured, median | fastest |")
+    print(
+        "| # | plan | predicted memory | compiled directly | predicted / compiled | predicted time | "
+        "measured, median | fastest |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for i, r in enumerate(rows, 1):
         same = f" (= {'; '.join(r['same_program'])})" if r["same_program"] else ""
-        print(f"| {i} | {r['plan']}{same} | {r['predicted_bytes'] / MIB:.2f} MiB | {r['direct_bytes'] / MIB:.2f} MiB | "
-              f"{r['predicted_bytes'] / r['direct_bytes']:.3f} | {r['predicted_s'] * 1e3:.0f} ms | "
-              f"{r['measured_s'] * 1e3:.0f} ms | {r['fastest_s'] * 1e3:.0f} ms |")
+        print(
+            f"| {i} | {r['plan']}{same} | {r['predicted_bytes'] / MIB:.2f} MiB | {r['direct_bytes'] / MIB:.2f} MiB | "
+            f"{r['predicted_bytes'] / r['direct_bytes']:.3f} | {r['predicted_s'] * 1e3:.0f} ms | "
+            f"{r['measured_s'] * 1e3:.0f} ms | {r['fastest_s'] * 1e3:.0f} ms |"
+        )
     stages = sorted({r["stage"] for r in rows})
-    print(f"\nbudget {result.budget / MIB:.1f} MiB; stages returned: {stages}; every plan's directly compiled memory "
-          f"within the budget: {'yes' if fits else 'NO'}; predicted / compiled: {min(ratios):.3f} to "
-          f"{max(ratios):.3f} (the {result.margin:.0%} margin; the tuner's compiled figure equals the direct one: "
-          f"{'yes' if all(r['tuner_compiled_bytes'] == r['direct_bytes'] for r in rows) else 'NO'})")
-    print(f"chosen plan ({rows[chosen]['plan']}): {meas[chosen] * 1e3:.0f} ms measured, {off:+.1%} from the "
-          f"fastest measured ({min(meas) * 1e3:.0f} ms, {rows[meas.index(min(meas))]['plan']}): "
-          f"{'within' if off <= 0.10 else 'NOT within'} 1.10x")
-    print(f"Spearman rank correlation, predicted vs measured step time over {len(rows)} plans: {rho:.2f} "
-          f"({'>=' if rho >= 0.8 else 'below'} 0.8; against each plan's fastest step: {rho_fast:.2f}); host load "
-          f"average {load[0]:.1f} -> {load[1]:.1f} on {os.cpu_count()} cores while measuring")
-    print(f"search: {result.search_seconds:.0f} s; {result.candidates} candidates: {result.compiled} compiled, "
-          f"{len(result.pruned)} pruned by the formula, {len(result.skipped)} decided without compiling, "
-          f"{result.shared} shared a compiled program", flush=True)
+    print(
+        f"\nbudget {result.budget / MIB:.1f} MiB; stages returned: {stages}; every plan's directly compiled memory "
+        f"within the budget: {'yes' if fits else 'NO'}; predicted / compiled: {min(ratios):.3f} to "
+        f"{max(ratios):.3f} (the {result.margin:.0%} margin; the tuner's compiled figure equals the direct one: "
+        f"{'yes' if all(r['tuner_compiled_bytes'] == r['direct_bytes'] for r in rows) else 'NO'})"
+    )
+    print(
+        f"chosen plan ({rows[chosen]['plan']}): {meas[chosen] * 1e3:.0f} ms measured, {off:+.1%} from the "
+        f"fastest measured ({min(meas) * 1e3:.0f} ms, {rows[meas.index(min(meas))]['plan']}): "
+        f"{'within' if off <= 0.10 else 'NOT within'} 1.10x"
+    )
+    print(
+        f"Spearman rank correlation, predicted vs measured step time over {len(rows)} plans: {rho:.2f} "
+        f"({'>=' if rho >= 0.8 else 'below'} 0.8; against each plan's fastest step: {rho_fast:.2f}); host load "
+        f"average {load[0]:.1f} -> {load[1]:.1f} on {os.cpu_count()} cores while measuring"
+    )
+    print(
+        f"search: {result.search_seconds:.0f} s; {result.candidates} candidates: {result.compiled} compiled, "
+        f"{len(result.pruned)} pruned by the formula, {len(result.skipped)} decided without compiling, "
+        f"{result.shared} shared a compiled program",
+        flush=True,
+    )
 
 
 def report_passes(rows: list[dict], chosen: int, rounds: int, passes: int) -> None:
@@ -329,12 +407,16 @@ def report_passes(rows: list[dict], chosen: int, rounds: int, passes: int) -> No
     print(f"\nper pass ({passes} blocks of {rounds} interleaved rounds, one after the other), median ms:\n")
     print("| plan | " + " | ".join(f"pass {i + 1}" for i in range(passes)) + " |")
     print("|---|" + "---|" * passes)
-    med = [[float(sorted(r["times"][i * rounds:(i + 1) * rounds])[rounds // 2]) for i in range(passes)] for r in rows]
+    med = [[float(sorted(r["times"][i * rounds : (i + 1) * rounds])[rounds // 2]) for i in range(passes)] for r in rows]
     for r, m in zip(rows, med):
         print(f"| {r['plan']} | " + " | ".join(f"{x * 1e3:.0f}" for x in m) + " |")
     ratios = [med[chosen][i] / min(m[i] for m in med) for i in range(passes)]
-    print("chosen / fastest measured, per pass: " + ", ".join(f"{x:.3f}" for x in ratios) +
-          f"; worst {max(ratios):.3f} ({'within' if max(ratios) <= 1.10 else 'NOT within'} 1.10x)", flush=True)
+    print(
+        "chosen / fastest measured, per pass: "
+        + ", ".join(f"{x:.3f}" for x in ratios)
+        + f"; worst {max(ratios):.3f} ({'within' if max(ratios) <= 1.10 else 'NOT within'} 1.10x)",
+        flush=True,
+    )
     for r, m in zip(rows, med):
         r["pass_medians_s"] = m
 
@@ -355,7 +437,7 @@ def plot(models: dict, path: str) -> None:
         colors = ["tab:blue" if r["stage"] == 3 else "tab:orange" for r in m["rows"]]
         ax.scatter(pred, meas, c=colors, s=30)
         c = m["chosen"]
-        ax.scatter(pred[c:c + 1], meas[c:c + 1], s=160, facecolors="none", edgecolors="red", label="chosen plan")
+        ax.scatter(pred[c : c + 1], meas[c : c + 1], s=160, facecolors="none", edgecolors="red", label="chosen plan")
         for i, (x, y) in enumerate(zip(pred, meas), 1):
             ax.annotate(str(i), (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
         rho = spearman(pred, meas)
@@ -380,15 +462,32 @@ def paper(args) -> dict:
     from zerojax.report.estimate import MODELS
 
     shape = MODELS["gpt-7.5b"]
-    cfg = gpt.GPTConfig(vocab=shape.vocab, seq_len=shape.seq_len, d_model=shape.d_model, n_layers=shape.n_layers,
-                        n_heads=shape.d_model // 64)  # as fits.py and `zerojax autotune --model` do
+    cfg = gpt.GPTConfig(
+        vocab=shape.vocab,
+        seq_len=shape.seq_len,
+        d_model=shape.d_model,
+        n_layers=shape.n_layers,
+        n_heads=shape.d_model // 64,
+    )  # as fits.py and `zerojax autotune --model` do
     graphdef, params = gpt.init_abstract(cfg)
     tokens = jax.ShapeDtypeStruct((args.paper_batch, cfg.seq_len + 1), "int32")
-    print(f"## The ZeRO paper's 7.5B model: GPT d_model {cfg.d_model}, {cfg.n_layers} layers, seq {cfg.seq_len}, "
-          f"Ψ = {cfg.num_params():,}; global batch {args.paper_batch}; bf16 compute, fp32 masters, AdamW; 64 H100 "
-          f"(80 GB), compiled ahead of time for 64 simulated CPU devices; jax {jax.__version__}\n", flush=True)
-    result = zj.autotune(gpt.make_loss(graphdef), params, optax.adamw(1e-4), {"tokens": tokens}, mesh=zj.make_mesh(),
-                         memory="80GB", config=zj.ZeroConfig(compute_dtype="bfloat16"), device="H100", verbose=True)
+    print(
+        f"## The ZeRO paper's 7.5B model: GPT d_model {cfg.d_model}, {cfg.n_layers} layers, seq {cfg.seq_len}, "
+        f"Ψ = {cfg.num_params():,}; global batch {args.paper_batch}; bf16 compute, fp32 masters, AdamW; 64 H100 "
+        f"(80 GB), compiled ahead of time for 64 simulated CPU devices; jax {jax.__version__}\n",
+        flush=True,
+    )
+    result = zj.autotune(
+        gpt.make_loss(graphdef),
+        params,
+        optax.adamw(1e-4),
+        {"tokens": tokens},
+        mesh=zj.make_mesh(),
+        memory="80GB",
+        config=zj.ZeroConfig(compute_dtype="bfloat16"),
+        device="H100",
+        verbose=True,
+    )
     print(result.table(limit=10))
     from zerojax.tuning.cli import code
 

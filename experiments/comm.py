@@ -34,9 +34,12 @@ from zerojax.report.comm import collectives  # noqa: E402
 from zerojax.report.hlo import DTYPE_BYTES  # noqa: E402
 
 PAPER = {0: 2.0, 1: 2.0, 2: 2.0, 3: 3.0}
-WHAT = {0: "all-reduce of gradients", 1: "reduce-scatter of gradients + all-gather of parameters",
-        2: "reduce-scatter per gradient + all-gather of parameters",
-        3: "all-gather forward + all-gather backward + reduce-scatter"}
+WHAT = {
+    0: "all-reduce of gradients",
+    1: "reduce-scatter of gradients + all-gather of parameters",
+    2: "reduce-scatter per gradient + all-gather of parameters",
+    3: "all-gather forward + all-gather backward + reduce-scatter",
+}
 
 
 def measure(cfg: gpt.GPTConfig, stage: int, compute_dtype: str, batch_size: int, mesh) -> dict:
@@ -59,8 +62,13 @@ def measure(cfg: gpt.GPTConfig, stage: int, compute_dtype: str, batch_size: int,
         kinds[key] = r["count"]
         elements += elems
         nbytes += r["zero_bytes"]
-    asked = sorted({f"{c.kind} {c.dtype}" for c in collectives(lowered.as_text(dialect="hlo"))
-                    if c.bytes / DTYPE_BYTES.get(c.dtype, 4) >= small})
+    asked = sorted(
+        {
+            f"{c.kind} {c.dtype}"
+            for c in collectives(lowered.as_text(dialect="hlo"))
+            if c.bytes / DTYPE_BYTES.get(c.dtype, 4) >= small
+        }
+    )
     # The same volume at the dtypes asked for (what a backend that keeps 16-bit collectives moves).
     asked_bytes = 0.0
     for key in kinds:
@@ -68,22 +76,34 @@ def measure(cfg: gpt.GPTConfig, stage: int, compute_dtype: str, batch_size: int,
         wanted = [a.split()[1] for a in asked if a.split()[0] == kind]
         size = DTYPE_BYTES[wanted[0]] if len(wanted) == 1 else DTYPE_BYTES[dtype]
         asked_bytes += report[key]["zero_bytes"] / DTYPE_BYTES[dtype] * size
-    return {"stage": stage, "compute_dtype": compute_dtype, "params": psi, "kinds": kinds,
-            "elements": elements, "bytes": nbytes, "psi_units": elements / psi, "asked": asked,
-            "asked_bytes": asked_bytes}
+    return {
+        "stage": stage,
+        "compute_dtype": compute_dtype,
+        "params": psi,
+        "kinds": kinds,
+        "elements": elements,
+        "bytes": nbytes,
+        "psi_units": elements / psi,
+        "asked": asked,
+        "asked_bytes": asked_bytes,
+    }
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| stage | compute | collectives as compiled (runs per step) | volume per device per step | "
-             "paper | bytes per device per step (as compiled) | dtypes zerojax asks for (lowered) | "
-             "bytes at those dtypes |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| stage | compute | collectives as compiled (runs per step) | volume per device per step | "
+        "paper | bytes per device per step (as compiled) | dtypes zerojax asks for (lowered) | "
+        "bytes at those dtypes |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         kinds = ", ".join(f"{k.replace(':', ' ')} ×{v}" for k, v in r["kinds"].items())
         asked = ", ".join(r["asked"]) or "— (GSPMD inserts them at compile time)"
-        lines.append(f"| {r['stage']} | {r['compute_dtype']} | {kinds} | {r['psi_units']:.3f}Ψ | "
-                     f"{PAPER[r['stage']]:.0f}Ψ | {r['bytes'] / 2**20:.2f} MiB | {asked} | "
-                     f"{r['asked_bytes'] / 2**20:.2f} MiB |")
+        lines.append(
+            f"| {r['stage']} | {r['compute_dtype']} | {kinds} | {r['psi_units']:.3f}Ψ | "
+            f"{PAPER[r['stage']]:.0f}Ψ | {r['bytes'] / 2**20:.2f} MiB | {asked} | "
+            f"{r['asked_bytes'] / 2**20:.2f} MiB |"
+        )
     return "\n".join(lines)
 
 
@@ -95,12 +115,15 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     args = ap.parse_args(argv)
-    cfg = gpt.GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
-                        n_heads=max(1, args.d_model // 64))
+    cfg = gpt.GPTConfig(
+        seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=max(1, args.d_model // 64)
+    )
     mesh = zj.make_mesh()
     psi = cfg.num_params()
-    print(f"GPT d{cfg.d_model} L{cfg.n_layers}: Ψ = {psi:,} parameters, N = {mesh.devices.size} "
-          f"{jax.devices()[0].platform} devices, AdamW, jax {jax.__version__}\n")
+    print(
+        f"GPT d{cfg.d_model} L{cfg.n_layers}: Ψ = {psi:,} parameters, N = {mesh.devices.size} "
+        f"{jax.devices()[0].platform} devices, AdamW, jax {jax.__version__}\n"
+    )
     rows = []
     dtypes = args.dtypes.split(",")
     progress = bar(4 * len(dtypes), "comm")

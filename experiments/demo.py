@@ -58,8 +58,10 @@ def main(argv=None) -> None:
     first = next(stream)
     report = zj.report.communication_report(train_step.lower(state, first).compile())
     psi_bytes = 4 * cfg.num_params()
-    print(f"\nZeRO-3 traffic per device per step: {report['total']['zero_bytes'] / psi_bytes:.2f}Ψ "
-          "(paper: 3Ψ = all-gather forward + all-gather backward + reduce-scatter)")
+    print(
+        f"\nZeRO-3 traffic per device per step: {report['total']['zero_bytes'] / psi_bytes:.2f}Ψ "
+        "(paper: 3Ψ = all-gather forward + all-gather backward + reduce-scatter)"
+    )
 
     print(f"\nTraining a {cfg.num_params():,}-parameter GPT with ZeRO-3 on the stdlib's source bytes")
     losses = []

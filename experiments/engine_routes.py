@@ -74,8 +74,12 @@ def quax_route(loss_fn, params, mesh):
         grads = [g.shard / n if sp else jax.lax.pmean(g, "data") for g, sp in zip(grads, split)]
         return [s - LR * g for s, g in zip(shards, grads)], jax.lax.pmean(value, "data")
 
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, {"tokens": P("data")}), out_specs=(specs, P()),
-                                 check_vma=False), donate_argnums=0)
+    step = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(specs, {"tokens": P("data")}), out_specs=(specs, P()), check_vma=False
+        ),
+        donate_argnums=0,
+    )
     shards = [jax.device_put(x, jax.sharding.NamedSharding(mesh, s)) for x, s in zip(leaves, specs)]
     return step, shards
 
@@ -131,7 +135,11 @@ def main(argv=None) -> dict:
     t = time.perf_counter()
     state, zstep = gpt.zero_setup(cfg, optax.sgd(LR), mesh=mesh, config=zj.ZeroConfig(stage=3))
     zc = zstep.lower(state, batch).compile()
-    routes["zerojax"] = {"compile_s": time.perf_counter() - t, "mib": compiled_mib(zc), "hlo": collectives(zc.as_text())}
+    routes["zerojax"] = {
+        "compile_s": time.perf_counter() - t,
+        "mib": compiled_mib(zc),
+        "hlo": collectives(zc.as_text()),
+    }
     progress.update()
     t = time.perf_counter()
     qstep, shards = quax_route(loss_fn, params, mesh)
@@ -160,13 +168,17 @@ def main(argv=None) -> dict:
     progress.update()
     progress.close()
 
-    print(f"GPT d_model {args.d_model}, {args.layers} layers, {cfg.num_params():,} params, batch {args.batch}x"
-          f"{cfg.seq_len}, SGD, stage 3, 8 CPU devices, jax {jax.__version__}\n")
+    print(
+        f"GPT d_model {args.d_model}, {args.layers} layers, {cfg.num_params():,} params, batch {args.batch}x"
+        f"{cfg.seq_len}, SGD, stage 3, 8 CPU devices, jax {jax.__version__}\n"
+    )
     print("| route | compile s | ms/step | compiled MiB/device | collectives in the step | loss | custom_vjp |")
     print("|---|---|---|---|---|---|---|")
     for name, r in routes.items():
-        print(f"| {name} | {r['compile_s']:.1f} | {r['ms']:.1f} | {r['mib']:.2f} | {r['hlo']} | {r['loss']:.5f} | "
-              f"{checks[name]} |")
+        print(
+            f"| {name} | {r['compile_s']:.1f} | {r['ms']:.1f} | {r['mib']:.2f} | {r['hlo']} | {r['loss']:.5f} | "
+            f"{checks[name]} |"
+        )
     return {"routes": routes, "custom_vjp": checks}
 
 

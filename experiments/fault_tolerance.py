@@ -81,9 +81,28 @@ def save_table(args) -> list[str]:
 
 def preemption_table(args) -> list[str]:
     with tempfile.TemporaryDirectory() as d:
-        cmd = [sys.executable, "-m", "zerojax.launch", "--nprocs", "4", "--devices-per-proc", "1", "--", sys.executable,
-               str(ROOT / "tests" / "workers" / "resume_job.py"), "--dir", os.path.join(d, "ck"), "--out",
-               os.path.join(d, "out"), "--steps", "1000", "--save-every", "1000", "--sleep", str(args.step_sleep)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "zerojax.launch",
+            "--nprocs",
+            "4",
+            "--devices-per-proc",
+            "1",
+            "--",
+            sys.executable,
+            str(ROOT / "tests" / "workers" / "resume_job.py"),
+            "--dir",
+            os.path.join(d, "ck"),
+            "--out",
+            os.path.join(d, "out"),
+            "--steps",
+            "1000",
+            "--save-every",
+            "1000",
+            "--sleep",
+            str(args.step_sleep),
+        ]
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
         pids, sent, last, after = {}, None, None, 0
         for line in p.stdout:

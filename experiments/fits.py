@@ -68,17 +68,26 @@ def main(argv=None) -> list[dict]:
     mesh = zj.make_mesh(devices[: args.devices])
     shape = estimate.MODELS[args.model]
     seq_len = args.seq_len or shape.seq_len
-    cfg = gpt.GPTConfig(vocab=shape.vocab, seq_len=seq_len, d_model=shape.d_model, n_layers=shape.n_layers,
-                        n_heads=max(1, shape.d_model // 64), mlp_ratio=shape.mlp_ratio, remat=args.remat)
+    cfg = gpt.GPTConfig(
+        vocab=shape.vocab,
+        seq_len=seq_len,
+        d_model=shape.d_model,
+        n_layers=shape.n_layers,
+        n_heads=max(1, shape.d_model // 64),
+        mlp_ratio=shape.mlp_ratio,
+        remat=args.remat,
+    )
     graphdef, params = gpt.init_abstract(cfg)
     psi = cfg.num_params()
     dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.precision]
     tokens = jax.ShapeDtypeStruct((args.batch, seq_len + 1), "int32")
     tx = optax.adamw(1e-4)
     n = args.devices
-    print(f"{args.model}: Ψ = {psi / 1e9:.3f}B parameters, seq {seq_len}, global batch {args.batch}; "
-          f"N = {n} {devices[0].platform} devices; {args.precision} compute, fp32 masters, AdamW; "
-          f"remat {args.remat}; jax {jax.__version__}\n")
+    print(
+        f"{args.model}: Ψ = {psi / 1e9:.3f}B parameters, seq {seq_len}, global batch {args.batch}; "
+        f"N = {n} {devices[0].platform} devices; {args.precision} compute, fp32 masters, AdamW; "
+        f"remat {args.remat}; jax {jax.__version__}\n"
+    )
     print("| stage | paper (K=12) | zerojax state formula | compiled: state | temp | total per device | fits |")
     print("|---|---|---|---|---|---|---|")
     rows = []
@@ -87,10 +96,14 @@ def main(argv=None) -> list[dict]:
         mem = zj.report.step_memory(gpt.make_loss(graphdef), params, tx, {"tokens": tokens}, mesh=mesh, config=zc)
         formula = zj.report.zero_formula_bytes(psi, n, stage, compute_dtype=dtype)
         fits = "—" if args.budget_gib is None else ("yes" if mem.fits(args.budget_gib * 2**30) else "no")
-        rows.append({"stage": stage, "state": mem.state, "temp": mem.temp, "total": mem.total,
-                     "formula": formula, "fits": fits})
-        print(f"| {stage} | {fmt(estimate.paper_bytes(psi, n, stage))} | {fmt(formula)} | {fmt(mem.state)} | "
-              f"{fmt(mem.temp)} | {fmt(mem.total)} | {fits} |", flush=True)
+        rows.append(
+            {"stage": stage, "state": mem.state, "temp": mem.temp, "total": mem.total, "formula": formula, "fits": fits}
+        )
+        print(
+            f"| {stage} | {fmt(estimate.paper_bytes(psi, n, stage))} | {fmt(formula)} | {fmt(mem.state)} | "
+            f"{fmt(mem.temp)} | {fmt(mem.total)} | {fits} |",
+            flush=True,
+        )
     return rows
 
 

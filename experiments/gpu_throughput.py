@@ -73,13 +73,17 @@ def peak_flops(device, override: float | None) -> float | None:
     return None
 
 
-OFFLOAD = {"none": {}, "optimizer": dict(offload_optimizer=True, offload_update="auto"),
-           "optimizer-device": dict(offload_optimizer=True, offload_update="device"),
-           "params": dict(offload_optimizer=True, offload_params=True, offload_update="auto")}
+OFFLOAD = {
+    "none": {},
+    "optimizer": dict(offload_optimizer=True, offload_update="auto"),
+    "optimizer-device": dict(offload_optimizer=True, offload_update="device"),
+    "params": dict(offload_optimizer=True, offload_params=True, offload_update="auto"),
+}
 
 
-def measure(cfg: gpt.GPTConfig, stage: int, batch: int, steps: int, device, prefetch: int = 0,
-            offload: str = "none") -> dict:
+def measure(
+    cfg: gpt.GPTConfig, stage: int, batch: int, steps: int, device, prefetch: int = 0, offload: str = "none"
+) -> dict:
     graphdef, params = gpt.init(cfg)
     tx = optax.adamw(1e-4, b2=0.95, weight_decay=0.1)
     mesh = zj.make_mesh([device])
@@ -107,11 +111,20 @@ def measure(cfg: gpt.GPTConfig, stage: int, batch: int, steps: int, device, pref
     stats = device.memory_stats() or {}
     del state, step
     t = statistics.median(times)
-    return {"stage": stage, "remat": cfg.remat, "prefetch": prefetch, "offload": offload, "update": place,
-            "state_device": placed["device"], "state_host": placed["host"], "step_s": t,
-            "tokens_per_s": batch * cfg.seq_len / t,
-            "compile_s": compile_s, "loss": float(m["loss"]),
-            "peak_bytes": stats.get("peak_bytes_in_use")}
+    return {
+        "stage": stage,
+        "remat": cfg.remat,
+        "prefetch": prefetch,
+        "offload": offload,
+        "update": place,
+        "state_device": placed["device"],
+        "state_host": placed["host"],
+        "step_s": t,
+        "tokens_per_s": batch * cfg.seq_len / t,
+        "compile_s": compile_s,
+        "loss": float(m["loss"]),
+        "peak_bytes": stats.get("peak_bytes_in_use"),
+    }
 
 
 def long_context(seqs: list[int], heads: int, block: int, peak: float | None, head_dim: int = 128) -> list[dict]:
@@ -119,10 +132,13 @@ def long_context(seqs: list[int], heads: int, block: int, peak: float | None, he
     length: median time of 5 calls, and the compiled program's temp bytes."""
     import jax.numpy as jnp
 
-    impls = {"xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"),
-             "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
-             "zerojax chunked": lambda q, k, v: zj.context.attention.chunked_attention(q, k, v, is_causal=True,
-                                                                                  block_size=block)}
+    impls = {
+        "xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"),
+        "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
+        "zerojax chunked": lambda q, k, v: zj.context.attention.chunked_attention(
+            q, k, v, is_causal=True, block_size=block
+        ),
+    }
     rows = []
     for seq in seqs:
         ks = jax.random.split(jax.random.key(0), 3)
@@ -147,8 +163,10 @@ def long_context(seqs: list[int], heads: int, block: int, peak: float | None, he
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
             rows.append(row)
     if rows:
-        print(f"\nLong context: one causal attention, batch 1, {heads} heads of {head_dim}, bf16, forward + backward "
-              f"(chunked: {block} keys per chunk):\n")
+        print(
+            f"\nLong context: one causal attention, batch 1, {heads} heads of {head_dim}, bf16, forward + backward "
+            f"(chunked: {block} keys per chunk):\n"
+        )
         print("| sequence | attention | time | TFLOP/s (causal) | of peak | compiled temp |")
         print("|---|---|---|---|---|---|")
         for r in rows:
@@ -156,8 +174,10 @@ def long_context(seqs: list[int], heads: int, block: int, peak: float | None, he
                 print(f"| {r['seq']} | {r['impl']} | {r['error']} | | | |")
                 continue
             share = f"{100 * r['of_peak']:.1f}%" if r["of_peak"] is not None else "n/a"
-            print(f"| {r['seq']} | {r['impl']} | {1e3 * r['s']:.1f} ms | {r['tflops']:.1f} | {share} "
-                  f"| {r['temp_bytes'] / 2**20:,.1f} MiB |")
+            print(
+                f"| {r['seq']} | {r['impl']} | {1e3 * r['s']:.1f} ms | {r['tflops']:.1f} | {share} "
+                f"| {r['temp_bytes'] / 2**20:,.1f} MiB |"
+            )
     return rows
 
 
@@ -173,13 +193,19 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--stages", default="0,3")
     ap.add_argument("--remat", default="none,dots_no_batch,full")
     ap.add_argument("--prefetch", default="0,1", help="stage-3 prefetch depths to measure")
-    ap.add_argument("--offload", default="optimizer,optimizer-device,params",
-                    help=f"stage-3 offload rows ({', '.join(o for o in OFFLOAD if o != 'none')}; '' for none)")
+    ap.add_argument(
+        "--offload",
+        default="optimizer,optimizer-device,params",
+        help=f"stage-3 offload rows ({', '.join(o for o in OFFLOAD if o != 'none')}; '' for none)",
+    )
     ap.add_argument("--peak-tflops", type=float, default=None, help="peak bf16 TFLOP/s of the device")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--no-remat-table", action="store_true", help="skip the remat/offload memory table")
-    ap.add_argument("--long-seqs", default="8192,32768,131072",
-                    help="sequence lengths of the long-context attention table (empty: skip it)")
+    ap.add_argument(
+        "--long-seqs",
+        default="8192,32768,131072",
+        help="sequence lengths of the long-context attention table (empty: skip it)",
+    )
     ap.add_argument("--long-heads", type=int, default=16, help="heads of 128 in the long-context table")
     ap.add_argument("--long-block", type=int, default=1024, help="keys per chunk of the chunked attention")
     args = ap.parse_args(argv)
@@ -192,13 +218,20 @@ def main(argv=None) -> list[dict]:
     for o in offloads:
         if o not in OFFLOAD:
             raise SystemExit(f"--offload: unknown setting {o!r}; choose from {', '.join(OFFLOAD)}")
-    runs = [(remat, stage, pf, "none") for remat in remats for stage in stages
-            for pf in (prefetches if stage == 3 else [0])]
+    runs = [
+        (remat, stage, pf, "none") for remat in remats for stage in stages for pf in (prefetches if stage == 3 else [0])
+    ]
     runs += [(remats[-1], 3, 0, o) for o in offloads if o != "none"]
     progress = bar(len(runs), "gpu_throughput")
     for remat, stage, pf, offload in runs:
-        cfg = gpt.GPTConfig(vocab=args.vocab, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
-                            n_heads=args.heads, remat=remat)
+        cfg = gpt.GPTConfig(
+            vocab=args.vocab,
+            seq_len=args.seq_len,
+            d_model=args.d_model,
+            n_layers=args.layers,
+            n_heads=args.heads,
+            remat=remat,
+        )
         progress.set_postfix_str(f"stage {stage} remat {remat} prefetch {pf} offload {offload}")
         r = measure(cfg, stage, args.batch, args.steps, device, pf, offload)
         r["model_tflops_per_s"] = cfg.flops_per_token() * r["tokens_per_s"] / 1e12
@@ -206,23 +239,29 @@ def main(argv=None) -> list[dict]:
         rows.append(r)
         progress.update(1)
     progress.close()
-    print(f"{device.device_kind} ({device.platform}), jax {jax.__version__}, "
-          f"{time.strftime('%Y-%m-%d')}; GPT {cfg.num_params() / 1e6:.0f}M parameters (d{args.d_model} "
-          f"L{args.layers}, seq {args.seq_len}, vocab {args.vocab}), batch {args.batch} x {args.seq_len} tokens, "
-          f"bf16 compute, fp32 masters, AdamW; {cfg.flops_per_token() / 1e9:.2f} GFLOP per token; peak "
-          f"{'%.1f TFLOP/s' % (peak / 1e12) if peak else 'unknown (pass --peak-tflops)'}\n")
+    print(
+        f"{device.device_kind} ({device.platform}), jax {jax.__version__}, "
+        f"{time.strftime('%Y-%m-%d')}; GPT {cfg.num_params() / 1e6:.0f}M parameters (d{args.d_model} "
+        f"L{args.layers}, seq {args.seq_len}, vocab {args.vocab}), batch {args.batch} x {args.seq_len} tokens, "
+        f"bf16 compute, fp32 masters, AdamW; {cfg.flops_per_token() / 1e9:.2f} GFLOP per token; peak "
+        f"{'%.1f TFLOP/s' % (peak / 1e12) if peak else 'unknown (pass --peak-tflops)'}\n"
+    )
     print(f"XLA_FLAGS: {os.environ.get('XLA_FLAGS', '')}\n")
-    print("| stage | remat | prefetch | offload (update on) | step time | tokens/s | model TFLOP/s | MFU | "
-          "peak memory | state on device | state in host memory | compile |")
+    print(
+        "| stage | remat | prefetch | offload (update on) | step time | tokens/s | model TFLOP/s | MFU | "
+        "peak memory | state on device | state in host memory | compile |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     gib = lambda b: f"{b / 2**30:.2f} GiB"
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         mem = gib(r["peak_bytes"]) if r["peak_bytes"] else "n/a"
         off = "none" if r["offload"] == "none" else f"{r['offload']} ({r['update']})"
-        print(f"| {r['stage']} | {r['remat']} | {r['prefetch']} | {off} | {1e3 * r['step_s']:.1f} ms | "
-              f"{r['tokens_per_s']:,.0f} | {r['model_tflops_per_s']:.1f} | {mfu} | {mem} | {gib(r['state_device'])} | "
-              f"{gib(r['state_host'])} | {r['compile_s']:.1f} s |")
+        print(
+            f"| {r['stage']} | {r['remat']} | {r['prefetch']} | {off} | {1e3 * r['step_s']:.1f} ms | "
+            f"{r['tokens_per_s']:,.0f} | {r['model_tflops_per_s']:.1f} | {mfu} | {mem} | {gib(r['state_device'])} | "
+            f"{gib(r['state_host'])} | {r['compile_s']:.1f} s |"
+        )
     offload = None
     if not args.no_remat_table:
         print("\nRemat policies, ZeRO-3 (device and host bytes from memory_analysis):\n")
@@ -231,13 +270,22 @@ def main(argv=None) -> list[dict]:
         for line in failures or ["every offload policy moved its values to host memory"]:
             print(f"offload check: {line}")
         offload = {"rows": table, "failures": failures}
-    long_rows = long_context([int(x) for x in args.long_seqs.split(",") if x], args.long_heads, args.long_block,
-                             peak)
+    long_rows = long_context([int(x) for x in args.long_seqs.split(",") if x], args.long_heads, args.long_block, peak)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": device.device_kind, "jax": jax.__version__, "args": vars(args), "rows": rows,
-                       "xla_flags": os.environ.get("XLA_FLAGS", ""),
-                       "remat_offload": offload, "long_context": long_rows}, f, indent=1)
+            json.dump(
+                {
+                    "device": device.device_kind,
+                    "jax": jax.__version__,
+                    "args": vars(args),
+                    "rows": rows,
+                    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                    "remat_offload": offload,
+                    "long_context": long_rows,
+                },
+                f,
+                indent=1,
+            )
     return rows
 
 

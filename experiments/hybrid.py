@@ -32,8 +32,11 @@ from zerojax.models import gpt  # noqa: E402
 from zerojax.report.comm import collectives  # noqa: E402
 from zerojax.report.progress import progress  # noqa: E402
 
-GATHERS = {"fp32": dict(compute_dtype="float32"), "bf16": dict(compute_dtype="bfloat16"),
-           "int8": dict(compute_dtype="bfloat16", gather_dtype="int8")}
+GATHERS = {
+    "fp32": dict(compute_dtype="float32"),
+    "bf16": dict(compute_dtype="bfloat16"),
+    "int8": dict(compute_dtype="bfloat16", gather_dtype="int8"),
+}
 
 
 def traffic(cfg: gpt.GPTConfig, replicas: int, gathers: str, batch: int) -> dict[str, int]:
@@ -61,29 +64,44 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--replicas", default="1,2,4", help="replica groups of each mesh (1: the 1-D mesh)")
     args = ap.parse_args(argv)
-    cfg = gpt.GPTConfig(vocab=256, seq_len=64, d_model=args.d_model, n_layers=args.layers,
-                        n_heads=max(1, args.d_model // 32))
+    cfg = gpt.GPTConfig(
+        vocab=256, seq_len=64, d_model=args.d_model, n_layers=args.layers, n_heads=max(1, args.d_model // 32)
+    )
     n = len(jax.devices())
     rows = []
     # One compile per configuration: a bar on a terminal, nothing when piped or in CI.
     configs = [(int(x), g) for x in args.replicas.split(",") for g in GATHERS]
     for r, g in progress(configs, "hybrid", unit="config"):
         t = traffic(cfg, r, g, args.batch)
-        rows.append({"replicas": r, "gathers": g, "data": t.get("data", 0), "replica": t.get("replica", 0),
-                     "all": t.get("replica+data", 0) if r > 1 else 0, "total": sum(t.values())})
+        rows.append(
+            {
+                "replicas": r,
+                "gathers": g,
+                "data": t.get("data", 0),
+                "replica": t.get("replica", 0),
+                "all": t.get("replica+data", 0) if r > 1 else 0,
+                "total": sum(t.values()),
+            }
+        )
     psi = cfg.num_params()
-    print(f"GPT d{args.d_model} L{args.layers} ({psi:,} parameters), ZeRO-3, AdamW, batch {args.batch} x "
-          f"{cfg.seq_len}, {n} x {jax.devices()[0].platform}, jax {jax.__version__}\n")
+    print(
+        f"GPT d{args.d_model} L{args.layers} ({psi:,} parameters), ZeRO-3, AdamW, batch {args.batch} x "
+        f"{cfg.seq_len}, {n} x {jax.devices()[0].platform}, jax {jax.__version__}\n"
+    )
     mib = lambda b: f"{b / 2**20:.3f} MiB"
-    print("| mesh | gathers | inside a group (data) | across groups (replica) | every device | total | "
-          "spans nodes (a group per node) |")
+    print(
+        "| mesh | gathers | inside a group (data) | across groups (replica) | every device | total | "
+        "spans nodes (a group per node) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for row in rows:
         r = row["replicas"]
         mesh = f"1-D ({n})" if r == 1 else f"{r} x {n // r}"
         row["spans_nodes"] = row["total"] if r == 1 else row["replica"] + row["all"]
-        print(f"| {mesh} | {row['gathers']} | {mib(row['data'])} | {mib(row['replica'])} | {mib(row['all'])} | "
-              f"{mib(row['total'])} | {mib(row['spans_nodes'])} |")
+        print(
+            f"| {mesh} | {row['gathers']} | {mib(row['data'])} | {mib(row['replica'])} | {mib(row['all'])} | "
+            f"{mib(row['total'])} | {mib(row['spans_nodes'])} |"
+        )
     return rows
 
 

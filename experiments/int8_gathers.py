@@ -33,8 +33,11 @@ from experiments import data  # noqa: E402
 from experiments.progress import bar  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 
-GATHERS = {"fp32": dict(compute_dtype="float32"), "bf16": dict(compute_dtype="bfloat16"),
-           "int8": dict(compute_dtype="bfloat16", gather_dtype="int8")}
+GATHERS = {
+    "fp32": dict(compute_dtype="float32"),
+    "bf16": dict(compute_dtype="bfloat16"),
+    "int8": dict(compute_dtype="bfloat16", gather_dtype="int8"),
+}
 
 
 def gather_traffic(cfg: gpt.GPTConfig, batch: int) -> dict[str, dict]:
@@ -79,16 +82,19 @@ def main(argv=None) -> dict:
     ap.add_argument("--plot", default=None, help="write the two loss curves to this PNG")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
-    cfg = gpt.GPTConfig(vocab=256, seq_len=64, d_model=args.d_model, n_layers=args.layers,
-                        n_heads=max(1, args.d_model // 32))
+    cfg = gpt.GPTConfig(
+        vocab=256, seq_len=64, d_model=args.d_model, n_layers=args.layers, n_heads=max(1, args.d_model // 32)
+    )
     traffic = gather_traffic(cfg, args.batch)
     progress = bar(2 * args.steps, "int8_gathers")
     losses = {name: train(cfg, GATHERS[name], args.steps, args.batch, progress) for name in ("bf16", "int8")}
     progress.close()
     psi = cfg.num_params()
-    print(f"GPT d{args.d_model} L{args.layers} ({psi:,} parameters), ZeRO-3, AdamW 3e-3, clip 1.0, batch "
-          f"{args.batch} x {cfg.seq_len}, {len(jax.devices())} x {jax.devices()[0].platform}, jax {jax.__version__}; "
-          f"int8 blocks of {zj.ZeroConfig().quant_block_size}\n")
+    print(
+        f"GPT d{args.d_model} L{args.layers} ({psi:,} parameters), ZeRO-3, AdamW 3e-3, clip 1.0, batch "
+        f"{args.batch} x {cfg.seq_len}, {len(jax.devices())} x {jax.devices()[0].platform}, jax {jax.__version__}; "
+        f"int8 blocks of {zj.ZeroConfig().quant_block_size}\n"
+    )
     fp32 = sum(traffic["fp32"].values())
     print("| gathers | all-gather bytes per device per step | by dtype | vs fp32 |")
     print("|---|---|---|---|")
@@ -103,8 +109,10 @@ def main(argv=None) -> dict:
         print(f"| {i} | {losses['bf16'][i]:.4f} | {losses['int8'][i]:.4f} |")
     last = {k: float(np.mean(v[-10:])) for k, v in losses.items()}
     rel = last["int8"] / last["bf16"] - 1
-    print(f"\nmean loss of the last 10 steps: bf16 gathers {last['bf16']:.4f}, int8 gathers {last['int8']:.4f} "
-          f"({100 * rel:+.2f}%)")
+    print(
+        f"\nmean loss of the last 10 steps: bf16 gathers {last['bf16']:.4f}, int8 gathers {last['int8']:.4f} "
+        f"({100 * rel:+.2f}%)"
+    )
     if args.plot:
         import matplotlib
 

@@ -96,8 +96,9 @@ def gather(w):
 def broadcast_to(v, like):
     """``v`` (reduced) broadcast over ``like``'s leading dims, with ``like``'s sharding:
     ``v + like`` itself is refused (reduced beside batch-sharded)."""
-    return jax.lax.broadcast_in_dim(v, like.shape, tuple(range(like.ndim - v.ndim, like.ndim)),
-                                    out_sharding=jax.typeof(like).sharding)
+    return jax.lax.broadcast_in_dim(
+        v, like.shape, tuple(range(like.ndim - v.ndim, like.ndim)), out_sharding=jax.typeof(like).sharding
+    )
 
 
 # ----------------------------------------------------------------------------- the model
@@ -130,8 +131,9 @@ def block(x, w, n_heads: int):
 def embed(wte, wpe, ids):
     """Token + position embeddings of batch-sharded ``ids`` from gathered tables."""
     spec = P(*(None,) * wte.ndim, reduced={AXIS})
-    x = jax.shard_map(lambda table, i: jnp.take(table, i, axis=0), in_specs=(spec, P(AXIS)),
-                      out_specs=P(AXIS))(wte, ids)
+    x = jax.shard_map(lambda table, i: jnp.take(table, i, axis=0), in_specs=(spec, P(AXIS)), out_specs=P(AXIS))(
+        wte, ids
+    )
     return x + broadcast_to(wpe[: ids.shape[1]], x)
 
 
@@ -176,8 +178,7 @@ def _pipe_fwd(f, x, ws):
         vjp.args_res[1] = None
         return (x, w_next), vjp
 
-    (x, w_last), vjps = jax.lax.scan(body, (x, _ag(_layer(ws, 1))), jax.tree.map(lambda w: w[2:], ws),
-                                     unroll=2)
+    (x, w_last), vjps = jax.lax.scan(body, (x, _ag(_layer(ws, 1))), jax.tree.map(lambda w: w[2:], ws), unroll=2)
     x, vjp_last = jax.vjp(f, x, w_last)
     vjp_last.args_res[1] = None
     return x, (vjp_first, vjps, vjp_last, ws)
@@ -197,12 +198,17 @@ def _pipe_bwd(f, res, x_bar):
         return (x_bar, w_prev, w_bar), _rs(w_next_bar, ws)
 
     (x_bar, w0, w1_bar), rest_bar = jax.lax.scan(
-        body, (x_bar, _ag(_layer(ws, -2)), w_last_bar), (vjps, jax.tree.map(lambda w: w[:-2], ws)),
-        reverse=True, unroll=2)
+        body,
+        (x_bar, _ag(_layer(ws, -2)), w_last_bar),
+        (vjps, jax.tree.map(lambda w: w[:-2], ws)),
+        reverse=True,
+        unroll=2,
+    )
     vjp_first.args_res[1] = w0
     x_bar, w0_bar = vjp_first(x_bar)
-    ws_bar = jax.tree.map(lambda a, b, rest: jnp.concatenate([a[None], b[None], rest], axis=0),
-                          _rs(w0_bar, ws), _rs(w1_bar, ws), rest_bar)
+    ws_bar = jax.tree.map(
+        lambda a, b, rest: jnp.concatenate([a[None], b[None], rest], axis=0), _rs(w0_bar, ws), _rs(w1_bar, ws), rest_bar
+    )
     return x_bar, ws_bar
 
 
@@ -225,6 +231,7 @@ def make_recipe_loss(cfg: gpt.GPTConfig, variant: str):
     def layers(x, blocks):
         if variant == "pipelined":
             return pipelined_layers(f, x, blocks)
+
         @partial(jax.checkpoint, policy=not_gathered)
         def body(x, w_sharded):
             return f(x, _ag(w_sharded)), None
@@ -287,8 +294,9 @@ def reference_losses(cfg, params, graphdef, tx, batches) -> list[float]:
     return out
 
 
-def check(cfg: gpt.GPTConfig, steps: int = 5, batch_size: int = 32, lr: float = 1e-3, rtol: float = 1e-5,
-          seed: int = 0) -> dict:
+def check(
+    cfg: gpt.GPTConfig, steps: int = 5, batch_size: int = 32, lr: float = 1e-3, rtol: float = 1e-5, seed: int = 0
+) -> dict:
     """Both recipe variants against single-device optax on the same GPT, AdamW and batches:
     the loss at each of ``steps`` steps and after the last update, within ``rtol``."""
     graphdef, params = gpt.init(cfg, seed)
@@ -310,13 +318,18 @@ def check(cfg: gpt.GPTConfig, steps: int = 5, batch_size: int = 32, lr: float = 
 
 
 def print_check(c: dict) -> None:
-    print(f"Correctness: loss at each of {c['steps']} AdamW steps and after the last update, against "
-          f"single-device optax on the same GPT and batches (tolerance {c['rtol']:g} relative)\n")
+    print(
+        f"Correctness: loss at each of {c['steps']} AdamW steps and after the last update, against "
+        f"single-device optax on the same GPT and batches (tolerance {c['rtol']:g} relative)\n"
+    )
     print("| step | single-device optax | " + " | ".join(RECIPES) + " |")
     print("|---|---|" + "---|" * len(RECIPES))
     for i, ref in enumerate(c["reference"]):
-        print(f"| {i + 1 if i < c['steps'] else 'after'} | {ref:.7f} | "
-              + " | ".join(f"{c[v][i]:.7f}" for v in RECIPES) + " |")
+        print(
+            f"| {i + 1 if i < c['steps'] else 'after'} | {ref:.7f} | "
+            + " | ".join(f"{c[v][i]:.7f}" for v in RECIPES)
+            + " |"
+        )
     print("| max relative difference | | " + " | ".join(f"{c[f'{v}_max_rel']:.1e}" for v in RECIPES) + " |")
     print(f"\ncheck {'passed' if c['ok'] else 'FAILED'}\n")
 
@@ -346,8 +359,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--check-steps", type=int, default=5)
     ap.add_argument("--check-only", action="store_true", help="run the correctness check and stop")
     args = ap.parse_args(argv)
-    cfg = gpt.GPTConfig(vocab=256, seq_len=64, d_model=args.d_model, n_layers=args.layers,
-                        n_heads=max(1, args.d_model // 64))
+    cfg = gpt.GPTConfig(
+        vocab=256, seq_len=64, d_model=args.d_model, n_layers=args.layers, n_heads=max(1, args.d_model // 64)
+    )
     result = {"config": vars(args), "jax": jax.__version__, "params": cfg.num_params()}
     c = check(cfg, steps=args.check_steps, batch_size=args.batch)
     print_check(c)
@@ -364,8 +378,13 @@ def main(argv=None) -> dict:
     xmesh, zmesh = explicit_mesh(), zj.make_mesh()
     zbatches = [{"tokens": jax.device_put(b["tokens"], NamedSharding(zmesh, P(AXIS)))} for b in batches]
     xbatches = [place_tokens(b, xmesh) for b in batches]
-    names = ["JAX recipe: reshard per layer", "JAX recipe: pipelined (overlap_test)",
-             "zerojax stage 3, prefetch 0", "zerojax stage 3, prefetch 1", "zerojax stage 0"]
+    names = [
+        "JAX recipe: reshard per layer",
+        "JAX recipe: pipelined (overlap_test)",
+        "zerojax stage 3, prefetch 0",
+        "zerojax stage 3, prefetch 1",
+        "zerojax stage 0",
+    ]
     progress = bar(len(names) * (1 + args.warmup + args.steps), "jax_fsdp")
     runs = []
     for name in names:
@@ -386,8 +405,18 @@ def main(argv=None) -> dict:
             def run(state, i, zstep=zstep):
                 state, m = zstep(state, zbatches[i])
                 return state, m["loss"]
-        runs.append({"name": name, "run": run, "state": state, "memory": zj.report.compiled_bytes(compiled),
-                     "collectives": collectives(compiled), "times": [], "losses": []})
+
+        runs.append(
+            {
+                "name": name,
+                "run": run,
+                "state": state,
+                "memory": zj.report.compiled_bytes(compiled),
+                "collectives": collectives(compiled),
+                "times": [],
+                "losses": [],
+            }
+        )
         del compiled
         progress.update(1)
     for i in range(args.warmup + args.steps):  # round-robin: machine noise hits every variant alike
@@ -402,26 +431,39 @@ def main(argv=None) -> dict:
             progress.update(1)
     progress.close()
 
-    print(f"GPT d{args.d_model} L{args.layers} ({cfg.num_params():,} parameters), batch {args.batch} x "
-          f"{cfg.seq_len}, AdamW, {len(jax.devices())} x {jax.devices()[0].platform}, jax {jax.__version__}; "
-          f"median of {args.steps} interleaved steps after {args.warmup} warm-up\n")
-    print("| variant | ms/step | vs zerojax stage 3, prefetch 0 | compiled MiB/device | argument | output | "
-          "alias | temp | all-gather | reduce-scatter | all-reduce | loss after "
-          f"{args.warmup + args.steps} steps |")
+    print(
+        f"GPT d{args.d_model} L{args.layers} ({cfg.num_params():,} parameters), batch {args.batch} x "
+        f"{cfg.seq_len}, AdamW, {len(jax.devices())} x {jax.devices()[0].platform}, jax {jax.__version__}; "
+        f"median of {args.steps} interleaved steps after {args.warmup} warm-up\n"
+    )
+    print(
+        "| variant | ms/step | vs zerojax stage 3, prefetch 0 | compiled MiB/device | argument | output | "
+        "alias | temp | all-gather | reduce-scatter | all-reduce | loss after "
+        f"{args.warmup + args.steps} steps |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     base = statistics.median(runs[2]["times"])
     rows = []
     for r in runs:
         ms = 1e3 * statistics.median(r["times"])
         m, col = r["memory"], r["collectives"]
-        print(f"| {r['name']} | {ms:.1f} | {ms / (1e3 * base):.2f} | {m['total'] / MIB:.2f} | "
-              f"{m['argument'] / MIB:.2f} | {m['output'] / MIB:.2f} | {m['alias'] / MIB:.2f} | "
-              f"{m['temp'] / MIB:.2f} | "
-              + " | ".join(f"{n} × {mib:.2f} MiB" for n, mib in (col[k] for k in col))
-              + f" | {r['losses'][-1]:.6f} |")
-        rows.append({"name": r["name"], "ms_per_step": ms, "times_s": r["times"], "memory": m,
-                     "collectives": {k: {"count": n, "mib": mib} for k, (n, mib) in col.items()},
-                     "losses": r["losses"]})
+        print(
+            f"| {r['name']} | {ms:.1f} | {ms / (1e3 * base):.2f} | {m['total'] / MIB:.2f} | "
+            f"{m['argument'] / MIB:.2f} | {m['output'] / MIB:.2f} | {m['alias'] / MIB:.2f} | "
+            f"{m['temp'] / MIB:.2f} | "
+            + " | ".join(f"{n} × {mib:.2f} MiB" for n, mib in (col[k] for k in col))
+            + f" | {r['losses'][-1]:.6f} |"
+        )
+        rows.append(
+            {
+                "name": r["name"],
+                "ms_per_step": ms,
+                "times_s": r["times"],
+                "memory": m,
+                "collectives": {k: {"count": n, "mib": mib} for k, (n, mib) in col.items()},
+                "losses": r["losses"],
+            }
+        )
     result["rows"] = rows
     return _dump(result, args.json)
 

@@ -52,7 +52,10 @@ def compiled(cfg: llama.LlamaConfig, c: int, seq: int):
     tx = optax.adamw(1e-4)
     state = zj.abstract_state(abstract, tx, mesh=mesh, config=zc)
     rows = 8 // c  # one sequence per data group
-    batch = {"inputs": jax.ShapeDtypeStruct((rows, seq), jnp.int32), "targets": jax.ShapeDtypeStruct((rows, seq), jnp.int32)}
+    batch = {
+        "inputs": jax.ShapeDtypeStruct((rows, seq), jnp.int32),
+        "targets": jax.ShapeDtypeStruct((rows, seq), jnp.int32),
+    }
     step = zj.make_train_step(llama.make_loss(graphdef), tx, mesh=mesh, config=zc)
     return step.lower(state, batch).compile(), mesh
 
@@ -86,20 +89,29 @@ def ring_work(seq: int, c: int, layout: str, skip: bool) -> list[int]:
     return out
 
 
-def time_ring(seq: int, c: int, heads: int, head_dim: int, block: int, layout: str, skip: bool,
-              repeats: int = 5) -> float:
+def time_ring(
+    seq: int, c: int, heads: int, head_dim: int, block: int, layout: str, skip: bool, repeats: int = 5
+) -> float:
     """Median seconds of one jitted forward + backward of causal ring attention."""
     mesh = Mesh(np.array(jax.devices()).reshape(8 // c, c), ("data", "context"), axis_types=(AxisType.Auto,) * 2)
     ks = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(kk, (8 // c, seq, heads, head_dim)) for kk in ks)
     # Every chunk computed: the causal mask given as a mask (not is_causal), which the ring
     # cannot skip by; the same values.
-    mask = None if skip else jnp.asarray(np.tril(np.ones((seq, seq), bool))[zj.context.Layout(layout, c).order(seq)][
-        :, zj.context.Layout(layout, c).order(seq)])[None, None]
+    mask = (
+        None
+        if skip
+        else jnp.asarray(
+            np.tril(np.ones((seq, seq), bool))[zj.context.Layout(layout, c).order(seq)][
+                :, zj.context.Layout(layout, c).order(seq)
+            ]
+        )[None, None]
+    )
 
     def loss(q, k, v):
-        out = zj.nn.dot_product_attention(q, k, v, mask=mask, is_causal=skip, method="ring", layout=layout,
-                                          block_size=block)
+        out = zj.nn.dot_product_attention(
+            q, k, v, mask=mask, is_causal=skip, method="ring", layout=layout, block_size=block
+        )
         return (out.astype(jnp.float32) ** 2).sum()
 
     sh = NamedSharding(mesh, P("data", "context"))
@@ -122,21 +134,35 @@ def main() -> None:
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--block", type=int, default=128, help="keys per chunk of the kernels' local attention")
-    ap.add_argument("--longest-attention", default="ring", choices=ATTENTIONS[1:],
-                    help="the kernel of the longest-sequence search (C > 1)")
+    ap.add_argument(
+        "--longest-attention",
+        default="ring",
+        choices=ATTENTIONS[1:],
+        help="the kernel of the longest-sequence search (C > 1)",
+    )
     ap.add_argument("--ring-seq", type=int, default=4096, help="sequence of the causal ring timing (0: skip it)")
     ap.add_argument("--ring-c", type=int, default=4, help="context degree of the causal ring timing")
     ap.add_argument("--only-ring", action="store_true", help="only the causal ring timing")
-    ap.add_argument("--tune-seq", type=int, default=4096,
-                    help="sequence of the zj.autotune search over C (0: skip it)")
+    ap.add_argument("--tune-seq", type=int, default=4096, help="sequence of the zj.autotune search over C (0: skip it)")
     ap.add_argument("--only-tune", action="store_true", help="only the zj.autotune search over C")
     ap.add_argument("--packed-seq", type=int, default=1024, help="row length of the packed-sequence table (0: skip)")
     ap.add_argument("--only-packed", action="store_true", help="only the packed-sequence table")
     args = ap.parse_args()
-    base = llama.LlamaConfig(vocab=256, d_model=args.d_model, n_layers=args.layers, n_heads=8, n_kv_heads=4,
-                             d_ff=4 * args.d_model, seq_len=args.seq_len, remat="full", attention_block=args.block)
-    print(f"Llama d{args.d_model} L{args.layers}, 8 heads (4 KV), ZeRO-3, AdamW, full remat, 8 x cpu, one sequence of "
-          f"{args.seq_len} per data group, kernels' chunks of {args.block} keys, jax {jax.__version__}\n")
+    base = llama.LlamaConfig(
+        vocab=256,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=8,
+        n_kv_heads=4,
+        d_ff=4 * args.d_model,
+        seq_len=args.seq_len,
+        remat="full",
+        attention_block=args.block,
+    )
+    print(
+        f"Llama d{args.d_model} L{args.layers}, 8 heads (4 KV), ZeRO-3, AdamW, full remat, 8 x cpu, one sequence of "
+        f"{args.seq_len} per data group, kernels' chunks of {args.block} keys, jax {jax.__version__}\n"
+    )
     only = args.only_ring or args.only_tune or args.only_packed
     if not only:
         memory_tables(args, base)
@@ -165,13 +191,18 @@ def pack(lengths: list[int], seq: int, rows: int) -> dict:
     for n in sorted(lengths, reverse=True):
         r = next(i for i in range(rows) if free[i] >= n)
         a = seq - free[r]
-        seg[r, a:a + n], pos[r, a:a + n] = count[r] + 1, np.arange(n)
+        seg[r, a : a + n], pos[r, a : a + n] = count[r] + 1, np.arange(n)
         free[r] -= n
         count[r] += 1
     toks = (np.arange(rows * seq).reshape(rows, seq) * 7) % 256
     w = (seg > 0).astype(np.float32)
-    return {"inputs": toks.astype(np.int32), "targets": np.roll(toks, -1, 1).astype(np.int32), "segment_ids": seg,
-            "positions": pos, "weights": w * (w.size / w.sum())}
+    return {
+        "inputs": toks.astype(np.int32),
+        "targets": np.roll(toks, -1, 1).astype(np.int32),
+        "segment_ids": seg,
+        "positions": pos,
+        "weights": w * (w.size / w.sum()),
+    }
 
 
 def unpacked(lengths: list[int], longest: int, multiple: int) -> dict:
@@ -183,8 +214,12 @@ def unpacked(lengths: list[int], longest: int, multiple: int) -> dict:
         m[r, :n] = True
     toks = (np.arange(rows * longest).reshape(rows, longest) * 7) % 256
     w = m.astype(np.float32)
-    return {"inputs": toks.astype(np.int32), "targets": np.roll(toks, -1, 1).astype(np.int32), "mask": m,
-            "weights": w * (w.size / w.sum())}
+    return {
+        "inputs": toks.astype(np.int32),
+        "targets": np.roll(toks, -1, 1).astype(np.int32),
+        "mask": m,
+        "weights": w * (w.size / w.sum()),
+    }
 
 
 def packed_table(args, base) -> None:
@@ -194,10 +229,12 @@ def packed_table(args, base) -> None:
     seq, longest = args.packed_seq, args.packed_seq // 2
     lengths = documents(8 * seq * 7 // 8, longest)  # 7/8 of 8 rows of seq: the packing fits
     packed = pack(lengths, seq, 8)
-    print(f"\nPacked sequences: {len(lengths)} documents of {min(lengths)}-{max(lengths)} tokens "
-          f"({sum(lengths)} in all), packed into 8 rows of {seq} (segment_ids, positions restarting per document) "
-          f"or one per row padded to {longest}; Llama d{args.d_model} L{args.layers}, ring attention, ZeRO-3, "
-          f"full remat, median of 3 steps on the simulated devices:\n")
+    print(
+        f"\nPacked sequences: {len(lengths)} documents of {min(lengths)}-{max(lengths)} tokens "
+        f"({sum(lengths)} in all), packed into 8 rows of {seq} (segment_ids, positions restarting per document) "
+        f"or one per row padded to {longest}; Llama d{args.d_model} L{args.layers}, ring attention, ZeRO-3, "
+        f"full remat, median of 3 steps on the simulated devices:\n"
+    )
     print("| C | batch | rows x length | tokens (padding) | temp MiB/device | step seconds | packed vs padded |")
     print("|---|---|---|---|---|---|---|")
     cfg = llama.LlamaConfig(**{**base.__dict__, "attention": "ring", "seq_len": seq})
@@ -224,10 +261,19 @@ def packed_table(args, base) -> None:
             rows[name] = (batch["inputs"].shape, temp, float(np.median(times)))
         for name in ("packed", "padded"):
             (r, t), temp, sec = rows[name]
-            ratio = (f"{rows['padded'][2] / rows['packed'][2]:.2f}x faster, "
-                     f"{rows['padded'][1] / rows['packed'][1]:.2f}x less temp") if name == "packed" else ""
-            print(f"| {c} | {name} | {r} x {t} | {r * t} ({r * t - sum(lengths)}) | {temp / 2**20:.2f} "
-                  f"| {sec:.3f} | {ratio} |", flush=True)
+            ratio = (
+                (
+                    f"{rows['padded'][2] / rows['packed'][2]:.2f}x faster, "
+                    f"{rows['padded'][1] / rows['packed'][1]:.2f}x less temp"
+                )
+                if name == "packed"
+                else ""
+            )
+            print(
+                f"| {c} | {name} | {r} x {t} | {r * t} ({r * t - sum(lengths)}) | {temp / 2**20:.2f} "
+                f"| {sec:.3f} | {ratio} |",
+                flush=True,
+            )
 
 
 def tune_table(args, base) -> None:
@@ -239,36 +285,54 @@ def tune_table(args, base) -> None:
     cfg = llama.LlamaConfig(**{**base.__dict__, "attention": "ring", "seq_len": seq})
     graphdef, abstract = llama.init_abstract(cfg)
     tokens = jax.ShapeDtypeStruct((8, seq), jnp.int32)
-    space = SearchSpace(stages=(2, 3), remat=("dots", "full"), offload=("none",), prefetch=(0,),
-                        context=(1, 2, 4, 8))
-    print(f"\nzj.autotune over the context degree: 8 sequences of {seq}, {args.budget_mib} MiB per device, "
-          f"ring attention, stages 2-3, remat dots/full, every accumulation count, priced with the H100's "
-          f"datasheet rates (memory from the CPU "
-          f"compiler):\n")
-    result = zj.autotune(llama.make_loss(graphdef), abstract, optax.adamw(1e-4), {"inputs": tokens, "targets": tokens},
-                         mesh=zj.make_mesh(), memory=int(args.budget_mib * 2**20), device="H100", space=space)
+    space = SearchSpace(stages=(2, 3), remat=("dots", "full"), offload=("none",), prefetch=(0,), context=(1, 2, 4, 8))
+    print(
+        f"\nzj.autotune over the context degree: 8 sequences of {seq}, {args.budget_mib} MiB per device, "
+        f"ring attention, stages 2-3, remat dots/full, every accumulation count, priced with the H100's "
+        f"datasheet rates (memory from the CPU "
+        f"compiler):\n"
+    )
+    result = zj.autotune(
+        llama.make_loss(graphdef),
+        abstract,
+        optax.adamw(1e-4),
+        {"inputs": tokens, "targets": tokens},
+        mesh=zj.make_mesh(),
+        memory=int(args.budget_mib * 2**20),
+        device="H100",
+        space=space,
+    )
     print(result.table())
     print(f"\nbest: {result.best.describe()} on {dict(result.best.mesh.shape)}")
 
 
 def ring_table(args) -> None:
     seq, c = args.ring_seq, args.ring_c
-    print(f"\nCausal ring attention alone, forward + backward, {8 // c} sequences of {seq} (one per data group), "
-          f"8 heads of 64, C = {c}, chunks of {args.block} keys; median of 5 calls on the simulated CPU devices "
-          f"(they share the cores: the time follows the work summed over devices):\n")
-    print("| layout | chunks the causal mask hides | seconds | vs every chunk | logits per device, millions per head and sequence (max / min over devices) |")
+    print(
+        f"\nCausal ring attention alone, forward + backward, {8 // c} sequences of {seq} (one per data group), "
+        f"8 heads of 64, C = {c}, chunks of {args.block} keys; median of 5 calls on the simulated CPU devices "
+        f"(they share the cores: the time follows the work summed over devices):\n"
+    )
+    print(
+        "| layout | chunks the causal mask hides | seconds | vs every chunk | logits per device, millions per head and sequence (max / min over devices) |"
+    )
     print("|---|---|---|---|---|")
     base = None
     for layout, skip in (("contiguous", False), ("contiguous", True), ("balanced", True)):
         sec = time_ring(seq, c, 8, 64, args.block, layout, skip)
         base = base or sec
         work = ring_work(seq, c, layout, skip)
-        print(f"| {layout} | {'left out' if skip else 'computed'} | {sec:.3f} | {sec / base:.2f}x "
-              f"| {max(work) / 1e6:.2f} / {min(work) / 1e6:.2f} |", flush=True)
+        print(
+            f"| {layout} | {'left out' if skip else 'computed'} | {sec:.3f} | {sec / base:.2f}x "
+            f"| {max(work) / 1e6:.2f} / {min(work) / 1e6:.2f} |",
+            flush=True,
+        )
 
 
 def memory_tables(args, base) -> None:
-    print("| C (data x context) | attention | temp MiB/device | arguments MiB/device (state, batch) | temp vs C = 1 | context-axis collectives (executions, MiB/device) |")
+    print(
+        "| C (data x context) | attention | temp MiB/device | arguments MiB/device (state, batch) | temp vs C = 1 | context-axis collectives (executions, MiB/device) |"
+    )
     print("|---|---|---|---|---|---|")
     first = None
     for c in (1, 2, 4, 8):
@@ -277,11 +341,16 @@ def memory_tables(args, base) -> None:
             b = zj.report.compiled_bytes(comp)
             first = first or b["temp"]
             traffic = ", ".join(f"{k} {n} ({mib:.2f})" for k, (n, mib) in context_traffic(comp, mesh).items()) or "-"
-            print(f"| {8 // c} x {c} | {att} | {b['temp'] / 2**20:.2f} | {b['argument'] / 2**20:.2f} "
-                  f"| {first / b['temp']:.2f}x smaller | {traffic} |", flush=True)
+            print(
+                f"| {8 // c} x {c} | {att} | {b['temp'] / 2**20:.2f} | {b['argument'] / 2**20:.2f} "
+                f"| {first / b['temp']:.2f}x smaller | {traffic} |",
+                flush=True,
+            )
 
-    print(f"\nLongest sequence whose compiled step (state + temp) fits {args.budget_mib} MiB per device "
-          f"(lengths tried: doubling from 256 x C, then bisected to a multiple of 128 x C):\n")
+    print(
+        f"\nLongest sequence whose compiled step (state + temp) fits {args.budget_mib} MiB per device "
+        f"(lengths tried: doubling from 256 x C, then bisected to a multiple of 128 x C):\n"
+    )
     print("| C | attention | longest sequence | vs C = 1 |")
     print("|---|---|---|---|")
     longest1 = None

@@ -32,8 +32,9 @@ MIB = 2**20
 
 def measure(cfg: gpt.GPTConfig, stage: int, lora: bool, args) -> dict:
     graphdef, params = gpt.init(cfg)
-    n_lora = sum(x.size for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
-                 if "lora" in jax.tree_util.keystr(path))
+    n_lora = sum(
+        x.size for path, x in jax.tree_util.tree_flatten_with_path(params)[0] if "lora" in jax.tree_util.keystr(path)
+    )
     psi = sum(x.size for x in jax.tree.leaves(params))
     psi_t, psi_f = (n_lora, psi - n_lora) if lora else (psi, 0)
     tx = optax.adamw(args.lr)
@@ -48,11 +49,19 @@ def measure(cfg: gpt.GPTConfig, stage: int, lora: bool, args) -> dict:
         state, m = step(state, batch)
         losses.append(float(m["loss"]))
         batch = next(stream)
-    return {"stage": stage, "run": "LoRA" if lora else "full", "psi_t": psi_t, "psi_f": psi_f,
-            "state": zj.report.state_bytes_per_device(state)["total"],
-            "formula": zj.report.zero_formula_bytes(psi_t, mesh.devices.size, stage, compute_dtype=args.precision,
-                                             frozen_params=psi_f),
-            "temp": temp, "loss_first": losses[0], "loss_last": sum(losses[-5:]) / len(losses[-5:])}
+    return {
+        "stage": stage,
+        "run": "LoRA" if lora else "full",
+        "psi_t": psi_t,
+        "psi_f": psi_f,
+        "state": zj.report.state_bytes_per_device(state)["total"],
+        "formula": zj.report.zero_formula_bytes(
+            psi_t, mesh.devices.size, stage, compute_dtype=args.precision, frozen_params=psi_f
+        ),
+        "temp": temp,
+        "loss_first": losses[0],
+        "loss_last": sum(losses[-5:]) / len(losses[-5:]),
+    }
 
 
 def main(argv=None) -> list[dict]:
@@ -66,8 +75,14 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--precision", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--stages", default="0,1,2,3")
     args = ap.parse_args(argv)
-    cfg = gpt.GPTConfig(vocab=256, seq_len=64, d_model=args.d_model, n_layers=args.layers,
-                        n_heads=max(1, args.d_model // 64), lora_rank=args.rank)
+    cfg = gpt.GPTConfig(
+        vocab=256,
+        seq_len=64,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=max(1, args.d_model // 64),
+        lora_rank=args.rank,
+    )
     stages = [int(s) for s in args.stages.split(",")]
     progress = bar(2 * len(stages), "lora")
     rows = []
@@ -78,16 +93,20 @@ def main(argv=None) -> list[dict]:
             progress.update(1)
     progress.close()
     r0 = rows[1]
-    print(f"GPT d{args.d_model} L{args.layers} with LoRA rank {args.rank} on every block linear: "
-          f"Ψ = {r0['psi_t'] + r0['psi_f']:,} ({r0['psi_t']:,} adapter parameters, "
-          f"{100 * r0['psi_t'] / (r0['psi_t'] + r0['psi_f']):.1f}%), {args.precision} compute, AdamW, "
-          f"{len(jax.devices())} x {jax.devices()[0].platform}, batch {args.batch} x 64, {args.steps} steps, "
-          f"jax {jax.__version__}\n")
+    print(
+        f"GPT d{args.d_model} L{args.layers} with LoRA rank {args.rank} on every block linear: "
+        f"Ψ = {r0['psi_t'] + r0['psi_f']:,} ({r0['psi_t']:,} adapter parameters, "
+        f"{100 * r0['psi_t'] / (r0['psi_t'] + r0['psi_f']):.1f}%), {args.precision} compute, AdamW, "
+        f"{len(jax.devices())} x {jax.devices()[0].platform}, batch {args.batch} x 64, {args.steps} steps, "
+        f"jax {jax.__version__}\n"
+    )
     print("| stage | fine-tune | state per device (arrays) | formula | compiled temp | loss: first -> last 5 |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['stage']} | {r['run']} | {r['state'] / MIB:.2f} MiB | {r['formula'] / MIB:.2f} MiB | "
-              f"{r['temp'] / MIB:.2f} MiB | {r['loss_first']:.3f} -> {r['loss_last']:.3f} |")
+        print(
+            f"| {r['stage']} | {r['run']} | {r['state'] / MIB:.2f} MiB | {r['formula'] / MIB:.2f} MiB | "
+            f"{r['temp'] / MIB:.2f} MiB | {r['loss_first']:.3f} -> {r['loss_last']:.3f} |"
+        )
     return rows
 
 

@@ -106,58 +106,181 @@ BASE = dict(vocab_size=97, hidden_size=32, intermediate_size=12, num_hidden_laye
 
 
 def _llama3(factor):
-    return dict(rope_type="llama3", rope_theta=500000.0, factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
-                original_max_position_embeddings=8192)
+    return dict(
+        rope_type="llama3",
+        rope_theta=500000.0,
+        factor=factor,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    )
 
 
 # name: (config class, model class, config kwargs, {control name: kwargs replaced in the control config})
 FIXTURES = {
-    "llama31": (LlamaConfig, LlamaForCausalLM, dict(
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=131072, rms_norm_eps=1e-5,
-        rope_parameters=_llama3(8.0), tie_word_embeddings=False),
-        {"default RoPE": dict(rope_parameters=dict(rope_type="default", rope_theta=500000.0))}),
-    "llama32_tied": (LlamaConfig, LlamaForCausalLM, dict(
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=131072, rms_norm_eps=1e-5,
-        rope_parameters=_llama3(32.0), tie_word_embeddings=True),
-        {"default RoPE": dict(rope_parameters=dict(rope_type="default", rope_theta=500000.0))}),
-    "llama_bias": (LlamaConfig, LlamaForCausalLM, dict(
-        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-6,
-        rope_parameters=dict(rope_type="default", rope_theta=10000.0), tie_word_embeddings=False,
-        attention_bias=True, mlp_bias=True), {}),
-    "llama_linear": (LlamaConfig, LlamaForCausalLM, dict(
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
-        rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0), tie_word_embeddings=False),
-        {"default RoPE": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0))}),
-    "mistral_window": (MistralConfig, MistralForCausalLM, dict(
-        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256, rms_norm_eps=1e-5,
-        rope_parameters=dict(rope_type="default", rope_theta=1000000.0), sliding_window=5,
-        tie_word_embeddings=False),
-        {"no window": dict(sliding_window=None)}),
-    "qwen2_window": (Qwen2Config, Qwen2ForCausalLM, dict(
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16384, rms_norm_eps=1e-6,
-        rope_parameters=dict(rope_type="yarn", rope_theta=1000000.0, factor=4.0,
-                             original_max_position_embeddings=4096),
-        use_sliding_window=True, sliding_window=6, max_window_layers=1, tie_word_embeddings=True),
-        {"no window": dict(use_sliding_window=False),
-         "default RoPE": dict(rope_parameters=dict(rope_type="default", rope_theta=1000000.0))}),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(
-        num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=256, rms_norm_eps=1e-6,
-        rope_parameters=dict(rope_type="default", rope_theta=1000000.0), tie_word_embeddings=True), {}),
+    "llama31": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope_parameters=_llama3(8.0),
+            tie_word_embeddings=False,
+        ),
+        {"default RoPE": dict(rope_parameters=dict(rope_type="default", rope_theta=500000.0))},
+    ),
+    "llama32_tied": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope_parameters=_llama3(32.0),
+            tie_word_embeddings=True,
+        ),
+        {"default RoPE": dict(rope_parameters=dict(rope_type="default", rope_theta=500000.0))},
+    ),
+    "llama_bias": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        dict(
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            max_position_embeddings=64,
+            rms_norm_eps=1e-6,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+            tie_word_embeddings=False,
+            attention_bias=True,
+            mlp_bias=True,
+        ),
+        {},
+    ),
+    "llama_linear": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            rms_norm_eps=1e-6,
+            rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0),
+            tie_word_embeddings=False,
+        ),
+        {"default RoPE": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0))},
+    ),
+    "mistral_window": (
+        MistralConfig,
+        MistralForCausalLM,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            max_position_embeddings=256,
+            rms_norm_eps=1e-5,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+            sliding_window=5,
+            tie_word_embeddings=False,
+        ),
+        {"no window": dict(sliding_window=None)},
+    ),
+    "qwen2_window": (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        dict(
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=16384,
+            rms_norm_eps=1e-6,
+            rope_parameters=dict(
+                rope_type="yarn", rope_theta=1000000.0, factor=4.0, original_max_position_embeddings=4096
+            ),
+            use_sliding_window=True,
+            sliding_window=6,
+            max_window_layers=1,
+            tie_word_embeddings=True,
+        ),
+        {
+            "no window": dict(use_sliding_window=False),
+            "default RoPE": dict(rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
+        },
+    ),
+    "qwen3": (
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=12,
+            max_position_embeddings=256,
+            rms_norm_eps=1e-6,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+            tie_word_embeddings=True,
+        ),
+        {},
+    ),
     # Mixtures of experts, smaller (vocab 48, width 16) to keep the fixtures under their budget.
-    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
-        vocab_size=48, hidden_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-        max_position_embeddings=256, rms_norm_eps=1e-6, rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
-        tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
-        norm_topk_prob=True), {"top-1": dict(num_experts_per_tok=1)}),
-    "mixtral": (MixtralConfig, MixtralForCausalLM, dict(
-        vocab_size=48, hidden_size=16, intermediate_size=8, num_attention_heads=2, num_key_value_heads=1,
-        max_position_embeddings=256, rms_norm_eps=1e-5, rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
-        tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2), {"top-1": dict(num_experts_per_tok=1)}),
-    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, dict(
-        vocab_size=32, hidden_size=16, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-        rms_norm_eps=1e-6, rope_parameters=dict(rope_type="default", rope_theta=1000000.0), tie_word_embeddings=False,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, shared_expert_intermediate_size=12,
-        norm_topk_prob=False), {"top-1": dict(num_experts_per_tok=1)}),
+    "qwen3_moe": (
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        dict(
+            vocab_size=48,
+            hidden_size=16,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            max_position_embeddings=256,
+            rms_norm_eps=1e-6,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+            tie_word_embeddings=False,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=8,
+            norm_topk_prob=True,
+        ),
+        {"top-1": dict(num_experts_per_tok=1)},
+    ),
+    "mixtral": (
+        MixtralConfig,
+        MixtralForCausalLM,
+        dict(
+            vocab_size=48,
+            hidden_size=16,
+            intermediate_size=8,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=256,
+            rms_norm_eps=1e-5,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+            tie_word_embeddings=False,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        ),
+        {"top-1": dict(num_experts_per_tok=1)},
+    ),
+    "qwen2_moe": (
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        dict(
+            vocab_size=32,
+            hidden_size=16,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=256,
+            rms_norm_eps=1e-6,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+            tie_word_embeddings=False,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=8,
+            shared_expert_intermediate_size=12,
+            norm_topk_prob=False,
+        ),
+        {"top-1": dict(num_experts_per_tok=1)},
+    ),
 }
 
 
@@ -188,7 +311,7 @@ def batch(vocab: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, vocab, size=(2, T)).astype(np.int32)
     mask = np.ones((2, T), np.int32)
-    mask[1, T - PAD:] = 0  # right padding
+    mask[1, T - PAD :] = 0  # right padding
     return tokens, mask
 
 
@@ -268,8 +391,10 @@ def make(name: str, out: pathlib.Path, seed: int, max_shard_size: str) -> dict:
         raise SystemExit(f"{name}: expected a sharded checkpoint, got {shards}: lower --max-shard-size")
     names = set(index["weight_map"])
     if config.tie_word_embeddings == ("lm_head.weight" in names):
-        raise SystemExit(f"{name}: tie_word_embeddings={config.tie_word_embeddings} but lm_head.weight "
-                         f"{'is' if 'lm_head.weight' in names else 'is not'} in the files")
+        raise SystemExit(
+            f"{name}: tie_word_embeddings={config.tie_word_embeddings} but lm_head.weight "
+            f"{'is' if 'lm_head.weight' in names else 'is not'} in the files"
+        )
 
     tokens, mask = batch(config.vocab_size)
     logits, logits_mask = forward(model, tokens), forward(model, tokens, mask)
@@ -286,8 +411,14 @@ def make(name: str, out: pathlib.Path, seed: int, max_shard_size: str) -> dict:
         cached = model(torch.from_numpy(tokens).long(), attention_mask=torch.from_numpy(mask).long()).logits.numpy()
     assert _max_diff(cached, logits_mask) == 0.0, name
 
-    report = dict(name=name, shards=len(shards), tensors=len(names), float32_vs_64=err32,
-                  hf_double_vs_64=_max_diff(hf_double, logits64), controls={})
+    report = dict(
+        name=name,
+        shards=len(shards),
+        tensors=len(names),
+        float32_vs_64=err32,
+        hf_double_vs_64=_max_diff(hf_double, logits64),
+        controls={},
+    )
     state = model.state_dict()
     for control, replace in FIXTURES[name][3].items():
         other = FIXTURES[name][1](make_config(name, **replace)).to(F32).eval()
@@ -300,14 +431,21 @@ def make(name: str, out: pathlib.Path, seed: int, max_shard_size: str) -> dict:
             report["inv_freq"], report["attention_scaling"] = _inv_freq(model)
             report["inv_freq_default"] = _inv_freq(other)[0]
 
-    np.savez(out / "reference.npz", tokens=tokens, mask=mask, logits=logits.astype(np.float32),
-             logits_mask=logits_mask.astype(np.float32), logits64=logits64.astype(np.float64),
-             logits64_mask=logits64_mask.astype(np.float64))
+    np.savez(
+        out / "reference.npz",
+        tokens=tokens,
+        mask=mask,
+        logits=logits.astype(np.float32),
+        logits_mask=logits_mask.astype(np.float32),
+        logits64=logits64.astype(np.float64),
+        logits64_mask=logits64_mask.astype(np.float64),
+    )
 
     # Read back as a user would: no missing or unexpected key, the same logits.
     moe = {"experts_implementation": "eager"} if name in SHARD_SIZE else {}
-    loaded, info = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", dtype=F32,
-                                                        output_loading_info=True, **moe)
+    loaded, info = AutoModelForCausalLM.from_pretrained(
+        out, attn_implementation="eager", dtype=F32, output_loading_info=True, **moe
+    )
     bad = {k: v for k, v in info.items() if v}
     if bad:
         raise SystemExit(f"{name}: reloading reports {bad}")
@@ -323,12 +461,16 @@ def make_all(args) -> None:
         r = make(name, root / name, args.seed, args.max_shard_size)
         size = sum(f.stat().st_size for f in (root / name).iterdir())
         controls = ", ".join(f"vs {k} {v:.2e}" for k, v in r["controls"].items())
-        print(f"{name}: {r['shards']} shards, {r['tensors']} tensors, {size} bytes; float32 vs float64 "
-              f"{r['float32_vs_64']:.1e}, plain model.double() vs float64 {r['hf_double_vs_64']:.1e}; {controls}")
+        print(
+            f"{name}: {r['shards']} shards, {r['tensors']} tensors, {size} bytes; float32 vs float64 "
+            f"{r['float32_vs_64']:.1e}, plain model.double() vs float64 {r['hf_double_vs_64']:.1e}; {controls}"
+        )
         if "inv_freq" in r:
-            print(f"    inv_freq {np.array2string(r['inv_freq'], precision=6)} (default "
-                  f"{np.array2string(r['inv_freq_default'], precision=6)}), attention_scaling "
-                  f"{r['attention_scaling']!r}")
+            print(
+                f"    inv_freq {np.array2string(r['inv_freq'], precision=6)} (default "
+                f"{np.array2string(r['inv_freq_default'], precision=6)}), attention_scaling "
+                f"{r['attention_scaling']!r}"
+            )
     total = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
     print(f"torch {torch.__version__}, transformers {transformers.__version__}: {total} bytes in {root}")
     if total > 1_250_000:  # 1 MB for the seven dense fixtures, and room for the three mixtures of experts
@@ -337,6 +479,7 @@ def make_all(args) -> None:
 
 def _tensor_names(folder: pathlib.Path) -> set[str]:
     from safetensors import safe_open
+
     names = set()
     for f in folder.glob("*.safetensors"):
         with safe_open(f, "np") as st:
@@ -361,8 +504,9 @@ def check_export(args) -> int:
             export = pathlib.Path(staged)
         try:
             config = AutoConfig.from_pretrained(export, attn_implementation="eager")
-            model, info = AutoModelForCausalLM.from_pretrained(export, config=config, dtype=F32,
-                                                               output_loading_info=True)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                export, config=config, dtype=F32, output_loading_info=True
+            )
         except Exception as e:  # a shape mismatch or an unreadable file
             print(f"FAIL: from_pretrained raised {type(e).__name__}: {e}")
             return 1
@@ -378,11 +522,15 @@ def check_export(args) -> int:
         # transformers' save_pretrained leaves lm_head.weight out of a tied checkpoint; from_pretrained ties
         # one that holds it only when it equals the embedding, and otherwise loads the two untied.
         if model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr():
-            print("note: the config ties the embeddings and the files hold lm_head.weight; transformers loaded it "
-                  "tied to model.embed_tokens.weight (one tensor)")
+            print(
+                "note: the config ties the embeddings and the files hold lm_head.weight; transformers loaded it "
+                "tied to model.embed_tokens.weight (one tensor)"
+            )
         else:
-            print("FAIL: the config ties the embeddings but the files hold a different lm_head.weight "
-                  "(transformers loads them untied)")
+            print(
+                "FAIL: the config ties the embeddings but the files hold a different lm_head.weight "
+                "(transformers loads them untied)"
+            )
             failed = True
     want = np.load(args.logits) if args.logits else ref
     tokens = want["tokens"] if "tokens" in want else ref["tokens"]

@@ -37,9 +37,20 @@ import torch
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
-CONFIG = dict(vocab_size=97, hidden_size=32, intermediate_size=56, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0,
-              tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+CONFIG = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=56,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    mlp_bias=False,
+)
 
 
 def build(seed: int = 0) -> LlamaForCausalLM:
@@ -88,14 +99,26 @@ def main() -> None:
         logits = model(ids, attention_mask=torch.from_numpy(mask).long()).logits.float().numpy()
         logits_nomask = model(ids).logits.float().numpy()
         positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)  # as generate() counts them
-        logits_positions = model(ids, attention_mask=torch.from_numpy(mask).long(),
-                                 position_ids=torch.from_numpy(positions).long()).logits.float().numpy()
-    np.savez(out / "reference.npz", tokens=tokens, mask=mask, logits=logits, logits_nomask=logits_nomask,
-             positions=positions, logits_positions=logits_positions)
+        logits_positions = (
+            model(ids, attention_mask=torch.from_numpy(mask).long(), position_ids=torch.from_numpy(positions).long())
+            .logits.float()
+            .numpy()
+        )
+    np.savez(
+        out / "reference.npz",
+        tokens=tokens,
+        mask=mask,
+        logits=logits,
+        logits_nomask=logits_nomask,
+        positions=positions,
+        logits_positions=logits_positions,
+    )
 
     size = sum(f.stat().st_size for f in out.iterdir())
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}: {len(shards)} shards, "
-          f"{len(index['weight_map'])} tensors, {size / 1e3:.0f} KB in {out}{os.sep}")
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}: {len(shards)} shards, "
+        f"{len(index['weight_map'])} tensors, {size / 1e3:.0f} KB in {out}{os.sep}"
+    )
 
 
 if __name__ == "__main__":

@@ -36,8 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
 
 # The model's own mesh and logical rules, as MaxText's base config writes them (a subset).
-MODEL_MESH = jax.make_mesh((1, 4, 2, 1), ("data", "fsdp", "fsdp_transpose", "tensor"),
-                           axis_types=(jax.sharding.AxisType.Auto,) * 4)
+MODEL_MESH = jax.make_mesh(
+    (1, 4, 2, 1), ("data", "fsdp", "fsdp_transpose", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 4
+)
 RULES = (
     ("activation_batch", ("data", "fsdp", "fsdp_transpose")),
     ("activation_length", None),
@@ -81,9 +82,13 @@ class Block(nnx.Module):
         b, t, _ = x.shape
         x = constrain(x, ("activation_batch", "activation_length", "activation_embed"))
         h = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * self.norm[...]
-        q, k, v = (constrain((h @ w[...]).reshape(b, t, HEADS, KV),
-                             ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
-                   for w in (self.wq, self.wk, self.wv))
+        q, k, v = (
+            constrain(
+                (h @ w[...]).reshape(b, t, HEADS, KV),
+                ("activation_batch", "activation_length", "activation_heads", "activation_kv"),
+            )
+            for w in (self.wq, self.wk, self.wv)
+        )
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(KV)
         scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -1e9)
         att = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v).reshape(b, t, HEADS * KV)
@@ -135,7 +140,6 @@ def data(k: int = 2):
     return [{"tokens": jax.random.randint(jax.random.key(i), (16, SEQ + 1), 0, VOCAB)} for i in range(k)]
 
 
-
 def reference(loss_fn, params, tx, batches):
     """The model on its own terms: plain jax.jit, its constraints on its own mesh."""
     opt = tx.init(params)
@@ -169,26 +173,49 @@ def main(argv=None) -> list[dict]:
             for b in batches:
                 state, m = step(state, b)
                 losses.append(float(m["loss"]))
-            err = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(zj.gather_params(state)),
-                                                                       jax.tree.leaves(ref)))
+            err = max(
+                float(jnp.max(jnp.abs(a - b)))
+                for a, b in zip(jax.tree.leaves(zj.gather_params(state)), jax.tree.leaves(ref))
+            )
             unsplit = sum(l.size for l in state.plan.layouts if not l.tp)
-            rows.append({"tensor": tensor, "stage": stage, "err": err, "losses": losses,
-                         "state": zj.report.state_bytes_per_device(state)["total"],
-                         "formula": zj.report.zero_formula_bytes(psi, 8 // tensor, stage, opt_bytes=0, tensor=tensor,
-                                                          tensor_replicated=unsplit if tensor > 1 else 0),
-                         "split": sum(l.tp for l in state.plan.layouts)})
-    print(f"MaxText-style decoder ({psi:,} parameters, {LAYERS} scanned remat'd layers), SGD, 3 steps, 8 x "
-          f"{jax.devices()[0].platform}, jax {jax.__version__}")
+            rows.append(
+                {
+                    "tensor": tensor,
+                    "stage": stage,
+                    "err": err,
+                    "losses": losses,
+                    "state": zj.report.state_bytes_per_device(state)["total"],
+                    "formula": zj.report.zero_formula_bytes(
+                        psi,
+                        8 // tensor,
+                        stage,
+                        opt_bytes=0,
+                        tensor=tensor,
+                        tensor_replicated=unsplit if tensor > 1 else 0,
+                    ),
+                    "split": sum(l.tp for l in state.plan.layouts),
+                }
+            )
+    print(
+        f"MaxText-style decoder ({psi:,} parameters, {LAYERS} scanned remat'd layers), SGD, 3 steps, 8 x "
+        f"{jax.devices()[0].platform}, jax {jax.__version__}"
+    )
     print(f"axis_map = {AXIS_MAP}")
-    print("axis_rules = MaxText's (embed -> (fsdp, fsdp_transpose), mlp -> (fsdp_transpose, tensor), heads -> "
-          "tensor, vocab -> tensor, ...)\n")
+    print(
+        "axis_rules = MaxText's (embed -> (fsdp, fsdp_transpose), mlp -> (fsdp_transpose, tensor), heads -> "
+        "tensor, vocab -> tensor, ...)\n"
+    )
     print(f"reference losses (plain jax.jit on the model's mesh): {', '.join(f'{x:.6f}' for x in ref_losses)}\n")
-    print("| data x tensor | stage | weights split over tensor | max abs param diff | losses | "
-          "state bytes/device (arrays) | formula |")
+    print(
+        "| data x tensor | stage | weights split over tensor | max abs param diff | losses | "
+        "state bytes/device (arrays) | formula |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {8 // r['tensor']} x {r['tensor']} | {r['stage']} | {r['split']} | {r['err']:.1e} | "
-              f"{', '.join(f'{x:.6f}' for x in r['losses'])} | {r['state']:,} | {r['formula']:,.0f} |")
+        print(
+            f"| {8 // r['tensor']} x {r['tensor']} | {r['stage']} | {r['split']} | {r['err']:.1e} | "
+            f"{', '.join(f'{x:.6f}' for x in r['losses'])} | {r['state']:,} | {r['formula']:,.0f} |"
+        )
     return rows
 
 

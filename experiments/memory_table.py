@@ -62,12 +62,19 @@ def measure(cfg: gpt.GPTConfig, stage: int, compute_dtype: str, batch_size: int,
     psi = cfg.num_params()
     formula = zj.report.zero_formula_bytes(psi, n, stage, compute_dtype=compute_dtype)
     row = {
-        "d_model": cfg.d_model, "layers": cfg.n_layers, "params": psi, "stage": stage, "n": n,
+        "d_model": cfg.d_model,
+        "layers": cfg.n_layers,
+        "params": psi,
+        "stage": stage,
+        "n": n,
         "compute_dtype": compute_dtype,
-        "params_bytes": arrays["params"], "opt_bytes": arrays["opt_state"],
+        "params_bytes": arrays["params"],
+        "opt_bytes": arrays["opt_state"],
         "state_arrays": arrays["total"],
         "state_compiled": mem["argument"] - batch["tokens"].nbytes // n,
-        "formula": formula, "temp": mem["temp"], "total": mem["total"],
+        "formula": formula,
+        "temp": mem["temp"],
+        "total": mem["total"],
     }
     row["error"] = max(abs(row["state_arrays"] - formula), abs(row["state_compiled"] - formula)) / formula
     del state, step
@@ -75,15 +82,19 @@ def measure(cfg: gpt.GPTConfig, stage: int, compute_dtype: str, batch_size: int,
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | Ψ | stage | state, arrays | state, memory_analysis | formula | "
-             "difference | compiled temp | compiled total |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | Ψ | stage | state, arrays | state, memory_analysis | formula | "
+        "difference | compiled temp | compiled total |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         kind = "float32" if r["compute_dtype"] == "float32" else "mixed"
         lines.append(
             f"| d{r['d_model']} L{r['layers']} | {r['params'] / 1e6:.2f}M | {r['stage']} | "
             f"{r['state_arrays'] / MIB:.2f} MiB | {r['state_compiled'] / MIB:.2f} MiB | "
             f"{FORMULA[kind][r['stage']]} = {r['formula'] / MIB:.2f} MiB | {100 * r['error']:.3f}% | "
-            f"{r['temp'] / MIB:.2f} MiB | {r['total'] / MIB:.2f} MiB |")
+            f"{r['temp'] / MIB:.2f} MiB | {r['total'] / MIB:.2f} MiB |"
+        )
     return "\n".join(lines)
 
 
@@ -107,8 +118,13 @@ def chart(rows: list[dict], path: str, paper_params: float = 7.5e9, paper_n: int
     x = range(4)
     ax.bar(x, [v / 1e9 for v in p], color=colors["params"], label="parameters")
     ax.bar(x, [v / 1e9 for v in g], bottom=[v / 1e9 for v in p], color=colors["grads"], label="gradients")
-    ax.bar(x, [v / 1e9 for v in o], bottom=[(a + b) / 1e9 for a, b in zip(p, g)], color=colors["opt"],
-           label="optimizer states")
+    ax.bar(
+        x,
+        [v / 1e9 for v in o],
+        bottom=[(a + b) / 1e9 for a, b in zip(p, g)],
+        color=colors["opt"],
+        label="optimizer states",
+    )
     for i in x:
         total = estimate.paper_bytes(psi, n, i)
         ax.text(i, total / 1e9, f"{total / 1e9:.1f}", ha="center", va="bottom", fontsize=8)
@@ -124,14 +140,25 @@ def chart(rows: list[dict], path: str, paper_params: float = 7.5e9, paper_n: int
         x = range(len(rs))
         ax.bar(x, pb, color=colors["params"], label="parameters")
         ax.bar(x, ob, bottom=pb, color=colors["opt"], label="optimizer states")
-        ax.bar(x, tb, bottom=[a + b for a, b in zip(pb, ob)], color=colors["temp"], hatch="//",
-               edgecolor="0.6", label="compiled temp (grads, activations)")
-        ax.scatter(x, [r["formula"] / MIB for r in rs], marker="_", s=400, color="black", zorder=3,
-                   label="formula (state)")
+        ax.bar(
+            x,
+            tb,
+            bottom=[a + b for a, b in zip(pb, ob)],
+            color=colors["temp"],
+            hatch="//",
+            edgecolor="0.6",
+            label="compiled temp (grads, activations)",
+        )
+        ax.scatter(
+            x, [r["formula"] / MIB for r in rs], marker="_", s=400, color="black", zorder=3, label="formula (state)"
+        )
         ax.set_xticks(list(x), [stages[r["stage"]] for r in rs], fontsize=8)
         ax.set_ylabel("MiB per device")
-        ax.set_title(f"measured: GPT d{d} L{layers}, Ψ = {rs[0]['params'] / 1e6:.1f}M,\n"
-                     f"N = {rs[0]['n']}, {rs[0]['compute_dtype']}", fontsize=9)
+        ax.set_title(
+            f"measured: GPT d{d} L{layers}, Ψ = {rs[0]['params'] / 1e6:.1f}M,\n"
+            f"N = {rs[0]['n']}, {rs[0]['compute_dtype']}",
+            fontsize=9,
+        )
     handles = {}
     for ax in axes:
         for h, lab in zip(*ax.get_legend_handles_labels()):
@@ -152,14 +179,15 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--png", default=None, help="write the bar chart here")
     args = ap.parse_args(argv)
     mesh = zj.make_mesh()
-    print(f"{mesh.devices.size} {jax.devices()[0].platform} devices, AdamW (fp32 masters, m, v), "
-          f"compute {args.compute_dtype}, batch {args.batch} x {args.seq_len}, jax {jax.__version__}\n")
+    print(
+        f"{mesh.devices.size} {jax.devices()[0].platform} devices, AdamW (fp32 masters, m, v), "
+        f"compute {args.compute_dtype}, batch {args.batch} x {args.seq_len}, jax {jax.__version__}\n"
+    )
     rows = []
     sizes = parse_sizes(args.sizes)
     progress = bar(4 * len(sizes), "memory_table")
     for d, layers in sizes:
-        cfg = gpt.GPTConfig(vocab=args.vocab, seq_len=args.seq_len, d_model=d, n_layers=layers,
-                            n_heads=max(1, d // 64))
+        cfg = gpt.GPTConfig(vocab=args.vocab, seq_len=args.seq_len, d_model=d, n_layers=layers, n_heads=max(1, d // 64))
         for stage in range(4):
             progress.set_postfix_str(f"d{d} L{layers} stage {stage}")
             rows.append(measure(cfg, stage, args.compute_dtype, args.batch, mesh))

@@ -36,12 +36,22 @@ from zerojax.models import llama  # noqa: E402
 from zerojax.report.comm import collectives  # noqa: E402
 from zerojax.report.memory import compiled_bytes  # noqa: E402
 
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def moe_config(n_experts: int, capacity_factor: float | None = None) -> llama.LlamaConfig:
-    return llama.LlamaConfig(vocab=256, d_model=128, n_layers=2, n_heads=4, d_ff=512, n_experts=n_experts, top_k=2,
-                             moe_d_ff=512, router_aux_loss_coef=0.01, capacity_factor=capacity_factor)
+    return llama.LlamaConfig(
+        vocab=256,
+        d_model=128,
+        n_layers=2,
+        n_heads=4,
+        d_ff=512,
+        n_experts=n_experts,
+        top_k=2,
+        moe_d_ff=512,
+        router_aux_loss_coef=0.01,
+        capacity_factor=capacity_factor,
+    )
 
 
 def step_total(n_experts: int, ep: int, capacity_factor: float | None = None) -> tuple[int, int]:
@@ -49,8 +59,14 @@ def step_total(n_experts: int, ep: int, capacity_factor: float | None = None) ->
     cfg = moe_config(n_experts, capacity_factor)
     graphdef, abstract = llama.init_abstract(cfg)
     batch = {"tokens": jax.ShapeDtypeStruct((8, 33), jnp.int32)}
-    mem = zj.report.step_memory(llama.make_loss(graphdef), abstract, optax.adamw(1e-3), batch,
-                         mesh=zj.make_mesh(expert=ep), config=zj.ZeroConfig(stage=3))
+    mem = zj.report.step_memory(
+        llama.make_loss(graphdef),
+        abstract,
+        optax.adamw(1e-3),
+        batch,
+        mesh=zj.make_mesh(expert=ep),
+        config=zj.ZeroConfig(stage=3),
+    )
     return mem.argument + mem.output - mem.alias + mem.temp, cfg.num_params()
 
 
@@ -86,6 +102,7 @@ def dispatch_rows() -> list[tuple]:
     placed = [jax.device_put(a, NamedSharding(mesh, P("expert"))) for a in (x, logits, up, down, gate)]
     rows = []
     for cf in (None, 1.0, 1.25):
+
         def loss(x, lg, u, dn, g):
             y, st = zj.nn.routed_experts(x, lg, u, dn, g, top_k=k, normalize=True, capacity_factor=cf)
             return jnp.sum(y * y) + st.load_balancing_loss
@@ -110,23 +127,33 @@ def main() -> None:
         budget = int(a.budget_mib * MIB)
         fits = {(ep, None): largest(budget, ep) for ep in (1, 4, 8)}
         fits[(8, 1.25)] = largest(budget, 8, 1.25)
-        print(f"\nLargest MoE whose ZeRO-3 step fits {a.budget_mib:g} MiB per device (Llama d128 L2, experts of 512 "
-              "features, top-2, AdamW, 8 x 32 tokens, 8 simulated devices):\n")
+        print(
+            f"\nLargest MoE whose ZeRO-3 step fits {a.budget_mib:g} MiB per device (Llama d128 L2, experts of 512 "
+            "features, top-2, AdamW, 8 x 32 tokens, 8 simulated devices):\n"
+        )
         print("| expert axis | mesh | dispatch | experts | parameters | step MiB/device | vs E = 1 |")
         print("|---|---|---|---|---|---|---|")
         for (ep, cf), (n, total, params) in fits.items():
             mesh = dict(zj.make_mesh(expert=ep).shape)
-            print(f"| E = {ep} | {mesh} | {'dropless' if cf is None else f'capacity {cf}'} | {n} | "
-                  f"{params / 1e6:.2f} M | {total / MIB:.2f} | {params / fits[(1, None)][2]:.2f}x |")
+            print(
+                f"| E = {ep} | {mesh} | {'dropless' if cf is None else f'capacity {cf}'} | {n} | "
+                f"{params / 1e6:.2f} M | {total / MIB:.2f} | {params / fits[(1, None)][2]:.2f}x |"
+            )
     if not a.only_largest:
-        print("\nDispatch of zj.nn.routed_experts alone, forward + backward, E = 8, 512 tokens per device of width "
-              "64, 64 experts of 128 features, top-2 (float32):\n")
-        print("| capacity | temp MiB/device | all-to-alls | f32 bytes moved/device | one row buffer E·S·d·4 | "
-              "tokens·k·d·4 |")
+        print(
+            "\nDispatch of zj.nn.routed_experts alone, forward + backward, E = 8, 512 tokens per device of width "
+            "64, 64 experts of 128 features, top-2 (float32):\n"
+        )
+        print(
+            "| capacity | temp MiB/device | all-to-alls | f32 bytes moved/device | one row buffer E·S·d·4 | "
+            "tokens·k·d·4 |"
+        )
         print("|---|---|---|---|---|---|")
         for cf, temp, n, moved, buf, base in dispatch_rows():
-            print(f"| {'dropless' if cf is None else cf} | {temp / MIB:.2f} | {n} | {moved / MIB:.2f} MiB | "
-                  f"{buf / MIB:.2f} MiB | {base / MIB:.2f} MiB |")
+            print(
+                f"| {'dropless' if cf is None else cf} | {temp / MIB:.2f} | {n} | {moved / MIB:.2f} MiB | "
+                f"{buf / MIB:.2f} MiB | {base / MIB:.2f} MiB |"
+            )
 
 
 if __name__ == "__main__":

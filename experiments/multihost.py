@@ -23,10 +23,10 @@ IN, HID, OUT, BATCH = 13, 64, 1, 32
 def init_params() -> dict:
     """The same initial parameters on every process (numpy, seeded)."""
     rng = np.random.default_rng(0)
-    return {"l1": {"w": (rng.normal(size=(IN, HID)) / np.sqrt(IN)).astype(np.float32),
-                   "b": np.zeros((HID,), np.float32)},
-            "l2": {"w": (rng.normal(size=(HID, OUT)) / np.sqrt(HID)).astype(np.float32),
-                   "b": np.zeros((OUT,), np.float32)}}
+    return {
+        "l1": {"w": (rng.normal(size=(IN, HID)) / np.sqrt(IN)).astype(np.float32), "b": np.zeros((HID,), np.float32)},
+        "l2": {"w": (rng.normal(size=(HID, OUT)) / np.sqrt(HID)).astype(np.float32), "b": np.zeros((OUT,), np.float32)},
+    }
 
 
 def loss_fn(p, batch):
@@ -72,7 +72,9 @@ def main() -> None:
     zj.save_checkpoint(os.path.join(args.out, "ckpt"), state, step=args.steps, wait=True)
     params = zj.gather_params(state)  # the full parameters, on every process
     if lead:
-        flat = {jax.tree_util.keystr(path): np.asarray(x) for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+        flat = {
+            jax.tree_util.keystr(path): np.asarray(x) for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+        }
         np.savez(os.path.join(args.out, "params.npz"), **flat)
         print(f"wrote {os.path.join(args.out, 'params.npz')} and a checkpoint in {os.path.join(args.out, 'ckpt')}")
 

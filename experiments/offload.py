@@ -64,8 +64,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--runs", default=",".join(map(str, range(len(RUNS)))), help="which rows (indices) to run")
     ap.add_argument("--group-size", type=int, default=1_000_000, help="offload_group_size of the device update")
     args = ap.parse_args(argv)
-    cfg = gpt.GPTConfig(vocab=256, seq_len=64, d_model=args.d_model, n_layers=args.layers,
-                        n_heads=max(1, args.d_model // 64))
+    cfg = gpt.GPTConfig(
+        vocab=256, seq_len=64, d_model=args.d_model, n_layers=args.layers, n_heads=max(1, args.d_model // 64)
+    )
     graphdef, params = gpt.init(cfg)
     psi, n = cfg.num_params(), len(jax.devices())
     mesh, tx = zj.make_mesh(), optax.adamw(1e-3)
@@ -80,8 +81,13 @@ def main(argv=None) -> list[dict]:
         if place == "stage 2":  # the yardstick row
             plain, zc = dataclasses.replace(plain, stage=2), plain
         else:
-            zc = dataclasses.replace(plain, offload_optimizer=opt, offload_params=par, offload_update=place,
-                                     offload_group_size=args.group_size)
+            zc = dataclasses.replace(
+                plain,
+                offload_optimizer=opt,
+                offload_params=par,
+                offload_update=place,
+                offload_group_size=args.group_size,
+            )
         runs = []
         for c in (plain, zc):
             state = zj.init_state(params, tx, mesh=mesh, config=c)
@@ -96,38 +102,63 @@ def main(argv=None) -> list[dict]:
                 r["losses"].append(float(m["loss"]))
                 r["times"].append(time.perf_counter() - t0)
         base, off = runs
-        diff = max(float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
-                   for a, b in zip(jax.tree.leaves(zj.gather_params(base["state"])),
-                                   jax.tree.leaves(zj.gather_params(off["state"]))))
-        formula = {m: zj.report.zero_formula_bytes(psi, n, stage, compute_dtype=dtype, offload_optimizer=opt,
-                                            offload_params=par, memory=m) for m in ("device", "host")}
+        diff = max(
+            float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+            for a, b in zip(
+                jax.tree.leaves(zj.gather_params(base["state"])), jax.tree.leaves(zj.gather_params(off["state"]))
+            )
+        )
+        formula = {
+            m: zj.report.zero_formula_bytes(
+                psi, n, stage, compute_dtype=dtype, offload_optimizer=opt, offload_params=par, memory=m
+            )
+            for m in ("device", "host")
+        }
         t = lambda r: statistics.median(r["times"][1:] or r["times"])  # the first step compiles
-        rows.append({"stage": stage, "dtype": dtype, "offload_optimizer": opt, "offload_params": par,
-                     "place": place if place == "stage 2" else off["step"].update_place(off["state"]),
-                     "max_loss_diff": max(abs(a - b) for a, b in zip(base["losses"], off["losses"])), "device": off["bytes"]["device"],
-                     "host": off["bytes"]["host"], "formula_device": formula["device"],
-                     "formula_host": formula["host"], "plain_device": base["bytes"]["device"],
-                     "step_device_total": off["mem"].device_total, "plain_step_total": base["mem"].total,
-                     "max_abs_diff": diff, "time_ratio": t(off) / t(base)})
+        rows.append(
+            {
+                "stage": stage,
+                "dtype": dtype,
+                "offload_optimizer": opt,
+                "offload_params": par,
+                "place": place if place == "stage 2" else off["step"].update_place(off["state"]),
+                "max_loss_diff": max(abs(a - b) for a, b in zip(base["losses"], off["losses"])),
+                "device": off["bytes"]["device"],
+                "host": off["bytes"]["host"],
+                "formula_device": formula["device"],
+                "formula_host": formula["host"],
+                "plain_device": base["bytes"]["device"],
+                "step_device_total": off["mem"].device_total,
+                "plain_step_total": base["mem"].total,
+                "max_abs_diff": diff,
+                "time_ratio": t(off) / t(base),
+            }
+        )
         progress.update(1)
     progress.close()
-    print(f"GPT d{args.d_model} L{args.layers} ({psi:,} parameters), batch {args.batch} x {cfg.seq_len}, AdamW, "
-          f"{n} x {jax.devices()[0].platform}, jax {jax.__version__}; {args.steps} steps beside the same run "
-          f"without offload; per device\n")
-    print("| stage | compute | offloaded | update on | state on device (formula) | without offload | "
-          "state in host memory (formula) | compiled step, device total (without offload) | "
-          "max abs diff: loss, params | step time vs without |")
+    print(
+        f"GPT d{args.d_model} L{args.layers} ({psi:,} parameters), batch {args.batch} x {cfg.seq_len}, AdamW, "
+        f"{n} x {jax.devices()[0].platform}, jax {jax.__version__}; {args.steps} steps beside the same run "
+        f"without offload; per device\n"
+    )
+    print(
+        "| stage | compute | offloaded | update on | state on device (formula) | without offload | "
+        "state in host memory (formula) | compiled step, device total (without offload) | "
+        "max abs diff: loss, params | step time vs without |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         what = "optimizer + params" if r["offload_params"] else "optimizer" if r["offload_optimizer"] else "nothing"
         place = r["place"]
         if place == "stage 2":
             what, place = "nothing (yardstick: compared with stage 2)", "device"
-        print(f"| {r['stage']} | {r['dtype']} | {what} | {place} | {r['device'] / MIB:.3f} MiB "
-              f"({r['formula_device'] / MIB:.3f}) | {r['plain_device'] / MIB:.3f} MiB | {r['host'] / MIB:.3f} MiB "
-              f"({r['formula_host'] / MIB:.3f}) | {r['step_device_total'] / MIB:.2f} MiB "
-              f"({r['plain_step_total'] / MIB:.2f}) | {r['max_loss_diff']:.1e}, {r['max_abs_diff']:.1e} | "
-              f"{r['time_ratio']:.2f} |")
+        print(
+            f"| {r['stage']} | {r['dtype']} | {what} | {place} | {r['device'] / MIB:.3f} MiB "
+            f"({r['formula_device'] / MIB:.3f}) | {r['plain_device'] / MIB:.3f} MiB | {r['host'] / MIB:.3f} MiB "
+            f"({r['formula_host'] / MIB:.3f}) | {r['step_device_total'] / MIB:.2f} MiB "
+            f"({r['plain_step_total'] / MIB:.2f}) | {r['max_loss_diff']:.1e}, {r['max_abs_diff']:.1e} | "
+            f"{r['time_ratio']:.2f} |"
+        )
     return rows
 
 

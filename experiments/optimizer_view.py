@@ -51,13 +51,18 @@ def measure(d: int, n_layers: int, stage: int, batch: int) -> dict:
     compiled = step.lower(state, jnp.ones((batch, d))).compile()
     psi = n_layers * d * d
     rep = zj.report.communication_report(compiled)
-    return {"width": d, "stage": stage, "layout": state.plan.layouts[0].describe(),
-            "kind": state.plan.layouts[0].kind, "psi": psi,
-            "state": zj.report.state_bytes_per_device(state)["total"] - 12,  # less the int32 counters
-            "formula": zj.report.zero_formula_bytes(psi, mesh.devices.size, stage),
-            "temp": zj.report.compiled_bytes(compiled)["temp"],
-            "all_gather": rep.get("all-gather:f32", {}).get("zero_bytes", 0) / (4 * psi),
-            "reduce_scatter": rep.get("reduce-scatter:f32", {}).get("zero_bytes", 0) / (4 * psi)}
+    return {
+        "width": d,
+        "stage": stage,
+        "layout": state.plan.layouts[0].describe(),
+        "kind": state.plan.layouts[0].kind,
+        "psi": psi,
+        "state": zj.report.state_bytes_per_device(state)["total"] - 12,  # less the int32 counters
+        "formula": zj.report.zero_formula_bytes(psi, mesh.devices.size, stage),
+        "temp": zj.report.compiled_bytes(compiled)["temp"],
+        "all_gather": rep.get("all-gather:f32", {}).get("zero_bytes", 0) / (4 * psi),
+        "reduce_scatter": rep.get("reduce-scatter:f32", {}).get("zero_bytes", 0) / (4 * psi),
+    }
 
 
 def main(argv=None) -> list[dict]:
@@ -75,15 +80,21 @@ def main(argv=None) -> list[dict]:
             rows.append(measure(d, args.layers, stage, args.batch))
             progress.update(1)
     progress.close()
-    print(f"{args.layers} layers of d x d, AdamW, batch {args.batch}, {len(jax.devices())} x "
-          f"{jax.devices()[0].platform}, jax {jax.__version__}\n")
-    print("| stage | width | layout of each leaf | state per device / formula | compiled temp | "
-          "temp / full params | all-gather traffic | reduce-scatter |")
+    print(
+        f"{args.layers} layers of d x d, AdamW, batch {args.batch}, {len(jax.devices())} x "
+        f"{jax.devices()[0].platform}, jax {jax.__version__}\n"
+    )
+    print(
+        "| stage | width | layout of each leaf | state per device / formula | compiled temp | "
+        "temp / full params | all-gather traffic | reduce-scatter |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['stage']} | {r['width']} | {r['layout']} | {r['state'] / r['formula']:.4f} | "
-              f"{r['temp'] / MIB:.2f} MiB | {r['temp'] / (4 * r['psi']):.2f} | {r['all_gather']:.3f}Ψ | "
-              f"{r['reduce_scatter']:.3f}Ψ |")
+        print(
+            f"| {r['stage']} | {r['width']} | {r['layout']} | {r['state'] / r['formula']:.4f} | "
+            f"{r['temp'] / MIB:.2f} MiB | {r['temp'] / (4 * r['psi']):.2f} | {r['all_gather']:.3f}Ψ | "
+            f"{r['reduce_scatter']:.3f}Ψ |"
+        )
     return rows
 
 

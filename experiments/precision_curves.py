@@ -61,8 +61,10 @@ def main(argv=None) -> dict:
     for name, precision in RUNS.items():
         results[name] = run(cfg, precision, args.stage, args.steps, args.batch)
         print(f"{name}: done ({sum(results[name]['skipped'])} skipped steps)", file=sys.stderr)
-    print(f"GPT {cfg}, ZeRO-{args.stage}, AdamW 3e-3, clip 1.0, batch {args.batch}, "
-          f"{len(jax.devices())} x {jax.devices()[0].platform}, jax {jax.__version__}\n")
+    print(
+        f"GPT {cfg}, ZeRO-{args.stage}, AdamW 3e-3, clip 1.0, batch {args.batch}, "
+        f"{len(jax.devices())} x {jax.devices()[0].platform}, jax {jax.__version__}\n"
+    )
     print("| step | " + " | ".join(RUNS) + " | fp16 loss scale |")
     print("|---|" + "---|" * (len(RUNS) + 1))
     every = max(1, args.steps // 10)
@@ -73,8 +75,10 @@ def main(argv=None) -> dict:
     print()
     for name in RUNS:
         last = np.mean(results[name]["loss"][-10:])
-        print(f"- {name}: mean loss of the last 10 steps {last:.4f} ({100 * (last / ref - 1):+.2f}% vs fp32), "
-              f"{sum(results[name]['skipped'])} skipped steps")
+        print(
+            f"- {name}: mean loss of the last 10 steps {last:.4f} ({100 * (last / ref - 1):+.2f}% vs fp32), "
+            f"{sum(results[name]['skipped'])} skipped steps"
+        )
     return results
 
 

@@ -32,8 +32,13 @@ from zerojax.models import gpt  # noqa: E402
 from zerojax.report import hlo  # noqa: E402
 
 MIB = 2**20
-RUNS = [("0", 0, 0, "none"), ("3", 3, 0, "none"), ("3", 3, 0, "full"), ("3, prefetch 1", 3, 1, "none"),
-        ("3, prefetch 2", 3, 2, "none")]
+RUNS = [
+    ("0", 0, 0, "none"),
+    ("3", 3, 0, "none"),
+    ("3", 3, 0, "full"),
+    ("3, prefetch 1", 3, 1, "none"),
+    ("3, prefetch 2", 3, 2, "none"),
+]
 
 
 def loop_independence(text: str) -> tuple[int, int]:
@@ -50,8 +55,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5, help="timed steps per configuration, interleaved")
     args = ap.parse_args(argv)
-    cfg = gpt.GPTConfig(vocab=256, seq_len=64, d_model=args.d_model, n_layers=args.layers,
-                        n_heads=max(1, args.d_model // 64))
+    cfg = gpt.GPTConfig(
+        vocab=256, seq_len=64, d_model=args.d_model, n_layers=args.layers, n_heads=max(1, args.d_model // 64)
+    )
     graphdef, params = gpt.init(cfg)
     psi = cfg.num_params()
     mesh, tx = zj.make_mesh(), optax.adamw(1e-3)
@@ -68,10 +74,20 @@ def main(argv=None) -> list[dict]:
         rep = zj.report.communication_report(compiled)
         state, m = step(state, batch)  # compile and warm up
         float(m["loss"])
-        rows.append({"run": name, "stage": stage, "prefetch": pf, "remat": remat,
-                     "temp": zj.report.compiled_bytes(compiled)["temp"], "independent": indep, "pairs": pairs,
-                     "gathers": rep.get("all-gather:f32", {}).get("count", 0),
-                     "gather_traffic": rep.get("all-gather:f32", {}).get("zero_bytes", 0) / (4 * psi), "times": []})
+        rows.append(
+            {
+                "run": name,
+                "stage": stage,
+                "prefetch": pf,
+                "remat": remat,
+                "temp": zj.report.compiled_bytes(compiled)["temp"],
+                "independent": indep,
+                "pairs": pairs,
+                "gathers": rep.get("all-gather:f32", {}).get("count", 0),
+                "gather_traffic": rep.get("all-gather:f32", {}).get("zero_bytes", 0) / (4 * psi),
+                "times": [],
+            }
+        )
         steps.append([step, state])
         progress.update(1)
     for _ in range(args.repeats):  # interleaved: every configuration sees the same machine
@@ -88,16 +104,22 @@ def main(argv=None) -> list[dict]:
         r["step_s"] = statistics.median(r["times"])
         r["vs_stage0"] = r["step_s"] / base
         r["vs_prefetch0"] = r["step_s"] / no_prefetch
-    print(f"GPT d{args.d_model} L{args.layers} ({psi:,} parameters), batch {args.batch} x 64, AdamW, "
-          f"{len(jax.devices())} x {jax.devices()[0].platform}, jax {jax.__version__}; median of {args.repeats} "
-          "interleaved steps\n")
-    print("| stage | remat | step time | vs stage 0 | vs stage 3, prefetch 0 | gathers independent of the "
-          "loop's matmuls | compiled temp | all-gathers | gather traffic |")
+    print(
+        f"GPT d{args.d_model} L{args.layers} ({psi:,} parameters), batch {args.batch} x 64, AdamW, "
+        f"{len(jax.devices())} x {jax.devices()[0].platform}, jax {jax.__version__}; median of {args.repeats} "
+        "interleaved steps\n"
+    )
+    print(
+        "| stage | remat | step time | vs stage 0 | vs stage 3, prefetch 0 | gathers independent of the "
+        "loop's matmuls | compiled temp | all-gathers | gather traffic |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['run']} | {r['remat']} | {1e3 * r['step_s']:.1f} ms | {r['vs_stage0']:.2f} | "
-              f"{r['vs_prefetch0']:.2f} | {r['independent']} of {r['pairs']} | {r['temp'] / MIB:.2f} MiB | "
-              f"{r['gathers']} | {r['gather_traffic']:.2f}Ψ |")
+        print(
+            f"| {r['run']} | {r['remat']} | {1e3 * r['step_s']:.1f} ms | {r['vs_stage0']:.2f} | "
+            f"{r['vs_prefetch0']:.2f} | {r['independent']} of {r['pairs']} | {r['temp'] / MIB:.2f} MiB | "
+            f"{r['gathers']} | {r['gather_traffic']:.2f}Ψ |"
+        )
     return rows
 
 

@@ -35,28 +35,69 @@ def main() -> None:
         ts = weights_model.tensors()
         weights_model.write_sharded(os.path.join(tmp, "ck"), ts)
         disk = sum(os.path.getsize(os.path.join(tmp, "ck", f)) for f in os.listdir(os.path.join(tmp, "ck")))
-        cmd = [sys.executable, "-m", "zerojax.launch", "--nprocs", "4", "--devices-per-proc", "2", "--",
-               sys.executable, os.path.join(ROOT, "tests", "workers", "weights_job.py"), "--ckpt",
-               os.path.join(tmp, "ck"), "--out", tmp, "--buffer-mib", str(args.buffer_mib)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "zerojax.launch",
+            "--nprocs",
+            "4",
+            "--devices-per-proc",
+            "2",
+            "--",
+            sys.executable,
+            os.path.join(ROOT, "tests", "workers", "weights_job.py"),
+            "--ckpt",
+            os.path.join(tmp, "ck"),
+            "--out",
+            tmp,
+            "--buffer-mib",
+            str(args.buffer_mib),
+        ]
         subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         ranks = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(4)]
     params = sum(x.size for x in ts.values())
     mib = lambda b: f"{b / 2**20:.2f}"
-    print(f"model: {params:,} parameters; checkpoint {mib(disk)} MiB on disk (bf16, 9 files), "
-          f"fp32 masters {mib(4 * params)} MiB; 4 processes x 2 devices, stage 3; buffer {args.buffer_mib} MiB")
-    print("All figures in MiB, per process. own: the bytes of the shards its devices hold (fp32); "
-          "RSS: peak RSS rise over the call;\ntransient: tracemalloc peak less what stays (numpy host buffers); "
-          "read/written: bytes of the checkpoint files.\n")
-    head = ("process", "own", "largest shard", "own on disk", "read (load)", "read (init)", "RSS (load)",
-            "RSS (init)", "transient (load)", "transient (init)", "written (export)", "transient (export)")
+    print(
+        f"model: {params:,} parameters; checkpoint {mib(disk)} MiB on disk (bf16, 9 files), "
+        f"fp32 masters {mib(4 * params)} MiB; 4 processes x 2 devices, stage 3; buffer {args.buffer_mib} MiB"
+    )
+    print(
+        "All figures in MiB, per process. own: the bytes of the shards its devices hold (fp32); "
+        "RSS: peak RSS rise over the call;\ntransient: tracemalloc peak less what stays (numpy host buffers); "
+        "read/written: bytes of the checkpoint files.\n"
+    )
+    head = (
+        "process",
+        "own",
+        "largest shard",
+        "own on disk",
+        "read (load)",
+        "read (init)",
+        "RSS (load)",
+        "RSS (init)",
+        "transient (load)",
+        "transient (init)",
+        "written (export)",
+        "transient (export)",
+    )
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in ranks:
         ld, it, ex = r["load"], r["init"], r["export"]
-        row = (r["rank"], mib(ld["own_bytes"]), mib(ld["largest_shard"]), mib(ld["own_disk_bytes"]),
-               mib(ld["bytes_read"]), mib(it["bytes_read"]), mib(ld["rss_peak_delta"]), mib(it["rss_peak_delta"]),
-               mib(ld["host_transient"]),
-               mib(it["host_transient"]), mib(ex["bytes_written"]), mib(ex["host_transient"]))
+        row = (
+            r["rank"],
+            mib(ld["own_bytes"]),
+            mib(ld["largest_shard"]),
+            mib(ld["own_disk_bytes"]),
+            mib(ld["bytes_read"]),
+            mib(it["bytes_read"]),
+            mib(ld["rss_peak_delta"]),
+            mib(it["rss_peak_delta"]),
+            mib(ld["host_transient"]),
+            mib(it["host_transient"]),
+            mib(ex["bytes_written"]),
+            mib(ex["host_transient"]),
+        )
         print("| " + " | ".join(map(str, row)) + " |")
 
 

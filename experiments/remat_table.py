@@ -48,8 +48,14 @@ OFFLOAD_PAIRS = {"offload_names": "names", "offload_dots": "dots_no_batch"}
 
 
 def measure(policy: zj.remat.Remat, stage: int, batch: int, how: str, layers: int, d_model: int) -> dict:
-    cfg = gpt.GPTConfig(vocab=256, seq_len=64, d_model=d_model, n_layers=layers, n_heads=4,
-                        remat=policy.kind if how == "model" and not policy.names else "none")
+    cfg = gpt.GPTConfig(
+        vocab=256,
+        seq_len=64,
+        d_model=d_model,
+        n_layers=layers,
+        n_heads=4,
+        remat=policy.kind if how == "model" and not policy.names else "none",
+    )
     if how == "model" and policy.names:
         raise SystemExit("--how model takes policies without names; use --how config")
     graphdef, params = gpt.init(cfg)
@@ -72,22 +78,30 @@ def main(argv=None) -> dict:
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--how", choices=["config", "model"], default="config")
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--check-offload", action="store_true",
-                    help="exit 1 unless offload policies use host memory and save device memory (GPU)")
+    ap.add_argument(
+        "--check-offload",
+        action="store_true",
+        help="exit 1 unless offload policies use host memory and save device memory (GPU)",
+    )
     args = ap.parse_args(argv)
     chosen = [p for p in POLICIES if p in args.policies.split(",")]
-    rows = {name: measure(POLICIES[name], args.stage, args.batch, args.how, args.layers, args.d_model)
-            for name in chosen}
+    rows = {
+        name: measure(POLICIES[name], args.stage, args.batch, args.how, args.layers, args.d_model) for name in chosen
+    }
     base = rows[chosen[0]]
-    print(f"GPT d_model {args.d_model}, {args.layers} layers, seq 64, batch {args.batch} "
-          f"({args.batch // len(jax.devices())} sequences per device), ZeRO-{args.stage}, "
-          f"remat via {args.how}, {len(jax.devices())} x {jax.devices()[0].platform}, jax {jax.__version__}; "
-          "names = attn_out, mlp_out\n")
+    print(
+        f"GPT d_model {args.d_model}, {args.layers} layers, seq 64, batch {args.batch} "
+        f"({args.batch // len(jax.devices())} sequences per device), ZeRO-{args.stage}, "
+        f"remat via {args.how}, {len(jax.devices())} x {jax.devices()[0].platform}, jax {jax.__version__}; "
+        "names = attn_out, mlp_out\n"
+    )
     print("| policy | device temp | vs none | host temp | FLOPs per device | vs none |")
     print("|---|---|---|---|---|---|")
     for name, r in rows.items():
-        print(f"| {name} | {r['temp'] / MIB:.2f} MiB | {base['temp'] / r['temp']:.2f}x less | "
-              f"{r['host_temp'] / MIB:.2f} MiB | {r['flops'] / 1e9:.3f} G | {r['flops'] / base['flops']:.2f}x |")
+        print(
+            f"| {name} | {r['temp'] / MIB:.2f} MiB | {base['temp'] / r['temp']:.2f}x less | "
+            f"{r['host_temp'] / MIB:.2f} MiB | {r['flops'] / 1e9:.3f} G | {r['flops'] / base['flops']:.2f}x |"
+        )
     if args.check_offload:
         failures = offload_failures(rows)
         for line in failures:
@@ -108,8 +122,10 @@ def offload_failures(rows: dict) -> list[str]:
         if rows[off]["host_temp"] <= 0:
             out.append(f"{off}: no bytes in host memory (host temp 0)")
         if kept in rows and rows[off]["temp"] >= rows[kept]["temp"]:
-            out.append(f"{off}: device temp {rows[off]['temp'] / MIB:.2f} MiB is not below {kept}'s "
-                       f"{rows[kept]['temp'] / MIB:.2f} MiB")
+            out.append(
+                f"{off}: device temp {rows[off]['temp'] / MIB:.2f} MiB is not below {kept}'s "
+                f"{rows[kept]['temp'] / MIB:.2f} MiB"
+            )
     return out
 
 

@@ -50,8 +50,9 @@ class Setup:
 
     def cfg(self, layers: int) -> gpt.GPTConfig:
         a = self.args
-        return gpt.GPTConfig(seq_len=a.seq_len, d_model=a.d_model, n_layers=layers,
-                             n_heads=max(1, a.d_model // 64), remat=a.remat)
+        return gpt.GPTConfig(
+            seq_len=a.seq_len, d_model=a.d_model, n_layers=layers, n_heads=max(1, a.d_model // 64), remat=a.remat
+        )
 
     def zero(self, stage: int) -> zj.ZeroConfig:
         return zj.ZeroConfig(stage=stage, compute_dtype=self.args.compute_dtype)
@@ -59,8 +60,9 @@ class Setup:
     def memory(self, stage: int, layers: int) -> zj.report.StepMemory:
         cfg = self.cfg(layers)
         graphdef, params = gpt.init_abstract(cfg)
-        return zj.report.step_memory(gpt.make_loss(graphdef), params, self.tx, {"tokens": self.tokens},
-                              mesh=self.mesh, config=self.zero(stage))
+        return zj.report.step_memory(
+            gpt.make_loss(graphdef), params, self.tx, {"tokens": self.tokens}, mesh=self.mesh, config=self.zero(stage)
+        )
 
     def build(self, stage: int, layers: int):
         return gpt.zero_setup(self.cfg(layers), self.tx, mesh=self.mesh, config=self.zero(stage))
@@ -142,39 +144,54 @@ def main(argv=None) -> dict:
     setup = Setup(args)
     budget = args.budget_mib * MIB
     n = setup.mesh.devices.size
-    print(f"budget {args.budget_mib:g} MiB per device, {n} {jax.devices()[0].platform} devices, GPT width "
-          f"{args.d_model}, batch {args.batch} x {args.seq_len}, AdamW, {args.compute_dtype}, remat "
-          f"{args.remat}, jax {jax.__version__}\n")
+    print(
+        f"budget {args.budget_mib:g} MiB per device, {n} {jax.devices()[0].platform} devices, GPT width "
+        f"{args.d_model}, batch {args.batch} x {args.seq_len}, AdamW, {args.compute_dtype}, remat "
+        f"{args.remat}, jax {jax.__version__}\n"
+    )
     results = {}
     progress = bar(5, "scaling")
     for stage in range(4):
         progress.set_postfix_str(f"stage {stage}: searching")
         layers, tried = largest(setup, stage, budget, args.max_layers)
         if layers == 0:
-            raise SystemExit(f"stage {stage}: even one layer needs {tried[1] / MIB:.1f} MiB per device; "
-                             "raise --budget-mib or lower --d-model/--batch")
+            raise SystemExit(
+                f"stage {stage}: even one layer needs {tried[1] / MIB:.1f} MiB per device; "
+                "raise --budget-mib or lower --d-model/--batch"
+            )
         progress.set_postfix_str(f"stage {stage}: {layers} layers fit ({len(tried)} compiles); training it")
         real = train_for_real(setup, stage, layers, args.steps)
         progress.update(1)
-        results[stage] = {"layers": layers, "params": setup.cfg(layers).num_params(),
-                          "total": tried[layers], "next": tried.get(layers + 1), **real}
+        results[stage] = {
+            "layers": layers,
+            "params": setup.cfg(layers).num_params(),
+            "total": tried[layers],
+            "next": tried.get(layers + 1),
+            **real,
+        }
     base = results[0]["params"]
-    print("| stage | largest model | parameters | × stage 0 | compiled total per device | next layer needs | "
-          "state per device (arrays) | loss over the real steps |")
+    print(
+        "| stage | largest model | parameters | × stage 0 | compiled total per device | next layer needs | "
+        "state per device (arrays) | loss over the real steps |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for s, r in results.items():
         nxt = f"{r['next'] / MIB:.1f} MiB" if r["next"] else "—"
         losses = " → ".join(f"{v:.3f}" for v in r["losses"])
-        print(f"| {s} | {r['layers']} layers | {r['params'] / 1e6:.2f}M | {r['params'] / base:.2f}× | "
-              f"{r['total'] / MIB:.1f} MiB | {nxt} | {r['state_arrays'] / MIB:.1f} MiB | {losses} |")
+        print(
+            f"| {s} | {r['layers']} layers | {r['params'] / 1e6:.2f}M | {r['params'] / base:.2f}× | "
+            f"{r['total'] / MIB:.1f} MiB | {nxt} | {r['state_arrays'] / MIB:.1f} MiB | {losses} |"
+        )
 
     layers0 = results[0]["layers"]
     progress.set_postfix_str("timing every stage on the stage-0 model")
     times = time_stages(setup, layers0, args.time_steps)
     progress.update(1)
     progress.close()
-    print(f"\nStep time on the stage-0 model ({layers0} layers, {results[0]['params'] / 1e6:.2f}M parameters), "
-          f"median of {args.time_steps} steps, stages interleaved:\n")
+    print(
+        f"\nStep time on the stage-0 model ({layers0} layers, {results[0]['params'] / 1e6:.2f}M parameters), "
+        f"median of {args.time_steps} steps, stages interleaved:\n"
+    )
     print("| stage | step time | ratio to stage 0 |")
     print("|---|---|---|")
     for s, t in times.items():

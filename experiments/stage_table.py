@@ -35,8 +35,13 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--batch", type=int, default=8)
     args = ap.parse_args(argv)
 
-    cfg = gpt.GPTConfig(vocab=args.vocab, seq_len=args.seq_len, d_model=args.d_model,
-                        n_layers=args.layers, n_heads=max(1, args.d_model // 64))
+    cfg = gpt.GPTConfig(
+        vocab=args.vocab,
+        seq_len=args.seq_len,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=max(1, args.d_model // 64),
+    )
     graphdef, params = gpt.init(cfg)
     loss_fn = gpt.make_loss(graphdef)
     psi = cfg.num_params()
@@ -44,11 +49,15 @@ def main(argv=None) -> list[dict]:
     n = mesh.devices.size
     tx = optax.adamw(1e-3)
     batch = next(data.batches(data.stdlib_bytes(1 << 20), args.batch, cfg.seq_len))
-    print(f"GPT {cfg}: Ψ = {psi:,} parameters ({4 * psi / MIB:.2f} MiB fp32), N = {n} devices "
-          f"({jax.devices()[0].platform}), AdamW, batch {args.batch} x {cfg.seq_len} tokens, "
-          f"jax {jax.__version__}\n")
-    print("| stage | state per device (arrays) | formula | compiled temp | compiled total | "
-          "traffic per device per step | collectives (executions per step) |")
+    print(
+        f"GPT {cfg}: Ψ = {psi:,} parameters ({4 * psi / MIB:.2f} MiB fp32), N = {n} devices "
+        f"({jax.devices()[0].platform}), AdamW, batch {args.batch} x {cfg.seq_len} tokens, "
+        f"jax {jax.__version__}\n"
+    )
+    print(
+        "| stage | state per device (arrays) | formula | compiled temp | compiled total | "
+        "traffic per device per step | collectives (executions per step) |"
+    )
     print("|---|---|---|---|---|---|---|")
     rows = []
     for stage in range(4):
@@ -61,12 +70,25 @@ def main(argv=None) -> list[dict]:
         mem = zj.report.compiled_bytes(compiled)
         rep = zj.report.communication_report(compiled)
         traffic = rep["total"]["zero_bytes"] / (4 * psi)
-        kinds = ", ".join(f"{k.split(':')[0]} ×{v['count']}" for k, v in rep.items()
-                          if k != "total" and v["bytes"] > 1e-3 * 4 * psi)  # not the scalars
-        print(f"| {stage} | {got / MIB:.2f} MiB | {FORMULA[stage]} = {want / MIB:.2f} MiB | "
-              f"{mem['temp'] / MIB:.2f} MiB | {mem['total'] / MIB:.2f} MiB | {traffic:.2f}Ψ | {kinds} |")
-        rows.append({"stage": stage, "state": got, "formula": want, "temp": mem["temp"], "total": mem["total"],
-                     "traffic": traffic, "report": rep, "psi": psi})
+        kinds = ", ".join(
+            f"{k.split(':')[0]} ×{v['count']}" for k, v in rep.items() if k != "total" and v["bytes"] > 1e-3 * 4 * psi
+        )  # not the scalars
+        print(
+            f"| {stage} | {got / MIB:.2f} MiB | {FORMULA[stage]} = {want / MIB:.2f} MiB | "
+            f"{mem['temp'] / MIB:.2f} MiB | {mem['total'] / MIB:.2f} MiB | {traffic:.2f}Ψ | {kinds} |"
+        )
+        rows.append(
+            {
+                "stage": stage,
+                "state": got,
+                "formula": want,
+                "temp": mem["temp"],
+                "total": mem["total"],
+                "traffic": traffic,
+                "report": rep,
+                "psi": psi,
+            }
+        )
         del state, step, compiled
     return rows
 

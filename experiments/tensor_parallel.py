@@ -62,12 +62,21 @@ def measure(cfg: gpt.GPTConfig, tensor: int, batch: int, steps: int = 5) -> dict
         jax.block_until_ready(m["loss"])
         times.append(time.perf_counter() - t)
     psi = cfg.num_params()
-    return {"tensor": tensor, "data": 8 // tensor, "state": zj.report.state_bytes_per_device(state)["total"],
-            "formula": zj.report.zero_formula_bytes(psi, 8 // tensor, 3, opt_bytes=8, tensor=tensor,
-                                             tensor_replicated=replicated),
-            "paper": 12 * psi / 8, "temp": zj.report.compiled_bytes(compiled)["temp"], "axes": axes,
-            "ms": 1e3 * statistics.median(times), "loss": float(m["loss"]), "replicated": replicated,
-            "batch": batch}
+    return {
+        "tensor": tensor,
+        "data": 8 // tensor,
+        "state": zj.report.state_bytes_per_device(state)["total"],
+        "formula": zj.report.zero_formula_bytes(
+            psi, 8 // tensor, 3, opt_bytes=8, tensor=tensor, tensor_replicated=replicated
+        ),
+        "paper": 12 * psi / 8,
+        "temp": zj.report.compiled_bytes(compiled)["temp"],
+        "axes": axes,
+        "ms": 1e3 * statistics.median(times),
+        "loss": float(m["loss"]),
+        "replicated": replicated,
+        "batch": batch,
+    }
 
 
 SP_VARIANTS = (("alone", False, False), ("marked", True, False), ("matmuls", True, True))
@@ -87,10 +96,17 @@ def sequence_rows(args, degrees: list[int]) -> list[dict]:
     for d in (int(v) for v in args.sp_d_model.split(",")):
         for remat in args.sp_remat.split(","):
             for t in degrees:
-                for name, sp, matmuls in (SP_VARIANTS if t > 1 else SP_VARIANTS[:1]):
-                    cfg = gpt.GPTConfig(vocab=256, seq_len=args.seq_len, d_model=d, n_layers=args.layers,
-                                        n_heads=max(1, d // 64), tensor_parallel=True, sequence_parallel=sp,
-                                        sp_matmuls=matmuls)
+                for name, sp, matmuls in SP_VARIANTS if t > 1 else SP_VARIANTS[:1]:
+                    cfg = gpt.GPTConfig(
+                        vocab=256,
+                        seq_len=args.seq_len,
+                        d_model=d,
+                        n_layers=args.layers,
+                        n_heads=max(1, d // 64),
+                        tensor_parallel=True,
+                        sequence_parallel=sp,
+                        sp_matmuls=matmuls,
+                    )
                     graphdef, params = gpt.init_abstract(cfg)
                     tx, mesh, zc = optax.adamw(3e-4), zj.make_mesh(tensor=t), zj.ZeroConfig(stage=3, remat=remat)
                     state = zj.abstract_state(params, tx, mesh=mesh, config=zc)
@@ -101,19 +117,31 @@ def sequence_rows(args, degrees: list[int]) -> list[dict]:
                     for c in collectives(compiled.as_text()):
                         if "tensor" in c.axes(mesh) and c.total_bytes:
                             kinds[c.kind] = kinds.get(c.kind, 0) + c.total_bytes
-                    out.append({"d_model": d, "remat": remat, "tensor": t, "variant": name,
-                                "temp": zj.report.compiled_bytes(compiled)["temp"], "tensor_kinds": kinds})
+                    out.append(
+                        {
+                            "d_model": d,
+                            "remat": remat,
+                            "tensor": t,
+                            "variant": name,
+                            "temp": zj.report.compiled_bytes(compiled)["temp"],
+                            "tensor_kinds": kinds,
+                        }
+                    )
     return out
 
 
 def print_sequence_table(rows: list[dict], batch: int) -> None:
     mib = lambda b: f"{b / 2**20:.1f}"
     base = {(r["d_model"], r["remat"]): r["temp"] for r in rows if r["tensor"] == 1}
-    print(f"Sequence parallelism, same global batch ({batch}), ZeRO-3, compiled temp MiB per device "
-          f"(against T = 1 at the same width and remat policy) and collectives over \"tensor\" per step "
-          f"(MiB per device):\n")
-    print("| d_model | remat | data x tensor | temp, TP alone | temp, SP marked | temp, SP matmuls | "
-          "tensor-axis collectives: TP alone | SP marked | SP matmuls |")
+    print(
+        f"Sequence parallelism, same global batch ({batch}), ZeRO-3, compiled temp MiB per device "
+        f'(against T = 1 at the same width and remat policy) and collectives over "tensor" per step '
+        f"(MiB per device):\n"
+    )
+    print(
+        "| d_model | remat | data x tensor | temp, TP alone | temp, SP marked | temp, SP matmuls | "
+        "tensor-axis collectives: TP alone | SP marked | SP matmuls |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     fmt = lambda r: ", ".join(f"{kind} {v / 2**20:.1f}" for kind, v in sorted(r["tensor_kinds"].items())) or "none"
     for d, remat in dict.fromkeys((r["d_model"], r["remat"]) for r in rows):
@@ -121,8 +149,10 @@ def print_sequence_table(rows: list[dict], batch: int) -> None:
             got = {r["variant"]: r for r in rows if (r["d_model"], r["remat"], r["tensor"]) == (d, remat, t)}
             ratio = lambda r: f"{mib(r['temp'])} ({r['temp'] / base[d, remat]:.2f}x)"
             cell = lambda v, f: f(got[v]) if v in got else "-"
-            print(f"| {d} | {remat} | {8 // t} x {t} | {ratio(got['alone'])} | {cell('marked', ratio)} | "
-                  f"{cell('matmuls', ratio)} | {fmt(got['alone'])} | {cell('marked', fmt)} | {cell('matmuls', fmt)} |")
+            print(
+                f"| {d} | {remat} | {8 // t} x {t} | {ratio(got['alone'])} | {cell('marked', ratio)} | "
+                f"{cell('matmuls', ratio)} | {fmt(got['alone'])} | {cell('marked', fmt)} | {cell('matmuls', fmt)} |"
+            )
     print()
 
 
@@ -155,33 +185,52 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--tensor", default="1,2,4")
     ap.add_argument("--plot", default="", help="write the memory-vs-T plot to this PNG")
-    ap.add_argument("--sp-remat", default="none,dots,full",
-                    help="remat policies of the sequence-parallelism table ('' to leave it out)")
+    ap.add_argument(
+        "--sp-remat",
+        default="none,dots,full",
+        help="remat policies of the sequence-parallelism table ('' to leave it out)",
+    )
     ap.add_argument("--sp-d-model", default="256,1024", help="model widths of the sequence-parallelism table")
     args = ap.parse_args(argv)
-    cfg = gpt.GPTConfig(vocab=256, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
-                        n_heads=max(1, args.d_model // 64), tensor_parallel=True)
+    cfg = gpt.GPTConfig(
+        vocab=256,
+        seq_len=args.seq_len,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=max(1, args.d_model // 64),
+        tensor_parallel=True,
+    )
     degrees = [int(t) for t in args.tensor.split(",")]
     runs = list(dict.fromkeys((t, b) for t in degrees for b in (args.batch, args.rows * 8 // t)))
     rows = [measure(cfg, t, b) for t, b in progress(runs, "tensor", unit="config")]
     psi = cfg.num_params()
-    print(f"GPT d{args.d_model} L{args.layers} seq {args.seq_len} ({psi:,} parameters, {rows[-1]['replicated']:,} "
-          f"not split by an annotation at T > 1: LayerNorms, row-parallel biases, embeddings), ZeRO-3, AdamW, fp32, "
-          f"8 x {jax.devices()[0].platform}, jax {jax.__version__}\n")
+    print(
+        f"GPT d{args.d_model} L{args.layers} seq {args.seq_len} ({psi:,} parameters, {rows[-1]['replicated']:,} "
+        f"not split by an annotation at T > 1: LayerNorms, row-parallel biases, embeddings), ZeRO-3, AdamW, fp32, "
+        f"8 x {jax.devices()[0].platform}, jax {jax.__version__}\n"
+    )
     mib = lambda b: f"{b / 2**20:.3f}"
-    for title, pick in ((f"Same global batch ({args.batch})", lambda r: r["batch"] == args.batch),
-                        (f"Same rows per data group ({args.rows}; global batch {args.rows} x data)",
-                         lambda r: r["batch"] == args.rows * r["data"])):
+    for title, pick in (
+        (f"Same global batch ({args.batch})", lambda r: r["batch"] == args.batch),
+        (
+            f"Same rows per data group ({args.rows}; global batch {args.rows} x data)",
+            lambda r: r["batch"] == args.rows * r["data"],
+        ),
+    ):
         print(f"{title}:\n")
-        print("| data x tensor | batch | state MiB/device (arrays) | formula (tensor=T) | 12Ψ/8 | compiled temp MiB | "
-              "data-axis MiB/step | tensor-axis MiB/step | other MiB/step | ms/step | loss |")
+        print(
+            "| data x tensor | batch | state MiB/device (arrays) | formula (tensor=T) | 12Ψ/8 | compiled temp MiB | "
+            "data-axis MiB/step | tensor-axis MiB/step | other MiB/step | ms/step | loss |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in [r for r in rows if pick(r)]:
             a = dict(r["axes"])
             d, t = a.pop("data", 0), a.pop("tensor", 0)
-            print(f"| {r['data']} x {r['tensor']} | {r['batch']} | {mib(r['state'])} | {mib(r['formula'])} | "
-                  f"{mib(r['paper'])} | {mib(r['temp'])} | {mib(d)} | {mib(t)} | {mib(sum(a.values()))} | "
-                  f"{r['ms']:.1f} | {r['loss']:.4f} |")
+            print(
+                f"| {r['data']} x {r['tensor']} | {r['batch']} | {mib(r['state'])} | {mib(r['formula'])} | "
+                f"{mib(r['paper'])} | {mib(r['temp'])} | {mib(d)} | {mib(t)} | {mib(sum(a.values()))} | "
+                f"{r['ms']:.1f} | {r['loss']:.4f} |"
+            )
         print()
     if args.sp_remat:
         print_sequence_table(sequence_rows(args, degrees), args.batch)

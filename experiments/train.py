@@ -31,25 +31,36 @@ PRECISIONS = {
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     run = ap.add_argument_group("ZeRO")
     run.add_argument("--stage", type=int, choices=range(4), default=3)
-    run.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16",
-                     help="compute dtype; masters stay fp32, fp16 uses dynamic loss scaling")
+    run.add_argument(
+        "--precision",
+        choices=sorted(PRECISIONS),
+        default="bf16",
+        help="compute dtype; masters stay fp32, fp16 uses dynamic loss scaling",
+    )
     run.add_argument("--remat", default="none", help="remat policy per block (zerojax.remat names)")
-    run.add_argument("--devices", type=int, default=8,
-                     help="simulated CPU devices when JAX runs on the CPU; on GPUs all are used")
+    run.add_argument(
+        "--devices", type=int, default=8, help="simulated CPU devices when JAX runs on the CPU; on GPUs all are used"
+    )
     run.add_argument("--accum", type=int, default=1, help="gradient accumulation micro-batches")
-    run.add_argument("--replicas", type=int, default=1,
-                     help="hybrid sharding: replica groups (state sharded over devices/replicas, see docs/hybrid.md)")
+    run.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="hybrid sharding: replica groups (state sharded over devices/replicas, see docs/hybrid.md)",
+    )
     model = ap.add_argument_group("model")
     model.add_argument("--d-model", type=int, default=128)
     model.add_argument("--layers", type=int, default=4)
     model.add_argument("--heads", type=int, default=4)
     model.add_argument("--seq-len", type=int, default=64)
-    model.add_argument("--dropout", type=float, default=0.0,
-                       help="residual dropout per block (a key per step, device and micro-batch)")
+    model.add_argument(
+        "--dropout", type=float, default=0.0, help="residual dropout per block (a key per step, device and micro-batch)"
+    )
     opt = ap.add_argument_group("optimization")
     opt.add_argument("--steps", type=int, default=200)
     opt.add_argument("--batch", type=int, default=32, help="global batch (sequences per step)")
@@ -65,8 +76,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     out.add_argument("--plot", default=None, help="PNG of the loss curve (matplotlib)")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
-    for name in ("devices", "steps", "batch", "accum", "d_model", "layers", "heads", "seq_len", "eval_batches",
-                 "replicas"):
+    for name in (
+        "devices",
+        "steps",
+        "batch",
+        "accum",
+        "d_model",
+        "layers",
+        "heads",
+        "seq_len",
+        "eval_batches",
+        "replicas",
+    ):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0 or args.eval_every < 0:
@@ -91,8 +112,9 @@ def schedule(args: argparse.Namespace):
     import optax
 
     warmup = min(args.warmup, args.steps - 1)
-    return optax.warmup_cosine_decay_schedule(0.0, args.lr, max(warmup, 1), max(args.steps, warmup + 1),
-                                              end_value=args.lr / 10)
+    return optax.warmup_cosine_decay_schedule(
+        0.0, args.lr, max(warmup, 1), max(args.steps, warmup + 1), end_value=args.lr / 10
+    )
 
 
 def train(args: argparse.Namespace) -> list[dict]:
@@ -112,18 +134,25 @@ def train(args: argparse.Namespace) -> list[dict]:
         raise SystemExit(f"asked for {args.devices} devices, JAX has {len(devices)}")
     if args.batch % (len(devices) * args.accum):
         raise SystemExit(f"--batch {args.batch} must be a multiple of {len(devices)} devices x --accum {args.accum}")
-    cfg = gpt.GPTConfig(vocab=256, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
-                        n_heads=args.heads, remat=args.remat, dropout=args.dropout)
+    cfg = gpt.GPTConfig(
+        vocab=256,
+        seq_len=args.seq_len,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        remat=args.remat,
+        dropout=args.dropout,
+    )
     graphdef, params = gpt.init(cfg, args.seed)
     lr = schedule(args)
     tx = optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=args.weight_decay)
-    zc = zj.ZeroConfig(stage=args.stage, grad_accum_steps=args.accum,
-                       grad_clip=args.grad_clip or None, **PRECISIONS[args.precision])
+    zc = zj.ZeroConfig(
+        stage=args.stage, grad_accum_steps=args.accum, grad_clip=args.grad_clip or None, **PRECISIONS[args.precision]
+    )
     mesh = zj.make_mesh(devices, replicas=args.replicas)
     dropout = args.dropout > 0
     state = zj.init_state(params, tx, mesh=mesh, config=zc, rng=jax.random.key(args.seed) if dropout else None)
-    step = zj.make_train_step(gpt.make_loss(graphdef, with_rng=dropout), tx, mesh=mesh, config=zc,
-                              with_rng=dropout)
+    step = zj.make_train_step(gpt.make_loss(graphdef, with_rng=dropout), tx, mesh=mesh, config=zc, with_rng=dropout)
     # Held-out loss under the run's own layout (no dropout): at stage 3 one layer is gathered at a time.
     eval_loss = zj.make_eval_step(gpt.make_loss(graphdef), mesh=mesh, config=zc)
 
@@ -143,8 +172,17 @@ def train(args: argparse.Namespace) -> list[dict]:
             log.write(json.dumps(record) + "\n")
             log.flush()
 
-    emit({"kind": "config", **vars(args), "params": cfg.num_params(), "platform": platform,
-          "n_devices": len(devices), "jax": jax.__version__, "zero": repr(zc)})
+    emit(
+        {
+            "kind": "config",
+            **vars(args),
+            "params": cfg.num_params(),
+            "platform": platform,
+            "n_devices": len(devices),
+            "jax": jax.__version__,
+            "zero": repr(zc),
+        }
+    )
 
     def evaluate(i: int) -> None:
         val = float(np.mean([float(eval_loss(state, b)) for b in eval_set]))
@@ -161,9 +199,18 @@ def train(args: argparse.Namespace) -> list[dict]:
         state, m = step(state, next(train_stream))
         loss = float(m["loss"])  # waits for the step
         dt = time.perf_counter() - t0
-        rec = {"kind": "train", "step": i, "loss": loss, "grad_norm": float(m["grad_norm"]),
-               "lr": float(lr(i)), "loss_scale": float(m["loss_scale"]), "skipped": bool(m["skipped"]),
-               "step_s": dt, "tokens_per_s": tokens_per_step / dt, "elapsed_s": time.perf_counter() - start}
+        rec = {
+            "kind": "train",
+            "step": i,
+            "loss": loss,
+            "grad_norm": float(m["grad_norm"]),
+            "lr": float(lr(i)),
+            "loss_scale": float(m["loss_scale"]),
+            "skipped": bool(m["skipped"]),
+            "step_s": dt,
+            "tokens_per_s": tokens_per_step / dt,
+            "elapsed_s": time.perf_counter() - start,
+        }
         emit(rec)
         if bar is not None:
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}", refresh=False)
@@ -197,13 +244,15 @@ def plot(records: list[dict], path: str) -> None:
     smooth = np.convolve(loss, np.ones(k) / k, mode="valid")
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, loss, color="tab:blue", alpha=0.3, lw=1, label="train loss (per step)")
-    ax.plot(steps[k - 1:], smooth, color="tab:blue", lw=2, label=f"train loss ({k}-step mean)")
-    ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", color="tab:red",
-            label="held-out loss")
+    ax.plot(steps[k - 1 :], smooth, color="tab:blue", lw=2, label=f"train loss ({k}-step mean)")
+    ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", color="tab:red", label="held-out loss")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats per byte)")
-    ax.set_title(f"GPT {cfg['params']:,} params, ZeRO-{cfg['stage']} {cfg['precision']}, "
-                 f"{cfg['n_devices']} {cfg['platform']} devices, remat {cfg['remat']}", fontsize=10)
+    ax.set_title(
+        f"GPT {cfg['params']:,} params, ZeRO-{cfg['stage']} {cfg['precision']}, "
+        f"{cfg['n_devices']} {cfg['platform']} devices, remat {cfg['remat']}",
+        fontsize=10,
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -219,9 +268,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     first = sum(r["loss"] for r in train_recs[:5]) / min(5, len(train_recs))
     last = sum(r["loss"] for r in train_recs[-5:]) / min(5, len(train_recs))
     skipped = sum(r["skipped"] for r in train_recs)
-    print(f"train loss {first:.3f} -> {last:.3f} (means of first/last 5 steps); held-out loss "
-          f"{evals[-1]['val_loss']:.3f} ({evals[-1]['val_bits_per_byte']:.2f} bits/byte); "
-          f"{skipped} skipped steps")
+    print(
+        f"train loss {first:.3f} -> {last:.3f} (means of first/last 5 steps); held-out loss "
+        f"{evals[-1]['val_loss']:.3f} ({evals[-1]['val_bits_per_byte']:.2f} bits/byte); "
+        f"{skipped} skipped steps"
+    )
 
 
 if __name__ == "__main__":

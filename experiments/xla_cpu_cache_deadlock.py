@@ -57,7 +57,10 @@ def child(cache: str, guarded: bool) -> None:
     step = zj.make_train_step(loss, tx, mesh=mesh, config=cfg)
     for i in range(5):
         r = np.random.default_rng(i)
-        batch = {"x": jnp.asarray(r.normal(size=(64, 13)), jnp.float32), "y": jnp.asarray(r.normal(size=(64, 7)), jnp.float32)}
+        batch = {
+            "x": jnp.asarray(r.normal(size=(64, 13)), jnp.float32),
+            "y": jnp.asarray(r.normal(size=(64, 7)), jnp.float32),
+        }
         state, m = step(state, batch)
     entries = sorted({e.split("-")[0] for e in os.listdir(cache)})
     print(f"trained, loss {float(m['loss']):.4f}; step programs in the cache: {'jit_step' in entries}")
@@ -73,8 +76,12 @@ def main() -> None:
         return child(args.child, guarded=not args.unguarded)
     import jax
 
-    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
-                                      f" --xla_cpu_collective_call_terminate_timeout_seconds={args.timeout}"))
+    env = dict(
+        os.environ,
+        XLA_FLAGS=(
+            os.environ.get("XLA_FLAGS", "") + f" --xla_cpu_collective_call_terminate_timeout_seconds={args.timeout}"
+        ),
+    )
     print(f"jax {jax.__version__}, 8 CPU devices\n")
     print("| step compiled | process | exit | seconds | last line |\n|---|---|---|---|---|")
     for guarded in (True, False):
@@ -83,9 +90,18 @@ def main() -> None:
                 t0 = time.perf_counter()
                 cmd = [sys.executable, __file__, "--child", cache] + ([] if guarded else ["--unguarded"])
                 p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout * 20 + 300)
-                out = (p.stdout.strip().splitlines() or [""])[-1] if p.returncode == 0 else \
-                    next((line for line in p.stderr.splitlines() if "timeout" in line.lower() or "deadlock" in line.lower()),
-                         "aborted")
+                out = (
+                    (p.stdout.strip().splitlines() or [""])[-1]
+                    if p.returncode == 0
+                    else next(
+                        (
+                            line
+                            for line in p.stderr.splitlines()
+                            if "timeout" in line.lower() or "deadlock" in line.lower()
+                        ),
+                        "aborted",
+                    )
+                )
                 mode = "as zerojax does" if guarded else "into the cache"
                 print(f"| {mode} | {run} | {p.returncode} | {time.perf_counter() - t0:.1f} | {out.strip()[:110]} |")
 

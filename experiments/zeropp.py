@@ -36,10 +36,12 @@ from experiments import data  # noqa: E402
 from experiments.progress import bar  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 
-WEIGHTS = {"fp32": dict(compute_dtype="float32"), "bf16": dict(compute_dtype="bfloat16"),
-           "int8": dict(compute_dtype="bfloat16", gather_dtype="int8")}
-GRADS = {"fp32": dict(reduce_dtype="float32"), "bf16": dict(reduce_dtype="bfloat16"),
-         "int8": dict(reduce_dtype="int8")}
+WEIGHTS = {
+    "fp32": dict(compute_dtype="float32"),
+    "bf16": dict(compute_dtype="bfloat16"),
+    "int8": dict(compute_dtype="bfloat16", gather_dtype="int8"),
+}
+GRADS = {"fp32": dict(reduce_dtype="float32"), "bf16": dict(reduce_dtype="bfloat16"), "int8": dict(reduce_dtype="int8")}
 
 
 def runs(weights: list[str]) -> list[tuple[int, str, str]]:
@@ -107,20 +109,25 @@ def main(argv=None) -> dict:
     if unknown or not weights:
         raise ValueError(f"--weights takes a comma-separated subset of {list(WEIGHTS)}, got {args.weights!r}.")
     todo = runs(weights)
-    gcfg = gpt.GPTConfig(vocab=256, seq_len=64, d_model=args.d_model, n_layers=args.layers,
-                         n_heads=max(1, args.d_model // 32))
+    gcfg = gpt.GPTConfig(
+        vocab=256, seq_len=64, d_model=args.d_model, n_layers=args.layers, n_heads=max(1, args.d_model // 32)
+    )
     progress = bar(len(todo) * args.steps, "zeropp")
     res = measure(gcfg, args.batch, args.steps, todo, progress)
     progress.close()
     cfg0 = zj.ZeroConfig()
-    print(f"GPT d{args.d_model} L{args.layers} ({gcfg.num_params():,} parameters), AdamW 3e-3, clip 1.0, batch "
-          f"{args.batch} x {gcfg.seq_len}, {args.steps} steps, {len(jax.devices())} x {jax.devices()[0].platform}, "
-          f"jax {jax.__version__}; int8 blocks of {cfg0.quant_block_size} (weights) and "
-          f"{cfg0.reduce_quant_block_size} (gradients)\n")
+    print(
+        f"GPT d{args.d_model} L{args.layers} ({gcfg.num_params():,} parameters), AdamW 3e-3, clip 1.0, batch "
+        f"{args.batch} x {gcfg.seq_len}, {args.steps} steps, {len(jax.devices())} x {jax.devices()[0].platform}, "
+        f"jax {jax.__version__}; int8 blocks of {cfg0.quant_block_size} (weights) and "
+        f"{cfg0.reduce_quant_block_size} (gradients)\n"
+    )
     base = res[(3, weights[0], "fp32")]["bytes"]
     print("ZeRO-3, bytes per device per step (MiB), and the loss (mean of the last 10 steps):\n")
-    print(f"| weights | gradients | gathers | gradient exchange | gradients vs fp32 | total vs {weights[0]}/fp32 | loss | "
-          "vs fp32 gradients |")
+    print(
+        f"| weights | gradients | gathers | gradient exchange | gradients vs fp32 | total vs {weights[0]}/fp32 | loss | "
+        "vs fp32 gradients |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     rel = {}
     for stage, w, g in todo:
@@ -130,16 +137,20 @@ def main(argv=None) -> dict:
         if stage != 3:
             continue
         total = sum(r["bytes"].values()) / sum(base.values())
-        print(f"| {w} | {g} | {r['bytes']['gathers'] / 2**20:.3f} | {r['bytes']['grads'] / 2**20:.3f} | "
-              f"{r['bytes']['grads'] / twin['bytes']['grads']:.3f} | {total:.3f} | {r['last']:.4f} | "
-              f"{100 * rel[(stage, w, g)]:+.2f}% |")
+        print(
+            f"| {w} | {g} | {r['bytes']['gathers'] / 2**20:.3f} | {r['bytes']['grads'] / 2**20:.3f} | "
+            f"{r['bytes']['grads'] / twin['bytes']['grads']:.3f} | {total:.3f} | {r['last']:.4f} | "
+            f"{100 * rel[(stage, w, g)]:+.2f}% |"
+        )
     print("\nZeRO-2 (bf16 compute):\n")
     print("| gradients | gradient exchange (MiB) | vs fp32 | loss | vs fp32 gradients |")
     print("|---|---|---|---|---|")
     for g in ("fp32", "int8"):
         r, twin = res[(2, "bf16", g)], res[(2, "bf16", "fp32")]
-        print(f"| {g} | {r['bytes']['grads'] / 2**20:.3f} | {r['bytes']['grads'] / twin['bytes']['grads']:.3f} | "
-              f"{r['last']:.4f} | {100 * rel[(2, 'bf16', g)]:+.2f}% |")
+        print(
+            f"| {g} | {r['bytes']['grads'] / 2**20:.3f} | {r['bytes']['grads'] / twin['bytes']['grads']:.3f} | "
+            f"{r['last']:.4f} | {100 * rel[(2, 'bf16', g)]:+.2f}% |"
+        )
     if args.plot:
         import matplotlib
 
@@ -147,12 +158,22 @@ def main(argv=None) -> dict:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6.5, 3.8))
-        for stage, w, g in [(2, "bf16", "fp32"), (2, "bf16", "int8"), (3, "bf16", "fp32"), (3, "bf16", "int8"),
-                            (3, "int8", "fp32"), (3, "int8", "int8")]:
+        for stage, w, g in [
+            (2, "bf16", "fp32"),
+            (2, "bf16", "int8"),
+            (3, "bf16", "fp32"),
+            (3, "bf16", "int8"),
+            (3, "int8", "fp32"),
+            (3, "int8", "int8"),
+        ]:
             if (stage, w, g) not in res:
                 continue
-            ax.plot(res[(stage, w, g)]["losses"], lw=1, ls="-" if g == "fp32" else "--",
-                    label=f"ZeRO-{stage}, {w} weights, {g} gradients")
+            ax.plot(
+                res[(stage, w, g)]["losses"],
+                lw=1,
+                ls="-" if g == "fp32" else "--",
+                label=f"ZeRO-{stage}, {w} weights, {g} gradients",
+            )
         ax.set_xlabel("step")
         ax.set_ylabel("training loss (nats/byte)")
         ax.set_title("GPT, AdamW: int8 gradient exchange (qgZ) vs fp32")
@@ -162,8 +183,11 @@ def main(argv=None) -> dict:
     if args.json:
         key = lambda k: "/".join(map(str, k))
         with open(args.json, "w") as f:
-            json.dump({"runs": {key(k): v for k, v in res.items()}, "relative": {key(k): v for k, v in rel.items()}},
-                      f, default=float)
+            json.dump(
+                {"runs": {key(k): v for k, v in res.items()}, "relative": {key(k): v for k, v in rel.items()}},
+                f,
+                default=float,
+            )
     return {"runs": res, "relative": rel}
 
 

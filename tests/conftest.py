@@ -10,7 +10,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # to rounding (tests/test_compile_options.py). The variable reaches the job processes that
 # the multi-process tests start. ZEROJAX_TEST_FULL_OPT=1 keeps XLA's default.
 if os.environ.get("ZEROJAX_TEST_FULL_OPT") != "1" and "--xla_backend_optimization_level" not in os.environ.get(
-        "XLA_FLAGS", ""):
+    "XLA_FLAGS", ""
+):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 import jax  # noqa: E402

@@ -39,8 +39,11 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     rows = read(args.junit)
     slow = set(open(args.slow_ids).read().split()) if args.slow_ids else set()
-    groups = {"all": rows} if not slow else {
-        "default": [r for r in rows if r[1] not in slow], "slow": [r for r in rows if r[1] in slow]}
+    groups = (
+        {"all": rows}
+        if not slow
+        else {"default": [r for r in rows if r[1] not in slow], "slow": [r for r in rows if r[1] in slow]}
+    )
     for name, group in groups.items():
         print(f"{name}: {len(group)} tests, {sum(s for s, _ in group):.0f} s summed over the workers\n")
         print(table(group, args.top) + "\n")

@@ -14,8 +14,10 @@ IN, HID, OUT, LAYERS = 13, 20, 7, 3
 
 def batch(n: int = 16, seed: int = 0) -> dict[str, jax.Array]:
     rng = np.random.default_rng(seed)
-    return {"x": jnp.asarray(rng.normal(size=(n, IN)), jnp.float32),
-            "y": jnp.asarray(rng.normal(size=(n, OUT)), jnp.float32)}
+    return {
+        "x": jnp.asarray(rng.normal(size=(n, IN)), jnp.float32),
+        "y": jnp.asarray(rng.normal(size=(n, OUT)), jnp.float32),
+    }
 
 
 def mlp_params(seed: int = 0) -> dict:
@@ -24,8 +26,9 @@ def mlp_params(seed: int = 0) -> dict:
     f = lambda *s: jnp.asarray(rng.normal(size=s) / np.sqrt(s[0] if s else 1), jnp.float32)
     return {
         "inp": {"w": f(IN, HID), "b": jnp.zeros((HID,))},
-        "layers": [{"w": f(HID, HID), "b": jnp.asarray(rng.normal(size=(HID,)) * 0.1, jnp.float32)}
-                   for _ in range(LAYERS)],
+        "layers": [
+            {"w": f(HID, HID), "b": jnp.asarray(rng.normal(size=(HID,)) * 0.1, jnp.float32)} for _ in range(LAYERS)
+        ],
         "out": {"w": f(HID, OUT), "b": jnp.zeros((OUT,))},
         "skip": f(IN),
         "temp": jnp.asarray(1.3, jnp.float32),
@@ -102,8 +105,7 @@ class LinenModel(nn.Module):
     @nn.compact
     def __call__(self, x):
         x = nn.Dense(HID)(x)
-        Stack = nn.scan(LinenBlock, variable_axes={"params": 0}, split_rngs={"params": True},
-                        length=LAYERS)
+        Stack = nn.scan(LinenBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=LAYERS)
         x, _ = Stack()(x, None)
         x = nn.Dense(HID)(x)  # an unrolled submodule too
         return nn.Dense(OUT)(jnp.tanh(x))
@@ -169,8 +171,12 @@ def zero_run(loss_fn, params, tx, batches, stage, n_devices=8, grad_norms=None, 
 
 
 def abs_errors(a, b) -> np.ndarray:
-    return np.concatenate([np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)).ravel()
-                           for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))])
+    return np.concatenate(
+        [
+            np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)).ravel()
+            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+        ]
+    )
 
 
 # Deep, wide enough that memory effects dwarf bookkeeping: used by compiled-program tests.
@@ -197,7 +203,7 @@ def deep_indexed_loss(p, x):
     """``deep_params(stacked=True)`` taken layer by layer by index."""
     for i in range(p["w"].shape[0]):
         x = jnp.tanh(x @ p["w"][i] + p["b"][i])
-    return jnp.mean(x ** 2)
+    return jnp.mean(x**2)
 
 
 def deep_loss(p, x):
@@ -206,7 +212,7 @@ def deep_loss(p, x):
     else:
         for l in p:
             x = jnp.tanh(x @ l["w"] + l["b"])
-    return jnp.mean(x ** 2)
+    return jnp.mean(x**2)
 
 
 class DeepNNX(nnx.Module):

@@ -9,11 +9,17 @@ from experiments import data
 from zerojax.models import gpt
 
 
-@pytest.mark.parametrize("stage,dtype", [
-    (0, "float32"), pytest.param(3, "float32", marks=pytest.mark.slow), (3, "bfloat16"),
-    pytest.param(1, "float16", marks=pytest.mark.slow),
-    pytest.param(1, "float32", marks=pytest.mark.slow), pytest.param(2, "bfloat16", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "stage,dtype",
+    [
+        (0, "float32"),
+        pytest.param(3, "float32", marks=pytest.mark.slow),
+        (3, "bfloat16"),
+        pytest.param(1, "float16", marks=pytest.mark.slow),
+        pytest.param(1, "float32", marks=pytest.mark.slow),
+        pytest.param(2, "bfloat16", marks=pytest.mark.slow),
+    ],
+)
 def test_abstract_step_memory_equals_the_real_one(stage, dtype):
     """step_memory from shapes alone = memory_analysis of the step compiled on real arrays,
     and its state figure = the bytes the real state's shards hold."""
@@ -34,8 +40,9 @@ def test_abstract_step_memory_equals_the_real_one(stage, dtype):
     for key in ("argument", "output", "alias", "temp", "total"):
         assert getattr(mem, key) == real[key], key
     assert mem.argument == mem.state + mem.batch
-    assert zj.report.state_bytes_per_device(zj.abstract_state(abstract_params, tx, mesh=mesh, config=zc)) == \
-        zj.report.state_bytes_per_device(state)
+    assert zj.report.state_bytes_per_device(
+        zj.abstract_state(abstract_params, tx, mesh=mesh, config=zc)
+    ) == zj.report.state_bytes_per_device(state)
 
 
 def test_plans_a_model_larger_than_this_machine():
@@ -46,8 +53,14 @@ def test_plans_a_model_larger_than_this_machine():
     assert psi > 4e9
     graphdef, abstract_params = gpt.init_abstract(cfg)
     tokens = jax.ShapeDtypeStruct((8, cfg.seq_len + 1), "int32")
-    mem = zj.report.step_memory(gpt.make_loss(graphdef), abstract_params, optax.adamw(1e-4), {"tokens": tokens},
-                         mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3, compute_dtype="bfloat16"))
+    mem = zj.report.step_memory(
+        gpt.make_loss(graphdef),
+        abstract_params,
+        optax.adamw(1e-4),
+        {"tokens": tokens},
+        mesh=zj.make_mesh(),
+        config=zj.ZeroConfig(stage=3, compute_dtype="bfloat16"),
+    )
     assert mem.state == pytest.approx(zj.report.zero_formula_bytes(psi, 8, 3), rel=1e-4)
     # Stage 3 gathers a layer at a time: a device needs less than the fp32 params alone.
     assert mem.total < 4 * psi
@@ -57,6 +70,11 @@ def test_plans_a_model_larger_than_this_machine():
 def test_batch_that_does_not_divide_is_refused_before_compiling():
     params = {"w": jax.ShapeDtypeStruct((64, 64), "float32")}
     with pytest.raises(ValueError, match="leading dimension 12"):
-        zj.report.step_memory(lambda p, x: (x @ p["w"]).mean(), params, optax.sgd(0.1),
-                       jax.ShapeDtypeStruct((12, 64), "float32"), mesh=zj.make_mesh(),
-                       config=zj.ZeroConfig(stage=3))
+        zj.report.step_memory(
+            lambda p, x: (x @ p["w"]).mean(),
+            params,
+            optax.sgd(0.1),
+            jax.ShapeDtypeStruct((12, 64), "float32"),
+            mesh=zj.make_mesh(),
+            config=zj.ZeroConfig(stage=3),
+        )

@@ -78,11 +78,23 @@ def _property_cases(count: int = PROPERTY_CASES, seed: int = 8) -> list[Case]:
     one whose draws cover what the next test asks)."""
     rng = np.random.default_rng(seed)
     draw = lambda values: _balanced(rng, list(values), count)
-    cols = dict(method=draw(["ring", "ulysses"]), c=draw([2, 4, 8]), layout=draw(["contiguous", "balanced"]),
-                t=draw([16, 32]), causal=draw([True, False]), window=draw([None, None, "random"]),
-                dtype=draw(["float32", "float32", "bfloat16"]), block=draw([3, 4, 512]),
-                mask=draw([None, "full", "keys"]), bias=draw([None, "full", "keys"]), qlen=draw([False, True]),
-                kvlen=draw([False, True]), segments=draw([False, True]), gqa=draw([1, 2, 4]), cross=draw([0, 0, 1]))
+    cols = dict(
+        method=draw(["ring", "ulysses"]),
+        c=draw([2, 4, 8]),
+        layout=draw(["contiguous", "balanced"]),
+        t=draw([16, 32]),
+        causal=draw([True, False]),
+        window=draw([None, None, "random"]),
+        dtype=draw(["float32", "float32", "bfloat16"]),
+        block=draw([3, 4, 512]),
+        mask=draw([None, "full", "keys"]),
+        bias=draw([None, "full", "keys"]),
+        qlen=draw([False, True]),
+        kvlen=draw([False, True]),
+        segments=draw([False, True]),
+        gqa=draw([1, 2, 4]),
+        cross=draw([0, 0, 1]),
+    )
     cases = []
     for i in range(count):
         kw = {k: v[i] for k, v in cols.items()}
@@ -103,13 +115,17 @@ def _data(case: Case, seed: int, bias_fill: str = "finite") -> dict:
     rng = np.random.default_rng(seed)
     dt = jnp.dtype(case.dtype)
     t, s = case.t, case.s
-    x = {"q": rng.normal(size=(B, t, case.n, H)), "k": rng.normal(size=(B, s, case.kh, H)),
-         "v": rng.normal(size=(B, s, case.kh, H)), "ct": rng.normal(size=(B, t, case.n, H))}
+    x = {
+        "q": rng.normal(size=(B, t, case.n, H)),
+        "k": rng.normal(size=(B, s, case.kh, H)),
+        "v": rng.normal(size=(B, s, case.kh, H)),
+        "ct": rng.normal(size=(B, t, case.n, H)),
+    }
     x = {k: jnp.asarray(v, dt) for k, v in x.items()}
     blocked = np.zeros((B, s), bool)  # keys a whole chunk of which is masked or biased away
     for b in range(B):
         start = int(rng.integers(1, s // 4)) * 4
-        blocked[b, start:start + 4] = True
+        blocked[b, start : start + 4] = True
     if case.mask == "full":
         m = rng.random((B, 1, t, s)) < 0.75
         m[0, 0, [1, t // 2]] = False  # rows that see no key
@@ -140,8 +156,12 @@ def _data(case: Case, seed: int, bias_fill: str = "finite") -> dict:
 
 
 def _kwargs(case: Case, x: dict) -> dict:
-    return dict(is_causal=case.causal, local_window_size=case.window, query_seq_lengths=x.get("qlen"),
-                key_value_seq_lengths=x.get("kvlen"))
+    return dict(
+        is_causal=case.causal,
+        local_window_size=case.window,
+        query_seq_lengths=x.get("qlen"),
+        key_value_seq_lengths=x.get("kvlen"),
+    )
 
 
 def _vjp(attend):
@@ -191,9 +211,17 @@ def _ours(case: Case):
             if "kseg" in x:
                 seg["key_value_segment_ids"] = x["kseg"][:, cols]
         out = zj.nn.dot_product_attention(
-            x["q"][:, rows], x["k"][:, cols], x["v"][:, cols], _permuted(x.get("bias"), rows, cols),
-            _permuted(x.get("mask"), rows, cols), method=case.method, layout=case.layout, block_size=case.block,
-            **seg, **_kwargs(case, x))
+            x["q"][:, rows],
+            x["k"][:, cols],
+            x["v"][:, cols],
+            _permuted(x.get("bias"), rows, cols),
+            _permuted(x.get("mask"), rows, cols),
+            method=case.method,
+            layout=case.layout,
+            block_size=case.block,
+            **seg,
+            **_kwargs(case, x),
+        )
         return out[:, inv]
 
     fn, mesh = _vjp(attend), _mesh(case.c)
@@ -237,9 +265,17 @@ def test_kernels_are_jax_attention(case):
 def test_the_property_cases_cover_every_option():
     """Every value of every option, and each method with each dtype, layout, causality and C."""
     cases = _property_cases()
-    for field, values in dict(method={"ring", "ulysses"}, c={2, 4, 8}, layout={"contiguous", "balanced"},
-                              dtype={"float32", "bfloat16"}, causal={True, False}, mask={None, "full", "keys"},
-                              bias={None, "full", "keys"}, segments={True, False}, block={3, 4, 512}).items():
+    for field, values in dict(
+        method={"ring", "ulysses"},
+        c={2, 4, 8},
+        layout={"contiguous", "balanced"},
+        dtype={"float32", "bfloat16"},
+        causal={True, False},
+        mask={None, "full", "keys"},
+        bias={None, "full", "keys"},
+        segments={True, False},
+        block={3, 4, 512},
+    ).items():
         assert {getattr(c, field) for c in cases} == values, field
     for field, count in dict(dtype=2, layout=2, causal=2, c=3).items():
         assert len({(c.method, getattr(c, field)) for c in cases}) == 2 * count, field
@@ -256,10 +292,20 @@ def test_the_property_cases_cover_every_option():
 # (mask, bias, key lengths, segment ids), each draw setting the ones it does not test to
 # what masks nothing.
 
-RING = Case(method="ring", c=4, layout="balanced", causal=True, mask="full", bias="full", kvlen=True, segments=True,
-            block=4)
-ULYSSES = Case(method="ulysses", c=4, layout="contiguous", causal=False, mask="full", bias="full", kvlen=True,
-               segments=True, block=4)
+RING = Case(
+    method="ring", c=4, layout="balanced", causal=True, mask="full", bias="full", kvlen=True, segments=True, block=4
+)
+ULYSSES = Case(
+    method="ulysses",
+    c=4,
+    layout="contiguous",
+    causal=False,
+    mask="full",
+    bias="full",
+    kvlen=True,
+    segments=True,
+    block=4,
+)
 
 
 def _neutral(case: Case, x: dict) -> dict:
@@ -280,10 +326,16 @@ def _key_bias(case: Case, keys: np.ndarray, fill) -> jax.Array:
 
 # slow: 3-5 s each; ring in float32 and Ulysses in bfloat16 stay in the default set (the
 # property draws mix -inf biases with either method and dtype too)
-@pytest.mark.parametrize("case", [RING, pytest.param(dataclasses.replace(RING, dtype="bfloat16"), marks=pytest.mark.slow),
-                                  pytest.param(ULYSSES, marks=pytest.mark.slow),
-                                  dataclasses.replace(ULYSSES, dtype="bfloat16")],
-                         ids=["ring-float32", "ring-bfloat16", "ulysses-float32", "ulysses-bfloat16"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        RING,
+        pytest.param(dataclasses.replace(RING, dtype="bfloat16"), marks=pytest.mark.slow),
+        pytest.param(ULYSSES, marks=pytest.mark.slow),
+        dataclasses.replace(ULYSSES, dtype="bfloat16"),
+    ],
+    ids=["ring-float32", "ring-bfloat16", "ulysses-float32", "ulysses-bfloat16"],
+)
 def test_minus_inf_key_padding_bias_is_jax(case):
     """Bug 1: an additive key-padding bias of ``-inf`` made ring attention NaN on every row,
     and Ulysses once a chunk of ``block_size`` keys was all padding (``exp(-inf - -inf)``);
@@ -355,8 +407,18 @@ def test_causal_ring_skipping_is_exact_for_rows_that_see_no_key(layout):
     key) averaged such rows over the computed chunks only (0.66 off, gradients too); JAX
     averages every value. The hidden chunks are merged as what they are, for any reason a
     row sees no key: lengths, windows, masks, segments."""
-    case = Case(method="ring", c=4, layout=layout, t=32, causal=True, window=(2, 0), mask="full", kvlen=True,
-                segments=True, block=4)
+    case = Case(
+        method="ring",
+        c=4,
+        layout=layout,
+        t=32,
+        causal=True,
+        window=(2, 0),
+        mask="full",
+        kvlen=True,
+        segments=True,
+        block=4,
+    )
     x = _neutral(case, _data(case, 4))
     x["kvlen"] = jnp.asarray([3, 32], jnp.int32)
     _compare(case, x, "window (2, 0), key lengths [3, 32]")
@@ -374,26 +436,47 @@ def test_inside_a_shard_map_manual_over_the_context_axis(case):
     mesh, seq = _mesh(case.c), P(None, "context")
 
     def inner(q, k, v, bias, seg, mask, lens):
-        return zj.nn.dot_product_attention(q, k, v, bias, mask, is_causal=case.causal, key_value_seq_lengths=lens,
-                                          segment_ids=seg, method=case.method, layout=case.layout,
-                                          block_size=case.block)
+        return zj.nn.dot_product_attention(
+            q,
+            k,
+            v,
+            bias,
+            mask,
+            is_causal=case.causal,
+            key_value_seq_lengths=lens,
+            segment_ids=seg,
+            method=case.method,
+            layout=case.layout,
+            block_size=case.block,
+        )
 
     specs = (seq, seq, seq, P(), seq, P(), P())
     run = jax.shard_map(inner, mesh=mesh, in_specs=specs, out_specs=seq, check_vma=case.method == "ring")
 
     def attend(x):
-        return run(x["q"][:, rows], x["k"][:, rows], x["v"][:, rows], _permuted(x["bias"], rows, rows),
-                   x["qseg"][:, rows], _permuted(x["mask"], rows, rows), x["kvlen"])[:, inv]
+        return run(
+            x["q"][:, rows],
+            x["k"][:, rows],
+            x["v"][:, rows],
+            _permuted(x["bias"], rows, rows),
+            x["qseg"][:, rows],
+            _permuted(x["mask"], rows, rows),
+            x["kvlen"],
+        )[:, inv]
 
     out, grads = _vjp(attend)(dict(x))
     want, want_grads = _reference(case)(dict(x))
     _close(out, want, 2e-5, "values")
     for key in want_grads:
         _close(grads[key], want_grads[key], 2e-5, f"d{key}")
-    with pytest.raises(ValueError, match=r"mask has shape \(2, 1, 4, 16\).*this device's chunks and a mask or bias "
-                                         r"is given whole"):
+    with pytest.raises(
+        ValueError,
+        match=r"mask has shape \(2, 1, 4, 16\).*this device's chunks and a mask or bias "
+        r"is given whole",
+    ):
         jax.shard_map(inner, mesh=mesh, in_specs=specs[:5] + (P(None, None, "context"), P()), out_specs=seq)(
-            x["q"], x["k"], x["v"], x["bias"], x["qseg"], x["mask"], x["kvlen"])
+            x["q"], x["k"], x["v"], x["bias"], x["qseg"], x["mask"], x["kvlen"]
+        )
 
 
 def _scan_lengths(jaxpr) -> list[int]:
@@ -443,16 +526,23 @@ def _packed():
     through JAX's causal attention, put back in its place (values and gradients)."""
     rng = np.random.default_rng(8)
     ids = jnp.asarray(np.stack([np.repeat(np.arange(len(ls)), ls) for ls in PACKED]), jnp.int32)
-    x = {name: jnp.asarray(rng.normal(size=(len(PACKED), 32, h, H)), jnp.float32)
-         for name, h in (("q", 4), ("k", 2), ("v", 2), ("ct", 4))}
+    x = {
+        name: jnp.asarray(rng.normal(size=(len(PACKED), 32, h, H)), jnp.float32)
+        for name, h in (("q", 4), ("k", 2), ("v", 2), ("ct", 4))
+    }
 
     def attend(x):
         out = []
         for row in PACKED:
             starts = np.cumsum([0] + row)
-            out.append(jnp.concatenate([jax.nn.dot_product_attention(*(x[n][len(out), None, lo:hi] for n in "qkv"),
-                                                                     is_causal=True)[0]
-                                        for lo, hi in zip(starts[:-1], starts[1:])]))
+            out.append(
+                jnp.concatenate(
+                    [
+                        jax.nn.dot_product_attention(*(x[n][len(out), None, lo:hi] for n in "qkv"), is_causal=True)[0]
+                        for lo, hi in zip(starts[:-1], starts[1:])
+                    ]
+                )
+            )
         return jnp.stack(out)
 
     return ids, x, _vjp(attend)(dict(x))
@@ -467,8 +557,16 @@ def test_packed_sequences_are_attention_document_by_document(method, c, layout):
     rows, inv = (np.arange(32),) * 2 if c == 1 else (Layout(layout, c).order(32), Layout(layout, c).inverse(32))
 
     def attend(x):
-        return zj.nn.dot_product_attention(x["q"][:, rows], x["k"][:, rows], x["v"][:, rows], is_causal=True,
-                                          segment_ids=ids[:, rows], method=method, layout=layout, block_size=4)[:, inv]
+        return zj.nn.dot_product_attention(
+            x["q"][:, rows],
+            x["k"][:, rows],
+            x["v"][:, rows],
+            is_causal=True,
+            segment_ids=ids[:, rows],
+            method=method,
+            layout=layout,
+            block_size=4,
+        )[:, inv]
 
     with _on(_mesh(c) if c > 1 else None):
         out, grads = _vjp(attend)(dict(x))

@@ -25,8 +25,15 @@ hlo_cost = importlib.import_module("zerojax.tuning.hlo_cost")
 
 MIB = 2**20
 # Rates for tests that do not measure the machine (the figures only order the plans).
-SPEC = DeviceSpec(name="test", peak_flops=1e10, peak_flops_fp32=1e10, hbm_bandwidth=1e9, link_bandwidth=1e9,
-                  collective_latency=1e-4, async_collectives=False)
+SPEC = DeviceSpec(
+    name="test",
+    peak_flops=1e10,
+    peak_flops_fp32=1e10,
+    hbm_bandwidth=1e9,
+    link_bandwidth=1e9,
+    collective_latency=1e-4,
+    async_collectives=False,
+)
 D_IN, D_HID = 256, 512  # Ψ = 2 · 256 · 512 = 262,144: fp32 Adam's 12Ψ = 3 MiB at stage 0
 
 
@@ -45,8 +52,9 @@ SMALL = SearchSpace(accum=(1, 2), remat=("none",), offload=("none",), prefetch=(
 @pytest.fixture(scope="module")
 def tuned():
     """One search of the tiny model in 2 MiB: stage 0 (3 MiB of state) is pruned unseen."""
-    return zj.autotune(tiny_loss, tiny_params(), optax.adam(1e-3), BATCH, mesh=zj.make_mesh(), memory="2MiB",
-                       device=SPEC, space=SMALL)
+    return zj.autotune(
+        tiny_loss, tiny_params(), optax.adam(1e-3), BATCH, mesh=zj.make_mesh(), memory="2MiB", device=SPEC, space=SMALL
+    )
 
 
 def test_plans_fit_and_memory_is_step_memory_of_the_same_config(tuned):
@@ -84,10 +92,17 @@ def test_pruned_are_exactly_the_candidates_whose_formula_exceeds_the_budget(tune
 
 def test_the_chosen_plan_keeps_the_users_compute_dtype_and_other_fields():
     base = zj.ZeroConfig(compute_dtype="bfloat16", grad_clip=1.0, donate=False)
-    result = zj.autotune(tiny_loss, tiny_params(), optax.adam(1e-3), BATCH, mesh=zj.make_mesh(), memory="4MiB",
-                         config=base, device=SPEC,
-                         space=SearchSpace(stages=(2, 3), accum=(1,), remat=("none",), offload=("none",),
-                                           prefetch=(0,)))
+    result = zj.autotune(
+        tiny_loss,
+        tiny_params(),
+        optax.adam(1e-3),
+        BATCH,
+        mesh=zj.make_mesh(),
+        memory="4MiB",
+        config=base,
+        device=SPEC,
+        space=SearchSpace(stages=(2, 3), accum=(1,), remat=("none",), offload=("none",), prefetch=(0,)),
+    )
     for plan in result:
         assert plan.config.compute_dtype == "bfloat16"
         assert plan.config.grad_clip == 1.0 and plan.config.donate is False
@@ -96,10 +111,17 @@ def test_the_chosen_plan_keeps_the_users_compute_dtype_and_other_fields():
 
 def test_plans_share_a_compile_when_a_config_changes_nothing():
     """No layer loop: remat policies lower to the same program, compiled once."""
-    result = zj.autotune(tiny_loss, tiny_params(), optax.adam(1e-3), BATCH, mesh=zj.make_mesh(), memory="4MiB",
-                         device=SPEC, exhaustive=True,
-                         space=SearchSpace(stages=(3,), accum=(1,), remat=("none", "full"), offload=("none",),
-                                           prefetch=(0,)))
+    result = zj.autotune(
+        tiny_loss,
+        tiny_params(),
+        optax.adam(1e-3),
+        BATCH,
+        mesh=zj.make_mesh(),
+        memory="4MiB",
+        device=SPEC,
+        exhaustive=True,
+        space=SearchSpace(stages=(3,), accum=(1,), remat=("none", "full"), offload=("none",), prefetch=(0,)),
+    )
     assert result.compiled == 1 and result.shared == 1 and len(result) == 2
     assert result[0].program == result[1].program and result[0].memory == result[1].memory
 
@@ -129,6 +151,7 @@ def test_cost_analysis_is_per_device_and_checked_against_a_known_matmul():
 def test_loops_are_counted_per_iteration():
     """cost_analysis() counts a scan body once; the corrected count equals the unrolled
     program's own cost_analysis(), and the parse alone reproduces XLA's loop-free count."""
+
     def scanned(ws, x):
         return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
 
@@ -202,14 +225,17 @@ def test_known_devices_and_calibration():
         device_spec("B300")
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("memory_curve", ((2**20, 1e9), (2**16, 2e9)), r"memory_curve must be \(bytes, bytes/s\) pairs.*increasing"),
-    ("memory_curve", ((2**16, 0.0),), r"memory_curve must be \(bytes, bytes/s\) pairs, positive"),
-    ("matmul_curve", ((128, float("inf")),), r"matmul_curve must be \(side, FLOP/s\) pairs, positive"),
-    ("matmul_rates", (((64, 64), 1e9),), r"matmul_rates must be \(\(M, N, K\), FLOP/s\) pairs"),
-    ("matmul_rates", (((64, 0, 64), 1e9),), r"matmul_rates must be \(\(M, N, K\), FLOP/s\) pairs, positive"),
-    ("collective_latency", -1e-6, r"collective_latency must be seconds >= 0"),
-])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("memory_curve", ((2**20, 1e9), (2**16, 2e9)), r"memory_curve must be \(bytes, bytes/s\) pairs.*increasing"),
+        ("memory_curve", ((2**16, 0.0),), r"memory_curve must be \(bytes, bytes/s\) pairs, positive"),
+        ("matmul_curve", ((128, float("inf")),), r"matmul_curve must be \(side, FLOP/s\) pairs, positive"),
+        ("matmul_rates", (((64, 64), 1e9),), r"matmul_rates must be \(\(M, N, K\), FLOP/s\) pairs"),
+        ("matmul_rates", (((64, 0, 64), 1e9),), r"matmul_rates must be \(\(M, N, K\), FLOP/s\) pairs, positive"),
+        ("collective_latency", -1e-6, r"collective_latency must be seconds >= 0"),
+    ],
+)
 def test_a_device_spec_with_a_bad_curve_is_refused(field, value, match):
     with pytest.raises(ValueError, match=match):
         dataclasses.replace(SPEC, **{field: value})
@@ -220,36 +246,67 @@ def test_memory_budget_parsing():
     assert parse_memory("512 MiB") == 512 * MIB and parse_memory(3 * 2**30) == 3 * 2**30
 
 
-@pytest.mark.parametrize("memory,match", [
-    (80, r"memory=80 is 80 B per device, under 1 MiB"),
-    ("0.5MiB", r"under 1 MiB"),
-    ("2TiB", r"2.00 TiB per device, more than any accelerator has \(the largest known, NVIDIA H200 SXM, has 141 GB\)"),
-    ("eighty", r"memory='eighty' is not a size"),
-])
+@pytest.mark.parametrize(
+    "memory,match",
+    [
+        (80, r"memory=80 is 80 B per device, under 1 MiB"),
+        ("0.5MiB", r"under 1 MiB"),
+        (
+            "2TiB",
+            r"2.00 TiB per device, more than any accelerator has \(the largest known, NVIDIA H200 SXM, has 141 GB\)",
+        ),
+        ("eighty", r"memory='eighty' is not a size"),
+    ],
+)
 def test_a_budget_in_the_wrong_unit_is_refused_before_compiling(memory, match, monkeypatch):
     monkeypatch.setattr(search_module, "abstract_state", _never)
     with pytest.raises(ValueError, match=match):
-        zj.autotune(tiny_loss, tiny_params(), optax.adam(1e-3), BATCH, mesh=zj.make_mesh(), memory=memory,
-                    device=SPEC)
+        zj.autotune(tiny_loss, tiny_params(), optax.adam(1e-3), BATCH, mesh=zj.make_mesh(), memory=memory, device=SPEC)
 
 
 def test_a_batch_no_accumulation_count_divides_names_the_valid_sizes(monkeypatch):
     monkeypatch.setattr(search_module, "abstract_state", _never)
     with pytest.raises(ValueError, match=r"global batch of 30 rows does not split over the 8 devices.*24 or 32"):
-        zj.autotune(tiny_loss, tiny_params(), optax.adam(1e-3), jax.ShapeDtypeStruct((30, D_IN), "float32"),
-                    mesh=zj.make_mesh(), memory="2MiB", device=SPEC)
-    with pytest.raises(ValueError, match=r"gives each of the 8 devices 2 rows, which no accumulation count tried "
-                                         r"\(3\) divides\. Use a global batch of 24 rows"):
-        zj.autotune(tiny_loss, tiny_params(), optax.adam(1e-3), jax.ShapeDtypeStruct((16, D_IN), "float32"),
-                    mesh=zj.make_mesh(), memory="2MiB", device=SPEC, space=SearchSpace(accum=(3,)))
+        zj.autotune(
+            tiny_loss,
+            tiny_params(),
+            optax.adam(1e-3),
+            jax.ShapeDtypeStruct((30, D_IN), "float32"),
+            mesh=zj.make_mesh(),
+            memory="2MiB",
+            device=SPEC,
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"gives each of the 8 devices 2 rows, which no accumulation count tried "
+        r"\(3\) divides\. Use a global batch of 24 rows",
+    ):
+        zj.autotune(
+            tiny_loss,
+            tiny_params(),
+            optax.adam(1e-3),
+            jax.ShapeDtypeStruct((16, D_IN), "float32"),
+            mesh=zj.make_mesh(),
+            memory="2MiB",
+            device=SPEC,
+            space=SearchSpace(accum=(3,)),
+        )
 
 
 def test_nothing_fits_by_the_formula_is_refused_before_compiling(monkeypatch):
     monkeypatch.setattr(search_module, "abstract_state", _never)
     big = {"w": jax.ShapeDtypeStruct((2048, 2048), "float32")}  # Ψ = 4M: stage 3's 12Ψ/8 = 6 MiB
     with pytest.raises(ValueError) as e:
-        zj.autotune(tiny_loss, big, optax.adam(1e-3), BATCH, mesh=zj.make_mesh(), memory="4MiB", device=SPEC,
-                    space=SearchSpace(offload=("none",)))
+        zj.autotune(
+            tiny_loss,
+            big,
+            optax.adam(1e-3),
+            BATCH,
+            mesh=zj.make_mesh(),
+            memory="4MiB",
+            device=SPEC,
+            space=SearchSpace(offload=("none",)),
+        )
     msg = str(e.value)
     assert "the smallest, stage 3, accum 1, remat none, holds 6.00 MiB of persistent state alone" in msg
     assert "6.60 MiB with the 10% margin), 2.60 MiB over the budget. Nothing was compiled." in msg
@@ -259,8 +316,16 @@ def test_nothing_fits_by_the_formula_is_refused_before_compiling(monkeypatch):
 def test_nothing_fits_after_compiling_names_the_smallest_plan_and_the_next_lever():
     space = SearchSpace(stages=(3,), accum=(1,), remat=("none",), offload=("none",), prefetch=(0,))
     with pytest.raises(ValueError) as e:
-        zj.autotune(tiny_loss, tiny_params(), optax.adam(1e-3), jax.ShapeDtypeStruct((2048, D_IN), "float32"),
-                    mesh=zj.make_mesh(), memory="1MiB", device=SPEC, space=space)
+        zj.autotune(
+            tiny_loss,
+            tiny_params(),
+            optax.adam(1e-3),
+            jax.ShapeDtypeStruct((2048, D_IN), "float32"),
+            mesh=zj.make_mesh(),
+            memory="1MiB",
+            device=SPEC,
+            space=space,
+        )
     msg = str(e.value)
     assert "no configuration fits 1.00 MiB per device: the smallest compiled, stage 3, accum 1, remat none" in msg
     assert "over the budget" in msg and "a smaller micro-batch (grad_accum_steps=2 or more" in msg
@@ -273,8 +338,16 @@ def test_zero_memory_analysis_falls_back_to_the_formula_with_a_warning(monkeypat
     monkeypatch.setattr(search_module, "compiled_bytes", lambda compiled: dict(zeros))
     space = SearchSpace(stages=(3,), accum=(1,), remat=("none",), offload=("none",), prefetch=(0,))
     with pytest.warns(RuntimeWarning, match="#18954"):
-        result = zj.autotune(tiny_loss, tiny_params(), optax.adam(1e-3), BATCH, mesh=zj.make_mesh(),
-                             memory="2MiB", device=SPEC, space=space)
+        result = zj.autotune(
+            tiny_loss,
+            tiny_params(),
+            optax.adam(1e-3),
+            BATCH,
+            mesh=zj.make_mesh(),
+            memory="2MiB",
+            device=SPEC,
+            space=space,
+        )
     mem = result.best.memory
     psi = 2 * D_IN * D_HID
     state = int(np.ceil(zj.report.zero_formula_bytes(psi, 8, 3, opt_bytes=(8 * psi + 4) / psi, memory="device")))
@@ -285,9 +358,12 @@ def test_zero_memory_analysis_falls_back_to_the_formula_with_a_warning(monkeypat
 def test_the_search_skips_only_what_the_exhaustive_search_confirms():
     """Candidates ruled out do not fit, dominated ones are predicted no faster than the plan
     that dominates them, and the best plan is the exhaustive search's."""
-    kw = dict(mesh=zj.make_mesh(), memory="2MiB", device=SPEC,
-              space=SearchSpace(stages=(1, 2, 3), accum=(1, 2), remat=("none", "full"), offload=("none",),
-                                prefetch=(0,)))
+    kw = dict(
+        mesh=zj.make_mesh(),
+        memory="2MiB",
+        device=SPEC,
+        space=SearchSpace(stages=(1, 2, 3), accum=(1, 2), remat=("none", "full"), offload=("none",), prefetch=(0,)),
+    )
     params, batch = {"w": jax.ShapeDtypeStruct((512, 256), "float32")}, jax.ShapeDtypeStruct((64, 512), "float32")
     loss = lambda p, x: jnp.mean(jnp.tanh(x @ p["w"]) ** 2)
     fast = zj.autotune(loss, params, optax.adam(1e-3), batch, **kw)
@@ -314,8 +390,7 @@ def test_search_space_and_results_are_validated():
     with pytest.raises(ValueError, match="DeviceSpec.hbm_bandwidth must be a positive number"):
         dataclasses.replace(SPEC, hbm_bandwidth=-1.0)
     with pytest.raises(ValueError, match="margin must be a fraction in"):
-        zj.autotune(tiny_loss, tiny_params(), optax.adam(1e-3), BATCH, mesh=zj.make_mesh(), memory="2MiB",
-                    margin=1.5)
+        zj.autotune(tiny_loss, tiny_params(), optax.adam(1e-3), BATCH, mesh=zj.make_mesh(), memory="2MiB", margin=1.5)
     with pytest.raises(ValueError, match="this mesh also splits {'tensor': 2}"):
         mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
         zj.autotune(tiny_loss, tiny_params(), optax.adam(1e-3), BATCH, mesh=mesh, memory="2MiB", device=SPEC)
@@ -323,8 +398,18 @@ def test_search_space_and_results_are_validated():
 
 def test_progress_is_reported_per_candidate(capsys):
     seen = []
-    zj.autotune(tiny_loss, tiny_params(), optax.adam(1e-3), BATCH, mesh=zj.make_mesh(), memory="2MiB",
-                device=SPEC, space=SMALL, verbose=True, progress=lambda done, total, msg: seen.append((done, total)))
+    zj.autotune(
+        tiny_loss,
+        tiny_params(),
+        optax.adam(1e-3),
+        BATCH,
+        mesh=zj.make_mesh(),
+        memory="2MiB",
+        device=SPEC,
+        space=SMALL,
+        verbose=True,
+        progress=lambda done, total, msg: seen.append((done, total)),
+    )
     assert [d for d, _ in seen] == list(range(1, 9)) and {t for _, t in seen} == {8}
     err = capsys.readouterr().err
     assert "[1/8] stage 0, accum 1, remat none: pruned, state 3.00 MiB > 1.82 MiB" in err
@@ -332,7 +417,8 @@ def test_progress_is_reported_per_candidate(capsys):
 
 
 def test_cli_tunes_a_users_function(tmp_path, monkeypatch, capsys):
-    (tmp_path / "tiny_setup.py").write_text(textwrap.dedent(f"""
+    (tmp_path / "tiny_setup.py").write_text(
+        textwrap.dedent(f"""
         import jax, jax.numpy as jnp, optax
         import zerojax as zj
 
@@ -347,13 +433,36 @@ def test_cli_tunes_a_users_function(tmp_path, monkeypatch, capsys):
             _, _, tx, batch, config = setup()
             loss = lambda p, x: jnp.mean(x @ p["w"][:{D_IN}])
             return loss, {{"w": jax.ShapeDtypeStruct((2048, 2048), "float32")}}, tx, batch, config
-    """))
+    """)
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
     from zerojax import cli
 
-    assert cli.main(["autotune", "tiny_setup:setup", "--devices", "8", "--memory", "4MiB", "--device", "h100",
-                     "--accum", "1", "--remat", "none", "--offload", "none", "--prefetch", "0", "--quiet"]) == 0
+    assert (
+        cli.main(
+            [
+                "autotune",
+                "tiny_setup:setup",
+                "--devices",
+                "8",
+                "--memory",
+                "4MiB",
+                "--device",
+                "h100",
+                "--accum",
+                "1",
+                "--remat",
+                "none",
+                "--offload",
+                "none",
+                "--prefetch",
+                "0",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "4 candidates for 4.00 MiB per device" in out
     assert "| 1 | " in out and " | 1 (4) | none | none | 0 | bfloat16 |" in out
@@ -369,11 +478,44 @@ def test_cli_tunes_a_users_function(tmp_path, monkeypatch, capsys):
 def test_cli_tunes_the_experiments_gpt_in_its_own_process():
     import subprocess
 
-    out = subprocess.run([sys.executable, "-m", "zerojax.cli", "autotune", "--model", "gpt", "--d-model", "64",
-                          "--layers", "2", "--batch", "16", "--devices", "8", "--memory", "16MiB", "--stages", "2,3",
-                          "--accum", "1", "--remat", "none,full", "--offload", "none", "--prefetch", "0",
-                          "--context", "2", "--device", "h100", "--quiet"], capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zerojax.cli",
+            "autotune",
+            "--model",
+            "gpt",
+            "--d-model",
+            "64",
+            "--layers",
+            "2",
+            "--batch",
+            "16",
+            "--devices",
+            "8",
+            "--memory",
+            "16MiB",
+            "--stages",
+            "2,3",
+            "--accum",
+            "1",
+            "--remat",
+            "none,full",
+            "--offload",
+            "none",
+            "--prefetch",
+            "0",
+            "--context",
+            "2",
+            "--device",
+            "h100",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "GPT d_model 64, 2 layers" in out.stdout and "8 cpu devices" in out.stdout
     assert "best: zj.ZeroConfig(" in out.stdout
@@ -401,8 +543,16 @@ def _llama():
 @pytest.fixture(scope="module")
 def tuned_context():
     loss, params = _llama()
-    return zj.autotune(loss, params, optax.adamw(1e-3), {"inputs": SEQ, "targets": SEQ}, mesh=zj.make_mesh(),
-                       memory="1GiB", device=SPEC, space=CONTEXT)
+    return zj.autotune(
+        loss,
+        params,
+        optax.adamw(1e-3),
+        {"inputs": SEQ, "targets": SEQ},
+        mesh=zj.make_mesh(),
+        memory="1GiB",
+        device=SPEC,
+        space=CONTEXT,
+    )
 
 
 @pytest.mark.slow  # three Llama step compiles on context meshes (14 s, with the next test's 7 s)
@@ -422,8 +572,9 @@ def test_context_degrees_are_searched_each_on_its_own_mesh(tuned_context):
     temp = [by_c[c].memory.step.temp for c in (1, 2, 4)]
     assert temp[0] > temp[1] > temp[2], temp  # (weights gathered per layer are the same at every C)
     loss, params = _llama()
-    direct = zj.report.step_memory(loss, params, optax.adamw(1e-3), {"inputs": SEQ, "targets": SEQ}, mesh=by_c[4].mesh,
-                            config=by_c[4].config)
+    direct = zj.report.step_memory(
+        loss, params, optax.adamw(1e-3), {"inputs": SEQ, "targets": SEQ}, mesh=by_c[4].mesh, config=by_c[4].config
+    )
     assert by_c[4].memory.step == direct
     assert by_c[4].memory.step.batch == 2 * (8 // 2) * (256 // 4) * 4  # two int32 leaves: 4 rows x 64 tokens each
     assert "| context |" in tuned_context.table()
@@ -437,8 +588,16 @@ def test_a_budget_only_a_context_split_fits_chooses_it(tuned_context):
     by_c = {p.context: p for p in tuned_context}
     budget = (by_c[1].memory.device + by_c[2].memory.device) // 2
     loss, params = _llama()
-    result = zj.autotune(loss, params, optax.adamw(1e-3), {"inputs": SEQ, "targets": SEQ}, mesh=zj.make_mesh(),
-                         memory=budget, device=SPEC, space=dataclasses.replace(CONTEXT, context=(1, 2)))
+    result = zj.autotune(
+        loss,
+        params,
+        optax.adamw(1e-3),
+        {"inputs": SEQ, "targets": SEQ},
+        mesh=zj.make_mesh(),
+        memory=budget,
+        device=SPEC,
+        space=dataclasses.replace(CONTEXT, context=(1, 2)),
+    )
     assert [p.context for p in result] == [2] and result.best.memory == by_c[2].memory
 
 
@@ -446,20 +605,32 @@ def test_context_degrees_that_do_not_fit_are_refused_before_compiling(monkeypatc
     monkeypatch.setattr(search_module, "abstract_state", _never)
     loss, params = _llama()
     batch = {"inputs": SEQ, "targets": SEQ}
-    run = lambda space, b=batch: zj.autotune(loss, params, optax.adamw(1e-3), b, mesh=zj.make_mesh(),
-                                             memory="1GiB", device=SPEC, space=space)
+    run = lambda space, b=batch: zj.autotune(
+        loss, params, optax.adamw(1e-3), b, mesh=zj.make_mesh(), memory="1GiB", device=SPEC, space=space
+    )
     with pytest.raises(ValueError, match=r"\[3\] do not divide the 8 devices .* context degrees among \[1, 2, 4, 8\]"):
         run(dataclasses.replace(CONTEXT, context=(2, 3)))
     odd = jax.ShapeDtypeStruct((8, 250), "int32")
-    with pytest.raises(ValueError, match=r"context 4: batch leaf \['inputs'\]'s sequence length \(dimension 1\) 250 "
-                                         r"does not split into 4 context devices: use a multiple of 4 \(e.g. 248 or 252\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"context 4: batch leaf \['inputs'\]'s sequence length \(dimension 1\) 250 "
+        r"does not split into 4 context devices: use a multiple of 4 \(e.g. 248 or 252\)",
+    ):
         run(CONTEXT, {"inputs": odd, "targets": odd})
     with pytest.raises(ValueError, match=r"context 1 \(the batch over 8 data groups\): the global batch of 2 rows"):
         two = jax.ShapeDtypeStruct((2, 256), "int32")
         run(CONTEXT, {"inputs": two, "targets": two})
     with pytest.raises(ValueError, match="no batch leaf has a sequence dimension"):
-        zj.autotune(tiny_loss, tiny_params(), optax.adam(1e-3), jax.ShapeDtypeStruct((32,), "float32"),
-                    mesh=zj.make_mesh(), memory="2MiB", device=SPEC, space=SearchSpace(context=(2,)))
+        zj.autotune(
+            tiny_loss,
+            tiny_params(),
+            optax.adam(1e-3),
+            jax.ShapeDtypeStruct((32,), "float32"),
+            mesh=zj.make_mesh(),
+            memory="2MiB",
+            device=SPEC,
+            space=SearchSpace(context=(2,)),
+        )
     with pytest.raises(ValueError, match=r"SearchSpace.context must be positive ints"):
         SearchSpace(context=(0,))
 
@@ -484,8 +655,9 @@ def test_expert_degrees_are_searched_each_on_its_own_mesh():
     whole, Ψ/N sharded) prunes nothing that fits; E = 3 is refused before compiling."""
     loss, params, cfg = _moe()
     tokens = {"tokens": jax.ShapeDtypeStruct((16, 17), "int32")}
-    result = zj.autotune(loss, params, optax.adamw(1e-3), tokens, mesh=zj.make_mesh(), memory="1GiB", device=SPEC,
-                         space=EXPERT)
+    result = zj.autotune(
+        loss, params, optax.adamw(1e-3), tokens, mesh=zj.make_mesh(), memory="1GiB", device=SPEC, space=EXPERT
+    )
     by_e = {p.expert: p for p in result}
     assert sorted(by_e) == [1, 4] and not result.pruned
     assert dict(by_e[4].mesh.shape) == {"data": 2, "expert": 4} and by_e[4].micro_batch == 2
@@ -495,5 +667,13 @@ def test_expert_degrees_are_searched_each_on_its_own_mesh():
     # Stage 3 shards everything over the 8 devices at either E: the same state per device.
     assert by_e[1].memory.state == by_e[4].memory.state
     with pytest.raises(ValueError, match=r"SearchSpace\(expert=\(1, 3\)\): \[3\] do not divide the 8 devices"):
-        zj.autotune(loss, params, optax.adamw(1e-3), tokens, mesh=zj.make_mesh(), memory="1GiB", device=SPEC,
-                    space=dataclasses.replace(EXPERT, expert=(1, 3)))
+        zj.autotune(
+            loss,
+            params,
+            optax.adamw(1e-3),
+            tokens,
+            mesh=zj.make_mesh(),
+            memory="1GiB",
+            device=SPEC,
+            space=dataclasses.replace(EXPERT, expert=(1, 3)),
+        )

@@ -36,12 +36,15 @@ def leaves(tree):
 
 def restore(d, stage, n, tx=TX, cfg_kw=None, step=None):
     mesh = zj.make_mesh(jax.devices()[:n])
-    return zj.restore_checkpoint(d, models.stacked_params(), tx, mesh=mesh,
-                                 config=zj.ZeroConfig(stage=stage, **(cfg_kw or {})), step=step)
+    return zj.restore_checkpoint(
+        d, models.stacked_params(), tx, mesh=mesh, config=zj.ZeroConfig(stage=stage, **(cfg_kw or {})), step=step
+    )
 
 
-@pytest.mark.parametrize("stage,n", [(0, 8), (2, 4), (3, 8), pytest.param(1, 8, marks=pytest.mark.slow),
-                                     pytest.param(3, 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "stage,n",
+    [(0, 8), (2, 4), (3, 8), pytest.param(1, 8, marks=pytest.mark.slow), pytest.param(3, 2, marks=pytest.mark.slow)],
+)
 def test_resume_is_bit_for_bit(tmp_path, stage, n):
     """10 steps straight == 5, save, restore, 5 more (same stage and device count)."""
     straight = trained(stage, n, 10)
@@ -59,8 +62,12 @@ def test_resume_is_bit_for_bit(tmp_path, stage, n):
 
 
 PAIRS = [((3, 8), (1, 4)), ((3, 8), (0, 1)), ((0, 1), (3, 8)), ((1, 4), (2, 2)), ((2, 2), (3, 1))]
-ALL_PAIRS = [(s, d) for s in [(3, 8), (0, 1), (1, 4), (2, 2)] for d in [(3, 8), (1, 4), (0, 1), (2, 2), (3, 1)]
-             if (s, d) not in PAIRS]
+ALL_PAIRS = [
+    (s, d)
+    for s in [(3, 8), (0, 1), (1, 4), (2, 2)]
+    for d in [(3, 8), (1, 4), (0, 1), (2, 2), (3, 1)]
+    if (s, d) not in PAIRS
+]
 
 
 @pytest.mark.parametrize("src,dst", PAIRS)
@@ -79,8 +86,9 @@ def _reshard(tmp_path, src, dst):
     zj.save_checkpoint(tmp_path, trained(*src, 3), step=3, wait=True)
     resumed = trained(dst[0], dst[1], 3, state=restore(tmp_path, *dst), start=3)
     assert int(resumed.step) == 6
-    err = max(np.abs(a - b).max() for a, b in zip(leaves(zj.gather_params(straight)),
-                                                  leaves(zj.gather_params(resumed))))
+    err = max(
+        np.abs(a - b).max() for a, b in zip(leaves(zj.gather_params(straight)), leaves(zj.gather_params(resumed)))
+    )
     assert err <= 1e-5
 
 
@@ -107,9 +115,23 @@ def test_restore_in_a_process_with_another_device_count(tmp_path, devices, stage
     straight = trained(stage, devices, 6)  # same math as the subprocess' mesh
     zj.save_checkpoint(tmp_path / "ck", trained(3, 8, 3), step=3, wait=True)
     out = tmp_path / "params.npz"
-    r = subprocess.run([sys.executable, str(JOB), "restore", str(tmp_path / "ck"), str(out),
-                        "--devices", str(devices), "--stage", str(stage)],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(JOB),
+            "restore",
+            str(tmp_path / "ck"),
+            str(out),
+            "--devices",
+            str(devices),
+            "--stage",
+            str(stage),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     got = np.load(out)
     assert int(got["step"]) == 6
@@ -118,16 +140,22 @@ def test_restore_in_a_process_with_another_device_count(tmp_path, devices, stage
 
 
 def test_script_that_exits_normally_keeps_its_checkpoint(tmp_path):
-    r = subprocess.run([sys.executable, str(JOB), "save-and-exit", str(tmp_path)],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, str(JOB), "save-and-exit", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert zj.checkpoint.checkpoint_steps(tmp_path) == [7]
     assert int(restore(tmp_path, 3, 8).step) == 0
 
 
 def test_killed_save_leaves_previous_checkpoint(tmp_path):
-    r = subprocess.run([sys.executable, str(JOB), "save-and-die", str(tmp_path)],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, str(JOB), "save-and-die", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
     assert r.returncode == -9, (r.returncode, r.stderr[-2000:])
     assert "killing myself mid-save" in r.stdout
     assert zj.checkpoint.checkpoint_steps(tmp_path) == [1]  # step 2 is not complete
@@ -159,15 +187,19 @@ def test_bad_restores_say_what_is_wrong(tmp_path):
     wrong_shape = models.stacked_params()
     wrong_shape["out"]["w"] = jnp.zeros((20, 9))
     wrong_shape["out"]["b"] = jnp.zeros((9,))
-    with pytest.raises(zj.checkpoint.CheckpointMismatchError,
-                       match=r"in 2 leaves:\n  \['out'\]\['b'\]: checkpoint \(7,\), params \(9,\)\n"
-                             r"  \['out'\]\['w'\]: checkpoint \(20, 7\), params \(20, 9\)"):
+    with pytest.raises(
+        zj.checkpoint.CheckpointMismatchError,
+        match=r"in 2 leaves:\n  \['out'\]\['b'\]: checkpoint \(7,\), params \(9,\)\n"
+        r"  \['out'\]\['w'\]: checkpoint \(20, 7\), params \(20, 9\)",
+    ):
         zj.restore_checkpoint(tmp_path, wrong_shape, TX, mesh=mesh, config=cfg)
     wrong_tree = models.stacked_params()
     wrong_tree["extra"] = jnp.zeros((3,))
     with pytest.raises(ValueError, match=r"\['extra'\]: in params \(3,\), not in the checkpoint"):
         zj.restore_checkpoint(tmp_path, wrong_tree, TX, mesh=mesh, config=cfg)
-    with pytest.raises(ValueError, match=r"checkpoint holds optimizer state .*TraceState.*this tx.init gives .*ScaleByAdamState"):
+    with pytest.raises(
+        ValueError, match=r"checkpoint holds optimizer state .*TraceState.*this tx.init gives .*ScaleByAdamState"
+    ):
         zj.restore_checkpoint(tmp_path, models.stacked_params(), optax.adam(1e-3), mesh=mesh, config=cfg)
 
 
@@ -178,8 +210,13 @@ def test_export_consolidated_weights_cli(tmp_path, dtype):
     state = trained(3, 8, 2)
     zj.save_checkpoint(tmp_path / "ck", state, step=2, wait=True)
     out = tmp_path / "weights.safetensors"
-    r = subprocess.run([sys.executable, "-m", "zerojax.cli", "export", str(tmp_path / "ck"), str(out),
-                        "--dtype", dtype], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-m", "zerojax.cli", "export", str(tmp_path / "ck"), str(out), "--dtype", dtype],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "wrote 8 tensors" in r.stdout
     weights = load_file(out)  # no zerojax involved
@@ -191,10 +228,16 @@ def test_export_consolidated_weights_cli(tmp_path, dtype):
     else:
         import ml_dtypes
 
-        np.testing.assert_array_equal(weights["layers.w"].astype(np.float32),
-                                      want.astype(ml_dtypes.bfloat16).astype(np.float32))
-    r = subprocess.run([sys.executable, "-m", "zerojax.cli", "export", str(tmp_path / "none"), str(out)],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+        np.testing.assert_array_equal(
+            weights["layers.w"].astype(np.float32), want.astype(ml_dtypes.bfloat16).astype(np.float32)
+        )
+    r = subprocess.run(
+        [sys.executable, "-m", "zerojax.cli", "export", str(tmp_path / "none"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 1 and "does not exist" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -203,7 +246,9 @@ def test_export_refuses_colliding_names(tmp_path):
     mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=3)
     zj.save_checkpoint(tmp_path / "ck", zj.init_state(params, TX, mesh=mesh, config=cfg), step=0, wait=True)
     out = tmp_path / "w.safetensors"
-    with pytest.raises(ValueError, match=r"parameter paths \['a'\]\['b'\] and \['a.b'\] both become the tensor name 'a.b'"):
+    with pytest.raises(
+        ValueError, match=r"parameter paths \['a'\]\['b'\] and \['a.b'\] both become the tensor name 'a.b'"
+    ):
         zj.export_weights(tmp_path / "ck", out)
     assert not out.exists() and not list(tmp_path.glob("w.safetensors*"))
 
@@ -246,8 +291,9 @@ def test_restore_onto_an_abstract_state(tmp_path):
     src = trained(3, 8, 3)
     zj.save_checkpoint(tmp_path, src, step=3, wait=True)
     mesh = zj.make_mesh(jax.devices()[:4])
-    target = zj.abstract_state(models.stacked_params(), TX, mesh=mesh,
-                               config=zj.ZeroConfig(stage=1, compute_dtype="bfloat16"))
+    target = zj.abstract_state(
+        models.stacked_params(), TX, mesh=mesh, config=zj.ZeroConfig(stage=1, compute_dtype="bfloat16")
+    )
     got = zj.restore_checkpoint(tmp_path, target)
     assert int(got.step) == 3 and got.plan == target.plan
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(target)):
@@ -263,8 +309,13 @@ def test_restore_onto_an_abstract_state(tmp_path):
 def test_step_timeout_finishes_the_save_in_flight_and_says_so(tmp_path):
     """The watchdog ends the process with os._exit, which skips exit hooks: the save in
     flight is finished first, explicitly, and the message says so."""
-    r = subprocess.run([sys.executable, str(JOB), "save-then-time-out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, str(JOB), "save-then-time-out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 1, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
     assert "did not finish within timeout_s=0.001s" in r.stderr
     in_flight = f"an asynchronous checkpoint save to {tmp_path} was in progress; it completed (latest step 5)"
@@ -315,8 +366,10 @@ def test_export_keeps_a_parameter_whose_dict_key_is_value(tmp_path):
     from zerojax.checkpoint.export import leaf_name
 
     rng = np.random.default_rng(0)
-    params = {"attn": {k: jnp.asarray(rng.normal(size=(8, 4)), jnp.float32) for k in ("query", "key", "value")},
-              "out": {"value": jnp.asarray(rng.normal(size=(4,)), jnp.float32)}}
+    params = {
+        "attn": {k: jnp.asarray(rng.normal(size=(8, 4)), jnp.float32) for k in ("query", "key", "value")},
+        "out": {"value": jnp.asarray(rng.normal(size=(4,)), jnp.float32)},
+    }
     mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=3)
     zj.save_checkpoint(tmp_path / "ck", zj.init_state(params, TX, mesh=mesh, config=cfg), step=0, wait=True)
     zj.export_weights(tmp_path / "ck", tmp_path / "w.safetensors")
@@ -341,9 +394,13 @@ def test_export_with_frozen_weights_writes_every_tensor(tmp_path, stage, compute
     mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=stage, compute_dtype=compute)
     state = zj.init_state(params, TX, mesh=mesh, config=cfg, trainable=mask)
     state, _ = zj.make_train_step(models.stacked_loss, TX, mesh=mesh, config=cfg)(state, models.batch(16))
-    want = {k: np.asarray(v) for k, v in zip(
-        ["inp.b", "inp.w", "layers.b", "layers.w", "out.b", "out.w", "skip", "temp"],
-        jax.tree.leaves(zj.gather_params(state)))}
+    want = {
+        k: np.asarray(v)
+        for k, v in zip(
+            ["inp.b", "inp.w", "layers.b", "layers.w", "out.b", "out.w", "skip", "temp"],
+            jax.tree.leaves(zj.gather_params(state)),
+        )
+    }
     zj.save_checkpoint(tmp_path / "ck", state, step=1, wait=True)
     shapes = zj.export_weights(tmp_path / "ck", tmp_path / "w.safetensors")
     weights = load_file(tmp_path / "w.safetensors")  # refused a file not fully covered
@@ -361,8 +418,11 @@ def test_safetensors_header_writer_and_checker_agree_with_safetensors(tmp_path):
     from zerojax.checkpoint.safetensors_files import StoredTensor, TensorWriter, check_file, header, stored_dtypes
 
     tensors = {"a": ((2, 3), np.float32), "b": ((4,), np.int32), "c": ((), ml_dtypes.bfloat16)}
-    values = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.arange(4, dtype=np.int32),
-              "c": np.asarray(2.5, ml_dtypes.bfloat16)}
+    values = {
+        "a": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "b": np.arange(4, dtype=np.int32),
+        "c": np.asarray(2.5, ml_dtypes.bfloat16),
+    }
     names = ["a", "b", "c"]
     head, offsets = header(names, tensors, {"stored_dtypes": '{"a": "float32"}'})
     path = str(tmp_path / "w.safetensors")
@@ -414,7 +474,7 @@ def test_reads_right_after_an_async_save_see_that_step(tmp_path):
 
 # --- the package's import structure ------------------------------------------------------------
 
-_ISOLATED = r'''
+_ISOLATED = r"""
 import importlib, json, pkgutil, sys, types
 root, out = sys.argv[1], {}
 names = ["zerojax.state", "zerojax.checkpoint"] + sorted(
@@ -431,7 +491,7 @@ for name in names:
     except Exception as e:
         out[name] = f"{type(e).__name__}: {e}"
 print(json.dumps(out))
-'''
+"""
 
 
 def _import_graph(lazy: bool, parents) -> dict[str, set[str]]:
@@ -467,8 +527,11 @@ def _import_graph(lazy: bool, parents) -> dict[str, set[str]]:
 
             def visit_ImportFrom(self, node):
                 if not node.level and (node.module or "").startswith("zerojax"):
-                    self.found += [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module
-                                   for a in node.names]
+                    self.found += [
+                        f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module
+                        for a in node.names
+                    ]
+
         v = Visit()
         v.found = []
         v.visit(tree)
@@ -511,16 +574,34 @@ def test_the_checkpoint_package_imports_without_a_cycle():
     that take states (orbax checkpoints, the export pipeline). No cycle runs through the
     package or the state: neither in the imports that run at import time (with every package
     __init__ a submodule import runs), nor counting imports inside functions too."""
-    r = subprocess.run([sys.executable, "-c", _ISOLATED, str(ROOT)], capture_output=True, text=True, timeout=120,
-                       cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-c", _ISOLATED, str(ROOT)], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     loaded = json.loads(r.stdout)
     failed = {k: v for k, v in loaded.items() if isinstance(v, str)}
     assert not failed, failed
-    upper = {"zerojax.state", "zerojax.checkpoint.io", "zerojax.checkpoint.canonical", "zerojax.checkpoint.export",
-             "zerojax.checkpoint.sources"}
-    for name in ("boxes", "names", "casts", "safetensors_files", "tensor_map", "weights", "load", "born", "processes",
-                 "configs", "lora", "sinks"):
+    upper = {
+        "zerojax.state",
+        "zerojax.checkpoint.io",
+        "zerojax.checkpoint.canonical",
+        "zerojax.checkpoint.export",
+        "zerojax.checkpoint.sources",
+    }
+    for name in (
+        "boxes",
+        "names",
+        "casts",
+        "safetensors_files",
+        "tensor_map",
+        "weights",
+        "load",
+        "born",
+        "processes",
+        "configs",
+        "lora",
+        "sinks",
+    ):
         above = upper & set(loaded[f"zerojax.checkpoint.{name}"])
         assert not above, (name, above)
     assert loaded["zerojax.checkpoint"] == ["zerojax.checkpoint"]  # the package itself imports nothing

@@ -25,9 +25,20 @@ GB = 1e9
 # --- estimate ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text,want", [("7B", 7_000_000_000), ("1.5e9", 1_500_000_000), ("350M", 350_000_000),
-                                       ("1.3b", 1_300_000_000), ("125k", 125_000), ("7.5e9", 7_500_000_000),
-                                       ("7_000_000", 7_000_000), ("2T", 2 * 10**12), ("0.5K", 500)])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("7B", 7_000_000_000),
+        ("1.5e9", 1_500_000_000),
+        ("350M", 350_000_000),
+        ("1.3b", 1_300_000_000),
+        ("125k", 125_000),
+        ("7.5e9", 7_500_000_000),
+        ("7_000_000", 7_000_000),
+        ("2T", 2 * 10**12),
+        ("0.5K", 500),
+    ],
+)
 def test_parameter_counts_parse(text, want):
     assert estimate.parse_count(text) == want
 
@@ -56,14 +67,18 @@ def gb(b: float) -> str:
     return f"{b / GB:,.1f} GB"
 
 
-@pytest.mark.parametrize("dtype,optimizer,state_bytes", [("float32", "adam", 8), ("bfloat16", "adamw", 8),
-                                                         ("float16", "sgd", 0), ("float32", "adafactor", 0)])
+@pytest.mark.parametrize(
+    "dtype,optimizer,state_bytes",
+    [("float32", "adam", 8), ("bfloat16", "adamw", 8), ("float16", "sgd", 0), ("float32", "adafactor", 0)],
+)
 def test_estimate_prints_zerojax_formula_beside_the_paper_and_deepspeed(dtype, optimizer, state_bytes, capsys):
     """The zerojax column is fp32 masters (4Ψ) + optimizer state (KΨ) + a replicated compute
     copy at stages 1-2 in bf16/fp16 (2Ψ), sharded as each stage shards; written out here."""
     psi, n = 7_500_000_000, 64
-    assert cli.main(["estimate", "--params", "7.5e9", "--devices", str(n), "--dtype", dtype,
-                     "--optimizer", optimizer]) == 0
+    assert (
+        cli.main(["estimate", "--params", "7.5e9", "--devices", str(n), "--dtype", dtype, "--optimizer", optimizer])
+        == 0
+    )
     out = capsys.readouterr().out
     k = state_bytes
     if dtype == "float32":
@@ -90,9 +105,15 @@ def test_estimate_columns_agree_with_zero_formula_bytes():
 
 
 # Published parameter counts (model cards / config.json of the released checkpoints).
-PUBLISHED = {"llama3-8b": 8_030_261_248, "llama2-7b": 6_738_415_616, "llama2-13b": 13_015_864_320,
-             "llama2-70b": 68_976_648_192, "llama3-70b": 70_553_706_496, "llama3.2-1b": 1_235_814_400,
-             "mistral-7b": 7_241_732_096}
+PUBLISHED = {
+    "llama3-8b": 8_030_261_248,
+    "llama2-7b": 6_738_415_616,
+    "llama2-13b": 13_015_864_320,
+    "llama2-70b": 68_976_648_192,
+    "llama3-70b": 70_553_706_496,
+    "llama3.2-1b": 1_235_814_400,
+    "mistral-7b": 7_241_732_096,
+}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
@@ -113,11 +134,18 @@ def test_llama_shape_counts_a_real_llama_style_tree():
     here, counted leaf by leaf, against LlamaShape's closed form."""
     V, d, L, H, KV, F = 97, 48, 3, 6, 2, 80
     hd = d // H
-    layer = {"attn_norm": {"scale": (d,)}, "q": {"kernel": (d, H * hd)}, "k": {"kernel": (d, KV * hd)},
-             "v": {"kernel": (d, KV * hd)}, "o": {"kernel": (H * hd, d)}, "mlp_norm": {"scale": (d,)},
-             "gate": {"kernel": (d, F)}, "up": {"kernel": (d, F)}, "down": {"kernel": (F, d)}}
-    tree = {"embed": {"embedding": (V, d)}, "layers": [layer] * L, "norm": {"scale": (d,)},
-            "head": {"kernel": (d, V)}}
+    layer = {
+        "attn_norm": {"scale": (d,)},
+        "q": {"kernel": (d, H * hd)},
+        "k": {"kernel": (d, KV * hd)},
+        "v": {"kernel": (d, KV * hd)},
+        "o": {"kernel": (H * hd, d)},
+        "mlp_norm": {"scale": (d,)},
+        "gate": {"kernel": (d, F)},
+        "up": {"kernel": (d, F)},
+        "down": {"kernel": (F, d)},
+    }
+    tree = {"embed": {"embedding": (V, d)}, "layers": [layer] * L, "norm": {"scale": (d,)}, "head": {"kernel": (d, V)}}
     shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), tree, is_leaf=lambda x: isinstance(x, tuple))
     shape = estimate.LlamaShape(vocab=V, d_model=d, n_layers=L, n_heads=H, n_kv_heads=KV, d_ff=F)
     assert estimate.from_params(shapes) == (shape.num_params(), shape.largest_layer_params())
@@ -226,8 +254,9 @@ def test_cli_exports_float16_and_it_loads_cast_to_like(nnx_run, tmp_path, capsys
     from safetensors.numpy import load_file
 
     raw = load_file(out)
-    assert {k: v.dtype for k, v in raw.items()} == {k: np.dtype("float16") for k in
-                                                    ("l1.kernel", "l1.bias", "l2.kernel", "l2.bias")}
+    assert {k: v.dtype for k, v in raw.items()} == {
+        k: np.dtype("float16") for k in ("l1.kernel", "l1.bias", "l2.kernel", "l2.bias")
+    }
     loaded = zj.load_weights(out, like=params)  # float32 leaves: the float16 values, widened
     want = jax.tree.map(lambda x: x.astype(jnp.float16).astype(jnp.float32), zj.gather_params(state))
     assert_trees_equal(loaded, want)
@@ -245,8 +274,11 @@ def test_float16_export_refuses_values_beyond_its_range(tmp_path):
     params = {"big": jnp.full((4,), 1e5, jnp.float32), "ok": jnp.ones((3,))}
     state = zj.init_state(params, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=1))
     zj.save_checkpoint(tmp_path / "ck", state, step=0, wait=True)
-    with pytest.raises(ValueError, match=r"parameter 'big' has values up to 1e\+05, beyond float16's range "
-                                         r"\(65504\); export in bfloat16"):
+    with pytest.raises(
+        ValueError,
+        match=r"parameter 'big' has values up to 1e\+05, beyond float16's range "
+        r"\(65504\); export in bfloat16",
+    ):
         zj.export_weights(tmp_path / "ck", tmp_path / "w.safetensors", dtype="float16")
     assert not list(tmp_path.glob("*.safetensors*")) and not list(tmp_path.glob(".*"))  # not a byte written
     zj.export_weights(tmp_path / "ck", tmp_path / "w.safetensors", dtype="bfloat16")
@@ -273,18 +305,30 @@ def test_linen_export_loads_back_exactly(tmp_path):
     assert_trees_equal(loaded, zj.gather_params(state))
     # bf16 leaves in `like`: the bf16 rounding of the fp32 masters.
     half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-    assert_trees_equal(zj.load_weights(tmp_path / "w.safetensors", like=half),
-                       jax.tree.map(lambda x: x.astype(jnp.bfloat16), zj.gather_params(state)))
+    assert_trees_equal(
+        zj.load_weights(tmp_path / "w.safetensors", like=half),
+        jax.tree.map(lambda x: x.astype(jnp.bfloat16), zj.gather_params(state)),
+    )
 
 
 def test_load_weights_names_every_missing_extra_and_misshapen_tensor(tmp_path):
     from safetensors.numpy import save_file
 
     path = tmp_path / "w.safetensors"
-    save_file({"a.w": np.ones((2, 3), np.float32), "a.b": np.ones((3,), np.float32),
-               "old.w": np.ones((1,), np.float32), "old.b": np.ones((1,), np.float32)}, str(path))
-    like = {"a": {"w": np.zeros((3, 2), np.float32), "b": np.zeros((3,), np.float32)},
-            "new": {"w": np.zeros((1,), np.float32)}, "bias": np.zeros((1,), np.float32)}
+    save_file(
+        {
+            "a.w": np.ones((2, 3), np.float32),
+            "a.b": np.ones((3,), np.float32),
+            "old.w": np.ones((1,), np.float32),
+            "old.b": np.ones((1,), np.float32),
+        },
+        str(path),
+    )
+    like = {
+        "a": {"w": np.zeros((3, 2), np.float32), "b": np.zeros((3,), np.float32)},
+        "new": {"w": np.zeros((1,), np.float32)},
+        "bias": np.zeros((1,), np.float32),
+    }
     with pytest.raises(ValueError) as e:
         zj.load_weights(path, like=like)
     msg = str(e.value)
@@ -296,8 +340,13 @@ def test_load_weights_names_every_missing_extra_and_misshapen_tensor(tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="is not a safetensors file"):
         zj.load_weights(tmp_path / "junk.safetensors", like=like)
-    ok = zj.load_weights(path, like={"a": {"w": np.zeros((2, 3), np.float16), "b": jnp.zeros((3,))},
-                                     "old": {"w": jax.ShapeDtypeStruct((1,), jnp.bfloat16), "b": np.zeros(1)}})
+    ok = zj.load_weights(
+        path,
+        like={
+            "a": {"w": np.zeros((2, 3), np.float16), "b": jnp.zeros((3,))},
+            "old": {"w": jax.ShapeDtypeStruct((1,), jnp.bfloat16), "b": np.zeros(1)},
+        },
+    )
     assert isinstance(ok["a"]["w"], np.ndarray) and ok["a"]["w"].dtype == np.float16
     assert isinstance(ok["a"]["b"], jax.Array) and ok["a"]["b"].dtype == jnp.float32
     assert isinstance(ok["old"]["w"], jax.Array) and ok["old"]["w"].dtype == jnp.bfloat16

@@ -39,9 +39,26 @@ FACTORS: dict[str, tuple] = {
     "stage": (0, 1, 2, 3),
     "mesh": ("1-D", "hybrid", "tensor", "context", "tensor+context", "expert"),
     "precision": ("float32", "bfloat16", "float16"),
-    **{f: (False, True) for f in ("prefetch", "int8", "int8_grads", "offload_opt", "offload_params", "frozen",
-                                  "accum", "rng", "model_state", "aux", "eval", "checkpoint", "axis_map", "nnx",
-                                  "packed")},
+    **{
+        f: (False, True)
+        for f in (
+            "prefetch",
+            "int8",
+            "int8_grads",
+            "offload_opt",
+            "offload_params",
+            "frozen",
+            "accum",
+            "rng",
+            "model_state",
+            "aux",
+            "eval",
+            "checkpoint",
+            "axis_map",
+            "nnx",
+            "packed",
+        )
+    },
 }
 NAMES = tuple(FACTORS)
 
@@ -49,10 +66,12 @@ NAMES = tuple(FACTORS)
 def allowed(row: dict) -> bool:
     """The combinations zerojax accepts (ZeroConfig, and the plan for the mesh)."""
     s3 = row["stage"] == 3
-    return ((s3 or not (row["prefetch"] or row["int8"] or row["offload_params"]))
-            and (row["stage"] > 0 or not (row["offload_opt"] or row["int8_grads"]))
-            and not (row["prefetch"] and row["offload_params"])
-            and not (row["mesh"] in ("context", "tensor+context", "expert") and row["axis_map"]))
+    return (
+        (s3 or not (row["prefetch"] or row["int8"] or row["offload_params"]))
+        and (row["stage"] > 0 or not (row["offload_opt"] or row["int8_grads"]))
+        and not (row["prefetch"] and row["offload_params"])
+        and not (row["mesh"] in ("context", "tensor+context", "expert") and row["axis_map"])
+    )
 
 
 def pairs(row: dict) -> set:
@@ -101,11 +120,13 @@ IN, D, OUT, LAYERS, BATCH, SEQ = 13, 24, 7, 3, 32, 4
 def make_params() -> dict:
     rng = np.random.default_rng(0)
     f = lambda *s: jnp.asarray(rng.normal(size=s) / np.sqrt(s[-2] if len(s) > 1 else 1), jnp.float32)
-    return {"emb": f(IN, D),  # read in and out: its gradient sums both uses
-            "stack": {"w": f(LAYERS, D, D) * 0.5, "b": jnp.zeros((LAYERS, D), jnp.float32)},
-            "head": {"w": f(D, OUT), "b": jnp.asarray(rng.normal(size=OUT) * 0.1, jnp.float32)},
-            "gain": jnp.asarray(1.0 + rng.normal(size=(5, 3)) * 0.1, jnp.float32),
-            "temp": jnp.asarray(0.9, jnp.float32)}
+    return {
+        "emb": f(IN, D),  # read in and out: its gradient sums both uses
+        "stack": {"w": f(LAYERS, D, D) * 0.5, "b": jnp.zeros((LAYERS, D), jnp.float32)},
+        "head": {"w": f(D, OUT), "b": jnp.asarray(rng.normal(size=OUT) * 0.1, jnp.float32)},
+        "gain": jnp.asarray(1.0 + rng.normal(size=(5, 3)) * 0.1, jnp.float32),
+        "temp": jnp.asarray(0.9, jnp.float32),
+    }
 
 
 # The model's own mesh, as a model with its own sharding writes its constraints (MaxText's
@@ -155,16 +176,24 @@ def batch(step: int, packed: bool = False) -> dict:
     split at a random place (or one)."""
     rng = np.random.default_rng(100 + step)
     x = rng.normal(size=(BATCH, SEQ, IN)).astype(np.float32)
-    out = {"x": jnp.asarray(x), "y": jnp.asarray(np.tanh(x[..., :OUT] * 1.5), jnp.float32),
-           "c": jnp.asarray(rng.integers(0, OUT, (BATCH, SEQ)), jnp.int32)}
+    out = {
+        "x": jnp.asarray(x),
+        "y": jnp.asarray(np.tanh(x[..., :OUT] * 1.5), jnp.float32),
+        "c": jnp.asarray(rng.integers(0, OUT, (BATCH, SEQ)), jnp.int32),
+    }
     if packed:
         cut = rng.integers(1, SEQ + 1, (BATCH, 1))
         out["seg"] = jnp.asarray(np.arange(SEQ)[None] >= cut, jnp.int32)
     return out
 
 
-TRAINABLE = {"emb": True, "stack": {"w": True, "b": True}, "head": {"w": False, "b": False}, "gain": False,
-             "temp": True}
+TRAINABLE = {
+    "emb": True,
+    "stack": {"w": True, "b": True},
+    "head": {"w": False, "b": False},
+    "gain": False,
+    "temp": True,
+}
 TX = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.2, momentum=0.9))
 STEPS = 2
 
@@ -180,11 +209,13 @@ def loss_for(row: dict):
             value = value + 0.0 * jax.random.uniform(rng)
         out = value
         if model_state is not None:
-            new = {"mean": 0.5 * model_state["mean"] + 0.5 * jnp.mean(b["x"], axis=(0, 1)),
-                   "seen": model_state["seen"]}
+            new = {"mean": 0.5 * model_state["mean"] + 0.5 * jnp.mean(b["x"], axis=(0, 1)), "seen": model_state["seen"]}
         if row["aux"]:
-            aux = {"mse": value, "pred": forward(p, b["x"], constrain, b.get("seg")),
-                   "rows": jnp.sum(jnp.ones(b["x"].shape[0], jnp.int32))}
+            aux = {
+                "mse": value,
+                "pred": forward(p, b["x"], constrain, b.get("seg")),
+                "rows": jnp.sum(jnp.ones(b["x"].shape[0], jnp.int32)),
+            }
             out = (value, (new, aux)) if model_state is not None else (value, aux)
         elif model_state is not None:
             out = (value, new)
@@ -217,9 +248,13 @@ class Model(nnx.Module):
         self.constrain = own_constraint if row["axis_map"] else no_constraint
 
     def params(self) -> dict:
-        return {"emb": self.emb[...], "stack": {"w": self.w[...], "b": self.b[...]},
-                "head": {"w": self.head_w[...], "b": self.head_b[...]}, "gain": self.gain[...],
-                "temp": self.temp[...]}
+        return {
+            "emb": self.emb[...],
+            "stack": {"w": self.w[...], "b": self.b[...]},
+            "head": {"w": self.head_w[...], "b": self.head_b[...]},
+            "gain": self.gain[...],
+            "temp": self.temp[...],
+        }
 
     def __call__(self, x, seg=None):
         return forward(self.params(), x, self.constrain, seg)
@@ -239,8 +274,11 @@ def nnx_loss_for(row: dict):
         if row["model_state"]:
             model.mean[...] = 0.5 * model.mean[...] + 0.5 * jnp.mean(b["x"], axis=(0, 1))
         if row["aux"]:
-            return value, {"mse": value, "pred": model(b["x"], b.get("seg")),
-                           "rows": jnp.sum(jnp.ones(b["x"].shape[0], jnp.int32))}
+            return value, {
+                "mse": value,
+                "pred": model(b["x"], b.get("seg")),
+                "rows": jnp.sum(jnp.ones(b["x"].shape[0], jnp.int32)),
+            }
         return value
 
     return loss_fn
@@ -288,16 +326,29 @@ def model_state_reference(groups: int, k: int) -> np.ndarray:
 
 def config_for(row: dict) -> zj.ZeroConfig:
     return zj.ZeroConfig(
-        stage=row["stage"], compute_dtype=row["precision"], grad_accum_steps=2 if row["accum"] else 1,
-        prefetch=1 if row["prefetch"] else 0, gather_dtype="int8" if row["int8"] else None, quant_block_size=32,
-        reduce_dtype="int8" if row["int8_grads"] else "float32", reduce_quant_block_size=32,
-        offload_optimizer=row["offload_opt"], offload_params=row["offload_params"],
-        initial_scale_power=8, donate=not row["checkpoint"], axis_map=AXIS_MAP if row["axis_map"] else None)
+        stage=row["stage"],
+        compute_dtype=row["precision"],
+        grad_accum_steps=2 if row["accum"] else 1,
+        prefetch=1 if row["prefetch"] else 0,
+        gather_dtype="int8" if row["int8"] else None,
+        quant_block_size=32,
+        reduce_dtype="int8" if row["int8_grads"] else "float32",
+        reduce_quant_block_size=32,
+        offload_optimizer=row["offload_opt"],
+        offload_params=row["offload_params"],
+        initial_scale_power=8,
+        donate=not row["checkpoint"],
+        axis_map=AXIS_MAP if row["axis_map"] else None,
+    )
 
 
 def mesh_for(row: dict):
-    return zj.make_mesh(replicas=2 if row["mesh"] == "hybrid" else 1, tensor=2 if "tensor" in row["mesh"] else 1,
-                        context=2 if "context" in row["mesh"] else 1, expert=2 if row["mesh"] == "expert" else 1)
+    return zj.make_mesh(
+        replicas=2 if row["mesh"] == "hybrid" else 1,
+        tensor=2 if "tensor" in row["mesh"] else 1,
+        context=2 if "context" in row["mesh"] else 1,
+        expert=2 if row["mesh"] == "expert" else 1,
+    )
 
 
 def batch_groups(mesh) -> int:
@@ -310,13 +361,23 @@ def batch_groups(mesh) -> int:
 
 # The expert mesh splits the stack's weights over "expert" on their input features (the
 # split machinery of a routed expert's expert dimension, on a weight plain ops use).
-EXPERT_SPECS = {"emb": None, "stack": {"w": P(None, "expert", None), "b": None}, "head": {"w": None, "b": None},
-                "gain": None, "temp": None}
+EXPERT_SPECS = {
+    "emb": None,
+    "stack": {"w": P(None, "expert", None), "b": None},
+    "head": {"w": None, "b": None},
+    "gain": None,
+    "temp": None,
+}
 
 # The tensor-parallel mesh splits the embedding and the stack over "tensor" (T = 2 divides
 # their 24 features); the 7-wide head and the small leaves stay whole.
-TENSOR_SPECS = {"emb": P(None, "tensor"), "stack": {"w": P(None, None, "tensor"), "b": P(None, "tensor")},
-                "head": {"w": None, "b": None}, "gain": None, "temp": None}
+TENSOR_SPECS = {
+    "emb": P(None, "tensor"),
+    "stack": {"w": P(None, None, "tensor"), "b": P(None, "tensor")},
+    "head": {"w": None, "b": None},
+    "gain": None,
+    "temp": None,
+}
 
 
 def tolerance(row: dict) -> float:
@@ -382,16 +443,25 @@ class FunctionalRun:
 
     def __init__(self, row: dict, mesh, cfg: zj.ZeroConfig):
         self.row, self.mesh, self.cfg = row, mesh, cfg
-        self.extras = {"rng": jax.random.key(7) if row["rng"] else None,
-                       "model_state": ({"mean": jnp.zeros(IN), "seen": jnp.zeros((), jnp.int32)}
-                                       if row["model_state"] else None),
-                       "trainable": TRAINABLE if row["frozen"] else None,
-                       "tensor_specs": (TENSOR_SPECS if "tensor" in row["mesh"] else
-                                        EXPERT_SPECS if row["mesh"] == "expert" else None)}
+        self.extras = {
+            "rng": jax.random.key(7) if row["rng"] else None,
+            "model_state": ({"mean": jnp.zeros(IN), "seen": jnp.zeros((), jnp.int32)} if row["model_state"] else None),
+            "trainable": TRAINABLE if row["frozen"] else None,
+            "tensor_specs": (
+                TENSOR_SPECS if "tensor" in row["mesh"] else EXPERT_SPECS if row["mesh"] == "expert" else None
+            ),
+        }
         self.state = zj.init_state(make_params(), TX, mesh=mesh, config=cfg, **self.extras)
-        self.step = zj.make_train_step(loss_for(row), TX, mesh=mesh, config=cfg, has_aux=row["aux"],
-                                       aux_reduce=AUX_REDUCE if row["aux"] else None,
-                                       with_rng=row["rng"], with_model_state=row["model_state"])
+        self.step = zj.make_train_step(
+            loss_for(row),
+            TX,
+            mesh=mesh,
+            config=cfg,
+            has_aux=row["aux"],
+            aux_reduce=AUX_REDUCE if row["aux"] else None,
+            with_rng=row["rng"],
+            with_model_state=row["model_state"],
+        )
 
     def train(self, b) -> dict:
         self.state, m = self.step(self.state, b)
@@ -405,15 +475,25 @@ class FunctionalRun:
 
     def evaluate(self, b) -> dict:
         constrain = own_constraint if self.row["axis_map"] else no_constraint
-        ev = zj.make_eval_step(lambda p, b: {"loss": mse(p, b, constrain),
-                                             "pred": forward(p, b["x"], constrain, b.get("seg"))},
-                               mesh=self.mesh, config=self.cfg, reduce=EVAL_REDUCE)
+        ev = zj.make_eval_step(
+            lambda p, b: {"loss": mse(p, b, constrain), "pred": forward(p, b["x"], constrain, b.get("seg"))},
+            mesh=self.mesh,
+            config=self.cfg,
+            reduce=EVAL_REDUCE,
+        )
         return ev(self.state, b)
 
     def restored(self, directory, mesh, cfg) -> tuple[int, dict]:
         zj.save_checkpoint(directory, self.state, step=STEPS)
-        back = zj.restore_checkpoint(directory, make_params(), TX, mesh=mesh, config=cfg,
-                                     trainable=self.extras["trainable"], model_state=self.extras["model_state"])
+        back = zj.restore_checkpoint(
+            directory,
+            make_params(),
+            TX,
+            mesh=mesh,
+            config=cfg,
+            trainable=self.extras["trainable"],
+            model_state=self.extras["model_state"],
+        )
         return int(back.step), zj.gather_params(back)
 
 
@@ -423,8 +503,9 @@ class NNXRun:
     def __init__(self, row: dict, mesh, cfg: zj.ZeroConfig):
         self.row, self.mesh, self.cfg = row, mesh, cfg
         self.opt = zj.nnx.Optimizer(Model(row), TX, mesh=mesh, config=cfg, wrt=nnx_wrt(row))
-        self.step = zj.nnx.make_train_step(nnx_loss_for(row), has_aux=row["aux"],
-                                           aux_reduce=AUX_REDUCE if row["aux"] else None)
+        self.step = zj.nnx.make_train_step(
+            nnx_loss_for(row), has_aux=row["aux"], aux_reduce=AUX_REDUCE if row["aux"] else None
+        )
 
     def train(self, b) -> dict:
         return self.step(self.opt, b)
@@ -436,8 +517,10 @@ class NNXRun:
         return np.asarray(self.opt.gathered_model().mean[...])
 
     def evaluate(self, b) -> dict:
-        ev = zj.nnx.make_eval_step(lambda model, b: {"loss": mse(model.params(), b, model.constrain),
-                                                     "pred": model(b["x"], b.get("seg"))}, reduce=EVAL_REDUCE)
+        ev = zj.nnx.make_eval_step(
+            lambda model, b: {"loss": mse(model.params(), b, model.constrain), "pred": model(b["x"], b.get("seg"))},
+            reduce=EVAL_REDUCE,
+        )
         return ev(self.opt, b)
 
     def restored(self, directory, mesh, cfg) -> tuple[int, dict]:
@@ -473,21 +556,29 @@ def test_combination_trains_like_single_device_optax(row, tmp_path):
             np.testing.assert_allclose(np.asarray(m["aux"]["pred"], np.float32), want_pred, atol=10 * loss_tol)
     got = run.params()
     want = trace[-1]
-    moved = max(np.abs(np.asarray(a) - np.asarray(b)).max()
-                for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(make_params())))
-    err = max(np.abs(np.asarray(a, np.float32) - np.asarray(b)).max()
-              for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    moved = max(
+        np.abs(np.asarray(a) - np.asarray(b)).max()
+        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(make_params()))
+    )
+    err = max(
+        np.abs(np.asarray(a, np.float32) - np.asarray(b)).max()
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))
+    )
     print(f"\n{row_id(row)}: max |params - optax| {err:.1e}, params moved {moved:.2f}")
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), atol=tol, rtol=0,
-                                   err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32), np.asarray(b), atol=tol, rtol=0, err_msg=jax.tree_util.keystr(path)
+        )
     assert moved > 10 * tol  # the comparison is not trivially loose
     if row["model_state"]:
         k = 2 if row["accum"] else 1
         # The batch reaches the loss in the compute dtype: its mean carries that rounding.
-        np.testing.assert_allclose(run.model_mean(), model_state_reference(batch_groups(mesh), k),
-                                   atol=1e-5 if row["precision"] == "float32" else tol)
+        np.testing.assert_allclose(
+            run.model_mean(),
+            model_state_reference(batch_groups(mesh), k),
+            atol=1e-5 if row["precision"] == "float32" else tol,
+        )
     if row["eval"]:
         out = run.evaluate(batch(5, row["packed"]))
         assert out["loss"].dtype == jnp.float32
@@ -504,5 +595,6 @@ def test_combination_trains_like_single_device_optax(row, tmp_path):
         step, back = run.restored(tmp_path / "ck", other_mesh, other)
         assert step == STEPS
         for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(back)[0], jax.tree.leaves(got)):
-            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                          err_msg=jax.tree_util.keystr(path))
+            np.testing.assert_array_equal(
+                np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=jax.tree_util.keystr(path)
+            )

@@ -24,8 +24,9 @@ def _train(cache, *flags, timeout_s=10):
     """One process of the script's program (XLA's collective timeout ends a hang in it)."""
     flag = f"--xla_cpu_collective_call_terminate_timeout_seconds={timeout_s}"
     env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flag}")
-    return subprocess.run([sys.executable, SCRIPT, "--child", str(cache), *flags], env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, SCRIPT, "--child", str(cache), *flags], env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_processes_sharing_a_cache_train(tmp_path):
@@ -50,7 +51,8 @@ def test_guard_applies_only_to_multi_device_cpu_steps(monkeypatch, tmp_path):
         assert zj.compile_cache.applies(zj.make_mesh()) and not zj.compile_cache.applies(one)
         monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=2 --foo")
         assert zj.compile_cache.jit_options(zj.make_mesh()) == {
-            "compiler_options": {"xla_backend_optimization_level": 2}}
+            "compiler_options": {"xla_backend_optimization_level": 2}
+        }
         with zj.compile_cache.compiling(zj.make_mesh()):
             assert jax.config.jax_persistent_cache_min_compile_time_secs == float("inf")
         with zj.compile_cache.compiling(one):

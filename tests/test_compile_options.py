@@ -29,8 +29,11 @@ def programs(request):
     """One step lowered once, compiled at both levels, run once from the same state."""
     mesh, tx = zj.make_mesh(), optax.adam(1e-3)
     cfg = zj.ZeroConfig(donate=False, **CASES[request.param])
-    loss, params = (models.stacked_loss, models.stacked_params()) if "scan" in request.param \
+    loss, params = (
+        (models.stacked_loss, models.stacked_params())
+        if "scan" in request.param
         else (models.mlp_loss, models.mlp_params())
+    )
     state = zj.init_state(params, tx, mesh=mesh, config=cfg)
     batch = models.batch(32, 0)
     lowered = zj.make_train_step(loss, tx, mesh=mesh, config=cfg).lower(state, batch)

@@ -153,8 +153,9 @@ def test_unsplit_batch_would_show_as_n_times_the_flops():
     x = x_for(128, rows=512)
     c = compile_step(params, models.deep_loss, 3, x)
     mesh = zj.make_mesh()
-    replicated = jax.jit(jax.grad(models.deep_loss), in_shardings=(
-        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),) * 2)
+    replicated = jax.jit(
+        jax.grad(models.deep_loss), in_shardings=(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),) * 2
+    )
     r = replicated.lower(params, x).compile().cost_analysis()["flops"]
     assert r > 4 * c.cost_analysis()["flops"]
 

@@ -22,10 +22,7 @@ ADAM_FAMILY = {
     "lion": lambda: optax.lion(1e-2),  # moves every weight by 1e-2 a step: one sign flip breaks the bound
     "clip_adamw": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
 }
-MODELS = {
-    "unrolled": (models.mlp_params, models.mlp_loss),
-    "scan": (models.stacked_params, models.stacked_loss),
-}
+MODELS = {"unrolled": (models.mlp_params, models.mlp_loss), "scan": (models.stacked_params, models.stacked_loss)}
 # Stacked layers taken one by one by index in a Python loop (no scan).
 ALL_MODELS = {**MODELS, "indexed": (models.stacked_params, models.indexed_loss)}
 STEPS = 4
@@ -74,9 +71,16 @@ def _case(model, opt, stage, n):
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("opt", ["sgd_momentum", "clip_sgd", "clip_adamw",
-                                 pytest.param("adamw", marks=pytest.mark.slow),
-                                 pytest.param("lion", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "opt",
+    [
+        "sgd_momentum",
+        "clip_sgd",
+        "clip_adamw",
+        pytest.param("adamw", marks=pytest.mark.slow),
+        pytest.param("lion", marks=pytest.mark.slow),
+    ],
+)
 @pytest.mark.parametrize("model", list(MODELS))
 def test_eight_devices_match_optax(model, opt, stage):
     _case(model, opt, stage, 8)

@@ -35,8 +35,11 @@ def _mesh(c: int) -> Mesh:
 
 def _qkv(t, n, k, seed=0):
     ks = jax.random.split(jax.random.key(seed), 3)
-    return (jax.random.normal(ks[0], (B, t, n, H)), jax.random.normal(ks[1], (B, t, k, H)),
-            jax.random.normal(ks[2], (B, t, k, H)))
+    return (
+        jax.random.normal(ks[0], (B, t, n, H)),
+        jax.random.normal(ks[1], (B, t, k, H)),
+        jax.random.normal(ks[2], (B, t, k, H)),
+    )
 
 
 def _ours(c, method, layout, q, k, v, bias=None, mask=None, grad=False, **kw):
@@ -72,23 +75,32 @@ def test_causal_ring_leaves_out_the_masked_chunks_exactly(c, layout):
         kw = dict(is_causal=True, key_value_seq_lengths=lens)
         want = jax.nn.dot_product_attention(q, k, v, bias, **kw)
         np.testing.assert_allclose(_ours(c, "ring", layout, q, k, v, bias, **kw), want, atol=2e-6)
-    want = jax.grad(lambda q, k, v: (jax.nn.dot_product_attention(q, k, v, bias, **kw) ** 2).sum(),
-                    argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(lambda q, k, v: (jax.nn.dot_product_attention(q, k, v, bias, **kw) ** 2).sum(), argnums=(0, 1, 2))(
+        q, k, v
+    )
     for g, w in zip(_ours(c, "ring", layout, q, k, v, bias, grad=True, **kw), want):
         np.testing.assert_allclose(g, w, atol=1e-5)
     mesh, sh = _mesh(c), NamedSharding(_mesh(c), P(None, "context"))
     mask = jnp.ones((1, 1, 1, 16), bool)
     with jax.set_mesh(mesh):
-        text = jax.jit(lambda q, k, v: zj.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, method="ring",
-                                                                   layout=layout)).lower(
-            *(jax.device_put(x, sh) for x in (q, k, v))).as_text()
+        text = (
+            jax.jit(
+                lambda q, k, v: zj.nn.dot_product_attention(
+                    q, k, v, mask=mask, is_causal=True, method="ring", layout=layout
+                )
+            )
+            .lower(*(jax.device_put(x, sh) for x in (q, k, v)))
+            .as_text()
+        )
     assert "stablehlo.case" in text  # the ring steps branch on which chunk arrived
 
 
 def test_off_a_context_mesh_it_is_jax_function():
     q, k, v = _qkv(16, 4, 2)
-    np.testing.assert_array_equal(np.asarray(zj.nn.dot_product_attention(q, k, v, is_causal=True)),
-                                  np.asarray(jax.nn.dot_product_attention(q, k, v, is_causal=True)))
+    np.testing.assert_array_equal(
+        np.asarray(zj.nn.dot_product_attention(q, k, v, is_causal=True)),
+        np.asarray(jax.nn.dot_product_attention(q, k, v, is_causal=True)),
+    )
 
 
 def _forward_collectives(c, method, t=32, n=8, kh=8):
@@ -118,12 +130,24 @@ def test_collectives_are_the_formulas(c):
 def test_bad_lengths_and_heads_are_refused_with_the_fix():
     q, k, v = _qkv(12, 4, 2)
     mesh = _mesh(8)
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"12 does not split into 8 context devices: use a "
-                                                             r"multiple of 8 \(e.g. 8 or 16\)"):
+    with (
+        jax.set_mesh(mesh),
+        pytest.raises(
+            ValueError,
+            match=r"12 does not split into 8 context devices: use a "
+            r"multiple of 8 \(e.g. 8 or 16\)",
+        ),
+    ):
         zj.nn.dot_product_attention(q, k, v, method="ring")
     q, k, v = _qkv(8, 4, 2)  # 8 splits over 8 devices, not into the balanced layout's 16 chunks
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"length 8 does not split into 2 x 8 chunks.*multiple "
-                                                             r"of 16 \(e.g. 16\)"):
+    with (
+        jax.set_mesh(mesh),
+        pytest.raises(
+            ValueError,
+            match=r"length 8 does not split into 2 x 8 chunks.*multiple "
+            r"of 16 \(e.g. 16\)",
+        ),
+    ):
         zj.nn.dot_product_attention(q, k, v, method="ring", layout="balanced")
     q, k, v = _qkv(16, 4, 2)
     with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"4 query heads over the 8 devices.*method='ring'"):
@@ -163,8 +187,9 @@ def _data(with_positions: bool = False):
 @functools.cache
 def _reference(with_positions: bool = False):
     graphdef, params = llama.init(BASE)
-    return reference_run(llama.make_loss(graphdef), jax.tree.map(jnp.asarray, params), optax.sgd(0.3),
-                         list(_data(with_positions)))
+    return reference_run(
+        llama.make_loss(graphdef), jax.tree.map(jnp.asarray, params), optax.sgd(0.3), list(_data(with_positions))
+    )
 
 
 @functools.cache  # (4, "ring", 3) trains for three tests: its step compiles once
@@ -190,12 +215,19 @@ def _check(state, losses, with_positions=False):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
-@pytest.mark.parametrize("c,attention,stage", [
-    # slow: 10 s; plain-ops attention on a context mesh trains in the stock linen test too
-    pytest.param(4, "einsum", 3, marks=pytest.mark.slow), (4, "ulysses", 3), (4, "ring", 3),
-    pytest.param(2, "ulysses", 0, marks=pytest.mark.slow), pytest.param(8, "ring", 1, marks=pytest.mark.slow),
-    pytest.param(8, "auto", 2, marks=pytest.mark.slow), pytest.param(2, "einsum", 1, marks=pytest.mark.slow),
-])  # slow: each further (C, attention, stage) compiles a step (about 4 s)
+@pytest.mark.parametrize(
+    "c,attention,stage",
+    [
+        # slow: 10 s; plain-ops attention on a context mesh trains in the stock linen test too
+        pytest.param(4, "einsum", 3, marks=pytest.mark.slow),
+        (4, "ulysses", 3),
+        (4, "ring", 3),
+        pytest.param(2, "ulysses", 0, marks=pytest.mark.slow),
+        pytest.param(8, "ring", 1, marks=pytest.mark.slow),
+        pytest.param(8, "auto", 2, marks=pytest.mark.slow),
+        pytest.param(2, "einsum", 1, marks=pytest.mark.slow),
+    ],
+)  # slow: each further (C, attention, stage) compiles a step (about 4 s)
 def test_llama_on_a_context_mesh_trains_as_on_one_device(c, attention, stage):
     state, step, losses = _train(c, attention, stage)
     _check(state, losses)
@@ -204,8 +236,9 @@ def test_llama_on_a_context_mesh_trains_as_on_one_device(c, attention, stage):
         for w in jax.tree.leaves(state.master):
             assert w.addressable_shards[0].data.size * 8 == w.size
         psi = sum(l.size for l in state.plan.layouts)
-        assert zj.report.state_bytes_per_device(state)["total"] == pytest.approx(zj.report.zero_formula_bytes(psi, 8, 3, opt_bytes=0),
-                                                                         abs=64)
+        assert zj.report.state_bytes_per_device(state)["total"] == pytest.approx(
+            zj.report.zero_formula_bytes(psi, 8, 3, opt_bytes=0), abs=64
+        )
 
 
 @pytest.mark.slow  # reason: 6 s; the balanced Ulysses case below takes positions from the batch too
@@ -214,9 +247,14 @@ def test_positions_from_the_batch_are_split_with_it():
     _check(state, losses, with_positions=True)
 
 
-@pytest.mark.parametrize("c,attention,with_positions", [
-    # slow: 5 s; ring in the balanced layout at stage 3 trains in the packed-sequence test too
-    pytest.param(4, "ring", False, marks=pytest.mark.slow), (2, "ulysses", True)])
+@pytest.mark.parametrize(
+    "c,attention,with_positions",
+    [
+        # slow: 5 s; ring in the balanced layout at stage 3 trains in the packed-sequence test too
+        pytest.param(4, "ring", False, marks=pytest.mark.slow),
+        (2, "ulysses", True),
+    ],
+)
 def test_the_balanced_layout_trains_as_on_one_device(c, attention, with_positions):
     """context_layout="balanced": the step permutes inputs, targets, mask, weights (and
     positions from the batch) into the balanced order; the model's RoPE positions come from
@@ -231,8 +269,11 @@ def test_the_balanced_layout_refuses_plain_ops_attention():
     """Plain-ops causal attention would see the permuted sequence as if it were in order: its
     causal mask (an iota over the sequence) meets the permuted positions, refused before
     compiling at the model's line."""
-    with pytest.raises(ValueError, match=r"(?s)context_layout='balanced'.*llama.py:\d+ \(Block.attention\).*"
-                                         r"index in natural order.*zj.nn.dot_product_attention"):
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)context_layout='balanced'.*llama.py:\d+ \(Block.attention\).*"
+        r"index in natural order.*zj.nn.dot_product_attention",
+    ):
         _train(2, "einsum", 1, layout="balanced")
     with pytest.raises(ValueError, match="context_layout must be 'contiguous' or 'balanced'"):
         zj.ZeroConfig(context_layout="zigzag")
@@ -252,28 +293,38 @@ def test_the_step_hands_the_loss_its_layout_as_a_value():
 
     def loss(p, b, layout):
         seen.append(layout)
-        return jnp.mean((b["x"] * p["w"]) ** 2) + 0.0 * zj.nn.dot_product_attention(
-            b["q"], b["q"], b["q"], is_causal=True, layout=layout).sum()
+        return (
+            jnp.mean((b["x"] * p["w"]) ** 2)
+            + 0.0 * zj.nn.dot_product_attention(b["q"], b["q"], b["q"], is_causal=True, layout=layout).sum()
+        )
 
     mesh = zj.make_mesh(context=2)
     for kind in ("contiguous", "balanced"):
         zc = zj.ZeroConfig(stage=0, context_layout=kind)
         st = zj.init_state({"w": jnp.ones(())}, optax.sgd(0.1), mesh=mesh, config=zc)
         zj.make_train_step(loss, optax.sgd(0.1), mesh=mesh, config=zc, with_layout=True).lower(
-            st, {"x": jnp.ones((4, 8)), "q": jnp.ones((4, 8, 2, 4))})
+            st, {"x": jnp.ones((4, 8)), "q": jnp.ones((4, 8, 2, 4))}
+        )
         assert set(seen) == {zj.context.Layout(kind, 2)}
         seen.clear()
         with jax.set_mesh(mesh):
-            np.testing.assert_array_equal(np.asarray(zj.nn.global_positions(8, zj.context.Layout(kind, 2))),
-                                          Layout(kind, 2).order(8))
+            np.testing.assert_array_equal(
+                np.asarray(zj.nn.global_positions(8, zj.context.Layout(kind, 2))), Layout(kind, 2).order(8)
+            )
     np.testing.assert_array_equal(np.asarray(zj.nn.global_positions(8)), np.arange(8))
     with pytest.raises(TypeError, match=r"loss_fn\(params, batch, layout=...\) with with_layout=True"):
         zj.make_train_step(lambda p, b: 0.0, optax.sgd(0.1), mesh=mesh, config=zc, with_layout=True)
 
 
-@pytest.mark.parametrize("c,attention,stage", [
-    (2, "ulysses", 3), (4, "ring", 2),  # data x context x tensor = 2 x 2 x 2, and 1 x 4 x 2
-    pytest.param(2, "einsum", 0, marks=pytest.mark.slow), pytest.param(2, "ring", 1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "c,attention,stage",
+    [
+        (2, "ulysses", 3),
+        (4, "ring", 2),  # data x context x tensor = 2 x 2 x 2, and 1 x 4 x 2
+        pytest.param(2, "einsum", 0, marks=pytest.mark.slow),
+        pytest.param(2, "ring", 1, marks=pytest.mark.slow),
+    ],
+)
 def test_a_tensor_axis_beside_the_context_axis_trains_as_on_one_device(c, attention, stage):
     """T = 2 beside C: the Llama's weights split over "tensor" (heads, MLP features), its
     sequences over "context", the state over data x context; 3 SGD steps within 1e-5 of
@@ -295,27 +346,40 @@ def test_a_sequence_the_context_axis_does_not_divide_is_refused_before_compiling
     state = zj.init_state(params, optax.sgd(0.1), mesh=mesh, config=zc)
     step = zj.make_train_step(llama.make_loss(graphdef), optax.sgd(0.1), mesh=mesh, config=zc)
     toks = jnp.zeros((8, 18), jnp.int32)
-    with pytest.raises(ValueError, match=r"\['inputs'\]'s sequence length \(dimension 1\) 17 does not split into 4 "
-                                         r"context devices: use a multiple of 4 \(e.g. 16 or 20\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"\['inputs'\]'s sequence length \(dimension 1\) 17 does not split into 4 "
+        r"context devices: use a multiple of 4 \(e.g. 16 or 20\)",
+    ):
         step(state, {"inputs": toks[:, :-1], "targets": toks[:, 1:]})
     assert step._compiles == 0
 
 
 @pytest.mark.slow  # eleven more compiled steps (about 50 s)
-@pytest.mark.parametrize("name,kw,attention,tol", [
-    ("remat full", dict(remat="full"), "ring", 1e-5), ("prefetch", dict(prefetch=1), "ring", 1e-5),
-    ("offload", dict(offload_optimizer=True, offload_params=True), "ring", 1e-5),
-    ("accumulation", dict(grad_accum_steps=2), "ulysses", 1e-5),  # 2 micro-batches of 2 rows per data group
-    # Narrow precisions against the fp32 reference (measured: bf16 6.5e-3, fp16 1.3e-3, int8
-    # gathers 1.7e-3, int8 gradients 2.5e-4 of the loss, jax 0.10).
-    ("bf16", dict(compute_dtype="bfloat16"), "ulysses", 2e-2), ("fp16", dict(compute_dtype="float16"), "ring", 5e-3),
-    ("int8 gathers", dict(gather_dtype="int8"), "ring", 5e-3), ("int8 gradients", dict(reduce_dtype="int8"), "ring", 1e-3),
-    ("hybrid", dict(replicas=2), "ring", 1e-5),
-    # The balanced layout with several features at once (its chunks of 16 / 4 = 4 tokens).
-    ("balanced + remat + prefetch + accumulation + hybrid",
-     dict(context_layout="balanced", remat="full", prefetch=1, grad_accum_steps=2, replicas=2), "ring", 1e-5),
-    ("balanced + fp16", dict(context_layout="balanced", compute_dtype="float16"), "ring", 5e-3),
-])
+@pytest.mark.parametrize(
+    "name,kw,attention,tol",
+    [
+        ("remat full", dict(remat="full"), "ring", 1e-5),
+        ("prefetch", dict(prefetch=1), "ring", 1e-5),
+        ("offload", dict(offload_optimizer=True, offload_params=True), "ring", 1e-5),
+        ("accumulation", dict(grad_accum_steps=2), "ulysses", 1e-5),  # 2 micro-batches of 2 rows per data group
+        # Narrow precisions against the fp32 reference (measured: bf16 6.5e-3, fp16 1.3e-3, int8
+        # gathers 1.7e-3, int8 gradients 2.5e-4 of the loss, jax 0.10).
+        ("bf16", dict(compute_dtype="bfloat16"), "ulysses", 2e-2),
+        ("fp16", dict(compute_dtype="float16"), "ring", 5e-3),
+        ("int8 gathers", dict(gather_dtype="int8"), "ring", 5e-3),
+        ("int8 gradients", dict(reduce_dtype="int8"), "ring", 1e-3),
+        ("hybrid", dict(replicas=2), "ring", 1e-5),
+        # The balanced layout with several features at once (its chunks of 16 / 4 = 4 tokens).
+        (
+            "balanced + remat + prefetch + accumulation + hybrid",
+            dict(context_layout="balanced", remat="full", prefetch=1, grad_accum_steps=2, replicas=2),
+            "ring",
+            1e-5,
+        ),
+        ("balanced + fp16", dict(context_layout="balanced", compute_dtype="float16"), "ring", 5e-3),
+    ],
+)
 def test_context_parallelism_with_the_other_features(name, kw, attention, tol):
     cfg = llama.LlamaConfig(**{**BASE.__dict__, "attention": attention})
     graphdef, params = llama.init(cfg)
@@ -323,8 +387,9 @@ def test_context_parallelism_with_the_other_features(name, kw, attention, tol):
     mesh = zj.make_mesh(context=2, replicas=kw.pop("replicas", 1))
     tx, zc = optax.sgd(0.3), zj.ZeroConfig(stage=3, **kw)
     state = zj.init_state(params, tx, mesh=mesh, config=zc)
-    step = zj.make_train_step(llama.make_loss(graphdef), tx, mesh=mesh, config=zc,
-                              with_layout=zc.context_layout == "balanced")
+    step = zj.make_train_step(
+        llama.make_loss(graphdef), tx, mesh=mesh, config=zc, with_layout=zc.context_layout == "balanced"
+    )
     losses = []
     for b in _data():
         state, m = step(state, b)
@@ -343,7 +408,6 @@ def test_a_checkpoint_saved_at_one_context_size_restores_at_another(tmp_path):
         for a, b in zip(jax.tree.leaves(zj.gather_params(again)), jax.tree.leaves(zj.gather_params(state))):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert again.plan.shards == 8 and again.plan.context == context
-
 
 
 class _TinyLM(nnx.Module):
@@ -393,8 +457,19 @@ def test_each_process_loads_only_its_rows_and_sequence_chunks(tmp_path):
     import sys
 
     root = pathlib.Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "zerojax.launch", "--nprocs", "4", "--devices-per-proc", "2", "--",
-           sys.executable, str(root / "tests" / "workers" / "context_job.py"), str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "zerojax.launch",
+        "--nprocs",
+        "4",
+        "--devices-per-proc",
+        "2",
+        "--",
+        sys.executable,
+        str(root / "tests" / "workers" / "context_job.py"),
+        str(tmp_path),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=root)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     ref_params, ref_losses = _reference()
@@ -416,7 +491,9 @@ def test_the_eval_step_splits_the_sequence_too():
     loss_fn = llama.make_loss(graphdef)
     b = _data()[0]
     fn = lambda p, b: {"loss": loss_fn(p, b), "logits": nnx.merge(graphdef, p)(b["inputs"], mask=b["mask"])}
-    ev = zj.make_eval_step(fn, mesh=state.plan.mesh, config=state.plan.config, reduce={"loss": "mean", "logits": "concat"})
+    ev = zj.make_eval_step(
+        fn, mesh=state.plan.mesh, config=state.plan.config, reduce={"loss": "mean", "logits": "concat"}
+    )
     out = ev(state, b)
     want_loss = loss_fn(zj.gather_params(state), b)
     np.testing.assert_allclose(float(out["loss"]), float(want_loss), atol=1e-5)
@@ -441,15 +518,19 @@ def test_linen_attention_with_the_kernel_on_a_context_mesh():
         def __call__(self, tokens):
             x = nn.Embed(32, 16)(tokens)
             mask = nn.make_causal_mask(tokens)
-            x = x + nn.MultiHeadDotProductAttention(4, qkv_features=16, attention_fn=self.attention_fn,
-                                                    dropout_rate=self.dropout, deterministic=False)(x, mask=mask)
+            x = x + nn.MultiHeadDotProductAttention(
+                4, qkv_features=16, attention_fn=self.attention_fn, dropout_rate=self.dropout, deterministic=False
+            )(x, mask=mask)
             return nn.Dense(32)(x)
 
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 32, (4, 17)), jnp.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     params = LM().init(jax.random.key(0), batch["inputs"])["params"]
-    loss = lambda model: lambda p, b: optax.softmax_cross_entropy_with_integer_labels(
-        model.apply({"params": p}, b["inputs"]), b["targets"]).mean()
+    loss = lambda model: (
+        lambda p, b: optax.softmax_cross_entropy_with_integer_labels(
+            model.apply({"params": p}, b["inputs"]), b["targets"]
+        ).mean()
+    )
     tx = optax.sgd(0.5)
     ref, ref_losses = reference_run(loss(LM()), params, tx, [batch] * 3)
     kernel = LM(functools.partial(zj.nn.dot_product_attention, method="ring"))
@@ -462,8 +543,9 @@ def test_linen_attention_with_the_kernel_on_a_context_mesh():
         losses.append(float(m["loss"]))
     np.testing.assert_allclose(losses, ref_losses, atol=1e-5)
     with pytest.raises(ValueError, match="attention dropout"):
-        LM(zj.nn.dot_product_attention, dropout=0.1).init({"params": jax.random.key(0), "dropout": jax.random.key(1)},
-                                                          batch["inputs"])
+        LM(zj.nn.dot_product_attention, dropout=0.1).init(
+            {"params": jax.random.key(0), "dropout": jax.random.key(1)}, batch["inputs"]
+        )
 
 
 def test_a_stock_linen_model_on_tensor_and_context_axes():
@@ -487,10 +569,10 @@ def test_a_stock_linen_model_on_tensor_and_context_axes():
     model = LM()
     boxed = model.init(jax.random.key(0), jnp.zeros((2, 8), jnp.int32))["params"]
     loss_fn = lambda p, b: optax.softmax_cross_entropy_with_integer_labels(
-        model.apply({"params": p}, b["inputs"]), b["targets"]).mean()
+        model.apply({"params": p}, b["inputs"]), b["targets"]
+    ).mean()
     rng = np.random.default_rng(0)
-    data = [{k: jnp.asarray(rng.integers(0, 32, (8, 8)), jnp.int32) for k in ("inputs", "targets")}
-            for _ in range(3)]
+    data = [{k: jnp.asarray(rng.integers(0, 32, (8, 8)), jnp.int32) for k in ("inputs", "targets")} for _ in range(3)]
     tx = optax.sgd(0.5)
     ref, ref_losses = reference_run(loss_fn, nn.unbox(boxed), tx, data)
     mesh = zj.make_mesh(context=2, tensor=2)
@@ -530,8 +612,10 @@ def test_global_batch_takes_the_axis_names_of_the_step():
     mesh = zj.make_mesh(context=2, tensor=2, tensor_axis="model")
     zc = zj.ZeroConfig(tensor_axis="model")
     local = {"tokens": np.arange(4 * 8).reshape(4, 8), "label": np.arange(4)}
-    for b in (zj.distributed.global_batch(local, mesh, config=zc),
-              zj.distributed.global_batch(local, mesh, tensor_axis="model")):
+    for b in (
+        zj.distributed.global_batch(local, mesh, config=zc),
+        zj.distributed.global_batch(local, mesh, tensor_axis="model"),
+    ):
         assert b["tokens"].sharding.spec == P(("data",), "context") and b["label"].sharding.spec == P(("data",))
         np.testing.assert_array_equal(np.asarray(b["tokens"]), local["tokens"])
     assert zj.distributed.process_slices(4, 8, mesh, config=zc) == (slice(0, 4), slice(0, 8))
@@ -540,6 +624,7 @@ def test_global_batch_takes_the_axis_names_of_the_step():
 # The balanced layout cannot be silently wrong: a loss that mixes positions along a
 # permuted sequence is refused before compiling, naming its line; what is exact trains as
 # on one device.
+
 
 def _balanced_step(loss, c=4, **kw):
     mesh, zc = zj.make_mesh(context=c), zj.ZeroConfig(stage=1, context_layout="balanced", **kw)
@@ -552,8 +637,11 @@ def test_a_loss_that_shifts_its_own_targets_is_refused_on_the_balanced_layout():
     mesh, zc, step = _balanced_step(loss)
     state = zj.init_state(params, optax.sgd(0.1), mesh=mesh, config=zc)
     tokens = jnp.zeros((8, 16), jnp.int32)  # the model then sees 15 positions, which do not split either
-    with pytest.raises(ValueError, match=r"sequence length 15 does not split.*slices the batch's sequence.*give the "
-                                         r"shifted targets in the batch"):
+    with pytest.raises(
+        ValueError,
+        match=r"sequence length 15 does not split.*slices the batch's sequence.*give the "
+        r"shifted targets in the batch",
+    ):
         step(state, {"tokens": tokens})
 
     def shifted(p, b, layout):  # where the lengths do split, the slices themselves are refused
@@ -562,8 +650,11 @@ def test_a_loss_that_shifts_its_own_targets_is_refused_on_the_balanced_layout():
 
     mesh, zc, step = _balanced_step(shifted)
     st = zj.init_state({"w": jnp.ones(())}, optax.sgd(0.1), mesh=mesh, config=zc)
-    with pytest.raises(ValueError, match=r"(?s)permuted.*test_context.py:\d+ \(.*shifted\).*'slice'.*shifted "
-                                         r"targets in the batch"):
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)permuted.*test_context.py:\d+ \(.*shifted\).*'slice'.*shifted "
+        r"targets in the batch",
+    ):
         step(st, {"x": jnp.ones((8, 16))})
 
     def rolled(p, b, layout):  # a roll along the sequence is as wrong
@@ -579,13 +670,15 @@ def test_a_loss_that_shifts_its_own_targets_is_refused_on_the_balanced_layout():
 def test_positions_from_arange_are_refused_on_the_balanced_layout():
     """Positions built with jnp.arange(T) meet the permuted sequence: refused (the fix:
     zj.nn.global_positions(T, layout)); the same loss with global_positions trains."""
+
     def loss(p, b, layout, positions):
         angle = positions(b["x"].shape[1], layout)[None] * p["w"]
-        return jnp.mean(jnp.cos(angle) * b["x"]) + 0.0 * zj.nn.dot_product_attention(
-            b["q"], b["q"], b["q"], is_causal=True, layout=layout).sum()
+        return (
+            jnp.mean(jnp.cos(angle) * b["x"])
+            + 0.0 * zj.nn.dot_product_attention(b["q"], b["q"], b["q"], is_causal=True, layout=layout).sum()
+        )
 
-    batch = {"x": jnp.asarray(np.random.default_rng(0).normal(size=(8, 16)), jnp.float32),
-             "q": jnp.ones((8, 16, 4, 4))}
+    batch = {"x": jnp.asarray(np.random.default_rng(0).normal(size=(8, 16)), jnp.float32), "q": jnp.ones((8, 16, 4, 4))}
     arange = lambda t, layout: jnp.arange(t)
     mesh, zc, step = _balanced_step(lambda p, b, layout: loss(p, b, layout, arange))
     st = zj.init_state({"w": jnp.ones(())}, optax.sgd(0.1), mesh=mesh, config=zc)
@@ -601,10 +694,11 @@ def test_which_leaves_are_sequences_is_explicit_on_the_balanced_layout():
     """A [B, T, T] mask is permuted on its rows and its columns when context_dims says so
     (exact, against one device); left to the default it is refused, as is a batch whose
     leaves disagree on the sequence length (a [B, 8] per-example leaf beside [B, 16])."""
+
     def loss(p, b, layout):
         q = b["q"] * p["w"]
         out = zj.nn.dot_product_attention(q, q, q, mask=b["mask"][:, None], layout=layout, method="ring")
-        return jnp.mean(out ** 2)
+        return jnp.mean(out**2)
 
     rng = np.random.default_rng(0)
     mask = rng.random((8, 16, 16)) < 0.7
@@ -612,13 +706,17 @@ def test_which_leaves_are_sequences_is_explicit_on_the_balanced_layout():
     batch = {"q": jnp.asarray(rng.normal(size=(8, 16, 2, 4)), jnp.float32), "mask": jnp.asarray(mask)}
     mesh, zc, step = _balanced_step(loss)
     st = zj.init_state({"w": jnp.ones(())}, optax.sgd(0.1), mesh=mesh, config=zc)
-    with pytest.raises(ValueError, match=r"\['mask'\] \[8, 16, 16\] has the sequence length 16 on dimension\(s\) "
-                                         r"\[1, 2\].*context_dims"):
+    with pytest.raises(
+        ValueError,
+        match=r"\['mask'\] \[8, 16, 16\] has the sequence length 16 on dimension\(s\) "
+        r"\[1, 2\].*context_dims",
+    ):
         step(st, batch)
     mesh, zc, step = _balanced_step(loss, context_dims={"['q']": 1, "['mask']": (1, 2)})
     st, m = step(zj.init_state({"w": jnp.ones(())}, optax.sgd(0.1), mesh=mesh, config=zc), batch)
-    want = jax.jit(lambda b: jnp.mean(jax.nn.dot_product_attention(b["q"], b["q"], b["q"],
-                                                                   mask=b["mask"][:, None]) ** 2))(batch)
+    want = jax.jit(
+        lambda b: jnp.mean(jax.nn.dot_product_attention(b["q"], b["q"], b["q"], mask=b["mask"][:, None]) ** 2)
+    )(batch)
     np.testing.assert_allclose(float(m["loss"]), float(want), rtol=1e-5)
 
     def per_example(p, b, layout):
@@ -643,8 +741,9 @@ def test_one_jitted_apply_serves_a_balanced_and_a_contiguous_step():
         return optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"]).mean()
 
     data = [{k: b[k] for k in ("inputs", "targets")} for b in _data()[:1]]
-    ref_params, ref_losses = reference_run(lambda p, b: loss(p, b, None), jax.tree.map(jnp.asarray, params),
-                                           optax.sgd(0.3), data)
+    ref_params, ref_losses = reference_run(
+        lambda p, b: loss(p, b, None), jax.tree.map(jnp.asarray, params), optax.sgd(0.3), data
+    )
     tx = optax.sgd(0.3)
     for kind in ("balanced", "contiguous"):
         mesh, zc = zj.make_mesh(context=4), zj.ZeroConfig(stage=1, context_layout=kind)
@@ -659,10 +758,17 @@ def test_one_jitted_apply_serves_a_balanced_and_a_contiguous_step():
 
     forgot = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))  # the kernel traced contiguous, once
     mesh, zc = zj.make_mesh(context=4), zj.ZeroConfig(stage=1, context_layout="balanced")
-    step = zj.make_train_step(lambda p, b: optax.softmax_cross_entropy_with_integer_labels(
-        forgot(p, b["inputs"]), b["targets"]).mean(), tx, mesh=mesh, config=zc)
-    with pytest.raises(ValueError, match=r"traced for the 'contiguous' layout, but this step lays its sequences out "
-                                         r"'balanced'"):
+    step = zj.make_train_step(
+        lambda p, b: optax.softmax_cross_entropy_with_integer_labels(forgot(p, b["inputs"]), b["targets"]).mean(),
+        tx,
+        mesh=mesh,
+        config=zc,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"traced for the 'contiguous' layout, but this step lays its sequences out "
+        r"'balanced'",
+    ):
         step(zj.init_state(params, tx, mesh=mesh, config=zc), data[0])
 
 
@@ -676,7 +782,7 @@ def test_packed_sequences_train_as_their_documents_alone():
     import re
 
     text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "long_context.md").read_text()
-    section = text[text.index("### A packed fine-tuning step"):]
+    section = text[text.index("### A packed fine-tuning step") :]
     ns: dict = {}
     exec(compile(re.search(r"```python\n(.*?)```", section, re.S).group(1), "docs/long_context.md", "exec"), ns)
     batch, params, docs = ns["batch"], ns["params"], ns["docs"]
@@ -689,10 +795,11 @@ def test_packed_sequences_train_as_their_documents_alone():
         for doc in row:
             x = jnp.asarray(doc[None, :-1])
             alone = np.asarray(run(params, x, jnp.arange(x.shape[1])[None], jnp.zeros_like(x)))
-            np.testing.assert_allclose(packed[r, a:a + x.shape[1]], alone[0], atol=1e-5)
+            np.testing.assert_allclose(packed[r, a : a + x.shape[1]], alone[0], atol=1e-5)
             a += x.shape[1]
-    ref, ref_losses = reference_run(llama.make_loss(plain_def), jax.tree.map(jnp.asarray, params),
-                                    optax.adamw(1e-3), [batch])
+    ref, ref_losses = reference_run(
+        llama.make_loss(plain_def), jax.tree.map(jnp.asarray, params), optax.adamw(1e-3), [batch]
+    )
     np.testing.assert_allclose(float(ns["metrics"]["loss"]), ref_losses[0], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(zj.gather_params(ns["state"])), jax.tree.leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)

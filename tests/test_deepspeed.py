@@ -16,73 +16,135 @@ from zerojax.deepspeed import optax_code, translate
 
 # ZeRO-3 with CPU offload, as in DeepSpeed's ZeRO-Infinity / ZeRO-Offload tutorials.
 ZERO3_OFFLOAD = {
-    "train_batch_size": 64, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
-    "steps_per_print": 2000, "wall_clock_breakdown": False,
+    "train_batch_size": 64,
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 4,
+    "steps_per_print": 2000,
+    "wall_clock_breakdown": False,
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-5, "betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 3e-7}},
     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-5, "warmup_num_steps": 500}},
-    "fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 500, "initial_scale_power": 12, "hysteresis": 2,
-             "min_loss_scale": 1},
+    "fp16": {
+        "enabled": True,
+        "loss_scale": 0,
+        "loss_scale_window": 500,
+        "initial_scale_power": 12,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
     "gradient_clipping": 1.0,
     "zero_optimization": {
-        "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-        "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True, "contiguous_gradients": True,
-        "sub_group_size": 1e9, "reduce_bucket_size": 1e6, "stage3_prefetch_bucket_size": 0.94e6,
-        "stage3_param_persistence_threshold": 1e4, "stage3_max_live_parameters": 1e9,
-        "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True},
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": 1e6,
+        "stage3_prefetch_bucket_size": 0.94e6,
+        "stage3_param_persistence_threshold": 1e4,
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
 }
 
 # ZeRO-2 in bf16, as in DeepSpeed's config-json documentation.
 ZERO2_BF16 = {
     "bf16": {"enabled": True},
-    "zero_optimization": {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 5e8,
-                          "overlap_comm": False, "reduce_scatter": True, "reduce_bucket_size": 5e8,
-                          "contiguous_gradients": True, "offload_optimizer": {"device": "cpu"}},
+    "zero_optimization": {
+        "stage": 2,
+        "allgather_partitions": True,
+        "allgather_bucket_size": 5e8,
+        "overlap_comm": False,
+        "reduce_scatter": True,
+        "reduce_bucket_size": 5e8,
+        "contiguous_gradients": True,
+        "offload_optimizer": {"device": "cpu"},
+    },
     "communication_data_type": "bf16",
     "gradient_clipping": 0.0,
     "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "weight_decay": 0.01}},
-    "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False,
-                                 "contiguous_memory_optimization": False, "number_checkpoints": None},
+    "activation_checkpointing": {
+        "partition_activations": False,
+        "cpu_checkpointing": False,
+        "contiguous_memory_optimization": False,
+        "number_checkpoints": None,
+    },
 }
 
 # ZeRO-1 with a static fp16 loss scale (DeepSpeed's "loss_scale": 128), no clipping key.
-ZERO1_STATIC = {"train_micro_batch_size_per_gpu": 8, "fp16": {"enabled": True, "loss_scale": 128},
-                "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e8}}
+ZERO1_STATIC = {
+    "train_micro_batch_size_per_gpu": 8,
+    "fp16": {"enabled": True, "loss_scale": 128},
+    "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e8},
+}
 
 # ZeRO++: hpZ groups of 8, int8 weight gathers and int8 gradients (all mapped).
-ZEROPP = {"bf16": {"enabled": True}, "gradient_clipping": 1.0,
-          "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8, "zero_quantized_weights": True,
-                                "zero_quantized_gradients": True}}
+ZEROPP = {
+    "bf16": {"enabled": True},
+    "gradient_clipping": 1.0,
+    "zero_optimization": {
+        "stage": 3,
+        "zero_hpz_partition_size": 8,
+        "zero_quantized_weights": True,
+        "zero_quantized_gradients": True,
+    },
+}
 # MiCS: shard groups of 4 devices.
-MICS = {"bf16": {"enabled": True}, "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": 3, "mics_shard_size": 4, "mics_hierarchical_params_gather": False}}
+MICS = {
+    "bf16": {"enabled": True},
+    "gradient_clipping": 1.0,
+    "zero_optimization": {"stage": 3, "mics_shard_size": 4, "mics_hierarchical_params_gather": False},
+}
 
 
 def test_zero3_offload_config():
     with pytest.warns(UserWarning) as caught:
         cfg = zj.from_deepspeed(ZERO3_OFFLOAD)
-    assert cfg == zj.ZeroConfig(stage=3, compute_dtype="float16", loss_scale="auto", initial_scale_power=12,
-                                loss_scale_window=500, hysteresis=2, min_loss_scale=1.0, grad_clip=1.0,
-                                grad_accum_steps=4, offload_optimizer=True, offload_params=True,
-                                offload_group_size=10**9)
+    assert cfg == zj.ZeroConfig(
+        stage=3,
+        compute_dtype="float16",
+        loss_scale="auto",
+        initial_scale_power=12,
+        loss_scale_window=500,
+        hysteresis=2,
+        min_loss_scale=1.0,
+        grad_clip=1.0,
+        grad_accum_steps=4,
+        offload_optimizer=True,
+        offload_params=True,
+        offload_group_size=10**9,
+    )
     assert cfg.resolved_loss_scale == "dynamic"
     assert len(caught) == 1  # one warning names them all
     text = str(caught[0].message)
-    for key in ("zero_optimization.overlap_comm", "zero_optimization.stage3_prefetch_bucket_size",
-                "zero_optimization.offload_optimizer.pin_memory", "train_batch_size", "scheduler", "steps_per_print"):
+    for key in (
+        "zero_optimization.overlap_comm",
+        "zero_optimization.stage3_prefetch_bucket_size",
+        "zero_optimization.offload_optimizer.pin_memory",
+        "train_batch_size",
+        "scheduler",
+        "steps_per_print",
+    ):
         assert key in text
     assert "the data loader's job" in text and "XLA schedules" in text
 
 
 def test_zero2_bf16_config_and_its_optimizer():
     t = translate(ZERO2_BF16)
-    assert t.config == zj.ZeroConfig(stage=2, compute_dtype="bfloat16", reduce_dtype="bfloat16", grad_clip=None,
-                                     offload_optimizer=True, remat="full")
+    assert t.config == zj.ZeroConfig(
+        stage=2, compute_dtype="bfloat16", reduce_dtype="bfloat16", grad_clip=None, offload_optimizer=True, remat="full"
+    )
     assert "activation_checkpointing.partition_activations" in t.unmapped
     assert any("remat='full'" in n for n in t.notes)
     # DeepSpeed's Adam is AdamW unless adam_w_mode is false.
     assert t.optimizer == "optax.adamw(learning_rate=0.0001, b1=0.9, b2=0.999, eps=1e-08, weight_decay=0.01)"
-    classic = translate({**ZERO2_BF16, "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "weight_decay": 0.01,
-                                                                                 "adam_w_mode": False}}})
+    classic = translate(
+        {
+            **ZERO2_BF16,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "weight_decay": 0.01, "adam_w_mode": False}},
+        }
+    )
     assert classic.optimizer.startswith("optax.chain(optax.add_decayed_weights(0.01), optax.adam(")
 
 
@@ -101,8 +163,9 @@ def test_zeropp_maps_int8_gathers_int8_gradients_and_hpz_groups():
     assert "zero_quantized" not in text.split("Notes:")[0]  # mapped: int8 weights and gradients
     assert "zero_hpz_partition_size=8 is mapped to hybrid sharding" in text
     assert "zj.make_mesh(group_size=8)" in text
-    assert cfg == zj.ZeroConfig(stage=3, compute_dtype="bfloat16", grad_clip=1.0, gather_dtype="int8",
-                                reduce_dtype="int8")
+    assert cfg == zj.ZeroConfig(
+        stage=3, compute_dtype="bfloat16", grad_clip=1.0, gather_dtype="int8", reduce_dtype="int8"
+    )
     assert translate(ZEROPP).shard_size == 8
 
 
@@ -123,45 +186,52 @@ def test_mics_shard_size_is_the_mesh_of_replica_groups():
 
 def test_old_forms_and_a_clean_config():
     assert translate({"zero_optimization": True, "gradient_clipping": 0}).config.stage == 1
-    assert translate({"zero_optimization": {"stage": 2, "cpu_offload": True},
-                      "gradient_clipping": 0}).config.offload_optimizer
+    assert translate(
+        {"zero_optimization": {"stage": 2, "cpu_offload": True}, "gradient_clipping": 0}
+    ).config.offload_optimizer
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing unmapped: no warning
         cfg = zj.from_deepspeed({"zero_optimization": {"stage": 0}, "gradient_clipping": 0.5})
     assert cfg == zj.ZeroConfig(stage=0, grad_clip=0.5)
-    nvme = translate({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",
-                                                                              "nvme_path": "/nvme"}}})
+    nvme = translate({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}})
     assert nvme.config.offload_optimizer and any("nvme" in n for n in nvme.notes)
     assert "zero_optimization.offload_optimizer.nvme_path" in nvme.unmapped
 
 
 def test_unknown_keys_warn_by_name():
     with pytest.warns(UserWarning, match=r"my_custom_key: unknown to this mapping"):
-        zj.from_deepspeed({"zero_optimization": {"stage": 1}, "gradient_clipping": 1.0,
-                                      "my_custom_key": 3})
+        zj.from_deepspeed({"zero_optimization": {"stage": 1}, "gradient_clipping": 1.0, "my_custom_key": 3})
     with pytest.warns(UserWarning, match=r"zero_optimization.stage4_magic: unknown"):
         zj.from_deepspeed({"zero_optimization": {"stage": 1, "stage4_magic": 1}, "gradient_clipping": 1.0})
 
 
-@pytest.mark.parametrize("ds,match", [
-    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enables both fp16 and bf16"),
-    ({"zero_optimization": {"stage": 4}}, r"'zero_optimization.stage' must be 0, 1, 2 or 3, got 4"),
-    ({"fp16": {"enabled": True, "loss_scale_window": -1}}, r"'fp16.loss_scale_window' must be > 0, got -1"),
-    ({"fp16": {"enabled": True, "loss_scale": -2}}, r"'fp16.loss_scale' must be >= 0"),
-    ({"fp16": {"enabled": True, "hysteresis": 0}}, r"'fp16.hysteresis' must be >= 1"),
-    ({"fp16": {"enabled": True, "min_loss_scale": 0}}, r"'fp16.min_loss_scale' must be > 0"),
-    ({"gradient_clipping": -1.0}, r"'gradient_clipping' must be >= 0"),
-    ({"zero_optimization": {"stage": "auto"}}, r"zero_optimization.stage: the HF Trainer does not fill this key"),
-    ({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}},
-     r"scheduler.params.total_num_steps: the HF Trainer computes it"),
-    ({"gradient_accumulation_steps": 0}, r"'gradient_accumulation_steps' must be >= 1"),
-    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "offload_param' needs ZeRO stage 3"),
-    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "needs ZeRO stage 1, 2 or 3"),
-    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "gpu"}}}, "must be 'cpu', 'nvme' or 'none'"),
-    ({"communication_data_type": "int8"}, "'communication_data_type' must be one of"),
-    ({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}}, "quantizes ZeRO-3's weight gathers"),
-    ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, "train_batch_size 30 is not"),
-])
+@pytest.mark.parametrize(
+    "ds,match",
+    [
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enables both fp16 and bf16"),
+        ({"zero_optimization": {"stage": 4}}, r"'zero_optimization.stage' must be 0, 1, 2 or 3, got 4"),
+        ({"fp16": {"enabled": True, "loss_scale_window": -1}}, r"'fp16.loss_scale_window' must be > 0, got -1"),
+        ({"fp16": {"enabled": True, "loss_scale": -2}}, r"'fp16.loss_scale' must be >= 0"),
+        ({"fp16": {"enabled": True, "hysteresis": 0}}, r"'fp16.hysteresis' must be >= 1"),
+        ({"fp16": {"enabled": True, "min_loss_scale": 0}}, r"'fp16.min_loss_scale' must be > 0"),
+        ({"gradient_clipping": -1.0}, r"'gradient_clipping' must be >= 0"),
+        ({"zero_optimization": {"stage": "auto"}}, r"zero_optimization.stage: the HF Trainer does not fill this key"),
+        (
+            {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}},
+            r"scheduler.params.total_num_steps: the HF Trainer computes it",
+        ),
+        ({"gradient_accumulation_steps": 0}, r"'gradient_accumulation_steps' must be >= 1"),
+        ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "offload_param' needs ZeRO stage 3"),
+        ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "needs ZeRO stage 1, 2 or 3"),
+        (
+            {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "gpu"}}},
+            "must be 'cpu', 'nvme' or 'none'",
+        ),
+        ({"communication_data_type": "int8"}, "'communication_data_type' must be one of"),
+        ({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}}, "quantizes ZeRO-3's weight gathers"),
+        ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, "train_batch_size 30 is not"),
+    ],
+)
 def test_contradictions_raise(ds, match):
     with pytest.raises(ValueError, match=match):
         zj.from_deepspeed(ds)
@@ -195,8 +265,12 @@ def test_printed_code_builds_the_same_config_and_optimizer():
 
 
 def test_optimizer_sections_that_do_not_translate_whole():
-    t = translate({"gradient_clipping": 1.0, "optimizer": {"type": "Adam", "params": {
-        "lr": 1e-3, "bias_correction": False, "torch_adam": True}}})
+    t = translate(
+        {
+            "gradient_clipping": 1.0,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "bias_correction": False, "torch_adam": True}},
+        }
+    )
     assert t.optimizer.startswith("optax.adamw(") and "bias_correction" in t.unmapped["optimizer"]
     t = translate({"gradient_clipping": 1.0, "optimizer": {"type": "OneBitAdam", "params": {"freeze_step": 10}}})
     assert t.optimizer is None and "'OneBitAdam' has no optax equivalent" in t.unmapped["optimizer"]
@@ -233,7 +307,7 @@ def test_translated_fp16_scaler_is_what_the_step_uses():
     mesh = zj.make_mesh()
     state = zj.init_state(models.mlp_params(), tx, mesh=mesh, config=cfg)
     _, m = zj.make_train_step(models.mlp_loss, tx, mesh=mesh, config=cfg)(state, models.batch(32))
-    assert float(m["loss_scale"]) == 2.0 ** 12
+    assert float(m["loss_scale"]) == 2.0**12
     assert jax.tree.leaves(state.opt_state)  # built with the translated config
 
 
@@ -271,6 +345,7 @@ def test_the_printed_code_does_what_the_translation_does(size, tmp_path, capsys)
     assert ns["config"] == t.config
     exec(lines[2], ns)
     from tests.test_deepspeed_config import assert_same_run
+
     assert_same_run(ns["tx"], t.tx, steps=3)  # the printed optimizer is the translation's
     if 8 % size == 0:
         exec(lines[1], ns)
@@ -292,10 +367,28 @@ def test_the_guide_shows_what_the_translation_prints():
     for line in guide.splitlines():  # the first of each: the printed output, before the loop
         if line.startswith(("config = zj.ZeroConfig(", "tx = optax.")):
             shown.setdefault(*line.split(" = ", 1))
-    t = translate({k: v for k, v in ZERO3_OFFLOAD.items() if k in (
-        "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer", "fp16",
-        "gradient_clipping")} | {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
-                                                        "offload_param": {"device": "cpu"}}})
+    t = translate(
+        {
+            k: v
+            for k, v in ZERO3_OFFLOAD.items()
+            if k
+            in (
+                "train_batch_size",
+                "train_micro_batch_size_per_gpu",
+                "gradient_accumulation_steps",
+                "optimizer",
+                "fp16",
+                "gradient_clipping",
+            )
+        }
+        | {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": {"device": "cpu"},
+                "offload_param": {"device": "cpu"},
+            }
+        }
+    )
     assert shown == {"config": t.code(), "tx": t.optimizer}
 
 
@@ -349,8 +442,10 @@ def test_compute_dtype_reduction_default_is_named(section, dtype, ds):
     absent; zerojax keeps float32 and says so."""
     t = translate({"gradient_clipping": 1.0, section: {"enabled": True}})
     assert t.config.reduce_dtype == "float32"
-    assert (f"communication_data_type is absent: DeepSpeed then reduces gradients in the compute dtype ({dtype})"
-            in t.message()) and f"Set communication_data_type to '{ds}'" in t.message()
+    assert (
+        f"communication_data_type is absent: DeepSpeed then reduces gradients in the compute dtype ({dtype})"
+        in t.message()
+    ) and f"Set communication_data_type to '{ds}'" in t.message()
     t = translate({"gradient_clipping": 1.0, section: {"enabled": True}, "communication_data_type": ds})
     assert t.config.reduce_dtype == dtype and "communication_data_type" not in t.message()
     assert "communication_data_type" not in translate({"gradient_clipping": 1.0}).message()
@@ -383,8 +478,12 @@ def test_sequence_parallel_size_is_the_context_axis():
 def test_autoep_expert_parallel_is_the_expert_axis():
     """DeepSpeed AutoEP's section (PR #7938 / #8064): autoep_size is the expert axis; an
     expert tensor-parallel degree is refused; disabled or size 1 builds no axis."""
-    t = translate({"zero_optimization": {"stage": 3},
-                   "expert_parallel": {"enabled": True, "autoep_size": 4, "expert_tensor_parallel_size": 1}})
+    t = translate(
+        {
+            "zero_optimization": {"stage": 3},
+            "expert_parallel": {"enabled": True, "autoep_size": 4, "expert_tensor_parallel_size": 1},
+        }
+    )
     assert t.expert == 4 and "expert_parallel" not in t.unmapped
     assert t.mesh_code() == "zj.make_mesh(expert=4)" and dict(t.make_mesh().shape) == {"data": 2, "expert": 4}
     assert translate({"expert_parallel": {"enabled": False, "autoep_size": 4}}).expert is None

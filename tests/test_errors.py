@@ -33,7 +33,9 @@ def test_batch_not_divisible_by_data_axis(setup):
     mesh, cfg, state = setup
     step = zj.make_train_step(models.mlp_loss, TX, mesh=mesh, config=cfg)
     bad = models.batch(12)
-    with pytest.raises(ValueError, match=r"\['x'\] has leading dimension 12.*8 devices.*multiple of 8 \(e.g. 8 or 16\)"):
+    with pytest.raises(
+        ValueError, match=r"\['x'\] has leading dimension 12.*8 devices.*multiple of 8 \(e.g. 8 or 16\)"
+    ):
         step(state, bad)
     with pytest.raises(ValueError, match="leading dimension 12"):
         step.lower(state, bad)
@@ -141,8 +143,13 @@ def test_a_donated_state_is_refused_not_a_crash(tmp_path):
     Python error naming donation and the fix."""
     script = tmp_path / "donated.py"
     script.write_text(DONATED)
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    r = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-3000:])
     lines = r.stdout.splitlines()
     for stage in (0, 3):
@@ -158,10 +165,16 @@ def test_a_donated_state_is_refused_not_a_crash(tmp_path):
 def test_stage3_only_settings_are_refused_alike_below_stage_3(stage):
     """prefetch and int8 gathers both act on stage 3's per-use weight gathers: below stage 3
     both are refused (prefetch used to be accepted and ignored), naming the stage."""
-    with pytest.raises(ValueError, match=rf"ZeroConfig.prefetch=2 gathers stage 3's weights .* stage {stage} gathers "
-                                         r"none per use. Use stage=3"):
+    with pytest.raises(
+        ValueError,
+        match=rf"ZeroConfig.prefetch=2 gathers stage 3's weights .* stage {stage} gathers "
+        r"none per use. Use stage=3",
+    ):
         zj.ZeroConfig(stage=stage, prefetch=2)
-    with pytest.raises(ValueError, match=rf"gather_dtype='int8' quantizes stage 3's weight gathers; stage {stage} "
-                                         r"gathers none per use. Use stage=3"):
+    with pytest.raises(
+        ValueError,
+        match=rf"gather_dtype='int8' quantizes stage 3's weight gathers; stage {stage} "
+        r"gathers none per use. Use stage=3",
+    ):
         zj.ZeroConfig(stage=stage, gather_dtype="int8")
     assert zj.ZeroConfig(stage=3, prefetch=2).prefetch == 2

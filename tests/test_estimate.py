@@ -44,13 +44,24 @@ def test_model_shapes_count_like_the_experiments_gpt(vocab, d_model):
 
 
 def test_cli_prints_the_paper_table():
-    out = subprocess.run([sys.executable, "-m", "zerojax.cli", "estimate", "--params", "7.5e9", "--devices", "64"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "zerojax.cli", "estimate", "--params", "7.5e9", "--devices", "64"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     for figure in ("120.0 GB", "31.4 GB", "16.6 GB", "1.9 GB"):
         assert figure in out
-    out = subprocess.run([sys.executable, "-m", "zerojax.cli", "estimate", "--model", "gpt2-small", "--devices", "8"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "zerojax.cli", "estimate", "--model", "gpt2-small", "--devices", "8"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "4 x largest layer" in out
-    bad = subprocess.run([sys.executable, "-m", "zerojax.cli", "estimate", "--model", "nope", "--devices", "8"],
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "zerojax.cli", "estimate", "--model", "nope", "--devices", "8"],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "unknown --model 'nope'" in bad.stderr

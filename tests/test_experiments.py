@@ -23,8 +23,14 @@ def run_script(name: str, *args: str, timeout: float = 600, full_opt: bool = Fal
     env = dict(os.environ)
     if full_opt:
         env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "").strip()
-    return subprocess.run([sys.executable, str(ROOT / "experiments" / name), *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT, env=env)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
 
 
 def is_png(path: Path) -> bool:
@@ -63,8 +69,11 @@ def test_memory_table_within_two_percent_and_draws_the_chart(tmp_path):
 def test_comm_volumes_match_the_paper():
     out = run_script("comm.py", "--layers", "2", "--d-model", "64", "--dtypes", "float32,bfloat16")
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.stdout.splitlines()
-            if line.startswith("| ") and line[2].isdigit()]
+    rows = [
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in out.stdout.splitlines()
+        if line.startswith("| ") and line[2].isdigit()
+    ]
     assert len(rows) == 8
     cfg = gpt.GPTConfig(d_model=64, n_layers=2, n_heads=1)
     graphdef, params = gpt.init(cfg)
@@ -72,8 +81,9 @@ def test_comm_volumes_match_the_paper():
     # Stage 3's backward re-gathers only what backward needs: an embedding's or a bias's
     # gradient does not read the parameter's value, so those move twice, not three times.
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    unread = sum(x.size for path, x in flat if any(k in jax.tree_util.keystr(path)
-                                                    for k in ("bias", "embedding", "wpe")))
+    unread = sum(
+        x.size for path, x in flat if any(k in jax.tree_util.keystr(path) for k in ("bias", "embedding", "wpe"))
+    )
     for stage, dtype, _, volume, paper, *_, asked, _ in rows:
         got = float(volume.rstrip("Ψ"))
         if stage == "3":
@@ -90,9 +100,31 @@ def test_comm_volumes_match_the_paper():
 @pytest.mark.slow  # reason: 16 s, a script in its own process; the step it drives is tested in the default set
 def test_train_script_logs_json_lines_and_the_loss_falls(tmp_path):
     log, png = tmp_path / "run.jsonl", tmp_path / "run.png"
-    out = run_script("train.py", "--stage", "3", "--precision", "bf16", "--steps", "40", "--batch", "16",
-                     "--d-model", "64", "--layers", "2", "--heads", "2", "--eval-every", "20", "--dropout", "0.1",
-                     "--log", str(log), "--plot", str(png))
+    out = run_script(
+        "train.py",
+        "--stage",
+        "3",
+        "--precision",
+        "bf16",
+        "--steps",
+        "40",
+        "--batch",
+        "16",
+        "--d-model",
+        "64",
+        "--layers",
+        "2",
+        "--heads",
+        "2",
+        "--eval-every",
+        "20",
+        "--dropout",
+        "0.1",
+        "--log",
+        str(log),
+        "--plot",
+        str(png),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert records[0]["kind"] == "config" and records[0]["stage"] == 3 and records[0]["n_devices"] == 8
@@ -117,10 +149,35 @@ def test_train_script_refuses_a_batch_that_does_not_divide():
 @pytest.mark.slow
 def test_gpu_throughput_script_runs_on_cpu(tmp_path):
     out_json = tmp_path / "tp.json"
-    out = run_script("gpu_throughput.py", "--d-model", "64", "--layers", "2", "--heads", "1", "--seq-len", "32",
-                     "--vocab", "256", "--batch", "4", "--steps", "2", "--remat", "full",
-                     "--peak-tflops", "1", "--json", str(out_json), "--long-seqs", "128,256", "--long-heads", "2",
-                     "--long-block", "32")
+    out = run_script(
+        "gpu_throughput.py",
+        "--d-model",
+        "64",
+        "--layers",
+        "2",
+        "--heads",
+        "1",
+        "--seq-len",
+        "32",
+        "--vocab",
+        "256",
+        "--batch",
+        "4",
+        "--steps",
+        "2",
+        "--remat",
+        "full",
+        "--peak-tflops",
+        "1",
+        "--json",
+        str(out_json),
+        "--long-seqs",
+        "128,256",
+        "--long-heads",
+        "2",
+        "--long-block",
+        "32",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out_json.read_text())
     # The long-context table: JAX's attention and the chunked one at each length (cuDNN is
@@ -128,14 +185,23 @@ def test_gpu_throughput_script_runs_on_cpu(tmp_path):
     # (128 x 32 per head), XLA's the whole square.
     long = {(r["seq"], r["impl"]): r for r in result["long_context"]}
     assert set(long) == {(s, i) for s in (128, 256) for i in ("xla", "cudnn", "zerojax chunked")}
-    assert "error" in long[(128, "cudnn")] and all("error" not in long[(s, i)] for s in (128, 256)
-                                                   for i in ("xla", "zerojax chunked"))
+    assert "error" in long[(128, "cudnn")] and all(
+        "error" not in long[(s, i)] for s in (128, 256) for i in ("xla", "zerojax chunked")
+    )
     grow = lambda impl: long[(256, impl)]["temp_bytes"] / long[(128, impl)]["temp_bytes"]
-    assert grow("zerojax chunked") < 2.3 < 3.0 < grow("xla"), (grow("zerojax chunked"), grow("xla"))  # linear against quadratic
+    assert grow("zerojax chunked") < 2.3 < 3.0 < grow("xla"), (
+        grow("zerojax chunked"),
+        grow("xla"),
+    )  # linear against quadratic
     rows = result["rows"]
     assert [(r["stage"], r["remat"], r["prefetch"], r["offload"]) for r in rows] == [
-        (0, "full", 0, "none"), (3, "full", 0, "none"), (3, "full", 1, "none"), (3, "full", 0, "optimizer"),
-        (3, "full", 0, "optimizer-device"), (3, "full", 0, "params")]
+        (0, "full", 0, "none"),
+        (3, "full", 0, "none"),
+        (3, "full", 1, "none"),
+        (3, "full", 0, "optimizer"),
+        (3, "full", 0, "optimizer-device"),
+        (3, "full", 0, "params"),
+    ]
     # The offload rows: state bytes from the arrays, split as the formulas say.
     psi = gpt.GPTConfig(d_model=64, n_layers=2, n_heads=1, seq_len=32, vocab=256).num_params()
     by = {r["offload"]: r for r in rows[1:] if r["prefetch"] == 0}
@@ -149,8 +215,10 @@ def test_gpu_throughput_script_runs_on_cpu(tmp_path):
     # The offload check runs too; on the CPU backend it reports, as it must, no host bytes.
     assert set(result["remat_offload"]["rows"]) == {"none", "names", "offload_names", "dots_no_batch", "offload_dots"}
     failures = result["remat_offload"]["failures"]
-    assert {"offload_names: no bytes in host memory (host temp 0)",
-            "offload_dots: no bytes in host memory (host temp 0)"} <= set(failures), failures
+    assert {
+        "offload_names: no bytes in host memory (host temp 0)",
+        "offload_dots: no bytes in host memory (host temp 0)",
+    } <= set(failures), failures
     cfg = gpt.GPTConfig(d_model=64, n_layers=2, n_heads=1, seq_len=32, vocab=256)
     for r in rows:
         assert r["tokens_per_s"] == pytest.approx(4 * 32 / r["step_s"])
@@ -160,8 +228,21 @@ def test_gpu_throughput_script_runs_on_cpu(tmp_path):
 
 @pytest.mark.slow
 def test_scaling_stage3_trains_a_larger_model_within_the_budget(tmp_path):
-    out = run_script("scaling.py", "--budget-mib", "6", "--d-model", "64", "--steps", "2", "--time-steps", "2",
-                     "--max-layers", "24", "--json", str(tmp_path / "scaling.json"))
+    out = run_script(
+        "scaling.py",
+        "--budget-mib",
+        "6",
+        "--d-model",
+        "64",
+        "--steps",
+        "2",
+        "--time-steps",
+        "2",
+        "--max-layers",
+        "24",
+        "--json",
+        str(tmp_path / "scaling.json"),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads((tmp_path / "scaling.json").read_text())
     budget, largest = res["budget_bytes"], [res["largest"][str(s)] for s in range(4)]
@@ -181,12 +262,26 @@ def test_scaling_stage3_trains_a_larger_model_within_the_budget(tmp_path):
 def test_fits_compiles_for_a_larger_mesh_than_the_tests_use():
     """16 simulated devices in a fresh process: the compiled state is the formula's, and the
     budget answer follows the compiled total."""
-    out = run_script("fits.py", "--model", "gpt-tiny", "--devices", "16", "--stages", "0,3", "--precision", "fp32",
-                     "--budget-gib", "0.01")
+    out = run_script(
+        "fits.py",
+        "--model",
+        "gpt-tiny",
+        "--devices",
+        "16",
+        "--stages",
+        "0,3",
+        "--precision",
+        "fp32",
+        "--budget-gib",
+        "0.01",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "N = 16 cpu devices" in out.stdout
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.stdout.splitlines()
-            if line.startswith("| 0 ") or line.startswith("| 3 ")]
+    rows = [
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in out.stdout.splitlines()
+        if line.startswith("| 0 ") or line.startswith("| 3 ")
+    ]
     assert len(rows) == 2
     mib = lambda cell: float(cell.split()[0].replace(",", "")) * (1024 if cell.endswith("GiB") else 1)
     for _, _, formula, state, _, total, fits in rows:
@@ -212,13 +307,22 @@ def test_stage_table_numbers(capsys):
     # Stage 3: 3Ψ less what backward does not re-gather (embedding, position table and
     # biases: their gradients do not read the parameter).
     _, params = gpt.init(gpt.GPTConfig(d_model=64, n_layers=2, n_heads=1))
-    unread = sum(x.size for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
-                 if any(k in jax.tree_util.keystr(path) for k in ("bias", "embedding", "wpe")))
+    unread = sum(
+        x.size
+        for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+        if any(k in jax.tree_util.keystr(path) for k in ("bias", "embedding", "wpe"))
+    )
     assert rows[3]["traffic"] == pytest.approx((3 * psi - unread) / psi, abs=1e-3)
-    kinds = {s: {k.split(":")[0] for k, v in rows[s]["report"].items() if k != "total" and v["bytes"] > 4e-3 * psi}
-             for s in rows}
-    assert kinds == {0: {"all-reduce"}, 1: {"reduce-scatter", "all-gather"}, 2: {"reduce-scatter", "all-gather"},
-                     3: {"reduce-scatter", "all-gather"}}
+    kinds = {
+        s: {k.split(":")[0] for k, v in rows[s]["report"].items() if k != "total" and v["bytes"] > 4e-3 * psi}
+        for s in rows
+    }
+    assert kinds == {
+        0: {"all-reduce"},
+        1: {"reduce-scatter", "all-gather"},
+        2: {"reduce-scatter", "all-gather"},
+        3: {"reduce-scatter", "all-gather"},
+    }
     assert rows[1]["temp"] - rows[2]["temp"] > 0.6 * 4 * psi
 
 
@@ -267,8 +371,10 @@ def test_prefetch_script_structure(capsys):
     once per direction, as with full remat."""
     from experiments import prefetch
 
-    rows = {(r["run"], r["remat"]): r for r in prefetch.main(["--d-model", "64", "--layers", "6", "--batch", "8",
-                                                               "--repeats", "1"])}
+    rows = {
+        (r["run"], r["remat"]): r
+        for r in prefetch.main(["--d-model", "64", "--layers", "6", "--batch", "8", "--repeats", "1"])
+    }
     for key in (("3, prefetch 1", "none"), ("3, prefetch 2", "none")):
         assert rows[key]["independent"] == rows[key]["pairs"] > 0
         assert rows[key]["gathers"] == rows[("3", "full")]["gathers"]
@@ -285,8 +391,15 @@ def test_offload_script_matches_the_formulas_and_the_run_without():
     psi, n = gpt.GPTConfig(vocab=256, seq_len=64, d_model=32, n_layers=1, n_heads=1).num_params(), 8
     for r in rows[:2]:  # offloaded rows: bytes as the formulas, training bit for bit
         for memory in ("device", "host"):
-            want = zj.report.zero_formula_bytes(psi, n, r["stage"], compute_dtype=r["dtype"], offload_optimizer=True,
-                                         offload_params=r["offload_params"], memory=memory)
+            want = zj.report.zero_formula_bytes(
+                psi,
+                n,
+                r["stage"],
+                compute_dtype=r["dtype"],
+                offload_optimizer=True,
+                offload_params=r["offload_params"],
+                memory=memory,
+            )
             assert want <= r[memory] <= 1.03 * want + 64
         assert r["max_abs_diff"] == 0.0 and r["max_loss_diff"] == 0.0
         assert r["place"] == "host" and r["step_device_total"] < r["plain_step_total"]
@@ -298,8 +411,9 @@ def test_int8_gathers_train_the_gpt_within_one_percent_of_bf16_gathers(tmp_path)
     """The issue's bar: 300 steps of the GPT with int8 weight gathers end within 1% of the
     loss with bf16 gathers; the traffic is a quarter of fp32's plus the scales."""
     out = tmp_path / "int8_gathers.json"
-    run = run_script("int8_gathers.py", "--steps", "300", "--d-model", "64", "--layers", "2", "--json", str(out),
-                     full_opt=True)
+    run = run_script(
+        "int8_gathers.py", "--steps", "300", "--d-model", "64", "--layers", "2", "--json", str(out), full_opt=True
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads(out.read_text())
     assert abs(res["relative"]) < 0.01
@@ -314,8 +428,20 @@ def test_int8_gradients_train_the_gpt_within_one_percent_of_fp32_gradients(tmp_p
     fp32 gradients, at stage 3 and at stage 2; the exchange moves at most 0.3x the bytes
     of the fp32 reduce-scatter (a quarter plus the scales) and bf16's is half of fp32's."""
     out = tmp_path / "zeropp.json"
-    run = run_script("zeropp.py", "--steps", "100", "--d-model", "64", "--layers", "2", "--weights", "bf16",
-                     "--json", str(out), full_opt=True)
+    run = run_script(
+        "zeropp.py",
+        "--steps",
+        "100",
+        "--d-model",
+        "64",
+        "--layers",
+        "2",
+        "--weights",
+        "bf16",
+        "--json",
+        str(out),
+        full_opt=True,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads(out.read_text())
     runs, rel = res["runs"], res["relative"]

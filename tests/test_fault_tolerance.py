@@ -41,10 +41,15 @@ def launcher(args, script):
     out = io.StringIO()
     cmd = [sys.executable, "-c", textwrap.dedent(script)]
     opts = dict(zip(args[::2], args[1::2]))
-    code = launch.launch(cmd, int(opts.pop("--nprocs")), out=out, grace_s=2.0,
-                         max_restarts=int(opts.pop("--max-restarts", 0)),
-                         restart_delay_s=float(opts.pop("--restart-delay", 5.0)),
-                         heartbeat_timeout_s=float(opts["--heartbeat-timeout"]) if "--heartbeat-timeout" in opts else None)
+    code = launch.launch(
+        cmd,
+        int(opts.pop("--nprocs")),
+        out=out,
+        grace_s=2.0,
+        max_restarts=int(opts.pop("--max-restarts", 0)),
+        restart_delay_s=float(opts.pop("--restart-delay", 5.0)),
+        heartbeat_timeout_s=float(opts["--heartbeat-timeout"]) if "--heartbeat-timeout" in opts else None,
+    )
     opts.pop("--heartbeat-timeout", None)
     assert not opts, opts
     return Launched(code, out.getvalue())
@@ -90,8 +95,11 @@ def test_a_stopped_process_is_caught_by_its_heartbeat(tmp_path):
     start = time.monotonic()
     out = launcher(["--nprocs", "2", "--heartbeat-timeout", "1.5"], script)
     assert out.returncode == 1, out.stdout
-    assert re.search(r"process 1 \(pid \d+\) stopped answering: no heartbeat for 1\.\d+s "
-                     r"\(--heartbeat-timeout 1\.5\)", out.stdout), out.stdout
+    assert re.search(
+        r"process 1 \(pid \d+\) stopped answering: no heartbeat for 1\.\d+s "
+        r"\(--heartbeat-timeout 1\.5\)",
+        out.stdout,
+    ), out.stdout
     assert time.monotonic() - start < 20
 
 
@@ -112,8 +120,19 @@ def test_a_preempted_job_is_restarted_and_a_sigterm_to_the_launcher_is_passed_on
         open("{marker}." + os.environ["ZEROJAX_PROCESS_ID"], "w").close()
         time.sleep(60)
     """
-    cmd = [sys.executable, "-m", "zerojax.launch", "--nprocs", "2", "--max-restarts", "3", "--", sys.executable,
-           "-c", textwrap.dedent(script)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "zerojax.launch",
+        "--nprocs",
+        "2",
+        "--max-restarts",
+        "3",
+        "--",
+        sys.executable,
+        "-c",
+        textwrap.dedent(script),
+    ]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     deadline = time.monotonic() + 30
     while not all(os.path.exists(f"{marker}.{r}") for r in (0, 1)) and time.monotonic() < deadline:
@@ -125,9 +144,11 @@ def test_a_preempted_job_is_restarted_and_a_sigterm_to_the_launcher_is_passed_on
 
 
 def test_launcher_options_are_checked(capsys):
-    for args, match in [(["--max-restarts", "-1"], "--max-restarts must be an int >= 0"),
-                        (["--heartbeat-timeout", "0"], "--heartbeat-timeout must be > 0"),
-                        (["--restart-delay", "-2"], "--restart-delay must be >= 0")]:
+    for args, match in [
+        (["--max-restarts", "-1"], "--max-restarts must be an int >= 0"),
+        (["--heartbeat-timeout", "0"], "--heartbeat-timeout must be > 0"),
+        (["--restart-delay", "-2"], "--restart-delay must be >= 0"),
+    ]:
         with pytest.raises(SystemExit) as e:
             launch.main(["--nprocs", "1", *args, "--", "true"])
         assert e.value.code == 2 and match in capsys.readouterr().err
@@ -139,9 +160,27 @@ STEPS, SAVE_EVERY = 15, 3
 
 
 def job(out, args, nprocs=4, timeout=400, watch=None):
-    cmd = [sys.executable, "-m", "zerojax.launch", "--nprocs", str(nprocs), "--devices-per-proc", "1", *args, "--",
-           sys.executable, str(WORKER), "--dir", str(out / "ck"), "--out", str(out / "out"), "--steps", str(STEPS),
-           "--save-every", str(SAVE_EVERY)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "zerojax.launch",
+        "--nprocs",
+        str(nprocs),
+        "--devices-per-proc",
+        "1",
+        *args,
+        "--",
+        sys.executable,
+        str(WORKER),
+        "--dir",
+        str(out / "ck"),
+        "--out",
+        str(out / "out"),
+        "--steps",
+        str(STEPS),
+        "--save-every",
+        str(SAVE_EVERY),
+    ]
     start = time.monotonic()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     timer = threading.Timer(timeout, p.kill)
@@ -210,9 +249,23 @@ class Chaos:
 def test_chaos_ends_bit_identical_to_an_uninterrupted_run(tmp_path, uninterrupted):
     faults = ["SIGKILL in a save", "SIGKILL", "SIGSTOP", "SIGTERM", "SIGKILL"]
     chaos = Chaos(seed=48, faults=np.random.default_rng(48).permutation(faults).tolist())
-    code, log, seconds = job(tmp_path, ["--max-restarts", str(len(faults)), "--restart-delay", "0.5",
-                                        "--heartbeat-timeout", "5", "--preempt-grace", "60", "--timeout", "600"],
-                             timeout=650, watch=chaos)
+    code, log, seconds = job(
+        tmp_path,
+        [
+            "--max-restarts",
+            str(len(faults)),
+            "--restart-delay",
+            "0.5",
+            "--heartbeat-timeout",
+            "5",
+            "--preempt-grace",
+            "60",
+            "--timeout",
+            "600",
+        ],
+        timeout=650,
+        watch=chaos,
+    )
     assert code == 0, log[-6000:]
     assert len(chaos.fired) == len(faults), (chaos.fired, log[-4000:])
     restarts = re.findall(r"zerojax.launch: restart \d+/\d+", log)
@@ -233,15 +286,18 @@ def test_chaos_ends_bit_identical_to_an_uninterrupted_run(tmp_path, uninterrupte
     cfg = gpt.GPTConfig(vocab=256, seq_len=16, d_model=32, n_layers=2, n_heads=2, dropout=0.1)
     params = gpt.init_abstract(cfg)[1]
     mesh = zj.make_mesh(jax.devices()[:4])
-    target = zj.abstract_state(params, optax.adamw(1e-2), mesh=mesh, config=zj.ZeroConfig(stage=3),
-                               rng=jax.random.key(7))
+    target = zj.abstract_state(
+        params, optax.adamw(1e-2), mesh=mesh, config=zj.ZeroConfig(stage=3), rng=jax.random.key(7)
+    )
     for s in steps:
         state = zj.restore_checkpoint(tmp_path / "ck", target, step=s)
         assert int(state.step) == s and zj.checkpoint.checkpoint_extra(tmp_path / "ck", s)["step"] == s
-    print(f"\nchaos: faults (kind, rank, steps done, delay s) {chaos.fired}; starts at steps {chaos.resumes}; "
-          f"restarts {len(restarts)}; steps run {len(ran)} for {STEPS} "
-          f"({len(ran) - STEPS} repeated); {seconds:.0f}s against {ref_seconds:.0f}s uninterrupted "
-          f"({seconds - ref_seconds:.0f}s lost)")
+    print(
+        f"\nchaos: faults (kind, rank, steps done, delay s) {chaos.fired}; starts at steps {chaos.resumes}; "
+        f"restarts {len(restarts)}; steps run {len(ran)} for {STEPS} "
+        f"({len(ran) - STEPS} repeated); {seconds:.0f}s against {ref_seconds:.0f}s uninterrupted "
+        f"({seconds - ref_seconds:.0f}s lost)"
+    )
 
 
 @pytest.mark.slow  # reason: three starts of a multi-process job (about a minute on 2 cores)
@@ -250,9 +306,32 @@ def test_elastic_four_processes_then_two(tmp_path):
     # SGD: AdamW would scale the rounding noise of the attention key bias's gradient (zero in
     # exact arithmetic) up to steps of the learning rate's size, on any change of device count.
     def run(nprocs, steps, out):
-        cmd = [sys.executable, "-m", "zerojax.launch", "--nprocs", str(nprocs), "--devices-per-proc", "1",
-               "--timeout", "300", "--", sys.executable, str(WORKER), "--dir", str(out / "ck"), "--out",
-               str(out / "out"), "--steps", str(steps), "--save-every", "3", "--dropout", "0", "--optimizer", "sgd"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "zerojax.launch",
+            "--nprocs",
+            str(nprocs),
+            "--devices-per-proc",
+            "1",
+            "--timeout",
+            "300",
+            "--",
+            sys.executable,
+            str(WORKER),
+            "--dir",
+            str(out / "ck"),
+            "--out",
+            str(out / "out"),
+            "--steps",
+            str(steps),
+            "--save-every",
+            "3",
+            "--dropout",
+            "0",
+            "--optimizer",
+            "sgd",
+        ]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=330, cwd=ROOT)
         assert p.returncode == 0, p.stdout[-4000:]
         return p.stdout
@@ -265,4 +344,6 @@ def test_elastic_four_processes_then_two(tmp_path):
     got, ref = final_params(tmp_path / "run"), final_params(tmp_path / "ref")
     for a, b in zip(got, ref):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    print(f"\nelastic 4 -> 2 processes: largest parameter difference {max(np.abs(a - b).max() for a, b in zip(got, ref)):.1e}")
+    print(
+        f"\nelastic 4 -> 2 processes: largest parameter difference {max(np.abs(a - b).max() for a, b in zip(got, ref)):.1e}"
+    )

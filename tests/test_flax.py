@@ -36,8 +36,9 @@ def test_nnx_scan_model(stage):
     # Back into a model: the tree is the one nnx.split gave, and the model computes what
     # the reference model computes.
     x = models.batch(16, 9)["x"]
-    np.testing.assert_allclose(np.asarray(nnx.merge(graphdef, got)(x)), np.asarray(nnx.merge(graphdef, ref)(x)),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(nnx.merge(graphdef, got)(x)), np.asarray(nnx.merge(graphdef, ref)(x)), rtol=1e-5, atol=1e-5
+    )
     assert not np.allclose(np.asarray(nnx.merge(graphdef, got)(x)), np.asarray(nnx.merge(graphdef, params)(x)))
 
 
@@ -90,8 +91,13 @@ def test_gpt_param_count_formula():
 
 @pytest.mark.slow
 def test_demo_runs_and_loss_falls():
-    out = subprocess.run([sys.executable, str(ROOT / "experiments" / "demo.py"), "--steps", "30"],
-                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "demo.py"), "--steps", "30"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "12Ψ/N" in out.stdout
     first, last = [float(x) for x in out.stdout.split("loss ")[-1].split(" (")[0].split(" -> ")]

@@ -31,12 +31,14 @@ def _no_batched_gather(fn, *args):
             for sub in jax.extend.core.jaxprs_in_params(e.params):
                 yield from eqns(getattr(sub, "jaxpr", sub))
 
-    return not any(jax_compat.is_gather(e) and jax_compat.has_batching_dims(e)
-                   for e in eqns(jax.make_jaxpr(fn)(*args).jaxpr))
+    return not any(
+        jax_compat.is_gather(e) and jax_compat.has_batching_dims(e) for e in eqns(jax.make_jaxpr(fn)(*args).jaxpr)
+    )
 
 
-@pytest.mark.parametrize("case", ["cross-entropy", "middle axis", "several per row", "out of range fill",
-                                  "out of range clip"])
+@pytest.mark.parametrize(
+    "case", ["cross-entropy", "middle axis", "several per row", "out of range fill", "out of range clip"]
+)
 def test_take_along_axis_is_rewritten_exactly(case):
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(size=(2, 6, 10)), jnp.float32)
@@ -57,8 +59,7 @@ def test_take_along_axis_is_rewritten_exactly(case):
     assert _no_batched_gather(ours, logits, targets) and not _no_batched_gather(fn, logits, targets)
     np.testing.assert_array_equal(np.asarray(jax.jit(ours)(logits, targets)), np.asarray(fn(logits, targets)))
     if np.ndim(fn(logits, targets)) == 0:
-        np.testing.assert_allclose(jax.grad(ours)(logits, targets), jax.grad(fn)(logits, targets), rtol=1e-6,
-                                   atol=1e-7)
+        np.testing.assert_allclose(jax.grad(ours)(logits, targets), jax.grad(fn)(logits, targets), rtol=1e-6, atol=1e-7)
 
 
 def test_keywords_and_trees_pass_through():
@@ -71,11 +72,20 @@ def test_keywords_and_trees_pass_through():
 def test_another_batched_gather_is_refused_with_its_line():
     """A batched gather of another form (here a window of two along the picked axis) would
     abort the process on such a mesh: refused, naming the line."""
+
     def fn(x, i):
-        dn = jax.lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(), start_index_map=(1,),
-                                            operand_batching_dims=(0,), start_indices_batching_dims=(0,))
+        dn = jax.lax.GatherDimensionNumbers(
+            offset_dims=(1,),
+            collapsed_slice_dims=(),
+            start_index_map=(1,),
+            operand_batching_dims=(0,),
+            start_indices_batching_dims=(0,),
+        )
         return jax.lax.gather(x, i, dn, slice_sizes=(1, 2), mode="clip").sum()
 
-    with pytest.raises(ValueError, match=r"gathers with batching dimensions at .*test_gathers.py:\d+ .* Index with "
-                                         r"jnp.take_along_axis"):
+    with pytest.raises(
+        ValueError,
+        match=r"gathers with batching dimensions at .*test_gathers.py:\d+ .* Index with "
+        r"jnp.take_along_axis",
+    ):
         _rewritten(fn)(jnp.ones((3, 5)), jnp.zeros((3, 1), jnp.int32))

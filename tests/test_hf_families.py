@@ -29,14 +29,31 @@ FEATURES = {
     "llama_bias": lambda c: c.qkv_bias and c.o_bias and c.mlp_bias and c.hd != c.d_model // c.n_heads,
     "llama_linear": lambda c: c.rope_scaling.kind == "linear",
     "mistral_window": lambda c: c.sliding_window == 5 and c.window_layers is None and c.kv_heads == 1,
-    "qwen2_window": lambda c: (c.window_layers == (False, True) and c.rope_scaling.kind == "yarn" and c.qkv_bias
-                               and not c.o_bias and c.tie_embeddings),
+    "qwen2_window": lambda c: (
+        c.window_layers == (False, True)
+        and c.rope_scaling.kind == "yarn"
+        and c.qkv_bias
+        and not c.o_bias
+        and c.tie_embeddings
+    ),
     "qwen3": lambda c: c.qk_norm and c.tie_embeddings and c.hd == 12,
-    "qwen3_moe": lambda c: (c.n_experts == 4 and c.top_k == 2 and c.moe_d_ff == 8 and c.norm_topk_prob and c.qk_norm
-                            and c.router_aux_loss_coef == 0.0),
+    "qwen3_moe": lambda c: (
+        c.n_experts == 4
+        and c.top_k == 2
+        and c.moe_d_ff == 8
+        and c.norm_topk_prob
+        and c.qk_norm
+        and c.router_aux_loss_coef == 0.0
+    ),
     "mixtral": lambda c: c.n_experts == 4 and c.top_k == 2 and c.expert_d_ff == 8 and c.norm_topk_prob,
-    "qwen2_moe": lambda c: (c.n_experts == 4 and c.shared_d_ff == 12 and c.shared_gate and not c.norm_topk_prob
-                            and c.qkv_bias and not c.o_bias),
+    "qwen2_moe": lambda c: (
+        c.n_experts == 4
+        and c.shared_d_ff == 12
+        and c.shared_gate
+        and not c.norm_topk_prob
+        and c.qkv_bias
+        and not c.o_bias
+    ),
 }
 
 
@@ -49,8 +66,9 @@ def test_every_family_and_feature_has_a_fixture():
 
 def _logits(cfg, params, tokens, mask=None):
     graphdef = llama.init_abstract(cfg)[0]
-    return np.asarray(nnx.merge(graphdef, params)(jnp.asarray(tokens), mask=None if mask is None else
-                                                   jnp.asarray(mask, bool)))
+    return np.asarray(
+        nnx.merge(graphdef, params)(jnp.asarray(tokens), mask=None if mask is None else jnp.asarray(mask, bool))
+    )
 
 
 def _batches(cfg, n, seed=0):
@@ -61,8 +79,9 @@ def _batches(cfg, n, seed=0):
 def _loaded(name):
     cfg, wmap = zj.models.from_hf(FIXTURES / name)
     tx, mesh, zc = optax.sgd(0.1), zj.make_mesh(), zj.ZeroConfig(stage=3)
-    state = zj.init_state(llama.init_abstract(cfg)[1], tx, mesh=mesh, config=zc,
-                          weights=zj.Weights(FIXTURES / name, wmap))
+    state = zj.init_state(
+        llama.init_abstract(cfg)[1], tx, mesh=mesh, config=zc, weights=zj.Weights(FIXTURES / name, wmap)
+    )
     return cfg, wmap, state, (tx, mesh, zc)
 
 
@@ -81,9 +100,15 @@ def test_each_checkpoint_loads_at_stage_3_with_transformers_logits(name):
 # A train step compiled per fixture (10-15 s each): the two that combine the most features
 # run in the default set; the slow set adds the fixtures whose tensors export differently
 # (every bias, a tied head). The RoPE variants and the window change no tensor: loaded above.
-EXPORTS = [pytest.param("llama_bias", marks=pytest.mark.slow), pytest.param("llama32_tied", marks=pytest.mark.slow),
-           pytest.param("mixtral", marks=pytest.mark.slow), pytest.param("qwen2_moe", marks=pytest.mark.slow),
-           "qwen2_window", "qwen3", "qwen3_moe"]
+EXPORTS = [
+    pytest.param("llama_bias", marks=pytest.mark.slow),
+    pytest.param("llama32_tied", marks=pytest.mark.slow),
+    pytest.param("mixtral", marks=pytest.mark.slow),
+    pytest.param("qwen2_moe", marks=pytest.mark.slow),
+    "qwen2_window",
+    "qwen3",
+    "qwen3_moe",
+]
 
 
 @pytest.mark.parametrize("name", EXPORTS)
@@ -152,8 +177,14 @@ def test_the_math_is_transformers_in_float64():
     against transformers' own code run in float64 (every float32 upcast of its RMSNorm,
     RoPE and softmax made float64: see make_hf_fixtures.py), to 1e-9."""
     env = {**os.environ, "JAX_ENABLE_X64": "1", "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
-    r = subprocess.run([sys.executable, "-c", X64_SCRIPT, str(FIXTURES), *NAMES], capture_output=True, text=True,
-                       env=env, cwd=ROOT, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", X64_SCRIPT, str(FIXTURES), *NAMES],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     errors = json.loads(r.stdout.strip().splitlines()[-1])
     assert sorted(errors) == NAMES
@@ -183,80 +214,222 @@ def test_a_tied_embedding_gets_the_gradient_of_both_uses():
 # The config.json of checkpoints people fine-tune, as their authors published them (the
 # fields that matter here, with their values; transcribed from the model repositories).
 PUBLISHED = {
-    "Llama-3.1-8B": ({"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-                      "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
-                      "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
-                      "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
-                      "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
-                      "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                       "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-                      "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-                      "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256},
-                     dict(n_kv_heads=8, hd=128, tie_embeddings=False, rope_theta=500000.0, kind="llama3",
-                          factor=8.0, window=(0,) * 32)),
-    "Llama-3.2-1B": ({"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-                      "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu",
-                      "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192,
-                      "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
-                      "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
-                      "pretraining_tp": 1, "rms_norm_eps": 1e-05,
-                      "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                                       "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-                      "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
-                      "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 128256},
-                     dict(n_kv_heads=8, hd=64, tie_embeddings=True, rope_theta=500000.0, kind="llama3", factor=32.0,
-                          window=(0,) * 16)),
-    "Mistral-7B-v0.1": ({"architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
-                         "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
-                         "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mistral",
-                         "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
-                         "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096,
-                         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.34.0.dev0",
-                         "use_cache": True, "vocab_size": 32000},
-                        dict(n_kv_heads=8, hd=128, tie_embeddings=False, rope_theta=10000.0, kind=None,
-                             window=(4096,) * 32)),
-    "Mistral-7B-Instruct-v0.3": ({"architectures": ["MistralForCausalLM"], "attention_dropout": 0.0,
-                                  "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096,
-                                  "initializer_range": 0.02, "intermediate_size": 14336,
-                                  "max_position_embeddings": 32768, "model_type": "mistral",
-                                  "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
-                                  "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": None,
-                                  "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-                                  "transformers_version": "4.42.0.dev0", "use_cache": True, "vocab_size": 32768},
-                                 dict(n_kv_heads=8, hd=128, tie_embeddings=False, rope_theta=1e6, kind=None,
-                                      window=(0,) * 32)),
-    "Qwen2.5-0.5B": ({"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
-                      "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02,
-                      "intermediate_size": 4864, "max_position_embeddings": 32768, "max_window_layers": 24,
-                      "model_type": "qwen2", "num_attention_heads": 14, "num_hidden_layers": 24,
-                      "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
-                      "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
-                      "transformers_version": "4.40.1", "use_cache": True, "use_mrope": False,
-                      "use_sliding_window": False, "vocab_size": 151936},
-                     dict(n_kv_heads=2, hd=64, tie_embeddings=True, rope_theta=1e6, kind=None, window=(0,) * 24)),
+    "Llama-3.1-8B": (
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": 128000,
+            "eos_token_id": 128001,
+            "hidden_act": "silu",
+            "hidden_size": 4096,
+            "initializer_range": 0.02,
+            "intermediate_size": 14336,
+            "max_position_embeddings": 131072,
+            "mlp_bias": False,
+            "model_type": "llama",
+            "num_attention_heads": 32,
+            "num_hidden_layers": 32,
+            "num_key_value_heads": 8,
+            "pretraining_tp": 1,
+            "rms_norm_eps": 1e-05,
+            "rope_scaling": {
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+                "rope_type": "llama3",
+            },
+            "rope_theta": 500000.0,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "transformers_version": "4.43.0.dev0",
+            "use_cache": True,
+            "vocab_size": 128256,
+        },
+        dict(
+            n_kv_heads=8, hd=128, tie_embeddings=False, rope_theta=500000.0, kind="llama3", factor=8.0, window=(0,) * 32
+        ),
+    ),
+    "Llama-3.2-1B": (
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": 128000,
+            "eos_token_id": 128001,
+            "head_dim": 64,
+            "hidden_act": "silu",
+            "hidden_size": 2048,
+            "initializer_range": 0.02,
+            "intermediate_size": 8192,
+            "max_position_embeddings": 131072,
+            "mlp_bias": False,
+            "model_type": "llama",
+            "num_attention_heads": 32,
+            "num_hidden_layers": 16,
+            "num_key_value_heads": 8,
+            "pretraining_tp": 1,
+            "rms_norm_eps": 1e-05,
+            "rope_scaling": {
+                "factor": 32.0,
+                "high_freq_factor": 4.0,
+                "low_freq_factor": 1.0,
+                "original_max_position_embeddings": 8192,
+                "rope_type": "llama3",
+            },
+            "rope_theta": 500000.0,
+            "tie_word_embeddings": True,
+            "torch_dtype": "bfloat16",
+            "transformers_version": "4.45.0.dev0",
+            "use_cache": True,
+            "vocab_size": 128256,
+        },
+        dict(
+            n_kv_heads=8, hd=64, tie_embeddings=True, rope_theta=500000.0, kind="llama3", factor=32.0, window=(0,) * 16
+        ),
+    ),
+    "Mistral-7B-v0.1": (
+        {
+            "architectures": ["MistralForCausalLM"],
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "hidden_act": "silu",
+            "hidden_size": 4096,
+            "initializer_range": 0.02,
+            "intermediate_size": 14336,
+            "max_position_embeddings": 32768,
+            "model_type": "mistral",
+            "num_attention_heads": 32,
+            "num_hidden_layers": 32,
+            "num_key_value_heads": 8,
+            "rms_norm_eps": 1e-05,
+            "rope_theta": 10000.0,
+            "sliding_window": 4096,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "transformers_version": "4.34.0.dev0",
+            "use_cache": True,
+            "vocab_size": 32000,
+        },
+        dict(n_kv_heads=8, hd=128, tie_embeddings=False, rope_theta=10000.0, kind=None, window=(4096,) * 32),
+    ),
+    "Mistral-7B-Instruct-v0.3": (
+        {
+            "architectures": ["MistralForCausalLM"],
+            "attention_dropout": 0.0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "hidden_act": "silu",
+            "hidden_size": 4096,
+            "initializer_range": 0.02,
+            "intermediate_size": 14336,
+            "max_position_embeddings": 32768,
+            "model_type": "mistral",
+            "num_attention_heads": 32,
+            "num_hidden_layers": 32,
+            "num_key_value_heads": 8,
+            "rms_norm_eps": 1e-05,
+            "rope_theta": 1000000.0,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "transformers_version": "4.42.0.dev0",
+            "use_cache": True,
+            "vocab_size": 32768,
+        },
+        dict(n_kv_heads=8, hd=128, tie_embeddings=False, rope_theta=1e6, kind=None, window=(0,) * 32),
+    ),
+    "Qwen2.5-0.5B": (
+        {
+            "architectures": ["Qwen2ForCausalLM"],
+            "attention_dropout": 0.0,
+            "bos_token_id": 151643,
+            "eos_token_id": 151643,
+            "hidden_act": "silu",
+            "hidden_size": 896,
+            "initializer_range": 0.02,
+            "intermediate_size": 4864,
+            "max_position_embeddings": 32768,
+            "max_window_layers": 24,
+            "model_type": "qwen2",
+            "num_attention_heads": 14,
+            "num_hidden_layers": 24,
+            "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-06,
+            "rope_theta": 1000000.0,
+            "sliding_window": 32768,
+            "tie_word_embeddings": True,
+            "torch_dtype": "bfloat16",
+            "transformers_version": "4.40.1",
+            "use_cache": True,
+            "use_mrope": False,
+            "use_sliding_window": False,
+            "vocab_size": 151936,
+        },
+        dict(n_kv_heads=2, hd=64, tie_embeddings=True, rope_theta=1e6, kind=None, window=(0,) * 24),
+    ),
     # Qwen2.5's model card: add this rope_scaling for contexts past 32,768 tokens.
-    "Qwen2.5-7B-Instruct+yarn": ({"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0,
-                                  "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu",
-                                  "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944,
-                                  "max_position_embeddings": 32768, "max_window_layers": 28, "model_type": "qwen2",
-                                  "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
-                                  "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 131072,
-                                  "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-                                  "transformers_version": "4.43.1", "use_cache": True, "use_sliding_window": False,
-                                  "vocab_size": 152064,
-                                  "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768,
-                                                   "type": "yarn"}},
-                                 dict(n_kv_heads=4, hd=128, tie_embeddings=False, rope_theta=1e6, kind="yarn",
-                                      factor=4.0, window=(0,) * 28)),
-    "Qwen3-0.6B": ({"architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-                    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
-                    "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3072,
-                    "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
-                    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
-                    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
-                    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
-                    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936},
-                   dict(n_kv_heads=8, hd=128, tie_embeddings=True, rope_theta=1e6, kind=None, window=(0,) * 28)),
+    "Qwen2.5-7B-Instruct+yarn": (
+        {
+            "architectures": ["Qwen2ForCausalLM"],
+            "attention_dropout": 0.0,
+            "bos_token_id": 151643,
+            "eos_token_id": 151645,
+            "hidden_act": "silu",
+            "hidden_size": 3584,
+            "initializer_range": 0.02,
+            "intermediate_size": 18944,
+            "max_position_embeddings": 32768,
+            "max_window_layers": 28,
+            "model_type": "qwen2",
+            "num_attention_heads": 28,
+            "num_hidden_layers": 28,
+            "num_key_value_heads": 4,
+            "rms_norm_eps": 1e-06,
+            "rope_theta": 1000000.0,
+            "sliding_window": 131072,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "transformers_version": "4.43.1",
+            "use_cache": True,
+            "use_sliding_window": False,
+            "vocab_size": 152064,
+            "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"},
+        },
+        dict(n_kv_heads=4, hd=128, tie_embeddings=False, rope_theta=1e6, kind="yarn", factor=4.0, window=(0,) * 28),
+    ),
+    "Qwen3-0.6B": (
+        {
+            "architectures": ["Qwen3ForCausalLM"],
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": 151643,
+            "eos_token_id": 151645,
+            "head_dim": 128,
+            "hidden_act": "silu",
+            "hidden_size": 1024,
+            "initializer_range": 0.02,
+            "intermediate_size": 3072,
+            "max_position_embeddings": 40960,
+            "max_window_layers": 28,
+            "model_type": "qwen3",
+            "num_attention_heads": 16,
+            "num_hidden_layers": 28,
+            "num_key_value_heads": 8,
+            "rms_norm_eps": 1e-06,
+            "rope_scaling": None,
+            "rope_theta": 1000000,
+            "sliding_window": None,
+            "tie_word_embeddings": True,
+            "torch_dtype": "bfloat16",
+            "transformers_version": "4.51.0",
+            "use_cache": True,
+            "use_sliding_window": False,
+            "vocab_size": 151936,
+        },
+        dict(n_kv_heads=8, hd=128, tie_embeddings=True, rope_theta=1e6, kind=None, window=(0,) * 28),
+    ),
 }
 
 
@@ -288,28 +461,50 @@ def test_the_llama3_frequencies_are_the_published_formula():
     assert band.any() and np.all(scaled[band] < base[band]) and np.all(scaled[band] > base[band] / 8)
 
 
-BASE = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
-        "num_hidden_layers": 2, "num_attention_heads": 4}
+BASE = {
+    "model_type": "llama",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+}
 
 
-@pytest.mark.parametrize("extra,needle", [
-    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "rope_type = 'dynamic'"),
-    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}}, "'longrope'"),
-    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192, "smooth": 2}},
-     "smooth = 2"),
-    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor = 0.5"),
-    ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.25}}, "partial_rotary_factor = 0.25"),
-    ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act = 'gelu_pytorch_tanh'"),
-    ({"attention_dropout": 0.1}, "attention_dropout = 0.1"),
-    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping = 30.0"),
-    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping = 50.0"),
-    ({"sliding_window": 4096}, "sliding_window = 4096"),  # a Llama has no window: transformers ignores it
-    ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
-    ({"use_mrope": True}, "use_mrope = True"),
-    ({"rope_parameters": {"full_attention": {"rope_theta": 1e4}, "sliding_attention": {"rope_theta": 1e4}}},
-     "per layer type"),
-])
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "rope_type = 'dynamic'"),
+        ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}}, "'longrope'"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "rope_theta": 5e5,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192,
+                    "smooth": 2,
+                }
+            },
+            "smooth = 2",
+        ),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor = 0.5"),
+        ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.25}}, "partial_rotary_factor = 0.25"),
+        ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act = 'gelu_pytorch_tanh'"),
+        ({"attention_dropout": 0.1}, "attention_dropout = 0.1"),
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping = 30.0"),
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping = 50.0"),
+        ({"sliding_window": 4096}, "sliding_window = 4096"),  # a Llama has no window: transformers ignores it
+        ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
+        ({"use_mrope": True}, "use_mrope = True"),
+        (
+            {"rope_parameters": {"full_attention": {"rope_theta": 1e4}, "sliding_attention": {"rope_theta": 1e4}}},
+            "per layer type",
+        ),
+    ],
+)
 def test_a_field_that_changes_the_math_is_refused_by_name(extra, needle):
     with pytest.raises(ValueError) as e:
         zj.models.config_from_hf({**BASE, **extra})
@@ -322,8 +517,9 @@ def test_other_refusals_name_the_value_and_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"lacks \['intermediate_size'\]"):
         zj.models.config_from_hf({k: v for k, v in BASE.items() if k != "intermediate_size"})
     with pytest.raises(ValueError, match="layer_types has sliding_attention layers but no sliding_window"):
-        zj.models.config_from_hf({**BASE, "model_type": "qwen2", "layer_types": ["full_attention",
-                                                                                  "sliding_attention"]})
+        zj.models.config_from_hf(
+            {**BASE, "model_type": "qwen2", "layer_types": ["full_attention", "sliding_attention"]}
+        )
     with pytest.raises(ValueError, match="must list 2 of"):
         zj.models.config_from_hf({**BASE, "model_type": "qwen3", "layer_types": ["full_attention"]})
     # A field zerojax does not know, which the user says is inert, is accepted.
@@ -343,12 +539,17 @@ def test_transformers_defaults_fill_what_a_file_leaves_out():
     """A Mistral config without sliding_window gets transformers' 4096; a Qwen3 one without
     head_dim gets 128 (not hidden / heads); a Qwen2 one windows the layers from
     max_window_layers on only when use_sliding_window."""
-    mistral = zj.models.config_from_hf({**BASE, "model_type": "mistral", "num_attention_heads": 16,
-                                        "hidden_size": 64})
+    mistral = zj.models.config_from_hf({**BASE, "model_type": "mistral", "num_attention_heads": 16, "hidden_size": 64})
     assert mistral.kv_heads == 8 and mistral.layer_windows() == (4096, 4096)
     assert zj.models.config_from_hf({**BASE, "model_type": "qwen3", "num_key_value_heads": 2}).hd == 128
-    qwen2 = {**BASE, "model_type": "qwen2", "num_key_value_heads": 2, "num_hidden_layers": 3, "sliding_window": 7,
-             "max_window_layers": 1}
+    qwen2 = {
+        **BASE,
+        "model_type": "qwen2",
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 3,
+        "sliding_window": 7,
+        "max_window_layers": 1,
+    }
     assert zj.models.config_from_hf(qwen2).layer_windows() == (0, 0, 0)
     assert zj.models.config_from_hf({**qwen2, "use_sliding_window": True}).layer_windows() == (0, 7, 7)
 
@@ -395,8 +596,9 @@ def test_the_export_command_takes_the_family_map_or_the_source_config(tmp_path, 
     got = {}
     for how, extra in (("config", []), ("family", ["--map", "qwen3"])):
         out = tmp_path / how
-        rc = cli.main(["export", str(tmp_path / "ck"), str(out), "--layout", "hf", "--hf-config",
-                       str(FIXTURES / "qwen3"), *extra])
+        rc = cli.main(
+            ["export", str(tmp_path / "ck"), str(out), "--layout", "hf", "--hf-config", str(FIXTURES / "qwen3"), *extra]
+        )
         assert rc == 0, capsys.readouterr().err
         got[how] = load_file(str(out / "model.safetensors"))
         assert set(got[how]) == set(source)

@@ -25,8 +25,9 @@ REF = np.load(FIXTURE / "reference.npz")
 def _logits(cfg, params, tokens, mask=None, positions=None):
     graphdef = llama.init_abstract(cfg)[0]
     model = nnx.merge(graphdef, params)
-    return np.asarray(model(jnp.asarray(tokens), positions=positions,
-                            mask=None if mask is None else jnp.asarray(mask, bool)))
+    return np.asarray(
+        model(jnp.asarray(tokens), positions=positions, mask=None if mask is None else jnp.asarray(mask, bool))
+    )
 
 
 def _batches(cfg, n, seed=0):
@@ -38,8 +39,13 @@ def _batches(cfg, n, seed=0):
 def _loaded(stage: int):
     cfg = llama.config_from_hf(str(FIXTURE))
     abstract = llama.init_abstract(cfg)[1]
-    state = zj.init_state(abstract, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=stage),
-                          weights=zj.Weights(FIXTURE, zj.maps.llama_map()))
+    state = zj.init_state(
+        abstract,
+        optax.sgd(0.1),
+        mesh=zj.make_mesh(),
+        config=zj.ZeroConfig(stage=stage),
+        weights=zj.Weights(FIXTURE, zj.maps.llama_map()),
+    )
     return cfg, state
 
 
@@ -49,8 +55,9 @@ def test_the_transformers_checkpoint_loads_into_stage_3_and_gives_its_logits():
     for mask, key in ((None, "logits_nomask"), (REF["mask"], "logits")):
         err = np.abs(_logits(cfg, params, REF["tokens"], mask) - REF[key]).max()
         assert err <= 1e-5, (key, err)
-    err = np.abs(_logits(cfg, params, REF["tokens"], REF["mask"], jnp.asarray(REF["positions"]))
-                 - REF["logits_positions"]).max()
+    err = np.abs(
+        _logits(cfg, params, REF["tokens"], REF["mask"], jnp.asarray(REF["positions"])) - REF["logits_positions"]
+    ).max()
     assert err <= 1e-5
     # The same weights read with load_weights into the model's abstract tree.
     direct = zj.load_weights(zj.Weights(FIXTURE, zj.maps.llama_map()), like=llama.init_abstract(cfg)[1])
@@ -72,8 +79,14 @@ def test_lora_finetune_at_stage_3_exports_merged_and_as_adapters(tmp_path):
     # the adapters are an error, not silently left at their initial values.
     with pytest.raises(ValueError, match=r"missing from the checkpoint \(42\): base_model\.model\..*lora_A"):
         zj.init_state(init_fn, tx, mesh=mesh, config=zc, trainable=llama.is_lora, weights=zj.Weights(FIXTURE, wmap))
-    state = zj.init_state(init_fn, tx, mesh=mesh, config=zc, trainable=llama.is_lora,
-                          weights=zj.Weights(FIXTURE, wmap, optional=("*.lora.*",)))
+    state = zj.init_state(
+        init_fn,
+        tx,
+        mesh=mesh,
+        config=zc,
+        trainable=llama.is_lora,
+        weights=zj.Weights(FIXTURE, wmap, optional=("*.lora.*",)),
+    )
     step = zj.make_train_step(llama.make_loss(graphdef), tx, mesh=mesh, config=zc)
     losses = []
     for batch in _batches(cfg, 1) * 10:  # one batch, learnt
@@ -85,8 +98,9 @@ def test_lora_finetune_at_stage_3_exports_merged_and_as_adapters(tmp_path):
 
     zj.export_weights(state, tmp_path / "merged", map=wmap, layout="hf", max_shard_size="40KB")
     index = json.loads((tmp_path / "merged" / "model.safetensors.index.json").read_text())
-    assert set(index["weight_map"]) == set(json.loads((FIXTURE / "model.safetensors.index.json").read_text())[
-        "weight_map"])  # the transformers checkpoint's tensors, no adapter among them
+    assert set(index["weight_map"]) == set(
+        json.loads((FIXTURE / "model.safetensors.index.json").read_text())["weight_map"]
+    )  # the transformers checkpoint's tensors, no adapter among them
     plain = llama.config_from_hf(str(FIXTURE))
     merged = zj.load_weights(zj.Weights(tmp_path / "merged", wmap), like=llama.init_abstract(plain)[1])
     err = np.abs(_logits(plain, merged, REF["tokens"]) - want).max()
@@ -122,8 +136,9 @@ def test_full_finetune_exported_resumes_at_another_stage_and_device_count(tmp_pa
     _, m4 = step(state, batches[3])
 
     mesh4, zc1 = zj.make_mesh(jax.devices()[:4]), zj.ZeroConfig(stage=1)
-    again = zj.init_state(llama.init_abstract(cfg)[1], tx, mesh=mesh4, config=zc1,
-                          weights=zj.Weights(tmp_path / "hf", wmap))
+    again = zj.init_state(
+        llama.init_abstract(cfg)[1], tx, mesh=mesh4, config=zc1, weights=zj.Weights(tmp_path / "hf", wmap)
+    )
     step4 = zj.make_train_step(llama.make_loss(graphdef), tx, mesh=mesh4, config=zc1)
     again, n4 = step4(again, batches[3])
     assert abs(float(m4["loss"]) - float(n4["loss"])) <= 1e-6

@@ -45,13 +45,19 @@ def test_runs_follow_control_flow(text):
     whiles = [i for c in prog.computations.values() for i in c if i.op == "while"]
     conditions = sorted(prog.runs[i.called("condition")[0]] for i in whiles)
     assert conditions == [OUTER + 1, OUTER * (LAYERS + 1)]  # a condition runs once more than its body
-    branches = [c for i in prog.computations[prog.entry] if i.op == "conditional"
-                for c in i.called("branch_computations")]
+    branches = [
+        c for i in prog.computations[prog.entry] if i.op == "conditional" for c in i.called("branch_computations")
+    ]
     assert len(branches) == 2 and all(prog.runs[b] == 1 for b in branches)
     # Fusion bodies and reduction bodies are not executions of their own.
     assert prog.fused and not prog.fused & set(prog.runs)
-    reducers = {c for comp in prog.computations.values() for i in comp
-                if i.op in ("all-reduce", "reduce-scatter", "reduce") for c in i.called("to_apply")}
+    reducers = {
+        c
+        for comp in prog.computations.values()
+        for i in comp
+        if i.op in ("all-reduce", "reduce-scatter", "reduce")
+        for c in i.called("to_apply")
+    }
     assert reducers and not reducers & set(prog.runs)
 
 
@@ -64,8 +70,11 @@ def test_collectives_counted_per_run(text):
     assert by_kind["reduce-scatter"] == [(8 * D * 4, 1, 4)]  # the input buffer: 8 rows per device
     assert sorted(by_kind["all-reduce"]) == [(4, 1, 4), (2 * D * 4, 1, 4)]  # the sum; the branch's
     rep = comm.communication_report(text)
-    assert rep["all-gather:f32"] == {"count": ITERATIONS, "bytes": ITERATIONS * D * D * 4,
-                                     "zero_bytes": ITERATIONS * D * D * 4}
+    assert rep["all-gather:f32"] == {
+        "count": ITERATIONS,
+        "bytes": ITERATIONS * D * D * 4,
+        "zero_bytes": ITERATIONS * D * D * 4,
+    }
     assert rep["all-reduce:f32"]["zero_bytes"] == 2 * (4 + 2 * D * 4)
 
 
@@ -147,8 +156,7 @@ def test_permute_groups_and_mesh_axes():
     with pytest.raises(ValueError, match="source_target_pairs"):
         permute_groups("source_target_pairs={{0,1,2}}")
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("replica", "data"))
-    rep = comm.communication_report(_ASYNC.replace("{{0,1},{1,2},{2,3},{3,0}}", "{{0,1},{1,0},{2,3},{3,2}}"),
-                                    mesh=mesh)
+    rep = comm.communication_report(_ASYNC.replace("{{0,1},{1,2},{2,3},{3,0}}", "{{0,1},{1,0},{2,3},{3,2}}"), mesh=mesh)
     assert rep["by_axis"]["data"]["count"] == 2  # the all-reduce and the permute, within rows
 
 

@@ -41,12 +41,16 @@ def test_matches_single_device_optax(model, replicas, stage):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("features", [
-    dict(stage=3, compute_dtype="bfloat16", grad_accum_steps=2),
-    dict(stage=3, prefetch=1),
-    dict(stage=2, offload_optimizer=True),
-    dict(stage=3, compute_dtype="float16", reduce_dtype="float16"),
-], ids=["bf16-accum", "prefetch", "offload", "fp16-reduce"])
+@pytest.mark.parametrize(
+    "features",
+    [
+        dict(stage=3, compute_dtype="bfloat16", grad_accum_steps=2),
+        dict(stage=3, prefetch=1),
+        dict(stage=2, offload_optimizer=True),
+        dict(stage=3, compute_dtype="float16", reduce_dtype="float16"),
+    ],
+    ids=["bf16-accum", "prefetch", "offload", "fp16-reduce"],
+)
 @pytest.mark.slow
 def test_features_give_what_the_1d_mesh_gives(features):
     """The same config on a 1-D mesh and on 2 replica groups: the same training (the
@@ -63,10 +67,10 @@ def test_features_give_what_the_1d_mesh_gives(features):
 def test_int8_gathers_stay_in_the_group_and_train():
     make_params, loss_fn = MODELS["scan"]
     ref, _ = models.reference_run(loss_fn, make_params(), CLIP_SGD(), batches())
-    got, _ = models.zero_run(loss_fn, make_params(), CLIP_SGD(), batches(), 3, replicas=2, gather_dtype="int8",
-                             quant_block_size=16)
-    one, _ = models.zero_run(loss_fn, make_params(), CLIP_SGD(), batches(), 3, gather_dtype="int8",
-                             quant_block_size=16)
+    got, _ = models.zero_run(
+        loss_fn, make_params(), CLIP_SGD(), batches(), 3, replicas=2, gather_dtype="int8", quant_block_size=16
+    )
+    one, _ = models.zero_run(loss_fn, make_params(), CLIP_SGD(), batches(), 3, gather_dtype="int8", quant_block_size=16)
     # int8 weights in forward, fp32 masters: off the fp32 run by as much as on a 1-D mesh.
     err, err1 = models.abs_errors(got, ref).max(), models.abs_errors(one, ref).max()
     assert 0 < err <= 2 * err1 and err <= 1e-3
@@ -105,6 +109,7 @@ def test_eval_step_concatenates_over_every_device():
 
 # --- Memory -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("replicas", [2, pytest.param(4, marks=SLOW)])
 def test_persistent_bytes_are_the_formulas_with_the_group_size(replicas, stage):
@@ -128,6 +133,7 @@ def test_persistent_bytes_are_the_formulas_with_the_group_size(replicas, stage):
 
 
 # --- Communication ------------------------------------------------------------------------
+
 
 def _compiled(stage, replicas, params, tx=None):
     mesh = zj.make_mesh(replicas=replicas)
@@ -192,9 +198,12 @@ def test_replica_group_forms_read_from_hlo():
 
 # --- Checkpoints --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("save,restore", [((2, 3), (1, 2)), pytest.param((1, 3), (4, 1), marks=SLOW),
-                                          pytest.param((4, 2), (2, 3), marks=SLOW)],
-                         ids=["2d-to-1d", "1d-to-2d", "2d-to-2d"])
+
+@pytest.mark.parametrize(
+    "save,restore",
+    [((2, 3), (1, 2)), pytest.param((1, 3), (4, 1), marks=SLOW), pytest.param((4, 2), (2, 3), marks=SLOW)],
+    ids=["2d-to-1d", "1d-to-2d", "2d-to-2d"],
+)
 def test_checkpoints_restore_between_1d_and_2d_meshes(tmp_path, save, restore):
     make_params, loss_fn = MODELS["scan"]
     ref, _ = models.reference_run(loss_fn, make_params(), ADAM(), batches())
@@ -214,8 +223,11 @@ def test_checkpoints_restore_between_1d_and_2d_meshes(tmp_path, save, restore):
 
 # --- Errors and the estimate --------------------------------------------------------------
 
+
 def test_clear_errors():
-    with pytest.raises(ValueError, match=r"8 devices do not split into 3 equal replica groups. Use one of \[1, 2, 4, 8\]"):
+    with pytest.raises(
+        ValueError, match=r"8 devices do not split into 3 equal replica groups. Use one of \[1, 2, 4, 8\]"
+    ):
         zj.make_mesh(replicas=3)
     with pytest.raises(ValueError, match="replicas=...\\) must be a positive int"):
         zj.make_mesh(replicas=0)
@@ -253,9 +265,12 @@ def test_a_batchnorm_synced_over_one_batch_axis_is_warned_about():
     from zerojax.sharding.partial_axes import PartialBatchCollective
 
     ref_p, ref_bs = bn_reference(2)
-    with pytest.warns(PartialBatchCollective, match=r"loss_fn makes a psum over mesh axes \('data',\), but the batch "
-                                                    r"is split over \('replica', 'data'\).*axis_name=\('replica', "
-                                                    r"'data'\)"):
+    with pytest.warns(
+        PartialBatchCollective,
+        match=r"loss_fn makes a psum over mesh axes \('data',\), but the batch "
+        r"is split over \('replica', 'data'\).*axis_name=\('replica', "
+        r"'data'\)",
+    ):
         state = bn_run(3, "data", replicas=2)
     # What the warning is about: the statistics are not the global batch's.
     assert models.abs_errors(state.model_state["batch_stats"], ref_bs).max() > 1e-3

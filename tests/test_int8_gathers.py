@@ -18,8 +18,7 @@ from zerojax.sharding.quantize import gather_int8
 N = 8
 
 
-@pytest.mark.parametrize("shape,block", [((20, 20), 16), ((1001, 7), 64), ((3, 20, 24), 5), ((13,), 4096),
-                                         ((7, 5), 3)])
+@pytest.mark.parametrize("shape,block", [((20, 20), 16), ((1001, 7), 64), ((3, 20, 24), 5), ((13,), 4096), ((7, 5), 3)])
 def test_one_gather_errs_at_most_the_block_maximum_over_127(shape, block):
     """Each element of the gathered array is within its block's largest magnitude / 127
     of the exact value (it is within half that: one rounding step of the block's scale)."""
@@ -30,19 +29,27 @@ def test_one_gather_errs_at_most_the_block_maximum_over_127(shape, block):
     mesh = zj.make_mesh()
     spec = layout.partition_spec("data")
     arr = jax.device_put(storage, NamedSharding(mesh, spec))
-    got = jax.jit(jax.shard_map(lambda s: gather_int8(layout, s, "data", block, jnp.float32), mesh=mesh,
-                                in_specs=spec, out_specs=P(), check_vma=False))(arr)
+    got = jax.jit(
+        jax.shard_map(
+            lambda s: gather_int8(layout, s, "data", block, jnp.float32),
+            mesh=mesh,
+            in_specs=spec,
+            out_specs=P(),
+            check_vma=False,
+        )
+    )(arr)
     got = np.asarray(got)
     assert got.shape == shape
     # The bound, block by block: each device's shard, flattened, in blocks of `block`.
     err = np.asarray(layout.to_storage(jnp.asarray(np.abs(got - x), jnp.float32)))
-    for err_shard, x_shard in zip(np.split(err, N, axis=layout.split_axis),
-                                  np.split(storage, N, axis=layout.split_axis)):
+    for err_shard, x_shard in zip(
+        np.split(err, N, axis=layout.split_axis), np.split(storage, N, axis=layout.split_axis)
+    ):
         e, v = err_shard.reshape(-1), np.abs(x_shard.reshape(-1))
         for start in range(0, e.size, block):
-            peak = v[start:start + block].max(initial=0.0)
-            assert np.all(e[start:start + block] <= peak / 127 * (1 + 1e-6)), (start, peak)
-            assert np.all(e[start:start + block] <= peak / 254 * (1 + 1e-5) + 1e-30)
+            peak = v[start : start + block].max(initial=0.0)
+            assert np.all(e[start : start + block] <= peak / 127 * (1 + 1e-6)), (start, peak)
+            assert np.all(e[start : start + block] <= peak / 254 * (1 + 1e-5) + 1e-30)
     assert np.abs(got - x).max() > 0  # it did quantize
 
 
@@ -86,8 +93,9 @@ def test_the_program_gathers_int8_and_moves_a_quarter_of_the_fp32_bytes():
     assert 0.25 < ratio < 0.27
 
 
-@pytest.mark.parametrize("kw", [{}, {"prefetch": 1}, {"compute_dtype": "bfloat16"},
-                                {"offload_optimizer": True, "offload_params": True}])
+@pytest.mark.parametrize(
+    "kw", [{}, {"prefetch": 1}, {"compute_dtype": "bfloat16"}, {"offload_optimizer": True, "offload_params": True}]
+)
 def test_training_with_int8_gathers_stays_near_exact_gathers(kw):
     """Same runs, exact and int8 gathers: the losses agree to the quantization's size, and
     int8 runs agree with each other whatever the path (prefetch, offload)."""
@@ -95,8 +103,9 @@ def test_training_with_int8_gathers_stays_near_exact_gathers(kw):
     tx = optax.adam(1e-2)
     base = dict(compute_dtype=kw.get("compute_dtype", "float32"))
     exact, exact_losses = models.zero_run(models.stacked_loss, models.stacked_params(), tx, batches, 3, **base)
-    got, losses = models.zero_run(models.stacked_loss, models.stacked_params(), tx, batches, 3,
-                                  gather_dtype="int8", **{**base, **kw})
+    got, losses = models.zero_run(
+        models.stacked_loss, models.stacked_params(), tx, batches, 3, gather_dtype="int8", **{**base, **kw}
+    )
     np.testing.assert_allclose(losses, exact_losses, rtol=0.03)
     assert losses[-1] < losses[0]
     if kw and "compute_dtype" not in kw:  # the same int8 gathers by another path: the same run
@@ -115,11 +124,14 @@ def test_eval_step_gathers_int8_too():
     assert any("all_gather" in l and "xi8>" in l for l in text.splitlines())
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(stage=3, gather_dtype="int4"), "gather_dtype must be None"),
-    (dict(stage=2, gather_dtype="int8"), "quantizes stage 3's weight gathers"),
-    (dict(stage=3, gather_dtype="int8", quant_block_size=0), "quant_block_size must be a positive int"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(stage=3, gather_dtype="int4"), "gather_dtype must be None"),
+        (dict(stage=2, gather_dtype="int8"), "quantizes stage 3's weight gathers"),
+        (dict(stage=3, gather_dtype="int8", quant_block_size=0), "quant_block_size must be a positive int"),
+    ],
+)
 def test_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         zj.ZeroConfig(**kwargs)

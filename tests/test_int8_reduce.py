@@ -25,7 +25,7 @@ def _piece_peaks(x: np.ndarray, n: int, block: int) -> np.ndarray:
     out = np.empty_like(pieces)
     for j in range(n):
         for s in range(0, pieces.shape[1], block):
-            out[j, s:s + block] = np.abs(pieces[j, s:s + block]).max()
+            out[j, s : s + block] = np.abs(pieces[j, s : s + block]).max()
     return out.reshape(-1)
 
 
@@ -135,13 +135,31 @@ def grad_bound(params_seq, batches, lr, rounds=3):
 SLOW = pytest.mark.slow
 
 
-@pytest.mark.parametrize("stage,replicas,kw", [
-    (1, 1, {}), (2, 1, {}), (3, 1, {}), pytest.param(3, 2, {}, marks=SLOW), pytest.param(2, 1, {"grad_accum_steps": 2}, marks=SLOW),
-    pytest.param(3, 1, {"gather_dtype": "int8"}, marks=SLOW), pytest.param(3, 1, {"prefetch": 1}, marks=SLOW),
-    pytest.param(3, 1, {"offload_params": True, "offload_optimizer": True}, marks=SLOW),
-    pytest.param(1, 2, {"offload_optimizer": True}, marks=SLOW),
-], ids=["s1", "s2", "s3", "s3-hybrid", "s2-accum", "s3-int8-weights", "s3-prefetch", "s3-offload",
-        "s1-hybrid-offload"])
+@pytest.mark.parametrize(
+    "stage,replicas,kw",
+    [
+        (1, 1, {}),
+        (2, 1, {}),
+        (3, 1, {}),
+        pytest.param(3, 2, {}, marks=SLOW),
+        pytest.param(2, 1, {"grad_accum_steps": 2}, marks=SLOW),
+        pytest.param(3, 1, {"gather_dtype": "int8"}, marks=SLOW),
+        pytest.param(3, 1, {"prefetch": 1}, marks=SLOW),
+        pytest.param(3, 1, {"offload_params": True, "offload_optimizer": True}, marks=SLOW),
+        pytest.param(1, 2, {"offload_optimizer": True}, marks=SLOW),
+    ],
+    ids=[
+        "s1",
+        "s2",
+        "s3",
+        "s3-hybrid",
+        "s2-accum",
+        "s3-int8-weights",
+        "s3-prefetch",
+        "s3-offload",
+        "s1-hybrid-offload",
+    ],
+)
 def test_sgd_stays_within_the_quantization_bound_of_single_device_optax(stage, replicas, kw):
     lr, steps = 0.1, 3
     batches = [models.batch(16, s) for s in range(steps)]
@@ -151,8 +169,17 @@ def test_sgd_stays_within_the_quantization_bound_of_single_device_optax(stage, r
         g = jax.grad(models.stacked_loss)(trajectory[-1], b)
         trajectory.append(jax.tree.map(lambda p, g: p - lr * g, trajectory[-1], g))
     ref, ref_losses = models.reference_run(models.stacked_loss, models.stacked_params(), tx, batches)
-    got, losses = models.zero_run(models.stacked_loss, models.stacked_params(), tx, batches, stage,
-                                  replicas=replicas, reduce_dtype="int8", reduce_quant_block_size=64, **kw)
+    got, losses = models.zero_run(
+        models.stacked_loss,
+        models.stacked_params(),
+        tx,
+        batches,
+        stage,
+        replicas=replicas,
+        reduce_dtype="int8",
+        reduce_quant_block_size=64,
+        **kw,
+    )
     err = models.abs_errors(got, ref)
     bound = grad_bound(trajectory, batches, lr)
     if "gather_dtype" in kw:  # int8 weights too: the loss itself moves by the weights' rounding
@@ -181,13 +208,22 @@ def test_fp16_overflow_is_seen_through_int8_and_the_step_skipped(stage):
     assert not bool(m["skipped"]) and np.isfinite(float(m["loss"]))
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(stage=0, reduce_dtype="int8"), "stage 0 all-reduces full gradients"),
-    (dict(stage=2, reduce_dtype="int4"), "reduce_dtype must be one of"),
-    (dict(stage=2, reduce_dtype="int8", reduce_quant_block_size=0), "reduce_quant_block_size must be a positive"),
-    (dict(stage=2, reduce_dtype="int8", reduce_quant_block_size=True), "reduce_quant_block_size must be a positive"),
-    (dict(stage=2, reduce_dtype="int8", reduce_quant_block_size=64.0), "reduce_quant_block_size must be a positive"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(stage=0, reduce_dtype="int8"), "stage 0 all-reduces full gradients"),
+        (dict(stage=2, reduce_dtype="int4"), "reduce_dtype must be one of"),
+        (dict(stage=2, reduce_dtype="int8", reduce_quant_block_size=0), "reduce_quant_block_size must be a positive"),
+        (
+            dict(stage=2, reduce_dtype="int8", reduce_quant_block_size=True),
+            "reduce_quant_block_size must be a positive",
+        ),
+        (
+            dict(stage=2, reduce_dtype="int8", reduce_quant_block_size=64.0),
+            "reduce_quant_block_size must be a positive",
+        ),
+    ],
+)
 def test_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         zj.ZeroConfig(**kwargs)
@@ -202,11 +238,15 @@ def test_reduce_block_is_only_set_for_int8():
 def test_deepspeed_zero_quantized_gradients_maps_to_int8():
     from zerojax.deepspeed import translate
 
-    ds = {"bf16": {"enabled": True}, "gradient_clipping": 1.0,
-          "zero_optimization": {"stage": 3, "zero_quantized_gradients": True, "zero_quantized_weights": True}}
+    ds = {
+        "bf16": {"enabled": True},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 3, "zero_quantized_gradients": True, "zero_quantized_weights": True},
+    }
     t = translate(ds)
-    assert t.config == zj.ZeroConfig(stage=3, compute_dtype="bfloat16", grad_clip=1.0, gather_dtype="int8",
-                                     reduce_dtype="int8")
+    assert t.config == zj.ZeroConfig(
+        stage=3, compute_dtype="bfloat16", grad_clip=1.0, gather_dtype="int8", reduce_dtype="int8"
+    )
     assert not any("quantized_gradients" in k for k in t.unmapped)
     t = translate({**ds, "communication_data_type": "bf16"})
     assert t.config.reduce_dtype == "int8"

@@ -67,8 +67,23 @@ def _part(module: str) -> str:
     return parts[1] if len(parts) > 1 else "(zerojax)"
 
 
-CORE = {"config", "params", "sharding", "optim", "remat", "context", "state", "step", "evaluate", "checkpoint",
-        "distributed", "resume", "report", "compile_cache", "xla_flags"}
+CORE = {
+    "config",
+    "params",
+    "sharding",
+    "optim",
+    "remat",
+    "context",
+    "state",
+    "step",
+    "evaluate",
+    "checkpoint",
+    "distributed",
+    "resume",
+    "report",
+    "compile_cache",
+    "xla_flags",
+}
 ABOVE_CORE = {"nn", "models", "nnx", "moe", "tuning", "deepspeed", "cli", "launch", "(zerojax)", "maps"}
 ABOVE_SHARDING = {"state", "step", "evaluate", "checkpoint", "distributed", "resume"}
 RULES = [("the core", CORE, ABOVE_CORE), ("sharding", {"sharding"}, ABOVE_SHARDING | ABOVE_CORE)]
@@ -76,8 +91,13 @@ RULES = [("the core", CORE, ABOVE_CORE), ("sharding", {"sharding"}, ABOVE_SHARDI
 
 @pytest.mark.parametrize("layer, below, above", RULES, ids=[r[0] for r in RULES])
 def test_lower_layers_never_import_upper_ones(layer, below, above):
-    wrong = [f"{m} imports {t}" for m in sorted(MODULES) if _part(m) in below
-             for t in sorted(_imports(m, lazy=True)) if _part(t) in above]
+    wrong = [
+        f"{m} imports {t}"
+        for m in sorted(MODULES)
+        if _part(m) in below
+        for t in sorted(_imports(m, lazy=True))
+        if _part(t) in above
+    ]
     assert not wrong, f"{layer} must not import {sorted(above)}:\n" + "\n".join(wrong)
 
 
@@ -89,7 +109,7 @@ def test_no_import_cycles():
         state[m] = "open"
         for t in sorted(graph[m]):
             if state.get(t) == "open":
-                cycles.append(" -> ".join(path[path.index(t):] + [t]))
+                cycles.append(" -> ".join(path[path.index(t) :] + [t]))
             elif t not in state:
                 visit(t, path + [t])
         state[m] = "done"

@@ -49,15 +49,40 @@ MAXTEXT_RULES = (
     ("mlp_moe", ("fsdp_transpose", "tensor", "tensor_sequence", "autoregressive")),
     ("mlp_moe", "tensor"),
 )
-MAXTEXT_AXES = ("data", "stage", "fsdp", "fsdp_transpose", "sequence", "context", "tensor", "tensor_transpose",
-                "tensor_sequence", "expert", "autoregressive")
+MAXTEXT_AXES = (
+    "data",
+    "stage",
+    "fsdp",
+    "fsdp_transpose",
+    "sequence",
+    "context",
+    "tensor",
+    "tensor_transpose",
+    "tensor_sequence",
+    "expert",
+    "autoregressive",
+)
 ANNOTATIONS = [
-    ("embed", "mlp"), ("mlp", "embed"), ("embed", "vocab"), ("vocab", "embed"), ("embed", "heads", "kv"),
-    ("heads", "kv", "embed"), ("layers", "embed", "q_lora"), ("embed", "kv_lora"), ("q_lora", "kv_lora"),
-    ("exp", "embed_moe", "mlp_moe"), ("exp", "mlp_moe", "embed_moe"), ("norm",), ("layers", "norm"),
-    ("activation_batch", "activation_length", "activation_vocab"), ("activation_heads", "activation_vocab"),
-    ("embed", None, "mlp"), (None, "kv_head_dim"), ("embed_no_exp", "q_heads", "kv_heads"),
-    ("mlp", "mlp_moe"), ("kv_heads", "heads"),
+    ("embed", "mlp"),
+    ("mlp", "embed"),
+    ("embed", "vocab"),
+    ("vocab", "embed"),
+    ("embed", "heads", "kv"),
+    ("heads", "kv", "embed"),
+    ("layers", "embed", "q_lora"),
+    ("embed", "kv_lora"),
+    ("q_lora", "kv_lora"),
+    ("exp", "embed_moe", "mlp_moe"),
+    ("exp", "mlp_moe", "embed_moe"),
+    ("norm",),
+    ("layers", "norm"),
+    ("activation_batch", "activation_length", "activation_vocab"),
+    ("activation_heads", "activation_vocab"),
+    ("embed", None, "mlp"),
+    (None, "kv_head_dim"),
+    ("embed_no_exp", "q_heads", "kv_heads"),
+    ("mlp", "mlp_moe"),
+    ("kv_heads", "heads"),
 ]
 # The example: a repeated name whose first rule splits and second does not.
 SIMPLE = (("x", "tensor"), ("x", None), ("y", "tensor"))
@@ -116,8 +141,10 @@ def test_a_name_twice_in_one_linen_annotation_is_refused_as_flax_refuses_it():
 
 # The plan, on a tensor mesh: the dimension split over "tensor" is the one Flax's own
 # resolution puts "tensor" on, for linen boxes and NNX Variables alike.
-MAXTEXT_MAP = {a: ("data" if a in ("data", "fsdp", "fsdp_transpose") else "tensor" if a == "tensor" else None)
-               for a in MAXTEXT_AXES}
+MAXTEXT_MAP = {
+    a: ("data" if a in ("data", "fsdp", "fsdp_transpose") else "tensor" if a == "tensor" else None)
+    for a in MAXTEXT_AXES
+}
 
 
 def _shape(names):
@@ -130,7 +157,9 @@ def _linen_params(annotations):
 
 def _nnx_params(annotations):
     with nnx.use_eager_sharding(False):
-        return nnx.State({f"p{i:02d}": nnx.Param(jnp.zeros(_shape(n)), out_sharding=n) for i, n in enumerate(annotations)})
+        return nnx.State(
+            {f"p{i:02d}": nnx.Param(jnp.zeros(_shape(n)), out_sharding=n) for i, n in enumerate(annotations)}
+        )
 
 
 def _tensor_dims(flax_spec) -> list[int]:

@@ -26,8 +26,7 @@ B, T, D, F, E = 16, 4, 8, 16, 8
 # The kernel against a per-token loop in float64 (written from the definitions, not from it).
 
 
-def reference(x, logits, up, down, gate, k, *, normalize, cf=None, groups=1, score="softmax", bias=None,
-              scale=1.0):
+def reference(x, logits, up, down, gate, k, *, normalize, cf=None, groups=1, score="softmax", bias=None, scale=1.0):
     x = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
     lg = np.asarray(logits, np.float64).reshape(x.shape[0], -1)
     n, ne = lg.shape
@@ -84,9 +83,18 @@ def test_routed_experts_equal_the_per_token_definition(seed):
     scale = 2.5 if score == "sigmoid" else 1.0
     kw = dict(normalize=bool(seed % 2), cf=cf, groups=groups, score=score, bias=bias, scale=scale)
     want, want_dropped = reference(x, logits, up, down, gate, k, **kw)
-    run = jax.jit(functools.partial(  # one compile, not one per primitive as eagerly
-        routed_experts, top_k=k, normalize=kw["normalize"], capacity_factor=cf, capacity_groups=groups,
-        method="dense" if seed == 5 else "ragged", score=score, scale=scale))
+    run = jax.jit(
+        functools.partial(  # one compile, not one per primitive as eagerly
+            routed_experts,
+            top_k=k,
+            normalize=kw["normalize"],
+            capacity_factor=cf,
+            capacity_groups=groups,
+            method="dense" if seed == 5 else "ragged",
+            score=score,
+            scale=scale,
+        )
+    )
     y, stats = run(x, logits, up, down, gate, selection_bias=bias)
     np.testing.assert_allclose(np.asarray(y, np.float64).reshape(want.shape), want, atol=2e-5, rtol=1e-5)
     assert float(stats.dropped) == pytest.approx(want_dropped, abs=1e-7)
@@ -108,7 +116,7 @@ def test_auxiliary_losses_are_their_definitions():
     got = load_balancing_loss(probs, jax.lax.top_k(probs, 2)[1])
     assert float(got) == pytest.approx(want, rel=1e-6)
     lse = np.log(np.exp(lg - lg.max(1, keepdims=True)).sum(1)) + lg.max(1)
-    assert float(z_loss(logits)) == pytest.approx(np.mean(lse ** 2), rel=1e-6)
+    assert float(z_loss(logits)) == pytest.approx(np.mean(lse**2), rel=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -122,7 +130,7 @@ def arrays():
 
 def _loss(x, logits, up, down, gate, cf=None):
     y, st = routed_experts(x, logits, up, down, gate, top_k=2, normalize=True, capacity_factor=cf)
-    return jnp.sum(y ** 2) + st.load_balancing_loss + st.z_loss
+    return jnp.sum(y**2) + st.load_balancing_loss + st.z_loss
 
 
 @pytest.mark.parametrize("ep", [pytest.param(2, marks=pytest.mark.slow), 8])  # E = 2: a second compile (8 s)
@@ -153,8 +161,14 @@ def test_expert_parallel_dispatch_equals_one_device(arrays, ep):
 def moe_params(seed=0):
     r = np.random.default_rng(seed)
     f = lambda *s: jnp.asarray(r.normal(size=s) / np.sqrt(s[-2]), jnp.float32)
-    return {"router": f(D, E) * 3, "up": f(E, D, F), "gate": f(E, D, F), "down": f(E, F, D), "shared": f(D, D),
-            "out": f(D, D)}
+    return {
+        "router": f(D, E) * 3,
+        "up": f(E, D, F),
+        "gate": f(E, D, F),
+        "down": f(E, F, D),
+        "shared": f(D, D),
+        "out": f(D, D),
+    }
 
 
 SPECS = {"router": None, "up": P("expert"), "gate": P("expert"), "down": P("expert"), "shared": None, "out": None}
@@ -170,8 +184,17 @@ def plain_moe(p, x, k):
 
 
 def zj_moe(p, x, k, cf=None, groups=None):
-    y, st = routed_experts(x, x @ p["router"], p["up"], p["down"], p["gate"], top_k=k, normalize=True,
-                           capacity_factor=cf, capacity_groups=groups)
+    y, st = routed_experts(
+        x,
+        x @ p["router"],
+        p["up"],
+        p["down"],
+        p["gate"],
+        top_k=k,
+        normalize=True,
+        capacity_factor=cf,
+        capacity_groups=groups,
+    )
     return y, 0.01 * st.load_balancing_loss + 0.001 * st.z_loss
 
 
@@ -182,8 +205,13 @@ def moe_loss(p, b, moe):
 
 def data(steps=3, seed=1):
     r = np.random.default_rng(seed)
-    return [{"x": jnp.asarray(r.normal(size=(B, T, D)), jnp.float32),
-             "y": jnp.asarray(r.normal(size=(B, T, D)), jnp.float32)} for _ in range(steps)]
+    return [
+        {
+            "x": jnp.asarray(r.normal(size=(B, T, D)), jnp.float32),
+            "y": jnp.asarray(r.normal(size=(B, T, D)), jnp.float32),
+        }
+        for _ in range(steps)
+    ]
 
 
 def _train(step, state, batches):
@@ -197,20 +225,34 @@ def _train(step, state, batches):
 
 @functools.cache
 def _reference(name):
-    moe = {"plain": functools.partial(plain_moe, k=2), "zj": functools.partial(zj_moe, k=2),
-           "capacity": functools.partial(zj_moe, k=1, cf=1.0, groups=8)}[name]
+    moe = {
+        "plain": functools.partial(plain_moe, k=2),
+        "zj": functools.partial(zj_moe, k=2),
+        "capacity": functools.partial(zj_moe, k=1, cf=1.0, groups=8),
+    }[name]
     return reference_run(lambda p, b: moe_loss(p, b, moe), moe_params(), optax.sgd(0.1), data())
 
 
-@pytest.mark.parametrize("name,stage,ep,specs", [
-    ("plain", 0, 4, True), ("plain", 3, 4, False), ("zj", 1, 4, True), ("capacity", 3, 4, True),
-    # E = 2 and 8 (also trained by the dispatch and combination tests): a step compile each
-    pytest.param("zj", 3, 2, True, marks=pytest.mark.slow), pytest.param("capacity", 2, 8, True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "name,stage,ep,specs",
+    [
+        ("plain", 0, 4, True),
+        ("plain", 3, 4, False),
+        ("zj", 1, 4, True),
+        ("capacity", 3, 4, True),
+        # E = 2 and 8 (also trained by the dispatch and combination tests): a step compile each
+        pytest.param("zj", 3, 2, True, marks=pytest.mark.slow),
+        pytest.param("capacity", 2, 8, True, marks=pytest.mark.slow),
+    ],
+)
 def test_moe_trains_as_one_device_on_an_expert_mesh(name, stage, ep, specs):
     """3 SGD steps against plain single-device optax (1e-5). ``capacity``: one group per
     device on the mesh, the same 8 groups on one device."""
-    moe = {"plain": functools.partial(plain_moe, k=2), "zj": functools.partial(zj_moe, k=2),
-           "capacity": functools.partial(zj_moe, k=1, cf=1.0)}[name]
+    moe = {
+        "plain": functools.partial(plain_moe, k=2),
+        "zj": functools.partial(zj_moe, k=2),
+        "capacity": functools.partial(zj_moe, k=1, cf=1.0),
+    }[name]
     mesh = zj.make_mesh(expert=ep)
     cfg = zj.ZeroConfig(stage=stage)
     state = zj.init_state(moe_params(), optax.sgd(0.1), mesh=mesh, config=cfg, tensor_specs=SPECS if specs else None)
@@ -233,9 +275,17 @@ def test_moe_trains_as_one_device_on_an_expert_mesh(name, stage, ep, specs):
 
 
 def test_expert_degree_and_router_arguments_are_checked():
-    with pytest.raises(ValueError, match=r"dimension 0 of size 8, which does not divide into 3 expert shards. Use an expert degree dividing 8 \(one of \[1, 2\]\)"):
-        zj.init_state({"up": jnp.zeros((8, 4, 4))}, optax.sgd(0.1), mesh=zj.make_mesh(jax.devices()[:6], expert=3),
-                      config=zj.ZeroConfig(), tensor_specs={"up": P("expert")})
+    with pytest.raises(
+        ValueError,
+        match=r"dimension 0 of size 8, which does not divide into 3 expert shards. Use an expert degree dividing 8 \(one of \[1, 2\]\)",
+    ):
+        zj.init_state(
+            {"up": jnp.zeros((8, 4, 4))},
+            optax.sgd(0.1),
+            mesh=zj.make_mesh(jax.devices()[:6], expert=3),
+            config=zj.ZeroConfig(),
+            tensor_specs={"up": P("expert")},
+        )
     x, logits, up, down, gate = _arrays(2)
     with pytest.raises(ValueError, match=r"top_k must be an int in 1\.\.8.*got 9"):
         routed_experts(x, logits, up, down, gate, top_k=9)
@@ -252,15 +302,29 @@ def test_expert_degree_and_router_arguments_are_checked():
 # ----------------------------------------------------------------------------------------------
 # The reference MoE (zerojax.models' Llama family with routed experts).
 
-MOE_CFG = dict(vocab=64, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=24, n_experts=8, top_k=2,
-               moe_d_ff=12, router_aux_loss_coef=0.01, qk_norm=True)
+MOE_CFG = dict(
+    vocab=64,
+    d_model=16,
+    n_layers=2,
+    n_heads=2,
+    n_kv_heads=1,
+    d_ff=24,
+    n_experts=8,
+    top_k=2,
+    moe_d_ff=12,
+    router_aux_loss_coef=0.01,
+    qk_norm=True,
+)
 SHARED = dict(shared_d_ff=8, shared_gate=True)
 
 
-@pytest.mark.parametrize("stage,ep,shared", [  # a Llama step compile each (10-13 s); in the default set the
-    pytest.param(3, 4, False, marks=pytest.mark.slow),  # model loads on an expert mesh (below) and trains at
-    pytest.param(1, 8, True, marks=pytest.mark.slow),   # stage 3 (test_hf_families); routed_experts trains on one
-])                                                      # in test_moe_trains_as_one_device_on_an_expert_mesh
+@pytest.mark.parametrize(
+    "stage,ep,shared",
+    [  # a Llama step compile each (10-13 s); in the default set the
+        pytest.param(3, 4, False, marks=pytest.mark.slow),  # model loads on an expert mesh (below) and trains at
+        pytest.param(1, 8, True, marks=pytest.mark.slow),  # stage 3 (test_hf_families); routed_experts trains on one
+    ],
+)  # in test_moe_trains_as_one_device_on_an_expert_mesh
 def test_the_reference_moe_trains_as_one_device(stage, ep, shared):
     """Qwen3-MoE-like (q/k norms, GQA, 8 experts, top-2, normalised, with its load-balancing
     loss; ``shared``: with Qwen2-MoE's gated shared expert): 3 SGD steps on an expert mesh
@@ -277,8 +341,14 @@ def test_the_reference_moe_trains_as_one_device(stage, ep, shared):
     mesh = zj.make_mesh(expert=ep)
     cfg0 = zj.ZeroConfig(stage=stage)
     state = zj.init_state(params, tx, mesh=mesh, config=cfg0)
-    step = zj.make_train_step(llama.make_loss(graphdef, with_stats=True), tx, mesh=mesh, config=cfg0, has_aux=True,
-                              aux_reduce=llama.STATS_REDUCE)
+    step = zj.make_train_step(
+        llama.make_loss(graphdef, with_stats=True),
+        tx,
+        mesh=mesh,
+        config=cfg0,
+        has_aux=True,
+        aux_reduce=llama.STATS_REDUCE,
+    )
     state, losses, m = _train(step, state, batches)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5
     assert abs_errors(zj.gather_params(state), ref_params).max() < 1e-5
@@ -325,8 +395,14 @@ def test_a_checkpoint_saved_at_four_expert_devices_restores_at_two_and_one(tmp_p
         assert abs_errors(zj.gather_params(run(restored, mesh, cfg, batches[2:])), want).max() < 1e-6, (ep, stage)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow),  # (loaded whole by
-                                  pytest.param("qwen2_moe", marks=pytest.mark.slow)])  # test_hf_families in default)
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen3_moe",
+        pytest.param("mixtral", marks=pytest.mark.slow),  # (loaded whole by
+        pytest.param("qwen2_moe", marks=pytest.mark.slow),
+    ],
+)  # test_hf_families in default)
 def test_transformers_moe_checkpoints_load_split_over_the_expert_axis(name):
     """tests/data/hf/{qwen3_moe,mixtral,qwen2_moe} (made by transformers) at E = 4, stage 3: each
     device holds one of the 4 experts, and the logits are transformers' (fp32 rounding)."""
@@ -337,16 +413,27 @@ def test_transformers_moe_checkpoints_load_split_over_the_expert_axis(name):
     folder = f"tests/data/hf/{name}"
     ref = np.load(f"{folder}/reference.npz")
     cfg, wmap = zj.models.from_hf(folder)
-    state = zj.init_state(llama.init_abstract(cfg)[1], optax.sgd(0.1), mesh=zj.make_mesh(expert=4),
-                          config=zj.ZeroConfig(stage=3), weights=zj.Weights(folder, wmap))
+    state = zj.init_state(
+        llama.init_abstract(cfg)[1],
+        optax.sgd(0.1),
+        mesh=zj.make_mesh(expert=4),
+        config=zj.ZeroConfig(stage=3),
+        weights=zj.Weights(folder, wmap),
+    )
     up = state.params["blocks"]["moe"]["up"] if state.params is not None else state.master["blocks"]["moe"]["up"]
     assert {s.data.size for s in up.addressable_shards} == {up.size // 8}  # 1 of 4 experts, 1/2 of the rest
     logits = nnx.merge(llama.init_abstract(cfg)[0], zj.gather_params(state))(jnp.asarray(ref["tokens"]))
     assert np.abs(np.asarray(logits) - ref["logits"]).max() < 2e-5  # measured 1.8e-6 (qwen3_moe), 7.5e-7
 
 
-@pytest.mark.parametrize("mesh_kw", [dict(expert=2, tensor=2), dict(expert=2, context=2),
-                                     pytest.param(dict(expert=2, replicas=2), marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "mesh_kw",
+    [
+        dict(expert=2, tensor=2),
+        dict(expert=2, context=2),
+        pytest.param(dict(expert=2, replicas=2), marks=pytest.mark.slow),
+    ],
+)
 def test_the_expert_axis_beside_tensor_context_and_replicas(mesh_kw):
     """routed_experts at stage 3 on (data, expert, tensor) with a dense weight split over
     "tensor", on (data, expert, context) with the sequence split over "context", and on
@@ -376,8 +463,9 @@ def test_auxiliary_losses_under_accumulation_are_per_micro_batch_over_every_devi
 
     def micro(b, j):  # micro-batch j: rows j*r/k.. of each data shard's r rows
         r = B // n_data
-        return jax.tree.map(lambda x: jnp.concatenate([x[d * r + j * r // k: d * r + (j + 1) * r // k]
-                                                       for d in range(n_data)]), b)
+        return jax.tree.map(
+            lambda x: jnp.concatenate([x[d * r + j * r // k : d * r + (j + 1) * r // k] for d in range(n_data)]), b
+        )
 
     definition = lambda p, b: (loss(p, micro(b, 0)) + loss(p, micro(b, 1))) / 2
     ref_params, ref_losses = reference_run(definition, moe_params(), optax.sgd(0.1), data())
@@ -388,7 +476,9 @@ def test_auxiliary_losses_under_accumulation_are_per_micro_batch_over_every_devi
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5
     assert abs_errors(zj.gather_params(state), ref_params).max() < 1e-5
     # ... and it is not the loss over the accumulated batch (f·P is not linear in the tokens).
-    assert abs(float(jax.jit(definition)(moe_params(), data()[0])) - float(jax.jit(loss)(moe_params(), data()[0]))) > 1e-4
+    assert (
+        abs(float(jax.jit(definition)(moe_params(), data()[0])) - float(jax.jit(loss)(moe_params(), data()[0]))) > 1e-4
+    )
 
 
 def test_padding_is_not_routed_and_is_left_out_of_the_losses():
@@ -417,8 +507,9 @@ def test_padding_is_not_routed_and_is_left_out_of_the_losses():
     assert int(st.counts.sum()) == int(m.sum()) * 2
 
     def loss(p, b):
-        y, st = routed_experts(b["x"], b["x"] @ p["router"], p["up"], p["down"], p["gate"], top_k=2, normalize=True,
-                               token_mask=b["m"])
+        y, st = routed_experts(
+            b["x"], b["x"] @ p["router"], p["up"], p["down"], p["gate"], top_k=2, normalize=True, token_mask=b["m"]
+        )
         out = (y + b["x"] @ p["shared"]) @ p["out"]
         return jnp.mean((out - b["y"]) ** 2) + 0.01 * st.load_balancing_loss + 0.001 * st.z_loss
 

@@ -42,8 +42,11 @@ def single_process_reference(stage, steps=3):
 
 # One 2-process job (4 devices each) runs the trainings the next tests compare with one
 # process: each run as a job of its own would (the worker's --run), in one start-up.
-RUNS = {"same-batch-everywhere": ("1,2,3", "same", 1), "process-local-rows": ("3", "rows", 1),
-        "hybrid": ("1,3", "rows", 2)}
+RUNS = {
+    "same-batch-everywhere": ("1,2,3", "same", 1),
+    "process-local-rows": ("3", "rows", 1),
+    "hybrid": ("1,3", "rows", 2),
+}
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +77,9 @@ def test_two_processes_match_one(match_job, name):
     _matches_one_process(out_dir / name, stages)
     # The 2-process checkpoint (each process wrote its shards) restores in 1 process.
     tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1, momentum=0.9))
-    restored = zj.restore_checkpoint(out_dir / name / "ck", models.stacked_params(), tx, mesh=zj.make_mesh(),
-                                     config=zj.ZeroConfig(stage=3))
+    restored = zj.restore_checkpoint(
+        out_dir / name / "ck", models.stacked_params(), tx, mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3)
+    )
     assert int(restored.step) == 3
     got = [np.asarray(x) for x in jax.tree.leaves(zj.gather_params(restored))]
     assert max(np.abs(a - b).max() for a, b in zip(got, single_process_reference(stages[-1]))) <= 1e-5
@@ -86,21 +90,25 @@ def test_two_processes_hybrid_groups_match_one(match_job):
     and training equals single-device optax (via the 1-process 1-D mesh, itself tested so)."""
     out_dir, stdout = match_job
     for rank in (0, 1):
-        assert (f"[rank {rank}] hybrid mesh {{'replica': 2, 'data': 4}}: groups hold the devices of processes "
-                "[[0], [1]]") in stdout
+        assert (
+            f"[rank {rank}] hybrid mesh {{'replica': 2, 'data': 4}}: groups hold the devices of processes [[0], [1]]"
+        ) in stdout
     _matches_one_process(out_dir / "hybrid", [1, 3])
     # The 2-D checkpoint written by two processes restores on a 1-process 1-D mesh.
     tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1, momentum=0.9))
-    restored = zj.restore_checkpoint(out_dir / "hybrid" / "ck", models.stacked_params(), tx, mesh=zj.make_mesh(),
-                                     config=zj.ZeroConfig(stage=2))
+    restored = zj.restore_checkpoint(
+        out_dir / "hybrid" / "ck", models.stacked_params(), tx, mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=2)
+    )
     got = [np.asarray(x) for x in jax.tree.leaves(zj.gather_params(restored))]
     assert max(np.abs(a - b).max() for a, b in zip(got, single_process_reference(3))) <= 1e-5
 
 
 @pytest.mark.slow  # reason: 15 s of processes started and stopped; no JAX program differs by version
 def test_launcher_stops_the_job_when_a_process_dies(tmp_path):
-    out, elapsed = launch(["--nprocs", "2", "--devices-per-proc", "4"],
-                          ["--out", str(tmp_path), "--stages", "3", "--steps", "200", "--die-after", "1"])
+    out, elapsed = launch(
+        ["--nprocs", "2", "--devices-per-proc", "4"],
+        ["--out", str(tmp_path), "--stages", "3", "--steps", "200", "--die-after", "1"],
+    )
     assert out.returncode == 3, out.stdout[-3000:]
     assert "zerojax.launch: process 1" in out.stdout and "exited with status 3" in out.stdout
     assert "process 0 done" not in out.stdout
@@ -113,11 +121,34 @@ def test_without_launcher_survivors_fail_within_the_heartbeat_timeout(tmp_path):
     port = __import__("zerojax.launch", fromlist=["free_port"]).free_port()
     procs = []
     for rank in (0, 1):
-        env = dict(os.environ, ZEROJAX_COORDINATOR=f"127.0.0.1:{port}", ZEROJAX_NUM_PROCESSES="2",
-                   ZEROJAX_PROCESS_ID=str(rank), ZEROJAX_LOCAL_DEVICES="4")
-        procs.append(subprocess.Popen(
-            [sys.executable, str(WORKER), "--out", str(tmp_path), "--stages", "3", "--steps", "200",
-             "--die-after", "1"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = dict(
+            os.environ,
+            ZEROJAX_COORDINATOR=f"127.0.0.1:{port}",
+            ZEROJAX_NUM_PROCESSES="2",
+            ZEROJAX_PROCESS_ID=str(rank),
+            ZEROJAX_LOCAL_DEVICES="4",
+        )
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(WORKER),
+                    "--out",
+                    str(tmp_path),
+                    "--stages",
+                    "3",
+                    "--steps",
+                    "200",
+                    "--die-after",
+                    "1",
+                ],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     start = time.monotonic()
     outs = [p.communicate(timeout=120)[0] for p in procs]
     elapsed = time.monotonic() - start
@@ -127,14 +158,19 @@ def test_without_launcher_survivors_fail_within_the_heartbeat_timeout(tmp_path):
     assert elapsed < 90  # the worker sets heartbeat_timeout_s=10
 
 
-@pytest.mark.parametrize("env,want", [
-    ({"ZEROJAX_COORDINATOR": "h:1", "ZEROJAX_NUM_PROCESSES": "4", "ZEROJAX_PROCESS_ID": "2"},
-     dist_init.Launch("zerojax", "h:1", 4, 2)),
-    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16", "SLURM_PROCID": "5"}, dist_init.Launch("slurm", None, 16, 5)),
-    ({"OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_RANK": "3"}, dist_init.Launch("openmpi", None, 8, 3)),
-    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, dist_init.Launch("single")),
-    ({}, dist_init.Launch("single")),
-])
+@pytest.mark.parametrize(
+    "env,want",
+    [
+        (
+            {"ZEROJAX_COORDINATOR": "h:1", "ZEROJAX_NUM_PROCESSES": "4", "ZEROJAX_PROCESS_ID": "2"},
+            dist_init.Launch("zerojax", "h:1", 4, 2),
+        ),
+        ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16", "SLURM_PROCID": "5"}, dist_init.Launch("slurm", None, 16, 5)),
+        ({"OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_RANK": "3"}, dist_init.Launch("openmpi", None, 8, 3)),
+        ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, dist_init.Launch("single")),
+        ({}, dist_init.Launch("single")),
+    ],
+)
 def test_launcher_detection(env, want):
     assert zj.distributed.detect(env=env) == want
 
@@ -147,17 +183,19 @@ def test_detection_errors():
 
 
 def test_launcher_needs_a_command():
-    out = subprocess.run([sys.executable, "-m", "zerojax.launch", "--nprocs", "2"],
-                         capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "zerojax.launch", "--nprocs", "2"], capture_output=True, text=True, cwd=ROOT
+    )
     assert out.returncode == 2 and "give the command after --" in out.stderr
 
 
 @pytest.mark.slow
 def test_a_stalled_process_is_noticed_within_the_step_timeout(tmp_path):
     """Process 1 hangs (alive, still heartbeating); process 0's step times out and exits."""
-    out, elapsed = launch(["--nprocs", "2", "--devices-per-proc", "4", "--timeout", "200"],
-                          ["--out", str(tmp_path), "--stages", "3", "--steps", "200",
-                           "--stall-after", "2", "--step-timeout", "10"])
+    out, elapsed = launch(
+        ["--nprocs", "2", "--devices-per-proc", "4", "--timeout", "200"],
+        ["--out", str(tmp_path), "--stages", "3", "--steps", "200", "--stall-after", "2", "--step-timeout", "10"],
+    )
     assert out.returncode == 1, out.stdout[-3000:]
     assert "[rank 0] zerojax: the train step did not finish within timeout_s=10s on process 0" in out.stdout
     assert "zerojax.launch: process 0" in out.stdout
@@ -166,8 +204,9 @@ def test_a_stalled_process_is_noticed_within_the_step_timeout(tmp_path):
 
 def test_step_timeout_must_be_positive():
     with pytest.raises(ValueError, match="timeout_s must be a positive number"):
-        zj.make_train_step(models.stacked_loss, optax.sgd(0.1), mesh=zj.make_mesh(),
-                           config=zj.ZeroConfig(), timeout_s=0)
+        zj.make_train_step(
+            models.stacked_loss, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(), timeout_s=0
+        )
 
 
 @pytest.mark.slow  # reason: 13 s, two processes and four exports that fail
@@ -175,13 +214,28 @@ def test_an_export_that_fails_in_one_process_raises_on_every_process(tmp_path):
     """Two processes export one stage-3 state; each failure happens in process 1's part
     only, and every process raises naming process 1 and the problem, within a bounded
     time, leaving nothing that looks complete (see tests/workers/export_failures_job.py)."""
-    cmd = [sys.executable, "-m", "zerojax.launch", "--nprocs", "2", "--devices-per-proc", "4", "--",
-           sys.executable, str(ROOT / "tests" / "workers" / "export_failures_job.py"), "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "zerojax.launch",
+        "--nprocs",
+        "2",
+        "--devices-per-proc",
+        "4",
+        "--",
+        sys.executable,
+        str(ROOT / "tests" / "workers" / "export_failures_job.py"),
+        "--out",
+        str(tmp_path),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     r = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1)]
-    visible = lambda name: sorted(p.name for p in (tmp_path / name).iterdir() if not p.name.startswith(".")) \
-        if (tmp_path / name).exists() else []
+    visible = lambda name: (
+        sorted(p.name for p in (tmp_path / name).iterdir() if not p.name.startswith("."))
+        if (tmp_path / name).exists()
+        else []
+    )
     everything = lambda name: sorted(p.name for p in (tmp_path / name).iterdir()) if (tmp_path / name).exists() else []
     # A float16 overflow in process 1's shard only: refused on both before a byte is written.
     assert not r[0]["overflow_held_here"] and r[1]["overflow_held_here"]
@@ -189,17 +243,22 @@ def test_an_export_that_fails_in_one_process_raises_on_every_process(tmp_path):
         assert r[k]["overflow"]["type"] == "ValueError"
         assert r[k]["overflow"]["message"].startswith(
             "export_weights failed before writing anything; on process 1 of 2: parameter 'w' has values up to 1e+05, "
-            "beyond float16's range (65504)")
-    assert r[1]["overflow_untouched"] and visible("overflow") == ["model-00001-of-00003.safetensors",
-                                                                  "model-00002-of-00003.safetensors",
-                                                                  "model-00003-of-00003.safetensors",
-                                                                  "model.safetensors.index.json"]
+            "beyond float16's range (65504)"
+        )
+    assert r[1]["overflow_untouched"] and visible("overflow") == [
+        "model-00001-of-00003.safetensors",
+        "model-00002-of-00003.safetensors",
+        "model-00003-of-00003.safetensors",
+        "model.safetensors.index.json",
+    ]
     # A full disk in process 1 while process 0 is still writing: process 0 stops within a
     # poll (0.25 s) and the box it is writing (0.2 s here), long before it would finish.
     for k in (0, 1):
         assert r[k]["disk"]["type"] == "OSError"
-        assert r[k]["disk"]["message"] == ("export_weights failed while writing (no file was completed); on process 1 "
-                                           "of 2: [Errno 28] No space left on device (injected)")
+        assert r[k]["disk"]["message"] == (
+            "export_weights failed while writing (no file was completed); on process 1 "
+            "of 2: [Errno 28] No space left on device (injected)"
+        )
     assert r[0]["disk"]["t"] - r[1]["disk_injected"] < 1.0, (r[0]["disk"], r[1]["disk_injected"])
     assert r[1]["disk"]["t"] - r[1]["disk_injected"] < 1.5
     assert r[0]["disk_writes"] < r[0]["all_writes"]
@@ -208,8 +267,10 @@ def test_an_export_that_fails_in_one_process_raises_on_every_process(tmp_path):
     assert not r[0]["tied_held_here"] and r[1]["tied_held_here"]
     for k in (0, 1):
         assert r[k]["tied"]["type"] == "ValueError"
-        assert ("on process 1 of 2: parameters 'head.kernel' and 'emb' both read tensor 'emb.weight', and they differ "
-                "by up to 0.25") in r[k]["tied"]["message"]
+        assert (
+            "on process 1 of 2: parameters 'head.kernel' and 'emb' both read tensor 'emb.weight', and they differ "
+            "by up to 0.25"
+        ) in r[k]["tied"]["message"]
     assert everything("tied") == []
     # Process 1 stalls: process 0 gives up after timeout_s=2, naming it.
     assert r[0]["stall"]["type"] == "TimeoutError"

@@ -32,8 +32,9 @@ def loss_fn(model, batch):
 
 def batches(n=3, rows=16):
     ks = jax.random.split(jax.random.key(7), n)
-    return [{"x": jax.random.normal(k, (rows, 6)), "y": jax.random.normal(jax.random.fold_in(k, 1), (rows, 1))}
-            for k in ks]
+    return [
+        {"x": jax.random.normal(k, (rows, 6)), "y": jax.random.normal(jax.random.fold_in(k, 1), (rows, 1))} for k in ks
+    ]
 
 
 def reference(model, tx, wrt, data):
@@ -51,9 +52,12 @@ def reference(model, tx, wrt, data):
 
 
 def max_diff(a, b):
-    return max(float(jnp.max(jnp.abs(jnp.asarray(x, jnp.float32) - jnp.asarray(y, jnp.float32))))
-               for x, y in zip(jax.tree.leaves(nnx.state(a, nnx.Not(nnx.RngState))),
-                                 jax.tree.leaves(nnx.state(b, nnx.Not(nnx.RngState)))))
+    return max(
+        float(jnp.max(jnp.abs(jnp.asarray(x, jnp.float32) - jnp.asarray(y, jnp.float32))))
+        for x, y in zip(
+            jax.tree.leaves(nnx.state(a, nnx.Not(nnx.RngState))), jax.tree.leaves(nnx.state(b, nnx.Not(nnx.RngState)))
+        )
+    )
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -66,9 +70,9 @@ def test_optimizer_matches_single_device_nnx(stage, wrt):
     losses = [float(train_step(opt, b)["loss"]) for b in data]
     got = opt.gathered_model()
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
-    assert max_diff(got, ref) <= 1e-5          # parameters and BatchNorm statistics
+    assert max_diff(got, ref) <= 1e-5  # parameters and BatchNorm statistics
     assert opt.step == 3
-    if wrt is nnx.LoRAParam:                   # the base stays as it was, with no optimizer state
+    if wrt is nnx.LoRAParam:  # the base stays as it was, with no optimizer state
         base = Net(nnx.Rngs(0))
         np.testing.assert_array_equal(got.inp.kernel.get_value(), base.inp.kernel.get_value())
         assert sum(opt.state.plan.trainable) == 2 and zj.report.state_bytes_per_device(opt.state)["frozen"] > 0
@@ -79,14 +83,15 @@ def test_batch_stats_per_device_when_not_synced():
     the mean of the devices' own variances (not the global batch's)."""
     data = batches(1)[0]
     model = Net(nnx.Rngs(0))
-    h = np.asarray(model.inp(data["x"])).reshape(8, 2, 16)     # BatchNorm's input, per device
+    h = np.asarray(model.inp(data["x"])).reshape(8, 2, 16)  # BatchNorm's input, per device
     expected = 0.99 * 1.0 + 0.01 * h.var(axis=1).mean(axis=0)
-    opt = zj.nnx.Optimizer(model, optax.sgd(0.0), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3),
-                           sync_batch_stats=False)
+    opt = zj.nnx.Optimizer(
+        model, optax.sgd(0.0), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3), sync_batch_stats=False
+    )
     zj.nnx.make_train_step(loss_fn)(opt, data)
     np.testing.assert_allclose(opt.gathered_model().bn.var[...], expected, rtol=1e-5)
     glob = 0.99 + 0.01 * np.asarray(model.inp(data["x"])).var(axis=0)
-    assert np.abs(expected - glob).max() > 1e-3                  # the two differ on this data
+    assert np.abs(expected - glob).max() > 1e-3  # the two differ on this data
 
 
 def test_dropout_through_the_modules_own_streams():
@@ -113,22 +118,23 @@ def test_dropout_through_the_modules_own_streams():
         step = zj.nnx.make_train_step(mask_loss, has_aux=True, aux_reduce="concat")
         runs[stage] = [np.asarray(step(opt, jnp.zeros((32, 1)))["aux"]) for _ in range(2)]
         model = opt.gathered_model()
-        assert int(model.drop.rngs.count.get_value()) == 2 * 2          # 2 steps x 2 micro-batches x 1 draw
+        assert int(model.drop.rngs.count.get_value()) == 2 * 2  # 2 steps x 2 micro-batches x 1 draw
         np.testing.assert_array_equal(jax.random.key_data(model.drop.rngs.key.get_value()), key0)
     np.testing.assert_array_equal(runs[0][0], runs[3][0])
     np.testing.assert_array_equal(runs[0][1], runs[3][1])
     first, second = runs[0]
-    rows = first.reshape(16, 2, 32)                              # 8 devices x 2 micro-batches, 2 rows each
+    rows = first.reshape(16, 2, 32)  # 8 devices x 2 micro-batches, 2 rows each
     assert set(np.unique(first)) <= {0.0, 2.0}
     distinct = {r.tobytes() for r in rows[:, 0]}
-    assert len(distinct) == 16                                   # every device and micro-batch its own
-    assert not np.array_equal(first, second)                     # and every step
+    assert len(distinct) == 16  # every device and micro-batch its own
+    assert not np.array_equal(first, second)  # and every step
 
 
 def test_eval_step_runs_in_eval_mode_and_leaves_the_optimizer():
     data = batches(1)[0]
-    opt = zj.nnx.Optimizer(Net(nnx.Rngs(0), dropout=0.5), optax.adam(1e-3), mesh=zj.make_mesh(),
-                           config=zj.ZeroConfig(stage=3))
+    opt = zj.nnx.Optimizer(
+        Net(nnx.Rngs(0), dropout=0.5), optax.adam(1e-3), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3)
+    )
     zj.nnx.make_train_step(loss_fn)(opt, data)
     before = opt.gathered_model()
     ev = zj.nnx.make_eval_step(lambda model, b: {"pred": model(b["x"])}, reduce="concat")
@@ -157,13 +163,13 @@ def test_sharded_build_and_checkpoint_across_stages(tmp_path):
 def test_functional_api_takes_nnx_filters():
     model = Net(nnx.Rngs(0))
     _, params, _ = nnx.split(model, nnx.Param, ...)
-    st = zj.init_state(params, optax.adam(1e-3), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=2),
-                       trainable=nnx.LoRAParam)
+    st = zj.init_state(
+        params, optax.adam(1e-3), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=2), trainable=nnx.LoRAParam
+    )
     assert st.plan.trainable == zj.nnx.select(nnx.LoRAParam, params, name="trainable")
     assert sum(st.plan.trainable) == 2
     path_pred = lambda path, v: "out" in path
-    st2 = zj.init_state(params, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=2),
-                        trainable=path_pred)
+    st2 = zj.init_state(params, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=2), trainable=path_pred)
     assert sum(st2.plan.trainable) == 2
 
 
@@ -172,8 +178,7 @@ def test_bad_input():
     with pytest.raises(ValueError, match=r"wrt=nnx.Intermediate selects none of the 10 parameter arrays"):
         zj.nnx.Optimizer(model, tx, wrt=nnx.Intermediate, mesh=mesh, config=cfg)
     with pytest.raises(TypeError, match=r"wrt=Any\(.*selects the rng stream variable RngCount"):
-        zj.nnx.Optimizer(Net(nnx.Rngs(0), dropout=0.1), tx, wrt=nnx.Any(nnx.Param, nnx.RngCount), mesh=mesh,
-                         config=cfg)
+        zj.nnx.Optimizer(Net(nnx.Rngs(0), dropout=0.1), tx, wrt=nnx.Any(nnx.Param, nnx.RngCount), mesh=mesh, config=cfg)
     everything = nnx.Any(nnx.LoRAParam, nnx.PathContains("bn"), nnx.PathContains("kernel"), nnx.PathContains("bias"))
     with pytest.raises(ValueError, match=r"wrt=Any\(.*selects all 12 parameter arrays.*nothing would be frozen"):
         zj.nnx.Optimizer(model, tx, wrt=everything, mesh=mesh, config=cfg)
@@ -210,8 +215,8 @@ def test_nnx_doc_scripts_run_and_differ_by_five_lines(capsys):
         line = capsys.readouterr().out.strip().splitlines()[-1]
         results.append([float(x) for x in re.findall(r"loss (\d+\.\d+)", line)])
     (loss1, eval1), (loss8, eval8) = results
-    assert max(loss1, loss8) < 1.0 and max(eval1, eval8) < 1.0      # from ln(32) = 3.47 at the start
-    assert abs(eval8 - eval1) < 0.1                                  # dropout masks differ, nothing else
+    assert max(loss1, loss8) < 1.0 and max(eval1, eval8) < 1.0  # from ln(32) = 3.47 at the start
+    assert abs(eval8 - eval1) < 0.1  # dropout masks differ, nothing else
 
 
 def test_nnx_with_bf16_prefetch_and_the_compiled_program():
@@ -227,9 +232,9 @@ def test_nnx_with_bf16_prefetch_and_the_compiled_program():
     gathers = zj.report.communication_report(compiled)
     assert gathers["total"]["bytes"] > 0
     losses = [float(step(opt, b)["loss"]) for b in data]
-    np.testing.assert_allclose(losses, ref_losses, rtol=5e-3)       # bf16 rounding of fp32 training
+    np.testing.assert_allclose(losses, ref_losses, rtol=5e-3)  # bf16 rounding of fp32 training
     assert max_diff(opt.gathered_model(), ref) < 5e-3
-    assert opt.gathered_model().inp.kernel[...].dtype == jnp.float32      # the fp32 masters come back
+    assert opt.gathered_model().inp.kernel[...].dtype == jnp.float32  # the fp32 masters come back
 
 
 def test_scanned_layer_stack_through_the_optimizer():
@@ -267,7 +272,7 @@ def test_hybrid_fp16_lora_dropout_and_a_checkpoint_across_layouts(tmp_path):
     step = zj.nnx.make_train_step(loss_fn)
     first = [step(opt, b) for b in data[:2]]
     assert all(np.isfinite(float(m["loss"])) and not bool(m["skipped"]) for m in first)
-    assert float(first[0]["loss_scale"]) == 2.0 ** 8
+    assert float(first[0]["loss_scale"]) == 2.0**8
     opt.save(tmp_path, wait=True)
     expected = float(step(opt, data[2])["loss"])
     model = opt.gathered_model()
@@ -277,7 +282,7 @@ def test_hybrid_fp16_lora_dropout_and_a_checkpoint_across_layouts(tmp_path):
     again.restore(tmp_path)
     assert again.step == 2
     restored = again.gathered_model()
-    assert int(restored.drop.rngs.count[...]) == 2                # the streams' counters came back
+    assert int(restored.drop.rngs.count[...]) == 2  # the streams' counters came back
     # The next step draws the same dropout masks (step key and device order are the layout's
     # own: the hybrid mesh's 8 devices in the same order), so the loss is the same.
     got = float(zj.nnx.make_train_step(loss_fn)(again, data[2])["loss"])

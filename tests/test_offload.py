@@ -47,11 +47,11 @@ def without_offload(cfg, tx=TX):
 
 
 CASES = [  # (stage, compute dtype, offload_params): where the masters live with offload_optimizer
-    (1, "float32", False),   # no separate masters: the replicated params are them
+    (1, "float32", False),  # no separate masters: the replicated params are them
     (1, "bfloat16", False),  # sharded masters beside the bf16 copy: offloaded
     (2, "bfloat16", False),
-    (3, "float32", False),   # the masters are what stage 3 gathers: on the device
-    (3, "bfloat16", True),   # ... unless offload_params
+    (3, "float32", False),  # the masters are what stage 3 gathers: on the device
+    (3, "bfloat16", True),  # ... unless offload_params
 ]
 
 
@@ -73,15 +73,18 @@ def test_offloaded_state_lives_in_host_memory(stage, dtype, offload_params):
 
 
 @pytest.mark.parametrize("place", ["host", "device"])
-@pytest.mark.parametrize("stage,dtype,offload_params", [
-    pytest.param(*c, marks=pytest.mark.slow) if c in (CASES[0], CASES[2], CASES[3]) else c for c in CASES])
+@pytest.mark.parametrize(
+    "stage,dtype,offload_params",
+    [pytest.param(*c, marks=pytest.mark.slow) if c in (CASES[0], CASES[2], CASES[3]) else c for c in CASES],
+)
 def test_offload_trains_exactly_as_without(stage, dtype, offload_params, place):
     """Within 1e-6 of the same run without offload (it is bit for bit on CPU), with the
     update on the host and streamed to the device one leaf group at a time."""
     base = zj.ZeroConfig(stage=stage, compute_dtype=dtype)
     ref_params, ref_losses, ref_opt = without_offload(base)
-    cfg = dataclasses.replace(base, offload_optimizer=True, offload_params=offload_params, offload_update=place,
-                              offload_group_size=500)
+    cfg = dataclasses.replace(
+        base, offload_optimizer=True, offload_params=offload_params, offload_update=place, offload_group_size=500
+    )
     state, step, losses = train(cfg)
     assert step.update_place(state) == place
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-6)
@@ -90,16 +93,23 @@ def test_offload_trains_exactly_as_without(stage, dtype, offload_params, place):
         np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("tx", [optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2)),
-                                optax.adafactor(1e-2), optax.inject_hyperparams(optax.lamb)(learning_rate=1e-2)],
-                         ids=["clip_adam", "adafactor", "inject_lamb"])
+@pytest.mark.parametrize(
+    "tx",
+    [
+        optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2)),
+        optax.adafactor(1e-2),
+        optax.inject_hyperparams(optax.lamb)(learning_rate=1e-2),
+    ],
+    ids=["clip_adam", "adafactor", "inject_lamb"],
+)
 def test_streamed_update_of_coupled_and_shape_aware_transforms(tx):
     """A clip inside tx couples every leaf (one group); Adafactor's factored moments and
     LAMB's trust ratio read a whole leaf; injected hyperparameters are shared scalars."""
     base = zj.ZeroConfig(stage=2, compute_dtype="bfloat16")
     ref_params, _, _ = without_offload(base, tx)
-    state, _, _ = train(dataclasses.replace(base, offload_optimizer=True, offload_update="device",
-                                            offload_group_size=1), tx=tx)
+    state, _, _ = train(
+        dataclasses.replace(base, offload_optimizer=True, offload_update="device", offload_group_size=1), tx=tx
+    )
     assert models.abs_errors(zj.gather_params(state), ref_params).max() <= 1e-6
 
 
@@ -121,11 +131,13 @@ def test_update_groups_follow_what_each_leaf_reads():
     cfg = zj.ZeroConfig(stage=2, compute_dtype="bfloat16", offload_optimizer=True)
     params = models.stacked_params()
     n_leaves = len(jax.tree.leaves(params))
-    for tx, size, expected in [(optax.adam(1e-2), 1, n_leaves),        # elementwise: a group per leaf
-                               (optax.adam(1e-2), 10**9, 1),           # everything fits one group
-                               # the size counts parameter elements (not Adam's moments too)
-                               (optax.adam(1e-2), sum(x.size for x in jax.tree.leaves(params)), 1),
-                               (optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), 1, 1)]:
+    for tx, size, expected in [
+        (optax.adam(1e-2), 1, n_leaves),  # elementwise: a group per leaf
+        (optax.adam(1e-2), 10**9, 1),  # everything fits one group
+        # the size counts parameter elements (not Adam's moments too)
+        (optax.adam(1e-2), sum(x.size for x in jax.tree.leaves(params)), 1),
+        (optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), 1, 1),
+    ]:
         plan = zj.init_state(params, tx, mesh=zj.make_mesh(), config=cfg).plan
         g = update_groups(plan, tx, size)
         assert len(g.groups) == expected
@@ -139,13 +151,16 @@ def test_update_groups_follow_what_each_leaf_reads():
 def test_streamed_groups_are_ordered_in_the_program():
     """Group g's state reaches the device after group g−2's update: one optimization
     barrier per group from the third on, in the lowered program."""
+
     def barriers(size):
-        cfg = zj.ZeroConfig(stage=2, compute_dtype="bfloat16", offload_optimizer=True, offload_update="device",
-                            offload_group_size=size)
+        cfg = zj.ZeroConfig(
+            stage=2, compute_dtype="bfloat16", offload_optimizer=True, offload_update="device", offload_group_size=size
+        )
         state = zj.init_state(models.stacked_params(), TX, mesh=zj.make_mesh(), config=cfg)
         step = zj.make_train_step(models.stacked_loss, TX, mesh=zj.make_mesh(), config=cfg)
         groups = len(update_groups(state.plan, TX, size).groups)
         return step.lower(state, BATCHES[0]).as_text().count("optimization_barrier"), groups
+
     one, g1 = barriers(10**9)
     many, g = barriers(1)
     assert g1 == 1 and g > 3
@@ -155,10 +170,12 @@ def test_streamed_groups_are_ordered_in_the_program():
 def test_auto_update_place():
     """The CPU backend compiles the update in host memory, so "auto" picks the host;
     without offloaded state the update is on the device."""
-    for cfg, place in [(zj.ZeroConfig(stage=2, offload_optimizer=True), "host"),
-                       (zj.ZeroConfig(stage=3, offload_optimizer=True, offload_update="device"), "device"),
-                       (zj.ZeroConfig(stage=3), "device"),
-                       (zj.ZeroConfig(stage=3, offload_params=True), "device")]:  # the moments are on the device
+    for cfg, place in [
+        (zj.ZeroConfig(stage=2, offload_optimizer=True), "host"),
+        (zj.ZeroConfig(stage=3, offload_optimizer=True, offload_update="device"), "device"),
+        (zj.ZeroConfig(stage=3), "device"),
+        (zj.ZeroConfig(stage=3, offload_params=True), "device"),
+    ]:  # the moments are on the device
         state = zj.init_state(models.stacked_params(), TX, mesh=zj.make_mesh(), config=cfg)
         step = zj.make_train_step(models.stacked_loss, TX, mesh=zj.make_mesh(), config=cfg)
         assert step.update_place(state) == place
@@ -172,16 +189,19 @@ def test_state_bytes_split_device_and_host_as_the_formulas(stage, dtype, offload
     state = zj.init_state(params, TX, mesh=zj.make_mesh(), config=cfg)
     got = zj.report.state_bytes_per_device(state)
     assert got["device"] + got["host"] == got["total"]
-    plain = zj.report.state_bytes_per_device(zj.init_state(params, TX, mesh=zj.make_mesh(),
-                                                    config=zj.ZeroConfig(stage=stage, compute_dtype=dtype)))
+    plain = zj.report.state_bytes_per_device(
+        zj.init_state(params, TX, mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=stage, compute_dtype=dtype))
+    )
     assert got["total"] == plain["total"]  # offload moves bytes, it adds none
     for memory in ("device", "host"):
-        want = zj.report.zero_formula_bytes(psi, 8, stage, compute_dtype=dtype, offload_optimizer=True,
-                                     offload_params=offload_params, memory=memory)
+        want = zj.report.zero_formula_bytes(
+            psi, 8, stage, compute_dtype=dtype, offload_optimizer=True, offload_params=offload_params, memory=memory
+        )
         assert want <= got[memory] <= 1.03 * want + 64, (memory, got, want)  # + scalars (step counts)
     # ... and what the compiled step is told: the offloaded state, taken out of the device total.
-    mem = zj.report.step_memory(models.deep_loss, params, TX, jax.ShapeDtypeStruct((16, 64), "float32"),
-                         mesh=zj.make_mesh(), config=cfg)
+    mem = zj.report.step_memory(
+        models.deep_loss, params, TX, jax.ShapeDtypeStruct((16, 64), "float32"), mesh=zj.make_mesh(), config=cfg
+    )
     assert mem.state == got["total"] and mem.state_host == got["host"]
     assert mem.device_total == mem.total - got["host"]  # the CPU backend reports host arguments together
     assert "offloaded state" in str(mem)
@@ -196,8 +216,10 @@ def test_checkpoint_round_trip_of_offloaded_state(tmp_path, stage, dtype, offloa
     restored = zj.restore_checkpoint(tmp_path, models.stacked_params(), TX, mesh=mesh, config=cfg)
     assert kinds(restored.opt_state) == kinds(state.opt_state) == {HOST}
     assert kinds(restored.master) == kinds(state.master)
-    for a, b in zip(jax.tree.leaves((state.opt_state, zj.gather_params(state))),
-                    jax.tree.leaves((restored.opt_state, zj.gather_params(restored)))):
+    for a, b in zip(
+        jax.tree.leaves((state.opt_state, zj.gather_params(state))),
+        jax.tree.leaves((restored.opt_state, zj.gather_params(restored))),
+    ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # Into the same run without offload, and on: the same values, on the device.
     plain = zj.ZeroConfig(stage=stage, compute_dtype=dtype)
@@ -223,14 +245,17 @@ def test_eval_step_reads_offloaded_parameters():
     assert text.count("stablehlo.all_gather") >= len(jax.tree.leaves(models.stacked_params())) - 1  # per use
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(stage=0, offload_optimizer=True), "offload_optimizer needs a sharded optimizer state"),
-    (dict(stage=2, offload_params=True), "offload_params keeps stage 3"),
-    (dict(stage=2, offload_optimizer=True, offload_update="cpu"), "offload_update must be"),
-    (dict(stage=3, offload_params=True, prefetch=1), "prefetch=1 with offload_params"),
-    (dict(stage=2, offload_optimizer=True, offload_group_size=0), "offload_group_size must be a positive int"),
-    (dict(stage=2, offload_optimizer=1), "offload_optimizer must be a bool"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(stage=0, offload_optimizer=True), "offload_optimizer needs a sharded optimizer state"),
+        (dict(stage=2, offload_params=True), "offload_params keeps stage 3"),
+        (dict(stage=2, offload_optimizer=True, offload_update="cpu"), "offload_update must be"),
+        (dict(stage=3, offload_params=True, prefetch=1), "prefetch=1 with offload_params"),
+        (dict(stage=2, offload_optimizer=True, offload_group_size=0), "offload_group_size must be a positive int"),
+        (dict(stage=2, offload_optimizer=1), "offload_optimizer must be a bool"),
+    ],
+)
 def test_offload_config_errors(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         zj.ZeroConfig(**kwargs)

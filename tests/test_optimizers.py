@@ -64,7 +64,9 @@ TRANSFORMS = {
     "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=4),
     "muon": lambda: optax.contrib.muon(1e-2),
     "muon_dims": lambda: optax.contrib.muon(1e-2, muon_weight_dimension_numbers=muon_dims),
-    "adamw_ndim_mask": lambda: optax.adamw(1e-2, weight_decay=0.5, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+    "adamw_ndim_mask": lambda: optax.adamw(
+        1e-2, weight_decay=0.5, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
+    ),
     "multisteps_adam": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
     "schedule_free": lambda: optax.contrib.schedule_free_adamw(1e-2, warmup_steps=2),
     "lamb": lambda: optax.lamb(1e-2),
@@ -106,8 +108,12 @@ def check(name, err, stage0=None):
     if err.max() <= 5e-4 and err.mean() <= 2e-6:
         return
     base = stage0() if stage0 is not None else None
-    assert base is not None and err.max() <= 2 * max(base.max(), 1e-7) and err.mean() <= 2 * max(base.mean(), 1e-9), \
-        (name, err.max(), err.mean(), None if base is None else (base.max(), base.mean()))
+    assert base is not None and err.max() <= 2 * max(base.max(), 1e-7) and err.mean() <= 2 * max(base.mean(), 1e-9), (
+        name,
+        err.max(),
+        err.mean(),
+        None if base is None else (base.max(), base.mean()),
+    )
 
 
 LAYOUTS = {  # golden: a change of the layout rules shows here
@@ -127,7 +133,9 @@ LAYOUTS = {  # golden: a change of the layout rules shows here
 def test_the_model_has_every_layout():
     """The test model exercises each storage layout; Adafactor's factored moments (rows and
     columns of the 3-D and 4-D kernels) get layouts of their own shapes."""
-    state = zj.init_state(awkward_params(), TRANSFORMS["adafactor"](), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3))
+    state = zj.init_state(
+        awkward_params(), TRANSFORMS["adafactor"](), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3)
+    )
     assert dict(zip(state.plan.paths, (l.describe() for l in state.plan.layouts))) == LAYOUTS
     shapes = {l.shape for l in state.plan.opt_layouts}
     assert {(HID, 3), (3, 6), (2, 3, 6), (2, 3, HID)} <= shapes, shapes
@@ -140,9 +148,14 @@ def test_the_model_has_every_layout():
 DEFAULT = {(name, 3) for name in TRANSFORMS} | {(n, 1) for n in ("adafactor", "muon_dims", "adamw_ndim_mask")}
 
 
-@pytest.mark.parametrize("stage,name", [
-    (stage, name) if (name, stage) in DEFAULT else pytest.param(stage, name, marks=pytest.mark.slow)
-    for stage in range(4) for name in TRANSFORMS])
+@pytest.mark.parametrize(
+    "stage,name",
+    [
+        (stage, name) if (name, stage) in DEFAULT else pytest.param(stage, name, marks=pytest.mark.slow)
+        for stage in range(4)
+        for name in TRANSFORMS
+    ],
+)
 def test_shape_aware_transforms_match_single_device_optax(name, stage):
     check(name, errors(name, stage), (lambda: errors(name, 0)) if stage else None)
 

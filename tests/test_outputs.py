@@ -31,8 +31,14 @@ def test_aux_rules_equal_single_device_values(stage, k):
     params, b = models.mlp_params(), models.batch(32, 1)
     mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=stage, grad_accum_steps=k)
     state = zj.init_state(params, TX, mesh=mesh, config=cfg)
-    step = zj.make_train_step(loss_with_aux, TX, mesh=mesh, config=cfg, has_aux=True,
-                              aux_reduce={"pred": "concat", "big": "sum", "mae": "mean"})
+    step = zj.make_train_step(
+        loss_with_aux,
+        TX,
+        mesh=mesh,
+        config=cfg,
+        has_aux=True,
+        aux_reduce={"pred": "concat", "big": "sum", "mae": "mean"},
+    )
     _, m = step(state, b)
     _, want = loss_with_aux(params, b)
     np.testing.assert_allclose(np.asarray(m["aux"]["pred"]), np.asarray(want["pred"]), rtol=1e-5, atol=1e-6)
@@ -51,15 +57,25 @@ def test_a_single_rule_applies_to_every_leaf():
     np.testing.assert_array_equal(np.asarray(m["aux"][1]), np.asarray(b["y"]))
 
 
-@pytest.mark.parametrize("aux,rule,match", [
-    (lambda p, b: {"pred": forward(p, b["x"])}, None,
-     r"aux\['pred'\] has shape \(2, 7\) and dtype float32: say how it combines .*aux_reduce=.*'concat'"),
-    (lambda p, b: {"n": jnp.sum(b["x"] > 0)}, None, r"aux\['n'\] has shape \(\) and dtype int32.*'sum'"),
-    (lambda p, b: {"n": jnp.sum(b["x"] > 0)}, "mean", r"aux\['n'\] has dtype int32: its mean .* Use aux_reduce='sum'"),
-    (lambda p, b: {"m": jnp.mean(b["x"])}, "concat", r"aux\['m'\] is a scalar: 'concat' joins per-example rows"),
-    (lambda p, b: {"m": jnp.mean(b["x"])}, "median", r"aux_reduce for aux\['m'\] must be one of"),
-    (lambda p, b: {"m": jnp.mean(b["x"])}, {"other": "sum"}, r"aux_reduce must be one of .* or a tree"),
-])
+@pytest.mark.parametrize(
+    "aux,rule,match",
+    [
+        (
+            lambda p, b: {"pred": forward(p, b["x"])},
+            None,
+            r"aux\['pred'\] has shape \(2, 7\) and dtype float32: say how it combines .*aux_reduce=.*'concat'",
+        ),
+        (lambda p, b: {"n": jnp.sum(b["x"] > 0)}, None, r"aux\['n'\] has shape \(\) and dtype int32.*'sum'"),
+        (
+            lambda p, b: {"n": jnp.sum(b["x"] > 0)},
+            "mean",
+            r"aux\['n'\] has dtype int32: its mean .* Use aux_reduce='sum'",
+        ),
+        (lambda p, b: {"m": jnp.mean(b["x"])}, "concat", r"aux\['m'\] is a scalar: 'concat' joins per-example rows"),
+        (lambda p, b: {"m": jnp.mean(b["x"])}, "median", r"aux_reduce for aux\['m'\] must be one of"),
+        (lambda p, b: {"m": jnp.mean(b["x"])}, {"other": "sum"}, r"aux_reduce must be one of .* or a tree"),
+    ],
+)
 def test_ambiguous_or_wrong_aux_rules_are_refused(aux, rule, match):
     mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=2)
     state = zj.init_state(models.mlp_params(), TX, mesh=mesh, config=cfg)
@@ -147,8 +163,11 @@ def _big_batch(rows=32):
     """Rows whose per-device mean is about 10,000: exact in fp16, but eight of them sum to
     80,000, past fp16's largest value."""
     x = 10_000.0 + 16.0 * (np.arange(rows, dtype=np.float32) % 4 >= 2)  # each device's mean: 10,008
-    return {"x": jnp.asarray(x[:, None]), "y": jnp.ones((rows, 1), jnp.float32),
-            "c": jnp.full((rows,), 257.25, jnp.float32)}
+    return {
+        "x": jnp.asarray(x[:, None]),
+        "y": jnp.ones((rows, 1), jnp.float32),
+        "c": jnp.full((rows,), 257.25, jnp.float32),
+    }
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
@@ -159,8 +178,7 @@ def test_fp16_eval_outputs_combine_in_fp32(replicas):
     b = _big_batch()
     mesh, cfg = zj.make_mesh(replicas=replicas), zj.ZeroConfig(stage=3, compute_dtype="float16")
     state = zj.init_state({"w": jnp.ones((1, 1))}, TX, mesh=mesh, config=cfg)
-    fn = lambda p, b: {"loss": jnp.mean(b["x"] * p["w"][0, 0]), "n": jnp.sum(b["c"]),
-                       "rows": b["x"][:, 0]}
+    fn = lambda p, b: {"loss": jnp.mean(b["x"] * p["w"][0, 0]), "n": jnp.sum(b["c"]), "rows": b["x"][:, 0]}
     out = zj.make_eval_step(fn, mesh=mesh, config=cfg, reduce={"loss": "mean", "n": "sum", "rows": "concat"})(state, b)
     assert float(out["loss"]) == float(np.mean(np.asarray(b["x"], np.float64))) == 10008.0
     assert float(out["n"]) == 32 * 257.25

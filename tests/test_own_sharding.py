@@ -17,9 +17,15 @@ from experiments.maxtext_style import AXIS_MAP, RULES, SEQ, build, data, make_lo
 from tests.models import abs_errors, reference_run
 
 
-@pytest.mark.parametrize("tensor,stages", [pytest.param(1, (0, 3), marks=pytest.mark.slow), (2, (0, 3)),
-                                           pytest.param(1, (1, 2), marks=pytest.mark.slow),
-                                           pytest.param(2, (1, 2), marks=pytest.mark.slow)])  # slow: about 10 s each; tensor 2 at stages 0 and 3 stays in the default set
+@pytest.mark.parametrize(
+    "tensor,stages",
+    [
+        pytest.param(1, (0, 3), marks=pytest.mark.slow),
+        (2, (0, 3)),
+        pytest.param(1, (1, 2), marks=pytest.mark.slow),
+        pytest.param(2, (1, 2), marks=pytest.mark.slow),
+    ],
+)  # slow: about 10 s each; tensor 2 at stages 0 and 3 stays in the default set
 def test_maxtext_style_model_trains_as_on_one_device(tensor, stages):
     graphdef, params = build()
     loss_fn, tx = make_loss(graphdef), optax.sgd(0.3)
@@ -37,8 +43,9 @@ def test_maxtext_style_model_trains_as_on_one_device(tensor, stages):
         assert abs_errors(zj.gather_params(state), ref).max() <= 1e-5, stage
         # "mlp" -> ("fsdp_transpose", "tensor") -> ("data", "tensor"): split over "tensor" where the mesh has it
         split = {p.split("]")[-2].strip("['"): l.tdim for p, l in zip(state.plan.paths, state.plan.layouts)}
-        assert (split["wi"], split["wout"], split["wq"], split["norm"]) == ((2, 1, 2, -1) if tensor > 1 else
-                                                                           (-1, -1, -1, -1))
+        assert (split["wi"], split["wout"], split["wq"], split["norm"]) == (
+            (2, 1, 2, -1) if tensor > 1 else (-1, -1, -1, -1)
+        )
 
 
 def _constraint_specs(jaxpr) -> list:
@@ -77,8 +84,13 @@ def test_constraints_translated_onto_zerojax_mesh():
         specs.extend(_constraint_specs(program.jaxpr if hasattr(program, "jaxpr") else program))
         return t
 
-    jax.eval_shape(jax.shard_map(capture, mesh=plan.mesh, in_specs=(P(), P("data")), out_specs=P("data"),
-                                 axis_names=plan.manual_axes), params, b["tokens"])
+    jax.eval_shape(
+        jax.shard_map(
+            capture, mesh=plan.mesh, in_specs=(P(), P("data")), out_specs=P("data"), axis_names=plan.manual_axes
+        ),
+        params,
+        b["tokens"],
+    )
     # the logits' constraint (batch only) is gone; every other one keeps its "tensor" dimension
     assert specs and all(set(s) <= {None, "tensor"} and "tensor" in s for s in specs), specs
     assert len(specs) == sum("tensor" in s for s in model)
@@ -109,8 +121,11 @@ def test_unknown_axis_names_the_source_lines_of_the_helper_and_its_callers():
     cfg = zj.ZeroConfig(stage=2, axis_map={"data": "data", "fsdp": "data", "tensor": "tensor"})  # no fsdp_transpose
     state = zj.init_state(params, optax.sgd(0.1), mesh=mesh, config=cfg)
     step = zj.make_train_step(make_loss(graphdef), optax.sgd(0.1), mesh=mesh, config=cfg)
-    with pytest.raises(ValueError, match=r"mesh axis 'fsdp_transpose' .* at .*maxtext_style.py:\d+.*"
-                                         r"axis_map=\{'fsdp_transpose': 'data'\}") as err:
+    with pytest.raises(
+        ValueError,
+        match=r"mesh axis 'fsdp_transpose' .* at .*maxtext_style.py:\d+.*"
+        r"axis_map=\{'fsdp_transpose': 'data'\}",
+    ) as err:
         step(state, data(1)[0])
     # The helper that constrains (as MaxText's maybe_shard_with_name) and the layer that called it.
     import inspect
@@ -185,20 +200,27 @@ def _attention_loss(kind: str, constrain: bool):
 
 def _attention_data(steps: int = 2, rows: int = 16):
     rng = np.random.default_rng(7)
-    return [{"x": jnp.asarray(rng.normal(size=(rows, T, 6)), jnp.float32),
-             "y": jnp.asarray(rng.normal(size=(rows, T, 3)), jnp.float32),
-             "seg": jnp.asarray(np.sort(rng.integers(0, 2, size=(rows, T)), axis=1), jnp.int32)}
-            for _ in range(steps)]
+    return [
+        {
+            "x": jnp.asarray(rng.normal(size=(rows, T, 6)), jnp.float32),
+            "y": jnp.asarray(rng.normal(size=(rows, T, 3)), jnp.float32),
+            "seg": jnp.asarray(np.sort(rng.integers(0, 2, size=(rows, T)), axis=1), jnp.int32),
+        }
+        for _ in range(steps)
+    ]
 
 
 def _attention_params():
     rng = np.random.default_rng(0)
-    return {"wqkv": jnp.asarray(rng.normal(size=(6, (N + 2 * K) * H)) / 2, jnp.float32),
-            "wo": jnp.asarray(rng.normal(size=(N * H, 3)) / 2, jnp.float32)}
+    return {
+        "wqkv": jnp.asarray(rng.normal(size=(6, (N + 2 * K) * H)) / 2, jnp.float32),
+        "wo": jnp.asarray(rng.normal(size=(N * H, 3)) / 2, jnp.float32),
+    }
 
 
-@pytest.mark.parametrize("kind,tensor", [("causal", 1), ("mask+causal", 1), ("tril", 1), ("vmap", 1),
-                                         ("mask+causal", 2)])  # tensor 2: the "model" constraints kept
+@pytest.mark.parametrize(
+    "kind,tensor", [("causal", 1), ("mask+causal", 1), ("tril", 1), ("vmap", 1), ("mask+causal", 2)]
+)  # tensor 2: the "model" constraints kept
 def test_attention_on_the_models_mesh_trains_as_on_one_device(kind, tensor):
     params, tx, batches = _attention_params(), optax.sgd(0.1), _attention_data()
     ref, ref_losses = reference_run(_attention_loss(kind, constrain=False), params, tx, batches)
@@ -235,7 +257,12 @@ def test_the_translated_program_binds_nothing_under_the_models_mesh():
         inside.extend(jax_compat.traced_mesh(e) for e in walk.equations(jax_compat.open_jaxpr(program)[0]))
         return batch["x"]
 
-    jax.eval_shape(jax.shard_map(capture, mesh=plan.mesh, in_specs=(P(), P("data")), out_specs=P("data"),
-                                 axis_names=plan.manual_axes), params, b)
+    jax.eval_shape(
+        jax.shard_map(
+            capture, mesh=plan.mesh, in_specs=(P(), P("data")), out_specs=P("data"), axis_names=plan.manual_axes
+        ),
+        params,
+        b,
+    )
     assert inside and {m.axis_names for m in inside} == {("data",)}, inside
     assert all(jax_compat.manual_axes(m) == {"data"} for m in inside), inside

@@ -19,11 +19,15 @@ from zerojax.sharding import jax_compat
 def test_missing_primitive_fails_naming_it_and_the_jax_version(monkeypatch):
     import jax.extend.core
 
-    fake = types.SimpleNamespace(**{n: getattr(jax.extend.core.primitives, n) for n in jax_compat.NEEDED
-                                    if n != "scan_p"})
+    fake = types.SimpleNamespace(
+        **{n: getattr(jax.extend.core.primitives, n) for n in jax_compat.NEEDED if n != "scan_p"}
+    )
     monkeypatch.setattr(jax.extend.core, "primitives", fake)
-    with pytest.raises(ImportError, match=rf"does not recognise its primitives in jax {jax.__version__}: "
-                                          r"jax.extend.core.primitives does not export \['scan_p'\].*jax_compat.py"):
+    with pytest.raises(
+        ImportError,
+        match=rf"does not recognise its primitives in jax {jax.__version__}: "
+        r"jax.extend.core.primitives does not export \['scan_p'\].*jax_compat.py",
+    ):
         jax_compat._primitives()
 
 
@@ -32,8 +36,11 @@ def test_renamed_construct_fails_the_self_check(monkeypatch):
     import-time check says so instead of gathering whole stacks silently."""
     other = jax.extend.core.Primitive("scan_renamed")
     monkeypatch.setattr(jax_compat.P, "scan_p", other)
-    with pytest.raises(ImportError, match=rf"does not recognise jax.lax.scan in jax {jax.__version__}: it no "
-                                          r"longer traces to the primitive 'scan_renamed'"):
+    with pytest.raises(
+        ImportError,
+        match=rf"does not recognise jax.lax.scan in jax {jax.__version__}: it no "
+        r"longer traces to the primitive 'scan_renamed'",
+    ):
         jax_compat.self_check()
 
 
@@ -41,10 +48,18 @@ def test_moved_parameter_fails_the_self_check_naming_the_construct(monkeypatch):
     """A release whose scan parameters read differently (here: no operand split) fails at
     import, naming the construct, the parameters it has and the module to update."""
     real = jax_compat.scan
-    monkeypatch.setattr(jax_compat, "scan", lambda e: real(types.SimpleNamespace(
-        params={k: v for k, v in e.params.items() if k not in ("num_consts", "ft_in")})))
-    with pytest.raises(ImportError, match=r"does not recognise jax.lax.scan in jax .*primitive 'scan' has "
-                                          r"parameters \[.*'jaxpr'.*\], read as KeyError.*jax_compat.py"):
+    monkeypatch.setattr(
+        jax_compat,
+        "scan",
+        lambda e: real(
+            types.SimpleNamespace(params={k: v for k, v in e.params.items() if k not in ("num_consts", "ft_in")})
+        ),
+    )
+    with pytest.raises(
+        ImportError,
+        match=r"does not recognise jax.lax.scan in jax .*primitive 'scan' has "
+        r"parameters \[.*'jaxpr'.*\], read as KeyError.*jax_compat.py",
+    ):
         jax_compat.self_check()
 
 
@@ -53,11 +68,18 @@ def test_import_and_self_check_start_no_backend():
     job calls jax.distributed.initialize after importing zerojax, and device settings are
     still free to change."""
     jax_compat.self_check()
-    code = ("import jax, zerojax\n"
-            "jax.config.update('jax_num_cpu_devices', 3)  # refused once a backend has started\n"
-            "assert len(jax.devices()) == 3, jax.devices()\n")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    code = (
+        "import jax, zerojax\n"
+        "jax.config.update('jax_num_cpu_devices', 3)  # refused once a backend has started\n"
+        "assert len(jax.devices()) == 3, jax.devices()\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert run.returncode == 0, run.stderr[-2000:]
 
 
@@ -71,8 +93,13 @@ class _FlatTrees:
         return tuple(range(n) for n in self.sizes)
 
 
-@pytest.mark.parametrize("split", [{"num_consts": 2, "num_carry": 1},  # jax 0.10
-                                   {"ft_in": _FlatTrees(2, 1, 3)}])  # jax 0.11 - 0.12
+@pytest.mark.parametrize(
+    "split",
+    [
+        {"num_consts": 2, "num_carry": 1},  # jax 0.10
+        {"ft_in": _FlatTrees(2, 1, 3)},
+    ],
+)  # jax 0.11 - 0.12
 def test_scan_operand_split_reads_every_supported_form(split):
     """The one function that reads a scan's operands gives the same split for both forms,
     whichever JAX runs the test."""
@@ -98,8 +125,7 @@ def fori_loss(p, b):
     interpreter cannot slice them per layer."""
     x = b["x"] * p["skip"]
     h = jnp.tanh(x @ p["inp"]["w"] + p["inp"]["b"])
-    h = jax.lax.fori_loop(0, models.LAYERS,
-                          lambda i, h: h + jnp.tanh(h @ p["layers"]["w"][i] + p["layers"]["b"][i]), h)
+    h = jax.lax.fori_loop(0, models.LAYERS, lambda i, h: h + jnp.tanh(h @ p["layers"]["w"][i] + p["layers"]["b"][i]), h)
     pred = (h @ p["out"]["w"] + p["out"]["b"]) * p["temp"]
     return jnp.mean((pred - b["y"]) ** 2)
 
@@ -110,8 +136,11 @@ def test_stack_gathered_whole_warns_and_stays_exact(stage):
     mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=stage)
     state = zj.init_state(params, tx, mesh=mesh, config=cfg)
     step = zj.make_train_step(fori_loss, tx, mesh=mesh, config=cfg)
-    with pytest.warns(UserWarning, match=r"stacked parameter \['layers'\]\['w'\] of shape \(3, 20, 20\) enters "
-                                         r"a 'scan' as a loop constant or carry \(not scanned over\) whole.*jax.lax.scan"):
+    with pytest.warns(
+        UserWarning,
+        match=r"stacked parameter \['layers'\]\['w'\] of shape \(3, 20, 20\) enters "
+        r"a 'scan' as a loop constant or carry \(not scanned over\) whole.*jax.lax.scan",
+    ):
         state, _ = step(state, b)
     ref, _ = models.reference_run(fori_loss, params, tx, [b])
     assert models.abs_errors(zj.gather_params(state), ref).max() <= 1e-5

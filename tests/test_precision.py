@@ -135,8 +135,7 @@ def test_stage3_gathers_in_compute_dtype_and_reduces_in_reduce_dtype():
     params = models.deep_params(4, 128, stacked=True)
     x = jnp.ones((64, 128))
     for reduce, rs_key in (("float32", "reduce-scatter:f32"), ("bfloat16", "reduce-scatter:bf16")):
-        state, step = make(3, optax.sgd(0.1), models.deep_loss, params, compute_dtype="bfloat16",
-                           reduce_dtype=reduce)
+        state, step = make(3, optax.sgd(0.1), models.deep_loss, params, compute_dtype="bfloat16", reduce_dtype=reduce)
         rep = zj.report.communication_report(step.lower(state, x).as_text(dialect="hlo"))
         gathers = {k for k in rep if k.startswith("all-gather")}
         scatters = {k for k in rep if k.startswith("reduce-scatter")}
@@ -179,11 +178,18 @@ def test_overflow_on_one_device_skips_for_everyone(stage, dtype):
 @pytest.mark.parametrize("stage", [1, 3])
 def test_scale_sequence_matches_deepspeed(stage, consecutive):
     window, hyst, init_power, min_scale = 3, 2, 5, 4.0
-    script = ([False] * 4 + [True] + [False] * 2 + [True, False, True, True] + [False] * 7
-              + [True] * 3 + [False] * 4)
-    state, step = make(stage, tx=optax.sgd(1e-3), loss_fn=poisoned_loss, compute_dtype="float16",
-                       loss_scale_window=window, hysteresis=hyst, initial_scale_power=init_power,
-                       min_loss_scale=min_scale, consecutive_hysteresis=consecutive)
+    script = [False] * 4 + [True] + [False] * 2 + [True, False, True, True] + [False] * 7 + [True] * 3 + [False] * 4
+    state, step = make(
+        stage,
+        tx=optax.sgd(1e-3),
+        loss_fn=poisoned_loss,
+        compute_dtype="float16",
+        loss_scale_window=window,
+        hysteresis=hyst,
+        initial_scale_power=init_power,
+        min_loss_scale=min_scale,
+        consecutive_hysteresis=consecutive,
+    )
     ref = DeepSpeedScaler(2.0**init_power, window, min_scale, hyst, consecutive)
     got, want = [], []
     for i, overflow in enumerate(script):
@@ -200,8 +206,7 @@ def test_scale_sequence_matches_deepspeed(stage, consecutive):
 def test_overflow_at_min_scale_raises_or_keeps_skipping():
     """The overflow-at-minimum flag is read one call later (no step waits for the host);
     the error carries the newest state, which holds only finite updates."""
-    kw = dict(loss_fn=poisoned_loss, compute_dtype="float16", initial_scale_power=1,
-              min_loss_scale=1.0, hysteresis=1)
+    kw = dict(loss_fn=poisoned_loss, compute_dtype="float16", initial_scale_power=1, min_loss_scale=1.0, hysteresis=1)
     state, step = make(3, **kw)
     state, m = step(state, poison_batch(0, bad_row=0))  # 2 -> 1
     assert float(state.loss_scale.scale) == 1.0
@@ -300,16 +305,19 @@ def test_accumulator_is_sharded_from_stage2():
     assert temps[1] - temps[2] > 0.6 * grad, (temps, grad)
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(compute_dtype="bfloat16", loss_scale="dynamic"), "cannot apply with compute_dtype='bfloat16'"),
-    (dict(loss_scale=128.0), "cannot apply with compute_dtype='float32'"),
-    (dict(compute_dtype="float16", loss_scale_window=0), "loss_scale_window must be >= 1, got 0"),
-    (dict(compute_dtype="float16", min_loss_scale=0.0), "min_loss_scale must be > 0, got 0.0"),
-    (dict(grad_accum_steps=0), "grad_accum_steps must be >= 1"),
-    (dict(compute_dtype="int8"), "compute_dtype must be one of"),
-    (dict(compute_dtype="float16", loss_scale=0), "'dynamic', a positive float or None"),
-    (dict(grad_clip=-1.0), "grad_clip must be a positive number"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(compute_dtype="bfloat16", loss_scale="dynamic"), "cannot apply with compute_dtype='bfloat16'"),
+        (dict(loss_scale=128.0), "cannot apply with compute_dtype='float32'"),
+        (dict(compute_dtype="float16", loss_scale_window=0), "loss_scale_window must be >= 1, got 0"),
+        (dict(compute_dtype="float16", min_loss_scale=0.0), "min_loss_scale must be > 0, got 0.0"),
+        (dict(grad_accum_steps=0), "grad_accum_steps must be >= 1"),
+        (dict(compute_dtype="int8"), "compute_dtype must be one of"),
+        (dict(compute_dtype="float16", loss_scale=0), "'dynamic', a positive float or None"),
+        (dict(grad_clip=-1.0), "grad_clip must be a positive number"),
+    ],
+)
 def test_bad_precision_config(kw, match):
     with pytest.raises(ValueError, match=match):
         zj.ZeroConfig(**kw)
@@ -317,7 +325,9 @@ def test_bad_precision_config(kw, match):
 
 def test_batch_must_split_into_micro_batches():
     state, step = make(3, grad_accum_steps=3)
-    with pytest.raises(ValueError, match=r"2 rows per device, which do not split into grad_accum_steps=3.*multiple of 24"):
+    with pytest.raises(
+        ValueError, match=r"2 rows per device, which do not split into grad_accum_steps=3.*multiple of 24"
+    ):
         step(state, models.batch(16))
     assert step.compile_count() == 0
 
@@ -349,8 +359,7 @@ def test_backward_runs_at_the_full_loss_scale(monkeypatch, stage, k):
     reduce_grad = collectives.reduce_grad
 
     def spy(g, axis, n, reduce_dtype, layout=None, replica=None, block=None):
-        jax.debug.callback(lambda i, x: seen.append((int(i), np.asarray(x, np.float32))),
-                           jax.lax.axis_index(axis), g)
+        jax.debug.callback(lambda i, x: seen.append((int(i), np.asarray(x, np.float32))), jax.lax.axis_index(axis), g)
         return reduce_grad(g, axis, n, reduce_dtype, layout, replica, block)
 
     monkeypatch.setattr(collectives, "reduce_grad", spy)
@@ -359,8 +368,9 @@ def test_backward_runs_at_the_full_loss_scale(monkeypatch, stage, k):
     b = models.batch(32, 0)
     loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
     power = 10
-    state, step = make(stage, optax.sgd(0.1), loss_fn, params, compute_dtype="float16",
-                       initial_scale_power=power, grad_accum_steps=k)
+    state, step = make(
+        stage, optax.sgd(0.1), loss_fn, params, compute_dtype="float16", initial_scale_power=power, grad_accum_steps=k
+    )
     state, m = step(state, b)
     jax.effects_barrier()
     assert not bool(m["skipped"]) and float(m["loss_scale"]) == 2.0**power
@@ -372,7 +382,7 @@ def test_backward_runs_at_the_full_loss_scale(monkeypatch, stage, k):
         want = jax.tree.map(jnp.zeros_like, p16)
         for j in range(k):
             lo = d * rows + j * rows // k
-            mb = jax.tree.map(lambda x: x[lo: lo + rows // k].astype(jnp.float16), b)
+            mb = jax.tree.map(lambda x: x[lo : lo + rows // k].astype(jnp.float16), b)
             g = jax.grad(lambda p: loss_fn(p, mb).astype(jnp.float32) * 2.0**power / k)(p16)
             want = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), want, g)
         got = {x.shape: x for i, x in seen if i == d}
@@ -409,8 +419,9 @@ def test_fp16_reduction_cannot_overflow_where_each_device_does_not(stage):
     not. The fp16 reduction divides by N before summing, as DeepSpeed's reduce-scatter does."""
     params = {"w": jnp.ones((16,))}
     loss_fn = lambda p, b: jnp.mean(b["x"] @ p["w"])  # d loss / d w = 1 per element
-    state, step = make(stage, optax.sgd(0.5), loss_fn, params, compute_dtype="float16",
-                       reduce_dtype="float16", loss_scale=20000.0)
+    state, step = make(
+        stage, optax.sgd(0.5), loss_fn, params, compute_dtype="float16", reduce_dtype="float16", loss_scale=20000.0
+    )
     state, m = step(state, {"x": jnp.ones((8, 16))})
     assert not bool(m["skipped"])
     np.testing.assert_allclose(np.asarray(zj.gather_params(state)["w"]), 0.5, rtol=1e-3)
@@ -430,7 +441,11 @@ def test_replacing_the_compute_dtype_keeps_the_loss_scale_default():
     with pytest.raises(ValueError, match="cannot apply with compute_dtype='bfloat16'"):
         dataclasses.replace(static, compute_dtype="bfloat16")
     # The train step scales by it: a replaced fp16 config skips an overflowing step.
-    state, step = make(2, loss_fn=poisoned_loss, params=models.mlp_params(),
-                       **{k: getattr(fp16, k) for k in ("compute_dtype", "loss_scale")})
+    state, step = make(
+        2,
+        loss_fn=poisoned_loss,
+        params=models.mlp_params(),
+        **{k: getattr(fp16, k) for k in ("compute_dtype", "loss_scale")},
+    )
     state, m = step(state, poison_batch(0, bad_row=3))
     assert bool(m["skipped"]) and float(m["loss_scale"]) == 2.0**FP16_SCALE_POWER

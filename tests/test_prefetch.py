@@ -39,8 +39,10 @@ def test_a_non_finite_activation_does_not_reach_the_parameters(stage, prefetch):
 @pytest.mark.parametrize("model", ["scan", "unrolled"])
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_prefetch_trains_like_optax(model, prefetch, remat):
-    make, loss = {"scan": (models.stacked_params, models.stacked_loss),
-                  "unrolled": (models.mlp_params, models.mlp_loss)}[model]
+    make, loss = {
+        "scan": (models.stacked_params, models.stacked_loss),
+        "unrolled": (models.mlp_params, models.mlp_loss),
+    }[model]
     tx, batches = optax.sgd(0.1, momentum=0.9), [models.batch(16, s) for s in range(3)]
     ref, ref_losses = models.reference_run(loss, make(), tx, batches)
     got, losses = models.zero_run(loss, make(), tx, batches, 3, prefetch=prefetch, remat=remat)
@@ -100,7 +102,12 @@ def test_unrolled_layers_gather_one_layer_ahead():
     for prefetch in (0, 1):
         mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=3, prefetch=prefetch)
         state = zj.init_state(params, optax.sgd(0.1), mesh=mesh, config=cfg)
-        text = zj.make_eval_step(models.deep_loss, mesh=mesh, config=cfg).lower(state, jnp.ones((64, d))).compile().as_text()
+        text = (
+            zj.make_eval_step(models.deep_loss, mesh=mesh, config=cfg)
+            .lower(state, jnp.ones((64, d)))
+            .compile()
+            .as_text()
+        )
         prog = hlo.parse(text)
         entry = prog.entry
         matmuls = prog.matmuls(entry)
@@ -153,8 +160,13 @@ def test_gpu_overlap_flags_are_known_to_this_jaxlib(tmp_path):
     import sys
 
     env = dict(__import__("os").environ, XLA_FLAGS=zj.xla_flags.with_gpu_overlap_flags(""), JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-c", "import jax; print(float(jax.jit(lambda x: x + 1)(1.0)))"],
-                       env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", "import jax; print(float(jax.jit(lambda x: x + 1)(1.0)))"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and r.stdout.strip() == "2.0", r.stderr[-2000:]
     # A value the user set wins; nothing is duplicated.
     merged = zj.xla_flags.with_gpu_overlap_flags("--xla_gpu_enable_latency_hiding_scheduler=false --foo=1")
@@ -172,8 +184,9 @@ def test_launcher_passes_the_overlap_flags(tmp_path):
     from zerojax.launch import launch
 
     out = io.StringIO()
-    code = launch([__import__("sys").executable, "-c", "import os; print(os.environ['XLA_FLAGS'])"], 2,
-                  gpu_overlap=True, out=out)
+    code = launch(
+        [__import__("sys").executable, "-c", "import os; print(os.environ['XLA_FLAGS'])"], 2, gpu_overlap=True, out=out
+    )
     assert code == 0
     lines = [l for l in out.getvalue().splitlines() if l.startswith("[rank")]
     assert len(lines) == 2 and all("--xla_gpu_enable_pipelined_all_gather=true" in l for l in lines)

@@ -66,9 +66,11 @@ def test_readme_python_blocks_run(capsys):
     # The Hugging Face fine-tune: one LoRA step from the transformers checkpoint, exported
     # merged in its layout under its own tensor names.
     import json
+
     assert int(namespace["ft_state"].step) == 1 and np.isfinite(float(namespace["ft_metrics"]["loss"]))
     ref_index = json.loads((ROOT / "tests/data/hf/llama32_tied/model.safetensors.index.json").read_text())
     from safetensors.numpy import load_file
+
     exported = load_file("/tmp/finetuned/model.safetensors")  # under 5GB: one file, as transformers writes it
     assert set(exported) == set(ref_index["weight_map"]) and "lm_head.weight" not in exported  # tied: saved once
     written = json.loads(pathlib.Path("/tmp/finetuned/config.json").read_text())
@@ -106,12 +108,18 @@ def test_readme_says_how_to_get_simulated_devices_and_what_the_report_total_is(t
     import optax
 
     assert "JAX_NUM_CPU_DEVICES=8 python train.py" in README and 'jax_num_cpu_devices", 8' in README
-    r = subprocess.run([sys.executable, "-c", "import jax; print(jax.device_count())"], capture_output=True,
-                       text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu",
-                                                     "JAX_NUM_CPU_DEVICES": "8"})
+    r = subprocess.run(
+        [sys.executable, "-c", "import jax; print(jax.device_count())"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "8"},
+    )
     assert r.stdout.strip() == "8", r.stderr[-2000:]
-    (line,) = [l for l in README.splitlines() if "zj.report.communication_report(compiled)" in l and l.startswith("print(")]
-    expr = line[len("print("):line.index("  #")].rstrip()[:-1]
+    (line,) = [
+        l for l in README.splitlines() if "zj.report.communication_report(compiled)" in l and l.startswith("print(")
+    ]
+    expr = line[len("print(") : line.index("  #")].rstrip()[:-1]
     mesh, cfg, tx = zj.make_mesh(), zj.ZeroConfig(stage=2), optax.sgd(0.1)
     state = zj.init_state({"w": jnp.zeros((64, 64))}, tx, mesh=mesh, config=cfg)
     step = zj.make_train_step(lambda p, b: jnp.mean(jnp.tanh(b @ p["w"])), tx, mesh=mesh, config=cfg)

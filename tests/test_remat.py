@@ -89,8 +89,7 @@ def test_linen_module_class_remat_under_scan():
         class Net(nn.Module):
             @nn.compact
             def __call__(self, x):
-                Stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
-                                length=models.LAYERS)
+                Stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=models.LAYERS)
                 return Stack(name="stack")(x, None)[0]
 
         net = Net()
@@ -106,8 +105,9 @@ def _plain_stack(p, x):
     class PlainNet(nn.Module):
         @nn.compact
         def __call__(self, x):
-            Stack = nn.scan(models.LinenBlock, variable_axes={"params": 0}, split_rngs={"params": True},
-                            length=models.LAYERS)
+            Stack = nn.scan(
+                models.LinenBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=models.LAYERS
+            )
             return Stack(name="stack")(x, None)[0]
 
     return PlainNet().apply({"params": p}, x)
@@ -133,8 +133,9 @@ def table():
     def rows(*policies):
         todo = [p for p in policies if p not in _TABLE]
         if todo:
-            _TABLE.update(remat_table.main(["--layers", "3", "--d-model", "128", "--batch", "32",
-                                            "--policies", ",".join(todo)]))
+            _TABLE.update(
+                remat_table.main(["--layers", "3", "--d-model", "128", "--batch", "32", "--policies", ",".join(todo)])
+            )
         return {p: _TABLE[p] for p in policies}
 
     return rows
@@ -175,8 +176,11 @@ def test_stage3_remat_regathers_in_backward_without_a_third_gather():
         mesh, zc = zj.make_mesh(), zj.ZeroConfig(stage=3, remat=pol)
         state = zj.init_state(params, optax.sgd(0.1), mesh=mesh, config=zc)
         c = zj.make_train_step(models.deep_loss, optax.sgd(0.1), mesh=mesh, config=zc).lower(state, x).compile()
-        w = [col for col in zj.report.comm.collectives(c.as_text())
-             if col.kind == "all-gather" and col.bytes == d * d * 4]
+        w = [
+            col
+            for col in zj.report.comm.collectives(c.as_text())
+            if col.kind == "all-gather" and col.bytes == d * d * 4
+        ]
         counts[pol] = sum(col.count for col in w)
         temps[pol] = zj.report.compiled_bytes(c)["temp"]
     # Forward, then again in backward (the recomputed forward feeds the layer's backward).
@@ -194,8 +198,9 @@ def test_remat_in_the_model_trains_like_optax_under_zero(stage):
         @nn.compact
         def __call__(self, x):
             x = nn.Dense(models.HID)(x)
-            x = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
-                        length=models.LAYERS)(name="stack")(x, None)[0]
+            x = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=models.LAYERS)(
+                name="stack"
+            )(x, None)[0]
             return nn.Dense(models.OUT)(x)
 
     net = Net()

@@ -31,8 +31,10 @@ def step8():
 def train(directory, until, step, *, save_every=2, mesh=None, config=CONFIG, keep_last=None):
     """One start of a run: resume (or start) in ``directory`` and train until step ``until``."""
     mesh = mesh or zj.make_mesh()
-    run, data = Run(RunConfig(directory, save_every=save_every, keep_last=keep_last)), IndexSampler(N_RECORDS, BATCH,
-                                                                                                    seed=5)
+    run, data = (
+        Run(RunConfig(directory, save_every=save_every, keep_last=keep_last)),
+        IndexSampler(N_RECORDS, BATCH, seed=5),
+    )
     config = run.micro_batches(config, mesh, BATCH)
     state = run.restore_or_init(models.stacked_params(), TX, mesh=mesh, config=config, data=data)
     if step is None:
@@ -82,8 +84,11 @@ def test_data_position_and_extra_come_back(tmp_path, step8):
 
 def test_a_damaged_latest_checkpoint_is_skipped_with_its_name(tmp_path, step8, uninterrupted, capsys):
     train(tmp_path, 6, step8)  # checkpoints 2, 4, 6
-    files = [f for f in glob.glob(str(tmp_path / "6" / "state" / "**" / "*"), recursive=True)
-             if os.path.isfile(f) and os.path.getsize(f) > 64]
+    files = [
+        f
+        for f in glob.glob(str(tmp_path / "6" / "state" / "**" / "*"), recursive=True)
+        if os.path.isfile(f) and os.path.getsize(f) > 64
+    ]
     assert files
     for f in files:  # every data file of step 6 cut short
         with open(f, "r+b") as fh:
@@ -142,7 +147,9 @@ def test_resuming_another_model_names_the_leaves_before_any_step(tmp_path, step8
     wrong = models.stacked_params()
     wrong["out"]["w"] = jnp.zeros((20, 9))
     run = Run(RunConfig(tmp_path, save_every=2))
-    with pytest.raises(zj.checkpoint.CheckpointMismatchError, match=r"\['out'\]\['w'\]: checkpoint \(20, 7\), params \(20, 9\)"):
+    with pytest.raises(
+        zj.checkpoint.CheckpointMismatchError, match=r"\['out'\]\['w'\]: checkpoint \(20, 7\), params \(20, 9\)"
+    ):
         run.restore_or_init(wrong, TX, mesh=zj.make_mesh(), config=CONFIG, data=IndexSampler(N_RECORDS, BATCH, seed=5))
 
 
@@ -159,20 +166,25 @@ def test_bad_input_is_refused_with_the_fix(tmp_path, step8):
     with pytest.raises(ValueError, match="saved .step 2. with a global batch of 16 rows; this start asks for 32"):
         run.micro_batches(CONFIG, zj.make_mesh(), 32)
     with pytest.raises(ValueError, match="another sampler .seed: saved 5, this sampler 6"):
-        run.restore_or_init(models.stacked_params(), TX, mesh=zj.make_mesh(), config=CONFIG,
-                            data=IndexSampler(N_RECORDS, BATCH, seed=6))
+        run.restore_or_init(
+            models.stacked_params(), TX, mesh=zj.make_mesh(), config=CONFIG, data=IndexSampler(N_RECORDS, BATCH, seed=6)
+        )
     with pytest.raises(ValueError, match="saved with a data position and this restore passes none"):
-        Run(RunConfig(tmp_path, save_every=2)).restore_or_init(models.stacked_params(), TX, mesh=zj.make_mesh(),
-                                                               config=CONFIG)
+        Run(RunConfig(tmp_path, save_every=2)).restore_or_init(
+            models.stacked_params(), TX, mesh=zj.make_mesh(), config=CONFIG
+        )
     with pytest.raises(TypeError, match="data must have get_state"):
-        Run(RunConfig(tmp_path, save_every=2)).restore_or_init(models.stacked_params(), TX, mesh=zj.make_mesh(),
-                                                               config=CONFIG, data=iter(range(3)))
+        Run(RunConfig(tmp_path, save_every=2)).restore_or_init(
+            models.stacked_params(), TX, mesh=zj.make_mesh(), config=CONFIG, data=iter(range(3))
+        )
     plain = tmp_path / "plain"
-    zj.save_checkpoint(plain, zj.init_state(models.stacked_params(), TX, mesh=zj.make_mesh(), config=CONFIG),
-                       step=1, wait=True)
+    zj.save_checkpoint(
+        plain, zj.init_state(models.stacked_params(), TX, mesh=zj.make_mesh(), config=CONFIG), step=1, wait=True
+    )
     with pytest.raises(zj.resume.NotARunError, match="not saved by a zerojax.resume.Run"):
-        Run(RunConfig(plain, save_every=2)).restore_or_init(models.stacked_params(), TX, mesh=zj.make_mesh(),
-                                                            config=CONFIG)
+        Run(RunConfig(plain, save_every=2)).restore_or_init(
+            models.stacked_params(), TX, mesh=zj.make_mesh(), config=CONFIG
+        )
 
 
 class BytesPosition:
@@ -217,7 +229,7 @@ def test_sampler_is_a_pure_function_of_its_position(seed):
         assert batch.shape == (b,) and len(set(batch.tolist())) == b and batch.max() < n
     per_epoch = n // b
     for e in range(len(drawn) // per_epoch):
-        epoch = np.concatenate(drawn[e * per_epoch:(e + 1) * per_epoch])
+        epoch = np.concatenate(drawn[e * per_epoch : (e + 1) * per_epoch])
         assert len(set(epoch.tolist())) == per_epoch * b
     k = int(rng.integers(0, len(drawn)))
     t = IndexSampler(n, b, seed=seed)

@@ -25,8 +25,12 @@ FIX = r"Give shifted targets in the batch.*zj.nn.global_positions.*zj.nn.dot_pro
 
 def _inputs(seed=0):
     k = jax.random.split(jax.random.key(seed), 4)
-    return {"logits": jax.random.normal(k[0], (B, T, V)), "tokens": jax.random.randint(k[1], (B, T), 0, V),
-            "x": jax.random.normal(k[2], (B, T, D)), "weights": (jax.random.uniform(k[3], (B, T)) > 0.3) * 1.0}
+    return {
+        "logits": jax.random.normal(k[0], (B, T, V)),
+        "tokens": jax.random.randint(k[1], (B, T), 0, V),
+        "x": jax.random.normal(k[2], (B, T, D)),
+        "weights": (jax.random.uniform(k[3], (B, T)) > 0.3) * 1.0,
+    }
 
 
 def _permuted(batch):
@@ -63,32 +67,52 @@ def _attention(x, causal):
 
 WRONG = {
     "shifted targets": (lambda b: _xent(b["logits"][:, :-1], b["tokens"][:, 1:]).mean(), r"'slice' slices dimension 1"),
-    "jnp.roll": (lambda b: _xent(b["logits"], jnp.roll(b["tokens"], -1, axis=1)).mean(),
-                 r"inside '_roll_static'\) 'slice' slices dimension 1"),
-    "jnp.arange positions into RoPE": (lambda b: _rope(b["x"], jnp.arange(T)[None]).sum(),
-                                        r"'mul' combines the permuted sequence with an index in natural order"),
-    "causal attention with jnp.tril": (lambda b: _attention(b["x"], causal=True).sum(),
-                                       r"'select_n' combines the permuted sequence with an index in natural order"),
+    "jnp.roll": (
+        lambda b: _xent(b["logits"], jnp.roll(b["tokens"], -1, axis=1)).mean(),
+        r"inside '_roll_static'\) 'slice' slices dimension 1",
+    ),
+    "jnp.arange positions into RoPE": (
+        lambda b: _rope(b["x"], jnp.arange(T)[None]).sum(),
+        r"'mul' combines the permuted sequence with an index in natural order",
+    ),
+    "causal attention with jnp.tril": (
+        lambda b: _attention(b["x"], causal=True).sum(),
+        r"'select_n' combines the permuted sequence with an index in natural order",
+    ),
     "cumsum": (lambda b: (jnp.cumsum(b["x"], axis=1) ** 2).mean(), r"'cumsum' sums cumulatively along dimension 1"),
-    "argmax over the sequence": (lambda b: jnp.argmax(b["x"][..., 0], axis=1).astype(jnp.float32).mean(),
-                                 r"'argmax' returns the index of its pick along dimension 1"),
-    "a token-mixing matmul": (lambda b: jnp.einsum("btd,ts->bsd", b["x"], jnp.tri(T) + 1.0).sum(),
-                              r"'dot_general' contracts dimension 1 of a float32\[2,16,8\] value"),
-    "a pad (a causal shift)": (lambda b: (jnp.pad(b["x"], ((0, 0), (1, 0), (0, 0)))[:, :T] * b["x"]).sum(),
-                               r"'pad' pads dimension 1"),
+    "argmax over the sequence": (
+        lambda b: jnp.argmax(b["x"][..., 0], axis=1).astype(jnp.float32).mean(),
+        r"'argmax' returns the index of its pick along dimension 1",
+    ),
+    "a token-mixing matmul": (
+        lambda b: jnp.einsum("btd,ts->bsd", b["x"], jnp.tri(T) + 1.0).sum(),
+        r"'dot_general' contracts dimension 1 of a float32\[2,16,8\] value",
+    ),
+    "a pad (a causal shift)": (
+        lambda b: (jnp.pad(b["x"], ((0, 0), (1, 0), (0, 0)))[:, :T] * b["x"]).sum(),
+        r"'pad' pads dimension 1",
+    ),
     "a reverse": (lambda b: (jnp.flip(b["x"], 1) * b["x"]).sum(), r"'rev' reverses dimension 1"),
     "a sort": (lambda b: (jnp.sort(b["x"], axis=1) * b["x"]).sum(), r"'sort' sorts along dimension 1"),
     "a convolution over the sequence": (
-        lambda b: jax.lax.conv_general_dilated(b["x"], jnp.ones((3, D, D)), (1,), "SAME",
-                                               dimension_numbers=("NHC", "HIO", "NHC")).sum() * b["x"][0, 0, 0],
-        r"'conv_general_dilated' convolves along dimension 1"),
+        lambda b: (
+            jax.lax.conv_general_dilated(
+                b["x"], jnp.ones((3, D, D)), (1,), "SAME", dimension_numbers=("NHC", "HIO", "NHC")
+            ).sum()
+            * b["x"][0, 0, 0]
+        ),
+        r"'conv_general_dilated' convolves along dimension 1",
+    ),
     "a scan carrying state along the sequence": (
-        lambda b: jax.lax.scan(lambda c, x: (0.9 * c + x, c * x), jnp.zeros((B, D)),
-                               jnp.swapaxes(b["x"], 0, 1))[1].sum(),
-        r"'scan' loops over dimension 0 of a float32\[16,2,8\] value"),
+        lambda b: jax.lax.scan(lambda c, x: (0.9 * c + x, c * x), jnp.zeros((B, D)), jnp.swapaxes(b["x"], 0, 1))[
+            1
+        ].sum(),
+        r"'scan' loops over dimension 0 of a float32\[16,2,8\] value",
+    ),
     "a dynamic slice of the sequence": (
         lambda b: (jax.lax.dynamic_slice_in_dim(b["x"], b["tokens"].sum() % 8, 4, axis=1) ** 3).sum(),
-        r"'dynamic_slice' slices \(a dynamic slice\) along dimension 1"),
+        r"'dynamic_slice' slices \(a dynamic slice\) along dimension 1",
+    ),
 }
 
 
@@ -97,30 +121,42 @@ def test_a_wrong_loss_is_refused_naming_the_op_its_line_and_the_fix(case):
     loss, message = WRONG[case]
     batch = _inputs()
     assert not _exact_on_the_permuted_sequence(loss, batch)  # the refusal is no false alarm
-    with pytest.raises(ValueError, match=rf"loss_fn would be silently wrong with ZeroConfig\(context_layout="
-                                         rf"'balanced'\).* at .*{LINE}.*{message}.*{FIX}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"loss_fn would be silently wrong with ZeroConfig\(context_layout="
+        rf"'balanced'\).* at .*{LINE}.*{message}.*{FIX}",
+    ):
         _check(loss, batch)
 
 
 EXACT = {
     "optax's integer-label cross-entropy": lambda b: _xent(b["logits"], b["tokens"]).mean(),
-    "a masked mean with weights": lambda b: (_xent(b["logits"], b["tokens"]) * b["weights"]).sum()
-    / jnp.maximum(b["weights"].sum(), 1.0),
-    "one-hot over the vocabulary": lambda b: -(jax.nn.one_hot(b["tokens"], V) * jax.nn.log_softmax(b["logits"]))
-    .sum(-1).mean(),
+    "a masked mean with weights": lambda b: (
+        (_xent(b["logits"], b["tokens"]) * b["weights"]).sum() / jnp.maximum(b["weights"].sum(), 1.0)
+    ),
+    "one-hot over the vocabulary": lambda b: (
+        -(jax.nn.one_hot(b["tokens"], V) * jax.nn.log_softmax(b["logits"])).sum(-1).mean()
+    ),
     "attention without a mask": lambda b: _attention(b["x"], causal=False).sum(),
     "a mean and a max over the sequence": lambda b: b["x"].mean(1).sum() + b["x"].max(axis=1).sum(),
     "the cross-entropy on merged batch and sequence": lambda b: _xent(
-        b["logits"].reshape(B * T, V), b["tokens"].reshape(B * T)).mean(),
-    "an embedding lookup": lambda b: (jnp.take(jnp.arange(V * D, dtype=jnp.float32).reshape(V, D), b["tokens"],
-                                               axis=0) * b["x"]).sum(),
+        b["logits"].reshape(B * T, V), b["tokens"].reshape(B * T)
+    ).mean(),
+    "an embedding lookup": lambda b: (
+        jnp.take(jnp.arange(V * D, dtype=jnp.float32).reshape(V, D), b["tokens"], axis=0) * b["x"]
+    ).sum(),
     "a map over sequence chunks (no carry)": lambda b: jax.lax.map(
-        lambda c: jnp.tanh(c).sum(), jnp.moveaxis(b["x"].reshape(B, 4, T // 4, D), 1, 0)).sum(),
+        lambda c: jnp.tanh(c).sum(), jnp.moveaxis(b["x"].reshape(B, 4, T // 4, D), 1, 0)
+    ).sum(),
     "a loop over layers with the sequence in its carry": lambda b: jax.lax.fori_loop(
-        0, 3, lambda i, h: jnp.tanh(h @ jnp.eye(D)), b["x"]).sum(),
+        0, 3, lambda i, h: jnp.tanh(h @ jnp.eye(D)), b["x"]
+    ).sum(),
     "a cond and a while loop": lambda b: jax.lax.cond(
-        b["weights"].sum() > 0, lambda x: x * 2, lambda x: -x,
-        jax.lax.while_loop(lambda s: s[0] < 3, lambda s: (s[0] + 1, s[1] * 0.5), (0, b["x"]))[1]).sum(),
+        b["weights"].sum() > 0,
+        lambda x: x * 2,
+        lambda x: -x,
+        jax.lax.while_loop(lambda s: s[0] < 3, lambda s: (s[0] + 1, s[1] * 0.5), (0, b["x"]))[1],
+    ).sum(),
     "a roll over features": lambda b: (jnp.roll(b["x"], 1, axis=-1) * b["x"]).sum(),
 }
 
@@ -134,6 +170,7 @@ def test_an_exact_loss_passes(case):
 
 def test_dropout_on_the_permuted_sequence_passes():
     """Random bits are drawn per index, not per position: no order to keep."""
+
     def loss(b):
         keep = jax.random.bernoulli(jax.random.key(1), 0.9, b["x"].shape)
         return (jnp.where(keep, b["x"], 0.0) / 0.9).mean()
@@ -157,15 +194,17 @@ def test_the_llama_with_the_context_kernels_passes(attention, extras):
     traced as the step traces it: the kernels' regions know the layout; everything around
     them (RoPE from global_positions or from the batch, GQA reshapes, the layer scan with
     remat, optax's cross-entropy, weights, key masks) is exact."""
-    cfg = llama.LlamaConfig(vocab=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, seq_len=T,
-                            attention=attention, remat="full")
+    cfg = llama.LlamaConfig(
+        vocab=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, seq_len=T, attention=attention, remat="full"
+    )
     graphdef, params = llama.init_abstract(cfg)
     batch = {"inputs": jax.ShapeDtypeStruct((B, T), jnp.int32), "targets": jax.ShapeDtypeStruct((B, T), jnp.int32)}
     kinds = {"weights": jnp.float32, "mask": jnp.bool_, "positions": jnp.int32}
     batch.update({k: jax.ShapeDtypeStruct((B, T), kinds[k]) for k in extras})
     with jax.set_mesh(zj.make_mesh(context=C)):
-        closed = jax.make_jaxpr(functools.partial(llama.make_loss(graphdef), layout=Layout("balanced", C)))(params,
-                                                                                                           batch)
+        closed = jax.make_jaxpr(functools.partial(llama.make_loss(graphdef), layout=Layout("balanced", C)))(
+            params, batch
+        )
     dims = [frozenset()] * len(jax.tree.leaves(params)) + [frozenset({1})] * len(batch)
     check_sequence_order(closed, dims, what="loss_fn")
 
@@ -179,8 +218,9 @@ def test_a_natural_order_mask_handed_to_the_kernels_is_refused(method):
     def loss(b, causal_mask, boolean=False):
         q = b["x"].reshape(B, T, 2, D // 2)
         mask = nn.make_causal_mask(b["tokens"], dtype=bool if boolean else jnp.float32) if causal_mask else None
-        return zj.nn.dot_product_attention(q, q, q, mask=mask, is_causal=not causal_mask, method=method,
-                                           layout="balanced").sum()
+        return zj.nn.dot_product_attention(
+            q, q, q, mask=mask, is_causal=not causal_mask, method=method, layout="balanced"
+        ).sum()
 
     batch = {"tokens": jax.ShapeDtypeStruct((B, T), jnp.int32), "x": jax.ShapeDtypeStruct((B, T, D), jnp.float32)}
     with jax.set_mesh(zj.make_mesh(context=2)):
@@ -189,9 +229,12 @@ def test_a_natural_order_mask_handed_to_the_kernels_is_refused(method):
         # boolean one where the kernel is handed it).
         with pytest.raises(ValueError, match=rf"{LINE}.*index in natural order"):
             _check(lambda b: loss(b, True), batch)
-        with pytest.raises(ValueError, match=rf"{LINE}.*'shard_map' \(zj.nn.dot_product_attention's kernel\) is "
-                                             r"given a bool\[2,1,16,16\] mask or bias whose dimension 2 was built "
-                                             r"over the sequence in natural order.*Pass is_causal=True instead"):
+        with pytest.raises(
+            ValueError,
+            match=rf"{LINE}.*'shard_map' \(zj.nn.dot_product_attention's kernel\) is "
+            r"given a bool\[2,1,16,16\] mask or bias whose dimension 2 was built "
+            r"over the sequence in natural order.*Pass is_causal=True instead",
+        ):
             _check(lambda b: loss(b, True, boolean=True), batch)
 
 
@@ -200,11 +243,15 @@ def test_the_llama_with_plain_attention_is_refused():
     graphdef, params = llama.init_abstract(cfg)
     batch = {k: jax.ShapeDtypeStruct((B, T), jnp.int32) for k in ("inputs", "targets")}
     with jax.set_mesh(zj.make_mesh(context=C)):
-        closed = jax.make_jaxpr(functools.partial(llama.make_loss(graphdef), layout=Layout("balanced", C)))(params,
-                                                                                                           batch)
+        closed = jax.make_jaxpr(functools.partial(llama.make_loss(graphdef), layout=Layout("balanced", C)))(
+            params, batch
+        )
     dims = [frozenset()] * len(jax.tree.leaves(params)) + [frozenset({1})] * len(batch)
-    with pytest.raises(ValueError, match=r"llama.py:\d+ \(Block.attention\).*'select_n' combines the permuted "
-                                         r"sequence with an index in natural order"):
+    with pytest.raises(
+        ValueError,
+        match=r"llama.py:\d+ \(Block.attention\).*'select_n' combines the permuted "
+        r"sequence with an index in natural order",
+    ):
         check_sequence_order(closed, dims, what="loss_fn")
 
 
@@ -212,11 +259,14 @@ def test_sequence_parallel_matmuls_beside_ring_attention_pass():
     """On data x context x tensor: zj.nn.column_parallel gathers the sequence over "tensor"
     in device order and zj.nn.row_parallel reduce-scatters onto it, both exact on the
     permuted sequence; the ring kernel sits between them."""
+
     def loss(p, b):
         x = zj.nn.sequence_parallel(p["emb"][b["inputs"]])
         q, k, v = (y.reshape(B, T, 2, D // 2) for y in zj.nn.column_parallel(x, (p["q"], p["k"], p["v"])))
-        x = x + zj.nn.row_parallel(zj.nn.dot_product_attention(q, k, v, is_causal=True, method="ring",
-                                                               layout="balanced").reshape(B, T, D), p["o"])
+        x = x + zj.nn.row_parallel(
+            zj.nn.dot_product_attention(q, k, v, is_causal=True, method="ring", layout="balanced").reshape(B, T, D),
+            p["o"],
+        )
         return _xent(zj.nn.column_parallel(x, p["head"]), b["targets"]).mean()
 
     p = {"emb": (V, D), "q": (D, D), "k": (D, D), "v": (D, D), "o": (D, D), "head": (D, V)}
@@ -227,12 +277,14 @@ def test_sequence_parallel_matmuls_beside_ring_attention_pass():
     check_sequence_order(closed, [frozenset()] * len(p) + [frozenset({1})] * 2, what="loss_fn")
 
 
-@pytest.mark.parametrize("collective,refused", [("ppermute", True), ("psum", True), ("sum then psum", False),
-                                                ("all_gather", False)])
+@pytest.mark.parametrize(
+    "collective,refused", [("ppermute", True), ("psum", True), ("sum then psum", False), ("all_gather", False)]
+)
 def test_a_users_shard_map_over_the_sequence(collective, refused):
     """In a region of the user's own, a collective that moves or sums blocks of the sequence
     across devices is refused; one that gathers them in order, or reduces after the
     sequence is summed away, is not."""
+
     def body(x):
         if collective == "ppermute":
             return jax.lax.ppermute(x, "context", [(i, (i + 1) % C) for i in range(C)]).sum()
@@ -243,13 +295,17 @@ def test_a_users_shard_map_over_the_sequence(collective, refused):
         return jax.lax.psum(x.sum(1), "context").sum()
 
     def loss(b):
-        return jax.shard_map(body, in_specs=P(None, "context"), out_specs=P(), axis_names={"context"},
-                             check_vma=False)(b["x"])
+        return jax.shard_map(body, in_specs=P(None, "context"), out_specs=P(), axis_names={"context"}, check_vma=False)(
+            b["x"]
+        )
 
     with jax.set_mesh(zj.make_mesh(context=C)):
         if refused:
-            with pytest.raises(ValueError, match=rf"{LINE}.*'{collective}' .* blocks of dimension 1 .* split over "
-                                                 r"\('context',\): it mixes different positions"):
+            with pytest.raises(
+                ValueError,
+                match=rf"{LINE}.*'{collective}' .* blocks of dimension 1 .* split over "
+                r"\('context',\): it mixes different positions",
+            ):
                 _check(loss, {"x": _inputs()["x"]})
         else:
             _check(loss, {"x": _inputs()["x"]})
@@ -260,8 +316,11 @@ def test_an_unknown_primitive_on_the_sequence_is_refused_naming_it():
         y = jax.pure_callback(lambda x: np.asarray(x), jax.ShapeDtypeStruct(b["x"].shape, b["x"].dtype), b["x"])
         return y.sum()
 
-    with pytest.raises(ValueError, match=rf"{LINE}.*'pure_callback' is an operation zerojax does not know the "
-                                         r"dimensions of, applied to dimension 1"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{LINE}.*'pure_callback' is an operation zerojax does not know the "
+        r"dimensions of, applied to dimension 1",
+    ):
         _check(loss, {"x": _inputs()["x"]})
     # the same loss where no dimension is permuted: not refused
     closed = jax.make_jaxpr(loss)({"x": _inputs()["x"]})

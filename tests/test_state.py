@@ -19,12 +19,15 @@ def gpt_style_params(vocab=50257, d=64, layers=2, seq=128):
     rng = np.random.default_rng(0)
     f = lambda *s: jnp.asarray(rng.normal(size=s) * 0.02, jnp.float32)
     return {
-        "wte": f(vocab, d), "wpe": f(seq, d),
-        "blocks": {"ln1": {"scale": jnp.ones((layers, d)), "bias": jnp.zeros((layers, d))},
-                   "qkv": {"w": f(layers, d, 3 * d), "b": jnp.zeros((layers, 3 * d))},
-                   "proj": {"w": f(layers, d, d), "b": jnp.zeros((layers, d))},
-                   "fc": {"w": f(layers, d, 4 * d), "b": jnp.zeros((layers, 4 * d))},
-                   "out": {"w": f(layers, 4 * d, d), "b": jnp.zeros((layers, d))}},
+        "wte": f(vocab, d),
+        "wpe": f(seq, d),
+        "blocks": {
+            "ln1": {"scale": jnp.ones((layers, d)), "bias": jnp.zeros((layers, d))},
+            "qkv": {"w": f(layers, d, 3 * d), "b": jnp.zeros((layers, 3 * d))},
+            "proj": {"w": f(layers, d, d), "b": jnp.zeros((layers, d))},
+            "fc": {"w": f(layers, d, 4 * d), "b": jnp.zeros((layers, 4 * d))},
+            "out": {"w": f(layers, 4 * d, d), "b": jnp.zeros((layers, d))},
+        },
         "ln_f": {"scale": jnp.ones((d,)), "bias": jnp.zeros((d,))},
         "head": {"w": f(d, vocab), "b": jnp.zeros((vocab,))},
     }
@@ -34,8 +37,10 @@ def gpt_style_params(vocab=50257, d=64, layers=2, seq=128):
 def gpt():
     params = gpt_style_params()
     psi = sum(x.size for x in jax.tree.leaves(params))
-    states = {s: zj.init_state(params, optax.adamw(1e-3), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=s))
-              for s in range(4)}
+    states = {
+        s: zj.init_state(params, optax.adamw(1e-3), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=s))
+        for s in range(4)
+    }
     return params, psi, states
 
 
@@ -108,7 +113,9 @@ def test_gather_params_roundtrip_any_stage():
             assert a.dtype == b.dtype and a.shape == b.shape
 
 
-@pytest.mark.parametrize("stage,dtype", [(0, "float32"), (1, "float32"), (2, "float32"), (2, "bfloat16"), (3, "float32")])
+@pytest.mark.parametrize(
+    "stage,dtype", [(0, "float32"), (1, "float32"), (2, "float32"), (2, "bfloat16"), (3, "float32")]
+)
 def test_gathered_params_survive_the_next_step(stage, dtype):
     """gather_params returns new arrays: the next (donating) step does not delete them."""
     params = models.mlp_params()
@@ -119,5 +126,7 @@ def test_gathered_params_survive_the_next_step(stage, dtype):
     state, _ = step(state, models.batch(16))
     for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # readable, and the old values
-    assert any((np.asarray(a) != np.asarray(b)).any()
-               for a, b in zip(jax.tree.leaves(zj.gather_params(state)), jax.tree.leaves(params)))
+    assert any(
+        (np.asarray(a) != np.asarray(b)).any()
+        for a, b in zip(jax.tree.leaves(zj.gather_params(state)), jax.tree.leaves(params))
+    )

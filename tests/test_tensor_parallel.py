@@ -23,8 +23,13 @@ D, F = 16, 32
 def mlp_params(seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     f = lambda *s: jnp.asarray(rng.normal(size=s) / np.sqrt(s[0]), jnp.float32)
-    return {"w1": f(D, F), "b1": jnp.asarray(rng.normal(size=(F,)) * 0.1, jnp.float32), "w2": f(F, D),
-            "b2": jnp.zeros((D,)), "scale": jnp.ones((D,))}
+    return {
+        "w1": f(D, F),
+        "b1": jnp.asarray(rng.normal(size=(F,)) * 0.1, jnp.float32),
+        "w2": f(F, D),
+        "b2": jnp.zeros((D,)),
+        "scale": jnp.ones((D,)),
+    }
 
 
 # Megatron's MLP: w1 column-parallel (with its bias), w2 row-parallel; b2 and scale whole.
@@ -38,8 +43,10 @@ def mlp_loss(p, b):
 
 def batches(k: int = 3, n: int = 16, seed: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)
-    return [{"x": jnp.asarray(rng.normal(size=(n, D)), jnp.float32),
-             "y": jnp.asarray(rng.normal(size=(n, D)), jnp.float32)} for _ in range(k)]
+    return [
+        {"x": jnp.asarray(rng.normal(size=(n, D)), jnp.float32), "y": jnp.asarray(rng.normal(size=(n, D)), jnp.float32)}
+        for _ in range(k)
+    ]
 
 
 def tp_run(loss_fn, params, tx, data, *, tensor, replicas=1, tensor_specs=None, **config):
@@ -122,8 +129,9 @@ def test_grad_norm_counts_unsplit_weights_once():
     held whole by both tensor shards, are counted once."""
     params, data = mlp_params(), batches(2)
     norms: list[float] = []
-    ref, _ = reference_run(mlp_loss, params, optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1)), data,
-                           grad_norms=norms)
+    ref, _ = reference_run(
+        mlp_loss, params, optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1)), data, grad_norms=norms
+    )
     mesh, cfg = zj.make_mesh(tensor=2), zj.ZeroConfig(stage=3, grad_clip=0.5)
     state = zj.init_state(params, optax.sgd(0.1), mesh=mesh, config=cfg, tensor_specs=MLP_SPECS)
     step = zj.make_train_step(mlp_loss, optax.sgd(0.1), mesh=mesh, config=cfg)
@@ -151,12 +159,17 @@ def _gpt_data(k: int = 2):
     return [{"tokens": jax.random.randint(jax.random.key(i), (16, 17), 0, 64)} for i in range(k)]
 
 
-@pytest.mark.parametrize("stage,tensor", [(3, 2),
-                                          pytest.param(1, 4, marks=pytest.mark.slow),
-                                          pytest.param(0, 2, marks=pytest.mark.slow),
-                                          pytest.param(2, 4, marks=pytest.mark.slow),
-                                          pytest.param(3, 4, marks=pytest.mark.slow),
-                                          pytest.param(2, 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "stage,tensor",
+    [
+        (3, 2),
+        pytest.param(1, 4, marks=pytest.mark.slow),
+        pytest.param(0, 2, marks=pytest.mark.slow),
+        pytest.param(2, 4, marks=pytest.mark.slow),
+        pytest.param(3, 4, marks=pytest.mark.slow),
+        pytest.param(2, 2, marks=pytest.mark.slow),
+    ],
+)
 def test_nnx_gpt_annotations_match_single_device(stage, tensor):
     """The experiments' GPT with nnx.with_partitioning on q/k/v, the MLP and the head (nnx.vmap
     stack run by nnx.scan) trains as on one device, read from the Variables' metadata."""
@@ -182,14 +195,23 @@ def test_nnx_gpt_prefetch_remat_accumulation_and_step_memory():
     graphdef, params = gpt.init(cfg)
     loss_fn, tx, data = gpt.make_loss(graphdef), optax.sgd(0.1), _gpt_data()
     ref, ref_losses = reference_run(loss_fn, jax.tree.map(jnp.asarray, params), tx, data)
-    for config in (dict(stage=3, prefetch=1), dict(stage=3, remat="full"),
-                   dict(stage=2, grad_accum_steps=2, remat="full")):
+    for config in (
+        dict(stage=3, prefetch=1),
+        dict(stage=3, remat="full"),
+        dict(stage=2, grad_accum_steps=2, remat="full"),
+    ):
         state, _, losses = tp_run(loss_fn, params, tx, data, tensor=2, **config)
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
         assert abs_errors(zj.gather_params(state), ref).max() <= 1e-5, config
     mesh, zc = zj.make_mesh(tensor=2), zj.ZeroConfig(stage=3)
-    mem = zj.report.step_memory(loss_fn, gpt.init_abstract(cfg)[1], optax.adam(1e-3),
-                         {"tokens": jax.ShapeDtypeStruct((16, 17), jnp.int32)}, mesh=mesh, config=zc)
+    mem = zj.report.step_memory(
+        loss_fn,
+        gpt.init_abstract(cfg)[1],
+        optax.adam(1e-3),
+        {"tokens": jax.ShapeDtypeStruct((16, 17), jnp.int32)},
+        mesh=mesh,
+        config=zc,
+    )
     real = zj.init_state(params, optax.adam(1e-3), mesh=mesh, config=zc)
     assert mem.state == zj.report.state_bytes_per_device(real)["total"]
 
@@ -212,8 +234,11 @@ class LogicalMLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         init = nn.initializers.lecun_normal()
-        h = nn.Dense(F, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")),
-                     bias_init=nn.with_logical_partitioning(nn.initializers.normal(0.1), ("mlp",)))(x)
+        h = nn.Dense(
+            F,
+            kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")),
+            bias_init=nn.with_logical_partitioning(nn.initializers.normal(0.1), ("mlp",)),
+        )(x)
         h = nn.LayerNorm(scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("mlp",)))(jax.nn.gelu(h))
         return nn.Dense(D, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))(h)
 
@@ -225,8 +250,10 @@ RULES = (("embed", None), ("mlp", "tensor"))
 def test_linen_logical_axes_every_stage(tensor):
     model = LogicalMLP()
     boxed = model.init(jax.random.key(0), jnp.ones((2, D)))["params"]
-    assert any(isinstance(x, nn.LogicallyPartitioned)
-               for x in jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)))
+    assert any(
+        isinstance(x, nn.LogicallyPartitioned)
+        for x in jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+    )
     loss_fn = lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
     data, tx = batches(), optax.sgd(0.1)
     ref, ref_losses = reference_run(loss_fn, nn.unbox(boxed), tx, data)
@@ -246,13 +273,23 @@ def test_features_together_hybrid_prefetch_int8_bf16_accumulation_frozen():
     tx = optax.sgd(0.1)
     trainable = {"w1": True, "b1": True, "w2": True, "b2": True, "scale": False}
     labels = {k: "train" if v else "frozen" for k, v in trainable.items()}
-    ref, ref_losses = reference_run(mlp_loss, params,
-                                    optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels), data)
+    ref, ref_losses = reference_run(
+        mlp_loss, params, optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels), data
+    )
     mesh = zj.make_mesh(replicas=2, tensor=2)
-    cfg = zj.ZeroConfig(stage=3, compute_dtype="bfloat16", prefetch=1, gather_dtype="int8",
-                        reduce_dtype="int8", grad_accum_steps=2, quant_block_size=64, reduce_quant_block_size=64)
-    state = zj.init_state(params, tx, mesh=mesh, config=cfg, tensor_specs=MLP_SPECS, trainable=trainable,
-                          rng=jax.random.key(0))
+    cfg = zj.ZeroConfig(
+        stage=3,
+        compute_dtype="bfloat16",
+        prefetch=1,
+        gather_dtype="int8",
+        reduce_dtype="int8",
+        grad_accum_steps=2,
+        quant_block_size=64,
+        reduce_quant_block_size=64,
+    )
+    state = zj.init_state(
+        params, tx, mesh=mesh, config=cfg, tensor_specs=MLP_SPECS, trainable=trainable, rng=jax.random.key(0)
+    )
     step = zj.make_train_step(lambda p, b, rng: mlp_loss(p, b), tx, mesh=mesh, config=cfg, with_rng=True)
     losses = []
     for b in data:
@@ -267,8 +304,10 @@ def test_features_together_hybrid_prefetch_int8_bf16_accumulation_frozen():
 def test_fp16_and_offload():
     params, data, tx = mlp_params(), batches(2), optax.adam(1e-2)
     ref, ref_losses = reference_run(mlp_loss, params, tx, data)
-    for config in (dict(stage=2, compute_dtype="float16", initial_scale_power=8),
-                   dict(stage=3, offload_optimizer=True, offload_params=True)):
+    for config in (
+        dict(stage=2, compute_dtype="float16", initial_scale_power=8),
+        dict(stage=3, offload_optimizer=True, offload_params=True),
+    ):
         state, _, losses = tp_run(mlp_loss, params, tx, data, tensor=2, tensor_specs=MLP_SPECS, **config)
         tol = 1e-2 if "compute_dtype" in config else 1e-5
         np.testing.assert_allclose(losses, ref_losses, rtol=tol)
@@ -279,8 +318,7 @@ def test_fp16_and_offload():
 def test_checkpoint_reshards_across_tensor_degrees(tmp_path, target):
     """Saved at T=2 (stage 3), restored at T=1 and T=4 (stage 1): the next step is the same."""
     params, data, tx = mlp_params(), batches(2), optax.adam(1e-2)
-    state, step2, _ = tp_run(mlp_loss, params, tx, data[:1], tensor=2, stage=3, tensor_specs=MLP_SPECS,
-                             donate=False)
+    state, step2, _ = tp_run(mlp_loss, params, tx, data[:1], tensor=2, stage=3, tensor_specs=MLP_SPECS, donate=False)
     zj.save_checkpoint(tmp_path / "ckpt", state, step=1, wait=True)
     _, m2 = step2(state, data[1])  # the run that goes on at T=2
     mesh = zj.make_mesh(tensor=target)
@@ -342,8 +380,11 @@ def test_zj_nnx_optimizer_reads_annotations(built):
     graphdef, params = gpt.init(cfg)
     ref, ref_losses = reference_run(gpt.make_loss(graphdef), jax.tree.map(jnp.asarray, params), optax.sgd(0.1), data)
     opt = zj.nnx.Optimizer(build(), optax.sgd(0.1), mesh=mesh, config=zj.ZeroConfig(stage=3))
-    step = zj.nnx.make_train_step(lambda model, b: optax.softmax_cross_entropy_with_integer_labels(
-        model(b["tokens"][:, :-1]), b["tokens"][:, 1:]).mean())
+    step = zj.nnx.make_train_step(
+        lambda model, b: optax.softmax_cross_entropy_with_integer_labels(
+            model(b["tokens"][:, :-1]), b["tokens"][:, 1:]
+        ).mean()
+    )
     losses = [float(step(opt, b)["loss"]) for b in data]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     # q, k, v (kernel and bias each), proj's kernel, fc's kernel and bias, out's kernel, the head
@@ -352,8 +393,9 @@ def test_zj_nnx_optimizer_reads_annotations(built):
 
 # Bad input: each a clear error naming the parameter and the fix, before any compute.
 def _init(params, specs, tensor=2, **config):
-    return zj.abstract_state(params, optax.sgd(0.1), mesh=zj.make_mesh(tensor=tensor),
-                             config=zj.ZeroConfig(**config), tensor_specs=specs)
+    return zj.abstract_state(
+        params, optax.sgd(0.1), mesh=zj.make_mesh(tensor=tensor), config=zj.ZeroConfig(**config), tensor_specs=specs
+    )
 
 
 def test_bad_annotations():
@@ -363,8 +405,11 @@ def test_bad_annotations():
     with pytest.raises(ValueError, match=r"params\['w1'\] \(shape \(16, 32\)\).*dimensions \[0, 1\]"):
         _init(params, {**MLP_SPECS, "w1": P("tensor", "tensor")})
     odd = {**params, "w1": jnp.ones((D, 6)), "b1": jnp.ones((6,)), "w2": jnp.ones((6, D))}
-    with pytest.raises(ValueError, match=r"params\['b1'\] \(shape \(6,\)\) is split over 'tensor' on dimension 0 "
-                                         r"of size 6, which does not divide into 4 .*one of \[1, 2\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"params\['b1'\] \(shape \(6,\)\) is split over 'tensor' on dimension 0 "
+        r"of size 6, which does not divide into 4 .*one of \[1, 2\]",
+    ):
         _init(odd, MLP_SPECS, tensor=4)
     with pytest.raises(ValueError, match=r"axis_rules maps 'mlp' to mesh axis 'model'"):
         _init(params, {**MLP_SPECS, "w1": P(None, "mlp")}, axis_rules=(("mlp", "model"),))
@@ -380,11 +425,15 @@ def test_estimate_cli_tensor(capsys):
     from zerojax.cli import main
 
     assert main(["estimate", "--params", "7.5B", "--devices", "64", "--tensor", "4"]) == 0
-    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
-            if line.strip()[:1].isdigit()}
+    rows = {
+        line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()
+    }
     want = lambda stage: zj.report.zero_formula_bytes(7.5e9, 16, stage, tensor=4) / 1e9
-    assert float(rows["3"][-2]) == pytest.approx(want(3), abs=0.05) == pytest.approx(
-        zj.report.zero_formula_bytes(7.5e9, 64, 3) / 1e9, abs=0.05)
+    assert (
+        float(rows["3"][-2])
+        == pytest.approx(want(3), abs=0.05)
+        == pytest.approx(zj.report.zero_formula_bytes(7.5e9, 64, 3) / 1e9, abs=0.05)
+    )
     assert float(rows["0"][-2]) == pytest.approx(want(0), abs=0.05) == pytest.approx(90 / 4, abs=0.05)
     with pytest.raises(SystemExit):
         main(["estimate", "--params", "7.5B", "--devices", "64", "--tensor", "3"])
@@ -393,12 +442,15 @@ def test_estimate_cli_tensor(capsys):
 # --- Sequence parallelism (zj.nn.sequence_parallel on the residual stream) --------------------
 
 
-@pytest.mark.parametrize("stage,tensor,config", [(3, 2, {}),
-                                                 pytest.param(0, 4, {}, marks=pytest.mark.slow),
-                                                 pytest.param(2, 2, {"remat": "full", "grad_accum_steps": 2},
-                                                              marks=pytest.mark.slow),
-                                                 pytest.param(3, 4, {"remat": "dots", "prefetch": 1},
-                                                              marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "stage,tensor,config",
+    [
+        (3, 2, {}),
+        pytest.param(0, 4, {}, marks=pytest.mark.slow),
+        pytest.param(2, 2, {"remat": "full", "grad_accum_steps": 2}, marks=pytest.mark.slow),
+        pytest.param(3, 4, {"remat": "dots", "prefetch": 1}, marks=pytest.mark.slow),
+    ],
+)
 def test_sequence_parallel_gpt_matches_single_device(stage, tensor, config):
     """The GPT with its residual stream split along the sequence over "tensor" (and its
     column-parallel outputs by features) trains as on one device: 3 SGD steps, fp32."""
@@ -420,8 +472,9 @@ def test_sequence_parallel_temp_falls_with_the_tensor_degree_at_the_same_global_
     no activation-sized all-reduce is left (only the loss's and LayerNorms' scalars)."""
     temps, found = {}, {}
     for t in (1, 4):
-        cfg = gpt.GPTConfig(vocab=64, seq_len=16, d_model=128, n_layers=2, n_heads=4, tensor_parallel=True,
-                            sequence_parallel=True)
+        cfg = gpt.GPTConfig(
+            vocab=64, seq_len=16, d_model=128, n_layers=2, n_heads=4, tensor_parallel=True, sequence_parallel=True
+        )
         graphdef, params = gpt.init_abstract(cfg)
         mesh, zc = zj.make_mesh(tensor=t), zj.ZeroConfig(stage=3, remat="full")
         state = zj.abstract_state(params, optax.sgd(0.1), mesh=mesh, config=zc)
@@ -437,15 +490,19 @@ def test_sequence_parallel_temp_falls_with_the_tensor_degree_at_the_same_global_
 
 
 def test_sequence_parallel_refuses_a_length_the_tensor_axis_does_not_divide():
-    cfg = gpt.GPTConfig(vocab=64, seq_len=18, d_model=32, n_layers=1, n_heads=4, tensor_parallel=True,
-                        sequence_parallel=True)
+    cfg = gpt.GPTConfig(
+        vocab=64, seq_len=18, d_model=32, n_layers=1, n_heads=4, tensor_parallel=True, sequence_parallel=True
+    )
     graphdef, params = gpt.init(cfg)
     mesh, zc = zj.make_mesh(tensor=4), zj.ZeroConfig(stage=3)
     state = zj.abstract_state(params, optax.sgd(0.1), mesh=mesh, config=zc)
     step = zj.make_train_step(gpt.make_loss(graphdef), optax.sgd(0.1), mesh=mesh, config=zc)
-    with pytest.raises(ValueError, match=r"sequence_parallel: dimension 1 of x \(shape \(8, 18\)\) has length "
-                                         r"18, which the mesh axis 'tensor' \(4 devices\) does not divide; use a "
-                                         r"sequence length of 16 or 20"):
+    with pytest.raises(
+        ValueError,
+        match=r"sequence_parallel: dimension 1 of x \(shape \(8, 18\)\) has length "
+        r"18, which the mesh axis 'tensor' \(4 devices\) does not divide; use a "
+        r"sequence length of 16 or 20",
+    ):
         step.lower(state, {"tokens": jax.ShapeDtypeStruct((16, 19), jnp.int32)})
     with pytest.raises(ValueError, match=r"no dimension 3"):
         zj.nn.sequence_parallel(jnp.ones((2, 4)), dim=3)
@@ -459,7 +516,10 @@ def test_sequence_parallel_refuses_a_length_the_tensor_axis_does_not_divide():
     with pytest.raises(ValueError, match=r"row_parallel\(dim=2\): the sequence dimension must be one of x's leading"):
         zj.nn.row_parallel(x, jnp.ones((4, 6)), dim=2)
     with jax.set_mesh(zj.make_mesh(tensor=4)):
-        with pytest.raises(ValueError, match=r"row_parallel: dimension 1 of x \(shape \(2, 6, 4\)\) has length 6, which the "
-                                             r"mesh axis 'tensor' \(4 devices\) does not divide; use a sequence "
-                                             r"length of 4 or 8"):
+        with pytest.raises(
+            ValueError,
+            match=r"row_parallel: dimension 1 of x \(shape \(2, 6, 4\)\) has length 6, which the "
+            r"mesh axis 'tensor' \(4 devices\) does not divide; use a sequence "
+            r"length of 4 or 8",
+        ):
             zj.nn.row_parallel(jnp.ones((2, 6, 4)), jnp.ones((4, 6)))

@@ -24,6 +24,7 @@ def small_params():
 
 # --- Dropout --------------------------------------------------------------------------------
 
+
 def dropout_loss(p, b, rng):
     h = jnp.tanh(b["x"] @ p["inp"]["w"] + p["inp"]["b"])
     keep = jax.random.bernoulli(rng, 0.5, h.shape)
@@ -34,8 +35,9 @@ def dropout_loss(p, b, rng):
 def run_dropout(stage, k=1, steps=2, seed=7, replicas=1):
     mesh, cfg = zj.make_mesh(replicas=replicas), zj.ZeroConfig(stage=stage, grad_accum_steps=k)
     state = zj.init_state(small_params(), SGD, mesh=mesh, config=cfg, rng=jax.random.key(seed))
-    step = zj.make_train_step(dropout_loss, SGD, mesh=mesh, config=cfg, has_aux=True, aux_reduce="concat",
-                              with_rng=True)
+    step = zj.make_train_step(
+        dropout_loss, SGD, mesh=mesh, config=cfg, has_aux=True, aux_reduce="concat", with_rng=True
+    )
     masks = []
     for t in range(steps):
         state, m = step(state, models.batch(32, t))
@@ -58,11 +60,11 @@ def test_dropout_keys_per_step_device_and_micro_batch(stage):
             for j in range(k):
                 lo = d * rows + j * rows // k
                 want = jax.random.bernoulli(expected_key(7, t, d, j), 0.5, (rows // k, models.HID))
-                np.testing.assert_array_equal(mask[lo: lo + rows // k], np.asarray(want))
+                np.testing.assert_array_equal(mask[lo : lo + rows // k], np.asarray(want))
     # Different steps, devices and micro-batches, different masks.
     assert (masks[0] != masks[1]).any()
-    assert (masks[0][:rows] != masks[0][rows: 2 * rows]).any()
-    assert (masks[0][: rows // k] != masks[0][rows // k: rows]).any()
+    assert (masks[0][:rows] != masks[0][rows : 2 * rows]).any()
+    assert (masks[0][: rows // k] != masks[0][rows // k : rows]).any()
 
     # The independent reference: plain SGD on the mean of those per-(device, micro) losses.
     def global_loss(p, b, t):
@@ -70,7 +72,7 @@ def test_dropout_keys_per_step_device_and_micro_batch(stage):
         for d in range(N):
             for j in range(k):
                 lo = d * rows + j * rows // k
-                mb = jax.tree.map(lambda x: x[lo: lo + rows // k], b)
+                mb = jax.tree.map(lambda x: x[lo : lo + rows // k], b)
                 parts.append(dropout_loss(p, mb, expected_key(7, t, d, j))[0])
         return jnp.mean(jnp.stack(parts))
 
@@ -148,19 +150,22 @@ def test_flax_dropout_gets_its_key(setup):
 def test_rng_survives_a_checkpoint(tmp_path):
     state, _ = run_dropout(3, steps=1)
     zj.save_checkpoint(tmp_path, state, step=1, wait=True)
-    target = zj.abstract_state(small_params(), SGD, mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=1),
-                               rng=jax.random.key(0))
+    target = zj.abstract_state(
+        small_params(), SGD, mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=1), rng=jax.random.key(0)
+    )
     restored = zj.restore_checkpoint(tmp_path, target)
-    np.testing.assert_array_equal(np.asarray(jax.random.key_data(restored.rng)),
-                                  np.asarray(jax.random.key_data(jax.random.key(7))))
+    np.testing.assert_array_equal(
+        np.asarray(jax.random.key_data(restored.rng)), np.asarray(jax.random.key_data(jax.random.key(7)))
+    )
     assert int(restored.step) == 1
 
 
 def test_with_rng_needs_a_key_in_the_state():
     mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=3)
     state = zj.init_state(small_params(), SGD, mesh=mesh, config=cfg)
-    step = zj.make_train_step(dropout_loss, SGD, mesh=mesh, config=cfg, has_aux=True, aux_reduce="concat",
-                              with_rng=True)
+    step = zj.make_train_step(
+        dropout_loss, SGD, mesh=mesh, config=cfg, has_aux=True, aux_reduce="concat", with_rng=True
+    )
     with pytest.raises(ValueError, match=r"init_state\(\.\.\., rng=jax.random.key\(seed\)\)"):
         step(state, models.batch(16))
     with pytest.raises(TypeError, match="rng must be a key from jax.random.key"):
@@ -168,6 +173,7 @@ def test_with_rng_needs_a_key_in_the_state():
 
 
 # --- Model state (BatchNorm) ---------------------------------------------------------------
+
 
 class BNNet(nn.Module):
     axis_name: str | None = None
@@ -229,7 +235,7 @@ def test_unsynced_batchnorm_state_is_the_mean_of_the_devices():
     b, rows = models.batch(32, 0), 32 // N
     per_device = []
     for d in range(N):
-        x = b["x"][d * rows: (d + 1) * rows]
+        x = b["x"][d * rows : (d + 1) * rows]
         _, new = BNNet().apply(v, x, mutable=["batch_stats"])
         per_device.append(new["batch_stats"])
     want = jax.tree.map(lambda *xs: np.mean(xs, axis=0), *per_device)
@@ -278,6 +284,7 @@ def test_nnx_batchnorm_with_axis_name():
 def test_integer_model_state_and_aux_and_a_checkpoint(tmp_path):
     """An integer counter rides along (taken from the first device); with has_aux the loss
     returns (loss, (model_state, aux)); the model state survives a checkpoint."""
+
     def loss(p, b, model_state):
         err = models.mlp_loss(p, b)
         new = {"calls": model_state["calls"] + 1, "ema": 0.5 * model_state["ema"] + 0.5 * err}
@@ -294,8 +301,9 @@ def test_integer_model_state_and_aux_and_a_checkpoint(tmp_path):
     zj.save_checkpoint(tmp_path, state, step=2, wait=True)
     with pytest.raises(ValueError, match="the checkpoint holds a model state: pass model_state="):
         zj.restore_checkpoint(tmp_path, models.mlp_params(), SGD, mesh=mesh, config=cfg)
-    got = zj.restore_checkpoint(tmp_path, models.mlp_params(), SGD, mesh=mesh, config=zj.ZeroConfig(stage=3),
-                                model_state=ms)
+    got = zj.restore_checkpoint(
+        tmp_path, models.mlp_params(), SGD, mesh=mesh, config=zj.ZeroConfig(stage=3), model_state=ms
+    )
     assert int(got.model_state["calls"]) == 4
     np.testing.assert_array_equal(np.asarray(got.model_state["ema"]), np.asarray(state.model_state["ema"]))
 
@@ -307,8 +315,11 @@ def test_model_state_must_keep_its_structure():
     step = zj.make_train_step(bad, SGD, mesh=mesh, config=cfg, with_model_state=True)
     with pytest.raises(ValueError, match=r"model_state\['c'\] came in as \(\) float32 and came back as \(2,\)"):
         step(state, models.batch(16))
-    with pytest.raises(TypeError, match=r"loss_fn is called as loss_fn\(params, batch, model_state=...\) with "
-                                        r"with_model_state=True, but its signature \(p, b\) does not take that"):
+    with pytest.raises(
+        TypeError,
+        match=r"loss_fn is called as loss_fn\(params, batch, model_state=...\) with "
+        r"with_model_state=True, but its signature \(p, b\) does not take that",
+    ):
         zj.make_train_step(models.mlp_loss, SGD, mesh=mesh, config=cfg, with_model_state=True)
     no_state = lambda p, b, model_state: models.mlp_loss(p, b)
     step = zj.make_train_step(no_state, SGD, mesh=mesh, config=cfg, with_model_state=True)
@@ -318,10 +329,10 @@ def test_model_state_must_keep_its_structure():
 
 # --- Frozen weights --------------------------------------------------------------------------
 
+
 def frozen_mask(params):
     """A LoRA-like split: the stacked layers' weights are the frozen base."""
-    return jax.tree_util.tree_map_with_path(lambda path, x: "['layers']['w']" not in jax.tree_util.keystr(path),
-                                            params)
+    return jax.tree_util.tree_map_with_path(lambda path, x: "['layers']['w']" not in jax.tree_util.keystr(path), params)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -372,7 +383,9 @@ def test_no_collective_moves_a_frozen_gradient(stage):
     params = models.deep_params(layers, d, stacked=True)
     mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=stage)
     state = zj.init_state(params, SGD, mesh=mesh, config=cfg, trainable={"w": False, "b": True})
-    compiled = zj.make_train_step(models.deep_loss, SGD, mesh=mesh, config=cfg).lower(state, jnp.ones((64, d))).compile()
+    compiled = (
+        zj.make_train_step(models.deep_loss, SGD, mesh=mesh, config=cfg).lower(state, jnp.ones((64, d))).compile()
+    )
     runs = zj.report.comm.collectives(compiled.as_text())
     grad_kinds = ("all-reduce",) if stage == 0 else ("reduce-scatter",)
     moved = sum(c.total_bytes for c in runs if c.kind in grad_kinds and c.bytes > 64)
@@ -397,20 +410,31 @@ def test_frozen_weights_survive_a_checkpoint(tmp_path):
     params, tx = models.stacked_params(), optax.adam(1e-2)
     mask = frozen_mask(params)
     mesh = zj.make_mesh()
-    state = zj.init_state(params, tx, mesh=mesh, config=zj.ZeroConfig(stage=3, compute_dtype="bfloat16"),
-                          trainable=mask)
-    state, _ = zj.make_train_step(models.stacked_loss, tx, mesh=mesh,
-                                  config=zj.ZeroConfig(stage=3, compute_dtype="bfloat16"))(state, models.batch(16))
+    state = zj.init_state(
+        params, tx, mesh=mesh, config=zj.ZeroConfig(stage=3, compute_dtype="bfloat16"), trainable=mask
+    )
+    state, _ = zj.make_train_step(
+        models.stacked_loss, tx, mesh=mesh, config=zj.ZeroConfig(stage=3, compute_dtype="bfloat16")
+    )(state, models.batch(16))
     zj.save_checkpoint(tmp_path, state, step=1, wait=True)
     for stage in (1, 3):
-        got = zj.restore_checkpoint(tmp_path, params, tx, mesh=zj.make_mesh(jax.devices()[:4]),
-                                    config=zj.ZeroConfig(stage=stage, compute_dtype="bfloat16"), trainable=mask)
+        got = zj.restore_checkpoint(
+            tmp_path,
+            params,
+            tx,
+            mesh=zj.make_mesh(jax.devices()[:4]),
+            config=zj.ZeroConfig(stage=stage, compute_dtype="bfloat16"),
+            trainable=mask,
+        )
         assert models.abs_errors(zj.gather_params(got), zj.gather_params(state)).max() == 0.0
-    with pytest.raises(ValueError, match=r"frozen parameters are \[\"\['layers'\]\['w'\]\"\]; this restore freezes \[\]"):
+    with pytest.raises(
+        ValueError, match=r"frozen parameters are \[\"\['layers'\]\['w'\]\"\]; this restore freezes \[\]"
+    ):
         zj.restore_checkpoint(tmp_path, params, tx, mesh=mesh, config=zj.ZeroConfig(stage=3))
 
 
 # --- Models built already sharded ------------------------------------------------------------
+
 
 def gpt_init_fn():
     from zerojax.models import gpt
@@ -463,8 +487,10 @@ def test_linen_init_fn_and_model_state_fn():
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-6, atol=1e-7)
     assert models.abs_errors(state.model_state["batch_stats"], want["batch_stats"]).max() == 0.0
     abstract = zj.abstract_state(init_fn, SGD, mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3))
-    assert zj.report.state_bytes_per_device(abstract)["total"] == zj.report.state_bytes_per_device(
-        dataclasses.replace(state, model_state=None))["total"]
+    assert (
+        zj.report.state_bytes_per_device(abstract)["total"]
+        == zj.report.state_bytes_per_device(dataclasses.replace(state, model_state=None))["total"]
+    )
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -492,9 +518,12 @@ def test_frozen_dtype_is_a_visible_choice(tmp_path, stage):
         assert stored_dtypes(d / "w.safetensors") == {"w": jnp.dtype(want_dtype).name, "b": "float32"}
         np.testing.assert_array_equal(load_file(d / "w.safetensors")["w"], base.astype(want_dtype).astype(np.float32))
         bytes_[frozen_dtype] = zj.report.state_bytes_per_device(state)["frozen"]
-        assert bytes_[frozen_dtype] == (zj.report.zero_formula_bytes(params["b"].size, N, stage, compute_dtype="bfloat16",
-                                                              frozen_params=base.size, frozen_dtype=frozen_dtype)
-                                        - zj.report.zero_formula_bytes(params["b"].size, N, stage, compute_dtype="bfloat16"))
+        assert bytes_[frozen_dtype] == (
+            zj.report.zero_formula_bytes(
+                params["b"].size, N, stage, compute_dtype="bfloat16", frozen_params=base.size, frozen_dtype=frozen_dtype
+            )
+            - zj.report.zero_formula_bytes(params["b"].size, N, stage, compute_dtype="bfloat16")
+        )
         step = zj.make_train_step(models.deep_loss, optax.adam(1e-3), mesh=mesh, config=cfg)
         _, m = step(state, x)
         losses[frozen_dtype] = float(m["loss"])

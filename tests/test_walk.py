@@ -18,9 +18,13 @@ BOUNDARY = ROOT / "sharding" / "jax_compat.py"
 _INTERNAL_MODULES = ("jax._src", "jax.extend", "jax.core", "jax.interpreters")
 # Attributes of JAX's program objects that only the boundary reads: an equation's
 # primitive and parameters, where it came from.
-_INTERNAL_ATTRIBUTES = {"primitive": "an equation's primitive", "params": "an equation's parameters",
-                        "source_info": "an equation's source information", "ctx": "an equation's tracing context",
-                        "_src": "a private JAX module"}
+_INTERNAL_ATTRIBUTES = {
+    "primitive": "an equation's primitive",
+    "params": "an equation's parameters",
+    "source_info": "an equation's source information",
+    "ctx": "an equation's tracing context",
+    "_src": "a private JAX module",
+}
 
 
 def _dotted(node: ast.AST) -> str:
@@ -62,20 +66,28 @@ def crossings(source: str) -> list[tuple[int, str]]:
         elif isinstance(node, ast.Attribute):
             chain = _dotted(node)
             up = parent.get(node)
-            used = isinstance(up, ast.Subscript) and up.value is node or (
-                isinstance(up, ast.Attribute) and up.attr in ("get", "items", "values", "keys", "name", "bind"))
+            used = (
+                isinstance(up, ast.Subscript)
+                and up.value is node
+                or (isinstance(up, ast.Attribute) and up.attr in ("get", "items", "values", "keys", "name", "bind"))
+            )
             if any(chain == p or chain.startswith(p + ".") for p in _INTERNAL_MODULES):
-                if not any(_dotted(node.value) == p or _dotted(node.value).startswith(p + ".")
-                           for p in _INTERNAL_MODULES):  # once per chain, at its shortest
+                if not any(
+                    _dotted(node.value) == p or _dotted(node.value).startswith(p + ".") for p in _INTERNAL_MODULES
+                ):  # once per chain, at its shortest
                     found.append((node.lineno, f"reads {chain}"))
             elif node.attr in _INTERNAL_ATTRIBUTES and node.attr != "_src" and (used or _is_equation(node.value)):
                 found.append((node.lineno, f"reads {_INTERNAL_ATTRIBUTES[node.attr]} (.{node.attr})"))
-            elif node.attr == "manual_axes" and not (chain.endswith("plan.manual_axes")
-                                                     or chain == "jax_compat.manual_axes"):
+            elif node.attr == "manual_axes" and not (
+                chain.endswith("plan.manual_axes") or chain == "jax_compat.manual_axes"
+            ):
                 found.append((node.lineno, "reads a mesh's manual axes (.manual_axes)"))
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
-            if len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and \
-                    node.args[1].value in ("manual_axes", "primitive", "params", "source_info", "ctx"):
+            if (
+                len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and node.args[1].value in ("manual_axes", "primitive", "params", "source_info", "ctx")
+            ):
                 found.append((node.lineno, f"reads .{node.args[1].value} through {node.func.id}"))
     return sorted(set(found))
 
@@ -93,41 +105,47 @@ def test_only_jax_compat_reads_jax_internals():
     assert crossings(BOUNDARY.read_text())  # the boundary itself does read them
 
 
-@pytest.mark.parametrize("code,what", [
-    ("from jax._src import config", "imports from jax._src"),
-    ("import jax._src.source_info_util", "imports jax._src"),
-    ("from jax.extend import core", "imports from jax.extend"),
-    ("from jax.extend.core import Literal", "imports from jax.extend.core"),
-    ("from jax import core", "imports from jax"),
-    ("x = jax._src.core.Literal", "reads jax._src"),
-    ("y = jax.extend.core.primitives.scan_p", "reads jax.extend"),
-    ("if eqn.primitive is p: pass", "an equation's primitive"),
-    ("if e.primitive in prims: pass", "an equation's primitive"),
-    ("n = f(x).primitive.name", "an equation's primitive"),
-    ("out = e.params", "an equation's parameters"),
-    ("n = eqn.primitive.name", "an equation's primitive"),
-    ("m = eqn.ctx.cur_abstract_mesh", "an equation's tracing context"),
-    ("d = eqn.params['dimension_numbers']", "an equation's parameters"),
-    ("d = eqn.params.get('axes')", "an equation's parameters"),
-    ("t = eqn.source_info.traceback", "source information"),
-    ("m = getattr(mesh, 'manual_axes', ())", "manual_axes through getattr"),
-    ("m = jax.sharding.get_abstract_mesh().manual_axes", "a mesh's manual axes"),
-])
+@pytest.mark.parametrize(
+    "code,what",
+    [
+        ("from jax._src import config", "imports from jax._src"),
+        ("import jax._src.source_info_util", "imports jax._src"),
+        ("from jax.extend import core", "imports from jax.extend"),
+        ("from jax.extend.core import Literal", "imports from jax.extend.core"),
+        ("from jax import core", "imports from jax"),
+        ("x = jax._src.core.Literal", "reads jax._src"),
+        ("y = jax.extend.core.primitives.scan_p", "reads jax.extend"),
+        ("if eqn.primitive is p: pass", "an equation's primitive"),
+        ("if e.primitive in prims: pass", "an equation's primitive"),
+        ("n = f(x).primitive.name", "an equation's primitive"),
+        ("out = e.params", "an equation's parameters"),
+        ("n = eqn.primitive.name", "an equation's primitive"),
+        ("m = eqn.ctx.cur_abstract_mesh", "an equation's tracing context"),
+        ("d = eqn.params['dimension_numbers']", "an equation's parameters"),
+        ("d = eqn.params.get('axes')", "an equation's parameters"),
+        ("t = eqn.source_info.traceback", "source information"),
+        ("m = getattr(mesh, 'manual_axes', ())", "manual_axes through getattr"),
+        ("m = jax.sharding.get_abstract_mesh().manual_axes", "a mesh's manual axes"),
+    ],
+)
 def test_the_boundary_check_finds_each_kind_of_crossing(code, what):
     found = crossings(code)
     assert found and what in found[0][1], found
 
 
-@pytest.mark.parametrize("code", [
-    "s = 'optimizer.params.lr'  # a string, not code",
-    "axes = plan.manual_axes",
-    "axes = self.plan.manual_axes",
-    "axes = jax_compat.manual_axes(mesh)",
-    "leaves = jax.tree.leaves(state.params)",
-    "out = self.primitive(eqn, ins)",
-    "from jax.sharding import PartitionSpec",
-    "import jax.numpy as jnp",
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "s = 'optimizer.params.lr'  # a string, not code",
+        "axes = plan.manual_axes",
+        "axes = self.plan.manual_axes",
+        "axes = jax_compat.manual_axes(mesh)",
+        "leaves = jax.tree.leaves(state.params)",
+        "out = self.primitive(eqn, ins)",
+        "from jax.sharding import PartitionSpec",
+        "import jax.numpy as jnp",
+    ],
+)
 def test_the_boundary_check_leaves_the_rest(code):
     assert crossings(code) == []
 
@@ -233,8 +251,11 @@ def test_a_construct_read_differently_fails_the_self_check_naming_it(monkeypatch
     """A release whose cumulative sums stopped reading as zerojax expects (here: a rule that
     says the op is elementwise) fails at import, naming the construct."""
     monkeypatch.setitem(jax_compat._DIMS, "cumsum", jax_compat._elementwise)
-    with pytest.raises(ImportError, match=r"does not recognise jnp.cumsum in jax .*primitive 'cumsum' has "
-                                          r"parameters \['axis', 'reverse'\] that read differently"):
+    with pytest.raises(
+        ImportError,
+        match=r"does not recognise jnp.cumsum in jax .*primitive 'cumsum' has "
+        r"parameters \['axis', 'reverse'\] that read differently",
+    ):
         jax_compat.self_check()
 
 

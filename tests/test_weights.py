@@ -37,18 +37,24 @@ def _random_box(shape, rng):
 
 # --- expressions ------------------------------------------------------------------------------
 
-TENSORS = {"a": RNG.normal(size=(6, 10)).astype(np.float32), "q": RNG.normal(size=(4, 7)).astype(np.float32),
-           "k": RNG.normal(size=(2, 7)).astype(np.float32), "qkv": RNG.normal(size=(9, 7)).astype(np.float32),
-           "h": RNG.normal(size=(2, 3, 5)).astype(np.float32),
-           **{f"l.{i}.w": RNG.normal(size=(12, 5)).astype(np.float32) for i in range(3)}}
+TENSORS = {
+    "a": RNG.normal(size=(6, 10)).astype(np.float32),
+    "q": RNG.normal(size=(4, 7)).astype(np.float32),
+    "k": RNG.normal(size=(2, 7)).astype(np.float32),
+    "qkv": RNG.normal(size=(9, 7)).astype(np.float32),
+    "h": RNG.normal(size=(2, 3, 5)).astype(np.float32),
+    **{f"l.{i}.w": RNG.normal(size=(12, 5)).astype(np.float32) for i in range(3)},
+}
 T = TENSORS
 CASES = {
     "as stored": ("a", T["a"]),
     "transpose": (transpose("a"), T["a"].T),
     "stack of transposes": (stack(transpose("l.{i}.w")), np.stack([T[f"l.{i}.w"].T for i in range(3)])),
     "heads (split_dim)": (split_dim("l.0.w", 0), T["l.0.w"].reshape(3, 4, 5)),
-    "heads of a transpose in a stack": (stack(split_dim(transpose("l.{i}.w"), 1)),
-                                        np.stack([T[f"l.{i}.w"].T.reshape(5, 3, 4) for i in range(3)])),
+    "heads of a transpose in a stack": (
+        stack(split_dim(transpose("l.{i}.w"), 1)),
+        np.stack([T[f"l.{i}.w"].T.reshape(5, 3, 4) for i in range(3)]),
+    ),
     "merge_dims": (merge_dims("h", 0, 3), T["h"].reshape(6, 5)),
     "concat (fused from separate)": (concat(["q", "k"], 0, sizes=[4, 2]), np.concatenate([T["q"], T["k"]])),
     "part (separate from fused)": (part("qkv", 0, 4), T["qkv"][4:6]),
@@ -118,15 +124,28 @@ def test_runs_and_flat_boxes_cover_exactly_the_box():
 # --- a state born from weights ----------------------------------------------------------------
 
 L = 3
-SMALL = {"emb": RNG.normal(size=(13, 16)).astype(np.float32), "head": RNG.normal(size=(13, 16)).astype(np.float32),
-         **{f"layers.{i}.w": RNG.normal(size=(24, 16)).astype(np.float32) for i in range(L)},
-         **{f"layers.{i}.n": RNG.normal(size=(16,)).astype(np.float32) for i in range(L)}}
-SMALL_MAP = zj.maps.WeightMap({"emb": "emb", "head.kernel": transpose("head"),
-                          "blocks.w": stack(split_dim(transpose("layers.{i}.w"), 1)),
-                          "blocks.n": stack("layers.{i}.n")})
-SMALL_REF = {"emb": SMALL["emb"], "head": {"kernel": SMALL["head"].T},
-             "blocks": {"w": np.stack([SMALL[f"layers.{i}.w"].T.reshape(16, 4, 6) for i in range(L)]),
-                        "n": np.stack([SMALL[f"layers.{i}.n"] for i in range(L)])}}
+SMALL = {
+    "emb": RNG.normal(size=(13, 16)).astype(np.float32),
+    "head": RNG.normal(size=(13, 16)).astype(np.float32),
+    **{f"layers.{i}.w": RNG.normal(size=(24, 16)).astype(np.float32) for i in range(L)},
+    **{f"layers.{i}.n": RNG.normal(size=(16,)).astype(np.float32) for i in range(L)},
+}
+SMALL_MAP = zj.maps.WeightMap(
+    {
+        "emb": "emb",
+        "head.kernel": transpose("head"),
+        "blocks.w": stack(split_dim(transpose("layers.{i}.w"), 1)),
+        "blocks.n": stack("layers.{i}.n"),
+    }
+)
+SMALL_REF = {
+    "emb": SMALL["emb"],
+    "head": {"kernel": SMALL["head"].T},
+    "blocks": {
+        "w": np.stack([SMALL[f"layers.{i}.w"].T.reshape(16, 4, 6) for i in range(L)]),
+        "n": np.stack([SMALL[f"layers.{i}.n"] for i in range(L)]),
+    },
+}
 ABSTRACT = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), SMALL_REF)
 
 
@@ -143,9 +162,12 @@ def _bf16(tree):
 
 
 CONFIGS = {
-    "stage 0": (dict(stage=0), {}), "stage 1 bf16": (dict(stage=1, compute_dtype="bfloat16"), {}),
-    "stage 2": (dict(stage=2), {}), "stage 3 fp16": (dict(stage=3, compute_dtype="float16"), {}),
-    "stage 3 tensor 2": (dict(stage=3), dict(tensor=2)), "stage 3 hybrid": (dict(stage=3), dict(replicas=2)),
+    "stage 0": (dict(stage=0), {}),
+    "stage 1 bf16": (dict(stage=1, compute_dtype="bfloat16"), {}),
+    "stage 2": (dict(stage=2), {}),
+    "stage 3 fp16": (dict(stage=3, compute_dtype="float16"), {}),
+    "stage 3 tensor 2": (dict(stage=3), dict(tensor=2)),
+    "stage 3 hybrid": (dict(stage=3), dict(replicas=2)),
     "stage 3 offload": (dict(stage=3, offload_params=True), {}),
 }
 TENSOR_SPECS = {"emb": None, "head": {"kernel": P("tensor", None)}, "blocks": {"w": P(None, None, "tensor"), "n": None}}
@@ -162,8 +184,9 @@ def test_state_born_from_weights_is_the_state_of_the_same_arrays(name, small_ckp
     specs = TENSOR_SPECS if "tensor" in mesh_kw else None
     tx = optax.adamw(1e-2)
     before = TensorFiles.process_bytes_read
-    state = zj.init_state(ABSTRACT, tx, mesh=mesh, config=zc, weights=zj.Weights(small_ckpt, SMALL_MAP),
-                          tensor_specs=specs)
+    state = zj.init_state(
+        ABSTRACT, tx, mesh=mesh, config=zc, weights=zj.Weights(small_ckpt, SMALL_MAP), tensor_specs=specs
+    )
     read = TensorFiles.process_bytes_read - before
     expected = zj.init_state(_bf16(SMALL_REF), tx, mesh=mesh, config=zc, tensor_specs=specs)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(expected)):
@@ -189,8 +212,10 @@ def test_a_parameter_the_checkpoint_lacks_is_an_error_on_every_path(small_ckpt):
     abstract = _with(ABSTRACT, new_head={"kernel": head}, adapter=jax.ShapeDtypeStruct((16, 4), jnp.float32))
     concrete = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract)
     mesh, cfg, tx = zj.make_mesh(), zj.ZeroConfig(stage=3), optax.sgd(0.1)
-    want = [r"missing from the checkpoint \(1\): lm_head\.weight \(read by new_head\.kernel\)",
-            r"parameters the map does not name \(1\): adapter"]
+    want = [
+        r"missing from the checkpoint \(1\): lm_head\.weight \(read by new_head\.kernel\)",
+        r"parameters the map does not name \(1\): adapter",
+    ]
     before = TensorFiles.process_bytes_read
     for params in (abstract, lambda: concrete, concrete):
         with pytest.raises(ValueError) as e:
@@ -205,46 +230,69 @@ def test_a_parameter_the_checkpoint_lacks_is_an_error_on_every_path(small_ckpt):
     assert TensorFiles.process_bytes_read == before  # refused before reading
     # optional= with abstract parameters: there is nothing to take the absent ones from.
     with pytest.raises(ValueError, match=r"optional=\('new_head\.\*',\).*abstract.*nothing to take them from"):
-        zj.init_state(abstract, tx, mesh=mesh, config=cfg,
-                      weights=zj.Weights(small_ckpt, LACKING, optional=("new_head.*",)))
+        zj.init_state(
+            abstract, tx, mesh=mesh, config=cfg, weights=zj.Weights(small_ckpt, LACKING, optional=("new_head.*",))
+        )
 
 
 def test_optional_parameters_come_from_the_init_function_or_the_values_given(small_ckpt):
     """Fine-tuning with new parameters (LoRA adapters, a new head), named optional: the
     map's parameters come from the checkpoint, the optional ones the checkpoint lacks from
     the init function or the values given, frozen or not."""
+
     def init_fn():
         k = jax.random.key(7)
-        return {**jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), ABSTRACT),
-                "adapter": jax.random.normal(k, (16, 4)), "new_head": {"kernel": jnp.full((16, 13), 0.5)}}
+        return {
+            **jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), ABSTRACT),
+            "adapter": jax.random.normal(k, (16, 4)),
+            "new_head": {"kernel": jnp.full((16, 13), 0.5)},
+        }
 
     src = zj.Weights(small_ckpt, LACKING, optional=("adapter", "new_head.*"))
     base = lambda p: jax.tree.map(lambda _: True, p) | {"adapter": True, "emb": False}
     for params in (init_fn, init_fn()):
-        state = zj.init_state(params, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3),
-                              weights=src, trainable=base)
+        state = zj.init_state(
+            params, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3), weights=src, trainable=base
+        )
         got = zj.gather_params(state)
         np.testing.assert_array_equal(np.asarray(got["adapter"]), np.asarray(init_fn()["adapter"]))
         np.testing.assert_array_equal(np.asarray(got["new_head"]["kernel"]), np.full((16, 13), 0.5, np.float32))
         for k in ("emb", "head", "blocks"):
-            jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got[k],
-                         _bf16(SMALL_REF)[k])
+            jax.tree.map(
+                lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got[k], _bf16(SMALL_REF)[k]
+            )
     # load_weights: an absent optional leaf is like's own value; abstract, it is refused.
     like = jax.tree.map(np.asarray, init_fn())
     out = zj.load_weights(src, like)
     assert out["adapter"] is like["adapter"] and out["new_head"]["kernel"] is like["new_head"]["kernel"]
     np.testing.assert_array_equal(out["emb"], np.asarray(_bf16(SMALL_REF)["emb"]))
     with pytest.raises(ValueError, match=r"lacks the optional parameters adapter, new_head\.kernel.*ShapeDtypeStruct"):
-        zj.load_weights(src, _with(like, adapter=jax.ShapeDtypeStruct((16, 4), jnp.float32),
-                                   new_head={"kernel": jax.ShapeDtypeStruct((16, 13), jnp.float32)}))
+        zj.load_weights(
+            src,
+            _with(
+                like,
+                adapter=jax.ShapeDtypeStruct((16, 4), jnp.float32),
+                new_head={"kernel": jax.ShapeDtypeStruct((16, 13), jnp.float32)},
+            ),
+        )
     # An optional parameter that the checkpoint holds in part is neither loaded nor initialised.
-    partial = zj.maps.WeightMap(dict(SMALL_MAP.entries) | {"blocks.n": stack("layers.{i}.n"),
-                                                      "blocks.w": stack(split_dim(transpose("layers.{i}.w"), 1))})
+    partial = zj.maps.WeightMap(
+        dict(SMALL_MAP.entries)
+        | {"blocks.n": stack("layers.{i}.n"), "blocks.w": stack(split_dim(transpose("layers.{i}.w"), 1))}
+    )
     four = _with(init_fn(), blocks={"n": jnp.zeros((4, 16)), "w": jnp.zeros((4, 16, 4, 6))})
-    with pytest.raises(ValueError, match=r"optional parameters partly in the checkpoint.*\(2\): blocks\.n \(has "
-                                         r"layers\.0\.n, layers\.1\.n, layers\.2\.n; lacks layers\.3\.n\)"):
-        zj.init_state(four, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3),
-                      weights=zj.Weights(small_ckpt, partial, optional=("blocks.*", "adapter", "new_head.*")))
+    with pytest.raises(
+        ValueError,
+        match=r"optional parameters partly in the checkpoint.*\(2\): blocks\.n \(has "
+        r"layers\.0\.n, layers\.1\.n, layers\.2\.n; lacks layers\.3\.n\)",
+    ):
+        zj.init_state(
+            four,
+            optax.sgd(0.1),
+            mesh=zj.make_mesh(),
+            config=zj.ZeroConfig(stage=3),
+            weights=zj.Weights(small_ckpt, partial, optional=("blocks.*", "adapter", "new_head.*")),
+        )
 
 
 def test_load_weights_places_each_leaf_with_its_sharding(small_ckpt):
@@ -254,16 +302,29 @@ def test_load_weights_places_each_leaf_with_its_sharding(small_ckpt):
     out = zj.load_weights(zj.Weights(small_ckpt, SMALL_MAP), like)
     assert out["head"]["kernel"].sharding == sh and out["head"]["kernel"].dtype == jnp.bfloat16
     assert TensorFiles.process_bytes_read - before == sum(v.size for v in SMALL.values()) * 2
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b)), out,
-                 _bf16(SMALL_REF))
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b)), out, _bf16(SMALL_REF)
+    )
 
 
 def test_every_problem_in_one_message_before_any_array(small_ckpt, tmp_path):
-    wrong = zj.maps.WeightMap({"emb": "emb", "head.kernel": "head", "blocks.w": stack(transpose("layers.{i}.w")),
-                          "blocks.n": stack("layers.{i}.norm")}, ignore=("layers.*.w",))
+    wrong = zj.maps.WeightMap(
+        {
+            "emb": "emb",
+            "head.kernel": "head",
+            "blocks.w": stack(transpose("layers.{i}.w")),
+            "blocks.n": stack("layers.{i}.norm"),
+        },
+        ignore=("layers.*.w",),
+    )
     with pytest.raises(ValueError) as e:
-        zj.init_state({**ABSTRACT, "extra": jax.ShapeDtypeStruct((2,), jnp.float32)}, optax.sgd(0.1),
-                      mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3), weights=zj.Weights(small_ckpt, wrong))
+        zj.init_state(
+            {**ABSTRACT, "extra": jax.ShapeDtypeStruct((2,), jnp.float32)},
+            optax.sgd(0.1),
+            mesh=zj.make_mesh(),
+            config=zj.ZeroConfig(stage=3),
+            weights=zj.Weights(small_ckpt, wrong),
+        )
     msg = str(e.value)
     assert "parameters the map does not name (1): extra" in msg
     assert "missing from the checkpoint (3): layers.0.norm, layers.1.norm, layers.2.norm" in msg
@@ -289,15 +350,21 @@ def test_every_problem_in_one_message_before_any_array(small_ckpt, tmp_path):
         zj.Weights(tmp_path / "nowhere", SMALL_MAP)
     # Without an init function, every parameter must come from the checkpoint.
     with pytest.raises(ValueError, match="parameters the map does not name"):
-        zj.init_state({**ABSTRACT, "new": jax.ShapeDtypeStruct((2,), jnp.float32)}, optax.sgd(0.1),
-                      mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3), weights=zj.Weights(small_ckpt, SMALL_MAP))
+        zj.init_state(
+            {**ABSTRACT, "new": jax.ShapeDtypeStruct((2,), jnp.float32)},
+            optax.sgd(0.1),
+            mesh=zj.make_mesh(),
+            config=zj.ZeroConfig(stage=3),
+            weights=zj.Weights(small_ckpt, SMALL_MAP),
+        )
     with pytest.raises(TypeError, match="abstract"):
         zj.init_state(ABSTRACT, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3))
 
 
 def test_a_cast_that_would_overflow_is_refused(tmp_path):
-    save_file({"w": np.array([1.0, 7e4, 2.0, 3.0], np.float32), "b": np.ones(3, np.float32)},
-              str(tmp_path / "w.safetensors"))
+    save_file(
+        {"w": np.array([1.0, 7e4, 2.0, 3.0], np.float32), "b": np.ones(3, np.float32)}, str(tmp_path / "w.safetensors")
+    )
     like = {"w": jax.ShapeDtypeStruct((4,), jnp.float16), "b": np.zeros(3, np.float32)}
     with pytest.raises(ValueError, match="beyond float16's range"):
         zj.load_weights(tmp_path / "w.safetensors", like)
@@ -307,35 +374,60 @@ def test_a_cast_that_would_overflow_is_refused(tmp_path):
     # before any array is placed, at every stage that stores it.
     cfg = zj.ZeroConfig(stage=3, compute_dtype="float16")
     with pytest.raises(ValueError, match="beyond float16's range"):
-        zj.init_state({"w": jax.ShapeDtypeStruct((4,), jnp.float32), "b": jax.ShapeDtypeStruct((3,), jnp.float32)},
-                      optax.sgd(0.1), mesh=zj.make_mesh(), config=cfg, weights=tmp_path / "w.safetensors",
-                      trainable={"w": False, "b": True})
+        zj.init_state(
+            {"w": jax.ShapeDtypeStruct((4,), jnp.float32), "b": jax.ShapeDtypeStruct((3,), jnp.float32)},
+            optax.sgd(0.1),
+            mesh=zj.make_mesh(),
+            config=cfg,
+            weights=tmp_path / "w.safetensors",
+            trainable={"w": False, "b": True},
+        )
 
 
 def test_lossy_integer_casts_are_refused(tmp_path):
     """Integer tensors keep their values or are refused, before any array: narrowing,
     signed to unsigned, to bool, and into a float that would round them."""
     path = tmp_path / "ints.safetensors"
-    save_file({"i64": np.array([1, -2, 3], np.int64), "i32": np.array([1, -2, 3], np.int32),
-               "i8": np.array([1, -2, 3], np.int8), "u8": np.array([1, 2, 255], np.uint8)}, str(path))
-    ok = {"i64": np.zeros(3, np.int64), "i32": np.zeros(3, np.int32), "i8": np.zeros(3, np.int32),
-          "u8": np.zeros(3, np.int16)}
+    save_file(
+        {
+            "i64": np.array([1, -2, 3], np.int64),
+            "i32": np.array([1, -2, 3], np.int32),
+            "i8": np.array([1, -2, 3], np.int8),
+            "u8": np.array([1, 2, 255], np.uint8),
+        },
+        str(path),
+    )
+    ok = {
+        "i64": np.zeros(3, np.int64),
+        "i32": np.zeros(3, np.int32),
+        "i8": np.zeros(3, np.int32),
+        "u8": np.zeros(3, np.int16),
+    }
     got = zj.load_weights(path, ok)  # widening: exact
     assert got["i8"].tolist() == [1, -2, 3] and got["u8"].tolist() == [1, 2, 255] and got["u8"].dtype == np.int16
     refused = {
-        "i64": (np.int32, r"parameter 'i64' is int32 but its checkpoint tensor is int64: values beyond int32's range "
-                          r"would wrap around; make the parameter int64"),
+        "i64": (
+            np.int32,
+            r"parameter 'i64' is int32 but its checkpoint tensor is int64: values beyond int32's range "
+            r"would wrap around; make the parameter int64",
+        ),
         "i32": (np.uint32, r"parameter 'i32' is uint32 but its checkpoint tensor is int32: negative values would wrap"),
-        "i8": (np.bool_, r"parameter 'i8' is bool but its checkpoint tensor is int8: every nonzero value would become "
-                         r"True"),
+        "i8": (
+            np.bool_,
+            r"parameter 'i8' is bool but its checkpoint tensor is int8: every nonzero value would become "
+            r"True",
+        ),
         "u8": (np.int8, r"parameter 'u8' is int8 but its checkpoint tensor is uint8: values beyond int8's range"),
     }
     for name, (dtype, message) in refused.items():
         for leaf in (np.zeros(3, dtype), jax.ShapeDtypeStruct((3,), dtype)):
             with pytest.raises(TypeError, match=message):
                 zj.load_weights(path, {**ok, name: leaf})
-    with pytest.raises(TypeError, match=r"'i32' is float32 but its checkpoint tensor is int32: integers above 2\*\*24 "
-                                        r"would be rounded"):
+    with pytest.raises(
+        TypeError,
+        match=r"'i32' is float32 but its checkpoint tensor is int32: integers above 2\*\*24 "
+        r"would be rounded",
+    ):
         zj.load_weights(path, {**ok, "i32": np.zeros(3, np.float32)})
     assert zj.load_weights(path, {**ok, "i8": np.zeros(3, np.float16)})["i8"].tolist() == [1, -2, 3]
 
@@ -351,8 +443,14 @@ def small_state(tmp_path_factory):
 
     @functools.cache
     def build(stage):
-        return zj.init_state(ABSTRACT, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=stage),
-                             weights=zj.Weights(folder, SMALL_MAP))
+        return zj.init_state(
+            ABSTRACT,
+            optax.sgd(0.1),
+            mesh=zj.make_mesh(),
+            config=zj.ZeroConfig(stage=stage),
+            weights=zj.Weights(folder, SMALL_MAP),
+        )
+
     return build
 
 
@@ -412,20 +510,36 @@ def test_a_failed_export_leaves_nothing_that_looks_complete(small_state, tmp_pat
 
 
 def test_export_merges_lora_adapters_by_default(tmp_path):
-    params = {"q": {"kernel": RNG.normal(size=(16, 8)).astype(np.float32),
-                    "lora": {"lora_a": RNG.normal(size=(16, 2)).astype(np.float32),
-                             "lora_b": RNG.normal(size=(2, 8)).astype(np.float32)}}}
-    wmap = zj.maps.WeightMap({"q.kernel": transpose("q_proj.weight"), "q.lora.lora_a": transpose("q_proj.lora_A.weight"),
-                         "q.lora.lora_b": transpose("q_proj.lora_B.weight")})
-    state = zj.init_state(jax.tree.map(jnp.asarray, params), optax.sgd(0.1), mesh=zj.make_mesh(),
-                          config=zj.ZeroConfig(stage=3), trainable=lambda p: {"q": {"kernel": False, "lora": {
-                              "lora_a": True, "lora_b": True}}})
+    params = {
+        "q": {
+            "kernel": RNG.normal(size=(16, 8)).astype(np.float32),
+            "lora": {
+                "lora_a": RNG.normal(size=(16, 2)).astype(np.float32),
+                "lora_b": RNG.normal(size=(2, 8)).astype(np.float32),
+            },
+        }
+    }
+    wmap = zj.maps.WeightMap(
+        {
+            "q.kernel": transpose("q_proj.weight"),
+            "q.lora.lora_a": transpose("q_proj.lora_A.weight"),
+            "q.lora.lora_b": transpose("q_proj.lora_B.weight"),
+        }
+    )
+    state = zj.init_state(
+        jax.tree.map(jnp.asarray, params),
+        optax.sgd(0.1),
+        mesh=zj.make_mesh(),
+        config=zj.ZeroConfig(stage=3),
+        trainable=lambda p: {"q": {"kernel": False, "lora": {"lora_a": True, "lora_b": True}}},
+    )
     zj.export_weights(state, tmp_path / "m.safetensors", map=wmap)
     merged = load_file(str(tmp_path / "m.safetensors"))
     assert list(merged) == ["q_proj.weight"]
     q = params["q"]
-    np.testing.assert_allclose(merged["q_proj.weight"], (q["kernel"] + q["lora"]["lora_a"] @ q["lora"]["lora_b"]).T,
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        merged["q_proj.weight"], (q["kernel"] + q["lora"]["lora_a"] @ q["lora"]["lora_b"]).T, rtol=1e-6, atol=1e-6
+    )
     zj.export_weights(state, tmp_path / "a.safetensors", map=wmap, lora="adapters")
     adapters = load_file(str(tmp_path / "a.safetensors"))
     assert sorted(adapters) == ["q_proj.lora_A.weight", "q_proj.lora_B.weight"]
@@ -440,9 +554,24 @@ def test_four_processes_read_and_write_only_their_own_shards(tmp_path):
     writing its own shards; the export is the checkpoint, bit for bit."""
     ts = weights_model.tensors()
     weights_model.write_sharded(str(tmp_path / "ck"), ts)
-    cmd = [sys.executable, "-m", "zerojax.launch", "--nprocs", "4", "--devices-per-proc", "2", "--",
-           sys.executable, str(ROOT / "tests" / "workers" / "weights_job.py"), "--ckpt", str(tmp_path / "ck"),
-           "--out", str(tmp_path), "--buffer-mib", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "zerojax.launch",
+        "--nprocs",
+        "4",
+        "--devices-per-proc",
+        "2",
+        "--",
+        sys.executable,
+        str(ROOT / "tests" / "workers" / "weights_job.py"),
+        "--ckpt",
+        str(tmp_path / "ck"),
+        "--out",
+        str(tmp_path),
+        "--buffer-mib",
+        "1",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     model = sum(x.size for x in ts.values()) * 4
@@ -471,9 +600,23 @@ def test_export_command_writes_a_checkpoint_directory_in_hugging_face_layout(sma
 
     zj.save_checkpoint(tmp_path / "ck", small_state(3), 0)
     fixture = ROOT / "tests" / "data" / "hf_llama_tiny"
-    rc = cli.main(["export", str(tmp_path / "ck"), str(tmp_path / "hf"), "--layout", "hf", "--map",
-                   "tests.test_weights:SMALL_MAP", "--max-shard-size", "1000", "--dtype", "bfloat16",
-                   "--hf-config", str(fixture)])
+    rc = cli.main(
+        [
+            "export",
+            str(tmp_path / "ck"),
+            str(tmp_path / "hf"),
+            "--layout",
+            "hf",
+            "--map",
+            "tests.test_weights:SMALL_MAP",
+            "--max-shard-size",
+            "1000",
+            "--dtype",
+            "bfloat16",
+            "--hf-config",
+            str(fixture),
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     assert f"wrote {len(SMALL)} tensors" in capsys.readouterr().out
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
@@ -515,8 +658,9 @@ def test_a_tensor_read_by_two_parameters_is_written_once_and_checked(tmp_path):
     and the largest difference, and nothing is left that looks complete."""
     save_file(TIED_CKPT, str(tmp_path / "tied.safetensors"))
     mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=3)
-    state = zj.init_state(ABSTRACT, optax.sgd(0.1), mesh=mesh, config=cfg,
-                          weights=zj.Weights(tmp_path / "tied.safetensors", TIED))
+    state = zj.init_state(
+        ABSTRACT, optax.sgd(0.1), mesh=mesh, config=cfg, weights=zj.Weights(tmp_path / "tied.safetensors", TIED)
+    )
     shapes = zj.export_weights(state, tmp_path / "hf", map=TIED, layout="hf", max_shard_size=1000)
     got = _complete(tmp_path / "hf")
     assert set(got) == set(shapes) == set(TIED_CKPT)
@@ -526,10 +670,13 @@ def test_a_tensor_read_by_two_parameters_is_written_once_and_checked(tmp_path):
     params = jax.tree.map(jnp.asarray, SMALL_REF) | {"head": {"kernel": jnp.asarray(SMALL["emb"].T)}}
     params["head"]["kernel"] = params["head"]["kernel"].at[15, 12].add(0.5)
     apart = zj.init_state(params, optax.sgd(0.1), mesh=mesh, config=cfg)
-    with pytest.raises(ValueError, match=r"parameters 'head\.kernel' and 'emb' both read tensor 'emb', and they differ "
-                                         r"by up to 0\.5: the export writes the tensor once, from 'emb', and would "
-                                         r"drop what 'head\.kernel' learnt\. Tie them in the model .* a map that gives "
-                                         r"'head\.kernel' a tensor of its own instead of transpose\(emb \[13, 16\]\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"parameters 'head\.kernel' and 'emb' both read tensor 'emb', and they differ "
+        r"by up to 0\.5: the export writes the tensor once, from 'emb', and would "
+        r"drop what 'head\.kernel' learnt\. Tie them in the model .* a map that gives "
+        r"'head\.kernel' a tensor of its own instead of transpose\(emb \[13, 16\]\)",
+    ):
         zj.export_weights(apart, tmp_path / "hf", map=TIED, layout="hf", max_shard_size=1000)
     assert _complete(tmp_path / "hf") is None and not list((tmp_path / "hf").glob(".*"))
     # The same from checkpoint directories (process 0 reads each parameter whole).
@@ -537,8 +684,11 @@ def test_a_tensor_read_by_two_parameters_is_written_once_and_checked(tmp_path):
         zj.save_checkpoint(tmp_path / name, st, step=0, wait=True)
     zj.export_weights(tmp_path / "same", tmp_path / "from_dir", map=TIED, layout="hf")
     np.testing.assert_array_equal(_complete(tmp_path / "from_dir")["emb"], TIED_CKPT["emb"])
-    with pytest.raises(ValueError, match=r"'head\.kernel' and 'emb' both read tensor 'emb', and they differ by up to "
-                                         r"0\.5"):
+    with pytest.raises(
+        ValueError,
+        match=r"'head\.kernel' and 'emb' both read tensor 'emb', and they differ by up to "
+        r"0\.5",
+    ):
         zj.export_weights(tmp_path / "apart", tmp_path / "from_dir", map=TIED, layout="hf")
     # The fix the message names: the head as a tensor of its own.
     zj.export_weights(apart, tmp_path / "hf", map=SMALL_MAP, layout="hf")
@@ -546,13 +696,25 @@ def test_a_tensor_read_by_two_parameters_is_written_once_and_checked(tmp_path):
 
 
 QKV = RNG.normal(size=(9, 7)).astype(np.float32)  # torch [out, in]: q rows 0:4, k 4:6, v 6:9
-FUSED = {"attn.qkv.weight": QKV, "up.a": RNG.normal(size=(7, 3)).astype(np.float32),
-         "up.b": RNG.normal(size=(7, 5)).astype(np.float32)}
-FUSED_MAP = zj.maps.WeightMap({"q": transpose(part("attn.qkv.weight", 0, 0)), "k": transpose(part("attn.qkv.weight", 0, 4)),
-                          "v": transpose(part("attn.qkv.weight", 0, 6)),
-                          "up": concat(["up.a", "up.b"], axis=1, sizes=[3, 5])})
-FUSED_ABSTRACT = {"q": jax.ShapeDtypeStruct((7, 4), jnp.float32), "k": jax.ShapeDtypeStruct((7, 2), jnp.float32),
-                  "v": jax.ShapeDtypeStruct((7, 3), jnp.float32), "up": jax.ShapeDtypeStruct((7, 8), jnp.float32)}
+FUSED = {
+    "attn.qkv.weight": QKV,
+    "up.a": RNG.normal(size=(7, 3)).astype(np.float32),
+    "up.b": RNG.normal(size=(7, 5)).astype(np.float32),
+}
+FUSED_MAP = zj.maps.WeightMap(
+    {
+        "q": transpose(part("attn.qkv.weight", 0, 0)),
+        "k": transpose(part("attn.qkv.weight", 0, 4)),
+        "v": transpose(part("attn.qkv.weight", 0, 6)),
+        "up": concat(["up.a", "up.b"], axis=1, sizes=[3, 5]),
+    }
+)
+FUSED_ABSTRACT = {
+    "q": jax.ShapeDtypeStruct((7, 4), jnp.float32),
+    "k": jax.ShapeDtypeStruct((7, 2), jnp.float32),
+    "v": jax.ShapeDtypeStruct((7, 3), jnp.float32),
+    "up": jax.ShapeDtypeStruct((7, 8), jnp.float32),
+}
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -561,8 +723,13 @@ def test_fused_parts_and_concatenations_export_what_they_load(stage, tmp_path):
     back to the same tensors, bit for bit, each part writing its own extent; parts that
     leave a gap or overlap are refused, naming the elements."""
     save_file(FUSED, str(tmp_path / "fused.safetensors"))
-    state = zj.init_state(FUSED_ABSTRACT, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=stage),
-                          weights=zj.Weights(tmp_path / "fused.safetensors", FUSED_MAP))
+    state = zj.init_state(
+        FUSED_ABSTRACT,
+        optax.sgd(0.1),
+        mesh=zj.make_mesh(),
+        config=zj.ZeroConfig(stage=stage),
+        weights=zj.Weights(tmp_path / "fused.safetensors", FUSED_MAP),
+    )
     for layout, out in (("hf", tmp_path / "hf"), ("file", tmp_path / "w.safetensors")):
         shapes = zj.export_weights(state, out, map=FUSED_MAP, layout=layout, max_shard_size=200)
         got = _complete(out) if layout == "hf" else load_file(str(out))
@@ -572,14 +739,21 @@ def test_fused_parts_and_concatenations_export_what_they_load(stage, tmp_path):
     params = {k: jnp.ones(v.shape) for k, v in FUSED_ABSTRACT.items() if k in ("q", "v")}
     two = zj.init_state(params, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=stage))
     gap = zj.maps.WeightMap({k: e for k, e in FUSED_MAP.entries if k in ("q", "v")})
-    with pytest.raises(ValueError, match=r"elements \[4:6, 0:7\] of tensor 'attn\.qkv\.weight' \[9, 7\] are written "
-                                         r"by no parameter: its parts \(part / concat\) leave a gap"):
+    with pytest.raises(
+        ValueError,
+        match=r"elements \[4:6, 0:7\] of tensor 'attn\.qkv\.weight' \[9, 7\] are written "
+        r"by no parameter: its parts \(part / concat\) leave a gap",
+    ):
         zj.export_weights(two, tmp_path / "gap", map=gap, layout="hf")
-    three = zj.init_state({**params, "k": jnp.ones((7, 2))}, optax.sgd(0.1), mesh=zj.make_mesh(),
-                          config=zj.ZeroConfig(stage=stage))
+    three = zj.init_state(
+        {**params, "k": jnp.ones((7, 2))}, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=stage)
+    )
     overlap = zj.maps.WeightMap({**dict(gap.entries), "k": transpose(part("attn.qkv.weight", 0, 3))})
-    with pytest.raises(ValueError, match=r"parameters 'q' and 'k' both write elements \[3:4, 0:7\] of tensor "
-                                         r"'attn\.qkv\.weight' \[9, 7\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"parameters 'q' and 'k' both write elements \[3:4, 0:7\] of tensor "
+        r"'attn\.qkv\.weight' \[9, 7\]",
+    ):
         zj.export_weights(three, tmp_path / "overlap", map=overlap, layout="hf")
     assert not (tmp_path / "gap").exists() and not (tmp_path / "overlap").exists()
 
@@ -591,10 +765,15 @@ def test_re_export_leaves_exactly_the_new_export(small_state, tmp_path):
     out.mkdir()
     (out / "config.json").write_text("{}")
     (out / ".model-00001-of-00002.safetensors.partial").write_bytes(b"left by a killed export")
-    shards = lambda n: [f"model-0000{k}-of-0000{n}.safetensors" for k in range(1, n + 1)] + [
-        "model.safetensors.index.json"]
-    for size, files in (("5GB", ["model.safetensors"]), (1000, shards(7)), (2000, shards(4)),
-                        ("5GB", ["model.safetensors"])):
+    shards = lambda n: (
+        [f"model-0000{k}-of-0000{n}.safetensors" for k in range(1, n + 1)] + ["model.safetensors.index.json"]
+    )
+    for size, files in (
+        ("5GB", ["model.safetensors"]),
+        (1000, shards(7)),
+        (2000, shards(4)),
+        ("5GB", ["model.safetensors"]),
+    ):
         zj.export_weights(state, out, map=SMALL_MAP, layout="hf", max_shard_size=size)
         assert sorted(p.name for p in out.iterdir()) == sorted(files + ["config.json"])
         got = _complete(out)
@@ -626,6 +805,7 @@ def test_a_killed_export_leaves_nothing_that_looks_complete(small_state, tmp_pat
             if calls["n"] == calls["kill"]:
                 raise _Killed()
             return real(*a, **k)
+
         return step
 
     monkeypatch.setattr(sinks.os, "remove", hook(os.remove))
@@ -642,8 +822,7 @@ def test_a_killed_export_leaves_nothing_that_looks_complete(small_state, tmp_pat
         old = _snapshot(out)
         calls.update(n=0, kill=kill)
         try:
-            zj.export_weights(state, out, map=SMALL_MAP, layout="hf", max_shard_size=1000,
-                              hf_config=config)
+            zj.export_weights(state, out, map=SMALL_MAP, layout="hf", max_shard_size=1000, hf_config=config)
         except _Killed:
             kills += 1
             now = {k: v for k, v in _snapshot(out).items() if not k.startswith(".zerojax-export-probe")}
@@ -673,14 +852,18 @@ def test_export_writes_config_json_updated_for_its_dtype(small_state, tmp_path):
     source = json.loads((fixture / "config.json").read_text())
     assert source["dtype"] == "float32" and config == {**source, "dtype": "bfloat16"}
     assert json.loads((tmp_path / "a" / "generation_config.json").read_text()) == json.loads(
-        (fixture / "generation_config.json").read_text())
+        (fixture / "generation_config.json").read_text()
+    )
     # transformers 4.x's key, nested configs too; the map's config, overridden by hf_config=.
     old = {"torch_dtype": "float32", "text_config": {"torch_dtype": "float32"}, "model_type": "x"}
     wmap = dataclasses.replace(SMALL_MAP, hf_config=old, generation_config={"max_length": 9})
     assert wmap == SMALL_MAP and hash(wmap) == hash(SMALL_MAP)  # configs play no part in mapping
     zj.export_weights(state, tmp_path / "b", map=wmap, layout="hf", dtype="float16")
     assert json.loads((tmp_path / "b" / "config.json").read_text()) == {
-        "torch_dtype": "float16", "text_config": {"torch_dtype": "float16"}, "model_type": "x"}
+        "torch_dtype": "float16",
+        "text_config": {"torch_dtype": "float16"},
+        "model_type": "x",
+    }
     assert json.loads((tmp_path / "b" / "generation_config.json").read_text()) == {"max_length": 9}
     zj.export_weights(state, tmp_path / "b", map=wmap, layout="hf", hf_config={"model_type": "y"})
     assert json.loads((tmp_path / "b" / "config.json").read_text()) == {"model_type": "y"}  # no key added
@@ -693,9 +876,11 @@ def test_export_writes_config_json_updated_for_its_dtype(small_state, tmp_path):
         zj.maps.WeightMap({}, hf_config={"x": object()})
     # A head of its own beside a config that ties it: untied, or transformers would drop it.
     assert exported({"tie_word_embeddings": True}, None, dtype="float32", tensors=["lm_head.weight"]) == {
-        "config.json": {"tie_word_embeddings": False}}
+        "config.json": {"tie_word_embeddings": False}
+    }
     assert exported({"tie_word_embeddings": True}, None, dtype="float32", tensors=["embed.weight"]) == {
-        "config.json": {"tie_word_embeddings": True}}
+        "config.json": {"tie_word_embeddings": True}
+    }
 
 
 def test_export_refuses_before_the_first_byte(small_state, tmp_path):
@@ -708,8 +893,11 @@ def test_export_refuses_before_the_first_byte(small_state, tmp_path):
     params = jax.tree.map(jnp.asarray, SMALL_REF)
     params["blocks"]["w"] = params["blocks"]["w"].at[2, 15, 3, 5].set(1e5)
     big = zj.init_state(params, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=3))
-    with pytest.raises(ValueError, match=r"parameter 'blocks\.w' has values up to 1e\+05, beyond float16's range "
-                                         r"\(65504\); export in bfloat16"):
+    with pytest.raises(
+        ValueError,
+        match=r"parameter 'blocks\.w' has values up to 1e\+05, beyond float16's range "
+        r"\(65504\); export in bfloat16",
+    ):
         zj.export_weights(big, out, map=SMALL_MAP, layout="hf", dtype="float16")
     assert _snapshot(out) == before
     locked = tmp_path / "locked"

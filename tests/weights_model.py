@@ -16,20 +16,26 @@ from zerojax.maps import WeightMap, stack, transpose
 
 V, D, F, L = 1024, 256, 1024, 20  # 11.0M parameters: 22 MiB in bf16, 44 MiB of fp32 masters
 
-MAP = WeightMap({
-    "embed": "model.embed_tokens.weight",
-    "norm": stack("model.layers.{i}.input_layernorm.weight"),
-    "up": stack(transpose("model.layers.{i}.mlp.up_proj.weight")),
-    "down": stack(transpose("model.layers.{i}.mlp.down_proj.weight")),
-    "head": transpose("lm_head.weight"),
-})
+MAP = WeightMap(
+    {
+        "embed": "model.embed_tokens.weight",
+        "norm": stack("model.layers.{i}.input_layernorm.weight"),
+        "up": stack(transpose("model.layers.{i}.mlp.up_proj.weight")),
+        "down": stack(transpose("model.layers.{i}.mlp.down_proj.weight")),
+        "head": transpose("lm_head.weight"),
+    }
+)
 
 
 def abstract_params() -> dict:
     f32 = np.float32
-    return {"embed": jax.ShapeDtypeStruct((V, D), f32), "norm": jax.ShapeDtypeStruct((L, D), f32),
-            "up": jax.ShapeDtypeStruct((L, D, F), f32), "down": jax.ShapeDtypeStruct((L, F, D), f32),
-            "head": jax.ShapeDtypeStruct((D, V), f32)}
+    return {
+        "embed": jax.ShapeDtypeStruct((V, D), f32),
+        "norm": jax.ShapeDtypeStruct((L, D), f32),
+        "up": jax.ShapeDtypeStruct((L, D, F), f32),
+        "down": jax.ShapeDtypeStruct((L, F, D), f32),
+        "head": jax.ShapeDtypeStruct((D, V), f32),
+    }
 
 
 def tensors(seed: int = 0) -> dict[str, np.ndarray]:
@@ -56,8 +62,10 @@ def write_sharded(folder: str, ts: dict[str, np.ndarray], max_bytes: int = 3_000
     files = [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
     for f, g in zip(files, groups):
         save_file(g, os.path.join(folder, f), metadata={"format": "pt"})
-    index = {"metadata": {"total_size": sum(x.nbytes for x in ts.values())},
-             "weight_map": {n: f for f, g in zip(files, groups) for n in g}}
+    index = {
+        "metadata": {"total_size": sum(x.nbytes for x in ts.values())},
+        "weight_map": {n: f for f, g in zip(files, groups) for n in g},
+    }
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as fh:
         json.dump(index, fh)
     return files
@@ -66,7 +74,10 @@ def write_sharded(folder: str, ts: dict[str, np.ndarray], max_bytes: int = 3_000
 def reference(ts: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The parameters ``MAP`` reads from ``ts``, by plain numpy, in fp32."""
     f = lambda x: np.asarray(x, np.float32)
-    return {"embed": f(ts["model.embed_tokens.weight"]), "head": f(ts["lm_head.weight"]).T,
-            "norm": np.stack([f(ts[f"model.layers.{i}.input_layernorm.weight"]) for i in range(L)]),
-            "up": np.stack([f(ts[f"model.layers.{i}.mlp.up_proj.weight"]).T for i in range(L)]),
-            "down": np.stack([f(ts[f"model.layers.{i}.mlp.down_proj.weight"]).T for i in range(L)])}
+    return {
+        "embed": f(ts["model.embed_tokens.weight"]),
+        "head": f(ts["lm_head.weight"]).T,
+        "norm": np.stack([f(ts[f"model.layers.{i}.input_layernorm.weight"]) for i in range(L)]),
+        "up": np.stack([f(ts[f"model.layers.{i}.mlp.up_proj.weight"]).T for i in range(L)]),
+        "down": np.stack([f(ts[f"model.layers.{i}.mlp.down_proj.weight"]).T for i in range(L)]),
+    }

@@ -6,19 +6,7 @@ subpackage that owns it (``zj.report``, ``zj.maps``, ``zj.nn``, ``zj.nnx``, ``zj
 ``zj.distributed``, ``zj.resume``, ``zj.models``, ``zj.context``, ``zj.remat``).
 """
 
-from zerojax import (
-    checkpoint,
-    context,
-    distributed,
-    maps,
-    models,
-    moe,
-    nn,
-    nnx,
-    remat,
-    report,
-    resume,
-)
+from zerojax import checkpoint, context, distributed, maps, models, moe, nn, nnx, remat, report, resume
 from zerojax._deprecated import module_getattr as __getattr__  # noqa: F401 (moved names)
 from zerojax.checkpoint import export_weights, load_weights, restore_checkpoint, save_checkpoint
 from zerojax.checkpoint.weights import Weights

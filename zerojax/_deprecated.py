@@ -31,7 +31,10 @@ def module_getattr(name: str) -> Any:
         return importlib.import_module(f"zerojax.{name}")
     if name in MOVED:
         module, new = MOVED[name]
-        warnings.warn(f"zj.{name} moved to {new}; the top-level name will be removed in zerojax 0.3.",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"zj.{name} moved to {new}; the top-level name will be removed in zerojax 0.3.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module 'zerojax' has no attribute {name!r}")

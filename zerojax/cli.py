@@ -1,16 +1,16 @@
 """The ``zerojax`` command line.
 
-    zerojax export CHECKPOINT_DIR OUT.safetensors [--step N] [--dtype float32|bfloat16|float16]
-    zerojax export CHECKPOINT_DIR OUT_DIR --layout hf --map llama|mistral|qwen2|qwen3|mixtral|qwen3_moe|qwen2_moe [--max-shard-size 5GB]
-                   [--lora merge] [--hf-config SOURCE_MODEL_DIR]
-    zerojax export CHECKPOINT_DIR OUT_DIR --layout hf --hf-config SOURCE_MODEL_DIR   (the map from its config)
-    zerojax estimate --params 7B --devices 64 [--largest-layer N] [--replicas R] [--tensor T]
-                     [--dtype float32|bfloat16|float16] [--optimizer adam|adamw|sgd|adafactor]
-    zerojax estimate --model llama3-8b --devices 8
-    zerojax launch --nprocs 2 [--devices-per-proc 4] -- python train.py [args...]
-    zerojax autotune --model gpt --d-model 512 --layers 8 --batch 64 --devices 8 --memory 16GiB
-    zerojax autotune my_script:setup --devices 8 --memory 16GiB   (see zerojax/tuning/cli.py)
-    zerojax --version
+zerojax export CHECKPOINT_DIR OUT.safetensors [--step N] [--dtype float32|bfloat16|float16]
+zerojax export CHECKPOINT_DIR OUT_DIR --layout hf --map llama|mistral|qwen2|qwen3|mixtral|qwen3_moe|qwen2_moe [--max-shard-size 5GB]
+               [--lora merge] [--hf-config SOURCE_MODEL_DIR]
+zerojax export CHECKPOINT_DIR OUT_DIR --layout hf --hf-config SOURCE_MODEL_DIR   (the map from its config)
+zerojax estimate --params 7B --devices 64 [--largest-layer N] [--replicas R] [--tensor T]
+                 [--dtype float32|bfloat16|float16] [--optimizer adam|adamw|sgd|adafactor]
+zerojax estimate --model llama3-8b --devices 8
+zerojax launch --nprocs 2 [--devices-per-proc 4] -- python train.py [args...]
+zerojax autotune --model gpt --d-model 512 --layers 8 --batch 64 --devices 8 --memory 16GiB
+zerojax autotune my_script:setup --devices 8 --memory 16GiB   (see zerojax/tuning/cli.py)
+zerojax --version
 """
 
 from __future__ import annotations
@@ -34,50 +34,101 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="zerojax", description="zerojax tools")
     ap.add_argument("--version", action="version", version=f"zerojax {version()}")
     sub = ap.add_subparsers(dest="command", required=True)
-    sub.add_parser("launch", add_help=False,
-                   help="start a local multi-process job: zerojax launch --nprocs N ... -- command [args...]")
-    sub.add_parser("autotune", add_help=False,
-                   help="the ZeRO configurations that fit a memory budget, fastest predicted first (no trial run)")
+    sub.add_parser(
+        "launch",
+        add_help=False,
+        help="start a local multi-process job: zerojax launch --nprocs N ... -- command [args...]",
+    )
+    sub.add_parser(
+        "autotune",
+        add_help=False,
+        help="the ZeRO configurations that fit a memory budget, fastest predicted first (no trial run)",
+    )
     ex = sub.add_parser("export", help="consolidated weights from a checkpoint (zero_to_fp32)")
     ex.add_argument("checkpoint_dir")
     ex.add_argument("out", help="output .safetensors file (--layout file) or folder (--layout hf)")
     ex.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    ex.add_argument("--layout", choices=["file", "hf"], default="file",
-                    help="one file, or Hugging Face's sharded layout (model-0000k-of-0000n.safetensors + index)")
-    ex.add_argument("--map", default=None,
-                    help="tensor names: a family's map (" + ", ".join(_ready_maps()) + ") or module:attribute "
-                         "(a zj.maps.WeightMap, or a function of no arguments returning one); default: the map of "
-                         "--hf-config's config.json (zj.models.from_hf), else the parameters' own dotted names")
+    ex.add_argument(
+        "--layout",
+        choices=["file", "hf"],
+        default="file",
+        help="one file, or Hugging Face's sharded layout (model-0000k-of-0000n.safetensors + index)",
+    )
+    ex.add_argument(
+        "--map",
+        default=None,
+        help="tensor names: a family's map (" + ", ".join(_ready_maps()) + ") or module:attribute "
+        "(a zj.maps.WeightMap, or a function of no arguments returning one); default: the map of "
+        "--hf-config's config.json (zj.models.from_hf), else the parameters' own dotted names",
+    )
     ex.add_argument("--max-shard-size", default="5GB", help="largest file of --layout hf (5GB, 500MiB, bytes)")
-    ex.add_argument("--lora", choices=["merge", "adapters", "keep"], default="merge",
-                    help="LoRA adapters folded into their kernels (default), alone, or kept as parameters")
-    ex.add_argument("--hf-config", default=None, metavar="PATH",
-                    help="--layout hf: the source model's config.json (or its folder, with generation_config.json), "
-                         "written beside the weights with the exported dtype; default: the map's, else none")
+    ex.add_argument(
+        "--lora",
+        choices=["merge", "adapters", "keep"],
+        default="merge",
+        help="LoRA adapters folded into their kernels (default), alone, or kept as parameters",
+    )
+    ex.add_argument(
+        "--hf-config",
+        default=None,
+        metavar="PATH",
+        help="--layout hf: the source model's config.json (or its folder, with generation_config.json), "
+        "written beside the weights with the exported dtype; default: the map's, else none",
+    )
     es = sub.add_parser("estimate", help="model-state memory per device: ZeRO paper, DeepSpeed and zerojax")
-    es.add_argument("--params", type=_count, default=None,
-                    help="parameter count: 7B, 1.3b, 350M, 125k, 1.5e9, 7_000_000 (K/M/B/T suffixes)")
+    es.add_argument(
+        "--params",
+        type=_count,
+        default=None,
+        help="parameter count: 7B, 1.3b, 350M, 125k, 1.5e9, 7_000_000 (K/M/B/T suffixes)",
+    )
     es.add_argument("--model", default=None, help="a model config: " + ", ".join(_model_names()))
     es.add_argument("--devices", type=int, required=True, help="devices on the data axis")
-    es.add_argument("--largest-layer", type=_count_or_zero, default=0,
-                    help="parameters of the largest layer (DeepSpeed's ZeRO-3 figure), e.g. 500M")
-    es.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                    help="compute dtype of the zerojax column (fp32 masters either way)")
-    es.add_argument("--optimizer", choices=["adam", "adamw", "sgd", "adafactor"], default="adam",
-                    help="optimizer of the zerojax column: adam/adamw 8 bytes of state per parameter, "
-                         "sgd (no momentum) 0, adafactor ~0 (factored moments; a lower bound)")
-    es.add_argument("--replicas", type=int, default=1,
-                    help="hybrid sharding: replica groups (the state is sharded over devices/replicas)")
-    es.add_argument("--tensor", type=int, default=1,
-                    help="tensor parallelism beside ZeRO: tensor degree T (each device holds 1/T of every "
-                         "parameter; ZeRO shards over devices/(replicas*T))")
+    es.add_argument(
+        "--largest-layer",
+        type=_count_or_zero,
+        default=0,
+        help="parameters of the largest layer (DeepSpeed's ZeRO-3 figure), e.g. 500M",
+    )
+    es.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="compute dtype of the zerojax column (fp32 masters either way)",
+    )
+    es.add_argument(
+        "--optimizer",
+        choices=["adam", "adamw", "sgd", "adafactor"],
+        default="adam",
+        help="optimizer of the zerojax column: adam/adamw 8 bytes of state per parameter, "
+        "sgd (no momentum) 0, adafactor ~0 (factored moments; a lower bound)",
+    )
+    es.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="hybrid sharding: replica groups (the state is sharded over devices/replicas)",
+    )
+    es.add_argument(
+        "--tensor",
+        type=int,
+        default=1,
+        help="tensor parallelism beside ZeRO: tensor degree T (each device holds 1/T of every "
+        "parameter; ZeRO shards over devices/(replicas*T))",
+    )
     fd = sub.add_parser("from-deepspeed", help="the ZeroConfig of a DeepSpeed JSON config")
     fd.add_argument("config", help="a DeepSpeed JSON config, e.g. ds_config.json")
-    fd.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="auto",
-                    help='fill an "auto" value: a DeepSpeed key (scheduler.params.total_num_steps=1000) or a '
-                         "TrainingArguments field (learning_rate=3e-4); VALUE is read as JSON when it parses, "
-                         "else as a string; repeatable")
+    fd.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="auto",
+        help='fill an "auto" value: a DeepSpeed key (scheduler.params.total_num_steps=1000) or a '
+        "TrainingArguments field (learning_rate=3e-4); VALUE is read as JSON when it parses, "
+        "else as a string; repeatable",
+    )
     args = ap.parse_args(argv)
     if args.command == "from-deepspeed":
         import json
@@ -120,16 +171,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.replicas < 1 or args.devices % args.replicas:
             ap.error(f"--replicas must be >= 1 and divide --devices {args.devices}, got {args.replicas}")
         if args.tensor < 1 or (args.devices // args.replicas) % args.tensor:
-            ap.error(f"--tensor must be >= 1 and divide the {args.devices // args.replicas} devices of a replica "
-                     f"group, got {args.tensor}")
+            ap.error(
+                f"--tensor must be >= 1 and divide the {args.devices // args.replicas} devices of a replica "
+                f"group, got {args.tensor}"
+            )
         psi, layer = args.params, args.largest_layer
         if args.model is not None:
             if args.model not in estimate.MODELS:
                 ap.error(f"unknown --model {args.model!r}; choose from {', '.join(estimate.MODELS)}")
             shape = estimate.MODELS[args.model]
             psi, layer = shape.num_params(), layer or shape.largest_layer_params()
-        print(estimate.table(psi, args.devices, layer, replicas=args.replicas, compute_dtype=args.dtype,
-                             optimizer=args.optimizer, tensor=args.tensor))
+        print(
+            estimate.table(
+                psi,
+                args.devices,
+                layer,
+                replicas=args.replicas,
+                compute_dtype=args.dtype,
+                optimizer=args.optimizer,
+                tensor=args.tensor,
+            )
+        )
         return 0
     if args.command == "export":
         from zerojax.checkpoint.export import export_weights
@@ -140,9 +202,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from zerojax.models import from_hf
 
                 wmap = from_hf(args.hf_config)[1]
-            shapes = export_weights(args.checkpoint_dir, args.out, step=args.step, dtype=args.dtype,
-                                    show_progress=None, layout=args.layout, map=wmap,
-                                    max_shard_size=args.max_shard_size, lora=args.lora, hf_config=args.hf_config)
+            shapes = export_weights(
+                args.checkpoint_dir,
+                args.out,
+                step=args.step,
+                dtype=args.dtype,
+                show_progress=None,
+                layout=args.layout,
+                map=wmap,
+                max_shard_size=args.max_shard_size,
+                lora=args.lora,
+                hf_config=args.hf_config,
+            )
         except (OSError, ValueError, TypeError) as e:
             print(f"zerojax export: {e}", file=sys.stderr)
             return 1
@@ -154,8 +225,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         narrow = {k: v for k, v in stored_dtypes(args.out).items() if v not in ("float32", "float64")}
         if narrow:
-            print(f"{len(narrow)} frozen tensors were stored by the run in {', '.join(sorted(set(narrow.values())))} "
-                  f"(ZeroConfig.frozen_dtype='compute') and hold that rounding: {', '.join(narrow)}")
+            print(
+                f"{len(narrow)} frozen tensors were stored by the run in {', '.join(sorted(set(narrow.values())))} "
+                f"(ZeroConfig.frozen_dtype='compute') and hold that rounding: {', '.join(narrow)}"
+            )
     return 0
 
 

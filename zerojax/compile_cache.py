@@ -42,8 +42,7 @@ def applies(mesh) -> bool:
       True
     """
     devices = list(mesh.devices.flat)
-    return (bool(jax.config.jax_compilation_cache_dir) and len(devices) > 1
-            and all(d.platform == "cpu" for d in devices))
+    return bool(jax.config.jax_compilation_cache_dir) and len(devices) > 1 and all(d.platform == "cpu" for d in devices)
 
 
 def optimization_level() -> int:

@@ -29,36 +29,43 @@ def _dtype_name(value: Any, field: str, allowed: tuple[str, ...]) -> str:
 def _check_context_dims(dims: Any) -> Any:
     """``context_dims`` as None, an int, or a tuple of ``(batch leaf path, dims)`` with dims
     an int, a tuple of distinct ints (the first split over the context axis) or None."""
+
     def dim(d):
         return isinstance(d, int) and not isinstance(d, bool) and d >= 1
 
     if dims is None or dim(dims):
         return dims
-    if isinstance(dims, Mapping) or (isinstance(dims, (tuple, list)) and all(
-            isinstance(p, (tuple, list)) and len(p) == 2 for p in dims)):
+    if isinstance(dims, Mapping) or (
+        isinstance(dims, (tuple, list)) and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in dims)
+    ):
         pairs = tuple(dims.items()) if isinstance(dims, Mapping) else tuple(tuple(p) for p in dims)
         out = []
         for path, d in pairs:
             if isinstance(d, list):
                 d = tuple(d)
-            ok = d is None or dim(d) or (isinstance(d, tuple) and d and all(dim(x) for x in d)
-                                         and len(set(d)) == len(d))
+            ok = (
+                d is None or dim(d) or (isinstance(d, tuple) and d and all(dim(x) for x in d) and len(set(d)) == len(d))
+            )
             if not isinstance(path, str) or not ok:
                 break
             out.append((path, d))
         else:
             return tuple(out)
-    raise ValueError(f"ZeroConfig.context_dims must be None (see zerojax.context.batch), an int >= 1 (the sequence "
-                     f"dimension of every leaf), or {{batch leaf path: dim, (dims...) or None}} (paths as "
-                     f"jax.tree_util.keystr writes them, e.g. \"['tokens']\"; a [B, T, T] mask: (1, 2)); got {dims!r}.")
+    raise ValueError(
+        f"ZeroConfig.context_dims must be None (see zerojax.context.batch), an int >= 1 (the sequence "
+        f"dimension of every leaf), or {{batch leaf path: dim, (dims...) or None}} (paths as "
+        f"jax.tree_util.keystr writes them, e.g. \"['tokens']\"; a [B, T, T] mask: (1, 2)); got {dims!r}."
+    )
 
 
 def _check_rules(rules: Any) -> tuple:
     """``axis_rules`` as a tuple of ``(logical name, mesh axis | tuple of axes | None)``."""
     if isinstance(rules, dict):
         rules = tuple(rules.items())
-    bad = ValueError(f"ZeroConfig.axis_rules must be a sequence of (logical name, mesh axis or None) pairs, "
-                     f"e.g. (('mlp', 'tensor'), ('embed', None)), got {rules!r}.")
+    bad = ValueError(
+        f"ZeroConfig.axis_rules must be a sequence of (logical name, mesh axis or None) pairs, "
+        f"e.g. (('mlp', 'tensor'), ('embed', None)), got {rules!r}."
+    )
     if isinstance(rules, str) or not isinstance(rules, (tuple, list)):
         raise bad
     out = []
@@ -68,8 +75,11 @@ def _check_rules(rules: Any) -> tuple:
         name, target = rule
         if isinstance(target, list):
             target = tuple(target)
-        ok = target is None or isinstance(target, str) or (
-            isinstance(target, tuple) and all(isinstance(t, str) for t in target))
+        ok = (
+            target is None
+            or isinstance(target, str)
+            or (isinstance(target, tuple) and all(isinstance(t, str) for t in target))
+        )
         if not ok:
             raise bad
         out.append((name, target))
@@ -79,8 +89,10 @@ def _check_rules(rules: Any) -> tuple:
 def _check_axis_map(axis_map: Any) -> tuple:
     """``axis_map`` as a sorted tuple of ``(model mesh axis, zerojax mesh axis | None)``."""
     items = axis_map.items() if isinstance(axis_map, dict) else axis_map
-    bad = ValueError(f"ZeroConfig.axis_map must map the model's mesh axis names to zerojax's (or None), e.g. "
-                     f"{{'fsdp': 'data', 'data': 'data', 'tensor': 'tensor'}}, got {axis_map!r}.")
+    bad = ValueError(
+        f"ZeroConfig.axis_map must map the model's mesh axis names to zerojax's (or None), e.g. "
+        f"{{'fsdp': 'data', 'data': 'data', 'tensor': 'tensor'}}, got {axis_map!r}."
+    )
     try:
         pairs = [tuple(p) for p in items]
     except TypeError:
@@ -279,35 +291,58 @@ class ZeroConfig:
                 "shard gradients, 3 to also shard parameters."
             )
         if not isinstance(self.axis, str) or not self.axis:
-            raise TypeError(
-                f"ZeroConfig.axis must be a non-empty mesh axis name (str), got {self.axis!r}."
-            )
+            raise TypeError(f"ZeroConfig.axis must be a non-empty mesh axis name (str), got {self.axis!r}.")
         if not isinstance(self.replica_axis, str) or not self.replica_axis or self.replica_axis == self.axis:
-            raise ValueError(f"ZeroConfig.replica_axis must be a mesh axis name other than axis={self.axis!r}, "
-                             f"got {self.replica_axis!r}.")
-        if not isinstance(self.tensor_axis, str) or not self.tensor_axis or self.tensor_axis in (
-                self.axis, self.replica_axis):
-            raise ValueError(f"ZeroConfig.tensor_axis must be a mesh axis name other than axis={self.axis!r} and "
-                             f"replica_axis={self.replica_axis!r}, got {self.tensor_axis!r}.")
-        if not isinstance(self.context_axis, str) or not self.context_axis or self.context_axis in (
-                self.axis, self.replica_axis, self.tensor_axis):
-            raise ValueError(f"ZeroConfig.context_axis must be a mesh axis name other than axis={self.axis!r}, "
-                             f"replica_axis={self.replica_axis!r} and tensor_axis={self.tensor_axis!r}, got "
-                             f"{self.context_axis!r}.")
-        if not isinstance(self.expert_axis, str) or not self.expert_axis or self.expert_axis in (
-                self.axis, self.replica_axis, self.tensor_axis, self.context_axis):
-            raise ValueError(f"ZeroConfig.expert_axis must be a mesh axis name other than axis={self.axis!r}, "
-                             f"replica_axis={self.replica_axis!r}, tensor_axis={self.tensor_axis!r} and "
-                             f"context_axis={self.context_axis!r}, got {self.expert_axis!r}.")
+            raise ValueError(
+                f"ZeroConfig.replica_axis must be a mesh axis name other than axis={self.axis!r}, "
+                f"got {self.replica_axis!r}."
+            )
+        if (
+            not isinstance(self.tensor_axis, str)
+            or not self.tensor_axis
+            or self.tensor_axis in (self.axis, self.replica_axis)
+        ):
+            raise ValueError(
+                f"ZeroConfig.tensor_axis must be a mesh axis name other than axis={self.axis!r} and "
+                f"replica_axis={self.replica_axis!r}, got {self.tensor_axis!r}."
+            )
+        if (
+            not isinstance(self.context_axis, str)
+            or not self.context_axis
+            or self.context_axis in (self.axis, self.replica_axis, self.tensor_axis)
+        ):
+            raise ValueError(
+                f"ZeroConfig.context_axis must be a mesh axis name other than axis={self.axis!r}, "
+                f"replica_axis={self.replica_axis!r} and tensor_axis={self.tensor_axis!r}, got "
+                f"{self.context_axis!r}."
+            )
+        if (
+            not isinstance(self.expert_axis, str)
+            or not self.expert_axis
+            or self.expert_axis in (self.axis, self.replica_axis, self.tensor_axis, self.context_axis)
+        ):
+            raise ValueError(
+                f"ZeroConfig.expert_axis must be a mesh axis name other than axis={self.axis!r}, "
+                f"replica_axis={self.replica_axis!r}, tensor_axis={self.tensor_axis!r} and "
+                f"context_axis={self.context_axis!r}, got {self.expert_axis!r}."
+            )
         if self.context_layout not in ("contiguous", "balanced"):
-            raise ValueError(f"ZeroConfig.context_layout must be 'contiguous' or 'balanced' (ring attention's load "
-                             f"balancing for causal attention), got {self.context_layout!r}.")
+            raise ValueError(
+                f"ZeroConfig.context_layout must be 'contiguous' or 'balanced' (ring attention's load "
+                f"balancing for causal attention), got {self.context_layout!r}."
+            )
         object.__setattr__(self, "context_dims", _check_context_dims(self.context_dims))
         object.__setattr__(self, "axis_rules", _check_rules(self.axis_rules))
         if self.axis_map is not None:
             object.__setattr__(self, "axis_map", _check_axis_map(self.axis_map))
-        for name in ("donate", "consecutive_hysteresis", "raise_at_min_scale", "skip_nonfinite",
-                     "offload_optimizer", "offload_params"):
+        for name in (
+            "donate",
+            "consecutive_hysteresis",
+            "raise_at_min_scale",
+            "skip_nonfinite",
+            "offload_optimizer",
+            "offload_params",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ZeroConfig.{name} must be a bool, got {getattr(self, name)!r}.")
         set_ = lambda k, v: object.__setattr__(self, k, v)
@@ -328,44 +363,67 @@ class ZeroConfig:
         if self.initial_scale_power < 0:
             raise ValueError(f"ZeroConfig.initial_scale_power must be >= 0, got {self.initial_scale_power}.")
         if self.offload_optimizer and self.stage == 0:
-            raise ValueError("ZeroConfig.offload_optimizer needs a sharded optimizer state: use stage 1, 2 or 3 "
-                             "(stage 0 replicates it on every device).")
+            raise ValueError(
+                "ZeroConfig.offload_optimizer needs a sharded optimizer state: use stage 1, 2 or 3 "
+                "(stage 0 replicates it on every device)."
+            )
         if self.offload_params and self.stage != 3:
-            raise ValueError(f"ZeroConfig.offload_params keeps stage 3's sharded parameters in host memory; "
-                             f"stage {self.stage} keeps a replicated copy on every device. Use stage=3.")
+            raise ValueError(
+                f"ZeroConfig.offload_params keeps stage 3's sharded parameters in host memory; "
+                f"stage {self.stage} keeps a replicated copy on every device. Use stage=3."
+            )
         if self.offload_update not in ("auto", "host", "device"):
-            raise ValueError(f"ZeroConfig.offload_update must be 'auto', 'host' or 'device', got {self.offload_update!r}.")
-        if isinstance(self.offload_group_size, bool) or not isinstance(self.offload_group_size, int) \
-                or self.offload_group_size < 1:
-            raise ValueError(f"ZeroConfig.offload_group_size must be a positive int (parameter elements per "
-                             f"streamed group), got {self.offload_group_size!r}.")
+            raise ValueError(
+                f"ZeroConfig.offload_update must be 'auto', 'host' or 'device', got {self.offload_update!r}."
+            )
+        if (
+            isinstance(self.offload_group_size, bool)
+            or not isinstance(self.offload_group_size, int)
+            or self.offload_group_size < 1
+        ):
+            raise ValueError(
+                f"ZeroConfig.offload_group_size must be a positive int (parameter elements per "
+                f"streamed group), got {self.offload_group_size!r}."
+            )
         if self.gather_dtype is not None:
             if self.gather_dtype != "int8":
-                raise ValueError(f"ZeroConfig.gather_dtype must be None (gather in the compute dtype) or 'int8', "
-                                 f"got {self.gather_dtype!r}.")
+                raise ValueError(
+                    f"ZeroConfig.gather_dtype must be None (gather in the compute dtype) or 'int8', "
+                    f"got {self.gather_dtype!r}."
+                )
             if self.stage != 3:
-                raise ValueError(f"ZeroConfig.gather_dtype='int8' quantizes stage 3's weight gathers; stage "
-                                 f"{self.stage} gathers none per use. Use stage=3.")
+                raise ValueError(
+                    f"ZeroConfig.gather_dtype='int8' quantizes stage 3's weight gathers; stage "
+                    f"{self.stage} gathers none per use. Use stage=3."
+                )
         for name in ("quant_block_size", "reduce_quant_block_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ZeroConfig.{name} must be a positive int (elements per int8 block), got {value!r}.")
         if self.reduce_dtype == "int8" and self.stage == 0:
-            raise ValueError("ZeroConfig.reduce_dtype='int8' quantizes the gradient reduce-scatter of stages 1–3 "
-                             "(ZeRO++'s qgZ); stage 0 all-reduces full gradients. Use stage=1, 2 or 3, or a "
-                             "float reduce_dtype.")
+            raise ValueError(
+                "ZeroConfig.reduce_dtype='int8' quantizes the gradient reduce-scatter of stages 1–3 "
+                "(ZeRO++'s qgZ); stage 0 all-reduces full gradients. Use stage=1, 2 or 3, or a "
+                "float reduce_dtype."
+            )
         if self.frozen_dtype not in ("compute", "param"):
-            raise ValueError(f"ZeroConfig.frozen_dtype must be 'compute' (frozen parameters stored in the compute "
-                             f"dtype where narrower) or 'param' (in their own dtype), got {self.frozen_dtype!r}.")
+            raise ValueError(
+                f"ZeroConfig.frozen_dtype must be 'compute' (frozen parameters stored in the compute "
+                f"dtype where narrower) or 'param' (in their own dtype), got {self.frozen_dtype!r}."
+            )
         if self.prefetch < 0:
             raise ValueError(f"ZeroConfig.prefetch must be >= 0 (layers gathered ahead; 0: none), got {self.prefetch}.")
         if self.prefetch and self.stage != 3:
-            raise ValueError(f"ZeroConfig.prefetch={self.prefetch} gathers stage 3's weights ahead of their use; stage "
-                             f"{self.stage} gathers none per use. Use stage=3, or prefetch=0.")
+            raise ValueError(
+                f"ZeroConfig.prefetch={self.prefetch} gathers stage 3's weights ahead of their use; stage "
+                f"{self.stage} gathers none per use. Use stage=3, or prefetch=0."
+            )
         if self.prefetch and self.offload_params:
-            raise ValueError(f"ZeroConfig.prefetch={self.prefetch} with offload_params=True is not supported: the "
-                             f"prefetched scan gathers device shards, and offloaded ones are in host memory. "
-                             f"Use prefetch=0 with offload_params, or keep the parameters on the device.")
+            raise ValueError(
+                f"ZeroConfig.prefetch={self.prefetch} with offload_params=True is not supported: the "
+                f"prefetched scan gathers device shards, and offloaded ones are in host memory. "
+                f"Use prefetch=0 with offload_params, or keep the parameters on the device."
+            )
         if self.grad_accum_steps < 1:
             raise ValueError(
                 f"ZeroConfig.grad_accum_steps must be >= 1 (1 = no accumulation), got {self.grad_accum_steps}."

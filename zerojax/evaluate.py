@@ -33,8 +33,16 @@ class EvalStep:
     default; per-example outputs take ``"concat"``.
     """
 
-    def __init__(self, fn: Callable, *, mesh: Mesh, config: ZeroConfig, reduce: Any = None,
-                 with_model_state: bool = False, with_layout: bool = False):
+    def __init__(
+        self,
+        fn: Callable,
+        *,
+        mesh: Mesh,
+        config: ZeroConfig,
+        reduce: Any = None,
+        with_model_state: bool = False,
+        with_layout: bool = False,
+    ):
         if not callable(fn):
             raise TypeError(f"fn must be callable as fn(params, batch), got {fn!r}.")
         if not isinstance(config, ZeroConfig):
@@ -49,8 +57,10 @@ class EvalStep:
     def check(self, state: ZeroState, batch: Any) -> None:
         check_state(state, self.config, self.mesh, "eval step")
         if self.with_model_state and state.model_state is None:
-            raise ValueError("make_eval_step(..., with_model_state=True) needs a state built with "
-                             "zj.init_state(..., model_state=...).")
+            raise ValueError(
+                "make_eval_step(..., with_model_state=True) needs a state built with "
+                "zj.init_state(..., model_state=...)."
+            )
         check_batch(batch, *row_split(self.mesh, self.config))
         sequence.check(state.plan, batch)
 
@@ -77,8 +87,9 @@ class EvalStep:
             closed, out_shapes = foreign.trace(user_fn, (shapes, (local, ms)), plan)
             program = lambda: (foreign.Translator(plan).program(closed), out_shapes)
         else:
-            out_shapes = local_shapes(plan, lambda leaves, b, ms: user_fn(leaves, (b, ms)), shapes, local, ms,
-                                      batch_at=1)
+            out_shapes = local_shapes(
+                plan, lambda leaves, b, ms: user_fn(leaves, (b, ms)), shapes, local, ms, batch_at=1
+            )
         combine = outputs.plan(self.reduce, out_shapes, "outputs", "reduce")
         batch = sequence.constrain(plan, batch)
         batch_spec = jax.tree.map(lambda _: P(over), batch)
@@ -87,21 +98,33 @@ class EvalStep:
         train_names, frozen_names = plan.split(plan.paths)
         read = stage_of(plan).forward(plan)
         # Leaves with a source are used pending (gathered where used); the others as they are.
-        run = per_use.traced(user_fn, shapes, context(plan, remat=False), program) \
-            if read.source or program else user_fn
+        run = (
+            per_use.traced(user_fn, shapes, context(plan, remat=False), program) if read.source or program else user_fn
+        )
 
         def body(train, frozen, b, ms):
             cast = lambda xs: [x.astype(compute) for x in xs]
-            train = pending([(x,) for x in train], plan.master_layouts, read.source, train_names) \
-                if read.source else cast(train)
-            frozen = pending([(x,) for x in frozen], plan.frozen_layouts, read.frozen_source, frozen_names) \
-                if read.frozen_source else cast(frozen)
+            train = (
+                pending([(x,) for x in train], plan.master_layouts, read.source, train_names)
+                if read.source
+                else cast(train)
+            )
+            frozen = (
+                pending([(x,) for x in frozen], plan.frozen_layouts, read.frozen_source, frozen_names)
+                if read.frozen_source
+                else cast(frozen)
+            )
             return combine.over_devices(run(plan.join(train, frozen), (b, ms)), over)
 
         arrays = getattr(state, read.field)
-        return jax.shard_map(body, mesh=plan.mesh, in_specs=(read.specs, frozen_specs, batch_spec, P()),
-                             out_specs=combine.specs(over), axis_names=plan.manual_axes,
-                             check_vma=False)(jax.tree.leaves(arrays), frozen, batch, ms)
+        return jax.shard_map(
+            body,
+            mesh=plan.mesh,
+            in_specs=(read.specs, frozen_specs, batch_spec, P()),
+            out_specs=combine.specs(over),
+            axis_names=plan.manual_axes,
+            check_vma=False,
+        )(jax.tree.leaves(arrays), frozen, batch, ms)
 
     def _jit_for(self, state: ZeroState):
         fn = self._jitted.get(state.plan)
@@ -124,8 +147,15 @@ class EvalStep:
         return self._compiles
 
 
-def make_eval_step(fn: Callable, *, mesh: Mesh, config: ZeroConfig, reduce: Any = None,
-                   with_model_state: bool = False, with_layout: bool = False) -> EvalStep:
+def make_eval_step(
+    fn: Callable,
+    *,
+    mesh: Mesh,
+    config: ZeroConfig,
+    reduce: Any = None,
+    with_model_state: bool = False,
+    with_layout: bool = False,
+) -> EvalStep:
     """Builds a forward-only step for ``fn(params, batch)`` (a held-out loss, per-example
     predictions) that reads the parameters where they live: at stage 3, gathered layer by
     layer as in training, never the whole model on one device. ``with_model_state=True``
@@ -145,5 +175,6 @@ def make_eval_step(fn: Callable, *, mesh: Mesh, config: ZeroConfig, reduce: Any 
       >>> float(out["loss"]), out["pred"].shape
       (9.0, (8, 1))
     """
-    return EvalStep(fn, mesh=mesh, config=config, reduce=reduce, with_model_state=with_model_state,
-                    with_layout=with_layout)
+    return EvalStep(
+        fn, mesh=mesh, config=config, reduce=reduce, with_model_state=with_model_state, with_layout=with_layout
+    )

@@ -116,8 +116,20 @@ def _describe_exit(rank: int, pid: int, code: int) -> str:
 class _Job:
     """One start of the command in ``nprocs`` processes."""
 
-    def __init__(self, cmd, nprocs, devices_per_proc, port, out, lock, gpu_overlap, verbose, launch_dir,
-                 heartbeat_timeout_s, restart):
+    def __init__(
+        self,
+        cmd,
+        nprocs,
+        devices_per_proc,
+        port,
+        out,
+        lock,
+        gpu_overlap,
+        verbose,
+        launch_dir,
+        heartbeat_timeout_s,
+        restart,
+    ):
         self.out, self.lock, self.nprocs = out, lock, nprocs
         self.launch_dir, self.heartbeat_timeout_s = launch_dir, heartbeat_timeout_s
         for name in os.listdir(launch_dir):  # the previous start's heartbeats and progress
@@ -127,17 +139,25 @@ class _Job:
         self.started = time.monotonic()
         for rank in range(nprocs):
             env = dict(os.environ)
-            env.update({ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(nprocs),
-                        ENV_PROCESS_ID: str(rank), "PYTHONUNBUFFERED": "1", ENV_LAUNCH_DIR: launch_dir,
-                        ENV_RESTART: str(restart)})
+            env.update(
+                {
+                    ENV_COORDINATOR: f"127.0.0.1:{port}",
+                    ENV_NUM_PROCESSES: str(nprocs),
+                    ENV_PROCESS_ID: str(rank),
+                    "PYTHONUNBUFFERED": "1",
+                    ENV_LAUNCH_DIR: launch_dir,
+                    ENV_RESTART: str(restart),
+                }
+            )
             if heartbeat_timeout_s is not None:
                 env[ENV_HEARTBEAT_S] = f"{max(0.1, heartbeat_timeout_s / 4):g}"
             if devices_per_proc is not None:
                 env[ENV_LOCAL_DEVICES] = str(devices_per_proc)
             if gpu_overlap:
                 env["XLA_FLAGS"] = with_gpu_overlap_flags(env.get("XLA_FLAGS", ""))
-            p = subprocess.Popen(list(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 text=True, start_new_session=True)
+            p = subprocess.Popen(
+                list(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+            )
             t = threading.Thread(target=_pump, args=(rank, p.stdout, out, lock, verbose), daemon=True)
             t.start()
             self.procs.append(p)
@@ -174,30 +194,45 @@ class _Job:
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0, RESUMABLE_EXIT)]
             if failed:
                 rank, code = failed[0]
-                return Outcome(code if code > 0 else 128 - code, _describe_exit(rank, self.procs[rank].pid, code),
-                               failed_on_its_own=code > 0)
+                return Outcome(
+                    code if code > 0 else 128 - code,
+                    _describe_exit(rank, self.procs[rank].pid, code),
+                    failed_on_its_own=code > 0,
+                )
             if all(c is not None for c in codes):
                 if any(c == RESUMABLE_EXIT for c in codes):
-                    return Outcome(RESUMABLE_EXIT, "the job saved and stopped on a preemption notice "
-                                   f"(status {RESUMABLE_EXIT})", preempted=True)
+                    return Outcome(
+                        RESUMABLE_EXIT,
+                        f"the job saved and stopped on a preemption notice (status {RESUMABLE_EXIT})",
+                        preempted=True,
+                    )
                 return Outcome(0, "every process finished")
             if preempted_at is None and any(c == RESUMABLE_EXIT for c in codes):
                 preempted_at = time.monotonic()  # the others are saving the same step: let them finish
             if preempted_at is not None and time.monotonic() - preempted_at > preempt_grace_s:
                 running = [r for r, c in enumerate(codes) if c is None]
-                return Outcome(RESUMABLE_EXIT, f"a process stopped on a preemption notice but processes {running} "
-                               f"did not within --preempt-grace {preempt_grace_s:g}s", preempted=True)
+                return Outcome(
+                    RESUMABLE_EXIT,
+                    f"a process stopped on a preemption notice but processes {running} "
+                    f"did not within --preempt-grace {preempt_grace_s:g}s",
+                    preempted=True,
+                )
             silent = self.silent()
             if silent:
                 rank, age = silent[0]
-                return Outcome(1, f"process {rank} (pid {self.procs[rank].pid}) stopped answering: no heartbeat "
-                                  f"for {age:.1f}s (--heartbeat-timeout {self.heartbeat_timeout_s:g})")
+                return Outcome(
+                    1,
+                    f"process {rank} (pid {self.procs[rank].pid}) stopped answering: no heartbeat "
+                    f"for {age:.1f}s (--heartbeat-timeout {self.heartbeat_timeout_s:g})",
+                )
             if deadline is not None and time.monotonic() > deadline:
                 running = [r for r, c in enumerate(codes) if c is None]
                 return Outcome(124, f"timeout; processes {running} still running")
             if stop_requested.is_set() and preempted_at is None:
-                self.say("SIGTERM: passing it to every process (each saves at the next step boundary if it runs "
-                         "a zerojax.resume.Run)")
+                self.say(
+                    "SIGTERM: passing it to every process (each saves at the next step boundary if it runs "
+                    "a zerojax.resume.Run)"
+                )
                 for p in self.procs:
                     if p.poll() is None:
                         p.send_signal(signal.SIGTERM)
@@ -219,10 +254,21 @@ def _resume_point(launch_dir: str) -> tuple[str | None, int | None]:
     return progress["checkpoint_dir"], (steps[-1] if steps else None)
 
 
-def launch(cmd: Sequence[str], nprocs: int, devices_per_proc: int | None = None, port: int | None = None,
-           timeout_s: float | None = None, grace_s: float = 5.0, out=None, gpu_overlap: bool = False,
-           verbose: bool = False, max_restarts: int = 0, restart_delay_s: float = 5.0,
-           heartbeat_timeout_s: float | None = None, preempt_grace_s: float = 120.0) -> int:
+def launch(
+    cmd: Sequence[str],
+    nprocs: int,
+    devices_per_proc: int | None = None,
+    port: int | None = None,
+    timeout_s: float | None = None,
+    grace_s: float = 5.0,
+    out=None,
+    gpu_overlap: bool = False,
+    verbose: bool = False,
+    max_restarts: int = 0,
+    restart_delay_s: float = 5.0,
+    heartbeat_timeout_s: float | None = None,
+    preempt_grace_s: float = 120.0,
+) -> int:
     """Runs ``cmd`` in ``nprocs`` processes; returns the job's exit status. ``gpu_overlap``
     adds XLA's GPU overlap flags (:mod:`zerojax.xla_flags`) to every process's ``XLA_FLAGS``.
     Gloo's "Rank i is connected to k peer ranks" lines are dropped unless ``verbose``.
@@ -264,8 +310,19 @@ def launch(cmd: Sequence[str], nprocs: int, devices_per_proc: int | None = None,
     restarts, job = 0, None
     try:
         while True:
-            job = _Job(cmd, nprocs, devices_per_proc, port or free_port(), out, lock, gpu_overlap, verbose,
-                       launch_dir, heartbeat_timeout_s, restarts)
+            job = _Job(
+                cmd,
+                nprocs,
+                devices_per_proc,
+                port or free_port(),
+                out,
+                lock,
+                gpu_overlap,
+                verbose,
+                launch_dir,
+                heartbeat_timeout_s,
+                restarts,
+            )
             try:
                 outcome = job.watch(deadline, preempt_grace_s, stop_requested)
             except KeyboardInterrupt:
@@ -284,17 +341,27 @@ def launch(cmd: Sequence[str], nprocs: int, devices_per_proc: int | None = None,
                 return outcome.status
             if restarts >= max_restarts:
                 if max_restarts:
-                    job.say(f"no restart left (--max-restarts {max_restarts}): the job did not finish"
-                            + (f"; its newest complete checkpoint is step {step} in {directory}" if step is not None
-                               else ""))
+                    job.say(
+                        f"no restart left (--max-restarts {max_restarts}): the job did not finish"
+                        + (
+                            f"; its newest complete checkpoint is step {step} in {directory}"
+                            if step is not None
+                            else ""
+                        )
+                    )
                 return outcome.status
             if outcome.failed_on_its_own and step is None:
-                job.say("it failed before any checkpoint was written: not restarting, since the same command "
-                        "would fail the same way. Fix the command (its output is above) and launch again.")
+                job.say(
+                    "it failed before any checkpoint was written: not restarting, since the same command "
+                    "would fail the same way. Fix the command (its output is above) and launch again."
+                )
                 return outcome.status
             restarts += 1
-            where = (f"resumes from checkpoint step {step} in {directory}" if step is not None
-                     else "starts from the beginning (no complete checkpoint yet)")
+            where = (
+                f"resumes from checkpoint step {step} in {directory}"
+                if step is not None
+                else "starts from the beginning (no complete checkpoint yet)"
+            )
             job.say(f"restart {restarts}/{max_restarts} in {restart_delay_s:g}s: the job {where}")
             time.sleep(restart_delay_s)
             job = None
@@ -306,9 +373,11 @@ def launch(cmd: Sequence[str], nprocs: int, devices_per_proc: int | None = None,
         shutil.rmtree(launch_dir, ignore_errors=True)
 
 
-USAGE = ("%(prog)s [-h] --nprocs N [--devices-per-proc D] [--port PORT] [--timeout SECONDS] [--gpu-overlap] "
-         "[--verbose] [--max-restarts R] [--restart-delay SECONDS] [--heartbeat-timeout SECONDS] "
-         "[--preempt-grace SECONDS] -- command [args...]")
+USAGE = (
+    "%(prog)s [-h] --nprocs N [--devices-per-proc D] [--port PORT] [--timeout SECONDS] [--gpu-overlap] "
+    "[--verbose] [--max-restarts R] [--restart-delay SECONDS] [--heartbeat-timeout SECONDS] "
+    "[--preempt-grace SECONDS] -- command [args...]"
+)
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m zerojax.launch") -> int:
@@ -317,43 +386,78 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m zerojax.launc
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" in argv:
         i = argv.index("--")
-        argv, cmd = argv[:i], argv[i + 1:]
+        argv, cmd = argv[:i], argv[i + 1 :]
     else:
         cmd = []
-    ap = argparse.ArgumentParser(prog=prog, usage=USAGE, description=__doc__.splitlines()[0],
-                                 epilog="Everything after -- is the command each process runs, e.g. "
-                                        f"{prog} --nprocs 2 --devices-per-proc 4 -- python train.py --steps 10")
+    ap = argparse.ArgumentParser(
+        prog=prog,
+        usage=USAGE,
+        description=__doc__.splitlines()[0],
+        epilog="Everything after -- is the command each process runs, e.g. "
+        f"{prog} --nprocs 2 --devices-per-proc 4 -- python train.py --steps 10",
+    )
     ap.add_argument("--nprocs", type=int, required=True, metavar="N", help="processes to start")
-    ap.add_argument("--devices-per-proc", type=int, default=None, metavar="D",
-                    help="simulated CPU devices per process (CPU runs)")
+    ap.add_argument(
+        "--devices-per-proc", type=int, default=None, metavar="D", help="simulated CPU devices per process (CPU runs)"
+    )
     ap.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
-    ap.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                    help="stop the job after this many seconds")
-    ap.add_argument("--gpu-overlap", action="store_true",
-                    help="add XLA's GPU flags that overlap collectives with compute (zerojax.xla_flags)")
-    ap.add_argument("--verbose", action="store_true",
-                    help="also show gloo's connection messages (one per communicator and process)")
+    ap.add_argument(
+        "--timeout", type=float, default=None, metavar="SECONDS", help="stop the job after this many seconds"
+    )
+    ap.add_argument(
+        "--gpu-overlap",
+        action="store_true",
+        help="add XLA's GPU flags that overlap collectives with compute (zerojax.xla_flags)",
+    )
+    ap.add_argument(
+        "--verbose", action="store_true", help="also show gloo's connection messages (one per communicator and process)"
+    )
     ft = ap.add_argument_group("fault tolerance (docs/fault_tolerance.md)")
-    ft.add_argument("--max-restarts", type=int, default=0, metavar="R",
-                    help="restart the job up to R times when a process fails, is killed, stops answering or is "
-                         "preempted (a zerojax.resume.Run resumes from its newest checkpoint)")
+    ft.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="R",
+        help="restart the job up to R times when a process fails, is killed, stops answering or is "
+        "preempted (a zerojax.resume.Run resumes from its newest checkpoint)",
+    )
     ft.add_argument("--restart-delay", type=float, default=5.0, metavar="SECONDS", help="wait before a restart")
-    ft.add_argument("--heartbeat-timeout", type=float, default=None, metavar="SECONDS",
-                    help="a process that has not beaten for this long (SIGSTOP, a frozen host) counts as failed; "
-                         "processes beat from zj.distributed.initialize() (default: off)")
-    ft.add_argument("--preempt-grace", type=float, default=120.0, metavar="SECONDS",
-                    help="after one process stops on a preemption notice (status 75), how long the others get to "
-                         "save and stop too")
+    ft.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="a process that has not beaten for this long (SIGSTOP, a frozen host) counts as failed; "
+        "processes beat from zj.distributed.initialize() (default: off)",
+    )
+    ft.add_argument(
+        "--preempt-grace",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="after one process stops on a preemption notice (status 75), how long the others get to save and stop too",
+    )
     args, extra = ap.parse_known_args(argv)
     if extra:
-        ap.error(f"unrecognized arguments: {' '.join(extra)} (the command to run goes after --, "
-                 f"e.g. -- {' '.join(extra)})")
+        ap.error(
+            f"unrecognized arguments: {' '.join(extra)} (the command to run goes after --, e.g. -- {' '.join(extra)})"
+        )
     if not cmd:
         ap.error("give the command after --, e.g. -- python experiments/train.py")
     try:
-        return launch(cmd, args.nprocs, args.devices_per_proc, args.port, args.timeout, gpu_overlap=args.gpu_overlap,
-                      verbose=args.verbose, max_restarts=args.max_restarts, restart_delay_s=args.restart_delay,
-                      heartbeat_timeout_s=args.heartbeat_timeout, preempt_grace_s=args.preempt_grace)
+        return launch(
+            cmd,
+            args.nprocs,
+            args.devices_per_proc,
+            args.port,
+            args.timeout,
+            gpu_overlap=args.gpu_overlap,
+            verbose=args.verbose,
+            max_restarts=args.max_restarts,
+            restart_delay_s=args.restart_delay,
+            heartbeat_timeout_s=args.heartbeat_timeout,
+            preempt_grace_s=args.preempt_grace,
+        )
     except ValueError as e:
         ap.error(str(e))
 

@@ -73,7 +73,8 @@ def check_alive(state: ZeroState, what: str) -> None:
                 f"this state's array state{jax.tree_util.keystr(path)} has been deleted: the state was donated to "
                 f"a train step, which consumed it (its buffers now hold the state that step returned). Pass "
                 f"{what} the state the last step returned (state, metrics = train_step(state, batch)), or build "
-                "the step and state with zj.ZeroConfig(donate=False) to keep every input state usable.")
+                "the step and state with zj.ZeroConfig(donate=False) to keep every input state usable."
+            )
 
 
 def state_shardings(plan: ZeroPlan, scaler: Any, model_state: Any = None, rng: Any = None) -> ZeroState:
@@ -94,9 +95,18 @@ def state_shardings(plan: ZeroPlan, scaler: Any, model_state: Any = None, rng: A
     )
 
 
-def init_state(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig, rng: Any = None,
-               model_state: Any = None, trainable: Any = None, tensor_specs: Any = None,
-               weights: Any = None) -> ZeroState:
+def init_state(
+    params: Any,
+    tx: Any,
+    *,
+    mesh: Mesh,
+    config: ZeroConfig,
+    rng: Any = None,
+    model_state: Any = None,
+    trainable: Any = None,
+    tensor_specs: Any = None,
+    weights: Any = None,
+) -> ZeroState:
     """Builds a sharded train state.
 
     Args:
@@ -145,8 +155,16 @@ def init_state(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig, rng: Any
       >>> big.master["w"].addressable_shards[0].data.shape   # born sharded
       (4096, 64)
     """
-    build, args, plan, out = _init_program(params, tx, mesh=mesh, config=config, model_state=model_state,
-                                           trainable=trainable, rng=rng, tensor_specs=tensor_specs)
+    build, args, plan, out = _init_program(
+        params,
+        tx,
+        mesh=mesh,
+        config=config,
+        model_state=model_state,
+        trainable=trainable,
+        rng=rng,
+        tensor_specs=tensor_specs,
+    )
     if weights is not None:
         loaded_train, loaded_frozen, given = loaded_storage(weights, params, plan, init=is_init_fn(params))
         args = (args[0] if given else [], args[1], loaded_train, loaded_frozen)
@@ -158,9 +176,15 @@ def init_state(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig, rng: Any
         p, master, frozen, opt_state, ms = jax.jit(build, out_shardings=out)(*args)
     rep = plan.replicated
     return ZeroState(
-        step=jax.device_put(jnp.zeros((), jnp.int32), rep), params=p, master=master, frozen=frozen,
-        opt_state=opt_state, model_state=ms, rng=None if rng is None else _replicated_key(_key(rng), rep),
-        loss_scale=jax.device_put(ls.init(config), rep), skipped=jax.device_put(jnp.zeros((), jnp.int32), rep),
+        step=jax.device_put(jnp.zeros((), jnp.int32), rep),
+        params=p,
+        master=master,
+        frozen=frozen,
+        opt_state=opt_state,
+        model_state=ms,
+        rng=None if rng is None else _replicated_key(_key(rng), rep),
+        loss_scale=jax.device_put(ls.init(config), rep),
+        skipped=jax.device_put(jnp.zeros((), jnp.int32), rep),
         plan=plan,
     )
 
@@ -171,8 +195,17 @@ def lower_init(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig, **kwargs
     return jax.jit(build, out_shardings=out).lower(*args)
 
 
-def abstract_state(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig, rng: Any = None,
-                   model_state: Any = None, trainable: Any = None, tensor_specs: Any = None) -> ZeroState:
+def abstract_state(
+    params: Any,
+    tx: Any,
+    *,
+    mesh: Mesh,
+    config: ZeroConfig,
+    rng: Any = None,
+    model_state: Any = None,
+    trainable: Any = None,
+    tensor_specs: Any = None,
+) -> ZeroState:
     """The state ``init_state`` would build, as ``jax.ShapeDtypeStruct`` leaves with shardings.
 
     Nothing is allocated: ``params`` may itself be abstract (``jax.eval_shape`` /
@@ -187,8 +220,16 @@ def abstract_state(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig, rng:
       >>> st.master["w"].shape, st.master["w"].sharding.shard_shape(st.master["w"].shape)
       ((4096, 4096), (4096, 512))
     """
-    build, args, plan, out = _init_program(params, tx, mesh=mesh, config=config, model_state=model_state,
-                                           trainable=trainable, rng=rng, tensor_specs=tensor_specs)
+    build, args, plan, out = _init_program(
+        params,
+        tx,
+        mesh=mesh,
+        config=config,
+        model_state=model_state,
+        trainable=trainable,
+        rng=rng,
+        tensor_specs=tensor_specs,
+    )
     shapes = jax.eval_shape(build, *args)
     abstract = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
     p, master, frozen, opt_state, ms = jax.tree.map(abstract, shapes, out)
@@ -196,8 +237,16 @@ def abstract_state(params: Any, tx: Any, *, mesh: Mesh, config: ZeroConfig, rng:
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
     key = None if rng is None else jax.ShapeDtypeStruct((), _key(rng).dtype, sharding=rep)
     return ZeroState(
-        step=scalar, params=p, master=master, frozen=frozen, opt_state=opt_state, model_state=ms, rng=key,
-        loss_scale=jax.tree.map(lambda x: abstract(x, rep), ls.init(config)), skipped=scalar, plan=plan,
+        step=scalar,
+        params=p,
+        master=master,
+        frozen=frozen,
+        opt_state=opt_state,
+        model_state=ms,
+        rng=key,
+        loss_scale=jax.tree.map(lambda x: abstract(x, rep), ls.init(config)),
+        skipped=scalar,
+        plan=plan,
     )
 
 
@@ -205,9 +254,11 @@ def _refuse_abstract(params: Any) -> None:
     """Abstract leaves (``jax.ShapeDtypeStruct``) have no values to train from."""
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
         if isinstance(x, jax.ShapeDtypeStruct):
-            raise TypeError(f"params{jax.tree_util.keystr(path)} is abstract (jax.ShapeDtypeStruct): it has no "
-                            "values. Pass arrays, an init function, or weights=zj.Weights(path, map) to read them "
-                            "from a checkpoint.")
+            raise TypeError(
+                f"params{jax.tree_util.keystr(path)} is abstract (jax.ShapeDtypeStruct): it has no "
+                "values. Pass arrays, an init function, or weights=zj.Weights(path, map) to read them "
+                "from a checkpoint."
+            )
 
 
 def is_init_fn(x: Any) -> bool:
@@ -241,11 +292,13 @@ def refuse_module(params: Any) -> None:
         raise TypeError(
             f"params is an NNX module ({type(params).__name__}), not its parameters. Pass them: "
             "graphdef, params, rest = nnx.split(model, nnx.Param, ...) and zj.init_state(params, ...); "
-            "or let zerojax split the module: zj.nnx.Optimizer(model, tx, mesh=mesh, config=config).")
+            "or let zerojax split the module: zj.nnx.Optimizer(model, tx, mesh=mesh, config=config)."
+        )
     if isinstance(params, linen.Module):
         raise TypeError(
             f"params is a linen module ({type(params).__name__}), not its parameters. Pass "
-            "model.init(key, x)['params'], or an init function: lambda: model.init(key, x)['params'].")
+            "model.init(key, x)['params'], or an init function: lambda: model.init(key, x)['params']."
+        )
 
 
 def _init_program(params, tx, *, mesh, config, model_state=None, trainable=None, rng=None, tensor_specs=None):
@@ -273,17 +326,28 @@ def _init_program(params, tx, *, mesh, config, model_state=None, trainable=None,
         ms = jax.tree.map(jnp.asarray, ms)
         train, frozen = plan.split(leaves)
         master_ls, shardings = plan.master_layouts, plan.shardings(plan.master_layouts)
-        masters = [jnp.asarray(x).astype(master_dtype(x.dtype)) if s_in is None else l.from_storage(s_in)
-                   for l, x, s_in in zip(master_ls, train, loaded_train)]
+        masters = [
+            jnp.asarray(x).astype(master_dtype(x.dtype)) if s_in is None else l.from_storage(s_in)
+            for l, x, s_in in zip(master_ls, train, loaded_train)
+        ]
         opt = jax.tree.leaves(tx.init(plan.unflatten_train(masters)))
-        storage = [jax.lax.with_sharding_constraint(l.to_storage(x), s) if s_in is None else s_in
-                   for l, x, s, s_in in zip(master_ls, masters, shardings, loaded_train)]
+        storage = [
+            jax.lax.with_sharding_constraint(l.to_storage(x), s) if s_in is None else s_in
+            for l, x, s, s_in in zip(master_ls, masters, shardings, loaded_train)
+        ]
         p, m = stage.fields(plan, storage)
-        frozen = [f_in if f_in is not None else l.to_storage(jnp.asarray(x).astype(l.dtype))
-                  for l, x, f_in in zip(plan.frozen_layouts, frozen, loaded_frozen)]
+        frozen = [
+            f_in if f_in is not None else l.to_storage(jnp.asarray(x).astype(l.dtype))
+            for l, x, f_in in zip(plan.frozen_layouts, frozen, loaded_frozen)
+        ]
         opt = [l.to_storage(x) for l, x in zip(plan.opt_storage_layouts, opt)]
-        return (None if p is None else plan.unflatten_train(p), None if m is None else plan.unflatten_train(m),
-                plan.unflatten_frozen(frozen) if plan.has_frozen else None, plan.unflatten_opt(opt), ms)
+        return (
+            None if p is None else plan.unflatten_train(p),
+            None if m is None else plan.unflatten_train(m),
+            plan.unflatten_frozen(frozen) if plan.has_frozen else None,
+            plan.unflatten_opt(opt),
+            ms,
+        )
 
     ms_shapes = jax.eval_shape(make_ms) if make_ms is not None else model_state
     sh = state_shardings(plan, ls.init(config), ms_shapes, rng)

@@ -57,15 +57,31 @@ def _step(loss_fn: Callable, tx: Any, options: dict, state: ZeroState, batch: An
     frozen = _leaves(state.frozen) or []
     rng = jax.random.fold_in(state.rng, state.step) if options["with_rng"] else None
     model_state = state.model_state if options["with_model_state"] else None
-    loss = Loss.build(plan, loss_fn, batch, has_aux=options["has_aux"], with_rng=options["with_rng"],
-                      with_model_state=options["with_model_state"], with_layout=options["with_layout"],
-                      aux_reduce=options["aux_reduce"], rng=rng, model_state=model_state)
-    if plan.replica and cfg.axis_map is None:  # hybrid mesh: a collective over one batch axis only sees part of the batch
+    loss = Loss.build(
+        plan,
+        loss_fn,
+        batch,
+        has_aux=options["has_aux"],
+        with_rng=options["with_rng"],
+        with_model_state=options["with_model_state"],
+        with_layout=options["with_layout"],
+        aux_reduce=options["aux_reduce"],
+        rng=rng,
+        model_state=model_state,
+    )
+    if (
+        plan.replica and cfg.axis_map is None
+    ):  # hybrid mesh: a collective over one batch axis only sees part of the batch
         shape = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), t)
-        rows = lambda b: jax.ShapeDtypeStruct((b.shape[0] // (plan.world * cfg.grad_accum_steps),) + b.shape[1:],
-                                              b.dtype)
-        warn_partial(loss, plan.mesh, plan.batch_axes,
-                     (loss.param_shapes, jax.tree.map(rows, batch), shape(rng), shape(model_state)))
+        rows = lambda b: jax.ShapeDtypeStruct(
+            (b.shape[0] // (plan.world * cfg.grad_accum_steps),) + b.shape[1:], b.dtype
+        )
+        warn_partial(
+            loss,
+            plan.mesh,
+            plan.batch_axes,
+            (loss.param_shapes, jax.tree.map(rows, batch), shape(rng), shape(model_state)),
+        )
     value, aux, new_model_state, grads = stage.grads(loss, params, masters, frozen, batch, scale, rng, model_state)
 
     grads = [g / scale for g in grads]
@@ -75,20 +91,23 @@ def _step(loss_fn: Callable, tx: Any, options: dict, state: ZeroState, batch: An
         grads = clip_by_global_norm(grads, grad_norm, cfg.grad_clip)
     skip = jnp.logical_not(finite) if cfg.checks_finite else jnp.asarray(False)
     # A non-finite step changes nothing, bit for bit.
-    new_masters, opt_state = apply_optimizer(plan, tx, grads, state.opt_state, masters,
-                                             skip if cfg.checks_finite else None, options["update_place"])
+    new_masters, opt_state = apply_optimizer(
+        plan, tx, grads, state.opt_state, masters, skip if cfg.checks_finite else None, options["update_place"]
+    )
     if cfg.checks_finite and options["with_model_state"]:
         new_model_state = keep_if(skip, state.model_state, new_model_state)
     new_params, new_master = stage.fields(plan, new_masters)
 
-    scaler, at_min = (ls.update(state.loss_scale, skip, cfg) if cfg.scaling
-                      else (None, jnp.asarray(False)))
+    scaler, at_min = ls.update(state.loss_scale, skip, cfg) if cfg.scaling else (None, jnp.asarray(False))
     new_state = dataclasses.replace(
-        state, step=state.step + 1,
+        state,
+        step=state.step + 1,
         params=None if new_params is None else plan.unflatten_train(new_params),
-        master=None if new_master is None else plan.unflatten_train(new_master), opt_state=opt_state,
+        master=None if new_master is None else plan.unflatten_train(new_master),
+        opt_state=opt_state,
         model_state=new_model_state if options["with_model_state"] else state.model_state,
-        loss_scale=scaler, skipped=state.skipped + skip.astype(jnp.int32),
+        loss_scale=scaler,
+        skipped=state.skipped + skip.astype(jnp.int32),
     )
     metrics = {
         "step": state.step,
@@ -129,7 +148,8 @@ def _wait_or_fail(x: jax.Array, timeout_s: float) -> None:
         sys.stderr.write(
             f"zerojax: the train step did not finish within timeout_s={timeout_s:g}s on process "
             f"{jax.process_index()}: another process has probably stalled or died and this one is "
-            "waiting for it in a collective.\n")
+            "waiting for it in a collective.\n"
+        )
         for line in finish_pending_saves(timeout_s=max(timeout_s, SAVE_GRACE_S)):
             sys.stderr.write(f"zerojax: {line}\n")
         sys.stderr.write("zerojax: exiting with status 1.\n")
@@ -160,9 +180,20 @@ class TrainStep:
     which holds only finite updates (a skipped step changes nothing).
     """
 
-    def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation, *, mesh: Mesh,
-                 config: ZeroConfig, has_aux: bool = False, aux_reduce: Any = None, with_rng: bool = False,
-                 with_model_state: bool = False, with_layout: bool = False, timeout_s: float | None = None):
+    def __init__(
+        self,
+        loss_fn: Callable,
+        tx: optax.GradientTransformation,
+        *,
+        mesh: Mesh,
+        config: ZeroConfig,
+        has_aux: bool = False,
+        aux_reduce: Any = None,
+        with_rng: bool = False,
+        with_model_state: bool = False,
+        with_layout: bool = False,
+        timeout_s: float | None = None,
+    ):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(params, batch), got {loss_fn!r}.")
         check_optimizer(tx)
@@ -179,12 +210,21 @@ class TrainStep:
         self._places: dict[ZeroPlan, str] = {}
         self._compiles = 0
         self._unchecked: tuple[jax.Array, int] | None = None  # (overflow_at_min_scale, step)
-        for name, flag in (("has_aux", has_aux), ("with_rng", with_rng), ("with_model_state", with_model_state),
-                           ("with_layout", with_layout)):
+        for name, flag in (
+            ("has_aux", has_aux),
+            ("with_rng", with_rng),
+            ("with_model_state", with_model_state),
+            ("with_layout", with_layout),
+        ):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}.")
-        self.options = dict(has_aux=has_aux, aux_reduce=aux_reduce, with_rng=with_rng,
-                            with_model_state=with_model_state, with_layout=with_layout)
+        self.options = dict(
+            has_aux=has_aux,
+            aux_reduce=aux_reduce,
+            with_rng=with_rng,
+            with_model_state=with_model_state,
+            with_layout=with_layout,
+        )
         check_keywords(loss_fn, "loss_fn", rng=with_rng, model_state=with_model_state, layout=with_layout)
 
         def step(state, batch, place="device"):
@@ -201,11 +241,16 @@ class TrainStep:
                 raise ValueError(
                     f"state holds the optimizer state {plan.opt_treedef}, but this train step's tx "
                     f"creates {plan.with_optimizer(self.tx).opt_treedef}. Build the state and the "
-                    "step with the same optimizer.")
+                    "step with the same optimizer."
+                )
             out = state_shardings(plan, state.loss_scale, state.model_state, state.rng)
             step = functools.partial(self._step, place=self.update_place(state))
-            fn = jax.jit(step, out_shardings=(out, plan.replicated), donate_argnums=(0,) if self.config.donate else (),
-                         **compile_cache.jit_options(plan.mesh))
+            fn = jax.jit(
+                step,
+                out_shardings=(out, plan.replicated),
+                donate_argnums=(0,) if self.config.donate else (),
+                **compile_cache.jit_options(plan.mesh),
+            )
             self._jitted[plan] = fn
         return fn
 
@@ -213,13 +258,16 @@ class TrainStep:
         """Raises a clear error for a state or batch this step cannot take."""
         check_state(state, self.config, self.mesh, "train step")
         if self.options["with_rng"] and state.rng is None:
-            raise ValueError("make_train_step(..., with_rng=True) hands the loss a key: build the state with "
-                             "zj.init_state(..., rng=jax.random.key(seed)).")
+            raise ValueError(
+                "make_train_step(..., with_rng=True) hands the loss a key: build the state with "
+                "zj.init_state(..., rng=jax.random.key(seed))."
+            )
         if self.options["with_model_state"] and state.model_state is None:
-            raise ValueError("make_train_step(..., with_model_state=True) hands the loss the model state: build "
-                             "the state with zj.init_state(..., model_state=...).")
-        check_batch(batch, *row_split(self.mesh, self.config),
-                    self.config.grad_accum_steps)
+            raise ValueError(
+                "make_train_step(..., with_model_state=True) hands the loss the model state: build "
+                "the state with zj.init_state(..., model_state=...)."
+            )
+        check_batch(batch, *row_split(self.mesh, self.config), self.config.grad_accum_steps)
         context.check(state.plan, batch)
 
     def __call__(self, state: ZeroState, batch: Any) -> tuple[ZeroState, dict[str, jax.Array]]:
@@ -249,7 +297,8 @@ class TrainStep:
                 f"gradients overflowed again at step {int(step)}; that step was skipped. "
                 "Lower the learning rate, check the data for non-finite values, use "
                 "compute_dtype='bfloat16', or set raise_at_min_scale=False to keep skipping.",
-                state, metrics,
+                state,
+                metrics,
             )
 
     def lower(self, state: ZeroState, batch: Any):
@@ -290,7 +339,8 @@ def check_state(state: Any, config: ZeroConfig, mesh: Mesh, what: str) -> None:
     if state.plan.config != config or state.plan.mesh != mesh:
         raise ValueError(
             f"state was built for {state.plan.config} on mesh {dict(state.plan.mesh.shape)}, "
-            f"but this {what} uses {config} on mesh {dict(mesh.shape)}. Build both with the same mesh and config.")
+            f"but this {what} uses {config} on mesh {dict(mesh.shape)}. Build both with the same mesh and config."
+        )
     check_alive(state, f"the {what}")
 
 
@@ -310,7 +360,8 @@ def check_keywords(fn: Callable, name: str, **wanted: bool) -> None:
         raise TypeError(
             f"{name} is called as {name}(params, batch, {', '.join(f'{k}=...' for k in keywords)}) with {flags}, "
             f"but its signature {sig} does not take that ({e}). Add the parameter(s), e.g. "
-            f"def {name}(params, batch, {', '.join(keywords)}).") from None
+            f"def {name}(params, batch, {', '.join(keywords)})."
+        ) from None
 
 
 def check_batch(batch: Any, n: int, axis: str | tuple[str, ...], k: int = 1) -> None:
@@ -342,10 +393,19 @@ def check_batch(batch: Any, n: int, axis: str | tuple[str, ...], k: int = 1) -> 
             )
 
 
-def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, mesh: Mesh,
-                    config: ZeroConfig, has_aux: bool = False, aux_reduce: Any = None,
-                    with_rng: bool = False, with_model_state: bool = False, with_layout: bool = False,
-                    timeout_s: float | None = None) -> TrainStep:
+def make_train_step(
+    loss_fn: Callable,
+    tx: optax.GradientTransformation,
+    *,
+    mesh: Mesh,
+    config: ZeroConfig,
+    has_aux: bool = False,
+    aux_reduce: Any = None,
+    with_rng: bool = False,
+    with_model_state: bool = False,
+    with_layout: bool = False,
+    timeout_s: float | None = None,
+) -> TrainStep:
     """Builds the train step for ``loss_fn(params, batch)`` and optimizer ``tx``.
 
     ``loss_fn`` sees the full parameter tree (in the compute dtype) and this device's share
@@ -392,6 +452,15 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, mesh
       >>> float(metrics["loss"])
       1.0
     """
-    return TrainStep(loss_fn, tx, mesh=mesh, config=config, has_aux=has_aux, aux_reduce=aux_reduce,
-                     with_rng=with_rng, with_model_state=with_model_state, with_layout=with_layout,
-                     timeout_s=timeout_s)
+    return TrainStep(
+        loss_fn,
+        tx,
+        mesh=mesh,
+        config=config,
+        has_aux=has_aux,
+        aux_reduce=aux_reduce,
+        with_rng=with_rng,
+        with_model_state=with_model_state,
+        with_layout=with_layout,
+        timeout_s=timeout_s,
+    )

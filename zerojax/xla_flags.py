@@ -19,26 +19,18 @@ from collections.abc import MutableMapping
 
 # flag -> what it does
 GPU_OVERLAP_FLAGS: dict[str, str] = {
-    "--xla_gpu_enable_latency_hiding_scheduler=true":
-        "schedules asynchronous collectives early and the compute that does not depend on them "
-        "in between, so a layer's all-gather runs while earlier layers compute",
-    "--xla_gpu_enable_highest_priority_async_stream=true":
-        "runs those collectives on a high-priority stream, so compute kernels do not starve them",
-    "--xla_gpu_enable_pipelined_all_gather=true":
-        "in a loop over layers (scan), moves the next iteration's all-gather into this one: "
-        "XLA's own prefetch of the next layer",
-    "--xla_gpu_enable_pipelined_reduce_scatter=true":
-        "in a loop over layers, lets a layer's gradient reduce-scatter finish during the next "
-        "iteration's backward compute",
-    "--xla_gpu_enable_pipelined_all_reduce=true":
-        "the same for all-reduces (stage 0 gradients, the loss, norms)",
-    "--xla_gpu_enable_while_loop_double_buffering=true":
-        "unrolls layer loops by two so that iterations alternate between two buffers, and a "
-        "gather can fill one while the other is read",
-    "--xla_gpu_all_gather_combine_threshold_bytes=134217728":
-        "combines small all-gathers (a layer's biases and norms) into one, up to 128 MiB",
-    "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728":
-        "combines small reduce-scatters into one, up to 128 MiB",
+    "--xla_gpu_enable_latency_hiding_scheduler=true": "schedules asynchronous collectives early and the compute that does not depend on them "
+    "in between, so a layer's all-gather runs while earlier layers compute",
+    "--xla_gpu_enable_highest_priority_async_stream=true": "runs those collectives on a high-priority stream, so compute kernels do not starve them",
+    "--xla_gpu_enable_pipelined_all_gather=true": "in a loop over layers (scan), moves the next iteration's all-gather into this one: "
+    "XLA's own prefetch of the next layer",
+    "--xla_gpu_enable_pipelined_reduce_scatter=true": "in a loop over layers, lets a layer's gradient reduce-scatter finish during the next "
+    "iteration's backward compute",
+    "--xla_gpu_enable_pipelined_all_reduce=true": "the same for all-reduces (stage 0 gradients, the loss, norms)",
+    "--xla_gpu_enable_while_loop_double_buffering=true": "unrolls layer loops by two so that iterations alternate between two buffers, and a "
+    "gather can fill one while the other is read",
+    "--xla_gpu_all_gather_combine_threshold_bytes=134217728": "combines small all-gathers (a layer's biases and norms) into one, up to 128 MiB",
+    "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728": "combines small reduce-scatters into one, up to 128 MiB",
 }
 
 

@@ -1,15 +1,15 @@
 """Checkpoint jobs run in their own process (own simulated device count).
 
-    checkpoint_job.py restore DIR OUT --devices N --stage S [--steps K]
-        restore the latest checkpoint on N devices under stage S, train K steps, save the
-        full params to OUT (.npz)
-    checkpoint_job.py save-and-exit DIR --devices N
-        save a checkpoint asynchronously and exit normally (no explicit wait)
-    checkpoint_job.py save-and-die DIR --devices N
-        save step 1 completely, start saving a larger step 2, and die (SIGKILL) mid-save
-    checkpoint_job.py save-then-time-out DIR --devices N
-        start saving step 5 asynchronously, then run a train step whose timeout_s it
-        cannot meet: the watchdog ends the process, finishing the save first
+checkpoint_job.py restore DIR OUT --devices N --stage S [--steps K]
+    restore the latest checkpoint on N devices under stage S, train K steps, save the
+    full params to OUT (.npz)
+checkpoint_job.py save-and-exit DIR --devices N
+    save a checkpoint asynchronously and exit normally (no explicit wait)
+checkpoint_job.py save-and-die DIR --devices N
+    save step 1 completely, start saving a larger step 2, and die (SIGKILL) mid-save
+checkpoint_job.py save-then-time-out DIR --devices N
+    start saving step 5 asynchronously, then run a train step whose timeout_s it
+    cannot meet: the watchdog ends the process, finishing the save first
 """
 
 import argparse
@@ -51,8 +51,9 @@ if args.mode == "restore":
     step = zj.make_train_step(models.stacked_loss, TX, mesh=mesh, config=cfg)
     for i in range(start, start + args.steps):
         state, _ = step(state, models.batch(16, seed=i))
-    np.savez(args.out, *[np.asarray(x) for x in jax.tree.leaves(zj.gather_params(state))],
-             step=np.asarray(int(state.step)))
+    np.savez(
+        args.out, *[np.asarray(x) for x in jax.tree.leaves(zj.gather_params(state))], step=np.asarray(int(state.step))
+    )
 elif args.mode == "save-and-exit":
     state = zj.init_state(models.stacked_params(), TX, mesh=mesh, config=zj.ZeroConfig(stage=3))
     zj.save_checkpoint(args.dir, state, step=7)

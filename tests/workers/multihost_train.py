@@ -43,8 +43,11 @@ os.makedirs(args.out, exist_ok=True)
 one_d = mesh
 
 rank = jax.process_index()
-print(f"process {rank} of {jax.process_count()}: {jax.local_device_count()} local devices, "
-      f"{jax.device_count()} in the mesh", flush=True)
+print(
+    f"process {rank} of {jax.process_count()}: {jax.local_device_count()} local devices, "
+    f"{jax.device_count()} in the mesh",
+    flush=True,
+)
 params = jax.tree.map(np.asarray, models.stacked_params())
 tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1, momentum=0.9))
 
@@ -54,8 +57,11 @@ def train(out, stages, helper, replicas, checkpoint):
     mesh = one_d
     if replicas > 1:
         mesh = zj.make_mesh(replicas=replicas)
-        print(f"hybrid mesh {dict(mesh.shape)}: groups hold the devices of processes "
-              f"{[sorted({d.process_index for d in row}) for row in mesh.devices]}", flush=True)
+        print(
+            f"hybrid mesh {dict(mesh.shape)}: groups hold the devices of processes "
+            f"{[sorted({d.process_index for d in row}) for row in mesh.devices]}",
+            flush=True,
+        )
     for stage in stages:
         train_stage(out, stage, mesh, helper, checkpoint)
 
@@ -93,6 +99,5 @@ if args.run:
         print(f"run {name}", flush=True)
         train(out, [int(s) for s in stages.split(",")], batches == "rows", int(replicas), os.path.join(out, "ck"))
 else:
-    train(args.out, [int(s) for s in args.stages.split(",")], args.global_batch_helper, args.replicas,
-          args.checkpoint)
+    train(args.out, [int(s) for s in args.stages.split(",")], args.global_batch_helper, args.replicas, args.checkpoint)
 print(f"process {rank} done", flush=True)

@@ -27,9 +27,13 @@ ap.add_argument("--accum", type=int, default=1, help="grad_accum_steps of a fres
 ap.add_argument("--keep-last", type=int, default=0, help="0: keep every checkpoint")
 ap.add_argument("--sleep", type=float, default=0.0, help="seconds added to each step")
 ap.add_argument("--local-devices", type=int, default=None)
-ap.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
-                help="sgd (momentum) for elastic resumes: AdamW scales the rounding noise of gradients that are "
-                     "zero in exact arithmetic (the attention key bias's) up to steps of the learning rate's size")
+ap.add_argument(
+    "--optimizer",
+    choices=["adamw", "sgd"],
+    default="adamw",
+    help="sgd (momentum) for elastic resumes: AdamW scales the rounding noise of gradients that are "
+    "zero in exact arithmetic (the attention key bias's) up to steps of the learning rate's size",
+)
 ap.add_argument("--dropout", type=float, default=0.1, help="0 for elastic resumes (keys are per device)")
 args = ap.parse_args()
 
@@ -55,8 +59,7 @@ run = Run(RunConfig(args.dir, save_every=args.save_every, keep_last=args.keep_la
 sampler = IndexSampler(len(records), args.batch, seed=0)
 zc = run.micro_batches(zj.ZeroConfig(stage=args.stage, grad_accum_steps=args.accum), mesh, args.batch)
 state = run.restore_or_init(params, tx, mesh=mesh, config=zc, data=sampler, rng=jax.random.key(7))
-step = zj.make_train_step(gpt.make_loss(graphdef, with_rng=True), tx, mesh=mesh, config=zc, with_rng=True,
-                          timeout_s=60)
+step = zj.make_train_step(gpt.make_loss(graphdef, with_rng=True), tx, mesh=mesh, config=zc, with_rng=True, timeout_s=60)
 rows = zj.distributed.process_rows(args.batch, mesh)
 os.makedirs(args.out, exist_ok=True)
 ran = []
@@ -73,8 +76,9 @@ while run.step < args.steps:
 run.finish(state)
 full = zj.gather_params(state)
 if jax.process_index() == 0:
-    np.savez(os.path.join(args.out, "params.npz"),
-             **{str(i): np.asarray(x) for i, x in enumerate(jax.tree.leaves(full))})
+    np.savez(
+        os.path.join(args.out, "params.npz"), **{str(i): np.asarray(x) for i, x in enumerate(jax.tree.leaves(full))}
+    )
 with open(os.path.join(args.out, f"steps.{jax.process_index()}.txt"), "a") as f:
     f.write("".join(f"{s}\n" for s in ran))
 print(f"process {jax.process_index()} done at step {run.step}", flush=True)

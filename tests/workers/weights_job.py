@@ -76,14 +76,17 @@ tracemalloc.start()
 loaded = zj.load_weights(src, like)
 jax.block_until_ready(loaded)
 current, peak = tracemalloc.get_traced_memory()
-report["load"] = {"rss_peak_delta": rss_hwm() - base, "host_peak": peak,
-                  # numpy buffers still traced after the load back device arrays (CPU device_put
-                  # may alias them): they are the shards themselves, not a transient.
-                  "host_transient": peak - current,
-                  "bytes_read": TensorFiles.process_bytes_read, "own_disk_bytes": own_bytes(loaded, 2),
-                  "own_bytes": own_bytes(loaded),
-                  "largest_shard": max(int(np.prod(x.sharding.shard_shape(x.shape))) * 4
-                                       for x in jax.tree.leaves(loaded))}
+report["load"] = {
+    "rss_peak_delta": rss_hwm() - base,
+    "host_peak": peak,
+    # numpy buffers still traced after the load back device arrays (CPU device_put
+    # may alias them): they are the shards themselves, not a transient.
+    "host_transient": peak - current,
+    "bytes_read": TensorFiles.process_bytes_read,
+    "own_disk_bytes": own_bytes(loaded, 2),
+    "own_bytes": own_bytes(loaded),
+    "largest_shard": max(int(np.prod(x.sharding.shard_shape(x.shape))) * 4 for x in jax.tree.leaves(loaded)),
+}
 tracemalloc.stop()
 del loaded
 
@@ -96,8 +99,14 @@ tracemalloc.start()
 state = zj.init_state(abstract, optax.sgd(0.1), mesh=mesh, config=cfg, weights=src)
 jax.block_until_ready(state.master)
 current, peak = tracemalloc.get_traced_memory()
-report["init"] = {"rss_peak_delta": rss_hwm() - base, "host_peak": peak, "host_transient": peak - current, "bytes_read": TensorFiles.process_bytes_read,
-                  "own_disk_bytes": own_bytes(state.master, 2), "own_bytes": own_bytes(state.master)}
+report["init"] = {
+    "rss_peak_delta": rss_hwm() - base,
+    "host_peak": peak,
+    "host_transient": peak - current,
+    "bytes_read": TensorFiles.process_bytes_read,
+    "own_disk_bytes": own_bytes(state.master, 2),
+    "own_bytes": own_bytes(state.master),
+}
 tracemalloc.stop()
 
 # 3. Exported by every process, each writing its own shards.
@@ -105,8 +114,11 @@ TensorWriter.process_bytes_written = 0
 tracemalloc.start()
 zj.export_weights(state, args.out + "/export", map=MAP, layout="hf", max_shard_size="3MB", dtype="bfloat16")
 current, peak = tracemalloc.get_traced_memory()
-report["export"] = {"host_peak": peak, "host_transient": peak - current,
-                    "bytes_written": TensorWriter.process_bytes_written}
+report["export"] = {
+    "host_peak": peak,
+    "host_transient": peak - current,
+    "bytes_written": TensorWriter.process_bytes_written,
+}
 tracemalloc.stop()
 
 # 4. The full parameters, for the test to compare with the checkpoint.

@@ -17,13 +17,28 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _PUBLIC = {
-    "CheckpointMismatchError": "io", "Retention": "io", "checkpoint_extra": "io", "checkpoint_steps": "io",
-    "restore_checkpoint": "io", "save_checkpoint": "io", "wait": "io",
-    "export_weights": "export", "load_weights": "load",
+    "CheckpointMismatchError": "io",
+    "Retention": "io",
+    "checkpoint_extra": "io",
+    "checkpoint_steps": "io",
+    "restore_checkpoint": "io",
+    "save_checkpoint": "io",
+    "wait": "io",
+    "export_weights": "export",
+    "load_weights": "load",
 }
 
-__all__ = ["CheckpointMismatchError", "Retention", "export_weights", "checkpoint_extra", "checkpoint_steps",
-           "load_weights", "restore_checkpoint", "save_checkpoint", "wait"]
+__all__ = [
+    "CheckpointMismatchError",
+    "Retention",
+    "export_weights",
+    "checkpoint_extra",
+    "checkpoint_steps",
+    "load_weights",
+    "restore_checkpoint",
+    "save_checkpoint",
+    "wait",
+]
 
 if TYPE_CHECKING:  # pragma: no cover
     from zerojax.checkpoint.export import export_weights

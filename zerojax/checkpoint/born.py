@@ -35,11 +35,18 @@ def loaded_storage(source: Any, params: Any, plan: ZeroPlan, *, init: bool) -> t
     # A mesh over other processes' devices makes the call collective: agree on its checks.
     group = Processes("init_state") if not plan.replicated.is_fully_addressable else None
     with weights.open() as files:
-        exprs, _ = resolve(weights, files, {n: l.shape for n, l in zip(names, plan.layouts)},
-                           initial=init or concrete, what="the parameters given")
+        exprs, _ = resolve(
+            weights,
+            files,
+            {n: l.shape for n, l in zip(names, plan.layouts)},
+            initial=init or concrete,
+            what="the parameters given",
+        )
         if not exprs:
-            raise ValueError(f"the map reads no parameter from {weights.path!r}: no parameter name matches it. "
-                             f"The parameters are named like {', '.join(names[:4])}.")
+            raise ValueError(
+                f"the map reads no parameter from {weights.path!r}: no parameter name matches it. "
+                f"The parameters are named like {', '.join(names[:4])}."
+            )
         items, t, f = [], 0, 0
         for i, name in enumerate(names):
             if plan.is_trainable(i):

@@ -54,7 +54,7 @@ def runs(shape: tuple[int, ...], box: Box) -> tuple[np.ndarray, int]:
     k = len(shape) - 1
     while k > 0 and box[k] == (0, shape[k]):
         k -= 1
-    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
     length = (box[k][1] - box[k][0]) * strides[k]
     starts = np.zeros((), np.int64) + box[k][0] * strides[k]
     for i in range(k - 1, -1, -1):
@@ -105,10 +105,10 @@ def pieces(box: Box, itemsize: int, limit: int) -> Iterator[Box]:
     else:
         yield box
         return
-    row = box_size(box[d + 1:]) * itemsize if d + 1 < len(box) else itemsize
+    row = box_size(box[d + 1 :]) * itemsize if d + 1 < len(box) else itemsize
     step = max(1, limit // max(row, 1))
     for s in range(a, b, step):
-        sub = box[:d] + ((s, min(b, s + step)),) + box[d + 1:]
+        sub = box[:d] + ((s, min(b, s + step)),) + box[d + 1 :]
         if step == 1 and row > limit:
             yield from pieces(sub, itemsize, limit)
         else:

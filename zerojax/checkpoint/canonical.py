@@ -58,14 +58,24 @@ class Meta:
             raise ValueError(
                 f"this checkpoint has format {version}; this zerojax reads format {FORMAT_VERSION} "
                 "(arrays stored in their own shapes). Format 1 checkpoints (flattened storage) were "
-                "written by earlier zerojax versions: restore them with that version and save again.")
+                "written by earlier zerojax versions: restore them with that version and save again."
+            )
         ms = d.get("model_state")
-        return cls(paths=tuple(d["paths"]), layouts=tuple(d["layouts"]), opt_layouts=tuple(d["opt_layouts"]),
-                   opt_treedef=d["opt_treedef"], stage=d["stage"], n=d["n"], compute_dtype=d["compute_dtype"],
-                   scaled=d["scaled"], trainable=tuple(d.get("trainable", ())),
-                   frozen_layouts=tuple(d.get("frozen_layouts", ())),
-                   model_state=None if ms is None else tuple((tuple(shape), dtype) for shape, dtype in ms),
-                   model_state_treedef=d.get("model_state_treedef"), rng_impl=d.get("rng_impl"))
+        return cls(
+            paths=tuple(d["paths"]),
+            layouts=tuple(d["layouts"]),
+            opt_layouts=tuple(d["opt_layouts"]),
+            opt_treedef=d["opt_treedef"],
+            stage=d["stage"],
+            n=d["n"],
+            compute_dtype=d["compute_dtype"],
+            scaled=d["scaled"],
+            trainable=tuple(d.get("trainable", ())),
+            frozen_layouts=tuple(d.get("frozen_layouts", ())),
+            model_state=None if ms is None else tuple((tuple(shape), dtype) for shape, dtype in ms),
+            model_state_treedef=d.get("model_state_treedef"),
+            rng_impl=d.get("rng_impl"),
+        )
 
     def layout(self, i: int, plan: Any = None) -> LeafLayout:
         """Parameter ``i``'s saved layout, as saved, or read onto ``plan``'s mesh (see
@@ -112,14 +122,16 @@ def to_canonical(state: ZeroState) -> tuple[dict, Meta]:
     def convert(params, master, frozen, opt):
         masters = stage.masters(plan, _leaves(params) or None, _leaves(master) or None)
         masters = [relayout(s, d, x) for s, d, x in zip(plan.master_layouts, train_layouts, masters)]
-        frozen = [relayout(s, d, x) for s, d, x in
-                  zip(plan.frozen_layouts, plan.frozen_sharded_layouts, _leaves(frozen))]
+        frozen = [
+            relayout(s, d, x) for s, d, x in zip(plan.frozen_layouts, plan.frozen_sharded_layouts, _leaves(frozen))
+        ]
         opt = [relayout(s, d, x) for s, d, x in zip(plan.opt_storage_layouts, plan.opt_layouts, _leaves(opt))]
         return masters, frozen, opt
 
     out = (plan.shardings(train_layouts), plan.shardings(plan.frozen_sharded_layouts), plan.shardings(plan.opt_layouts))
-    masters, frozen, opt = jax.jit(convert, out_shardings=out)(state.params, state.master, state.frozen,
-                                                               state.opt_state)
+    masters, frozen, opt = jax.jit(convert, out_shardings=out)(
+        state.params, state.master, state.frozen, state.opt_state
+    )
     train_idx = [i for i in range(len(plan.layouts)) if plan.is_trainable(i)]
     frozen_idx = [i for i in range(len(plan.layouts)) if not plan.is_trainable(i)]
     arrays = {
@@ -138,12 +150,19 @@ def to_canonical(state: ZeroState) -> tuple[dict, Meta]:
     if state.rng is not None:
         arrays["rng"] = jax.random.key_data(state.rng)
     meta = Meta(
-        paths=plan.paths, layouts=tuple(l.to_json() for l in plan.layouts),
-        opt_layouts=tuple(l.to_json() for l in plan.opt_layouts), opt_treedef=str(plan.opt_treedef),
-        stage=plan.stage, n=plan.shards, compute_dtype=plan.config.compute_dtype, scaled=state.loss_scale is not None,
-        trainable=plan.trainable, frozen_layouts=tuple(l.to_json() for l in plan.frozen_sharded_layouts),
-        model_state=None if state.model_state is None else tuple(
-            (tuple(int(d) for d in x.shape), jnp.dtype(x.dtype).name) for x in ms_leaves),
+        paths=plan.paths,
+        layouts=tuple(l.to_json() for l in plan.layouts),
+        opt_layouts=tuple(l.to_json() for l in plan.opt_layouts),
+        opt_treedef=str(plan.opt_treedef),
+        stage=plan.stage,
+        n=plan.shards,
+        compute_dtype=plan.config.compute_dtype,
+        scaled=state.loss_scale is not None,
+        trainable=plan.trainable,
+        frozen_layouts=tuple(l.to_json() for l in plan.frozen_sharded_layouts),
+        model_state=None
+        if state.model_state is None
+        else tuple((tuple(int(d) for d in x.shape), jnp.dtype(x.dtype).name) for x in ms_leaves),
         model_state_treedef=None if state.model_state is None else str(ms_def),
         rng_impl=None if state.rng is None else str(jax.random.key_impl(state.rng)),
     )
@@ -153,22 +172,30 @@ def to_canonical(state: ZeroState) -> tuple[dict, Meta]:
 def restore_targets(meta: Meta, plan: ZeroPlan) -> dict:
     """``jax.ShapeDtypeStruct`` targets to read each saved array into on ``plan``'s mesh:
     the saved layout for the target's device count, sharded over the target data axis."""
+
     def target(layout: LeafLayout, dtype) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(layout.storage_shape, jnp.dtype(dtype), sharding=plan.sharding(layout))
 
     frozen_idx = [i for i in range(len(meta.layouts)) if not meta.is_trainable(i)]
     out = {
-        "master": {str(i): target(meta.layout(i, plan), master_dtype(meta.layout(i).dtype))
-                   for i in range(len(meta.layouts)) if meta.is_trainable(i)},
-        "opt": {str(k): target(meta.opt_layout(k, plan), meta.opt_layout(k).dtype)
-                for k in range(len(meta.opt_layouts))},
+        "master": {
+            str(i): target(meta.layout(i, plan), master_dtype(meta.layout(i).dtype))
+            for i in range(len(meta.layouts))
+            if meta.is_trainable(i)
+        },
+        "opt": {
+            str(k): target(meta.opt_layout(k, plan), meta.opt_layout(k).dtype) for k in range(len(meta.opt_layouts))
+        },
     }
     if frozen_idx:
-        out["frozen"] = {str(i): target(meta.frozen_layout(j, plan), meta.frozen_layout(j).dtype)
-                         for j, i in enumerate(frozen_idx)}
+        out["frozen"] = {
+            str(i): target(meta.frozen_layout(j, plan), meta.frozen_layout(j).dtype) for j, i in enumerate(frozen_idx)
+        }
     if meta.model_state is not None:
-        out["model_state"] = {str(i): jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=plan.replicated)
-                              for i, (shape, dtype) in enumerate(meta.model_state)}
+        out["model_state"] = {
+            str(i): jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=plan.replicated)
+            for i, (shape, dtype) in enumerate(meta.model_state)
+        }
     if meta.rng_impl is not None:
         key_shape = jax.random.key_data(jax.random.key(0, impl=meta.rng_impl)).shape
         out["rng"] = jax.ShapeDtypeStruct(key_shape, jnp.uint32, sharding=plan.replicated)
@@ -184,33 +211,47 @@ def from_canonical(arrays: dict, meta: Meta, plan: ZeroPlan, model_state_def: An
 
     def build(masters, frozen, opt):
         masters = [relayout(meta.layout(i, plan), l, masters[str(i)]) for i, l in zip(train_idx, plan.master_layouts)]
-        frozen = [relayout(meta.frozen_layout(j, plan), l, frozen[str(i)]).astype(l.dtype)
-                  for j, (i, l) in enumerate(zip(frozen_idx, plan.frozen_layouts))]
-        opt = [relayout(meta.opt_layout(k, plan), l, opt[str(k)]).astype(l.dtype)
-               for k, l in enumerate(plan.opt_storage_layouts)]
+        frozen = [
+            relayout(meta.frozen_layout(j, plan), l, frozen[str(i)]).astype(l.dtype)
+            for j, (i, l) in enumerate(zip(frozen_idx, plan.frozen_layouts))
+        ]
+        opt = [
+            relayout(meta.opt_layout(k, plan), l, opt[str(k)]).astype(l.dtype)
+            for k, l in enumerate(plan.opt_storage_layouts)
+        ]
         params, master = stage.fields(plan, masters)
-        return (None if params is None else plan.unflatten_train(params),
-                None if master is None else plan.unflatten_train(master),
-                plan.unflatten_frozen(frozen) if plan.has_frozen else None, plan.unflatten_opt(opt))
+        return (
+            None if params is None else plan.unflatten_train(params),
+            None if master is None else plan.unflatten_train(master),
+            plan.unflatten_frozen(frozen) if plan.has_frozen else None,
+            plan.unflatten_opt(opt),
+        )
 
     model_state = None
     if meta.model_state is not None:
-        model_state = jax.tree.unflatten(model_state_def, [arrays["model_state"][str(i)]
-                                                           for i in range(len(meta.model_state))])
+        model_state = jax.tree.unflatten(
+            model_state_def, [arrays["model_state"][str(i)] for i in range(len(meta.model_state))]
+        )
     rng = None
     if meta.rng_impl is not None:
-        rng = jax.device_put(jax.random.wrap_key_data(jnp.asarray(arrays["rng"]), impl=meta.rng_impl),
-                             plan.replicated)
+        rng = jax.device_put(jax.random.wrap_key_data(jnp.asarray(arrays["rng"]), impl=meta.rng_impl), plan.replicated)
     scaler = ls.init(plan.config)
     sh = state_shardings(plan, scaler, model_state, rng)
     params, master, frozen, opt_state = jax.jit(build, out_shardings=(sh.params, sh.master, sh.frozen, sh.opt_state))(
-        arrays["master"], arrays.get("frozen", {}), arrays["opt"])
+        arrays["master"], arrays.get("frozen", {}), arrays["opt"]
+    )
     if scaler is not None and meta.scaled and "loss_scale" in arrays:
         scaler = ls.LossScaleState(**{k: jnp.asarray(v) for k, v in arrays["loss_scale"].items()})
     rep = plan.replicated
     return ZeroState(
-        step=jax.device_put(jnp.asarray(arrays["step"], jnp.int32), rep), params=params, master=master,
-        frozen=frozen, opt_state=opt_state, model_state=model_state, rng=rng,
+        step=jax.device_put(jnp.asarray(arrays["step"], jnp.int32), rep),
+        params=params,
+        master=master,
+        frozen=frozen,
+        opt_state=opt_state,
+        model_state=model_state,
+        rng=rng,
         loss_scale=jax.device_put(scaler, rep) if scaler is not None else None,
-        skipped=jax.device_put(jnp.asarray(arrays["skipped"], jnp.int32), rep), plan=plan,
+        skipped=jax.device_put(jnp.asarray(arrays["skipped"], jnp.int32), rep),
+        plan=plan,
     )

@@ -70,13 +70,17 @@ def check_cast(name: str, src: Any, dst: Any, *, what: str = "its checkpoint ten
     if sk == "i" and dk == "u":
         raise TypeError(head + f"negative values would wrap around; make the parameter {src}.")
     if sk in "iu" and dk in "iu" and not np.can_cast(src, dst, "safe"):
-        raise TypeError(head + f"values beyond {dst}'s range would wrap around; make the parameter {src} "
-                               "(64-bit integers need jax.config.update('jax_enable_x64', True)).")
+        raise TypeError(
+            head + f"values beyond {dst}'s range would wrap around; make the parameter {src} "
+            "(64-bit integers need jax.config.update('jax_enable_x64', True))."
+        )
     if sk in "iu" and dk == "f":
         bits = np.iinfo(src).bits - (sk == "i")
         if bits > int(ml_dtypes.finfo(dst).nmant) + 1:
-            raise TypeError(head + f"integers above 2**{int(ml_dtypes.finfo(dst).nmant) + 1} would be rounded; "
-                                   f"make the parameter {src}.")
+            raise TypeError(
+                head + f"integers above 2**{int(ml_dtypes.finfo(dst).nmant) + 1} would be rounded; "
+                f"make the parameter {src}."
+            )
 
 
 def narrows_range(src: Any, dst: Any) -> bool:
@@ -109,6 +113,8 @@ def cast(name: str, x: np.ndarray, dtype: Any, *, fix: str) -> np.ndarray:
         finite = np.isfinite(wide)
         if not np.array_equal(finite, np.isfinite(y)):
             big = float(np.abs(wide[finite]).max())
-            raise ValueError(f"{name} has values up to {big:.4g}, beyond {dtype}'s range "
-                             f"({float(ml_dtypes.finfo(dtype).max):.6g}); {fix}")
+            raise ValueError(
+                f"{name} has values up to {big:.4g}, beyond {dtype}'s range "
+                f"({float(ml_dtypes.finfo(dtype).max):.6g}); {fix}"
+            )
     return y

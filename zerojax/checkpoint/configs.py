@@ -39,8 +39,9 @@ def _read(path: str, what: str) -> dict:
     return doc
 
 
-def source_configs(hf_config: Any, generation_config: Any, wmap_config: dict | None,
-                   wmap_generation: dict | None) -> tuple[dict | None, dict | None]:
+def source_configs(
+    hf_config: Any, generation_config: Any, wmap_config: dict | None, wmap_generation: dict | None
+) -> tuple[dict | None, dict | None]:
     """``(config, generation config)`` of the source: ``hf_config`` (a dict, a
     ``config.json`` path, or a folder holding one and perhaps ``generation_config.json``)
     over the map's; ``generation_config`` (a dict or a path) over both."""

@@ -50,12 +50,21 @@ EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 PIECE_BYTES = 64 * 2**20  # the largest piece of a shard cast and written at once
 
 
-def export_weights(source: Any, out: str | os.PathLike, *, step: int | None = None,
-                   dtype: str = "float32", show_progress: bool | None = False, layout: str = "file",
-                   map: tm.WeightMap | None = None, max_shard_size: int | str = "5GB", lora: str = "merge",
-                   hf_config: dict | str | os.PathLike | None = None,
-                   generation_config: dict | str | os.PathLike | None = None,
-                   timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, tuple[int, ...]]:
+def export_weights(
+    source: Any,
+    out: str | os.PathLike,
+    *,
+    step: int | None = None,
+    dtype: str = "float32",
+    show_progress: bool | None = False,
+    layout: str = "file",
+    map: tm.WeightMap | None = None,
+    max_shard_size: int | str = "5GB",
+    lora: str = "merge",
+    hf_config: dict | str | os.PathLike | None = None,
+    generation_config: dict | str | os.PathLike | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> dict[str, tuple[int, ...]]:
     """Writes the weights of ``source`` to ``out`` in ``dtype`` (float32, bfloat16 or
     float16; integer parameters keep their own); returns ``{tensor name: shape}``.
 
@@ -110,8 +119,19 @@ def export_weights(source: Any, out: str | os.PathLike, *, step: int | None = No
     group = Processes("export_weights", timeout_s, collective=not local)
     job, error = None, None
     try:
-        job = _Job(source, out, step=step, dtype=dtype, layout=layout, wmap=map, max_shard_size=max_shard_size,
-                   lora=lora, hf_config=hf_config, generation_config=generation_config, show_progress=show_progress)
+        job = _Job(
+            source,
+            out,
+            step=step,
+            dtype=dtype,
+            layout=layout,
+            wmap=map,
+            max_shard_size=max_shard_size,
+            lora=lora,
+            hf_config=hf_config,
+            generation_config=generation_config,
+            show_progress=show_progress,
+        )
     except Exception as e:  # noqa: BLE001 (agreed by every process, then raised)
         error = e
     group.agree("plan", error, when="before writing anything")
@@ -121,8 +141,21 @@ def export_weights(source: Any, out: str | os.PathLike, *, step: int | None = No
 class _Job:
     """One export, planned from shapes alone: what each parameter writes, and where."""
 
-    def __init__(self, source, out, *, step, dtype, layout, wmap, max_shard_size, lora, hf_config,
-                 generation_config, show_progress):
+    def __init__(
+        self,
+        source,
+        out,
+        *,
+        step,
+        dtype,
+        layout,
+        wmap,
+        max_shard_size,
+        lora,
+        hf_config,
+        generation_config,
+        show_progress,
+    ):
         if dtype not in EXPORT_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}.")
         if layout not in LAYOUTS:
@@ -133,8 +166,10 @@ class _Job:
         max_bytes = parse_size(max_shard_size)
         out = os.fspath(out)
         if layout == "file" and os.path.isdir(out):
-            raise IsADirectoryError(f"{out!r} is a folder; layout='file' writes one file: name the file, or pass "
-                                    "layout='hf' to write Hugging Face's layout into the folder.")
+            raise IsADirectoryError(
+                f"{out!r} is a folder; layout='file' writes one file: name the file, or pass "
+                "layout='hf' to write Hugging Face's layout into the folder."
+            )
         if isinstance(source, ZeroState):
             if step is not None:
                 raise ValueError("step= picks a step of a checkpoint directory; a state is exported as it is.")
@@ -169,13 +204,18 @@ class _Job:
             config, generation = source_configs(hf_config, generation_config, wmap.hf_config, wmap.generation_config)
             configs = exported(config, generation, dtype=dtype, tensors=list(tensors))
         elif explicit:
-            raise ValueError("hf_config / generation_config are written beside a Hugging Face model export: "
-                             "layout='hf' without lora='adapters'.")
+            raise ValueError(
+                "hf_config / generation_config are written beside a Hugging Face model export: "
+                "layout='hf' without lora='adapters'."
+            )
         if layout == "hf":
             metadata = {"format": "pt"}
         else:
-            metadata = {"format": "zerojax", **src.metadata,
-                        "stored_dtypes": json.dumps({t: "/".join(sorted(s)) for t, s in stored.items()})}
+            metadata = {
+                "format": "zerojax",
+                **src.metadata,
+                "stored_dtypes": json.dumps({t: "/".join(sorted(s)) for t, s in stored.items()}),
+            }
         self.files = ExportFiles(out, layout, tensors, max_bytes=max_bytes, metadata=metadata, configs=configs)
 
     def _tensors(self, inferred: dict[str, tuple[int, ...]]) -> dict[str, tuple]:
@@ -188,9 +228,11 @@ class _Job:
         for t in sorted(inferred, key=natural):
             dtypes = written[t]
             if len(dtypes) > 1:
-                raise ValueError(f"tensor {t!r} would hold parameters of different dtypes ("
-                                 + ", ".join(f"{p!r}: {d}" for d, p in dtypes.items())
-                                 + "); map them to tensors of their own.")
+                raise ValueError(
+                    f"tensor {t!r} would hold parameters of different dtypes ("
+                    + ", ".join(f"{p!r}: {d}" for d, p in dtypes.items())
+                    + "); map them to tensors of their own."
+                )
             (d,) = dtypes
             dtype_code(d)  # a dtype safetensors has
             out[t] = (tuple(inferred[t]), d)
@@ -270,8 +312,9 @@ class _Job:
         regions into a comparison."""
         names = self.chosen
         if mode == "write" and group.rank == 0:
-            names = progress(names, "export", unit="tensor",
-                             disable=None if self.show_progress is None else not self.show_progress)
+            names = progress(
+                names, "export", unit="tensor", disable=None if self.show_progress is None else not self.show_progress
+            )
         for n in names:
             dups = [d for d in self.duplicates if d.param == n]
             if (mode == "check" and not self._narrows(n)) or (mode == "verify" and not dups):
@@ -280,8 +323,9 @@ class _Job:
             if n in self.merged:  # kernel + a @ b in fp32, cast (and range-checked) as it is written
                 expr = lora_.LowRankAdd(expr, *self.merged[n])
             sexpr = storage_expr(expr, self.source.layout(n))
-            out = _Cast(n, self.out_dtype[n], _Null() if mode == "check" else sink if mode == "write"
-                        else _Compare(dups, sink))
+            out = _Cast(
+                n, self.out_dtype[n], _Null() if mode == "check" else sink if mode == "write" else _Compare(dups, sink)
+            )
             if mode != "check":
                 out = _Regions([(d.tensor, d.box) for d in dups], keep=mode == "verify", inner=out)
             for box, values in self.source.chunks(n, PIECE_BYTES):
@@ -296,12 +340,17 @@ class _Job:
             self._pass("verify", group, (files, diffs))
         bad = [(d, x) for d, x in diffs.items() if x != 0]
         if bad:
-            raise ValueError("; ".join(
-                f"parameters {d.param!r} and {d.writer!r} both read tensor {d.tensor!r}, and they differ by up to "
-                f"{x:.4g}: the export writes the tensor once, from {d.writer!r}, and would drop what {d.param!r} "
-                f"learnt. Tie them in the model (one parameter for both), or export with a map that gives "
-                f"{d.param!r} a tensor of its own instead of {self.exprs[d.param].describe()} (a head read from the "
-                "embedding: transpose('lm_head.weight'))" for d, x in bad) + ".")
+            raise ValueError(
+                "; ".join(
+                    f"parameters {d.param!r} and {d.writer!r} both read tensor {d.tensor!r}, and they differ by up to "
+                    f"{x:.4g}: the export writes the tensor once, from {d.writer!r}, and would drop what {d.param!r} "
+                    f"learnt. Tie them in the model (one parameter for both), or export with a map that gives "
+                    f"{d.param!r} a tensor of its own instead of {self.exprs[d.param].describe()} (a head read from the "
+                    "embedding: transpose('lm_head.weight'))"
+                    for d, x in bad
+                )
+                + "."
+            )
 
 
 class _Null:
@@ -316,8 +365,13 @@ class _Cast:
         self.name, self.dtype, self.inner = name, dtype, inner
 
     def write_box(self, tensor, box, values):
-        self.inner.write_box(tensor, box, cast(f"parameter {self.name!r}", values, self.dtype,
-                                               fix="export in bfloat16 (float32's range) or float32."))
+        self.inner.write_box(
+            tensor,
+            box,
+            cast(
+                f"parameter {self.name!r}", values, self.dtype, fix="export in bfloat16 (float32's range) or float32."
+            ),
+        )
 
 
 class _Regions:

@@ -82,8 +82,7 @@ def _manager(directory: Directory, retention: Retention | None = None) -> ocp.Ch
         cached[0].close()
     retention = retention or Retention()
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=retention.keep_last, keep_period=retention.keep_every, create=True,
-        enable_async_checkpointing=True,
+        max_to_keep=retention.keep_last, keep_period=retention.keep_every, create=True, enable_async_checkpointing=True
     )
     mngr = ocp.CheckpointManager(path, options=options)
     _MANAGERS[path] = (mngr, retention)
@@ -100,9 +99,16 @@ def _describe(directory: Directory) -> str:
     return repr(os.fspath(directory))
 
 
-def save_checkpoint(directory: Directory, state: ZeroState, step: int, *,
-                    keep_last: int | None = None, keep_every: int | None = None,
-                    wait: bool = False, extra: dict | None = None) -> None:
+def save_checkpoint(
+    directory: Directory,
+    state: ZeroState,
+    step: int,
+    *,
+    keep_last: int | None = None,
+    keep_every: int | None = None,
+    wait: bool = False,
+    extra: dict | None = None,
+) -> None:
     """Saves ``state`` as checkpoint ``step`` under ``directory``, asynchronously.
 
     ``directory`` is a path or your own ``orbax.checkpoint.CheckpointManager`` (whose
@@ -132,8 +138,10 @@ def save_checkpoint(directory: Directory, state: ZeroState, step: int, *,
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}.")
     if isinstance(directory, ocp.CheckpointManager) and (keep_last or keep_every):
-        raise ValueError("keep_last / keep_every apply to a directory zerojax manages; with your own "
-                         "CheckpointManager set max_to_keep / keep_period in its options.")
+        raise ValueError(
+            "keep_last / keep_every apply to a directory zerojax manages; with your own "
+            "CheckpointManager set max_to_keep / keep_period in its options."
+        )
     if extra is not None:
         _check_json(extra)
     mngr = _manager(directory, Retention(keep_last, keep_every))
@@ -190,10 +198,13 @@ _WARNED: list[bool] = []
 def _warn_synchronous() -> None:
     if not _WARNED:
         _WARNED.append(True)
-        warnings.warn(f"zerojax: on Python {sys.version.split()[0]} a save still running when the interpreter exits "
-                      "cannot finish (CPython gh-113964: no new threads at exit; fixed in 3.12.2), so "
-                      "save_checkpoint waits for each save to complete. Upgrade to Python 3.12.2 or newer for "
-                      "asynchronous saves.", stacklevel=3)
+        warnings.warn(
+            f"zerojax: on Python {sys.version.split()[0]} a save still running when the interpreter exits "
+            "cannot finish (CPython gh-113964: no new threads at exit; fixed in 3.12.2), so "
+            "save_checkpoint waits for each save to complete. Upgrade to Python 3.12.2 or newer for "
+            "asynchronous saves.",
+            stacklevel=3,
+        )
 
 
 def wait(directory: Directory | None = None) -> None:
@@ -231,12 +242,16 @@ def finish_pending_saves(timeout_s: float) -> list[str]:
         threading.Thread(target=finish, daemon=True).start()
         where = os.fspath(mngr.directory)
         if done.wait(max(0.0, deadline - time.monotonic())):
-            lines.append(f"an asynchronous checkpoint save to {where} was in progress; it completed "
-                         f"(latest step {mngr.latest_step()}).")
+            lines.append(
+                f"an asynchronous checkpoint save to {where} was in progress; it completed "
+                f"(latest step {mngr.latest_step()})."
+            )
         else:
-            lines.append(f"an asynchronous checkpoint save to {where} was in progress and did not finish "
-                         f"within {timeout_s:g}s; it is abandoned and will not be listed (the checkpoints "
-                         "saved before it stay restorable).")
+            lines.append(
+                f"an asynchronous checkpoint save to {where} was in progress and did not finish "
+                f"within {timeout_s:g}s; it is abandoned and will not be listed (the checkpoints "
+                "saved before it stay restorable)."
+            )
     return lines
 
 
@@ -283,13 +298,25 @@ def _check_params(meta: canonical.Meta, params: Any) -> None:
             lines = ["  the same leaves in another order: checkpoint " + ", ".join(list(saved)[:8])]
         more = f"\n  ... and {len(lines) - 20} more" if len(lines) > 20 else ""
         raise CheckpointMismatchError(
-            f"params differ from the checkpoint's in {len(lines)} leaves:\n" + "\n".join(lines[:20]) + more
-            + "\nRestore into the model configuration that was saved.")
+            f"params differ from the checkpoint's in {len(lines)} leaves:\n"
+            + "\n".join(lines[:20])
+            + more
+            + "\nRestore into the model configuration that was saved."
+        )
 
 
-def restore_checkpoint(directory: Directory, target: Any, tx: optax.GradientTransformation | None = None, *,
-                       mesh: Mesh | None = None, config: ZeroConfig | None = None, step: int | None = None,
-                       trainable: Any = None, model_state: Any = None, tensor_specs: Any = None) -> ZeroState:
+def restore_checkpoint(
+    directory: Directory,
+    target: Any,
+    tx: optax.GradientTransformation | None = None,
+    *,
+    mesh: Mesh | None = None,
+    config: ZeroConfig | None = None,
+    step: int | None = None,
+    trainable: Any = None,
+    model_state: Any = None,
+    tensor_specs: Any = None,
+) -> ZeroState:
     """Restores checkpoint ``step`` (default: the latest) of ``directory`` (a path or an
     orbax ``CheckpointManager``).
 
@@ -314,16 +341,20 @@ def restore_checkpoint(directory: Directory, target: Any, tx: optax.GradientTran
     """
     if isinstance(target, ZeroState):
         if any(v is not None for v in (tx, mesh, config, trainable, model_state, tensor_specs)):
-            raise ValueError("restore_checkpoint takes either a state target (zj.abstract_state(...)) alone, "
-                             "or params with tx, mesh and config; got a state and more.")
+            raise ValueError(
+                "restore_checkpoint takes either a state target (zj.abstract_state(...)) alone, "
+                "or params with tx, mesh and config; got a state and more."
+            )
         plan = target.plan
         params = plan.unflatten(jax.ShapeDtypeStruct(l.shape, l.dtype) for l in plan.layouts)
         model_state = target.model_state
     else:
         missing = [n for n, v in (("tx", tx), ("mesh", mesh), ("config", config)) if v is None]
         if missing:
-            raise TypeError(f"restoring onto a params tree needs tx, mesh and config (missing {missing}); "
-                            "or pass a state target built by zj.abstract_state(params, tx, mesh=..., config=...).")
+            raise TypeError(
+                f"restoring onto a params tree needs tx, mesh and config (missing {missing}); "
+                "or pass a state target built by zj.abstract_state(params, tx, mesh=..., config=...)."
+            )
         params = jax.eval_shape(target) if is_init_fn(target) else target
     steps = checkpoint_steps(directory)
     if not steps:
@@ -342,39 +373,48 @@ def restore_checkpoint(directory: Directory, target: Any, tx: optax.GradientTran
     _check_optimizer(meta, plan)
     targets = canonical.restore_targets(meta, plan)
     restore_args = jax.tree.map(
-        lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype, strict=False),
-        targets)
+        lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype, strict=False), targets
+    )
     item = dict(targets)
     restore_args = dict(restore_args)
-    scalar = lambda dtype: (jax.ShapeDtypeStruct((), dtype, sharding=plan.replicated),
-                            ocp.ArrayRestoreArgs(sharding=plan.replicated, global_shape=(), dtype=dtype))
+    scalar = lambda dtype: (
+        jax.ShapeDtypeStruct((), dtype, sharding=plan.replicated),
+        ocp.ArrayRestoreArgs(sharding=plan.replicated, global_shape=(), dtype=dtype),
+    )
     for key in ("step", "skipped"):
         item[key], restore_args[key] = scalar(jnp.int32)
     if meta.scaled:
         names = {"scale": jnp.float32, "iteration": jnp.int32, "last_overflow": jnp.int32, "hysteresis": jnp.int32}
         item["loss_scale"] = {k: scalar(t)[0] for k, t in names.items()}
         restore_args["loss_scale"] = {k: scalar(t)[1] for k, t in names.items()}
-    arrays = mngr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args)))["state"]
+    arrays = mngr.restore(
+        step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
+    )["state"]
     return canonical.from_canonical(arrays, meta, plan, jax.tree.structure(model_state))
 
 
 def _check_extras(meta: canonical.Meta, plan, model_state: Any) -> None:
     if tuple(meta.trainable) != tuple(plan.trainable):
         frozen = lambda mask: [p for i, p in enumerate(meta.paths) if mask and not mask[i]]
-        raise CheckpointMismatchError(f"the checkpoint's frozen parameters are {frozen(meta.trainable)}; this restore freezes "
-                         f"{frozen(plan.trainable)}. Pass the trainable= mask the run was saved with.")
+        raise CheckpointMismatchError(
+            f"the checkpoint's frozen parameters are {frozen(meta.trainable)}; this restore freezes "
+            f"{frozen(plan.trainable)}. Pass the trainable= mask the run was saved with."
+        )
     if meta.model_state is None:
         if model_state is not None:
             raise CheckpointMismatchError("model_state was given, but the checkpoint holds no model state.")
         return
     if model_state is None:
-        raise CheckpointMismatchError("the checkpoint holds a model state: pass model_state= (arrays or jax.ShapeDtypeStruct "
-                         "of its structure), or a target built by zj.abstract_state(..., model_state=...).")
+        raise CheckpointMismatchError(
+            "the checkpoint holds a model state: pass model_state= (arrays or jax.ShapeDtypeStruct "
+            "of its structure), or a target built by zj.abstract_state(..., model_state=...)."
+        )
     mine = tuple((tuple(int(d) for d in jnp.shape(x)), jnp.dtype(x.dtype).name) for x in jax.tree.leaves(model_state))
     if str(jax.tree.structure(model_state)) != meta.model_state_treedef or mine != meta.model_state:
-        raise CheckpointMismatchError(f"model_state does not match the checkpoint's: it holds {meta.model_state_treedef} "
-                         f"{list(meta.model_state)}, model_state has {jax.tree.structure(model_state)} {list(mine)}.")
+        raise CheckpointMismatchError(
+            f"model_state does not match the checkpoint's: it holds {meta.model_state_treedef} "
+            f"{list(meta.model_state)}, model_state has {jax.tree.structure(model_state)} {list(mine)}."
+        )
 
 
 def _check_optimizer(meta: canonical.Meta, plan) -> None:
@@ -384,4 +424,5 @@ def _check_optimizer(meta: canonical.Meta, plan) -> None:
         raise CheckpointMismatchError(
             "the optimizer does not match the checkpoint's: the checkpoint holds optimizer "
             f"state {meta.opt_treedef} ({len(saved)} arrays), this tx.init gives "
-            f"{plan.opt_treedef} ({len(mine)} arrays). Restore with the optimizer that was saved.")
+            f"{plan.opt_treedef} ({len(mine)} arrays). Restore with the optimizer that was saved."
+        )

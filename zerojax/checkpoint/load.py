@@ -69,16 +69,20 @@ def load_weights(path: Any, like: Any) -> Any:
     collective = any(not getattr(getattr(x, "sharding", None), "is_fully_addressable", True) for x in leaves)
     group = Processes("load_weights") if collective else None
     with weights.open() as files:
-        exprs, absent = resolve(weights, files, {n: tuple(np.shape(x)) for n, x in zip(names, leaves)},
-                                initial=True, what="like")
+        exprs, absent = resolve(
+            weights, files, {n: tuple(np.shape(x)) for n, x in zip(names, leaves)}, initial=True, what="like"
+        )
         given = dict(zip(names, leaves))
         abstract = [n for n in absent if isinstance(given[n], jax.ShapeDtypeStruct)]
         if abstract:
-            raise ValueError(f"{weights.path!r} lacks the optional parameters {', '.join(abstract)}, and like gives "
-                             "them as jax.ShapeDtypeStruct, without values to take instead; pass arrays for them in "
-                             "like, or load them from a checkpoint that has them.")
-        items = [(n, exprs[n], None, getattr(x, "sharding", None), _dtype(x)) for n, x in zip(names, leaves)
-                 if n in exprs]
+            raise ValueError(
+                f"{weights.path!r} lacks the optional parameters {', '.join(abstract)}, and like gives "
+                "them as jax.ShapeDtypeStruct, without values to take instead; pass arrays for them in "
+                "like, or load them from a checkpoint that has them."
+            )
+        items = [
+            (n, exprs[n], None, getattr(x, "sharding", None), _dtype(x)) for n, x in zip(names, leaves) if n in exprs
+        ]
         for n, expr, _, _, dtype in items:
             check_cast(n, expr.dtype, dtype)
         ranged = [it for it in items if it[3] is not None]
@@ -91,8 +95,10 @@ def load_weights(path: Any, like: Any) -> Any:
             except Exception as e:  # noqa: BLE001 (agreed by every process, then raised)
                 error = e
             group.agree("ranges", error, when="before placing any array")
-        loaded = {name: _load(name, expr, sharding, dtype, given[name], files, weights.buffer_bytes)
-                  for name, expr, _, sharding, dtype in items}
+        loaded = {
+            name: _load(name, expr, sharding, dtype, given[name], files, weights.buffer_bytes)
+            for name, expr, _, sharding, dtype in items
+        }
     return jax.tree_util.tree_unflatten(treedef, [loaded.get(n, given[n]) for n in names])
 
 

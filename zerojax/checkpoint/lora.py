@@ -39,8 +39,10 @@ def select(names: list[str], mode: str, what: str) -> tuple[list[str], dict[str,
         return [n for n in names if n not in adapters], found
     if mode == "adapters":
         if not adapters:
-            raise ValueError(f"lora='adapters' exports the LoRA adapters, but {what} has none (no nnx.LoRALinear "
-                             "parameters '*.lora.lora_a' / '*.lora.lora_b').")
+            raise ValueError(
+                f"lora='adapters' exports the LoRA adapters, but {what} has none (no nnx.LoRALinear "
+                "parameters '*.lora.lora_a' / '*.lora.lora_b')."
+            )
         return [n for n in names if n in adapters], {}
     return list(names), {}
 
@@ -56,8 +58,10 @@ class LowRankAdd(tm.Expr):
     def write(self, box, values, io):
         lead, (i0, i1), (o0, o1) = box[:-2], box[-2], box[-1]
         lead_sl = boxes.slices(lead)
-        delta = np.matmul(self.a[lead_sl + (slice(i0, i1), slice(None))].astype(np.float32),
-                          self.b[lead_sl + (slice(None), slice(o0, o1))].astype(np.float32))
+        delta = np.matmul(
+            self.a[lead_sl + (slice(i0, i1), slice(None))].astype(np.float32),
+            self.b[lead_sl + (slice(None), slice(o0, o1))].astype(np.float32),
+        )
         self.child.write(box, np.asarray(values, np.float32) + delta, io)
 
     def boxes(self, box):

@@ -62,7 +62,8 @@ def tensor_names(paths: list[str]) -> list[str]:
         if name in seen:
             raise ValueError(
                 f"parameter paths {seen[name]} and {path} both become the tensor name {name!r} in "
-                "a safetensors file; rename one of them (e.g. avoid '.' inside dict keys).")
+                "a safetensors file; rename one of them (e.g. avoid '.' inside dict keys)."
+            )
         seen[name] = path
         names.append(name)
     return names

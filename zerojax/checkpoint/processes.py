@@ -35,8 +35,20 @@ DEFAULT_TIMEOUT_S = 300.0  # no report and no progress from a process for this l
 
 _CALLS: dict[str, itertools.count] = collections.defaultdict(itertools.count)  # calls so far, per kind
 # Exception types raised again, by name, on every process (other types become RuntimeError).
-_TYPES = {t.__name__: t for t in (ValueError, TypeError, OSError, PermissionError, FileNotFoundError,
-                                  FileExistsError, NotADirectoryError, IsADirectoryError, TimeoutError)}
+_TYPES = {
+    t.__name__: t
+    for t in (
+        ValueError,
+        TypeError,
+        OSError,
+        PermissionError,
+        FileNotFoundError,
+        FileExistsError,
+        NotADirectoryError,
+        IsADirectoryError,
+        TimeoutError,
+    )
+}
 
 
 class Stopped(Exception):
@@ -67,8 +79,10 @@ class Processes:
             except ImportError as e:
                 raise RuntimeError(f"{what}: {e}") from None
             if self.client is None:
-                raise RuntimeError(f"{what}: {self.count} processes but no coordination service; start the job with "
-                                   "zj.distributed.initialize() (jax.distributed.initialize).")
+                raise RuntimeError(
+                    f"{what}: {self.count} processes but no coordination service; start the job with "
+                    "zj.distributed.initialize() (jax.distributed.initialize)."
+                )
         self.phase: str | None = None
         self._next = 0.0
         self._beats = 0
@@ -104,8 +118,13 @@ class Processes:
             if error is not None:
                 raise error
             return
-        report = "" if error is None else json.dumps({
-            "type": type(error).__name__, "message": str(error), "stopped": isinstance(error, Stopped)})
+        report = (
+            ""
+            if error is None
+            else json.dumps(
+                {"type": type(error).__name__, "message": str(error), "stopped": isinstance(error, Stopped)}
+            )
+        )
         self.client.key_value_set(f"{self.prefix}/{phase}/{self.rank}", report)
         reports = self._wait(phase)
         failed = {r: json.loads(v) for r, v in reports.items() if v}
@@ -120,8 +139,11 @@ class Processes:
         by_message: dict[str, list[int]] = {}
         for r, f in sorted(failed.items()):
             by_message.setdefault(f["message"], []).append(r)
-        where = lambda ranks: (f"every process ({self.count})" if len(ranks) == self.count else
-                               f"process{'es' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {self.count}")
+        where = lambda ranks: (
+            f"every process ({self.count})"
+            if len(ranks) == self.count
+            else f"process{'es' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {self.count}"
+        )
         parts = [f"on {where(ranks)}: {msg}" for msg, ranks in by_message.items()]
         text = f"{self.what} failed{' ' + when if when else ''}; " + "; ".join(parts)
         first = failed[min(failed)]["type"]
@@ -149,6 +171,7 @@ class Processes:
                 raise TimeoutError(
                     f"{self.what}: process{'es' if len(stalled) > 1 else ''} {', '.join(map(str, stalled))} of "
                     f"{self.count} neither finished {phase!r} nor made progress for {self.timeout_s:g} s (timeout_s); "
-                    "it may have died or hung. Nothing was completed.")
+                    "it may have died or hung. Nothing was completed."
+                )
             time.sleep(sleep)
             sleep = min(2 * sleep, POLL_S)

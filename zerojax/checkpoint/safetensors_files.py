@@ -32,11 +32,21 @@ from zerojax.checkpoint.casts import as_dtype
 
 # safetensors' dtype codes: the one table.
 DTYPES = {
-    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
-    "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U64": np.dtype(np.uint64), "U32": np.dtype(np.uint32),
-    "U16": np.dtype(np.uint16), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U64": np.dtype(np.uint64),
+    "U32": np.dtype(np.uint32),
+    "U16": np.dtype(np.uint16),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
 }
 CODES = {v: k for k, v in DTYPES.items()}
 INDEX = "model.safetensors.index.json"
@@ -81,7 +91,9 @@ def read_header(path: str) -> tuple[dict[str, StoredTensor], dict]:
             raise ValueError(f"{path!r} is not a safetensors file: it has {size} bytes, fewer than a header.")
         (n,) = struct.unpack("<Q", head)
         if n > size - 8:
-            raise ValueError(f"{path!r} is not a safetensors file: its header length {n} exceeds the file ({size} bytes).")
+            raise ValueError(
+                f"{path!r} is not a safetensors file: its header length {n} exceeds the file ({size} bytes)."
+            )
         try:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -94,18 +106,23 @@ def read_header(path: str) -> tuple[dict[str, StoredTensor], dict]:
         try:
             dtype, shape, (begin, end) = DTYPES[e["dtype"]], tuple(int(s) for s in e["shape"]), e["data_offsets"]
         except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{path!r}: the header entry of tensor {name!r} ({e!r}) is not a safetensors entry "
-                             f"(known dtypes: {', '.join(DTYPES)}).") from None
+            raise ValueError(
+                f"{path!r}: the header entry of tensor {name!r} ({e!r}) is not a safetensors entry "
+                f"(known dtypes: {', '.join(DTYPES)})."
+            ) from None
         t = StoredTensor(name, path, dtype, shape, 8 + n + int(begin))
         if end - begin != t.nbytes or 8 + n + end > size:
-            raise ValueError(f"{path!r}: tensor {name!r} {e['dtype']}{list(shape)} has data offsets {[begin, end]}, "
-                             f"which do not hold its {t.nbytes} bytes inside the file ({size} bytes).")
+            raise ValueError(
+                f"{path!r}: tensor {name!r} {e['dtype']}{list(shape)} has data offsets {[begin, end]}, "
+                f"which do not hold its {t.nbytes} bytes inside the file ({size} bytes)."
+            )
         out[name] = t
     return out, meta
 
 
-def header(names: list[str], tensors: Mapping[str, tuple], metadata: Mapping | None = None
-           ) -> tuple[bytes, dict[str, int]]:
+def header(
+    names: list[str], tensors: Mapping[str, tuple], metadata: Mapping | None = None
+) -> tuple[bytes, dict[str, int]]:
     """The head of a safetensors file holding ``names`` (in that order; ``tensors``:
     ``{name: (shape, dtype)}``) and ``metadata`` (values as strings): ``(bytes, {name:
     absolute offset of its data})``. The file's size is ``len(bytes)`` plus the tensors' bytes."""
@@ -114,8 +131,11 @@ def header(names: list[str], tensors: Mapping[str, tuple], metadata: Mapping | N
     for name in names:
         shape, dtype = tensors[name]
         n = nbytes(shape, dtype)
-        head[name] = {"dtype": dtype_code(dtype), "shape": [int(d) for d in shape],
-                      "data_offsets": [offset, offset + n]}
+        head[name] = {
+            "dtype": dtype_code(dtype),
+            "shape": [int(d) for d in shape],
+            "data_offsets": [offset, offset + n],
+        }
         offsets[name] = offset
         offset += n
     blob = json.dumps(head, separators=(",", ":")).encode()
@@ -136,8 +156,10 @@ def check_file(path: str, names: list[str], tensors: Mapping[str, tuple]) -> Non
     for name in names:
         t, (shape, dtype) = got[name], tensors[name]
         if t.shape != tuple(shape) or t.dtype != as_dtype(dtype) or t.offset != offset:
-            raise ValueError(f"{path!r}: tensor {name!r} is {t.dtype}{list(t.shape)} at byte {t.offset}; expected "
-                             f"{as_dtype(dtype)}{list(shape)} at byte {offset}.")
+            raise ValueError(
+                f"{path!r}: tensor {name!r} is {t.dtype}{list(t.shape)} at byte {t.offset}; expected "
+                f"{as_dtype(dtype)}{list(shape)} at byte {offset}."
+            )
         offset += t.nbytes
     if os.path.getsize(path) != offset:
         raise ValueError(f"{path!r} has {os.path.getsize(path)} bytes; its header describes {offset}.")
@@ -160,8 +182,10 @@ def resolve_path(path: str | os.PathLike) -> tuple[str, list[str]]:
         if os.path.isfile(os.path.join(path, INDEX)):
             if os.path.isfile(os.path.join(path, SINGLE)):
                 # Readers disagree on which one a folder means (transformers takes the file).
-                raise ValueError(f"{path!r} holds both {SINGLE} and {INDEX}, two checkpoints: pass the one to "
-                                 "read (its path), or remove the stale one.")
+                raise ValueError(
+                    f"{path!r} holds both {SINGLE} and {INDEX}, two checkpoints: pass the one to "
+                    "read (its path), or remove the stale one."
+                )
             return resolve_path(os.path.join(path, INDEX))
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
         if SINGLE in files:
@@ -169,9 +193,14 @@ def resolve_path(path: str | os.PathLike) -> tuple[str, list[str]]:
         if len(files) == 1:
             return "file", [os.path.join(path, files[0])]
         raise FileNotFoundError(
-            f"{path!r} holds neither {INDEX} nor {SINGLE}" + (f" but {len(files)} .safetensors files ({', '.join(files)}); "
-                                                              "pass the one to read, or write an index" if files else "")
-            + ".")
+            f"{path!r} holds neither {INDEX} nor {SINGLE}"
+            + (
+                f" but {len(files)} .safetensors files ({', '.join(files)}); pass the one to read, or write an index"
+                if files
+                else ""
+            )
+            + "."
+        )
     if not os.path.exists(path):
         raise FileNotFoundError(f"weights file {path!r} does not exist.")
     if path.endswith(".json"):
@@ -220,13 +249,16 @@ class TensorFiles:
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not os.path.isfile(os.path.join(folder, f))]
         if missing:
-            raise FileNotFoundError(f"the index {index!r} names {len(missing)} file(s) that are not in {folder!r}: "
-                                    f"{', '.join(missing)}.")
+            raise FileNotFoundError(
+                f"the index {index!r} names {len(missing)} file(s) that are not in {folder!r}: {', '.join(missing)}."
+            )
         headers = {f: read_header(os.path.join(folder, f))[0] for f in files}
         absent = [f"{name} (in {file})" for name, file in weight_map.items() if name not in headers[file]]
         if absent:
-            raise ValueError(f"the index {index!r} lists {len(absent)} tensor(s) their files do not hold: "
-                             f"{', '.join(absent[:20])}" + (" ..." if len(absent) > 20 else "") + ".")
+            raise ValueError(
+                f"the index {index!r} lists {len(absent)} tensor(s) their files do not hold: "
+                f"{', '.join(absent[:20])}" + (" ..." if len(absent) > 20 else "") + "."
+            )
         self.tensors = {name: headers[file][name] for name, file in weight_map.items()}
 
     # Reading.
@@ -257,7 +289,7 @@ class TensorFiles:
         buf = memoryview(out.reshape(-1).view(np.uint8))
         isz, fd, nbytes = t.dtype.itemsize, self._fd(t.file), length * t.dtype.itemsize
         for j, s in enumerate(starts.tolist()):
-            _pread_into(fd, buf[j * nbytes:(j + 1) * nbytes], t.offset + s * isz, t.file)
+            _pread_into(fd, buf[j * nbytes : (j + 1) * nbytes], t.offset + s * isz, t.file)
         self.bytes_read += out.nbytes
         TensorFiles.process_bytes_read += out.nbytes
         return out
@@ -298,8 +330,9 @@ class TensorWriter:
         t = self.places[name]
         values = np.asarray(values, order="C")  # (ascontiguousarray makes 0-d arrays 1-d)
         if values.shape != boxes.box_shape(box) or values.dtype != t.dtype:
-            raise ValueError(f"writing tensor {name!r} ({t.dtype}): values {values.dtype}{list(values.shape)} "
-                             f"for box {box}.")
+            raise ValueError(
+                f"writing tensor {name!r} ({t.dtype}): values {values.dtype}{list(values.shape)} for box {box}."
+            )
         if t.file not in self._fds:
             self._fds[t.file] = os.open(t.file, os.O_WRONLY)
         fd = self._fds[t.file]
@@ -309,7 +342,7 @@ class TensorWriter:
         buf = memoryview(values.reshape(-1).view(np.uint8))
         isz, nbytes = t.dtype.itemsize, length * t.dtype.itemsize
         for j, s in enumerate(starts.tolist()):
-            chunk, off = buf[j * nbytes:(j + 1) * nbytes], t.offset + s * isz
+            chunk, off = buf[j * nbytes : (j + 1) * nbytes], t.offset + s * isz
             while len(chunk):
                 n = os.pwritev(fd, [chunk], off)
                 chunk, off = chunk[n:], off + n

@@ -48,8 +48,17 @@ def parse_size(size: int | str) -> int:
     if not m or isinstance(size, bool):
         raise ValueError(f"max_shard_size must be bytes (an int) or a size like '5GB' / '500MiB', got {size!r}.")
     unit = (m.group(2) or "B").upper()
-    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    scale = {
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }[unit]
     out = int(float(m.group(1)) * scale)
     if out <= 0:
         raise ValueError(f"max_shard_size must be positive, got {size!r}.")
@@ -88,8 +97,16 @@ class ExportFiles:
       configs: ``{file name: JSON object}`` written beside the weights (``"hf"``).
     """
 
-    def __init__(self, out: str, layout: str, tensors: dict[str, tuple], *, max_bytes: int, metadata: dict,
-                 configs: dict[str, dict] | None = None):
+    def __init__(
+        self,
+        out: str,
+        layout: str,
+        tensors: dict[str, tuple],
+        *,
+        max_bytes: int,
+        metadata: dict,
+        configs: dict[str, dict] | None = None,
+    ):
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
         self.layout, self.tensors, self.configs = layout, tensors, dict(configs or {})
@@ -98,8 +115,11 @@ class ExportFiles:
             self.groups, self.names = [sorted(tensors, key=natural)], [os.path.basename(out)]
         else:
             self.folder, self.groups = os.path.abspath(out), plan_files(tensors, max_bytes)
-            self.names = [SINGLE] if len(self.groups) == 1 else [
-                f"model-{k + 1:05d}-of-{len(self.groups):05d}.safetensors" for k in range(len(self.groups))]
+            self.names = (
+                [SINGLE]
+                if len(self.groups) == 1
+                else [f"model-{k + 1:05d}-of-{len(self.groups):05d}.safetensors" for k in range(len(self.groups))]
+            )
         self.partial = [os.path.join(self.folder, f".{n}.partial") for n in self.names]
         self.heads, self.places = [], {}
         for path, group in zip(self.partial, self.groups):
@@ -125,15 +145,20 @@ class ExportFiles:
             with open(path, "wb") as f:
                 f.write(b"zerojax export probe\n")
         except OSError as e:
-            raise type(e)(e.errno, f"cannot write in the export folder {self.folder!r} ({e.strerror}); export to a "
-                                   "folder this process may write") from None
+            raise type(e)(
+                e.errno,
+                f"cannot write in the export folder {self.folder!r} ({e.strerror}); export to a "
+                "folder this process may write",
+            ) from None
         return path
 
     def sees(self, rank: int) -> None:
         """Checks that this process sees process 0's probe: one filesystem for the job."""
         if rank and not os.path.exists(os.path.join(self.folder, PROBE.format(rank=0))):
-            raise FileNotFoundError(f"this process does not see the files process 0 writes in {self.folder!r}: "
-                                    "the export folder must be on a filesystem every process sees.")
+            raise FileNotFoundError(
+                f"this process does not see the files process 0 writes in {self.folder!r}: "
+                "the export folder must be on a filesystem every process sees."
+            )
 
     def unprobe(self, rank: int) -> None:
         try:
@@ -146,9 +171,14 @@ class ExportFiles:
         if self.layout == "file":
             out = os.path.join(self.folder, self.names[0])
             return [out] if os.path.lexists(out) else []
-        return sorted(os.path.join(self.folder, f) for f in os.listdir(self.folder)
-                      if f in (INDEX, SINGLE) or SHARD.match(f) or f.startswith(PROBE.format(rank=""))
-                      or (f.startswith(".model") and f.endswith(".safetensors.partial")))
+        return sorted(
+            os.path.join(self.folder, f)
+            for f in os.listdir(self.folder)
+            if f in (INDEX, SINGLE)
+            or SHARD.match(f)
+            or f.startswith(PROBE.format(rank=""))
+            or (f.startswith(".model") and f.endswith(".safetensors.partial"))
+        )
 
     def begin(self) -> None:
         """Process 0: removes the earlier export, then writes the headers (see the module docstring)."""
@@ -174,8 +204,10 @@ class ExportFiles:
             os.replace(path, os.path.join(self.folder, name))
         if self.layout == "hf" and len(self.names) > 1:
             total = sum(t.nbytes for t in self.places.values())
-            write_json(os.path.join(self.folder, INDEX), {"metadata": {"total_size": total},
-                                                          "weight_map": dict(sorted(self.weight_map.items()))})
+            write_json(
+                os.path.join(self.folder, INDEX),
+                {"metadata": {"total_size": total}, "weight_map": dict(sorted(self.weight_map.items()))},
+            )
 
     def cleanup(self) -> None:
         """Process 0, after a failure: removes the partial files."""

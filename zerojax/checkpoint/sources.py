@@ -76,8 +76,10 @@ class StateSource(Source):
         self.leaves = dict(zip(self.names, pairs))
         self.shapes = {n: tuple(l.shape) for n, (_, l) in self.leaves.items()}
         self.dtypes = {n: np.dtype(x.dtype) for n, (x, _) in self.leaves.items()}
-        self.stored = {n: ("float32" if plan.is_trainable(i) else np.dtype(self.leaves[n][1].dtype).name)
-                       for i, n in enumerate(self.names)}
+        self.stored = {
+            n: ("float32" if plan.is_trainable(i) else np.dtype(self.leaves[n][1].dtype).name)
+            for i, n in enumerate(self.names)
+        }
         step = state.step.addressable_data(0) if isinstance(state.step, jax.Array) else state.step
         self.metadata = {"step": int(np.asarray(step)), "source_stage": plan.stage, "source_devices": plan.shards}
         self.writes = True
@@ -98,8 +100,10 @@ class StateSource(Source):
         arrays = [self.leaves[n][0] for n in names]
         layouts = [self.leaves[n][1] for n in names]
         rep = self.state.plan.replicated
-        full = jax.jit(lambda xs: [l.from_storage(x).astype(np.float32) for l, x in zip(layouts, xs)],
-                       out_shardings=[rep] * len(arrays))(arrays)
+        full = jax.jit(
+            lambda xs: [l.from_storage(x).astype(np.float32) for l, x in zip(layouts, xs)],
+            out_shardings=[rep] * len(arrays),
+        )(arrays)
         return {n: np.asarray(x.addressable_data(0)) for n, x in zip(names, full)}
 
 
@@ -122,17 +126,24 @@ class CheckpointSource(Source):
         if step not in steps:
             raise FileNotFoundError(f"no checkpoint for step {step} in {where}; it has steps {steps}.")
         self.mngr, self.step = _manager(directory), step
-        meta = canonical.Meta.from_json(self.mngr.restore(step, args=ocp.args.Composite(
-            meta=ocp.args.JsonRestore()))["meta"])
+        meta = canonical.Meta.from_json(
+            self.mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        )
         self.meta = meta
         self.names = tensor_names(list(meta.paths))
         self.index = {n: i for i, n in enumerate(self.names)}
         self.frozen = {i: j for j, i in enumerate(i for i in range(len(self.names)) if not meta.is_trainable(i))}
         self.shapes = {n: tuple(meta.layout(i).shape) for i, n in enumerate(self.names)}
-        self.dtypes = {n: np.dtype(meta.frozen_layout(self.frozen[i]).dtype if i in self.frozen
-                                   else master_dtype(meta.layout(i).dtype)) for i, n in enumerate(self.names)}
-        self.stored = {n: (np.dtype(meta.frozen_layout(self.frozen[i]).dtype).name if i in self.frozen else "float32")
-                       for i, n in enumerate(self.names)}
+        self.dtypes = {
+            n: np.dtype(
+                meta.frozen_layout(self.frozen[i]).dtype if i in self.frozen else master_dtype(meta.layout(i).dtype)
+            )
+            for i, n in enumerate(self.names)
+        }
+        self.stored = {
+            n: (np.dtype(meta.frozen_layout(self.frozen[i]).dtype).name if i in self.frozen else "float32")
+            for i, n in enumerate(self.names)
+        }
         self.metadata = {"step": step, "source_stage": meta.stage, "source_devices": meta.n}
         self.writes = jax.process_index() == 0
 
@@ -142,11 +153,19 @@ class CheckpointSource(Source):
     def _restore(self, name: str) -> np.ndarray:
         """Parameter ``name`` whole: its fp32 master, or a frozen one as stored."""
         i, meta, key = self.index[name], self.meta, str(self.index[name])
-        group, layout = ("frozen", meta.frozen_layout(self.frozen[i])) if i in self.frozen else ("master",
-                                                                                                 meta.layout(i))
-        arrays = self.mngr.restore(self.step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item={group: {key: 0}}, restore_args={group: {key: ocp.RestoreArgs(restore_type=np.ndarray)}},
-            partial_restore=True)))["state"][group]
+        group, layout = (
+            ("frozen", meta.frozen_layout(self.frozen[i])) if i in self.frozen else ("master", meta.layout(i))
+        )
+        arrays = self.mngr.restore(
+            self.step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    item={group: {key: 0}},
+                    restore_args={group: {key: ocp.RestoreArgs(restore_type=np.ndarray)}},
+                    partial_restore=True,
+                )
+            ),
+        )["state"][group]
         return np.asarray(layout.from_storage(np.asarray(arrays[key])))
 
     def chunks(self, name, limit):

@@ -192,10 +192,10 @@ class Reshape(Expr):
             self.child.write(child_box, flat.reshape(boxes.box_shape(child_box)), io)
             return
         for j, s in enumerate(starts.tolist()):
-            part, pos = flat[j * length:(j + 1) * length], 0
+            part, pos = flat[j * length : (j + 1) * length], 0
             for cb in boxes.flat_boxes(self.child.shape, s, s + length):
                 n = boxes.box_size(cb)
-                self.child.write(cb, part[pos:pos + n].reshape(boxes.box_shape(cb)), io)
+                self.child.write(cb, part[pos : pos + n].reshape(boxes.box_shape(cb)), io)
                 pos += n
 
     def _single(self, box) -> bool:
@@ -207,8 +207,12 @@ class Reshape(Expr):
         if self._single(box):
             return self.child.boxes(self._plan(box)[0])
         starts, length = boxes.runs(self.shape, box)
-        return [tb for s in starts.tolist() for cb in boxes.flat_boxes(self.child.shape, s, s + length)
-                for tb in self.child.boxes(cb)]
+        return [
+            tb
+            for s in starts.tolist()
+            for cb in boxes.flat_boxes(self.child.shape, s, s + length)
+            for tb in self.child.boxes(cb)
+        ]
 
     def tensors(self):
         return self.child.tensors()
@@ -289,9 +293,9 @@ class Concat(Expr):
             lo, hi = max(a, pos), min(b, pos + n)
             if lo < hi:
                 if self.stack:
-                    cbox = box[:self.axis] + box[self.axis + 1:]
+                    cbox = box[: self.axis] + box[self.axis + 1 :]
                 else:
-                    cbox = box[:self.axis] + ((lo - pos, hi - pos),) + box[self.axis + 1:]
+                    cbox = box[: self.axis] + ((lo - pos, hi - pos),) + box[self.axis + 1 :]
                 yield c, cbox, slice(lo - a, hi - a)
             pos += n
 
@@ -340,7 +344,7 @@ class Part(Expr):
 
     def _child_box(self, box):
         a, b = box[self.axis]
-        return box[:self.axis] + ((a + self.start, b + self.start),) + box[self.axis + 1:]
+        return box[: self.axis] + ((a + self.start, b + self.start),) + box[self.axis + 1 :]
 
     def read(self, box, io):
         return self.child.read(self._child_box(box), io)
@@ -399,8 +403,9 @@ class Name(Spec):
         try:
             return self.template.format(**env)
         except (KeyError, IndexError) as e:
-            raise ValueError(f"tensor name {self.template!r} uses the field {e} that neither its stack() nor its "
-                             "key defines.") from None
+            raise ValueError(
+                f"tensor name {self.template!r} uses the field {e} that neither its stack() nor its key defines."
+            ) from None
 
     def build(self, target, env, shapes):
         shape, dtype = shapes(self.name(env))
@@ -430,7 +435,9 @@ def _spec(s) -> Spec:
         return s
     if isinstance(s, str):
         return Name(s)
-    raise TypeError(f"a map entry is a tensor name (str) or a spec (transpose, stack, ...), got {type(s).__name__} {s!r}.")
+    raise TypeError(
+        f"a map entry is a tensor name (str) or a spec (transpose, stack, ...), got {type(s).__name__} {s!r}."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -464,13 +471,14 @@ class _Stack(Spec):
 
     def build(self, target, env, shapes):
         n = target[self.axis]
-        inner = target[:self.axis] + target[self.axis + 1:]
-        return Concat(tuple(self.child.build(inner, {**env, self.var: i}, shapes) for i in range(n)), self.axis,
-                      stack=True)
+        inner = target[: self.axis] + target[self.axis + 1 :]
+        return Concat(
+            tuple(self.child.build(inner, {**env, self.var: i}, shapes) for i in range(n)), self.axis, stack=True
+        )
 
     def infer(self, target, env, out):
         for i in range(target[self.axis]):
-            self.child.infer(target[:self.axis] + target[self.axis + 1:], {**env, self.var: i}, out)
+            self.child.infer(target[: self.axis] + target[self.axis + 1 :], {**env, self.var: i}, out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -480,7 +488,7 @@ class _SplitDim(Spec):
 
     def _merged(self, target):
         a = self.axis
-        return target[:a] + (target[a] * target[a + 1],) + target[a + 2:]
+        return target[:a] + (target[a] * target[a + 1],) + target[a + 2 :]
 
     def build(self, target, env, shapes):
         return Reshape(self.child.build(self._merged(target), env, shapes), tuple(target))
@@ -499,7 +507,7 @@ class _MergeDims(Spec):
         a, n = self.axis, target[self.axis]
         if n % self.inner:
             raise ValueError(f"merge_dims: dimension {a} of size {n} does not split into rows of {self.inner}.")
-        return target[:a] + (n // self.inner, self.inner) + target[a + 1:]
+        return target[:a] + (n // self.inner, self.inner) + target[a + 1 :]
 
     def build(self, target, env, shapes):
         return Reshape(self.child.build(self._split(target), env, shapes), tuple(target))
@@ -516,17 +524,21 @@ class _Concat(Spec):
 
     def build(self, target, env, shapes):
         if self.sizes is not None:
-            parts = [c.build(target[:self.axis] + (s,) + target[self.axis + 1:], env, shapes)
-                     for c, s in zip(self.children, self.sizes)]
+            parts = [
+                c.build(target[: self.axis] + (s,) + target[self.axis + 1 :], env, shapes)
+                for c, s in zip(self.children, self.sizes)
+            ]
         else:
-            parts = [c.build(target[:self.axis] + (None,) + target[self.axis + 1:], env, shapes) for c in self.children]
+            parts = [
+                c.build(target[: self.axis] + (None,) + target[self.axis + 1 :], env, shapes) for c in self.children
+            ]
         return Concat(tuple(parts), self.axis)
 
     def infer(self, target, env, out):
         if self.sizes is None:
             raise ValueError("concat(...) needs sizes=... to export: the parts' extents along the axis.")
         for c, s in zip(self.children, self.sizes):
-            c.infer(target[:self.axis] + (s,) + target[self.axis + 1:], env, out)
+            c.infer(target[: self.axis] + (s,) + target[self.axis + 1 :], env, out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -536,12 +548,13 @@ class _Part(Spec):
     start: int
 
     def build(self, target, env, shapes):
-        child = self.child.build(target[:self.axis] + (None,) + target[self.axis + 1:], env, shapes)
+        child = self.child.build(target[: self.axis] + (None,) + target[self.axis + 1 :], env, shapes)
         return Part(child, self.axis, self.start, target[self.axis])
 
     def infer(self, target, env, out):
-        self.child.infer(target[:self.axis] + (("min", self.start + target[self.axis]),) + target[self.axis + 1:],
-                         env, out)
+        self.child.infer(
+            target[: self.axis] + (("min", self.start + target[self.axis]),) + target[self.axis + 1 :], env, out
+        )
 
 
 def transpose(spec, perm: Sequence[int] | None = None) -> Spec:
@@ -667,7 +680,8 @@ class Resolution:
         """The parameters ``optional`` accepts that the map does not name or the checkpoint
         lacks entirely: they are taken from elsewhere (an init function, given values)."""
         return [n for n in self.unmapped if optional(n)] + [
-            n for n in self.missing if optional(n) and not self.present.get(n)]
+            n for n in self.missing if optional(n) and not self.present.get(n)
+        ]
 
     def problems(self, optional: Callable[[str], bool] = lambda name: False) -> list[str]:
         out = []
@@ -677,13 +691,19 @@ class Resolution:
         missing = sorted({t for n, ts in self.missing.items() if not optional(n) for t in ts})
         if missing:
             params = [n for n in self.missing if not optional(n)]
-            out.append(f"missing from the checkpoint ({len(missing)}): {_short(missing)} (read by "
-                       f"{_short(params, 10)})")
-        partial = [f"{n} (has {_short(self.present[n], 3)}; lacks {_short(self.missing[n], 3)})"
-                   for n in self.missing if optional(n) and self.present.get(n)]
+            out.append(
+                f"missing from the checkpoint ({len(missing)}): {_short(missing)} (read by {_short(params, 10)})"
+            )
+        partial = [
+            f"{n} (has {_short(self.present[n], 3)}; lacks {_short(self.missing[n], 3)})"
+            for n in self.missing
+            if optional(n) and self.present.get(n)
+        ]
         if partial:
-            out.append(f"optional parameters partly in the checkpoint, neither loadable nor to initialise "
-                       f"({len(partial)}): {'; '.join(partial)}")
+            out.append(
+                f"optional parameters partly in the checkpoint, neither loadable nor to initialise "
+                f"({len(partial)}): {'; '.join(partial)}"
+            )
         if self.extra:
             out.append(f"in the checkpoint but read by no parameter ({len(self.extra)}): {_short(self.extra)}")
         if self.misshapen:
@@ -789,16 +809,23 @@ def cover(exprs: dict[str, Expr], tensors: dict[str, tuple[int, ...]]) -> list[D
                 dups.append(Duplicate(p, t, tuple(b), hits[0][0]))
             else:
                 wp, wb = hits[0]
-                errors.append(f"parameters {wp!r} and {p!r} both write elements {_fmt(boxes.intersect(b, wb))} of "
-                              f"tensor {t!r} {list(shape)}, where one reads only part of what the other writes: "
-                              "parts and concatenations must not overlap")
+                errors.append(
+                    f"parameters {wp!r} and {p!r} both write elements {_fmt(boxes.intersect(b, wb))} of "
+                    f"tensor {t!r} {list(shape)}, where one reads only part of what the other writes: "
+                    "parts and concatenations must not overlap"
+                )
         size = int(np.prod(shape, dtype=np.int64))
         if sum(boxes.box_size(b) for _, b in writers) != size:
             gap = _gap(tuple(shape), [b for _, b in writers])
-            where = f"elements {_fmt(gap)}" if gap is not None else \
-                f"{size - sum(boxes.box_size(b) for _, b in writers)} elements"
-            errors.append(f"{where} of tensor {t!r} {list(shape)} are written by no parameter: its parts "
-                          "(part / concat) leave a gap")
+            where = (
+                f"elements {_fmt(gap)}"
+                if gap is not None
+                else f"{size - sum(boxes.box_size(b) for _, b in writers)} elements"
+            )
+            errors.append(
+                f"{where} of tensor {t!r} {list(shape)} are written by no parameter: its parts "
+                "(part / concat) leave a gap"
+            )
     if errors:
         raise ValueError("; ".join(errors) + ".")
     return dups

@@ -83,15 +83,18 @@ class Weights:
         resolve_path(self.path)  # FileNotFoundError / TypeError for a path that is not there
         object.__setattr__(self, "path", os.fspath(self.path))
         if not isinstance(self.map, tm.WeightMap):
-            raise TypeError(f"Weights.map must be a zj.maps.WeightMap, got {type(self.map).__name__}; build one with "
-                            "zj.maps.WeightMap({parameter name: tensor name or spec}).")
+            raise TypeError(
+                f"Weights.map must be a zj.maps.WeightMap, got {type(self.map).__name__}; build one with "
+                "zj.maps.WeightMap({parameter name: tensor name or spec})."
+            )
         if not (isinstance(self.buffer_mib, (int, float)) and self.buffer_mib > 0):
             raise ValueError(f"Weights.buffer_mib must be a positive number of MiB, got {self.buffer_mib!r}.")
         optional = (self.optional,) if isinstance(self.optional, str) else tuple(self.optional)
         bad = [p for p in optional if not isinstance(p, str) or not p]
         if bad:
-            raise TypeError(f"Weights.optional is fnmatch patterns of parameter names (e.g. ('*.lora.*',)), got "
-                            f"{bad[0]!r}.")
+            raise TypeError(
+                f"Weights.optional is fnmatch patterns of parameter names (e.g. ('*.lora.*',)), got {bad[0]!r}."
+            )
         object.__setattr__(self, "optional", optional)
 
     def is_optional(self, name: str) -> bool:
@@ -112,29 +115,46 @@ def as_weights(source: Any) -> Weights:
         return source
     if isinstance(source, (str, os.PathLike)):
         return Weights(os.fspath(source))
-    raise TypeError(f"weights are a zj.Weights(path, map) or a path to a .safetensors file or folder, "
-                    f"got {type(source).__name__} {source!r}.")
+    raise TypeError(
+        f"weights are a zj.Weights(path, map) or a path to a .safetensors file or folder, "
+        f"got {type(source).__name__} {source!r}."
+    )
 
 
-def resolve(weights: Weights, files: TensorFiles, params: dict[str, tuple[int, ...]], *,
-            initial: bool = False, what: str = "the model") -> tuple[dict[str, tm.Expr], list[str]]:
+def resolve(
+    weights: Weights,
+    files: TensorFiles,
+    params: dict[str, tuple[int, ...]],
+    *,
+    initial: bool = False,
+    what: str = "the model",
+) -> tuple[dict[str, tm.Expr], list[str]]:
     """``(each parameter's expression, the absent optional parameters)``; one ``ValueError``
     listing every problem. ``initial``: whether absent parameters have values to take (an
     init function, concrete parameters); without, ``Weights.optional`` is refused."""
     if weights.optional and not initial:
-        raise ValueError(f"zj.Weights(optional={weights.optional!r}) takes parameters the checkpoint lacks from "
-                         "the init function or the values given, but the parameters given are abstract "
-                         "(jax.ShapeDtypeStruct): there is nothing to take them from. Pass an init function or "
-                         "concrete parameters, or drop optional= so that every parameter is read.")
+        raise ValueError(
+            f"zj.Weights(optional={weights.optional!r}) takes parameters the checkpoint lacks from "
+            "the init function or the values given, but the parameters given are abstract "
+            "(jax.ShapeDtypeStruct): there is nothing to take them from. Pass an init function or "
+            "concrete parameters, or drop optional= so that every parameter is read."
+        )
     res = tm.resolve(weights.map, params, {n: (t.shape, t.dtype) for n, t in files.tensors.items()})
     problems = res.problems(weights.is_optional)
     if problems:
-        hint = (" Parameters meant to start from their initial values (LoRA adapters, a new head) are named "
-                "with zj.Weights(path, map, optional=('*.lora.*', ...)), which takes them from the init "
-                "function or the values given." if res.unmapped or res.missing else "")
-        raise ValueError(f"{weights.path!r} does not match {what}: " + ". ".join(problems)
-                         + ". Pass the map written for this checkpoint (zj.Weights(path, map)), or add the "
-                           "names to WeightMap(ignore=...) for tensors no parameter reads." + hint)
+        hint = (
+            " Parameters meant to start from their initial values (LoRA adapters, a new head) are named "
+            "with zj.Weights(path, map, optional=('*.lora.*', ...)), which takes them from the init "
+            "function or the values given."
+            if res.unmapped or res.missing
+            else ""
+        )
+        raise ValueError(
+            f"{weights.path!r} does not match {what}: "
+            + ". ".join(problems)
+            + ". Pass the map written for this checkpoint (zj.Weights(path, map)), or add the "
+            "names to WeightMap(ignore=...) for tensors no parameter reads." + hint
+        )
     absent = res.absent(weights.is_optional)
     return res.exprs, absent
 
@@ -149,7 +169,7 @@ def storage_expr(expr: tm.Expr, layout: LeafLayout | None) -> tm.Expr:
     if layout.kind == "dim":
         size = layout.n * layout.chunk
         return tm.Pad(e, layout.dim, size) if size != g[layout.dim] else e
-    flat = g[:layout.lead] + (int(np.prod(g[layout.lead:], dtype=np.int64)),)
+    flat = g[: layout.lead] + (int(np.prod(g[layout.lead :], dtype=np.int64)),)
     e = tm.Reshape(e, flat) if flat != tuple(e.shape) else e
     size = layout.n * layout.chunk
     return tm.Pad(e, layout.lead, size) if size != flat[-1] else e
@@ -173,8 +193,9 @@ def read_box(name: str, expr: tm.Expr, box: boxes.Box, dtype: Any, files: Tensor
     return out
 
 
-def place(name: str, expr: tm.Expr, layout: LeafLayout | None, sharding, dtype: Any, files: TensorFiles,
-          limit: int) -> jax.Array:
+def place(
+    name: str, expr: tm.Expr, layout: LeafLayout | None, sharding, dtype: Any, files: TensorFiles, limit: int
+) -> jax.Array:
     """A ``jax.Array`` of ``expr`` in ``layout``'s storage placed with ``sharding``, each
     process reading only the shards its devices hold, one at a time."""
     expr = storage_expr(expr, layout)
@@ -206,8 +227,12 @@ def _release(nbytes: int, limit: int) -> None:
 
 
 def _cast(name: str, x: np.ndarray, dtype: Any) -> np.ndarray:
-    return cast(f"parameter {name!r} (read from the checkpoint)", x, dtype,
-                fix="store it in a wider dtype (ZeroConfig(frozen_dtype='param'), or float32 / bfloat16 parameters).")
+    return cast(
+        f"parameter {name!r} (read from the checkpoint)",
+        x,
+        dtype,
+        fix="store it in a wider dtype (ZeroConfig(frozen_dtype='param'), or float32 / bfloat16 parameters).",
+    )
 
 
 def check_ranges(items, files: TensorFiles, limit: int, alive: Callable[[], None] = lambda: None) -> None:

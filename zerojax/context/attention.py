@@ -61,16 +61,39 @@ CONTEXT_AXIS = "context"
 _FILL = -0.7 * float(np.finfo(np.float32).max)
 
 
-def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: float | None = None,
-                          is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
-                          local_window_size: int | tuple[int, int] | None = None, implementation: str | None = None,
-                          return_residual: bool = False, segment_ids=None, key_value_segment_ids=None,
-                          method: str = "auto", layout: str | None = None, axis: str = CONTEXT_AXIS, mesh: Any = None,
-                          block_size: int = 512, broadcast_dropout: bool = True, dropout_rng: Any = None,
-                          dropout_rate: float = 0.0, deterministic: bool = False, dtype: Any = None,
-                          precision: Any = None, module: Any = None, promote_dtype: Any = None,
-                          force_fp32_for_softmax: bool = False, qk_attn_weights_einsum: Any = None,
-                          attn_weights_value_einsum: Any = None) -> jax.Array:
+def dot_product_attention(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: str | None = None,
+    return_residual: bool = False,
+    segment_ids=None,
+    key_value_segment_ids=None,
+    method: str = "auto",
+    layout: str | None = None,
+    axis: str = CONTEXT_AXIS,
+    mesh: Any = None,
+    block_size: int = 512,
+    broadcast_dropout: bool = True,
+    dropout_rng: Any = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype: Any = None,
+    precision: Any = None,
+    module: Any = None,
+    promote_dtype: Any = None,
+    force_fp32_for_softmax: bool = False,
+    qk_attn_weights_einsum: Any = None,
+    attn_weights_value_einsum: Any = None,
+) -> jax.Array:
     """Scaled dot-product attention, ``[B, T, N, H]`` queries over ``[B, S, K, H]`` keys and
     values (``N`` a multiple of ``K``: grouped-query attention), as
     ``jax.nn.dot_product_attention``; on a mesh with a context axis, Ulysses or ring
@@ -135,9 +158,19 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
       >>> bool(jnp.allclose(out, jax.nn.dot_product_attention(q, q, q, is_causal=True)))
       True
     """
-    query, key, value, precision = _flax_arguments(query, key, value, dict(
-        dropout_rate=dropout_rate, deterministic=deterministic, dtype=dtype, precision=precision,
-        qk_attn_weights_einsum=qk_attn_weights_einsum, attn_weights_value_einsum=attn_weights_value_einsum))
+    query, key, value, precision = _flax_arguments(
+        query,
+        key,
+        value,
+        dict(
+            dropout_rate=dropout_rate,
+            deterministic=deterministic,
+            dtype=dtype,
+            precision=precision,
+            qk_attn_weights_einsum=qk_attn_weights_einsum,
+            attn_weights_value_einsum=attn_weights_value_einsum,
+        ),
+    )
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
     given = mesh
@@ -150,10 +183,22 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
         _check_xla(layout, local, axis)
     mask, query = _boolean_mask(mask, query)
     if c == 1 or method == "xla":
-        return _jax_attention(query, key, value, bias, mask, segment_ids, key_value_segment_ids, scale=scale,
-                              is_causal=is_causal, query_seq_lengths=query_seq_lengths,
-                              key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
-                              implementation=implementation, return_residual=return_residual)
+        return _jax_attention(
+            query,
+            key,
+            value,
+            bias,
+            mask,
+            segment_ids,
+            key_value_segment_ids,
+            scale=scale,
+            is_causal=is_causal,
+            query_seq_lengths=query_seq_lengths,
+            key_value_seq_lengths=key_value_seq_lengths,
+            local_window_size=local_window_size,
+            implementation=implementation,
+            return_residual=return_residual,
+        )
     _check_kernel_arguments(return_residual, implementation, method)
     q, k, v = _check_arrays(query, key, value)
     b, tl, n, h = q.shape
@@ -167,25 +212,53 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     method = _kernel(method, n, c, axis)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int (keys per chunk), got {block_size!r}.")
-    whole = (f" Inside a shard_map manual over {axis!r} the query, key and value are this device's chunks and a "
-             f"mask or bias is given whole (query and key dimensions 1 or the global {t} and {s}).") if local else ""
+    whole = (
+        (
+            f" Inside a shard_map manual over {axis!r} the query, key and value are this device's chunks and a "
+            f"mask or bias is given whole (query and key dimensions 1 or the global {t} and {s})."
+        )
+        if local
+        else ""
+    )
     mask = _rank4(mask, "mask", (b, n, t, s), whole)
     bias = _rank4(bias, "bias", (b, n, t, s), whole)
-    lengths = [jnp.full((b,), t if i == 0 else s, jnp.int32) if x is None else jnp.asarray(x, jnp.int32)
-               for i, x in enumerate((query_seq_lengths, key_value_seq_lengths))]
+    lengths = [
+        jnp.full((b,), t if i == 0 else s, jnp.int32) if x is None else jnp.asarray(x, jnp.int32)
+        for i, x in enumerate((query_seq_lengths, key_value_seq_lengths))
+    ]
     segments = _segment_ids(segment_ids, key_value_segment_ids, b, tl, sl, here)
-    window = None if local_window_size is None else (
-        (local_window_size, local_window_size) if isinstance(local_window_size, int) else tuple(local_window_size))
+    window = (
+        None
+        if local_window_size is None
+        else (
+            (local_window_size, local_window_size) if isinstance(local_window_size, int) else tuple(local_window_size)
+        )
+    )
     scale = 1.0 / math.sqrt(h) if scale is None else float(scale)
-    spec = _Spec(c=c, axis=axis, layout=layout, t=t, s=s, n=n, kh=kh, scale=scale, causal=bool(is_causal),
-                 window=window, zero_padded_rows=query_seq_lengths is not None, precision=precision, mesh=given,
-                 block=block_size, local=local)
+    spec = _Spec(
+        c=c,
+        axis=axis,
+        layout=layout,
+        t=t,
+        s=s,
+        n=n,
+        kh=kh,
+        scale=scale,
+        causal=bool(is_causal),
+        window=window,
+        zero_padded_rows=query_seq_lengths is not None,
+        precision=precision,
+        mesh=given,
+        block=block_size,
+        local=local,
+    )
     with jax.named_scope(f"{KERNEL_SCOPE}{layout}"):  # the layout it was traced with, in the program
         return (_ulysses if method == "ulysses" else _ring)(spec, q, k, v, mask, bias, lengths, segments)
 
 
-def chunked_attention(query, key, value, *, is_causal: bool = False, scale: float | None = None,
-                      block_size: int = 512) -> jax.Array:
+def chunked_attention(
+    query, key, value, *, is_causal: bool = False, scale: float | None = None, block_size: int = 512
+) -> jax.Array:
     """One device's attention as the context kernels compute it locally: keys a chunk of
     ``block_size`` at a time, merged with an online softmax in a rematerialised scan, so that
     neither forward nor backward holds more than one chunk's logits. ``[B, T, N, H]`` queries
@@ -204,9 +277,23 @@ def chunked_attention(query, key, value, *, is_causal: bool = False, scale: floa
     s, kh = k.shape[1], k.shape[2]
     if is_causal and t != s:
         raise ValueError(f"is_causal with query length {t} and key length {s}: causal attention needs one sequence.")
-    spec = _Spec(c=1, axis=None, layout="contiguous", t=t, s=s, n=n, kh=kh,
-                 scale=1.0 / math.sqrt(h) if scale is None else float(scale), causal=bool(is_causal), window=None,
-                 zero_padded_rows=False, precision=None, mesh=None, block=block_size, local=False)
+    spec = _Spec(
+        c=1,
+        axis=None,
+        layout="contiguous",
+        t=t,
+        s=s,
+        n=n,
+        kh=kh,
+        scale=1.0 / math.sqrt(h) if scale is None else float(scale),
+        causal=bool(is_causal),
+        window=None,
+        zero_padded_rows=False,
+        precision=None,
+        mesh=None,
+        block=block_size,
+        local=False,
+    )
     rows = _Side(jnp.arange(t), jnp.full((b,), t, jnp.int32))
     cols = _Side(jnp.arange(s), jnp.full((b,), s, jnp.int32))
     return _finish(spec, _attend(spec, q, rows, k, v, cols, None, None), rows, q.dtype)
@@ -219,11 +306,15 @@ def chunked_attention(query, key, value, *, is_causal: bool = False, scale: floa
 def _flax_arguments(query, key, value, kw: dict):
     for name in ("qk_attn_weights_einsum", "attn_weights_value_einsum"):
         if kw[name] is not None:
-            raise ValueError(f"{name} (a custom einsum of Flax's attention) is not supported by "
-                             "zj.nn.dot_product_attention; leave it unset.")
+            raise ValueError(
+                f"{name} (a custom einsum of Flax's attention) is not supported by "
+                "zj.nn.dot_product_attention; leave it unset."
+            )
     if kw.get("dropout_rate", 0.0) and not kw.get("deterministic", False):
-        raise ValueError(f"attention dropout (dropout_rate={kw['dropout_rate']}) is not supported by "
-                         "zj.nn.dot_product_attention; set MultiHeadAttention(dropout_rate=0.0) or deterministic=True.")
+        raise ValueError(
+            f"attention dropout (dropout_rate={kw['dropout_rate']}) is not supported by "
+            "zj.nn.dot_product_attention; set MultiHeadAttention(dropout_rate=0.0) or deterministic=True."
+        )
     dtype = kw.get("dtype")
     if dtype is not None:
         query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
@@ -237,33 +328,45 @@ def _manual_axes() -> frozenset[str]:
 
 def _check_xla(layout: str, local: bool, axis: str) -> None:
     if local:
-        raise ValueError(f"method='xla' is JAX's function on the arrays it is given; inside a shard_map manual over "
-                         f"{axis!r} they are this device's chunks, so it would attend within the chunk. Use "
-                         f"method='ring' or 'ulysses'.")
+        raise ValueError(
+            f"method='xla' is JAX's function on the arrays it is given; inside a shard_map manual over "
+            f"{axis!r} they are this device's chunks, so it would attend within the chunk. Use "
+            f"method='ring' or 'ulysses'."
+        )
     if layout != "contiguous":
-        raise ValueError(f"method='xla' is JAX's function, which reads masks, causality and lengths by index; in "
-                         f"the {layout!r} layout the indices are not the positions. Use method='ring' or "
-                         f"'ulysses', or the contiguous layout.")
+        raise ValueError(
+            f"method='xla' is JAX's function, which reads masks, causality and lengths by index; in "
+            f"the {layout!r} layout the indices are not the positions. Use method='ring' or "
+            f"'ulysses', or the contiguous layout."
+        )
 
 
 def _check_kernel_arguments(return_residual: bool, implementation, method: str) -> None:
     if return_residual:
-        raise ValueError("dot_product_attention(return_residual=True) is not available on a context mesh; call it "
-                         "with method='xla' for JAX's function.")
+        raise ValueError(
+            "dot_product_attention(return_residual=True) is not available on a context mesh; call it "
+            "with method='xla' for JAX's function."
+        )
     if implementation not in (None, "xla"):
-        raise ValueError(f"implementation={implementation!r} is JAX's kernel choice; on a context mesh zerojax's "
-                         f"kernels run (method={method!r}). Pass implementation=None.")
+        raise ValueError(
+            f"implementation={implementation!r} is JAX's kernel choice; on a context mesh zerojax's "
+            f"kernels run (method={method!r}). Pass implementation=None."
+        )
 
 
 def _check_arrays(query, key, value):
     q, k, v = (jnp.asarray(x) for x in (query, key, value))
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"on a context mesh query, key and value are [batch, seq, heads, head_dim]; got shapes "
-                         f"{q.shape}, {k.shape}, {v.shape}.")
+        raise ValueError(
+            f"on a context mesh query, key and value are [batch, seq, heads, head_dim]; got shapes "
+            f"{q.shape}, {k.shape}, {v.shape}."
+        )
     n, kh = q.shape[2], k.shape[2]
     if v.shape[:3] != k.shape[:3] or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or n % kh:
-        raise ValueError(f"query {q.shape}, key {k.shape} and value {v.shape} do not fit: key and value need "
-                         f"query's batch and head_dim, one another's length and heads, and heads dividing {n}.")
+        raise ValueError(
+            f"query {q.shape}, key {k.shape} and value {v.shape} do not fit: key and value need "
+            f"query's batch and head_dim, one another's length and heads, and heads dividing {n}."
+        )
     return q, k, v
 
 
@@ -272,8 +375,10 @@ def _kernel(method: str, n: int, c: int, axis: str) -> str:
     if method == "auto":
         return "ulysses" if n % c == 0 else "ring"
     if method == "ulysses" and n % c:
-        raise ValueError(f"Ulysses attention splits the {n} query heads over the {c} devices of {axis!r}, which do "
-                         f"not divide them. Use method='ring' (any head count), or a context size dividing {n}.")
+        raise ValueError(
+            f"Ulysses attention splits the {n} query heads over the {c} devices of {axis!r}, which do "
+            f"not divide them. Use method='ring' (any head count), or a context size dividing {n}."
+        )
     return method
 
 
@@ -292,16 +397,20 @@ def _boolean_mask(mask, query):
     if mask.dtype == jnp.bool_:
         return mask, query
     if not (jnp.issubdtype(mask.dtype, jnp.floating) or jnp.issubdtype(mask.dtype, jnp.integer)):
-        raise TypeError(f"mask must be boolean (True: attend) or Flax's 0/1 numbers, got {mask.dtype}; an additive "
-                        f"mask (0 where kept, -inf where masked) goes in bias=.")
+        raise TypeError(
+            f"mask must be boolean (True: attend) or Flax's 0/1 numbers, got {mask.dtype}; an additive "
+            f"mask (0 where kept, -inf where masked) goes in bias=."
+        )
     if not traced:
         values = np.asarray(mask)
         odd = np.unique(values[(values != 0) & (values != 1)])
         if odd.size:
             shown = ", ".join(str(x) for x in odd[:4]) + (", ..." if odd.size > 4 else "")
-            raise ValueError(f"mask holds values other than 0 and 1 ({shown}): a mask is boolean (True: attend), or "
-                             f"Flax's 0/1 numbers (nn.make_attention_mask, nn.make_causal_mask). An additive mask "
-                             f"(0 where kept, -inf where masked) goes in bias=.")
+            raise ValueError(
+                f"mask holds values other than 0 and 1 ({shown}): a mask is boolean (True: attend), or "
+                f"Flax's 0/1 numbers (nn.make_attention_mask, nn.make_causal_mask). An additive mask "
+                f"(0 where kept, -inf where masked) goes in bias=."
+            )
         return mask != 0, query
     odd = _as_rank4((mask != 0) & (mask != 1)).any(axis=-1)  # [B|1, N|1, T|1]: rows holding another value
     q = jnp.asarray(query)
@@ -319,13 +428,16 @@ def _rank4(x, name: str, full: tuple[int, ...], hint: str = ""):
         return None
     x = jnp.asarray(x)
     if x.ndim > 4:
-        raise ValueError(f"{name} has shape {x.shape}; it must broadcast to [batch, heads, q_len, kv_len] {full}."
-                         + hint)
+        raise ValueError(
+            f"{name} has shape {x.shape}; it must broadcast to [batch, heads, q_len, kv_len] {full}." + hint
+        )
     x = _as_rank4(x)
     for d, (a, f) in enumerate(zip(x.shape, full)):
         if a not in (1, f):
-            raise ValueError(f"{name} has shape {x.shape}, which does not broadcast to [batch, heads, q_len, kv_len] "
-                             f"{full} (dimension {d}).{hint}")
+            raise ValueError(
+                f"{name} has shape {x.shape}, which does not broadcast to [batch, heads, q_len, kv_len] "
+                f"{full} (dimension {d}).{hint}"
+            )
     return x
 
 
@@ -333,14 +445,18 @@ def _segment_ids(segment_ids, key_value_segment_ids, b: int, t: int, s: int, her
     """``(query ids, key ids)``, ``int32[B, T]`` and ``int32[B, S]``, or ``(None, None)``."""
     if segment_ids is None:
         if key_value_segment_ids is not None:
-            raise ValueError("key_value_segment_ids without segment_ids: pass the queries' segment_ids too (each "
-                             "query attends to the keys of its own segment).")
+            raise ValueError(
+                "key_value_segment_ids without segment_ids: pass the queries' segment_ids too (each "
+                "query attends to the keys of its own segment)."
+            )
         return None, None
     qseg = _ids(segment_ids, "segment_ids", (b, t), here)
     if key_value_segment_ids is None:
         if s != t:
-            raise ValueError(f"segment_ids {qseg.shape} are the queries'; the keys' length {s} is not theirs ({t}): "
-                             f"pass key_value_segment_ids, [batch, {s}].")
+            raise ValueError(
+                f"segment_ids {qseg.shape} are the queries'; the keys' length {s} is not theirs ({t}): "
+                f"pass key_value_segment_ids, [batch, {s}]."
+            )
         return qseg, qseg
     return qseg, _ids(key_value_segment_ids, "key_value_segment_ids", (b, s), here)
 
@@ -348,8 +464,9 @@ def _segment_ids(segment_ids, key_value_segment_ids, b: int, t: int, s: int, her
 def _ids(x, name: str, shape: tuple[int, int], here: str):
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"{name} must be integers (a segment id per token), got {x.dtype}; pass "
-                        f"{name}=ids.astype(jnp.int32).")
+        raise TypeError(
+            f"{name} must be integers (a segment id per token), got {x.dtype}; pass {name}=ids.astype(jnp.int32)."
+        )
     if x.shape != shape:
         raise ValueError(f"{name} has shape {x.shape}; it must be [batch, length] {shape}{here}.")
     return x.astype(jnp.int32)
@@ -360,8 +477,10 @@ def _jax_attention(query, key, value, bias, mask, segment_ids, key_value_segment
     if segment_ids is not None or key_value_segment_ids is not None:
         q, k = jnp.asarray(query), jnp.asarray(key)
         if q.ndim != 4 or k.ndim != 4:
-            raise ValueError(f"segment_ids need batched [batch, seq, heads, head_dim] queries and keys; got shapes "
-                             f"{q.shape} and {k.shape}.")
+            raise ValueError(
+                f"segment_ids need batched [batch, seq, heads, head_dim] queries and keys; got shapes "
+                f"{q.shape} and {k.shape}."
+            )
         qseg, kseg = _segment_ids(segment_ids, key_value_segment_ids, q.shape[0], q.shape[1], k.shape[1])
         same = qseg[:, None, :, None] == kseg[:, None, None, :]  # [B, 1, T, S]
         mask = same if mask is None else _as_rank4(mask) & same
@@ -421,8 +540,13 @@ def _logits(spec: _Spec, q, rows: _Side, k, cols: _Side, mask, bias, exists):
     b, t, n, h = q.shape
     kh = k.shape[2]
     qg = q.reshape(b, t, kh, n // kh, h)
-    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.promote_types(q.dtype, jnp.float32),
-                        precision=spec.precision)
+    logits = jnp.einsum(
+        "btkgh,bskh->bkgts",
+        qg,
+        k,
+        preferred_element_type=jnp.promote_types(q.dtype, jnp.float32),
+        precision=spec.precision,
+    )
     logits = logits * jnp.asarray(spec.scale, logits.dtype)
     if bias is not None:
         logits = (logits + _grouped(bias, kh)).astype(logits.dtype)
@@ -452,8 +576,9 @@ def _block(spec: _Spec, q, rows: _Side, k, v, cols: _Side, mask, bias, exists):
     logits, _, _ = _logits(spec, q, rows, k, cols, mask, bias, exists)
     m = jax.lax.stop_gradient(logits.max(axis=-1))
     p = jnp.exp(logits - _stabiliser(m)[..., None])
-    acc = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32,
-                     precision=spec.precision)
+    acc = jnp.einsum(
+        "bkgts,bskh->btkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=spec.precision
+    )
     return acc, m, p.sum(axis=-1)
 
 
@@ -490,7 +615,7 @@ def _rows(x, start: int, size: int):
     """Query rows ``[start, start + size)`` of a mask or bias (whole where it broadcasts)."""
     if x is None or x.shape[2] == 1:
         return x
-    return x[:, :, start:start + size]
+    return x[:, :, start : start + size]
 
 
 def _columns(x, start, size):
@@ -529,7 +654,7 @@ def _unchunk(x, s: int):
     if count * size == s:
         return x.reshape(b, s, *x.shape[3:])
     head = x[:, :-1].reshape(b, (count - 1) * size, *x.shape[3:])
-    return jnp.concatenate([head, x[:, -1, count * size - s:]], axis=1)
+    return jnp.concatenate([head, x[:, -1, count * size - s :]], axis=1)
 
 
 def _attend(spec: _Spec, q, rows: _Side, k, v, cols: _Side, mask, bias):
@@ -593,8 +718,14 @@ def _flash_bwd(spec, res, cotangents):
         return dq, (dk, dv)
 
     dq, (dk, dv) = jax.lax.scan(chunk, jnp.zeros_like(d_acc), jnp.arange(count))
-    return (dq.reshape(b, t, n, h).astype(q.dtype), _unchunk(dk, s).astype(k.dtype), _unchunk(dv, s).astype(v.dtype),
-            None, None, None)
+    return (
+        dq.reshape(b, t, n, h).astype(q.dtype),
+        _unchunk(dk, s).astype(k.dtype),
+        _unchunk(dv, s).astype(v.dtype),
+        None,
+        None,
+        None,
+    )
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -780,6 +911,7 @@ def _causal_update(spec: _Spec, q, rows: _Side, cols, mask, bias, i, out, k, v, 
     keys = cols(src)
     cut = lambda x, size: _columns(x, src * sc, size)  # a mask's or bias's first ``size`` columns of the chunk
     if spec.layout == "contiguous":
+
         def seen(k, v):
             return _attend(spec, q, rows, k, v, keys, cut(mask, sc), cut(bias, sc))
 
@@ -793,8 +925,16 @@ def _causal_update(spec: _Spec, q, rows: _Side, cols, mask, bias, i, out, k, v, 
             return _merge(part, _unseen(v[:, sh:], t, g))
 
         def late(k, v):
-            part = _attend(spec, q[:, th:], rows.part(th, t - th), k, v, keys, cut(_rows(mask, th, t - th), sc),
-                           cut(_rows(bias, th, t - th), sc))
+            part = _attend(
+                spec,
+                q[:, th:],
+                rows.part(th, t - th),
+                k,
+                v,
+                keys,
+                cut(_rows(mask, th, t - th), sc),
+                cut(_rows(bias, th, t - th), sc),
+            )
             return _stack_rows(_unseen(v, th, g), part)
 
         branches = [early, late]

@@ -51,8 +51,9 @@ def sequence_dims(config: Any, batch: Any) -> list[tuple[int, ...]]:
         table = dict(dims)
         unknown = sorted(set(table) - set(names))
         if unknown:
-            raise ValueError(f"ZeroConfig.context_dims names {unknown}, which are not batch leaves; the batch has "
-                             f"{sorted(names)}.")
+            raise ValueError(
+                f"ZeroConfig.context_dims names {unknown}, which are not batch leaves; the batch has {sorted(names)}."
+            )
         out = [_as_dims(table.get(n)) for n in names]
     elif dims is not None:
         out = [(dims,) if len(s) > dims else () for s in shapes]
@@ -62,8 +63,9 @@ def sequence_dims(config: Any, batch: Any) -> list[tuple[int, ...]]:
         out = [(1,) if len(s) >= 2 else () for s in shapes]
     for n, s, ds in zip(names, shapes, out):
         if any(d >= len(s) for d in ds):
-            raise ValueError(f"ZeroConfig.context_dims puts batch leaf {n}'s sequence on dimension(s) {ds}, but it "
-                             f"has shape {s}.")
+            raise ValueError(
+                f"ZeroConfig.context_dims puts batch leaf {n}'s sequence on dimension(s) {ds}, but it has shape {s}."
+            )
     return out
 
 
@@ -76,13 +78,17 @@ def _as_dims(d: Any) -> tuple[int, ...]:
 def _balanced_default(names: list[str], shapes: list[tuple]) -> list[tuple[int, ...]]:
     """Dimension 1 of every leaf with two or more, when that is unambiguous."""
     lengths = {s[1] for s in shapes if len(s) >= 2}
-    fix = ("say which leaves and dimensions are sequences: ZeroConfig(context_dims={leaf path: dim, (dims...) or "
-           "None}), e.g. {\"['tokens']\": 1, \"['mask']\": (1, 2), \"['label']\": None}")
+    fix = (
+        "say which leaves and dimensions are sequences: ZeroConfig(context_dims={leaf path: dim, (dims...) or "
+        "None}), e.g. {\"['tokens']\": 1, \"['mask']\": (1, 2), \"['label']\": None}"
+    )
     if len(lengths) > 1:
         seen = ", ".join(f"{n} {list(s)}" for n, s in zip(names, shapes) if len(s) >= 2)
-        raise ValueError(f"context_layout='balanced' permutes each sequence of the batch, but its leaves have "
-                         f"different lengths on dimension 1 ({seen}): the step does not guess which are sequences; "
-                         f"{fix}.")
+        raise ValueError(
+            f"context_layout='balanced' permutes each sequence of the batch, but its leaves have "
+            f"different lengths on dimension 1 ({seen}): the step does not guess which are sequences; "
+            f"{fix}."
+        )
     out = []
     for n, s in zip(names, shapes):
         if len(s) < 2:
@@ -90,9 +96,11 @@ def _balanced_default(names: list[str], shapes: list[tuple]) -> list[tuple[int, 
             continue
         again = [d for d in range(2, len(s)) if s[d] == s[1]]
         if again:
-            raise ValueError(f"context_layout='balanced': batch leaf {n} {list(s)} has the sequence length {s[1]} on "
-                             f"dimension(s) {[1] + again}; a [B, T, T] mask is a sequence on each, a [B, T, D] "
-                             f"feature with D = T on one only: {fix}.")
+            raise ValueError(
+                f"context_layout='balanced': batch leaf {n} {list(s)} has the sequence length {s[1]} on "
+                f"dimension(s) {[1] + again}; a [B, T, T] mask is a sequence on each, a [B, T, D] "
+                f"feature with D = T on one only: {fix}."
+            )
         out.append((1,))
     return out
 
@@ -103,8 +111,10 @@ def batch_shardings(plan: Any, batch: Any) -> list[NamedSharding]:
     (what an ahead-of-time compile gives its batch shapes)."""
     leaves = jax.tree.leaves(batch)
     dims = sequence_dims(plan.config, batch) if plan.context > 1 else [()] * len(leaves)
-    return [NamedSharding(plan.mesh, _spec(plan, x.ndim if hasattr(x, "ndim") else len(x.shape), d))
-            for x, d in zip(leaves, dims)]
+    return [
+        NamedSharding(plan.mesh, _spec(plan, x.ndim if hasattr(x, "ndim") else len(x.shape), d))
+        for x, d in zip(leaves, dims)
+    ]
 
 
 def _rows(plan: Any) -> Any:
@@ -137,8 +147,7 @@ def check_lengths(config: Any, batch: Any, c: int) -> None:
     leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
     for (path, x), dims in zip(leaves, sequence_dims(config, batch)):
         for d in dims:
-            layout.check(int(x.shape[d]), f"batch leaf {jax.tree_util.keystr(path)}'s sequence length "
-                                          f"(dimension {d})")
+            layout.check(int(x.shape[d]), f"batch leaf {jax.tree_util.keystr(path)}'s sequence length (dimension {d})")
 
 
 def constrain(plan: Any, batch: Any) -> Any:

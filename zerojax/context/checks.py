@@ -42,12 +42,15 @@ def check(plan: Any, closed: Any, args: tuple, batch_at: int) -> None:
     layout = layout_of(plan)
     for kind, eqn in kernel_layouts(closed):
         if kind != layout.kind:
-            how = ("make_train_step(..., with_layout=True) hands the loss the step's layout: pass it on as "
-                   "zj.nn.dot_product_attention(..., layout=layout) and zj.nn.global_positions(T, layout)")
+            how = (
+                "make_train_step(..., with_layout=True) hands the loss the step's layout: pass it on as "
+                "zj.nn.dot_product_attention(..., layout=layout) and zj.nn.global_positions(T, layout)"
+            )
             raise ValueError(
                 f"zj.nn.dot_product_attention at {jax_compat.where(eqn)} was traced for the {kind!r} layout, but "
                 f"this step lays its sequences out {layout.kind!r} (ZeroConfig.context_layout). {how}; a function "
-                f"jitted once and used by steps of two layouts must take the layout as a static argument.")
+                f"jitted once and used by steps of two layouts must take the layout as a static argument."
+            )
     if not layout.moves:
         return
     dims = []

@@ -78,15 +78,22 @@ class Layout:
         if seq_len % self.unit:
             unit = self.unit
             near = sorted({max(unit, seq_len // unit * unit), (seq_len // unit + 1) * unit})
-            why = (f"{self.c} context devices" if self.kind == "contiguous"
-                   else f"2 x {self.c} chunks (the balanced layout gives each of the {self.c} context devices two)")
+            why = (
+                f"{self.c} context devices"
+                if self.kind == "contiguous"
+                else f"2 x {self.c} chunks (the balanced layout gives each of the {self.c} context devices two)"
+            )
             hint = ""
             if in_loss and self.moves:
-                hint = (" A loss that slices the batch's sequence (tokens[:, :-1] and tokens[:, 1:]) cannot run in "
-                        "the balanced layout, whose sequence is permuted: give the shifted targets in the batch "
-                        "(inputs and targets leaves of the same length).")
-            raise ValueError(f"{what} {seq_len} does not split into {why}: use a multiple of {unit} "
-                             f"(e.g. {' or '.join(map(str, near))}), or pad the sequence to one.{hint}")
+                hint = (
+                    " A loss that slices the batch's sequence (tokens[:, :-1] and tokens[:, 1:]) cannot run in "
+                    "the balanced layout, whose sequence is permuted: give the shifted targets in the batch "
+                    "(inputs and targets leaves of the same length)."
+                )
+            raise ValueError(
+                f"{what} {seq_len} does not split into {why}: use a multiple of {unit} "
+                f"(e.g. {' or '.join(map(str, near))}), or pad the sequence to one.{hint}"
+            )
 
     def order(self, seq_len: int) -> np.ndarray:
         """The permutation that lays a sequence out: ``x[:, order]`` split into ``c``
@@ -121,7 +128,7 @@ class Layout:
             return x
         n, c = x.shape[dim], self.c
         self.check(n, f"sequence length (dimension {dim})")
-        chunks = x.reshape(x.shape[:dim] + (2 * c, n // (2 * c)) + x.shape[dim + 1:])
+        chunks = x.reshape(x.shape[:dim] + (2 * c, n // (2 * c)) + x.shape[dim + 1 :])
         early = jax.lax.slice_in_dim(chunks, 0, c, axis=dim)
         late = jnp.flip(jax.lax.slice_in_dim(chunks, c, 2 * c, axis=dim), axis=dim)
         return jnp.stack([early, late], axis=dim + 1).reshape(x.shape)
@@ -140,8 +147,10 @@ def resolve(layout: Layout | str | None, c: int) -> Layout:
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be a zj.context.Layout, 'contiguous', 'balanced' or None, got {layout!r}.")
     if layout.c != c and layout.moves:
-        raise ValueError(f"{layout} is laid out over {layout.c} context devices, but the mesh's context axis has "
-                         f"{c}; pass the layout the step hands the loss.")
+        raise ValueError(
+            f"{layout} is laid out over {layout.c} context devices, but the mesh's context axis has "
+            f"{c}; pass the layout the step hands the loss."
+        )
     return Layout(layout.kind, c)
 
 
@@ -160,4 +169,3 @@ def global_positions(seq_len: int, layout: Layout | str | None = None, axis: str
 
     c = context_size(jax.sharding.get_abstract_mesh(), axis)
     return resolve(layout, c).positions(seq_len)
-

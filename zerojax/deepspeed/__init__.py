@@ -39,6 +39,13 @@ from zerojax.deepspeed.mapping import DEFAULT_GRAD_CLIP, Translation, from_deeps
 from zerojax.deepspeed.optimizer import optax_code
 from zerojax.deepspeed.reasons import REASONS
 
-__all__ = ["DEFAULT_GRAD_CLIP", "HF_DEFAULTS", "HF_NAMES", "REASONS", "Translation", "from_deepspeed", "optax_code",
-           "translate"]
-
+__all__ = [
+    "DEFAULT_GRAD_CLIP",
+    "HF_DEFAULTS",
+    "HF_NAMES",
+    "REASONS",
+    "Translation",
+    "from_deepspeed",
+    "optax_code",
+    "translate",
+]

@@ -19,9 +19,17 @@ from zerojax.deepspeed.reasons import REASONS
 
 # TrainingArguments' defaults, for the fields the Trainer writes into "auto" values.
 HF_DEFAULTS: dict[str, Any] = {
-    "learning_rate": 5e-5, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8, "weight_decay": 0.0,
-    "max_grad_norm": 1.0, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "warmup_steps": 0,
-    "fp16": False, "bf16": False,
+    "learning_rate": 5e-5,
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.999,
+    "adam_epsilon": 1e-8,
+    "weight_decay": 0.0,
+    "max_grad_norm": 1.0,
+    "per_device_train_batch_size": 8,
+    "gradient_accumulation_steps": 1,
+    "warmup_steps": 0,
+    "fp16": False,
+    "bf16": False,
 }
 # Names without a default the Trainer knows: world_size (devices), hidden_size (the model
 # config's), max_steps (num_training_steps when > 0), warmup_ratio (of num_training_steps).
@@ -43,8 +51,10 @@ _HF_FIELD = {
 # Keys the Trainer derives from the model's hidden_size (trainer_config_finalize).
 _HIDDEN = {
     "zero_optimization.reduce_bucket_size": ("hidden_size * hidden_size", lambda h: h * h),
-    "zero_optimization.stage3_prefetch_bucket_size": ("int(0.9 * hidden_size * hidden_size)",
-                                                      lambda h: int(0.9 * h * h)),
+    "zero_optimization.stage3_prefetch_bucket_size": (
+        "int(0.9 * hidden_size * hidden_size)",
+        lambda h: int(0.9 * h * h),
+    ),
     "zero_optimization.stage3_param_persistence_threshold": ("10 * hidden_size", lambda h: 10 * h),
 }
 _TOTAL_STEPS = "scheduler.params.total_num_steps"
@@ -122,8 +132,10 @@ class _Trainer:
         if path in _HIDDEN:
             formula, fn = _HIDDEN[path]
             if "hidden_size" not in self.given:
-                raise _NoValue("the HF Trainer derives it from the model config's hidden_size: give "
-                               "auto={'hidden_size': H} or the value")
+                raise _NoValue(
+                    "the HF Trainer derives it from the model config's hidden_size: give "
+                    "auto={'hidden_size': H} or the value"
+                )
             return fn(self.given["hidden_size"]), f"HF Trainer: {formula} (hidden_size = {self.given['hidden_size']!r})"
         if path == "train_batch_size":
             return self._train_batch_size()
@@ -142,20 +154,26 @@ class _Trainer:
 
     def _train_batch_size(self) -> tuple[Any, str]:
         if "world_size" not in self.given:
-            raise _NoValue("the HF Trainer computes world_size x per_device_train_batch_size x "
-                           "gradient_accumulation_steps: give auto={'world_size': N} or the value")
+            raise _NoValue(
+                "the HF Trainer computes world_size x per_device_train_batch_size x "
+                "gradient_accumulation_steps: give auto={'world_size': N} or the value"
+            )
         micro, _ = self._explicit("train_micro_batch_size_per_gpu", "per_device_train_batch_size")
         accum, _ = self._explicit("gradient_accumulation_steps", "gradient_accumulation_steps")
         world = self.given["world_size"]
-        return world * micro * accum, (f"HF Trainer: world_size x per_device_train_batch_size x "
-                                       f"gradient_accumulation_steps = {world!r} x {micro!r} x {accum!r}")
+        return world * micro * accum, (
+            f"HF Trainer: world_size x per_device_train_batch_size x "
+            f"gradient_accumulation_steps = {world!r} x {micro!r} x {accum!r}"
+        )
 
     def _total_steps(self) -> tuple[Any, str]:
         if _positive(self.given.get("max_steps")):
             return self.given["max_steps"], "given (TrainingArguments.max_steps)"
-        raise _NoValue("the HF Trainer computes it from the dataset size, epochs and batch size "
-                       "(num_training_steps): give auto={'scheduler.params.total_num_steps': N} or "
-                       "auto={'max_steps': N}")
+        raise _NoValue(
+            "the HF Trainer computes it from the dataset size, epochs and batch size "
+            "(num_training_steps): give auto={'scheduler.params.total_num_steps': N} or "
+            "auto={'max_steps': N}"
+        )
 
     def _warmup_steps(self) -> tuple[Any, str]:
         # TrainingArguments.get_warmup_steps: warmup_steps if > 0, else ceil(warmup_ratio x num_training_steps)
@@ -171,8 +189,10 @@ class _Trainer:
             try:
                 total, _ = self._total_steps()
             except _NoValue:
-                raise _NoValue(f"the HF Trainer computes ceil(warmup_ratio {ratio!r} x num_training_steps): give "
-                               "auto={'scheduler.params.total_num_steps': N} or auto={'max_steps': N} too") from None
+                raise _NoValue(
+                    f"the HF Trainer computes ceil(warmup_ratio {ratio!r} x num_training_steps): give "
+                    "auto={'scheduler.params.total_num_steps': N} or auto={'max_steps': N} too"
+                ) from None
         return math.ceil(ratio * total), f"HF Trainer: ceil(warmup_ratio {ratio!r} x total_num_steps {total!r})"
 
 
@@ -180,16 +200,18 @@ def _positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
-def _resolve_auto(ds: dict, auto: Mapping[str, Any] | None,
-                  notes: list[str]) -> tuple[dict, tuple[tuple[str, Any, str], ...]]:
+def _resolve_auto(
+    ds: dict, auto: Mapping[str, Any] | None, notes: list[str]
+) -> tuple[dict, tuple[tuple[str, Any, str], ...]]:
     """``ds`` with its "auto" values filled in, and what was filled (key, value, source).
     Every "auto" key zerojax reads that has no value, every ``auto`` entry that applies to
     nothing and every mismatch the Trainer would refuse are named in one ``ValueError``."""
     if auto is None:
         auto = {}
     if not isinstance(auto, Mapping):
-        raise TypeError(f"auto takes a dict of values by key, e.g. {{'optimizer.params.lr': 3e-4}}, "
-                        f"got {type(auto).__name__}.")
+        raise TypeError(
+            f"auto takes a dict of values by key, e.g. {{'optimizer.params.lr': 3e-4}}, got {type(auto).__name__}."
+        )
     paths = _auto_paths(ds)
     given_paths = {k: v for k, v in auto.items() if k in paths}
     given_args = {k: v for k, v in auto.items() if k not in paths and k in HF_NAMES}
@@ -212,18 +234,24 @@ def _resolve_auto(ds: dict, auto: Mapping[str, Any] | None,
         raise ValueError(_auto_error(missing, problems))
     for how in dict.fromkeys(how for _, how in unresolved):
         keys = [path for path, h in unresolved if h == how]
-        notes.append(f'{", ".join(keys)} {"is" if len(keys) == 1 else "are"} "auto" and left so, as zerojax does not '
-                     f"use {'it' if len(keys) == 1 else 'them'}: {how}")
+        notes.append(
+            f'{", ".join(keys)} {"is" if len(keys) == 1 else "are"} "auto" and left so, as zerojax does not '
+            f"use {'it' if len(keys) == 1 else 'them'}: {how}"
+        )
     return out, tuple(resolved)
 
 
 def _misplaced(ds: Mapping, key: str, paths: list[str]) -> str:
     value = _get(ds, key)
     if value is not _MISSING:
-        return (f"{key}: the config sets it to {value!r}, not \"auto\"; auto fills \"auto\" values only (edit the "
-                "config to change it)")
-    return (f"{key}: neither an \"auto\" key of this config ({', '.join(paths) or 'it has none'}) nor a "
-            f"TrainingArguments field the HF Trainer maps ({', '.join(sorted(HF_NAMES))})")
+        return (
+            f'{key}: the config sets it to {value!r}, not "auto"; auto fills "auto" values only (edit the '
+            "config to change it)"
+        )
+    return (
+        f'{key}: neither an "auto" key of this config ({", ".join(paths) or "it has none"}) nor a '
+        f"TrainingArguments field the HF Trainer maps ({', '.join(sorted(HF_NAMES))})"
+    )
 
 
 def _mismatches(ds: Mapping, given: Mapping[str, Any]) -> list[str]:
@@ -231,9 +259,16 @@ def _mismatches(ds: Mapping, given: Mapping[str, Any]) -> list[str]:
     them ("DeepSpeed config values that mismatch TrainingArguments values")."""
     pairs = [(path, name, given[name]) for path, name in _HF_FIELD.items() if name in given]
     if "adam_beta1" in given or "adam_beta2" in given:
-        pairs.append(("optimizer.params.betas", "adam_beta1+adam_beta2",
-                      [given.get("adam_beta1", HF_DEFAULTS["adam_beta1"]),
-                       given.get("adam_beta2", HF_DEFAULTS["adam_beta2"])]))
+        pairs.append(
+            (
+                "optimizer.params.betas",
+                "adam_beta1+adam_beta2",
+                [
+                    given.get("adam_beta1", HF_DEFAULTS["adam_beta1"]),
+                    given.get("adam_beta2", HF_DEFAULTS["adam_beta2"]),
+                ],
+            )
+        )
     if _positive(given.get("max_steps")):  # max_steps <= 0 (the default -1): the Trainer counts the epochs
         pairs.append((_TOTAL_STEPS, "max_steps", given["max_steps"]))
     if _positive(given.get("warmup_steps")) and given["warmup_steps"] >= 1:  # below 1 it is a ratio
@@ -242,20 +277,26 @@ def _mismatches(ds: Mapping, given: Mapping[str, Any]) -> list[str]:
     for path, name, value in pairs:
         current = _get(ds, path)
         if current is not _MISSING and current != "auto" and current != value:
-            found.append(f"{path}: the config sets {current!r}, the given {name} is {value!r}; the HF Trainer "
-                         f"refuses the mismatch too (set the key to \"auto\" or give the same value)")
+            found.append(
+                f"{path}: the config sets {current!r}, the given {name} is {value!r}; the HF Trainer "
+                f'refuses the mismatch too (set the key to "auto" or give the same value)'
+            )
     return found
 
 
 def _auto_error(missing: Mapping[str, str], problems: list[str]) -> str:
     parts = []
     if missing:
-        parts.append(f'DeepSpeed config: {len(missing)} "auto" value(s) have no default; give each one:\n'
-                     + "\n".join(f"  {k}: {how}" for k, how in missing.items()))
+        parts.append(
+            f'DeepSpeed config: {len(missing)} "auto" value(s) have no default; give each one:\n'
+            + "\n".join(f"  {k}: {how}" for k, how in missing.items())
+        )
         example = ", ".join(f"{k!r}: ..." for k in missing)
         cli = " ".join(f"--set {k}=..." for k in missing)
-        parts.append(f"In Python: translate(config, auto={{{example}}}); on the command line: "
-                     f"zerojax from-deepspeed CONFIG {cli}")
+        parts.append(
+            f"In Python: translate(config, auto={{{example}}}); on the command line: "
+            f"zerojax from-deepspeed CONFIG {cli}"
+        )
     if problems:
         parts.append(f"{len(problems)} given value(s) do not apply:\n" + "\n".join(f"  {p}" for p in problems))
     return "\n".join(parts)

@@ -21,13 +21,37 @@ from zerojax.deepspeed.values import _flag, _number, _section
 
 DEFAULT_GRAD_CLIP = 1.0  # DeepSpeed's GRADIENT_CLIPPING_DEFAULT since PR #8068 (0.0 before)
 
-_COMM_DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
-                "bf16": "bfloat16", "bfp16": "bfloat16", "bfloat16": "bfloat16"}
+_COMM_DTYPES = {
+    "fp32": "float32",
+    "float32": "float32",
+    "fp16": "float16",
+    "float16": "float16",
+    "bf16": "bfloat16",
+    "bfp16": "bfloat16",
+    "bfloat16": "bfloat16",
+}
 
-_FP16_MAPPED = ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-                "consecutive_hysteresis", "min_loss_scale")
-_ZERO_MAPPED = ("stage", "offload_optimizer", "offload_param", "sub_group_size", "cpu_offload", "cpu_offload_param",
-                "zero_quantized_weights", "zero_quantized_gradients", "mics_shard_size", "zero_hpz_partition_size")
+_FP16_MAPPED = (
+    "enabled",
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "min_loss_scale",
+)
+_ZERO_MAPPED = (
+    "stage",
+    "offload_optimizer",
+    "offload_param",
+    "sub_group_size",
+    "cpu_offload",
+    "cpu_offload_param",
+    "zero_quantized_weights",
+    "zero_quantized_gradients",
+    "mics_shard_size",
+    "zero_hpz_partition_size",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +119,10 @@ class Translation:
         except ValueError as e:
             if self.shard_size is None:
                 raise
-            raise ValueError(f"the DeepSpeed config shards over groups of {self.shard_size} devices "
-                             f"(mics_shard_size / zero_hpz_partition_size): {e}") from None
+            raise ValueError(
+                f"the DeepSpeed config shards over groups of {self.shard_size} devices "
+                f"(mics_shard_size / zero_hpz_partition_size): {e}"
+            ) from None
 
     def code(self) -> str:
         """``zj.ZeroConfig(...)`` with the fields that differ from zerojax's defaults."""
@@ -117,8 +143,11 @@ class Translation:
         if lines:
             text += f"{len(lines)} DeepSpeed key(s) not mapped to ZeroConfig:\n" + "\n".join(lines)
         if self.resolved:
-            text += (("\n" if text else "") + f'{len(self.resolved)} "auto" value(s) filled in:\n'
-                     + "\n".join(f"  {k} = {v!r}: {source}" for k, v, source in self.resolved))
+            text += (
+                ("\n" if text else "")
+                + f'{len(self.resolved)} "auto" value(s) filled in:\n'
+                + "\n".join(f"  {k} = {v!r}: {source}" for k, v, source in self.resolved)
+            )
         if self.notes:
             text += ("\n" if text else "") + "Notes:\n" + "\n".join(f"  {n}" for n in self.notes)
         return text
@@ -128,12 +157,15 @@ def _load(source: Any) -> dict:
     if isinstance(source, Mapping):
         return dict(source)
     if isinstance(source, (str, os.PathLike)):
+
         def no_duplicates(pairs):
             keys = [k for k, _ in pairs]
             dup = sorted({k for k in keys if keys.count(k) > 1})
             if dup:
-                raise ValueError(f"DeepSpeed config {os.fspath(source)!r} repeats the key(s) {dup}; DeepSpeed refuses "
-                                 "duplicate keys too. Keep one of each.")
+                raise ValueError(
+                    f"DeepSpeed config {os.fspath(source)!r} repeats the key(s) {dup}; DeepSpeed refuses "
+                    "duplicate keys too. Keep one of each."
+                )
             return dict(pairs)
 
         try:
@@ -146,7 +178,7 @@ def _load(source: Any) -> dict:
 
 def _offload_device(section: Any, key: str, notes: list[str]) -> bool:
     if not isinstance(section, Mapping):
-        raise ValueError(f"DeepSpeed key {key!r} must be an object like {{\"device\": \"cpu\"}}, got {section!r}.")
+        raise ValueError(f'DeepSpeed key {key!r} must be an object like {{"device": "cpu"}}, got {section!r}.')
     device = section.get("device", "none")
     if device not in ("cpu", "nvme", "none", None):
         raise ValueError(f"DeepSpeed key '{key}.device' must be 'cpu', 'nvme' or 'none', got {device!r}.")
@@ -209,11 +241,16 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
         raise ValueError(f"DeepSpeed key 'zero_optimization.stage' must be 0, 1, 2 or 3, got {stage!r}.")
     kw["stage"] = int(stage)
     offload_opt = False
-    for legacy, current in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param"),
-                            ("stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save")):
+    for legacy, current in (
+        ("cpu_offload", "offload_optimizer"),
+        ("cpu_offload_param", "offload_param"),
+        ("stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save"),
+    ):
         if legacy in zero and (current in zero or current.replace("stage3_", "") in zero):
-            raise ValueError(f"DeepSpeed config sets both 'zero_optimization.{legacy}' (the legacy name) and "
-                             f"'zero_optimization.{current}'; DeepSpeed refuses both together. Keep {current!r}.")
+            raise ValueError(
+                f"DeepSpeed config sets both 'zero_optimization.{legacy}' (the legacy name) and "
+                f"'zero_optimization.{current}'; DeepSpeed refuses both together. Keep {current!r}."
+            )
     if "offload_optimizer" in zero:
         offload_opt = _offload_device(zero["offload_optimizer"], "zero_optimization.offload_optimizer", notes)
     if "cpu_offload" in zero:  # DeepSpeed's legacy key for offload_optimizer {"device": "cpu"}
@@ -224,36 +261,49 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
     if "cpu_offload_param" in zero:  # DeepSpeed's legacy key for offload_param {"device": "cpu"}
         offload_par = _flag(zero["cpu_offload_param"], "zero_optimization.cpu_offload_param")
     if offload_opt and stage == 0:
-        raise ValueError("DeepSpeed key 'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3, "
-                         "but the stage is 0.")
+        raise ValueError(
+            "DeepSpeed key 'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3, but the stage is 0."
+        )
     if offload_par and stage != 3:
-        raise ValueError(f"DeepSpeed key 'zero_optimization.offload_param' needs ZeRO stage 3, but the stage is "
-                         f"{stage}.")
+        raise ValueError(
+            f"DeepSpeed key 'zero_optimization.offload_param' needs ZeRO stage 3, but the stage is {stage}."
+        )
     if offload_opt:
         kw["offload_optimizer"] = True
     if offload_par:
         kw["offload_params"] = True
-    if "zero_quantized_weights" in zero and _flag(zero["zero_quantized_weights"],
-                                                  "zero_optimization.zero_quantized_weights"):
+    if "zero_quantized_weights" in zero and _flag(
+        zero["zero_quantized_weights"], "zero_optimization.zero_quantized_weights"
+    ):
         if stage != 3:
-            raise ValueError(f"DeepSpeed key 'zero_optimization.zero_quantized_weights' quantizes ZeRO-3's weight "
-                             f"gathers, but the stage is {stage}.")
+            raise ValueError(
+                f"DeepSpeed key 'zero_optimization.zero_quantized_weights' quantizes ZeRO-3's weight "
+                f"gathers, but the stage is {stage}."
+            )
         kw["gather_dtype"] = "int8"
-    if "zero_quantized_gradients" in zero and _flag(zero["zero_quantized_gradients"],
-                                                    "zero_optimization.zero_quantized_gradients") and stage != 3:
+    if (
+        "zero_quantized_gradients" in zero
+        and _flag(zero["zero_quantized_gradients"], "zero_optimization.zero_quantized_gradients")
+        and stage != 3
+    ):
         unmapped["zero_optimization.zero_quantized_gradients"] = (
             f"DeepSpeed quantizes gradients at ZeRO stage 3 only and ignores it at stage {stage}, so gradients stay "
-            f"as they are; zerojax's reduce_dtype='int8' works at stages 1-3 if you want it")
-    elif "zero_quantized_gradients" in zero and _flag(zero["zero_quantized_gradients"],
-                                                      "zero_optimization.zero_quantized_gradients"):
+            f"as they are; zerojax's reduce_dtype='int8' works at stages 1-3 if you want it"
+        )
+    elif "zero_quantized_gradients" in zero and _flag(
+        zero["zero_quantized_gradients"], "zero_optimization.zero_quantized_gradients"
+    ):
         if "communication_data_type" in ds and ds["communication_data_type"] is not None:
-            notes.append(f"zero_quantized_gradients moves gradients as int8 (reduce_dtype='int8'); "
-                         f"communication_data_type={ds['communication_data_type']!r} does not apply to them.")
+            notes.append(
+                f"zero_quantized_gradients moves gradients as int8 (reduce_dtype='int8'); "
+                f"communication_data_type={ds['communication_data_type']!r} does not apply to them."
+            )
         kw["reduce_dtype"] = "int8"
     shard_size = _shard_size(zero, notes, kw["stage"], unmapped)
     if "sub_group_size" in zero:
-        kw["offload_group_size"] = _number(zero["sub_group_size"], "zero_optimization.sub_group_size",
-                                           integer=True, minimum=1)
+        kw["offload_group_size"] = _number(
+            zero["sub_group_size"], "zero_optimization.sub_group_size", integer=True, minimum=1
+        )
     for key, value in zero.items():
         if key in _ZERO_MAPPED:
             if key in ("offload_optimizer", "offload_param") and isinstance(value, Mapping):
@@ -280,10 +330,11 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
         if scale:
             kw["loss_scale"] = float(scale)
         for key, field, integer, minimum, strict in (
-                ("initial_scale_power", "initial_scale_power", True, 0, False),
-                ("loss_scale_window", "loss_scale_window", True, 0, True),
-                ("hysteresis", "hysteresis", True, 1, False),
-                ("min_loss_scale", "min_loss_scale", False, 0, True)):
+            ("initial_scale_power", "initial_scale_power", True, 0, False),
+            ("loss_scale_window", "loss_scale_window", True, 0, True),
+            ("hysteresis", "hysteresis", True, 1, False),
+            ("min_loss_scale", "min_loss_scale", False, 0, True),
+        ):
             if key in fp16:
                 kw[field] = _number(fp16[key], f"fp16.{key}", integer=integer, minimum=minimum, strict=strict)
         if "min_loss_scale" in kw:
@@ -297,8 +348,9 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
             if key == "enabled" or (name == "fp16" and on and key in _FP16_MAPPED):
                 continue
             path = f"{name}.{key}"
-            unmapped[path] = (REASONS.get(path, "no equivalent") if on else
-                              f"{name} is not enabled (DeepSpeed ignores it too)")
+            unmapped[path] = (
+                REASONS.get(path, "no equivalent") if on else f"{name} is not enabled (DeepSpeed ignores it too)"
+            )
 
     # Gradients.
     if "gradient_clipping" in ds:
@@ -307,34 +359,44 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
             kw["grad_clip"] = float(clip)
     else:
         kw["grad_clip"] = DEFAULT_GRAD_CLIP
-        notes.append("gradient_clipping is absent: DeepSpeed's default is 1.0 since PR #8068 (2026-06-23), 0.0 (off) "
-                     "before; zerojax follows the current default, grad_clip=1.0. Set gradient_clipping to say which.")
+        notes.append(
+            "gradient_clipping is absent: DeepSpeed's default is 1.0 since PR #8068 (2026-06-23), 0.0 (off) "
+            "before; zerojax follows the current default, grad_clip=1.0. Set gradient_clipping to say which."
+        )
     if "gradient_accumulation_steps" in ds:
-        kw["grad_accum_steps"] = _number(ds["gradient_accumulation_steps"], "gradient_accumulation_steps",
-                                         integer=True, minimum=1)
+        kw["grad_accum_steps"] = _number(
+            ds["gradient_accumulation_steps"], "gradient_accumulation_steps", integer=True, minimum=1
+        )
     if "communication_data_type" in ds and ds["communication_data_type"] is not None:
         name = ds["communication_data_type"]
         if name not in _COMM_DTYPES:
-            raise ValueError(f"DeepSpeed key 'communication_data_type' must be one of {sorted(_COMM_DTYPES)}, "
-                             f"got {name!r}.")
+            raise ValueError(
+                f"DeepSpeed key 'communication_data_type' must be one of {sorted(_COMM_DTYPES)}, got {name!r}."
+            )
         if kw.get("reduce_dtype") != "int8":  # zero_quantized_gradients wins (noted above)
             kw["reduce_dtype"] = _COMM_DTYPES[name]
     elif "compute_dtype" in kw and kw.get("reduce_dtype") != "int8":
-        notes.append(f"communication_data_type is absent: DeepSpeed then reduces gradients in the compute dtype "
-                     f"({kw['compute_dtype']}); zerojax keeps reduce_dtype='float32' (exact sums, twice the bytes "
-                     f"of a {kw['compute_dtype']} reduction). Set communication_data_type to "
-                     f"'{'bf16' if kw['compute_dtype'] == 'bfloat16' else 'fp16'}' to reduce as DeepSpeed does.")
+        notes.append(
+            f"communication_data_type is absent: DeepSpeed then reduces gradients in the compute dtype "
+            f"({kw['compute_dtype']}); zerojax keeps reduce_dtype='float32' (exact sums, twice the bytes "
+            f"of a {kw['compute_dtype']} reduction). Set communication_data_type to "
+            f"'{'bf16' if kw['compute_dtype'] == 'bfloat16' else 'fp16'}' to reduce as DeepSpeed does."
+        )
     batch = [ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu")]
     if all(isinstance(b, int) and not isinstance(b, bool) for b in batch):
         accum = kw.get("grad_accum_steps", 1)
         if "gradient_accumulation_steps" not in ds and batch[0] > batch[1]:
-            notes.append(f"gradient_accumulation_steps is absent: DeepSpeed derives it from train_batch_size "
-                         f"{batch[0]} / (train_micro_batch_size_per_gpu {batch[1]} x devices); zerojax keeps "
-                         "grad_accum_steps=1 (the same gradients from one larger micro-batch; set it to bound "
-                         "activation memory).")
+            notes.append(
+                f"gradient_accumulation_steps is absent: DeepSpeed derives it from train_batch_size "
+                f"{batch[0]} / (train_micro_batch_size_per_gpu {batch[1]} x devices); zerojax keeps "
+                "grad_accum_steps=1 (the same gradients from one larger micro-batch; set it to bound "
+                "activation memory)."
+            )
         if batch[0] % (batch[1] * accum):
-            raise ValueError(f"DeepSpeed config: train_batch_size {batch[0]} is not train_micro_batch_size_per_gpu "
-                             f"{batch[1]} x gradient_accumulation_steps {accum} x a number of devices.")
+            raise ValueError(
+                f"DeepSpeed config: train_batch_size {batch[0]} is not train_micro_batch_size_per_gpu "
+                f"{batch[1]} x gradient_accumulation_steps {accum} x a number of devices."
+            )
 
     # Activations.
     ac = ds.get("activation_checkpointing")
@@ -342,8 +404,10 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
         if not isinstance(ac, Mapping):
             raise ValueError(f"DeepSpeed key 'activation_checkpointing' must be an object, got {ac!r}.")
         kw["remat"] = "full"
-        notes.append("activation_checkpointing is mapped to remat='full': every layer of a scanned stack is "
-                     "recomputed in backward (DeepSpeed recomputes what the model wraps in its checkpoint call).")
+        notes.append(
+            "activation_checkpointing is mapped to remat='full': every layer of a scanned stack is "
+            "recomputed in backward (DeepSpeed recomputes what the model wraps in its checkpoint call)."
+        )
         for key in ac:
             path = f"activation_checkpointing.{key}"
             unmapped[path] = REASONS.get(path, "no equivalent")
@@ -354,18 +418,31 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
         sp = _number(ds["sequence_parallel_size"], "sequence_parallel_size", integer=True, minimum=1)
         if sp > 1:
             context = sp
-            notes.append(f"sequence_parallel_size={sp} is the context axis: build the mesh with "
-                         f"zj.make_mesh(context={sp}) (each sequence split over {sp} devices, ZeRO over data x "
-                         f"context as DeepSpeed-Ulysses shards over the data and sequence groups together); the model's "
-                         f"attention runs Ulysses with zj.nn.dot_product_attention (method='ulysses').")
+            notes.append(
+                f"sequence_parallel_size={sp} is the context axis: build the mesh with "
+                f"zj.make_mesh(context={sp}) (each sequence split over {sp} devices, ZeRO over data x "
+                f"context as DeepSpeed-Ulysses shards over the data and sequence groups together); the model's "
+                f"attention runs Ulysses with zj.nn.dot_product_attention (method='ulysses')."
+            )
 
     # AutoEP: {"expert_parallel": {"enabled": true, "autoep_size": E, "expert_tensor_parallel_size": 1}}.
     expert = _expert_parallel(ds.get("expert_parallel"), notes, unmapped)
 
     # Everything else at the top level.
-    handled = {"zero_optimization", "fp16", "bf16", "bfloat16", "gradient_clipping", "gradient_accumulation_steps",
-               "communication_data_type", "activation_checkpointing", "optimizer", "scheduler",
-               "sequence_parallel_size", "expert_parallel"}
+    handled = {
+        "zero_optimization",
+        "fp16",
+        "bf16",
+        "bfloat16",
+        "gradient_clipping",
+        "gradient_accumulation_steps",
+        "communication_data_type",
+        "activation_checkpointing",
+        "optimizer",
+        "scheduler",
+        "sequence_parallel_size",
+        "expert_parallel",
+    }
     for key in ds:
         if key not in handled:
             unmapped[key] = REASONS.get(key, "unknown to this mapping (not a DeepSpeed key zerojax knows)")
@@ -378,8 +455,9 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
             unmapped["optimizer"] = why
     sched = _Schedule()
     if "scheduler" in ds:
-        sched = _scheduler(ds["scheduler"], _optimizer_lr(ds.get("optimizer")),
-                           None if opt is None else opt.has_betas, notes)
+        sched = _scheduler(
+            ds["scheduler"], _optimizer_lr(ds.get("optimizer")), None if opt is None else opt.has_betas, notes
+        )
         if sched.why:
             unmapped["scheduler"] = sched.why
     tx = None if opt is None else opt.expr(sched.lr, sched.momentum)
@@ -387,9 +465,18 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
         config = ZeroConfig(**kw)
     except (TypeError, ValueError) as e:
         raise ValueError(f"the DeepSpeed config maps to an invalid ZeroConfig: {e}") from None
-    return Translation(config, unmapped, tuple(notes), None if tx is None else tx.code(), shard_size, resolved,
-                       None if tx is None else tx.build(), None if sched.lr is None else sched.lr.code(), context,
-                       expert)
+    return Translation(
+        config,
+        unmapped,
+        tuple(notes),
+        None if tx is None else tx.code(),
+        shard_size,
+        resolved,
+        None if tx is None else tx.build(),
+        None if sched.lr is None else sched.lr.code(),
+        context,
+        expert,
+    )
 
 
 def _expert_parallel(ep: Any, notes: list[str], unmapped: dict[str, str]) -> int | None:
@@ -402,20 +489,25 @@ def _expert_parallel(ep: Any, notes: list[str], unmapped: dict[str, str]) -> int
     if not ep.get("enabled", False):
         return None
     size = _number(ep.get("autoep_size", 1), "expert_parallel.autoep_size", integer=True, minimum=1)
-    etp = _number(ep.get("expert_tensor_parallel_size", 1), "expert_parallel.expert_tensor_parallel_size",
-                  integer=True, minimum=1)
+    etp = _number(
+        ep.get("expert_tensor_parallel_size", 1), "expert_parallel.expert_tensor_parallel_size", integer=True, minimum=1
+    )
     if etp != 1:
-        raise ValueError(f"DeepSpeed key 'expert_parallel.expert_tensor_parallel_size' = {etp}: an expert split over "
-                         f"a tensor axis too is not supported by zerojax yet. Use 1.")
+        raise ValueError(
+            f"DeepSpeed key 'expert_parallel.expert_tensor_parallel_size' = {etp}: an expert split over "
+            f"a tensor axis too is not supported by zerojax yet. Use 1."
+        )
     for key in ep:
         if key not in ("enabled", "autoep_size", "expert_tensor_parallel_size"):
             unmapped[f"expert_parallel.{key}"] = "no equivalent (zj.nn.routed_experts takes its own arguments)"
     if size == 1:
         return None
-    notes.append(f"expert_parallel.autoep_size={size} is the expert axis: build the mesh with zj.make_mesh(expert={size}) "
-                 f"(the routed experts split over {size} devices, the batch over data x expert) and annotate the "
-                 f"experts' stacked weights with the expert axis (docs/moe.md); DeepSpeed finds the MoE layers itself, "
-                 f"zerojax reads the model's annotations.")
+    notes.append(
+        f"expert_parallel.autoep_size={size} is the expert axis: build the mesh with zj.make_mesh(expert={size}) "
+        f"(the routed experts split over {size} devices, the batch over data x expert) and annotate the "
+        f"experts' stacked weights with the expert axis (docs/moe.md); DeepSpeed finds the MoE layers itself, "
+        f"zerojax reads the model's annotations."
+    )
     return size
 
 
@@ -424,16 +516,21 @@ def _shard_size(zero: Mapping, notes: list[str], stage: int, unmapped: dict[str,
     Both are ZeRO-3 features in DeepSpeed, which ignores them at stages 0-2: so does this
     mapping, and says so."""
     mics = _number(zero.get("mics_shard_size", -1), "zero_optimization.mics_shard_size", integer=True)
-    hpz = _number(zero.get("zero_hpz_partition_size", 1), "zero_optimization.zero_hpz_partition_size",
-                  integer=True, minimum=1)
+    hpz = _number(
+        zero.get("zero_hpz_partition_size", 1), "zero_optimization.zero_hpz_partition_size", integer=True, minimum=1
+    )
     if mics == 0 or mics < -1:
-        raise ValueError(f"DeepSpeed key 'zero_optimization.mics_shard_size' must be -1 (off) or a positive number "
-                         f"of devices, got {mics}.")
+        raise ValueError(
+            f"DeepSpeed key 'zero_optimization.mics_shard_size' must be -1 (off) or a positive number "
+            f"of devices, got {mics}."
+        )
     mics = mics if mics > 0 else None
     hpz = hpz if hpz > 1 else None
     if mics and hpz and mics != hpz:
-        raise ValueError(f"DeepSpeed keys 'zero_optimization.mics_shard_size' ({mics}) and 'zero_hpz_partition_size' "
-                         f"({hpz}) ask for different shard groups; keep one.")
+        raise ValueError(
+            f"DeepSpeed keys 'zero_optimization.mics_shard_size' ({mics}) and 'zero_hpz_partition_size' "
+            f"({hpz}) ask for different shard groups; keep one."
+        )
     size = mics or hpz
     if size is None:
         return None
@@ -442,19 +539,24 @@ def _shard_size(zero: Mapping, notes: list[str], stage: int, unmapped: dict[str,
             if value:
                 unmapped[f"zero_optimization.{key}"] = (
                     f"DeepSpeed applies it at ZeRO stage 3 only and ignores it at stage {stage}; so does zerojax "
-                    f"(the state is sharded over every device). Use stage 3 for {value}-device groups")
+                    f"(the state is sharded over every device). Use stage 3 for {value}-device groups"
+                )
         return None
     mesh = f"zj.make_mesh(group_size={size})"
     divides = f"{size} must divide the device count (DeepSpeed refuses other sizes; so does make_mesh)"
     if hpz and not mics:
-        notes.append(f"zero_hpz_partition_size={hpz} is mapped to hybrid sharding over groups of {hpz} devices: "
-                     f"build the mesh with {mesh}. hpZ keeps only a secondary copy of the weights per group and "
-                     f"shards the optimizer state over every device; zerojax's groups hold the whole state "
-                     f"(12Ψ/{hpz} per device for Adam instead of 12Ψ/N) and no gather or reduce-scatter leaves a "
-                     f"group; {divides}.")
+        notes.append(
+            f"zero_hpz_partition_size={hpz} is mapped to hybrid sharding over groups of {hpz} devices: "
+            f"build the mesh with {mesh}. hpZ keeps only a secondary copy of the weights per group and "
+            f"shards the optimizer state over every device; zerojax's groups hold the whole state "
+            f"(12Ψ/{hpz} per device for Adam instead of 12Ψ/N) and no gather or reduce-scatter leaves a "
+            f"group; {divides}."
+        )
     else:
-        notes.append(f"mics_shard_size={mics}: hybrid sharding over groups of {mics} devices, replicated across "
-                     f"groups. It is the mesh's: build it with {mesh}; {divides}.")
+        notes.append(
+            f"mics_shard_size={mics}: hybrid sharding over groups of {mics} devices, replicated across "
+            f"groups. It is the mesh's: build it with {mesh}; {divides}."
+        )
     return size
 
 
@@ -494,8 +596,12 @@ def _deprecated_from_deepspeed(cls, source, **kwargs):
     """
     import warnings
 
-    warnings.warn("ZeroConfig.from_deepspeed(...) is deprecated and will be removed in zerojax 0.3; call "
-                  "zj.from_deepspeed(...) (the same arguments and result).", DeprecationWarning, stacklevel=2)
+    warnings.warn(
+        "ZeroConfig.from_deepspeed(...) is deprecated and will be removed in zerojax 0.3; call "
+        "zj.from_deepspeed(...) (the same arguments and result).",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     return from_deepspeed(source, **kwargs)
 
 

@@ -11,11 +11,26 @@ from zerojax.deepspeed.expr import _call, _Expr
 from zerojax.deepspeed.values import _number
 
 # DeepSpeed's own optimizer names (runtime/config.py DEEPSPEED_OPTIMIZERS, compared lower-cased).
-_DS_OPTIMIZERS = frozenset({"adam", "adamw", "lamb", "lion", "adagrad", "onebitadam", "onebitlamb", "zerooneadam",
-                            "muadam", "muadamw", "musgd", "muon"})
+_DS_OPTIMIZERS = frozenset(
+    {
+        "adam",
+        "adamw",
+        "lamb",
+        "lion",
+        "adagrad",
+        "onebitadam",
+        "onebitlamb",
+        "zerooneadam",
+        "muadam",
+        "muadamw",
+        "musgd",
+        "muon",
+    }
+)
 # torch.optim classes DeepSpeed builds by their exact names when the type is none of its own.
-_TORCH_OPTIMIZERS = frozenset({"SGD", "Adadelta", "Adamax", "ASGD", "LBFGS", "NAdam", "RAdam", "RMSprop", "Rprop",
-                               "SparseAdam"})
+_TORCH_OPTIMIZERS = frozenset(
+    {"SGD", "Adadelta", "Adamax", "ASGD", "LBFGS", "NAdam", "RAdam", "RMSprop", "Rprop", "SparseAdam"}
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +58,11 @@ class _Optimizer:
         if self.family == "sgd":
             sgd = _call("optax.sgd", learning_rate=lr, momentum=self.momentum, nesterov=self.nesterov)
             return _call("optax.chain", _call("optax.add_decayed_weights", self.wd), sgd) if self.wd else sgd
-        kw: dict[str, Any] = {"learning_rate": lr, "b1": self.b1, "b2": self.b2} if b1 is None else {
-            "learning_rate": lr, "b1": b1, "b2": 0.99}
+        kw: dict[str, Any] = (
+            {"learning_rate": lr, "b1": self.b1, "b2": self.b2}
+            if b1 is None
+            else {"learning_rate": lr, "b1": b1, "b2": 0.99}
+        )
         if self.family != "lion":
             kw["eps"] = self.eps
         if self.family != "adam":
@@ -65,9 +83,12 @@ def _parse_optimizer(section: Any) -> tuple[_Optimizer | None, str | None]:
         return None, "the optimizer section needs a 'type'"
     name, p = section["type"], dict(section.get("params", {}))
     kind = str(name).lower()
-    known = {"adam": {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "amsgrad"},
-             "lamb": {"lr", "betas", "eps", "weight_decay", "max_coeff", "min_coeff"},
-             "lion": {"lr", "betas", "weight_decay"}, "sgd": {"lr", "momentum", "nesterov", "weight_decay"}}
+    known = {
+        "adam": {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "amsgrad"},
+        "lamb": {"lr", "betas", "eps", "weight_decay", "max_coeff", "min_coeff"},
+        "lion": {"lr", "betas", "weight_decay"},
+        "sgd": {"lr", "momentum", "nesterov", "weight_decay"},
+    }
     # DeepSpeed reads its own optimizers' names in any case, and otherwise a torch.optim
     # class by its exact name ("SGD"); it refuses anything else ("sgd", "FusedAdam", "CPUAdam").
     if kind in _DS_OPTIMIZERS:
@@ -78,14 +99,19 @@ def _parse_optimizer(section: Any) -> tuple[_Optimizer | None, str | None]:
         raise ValueError(
             f"DeepSpeed key 'optimizer.type' is {name!r}, which DeepSpeed refuses: it takes its own optimizers "
             f"({', '.join(sorted(_DS_OPTIMIZERS))}, in any case) or a torch.optim class by its exact name (e.g. "
-            f"'SGD'). FusedAdam and CPUAdam are what 'Adam' runs as (with or without offload): write 'Adam'.")
+            f"'SGD'). FusedAdam and CPUAdam are what 'Adam' runs as (with or without offload): write 'Adam'."
+        )
     if family not in known:
-        return None, (f"optimizer type {name!r} has no optax equivalent written here: build the optax "
-                      "transformation yourself (any works)")
+        return None, (
+            f"optimizer type {name!r} has no optax equivalent written here: build the optax "
+            "transformation yourself (any works)"
+        )
     for key, value in p.items():
         if value == "auto":
-            raise ValueError(f"DeepSpeed key 'optimizer.params.{key}' is 'auto', a placeholder the Hugging Face "
-                             "Trainer fills in; give its value (translate(..., auto={...}) fills it).")
+            raise ValueError(
+                f"DeepSpeed key 'optimizer.params.{key}' is 'auto', a placeholder the Hugging Face "
+                "Trainer fills in; give its value (translate(..., auto={...}) fills it)."
+            )
     betas = p.get("betas", (0.9, 0.999))  # DeepSpeed's default for Adam, Lamb and Lion alike
     if not (isinstance(betas, (list, tuple)) and len(betas) == 2):
         raise ValueError(f"DeepSpeed key 'optimizer.params.betas' must be two numbers, got {betas!r}.")
@@ -100,18 +126,25 @@ def _parse_optimizer(section: Any) -> tuple[_Optimizer | None, str | None]:
         decoupled = kind != "adam" or p.get("adam_w_mode", True)  # DeepSpeed's Adam is AdamW by default
         family = "adamw" if decoupled else "adam"
     elif family == "lamb":
-        bounds = (_number(p.get("min_coeff", 0.01), "optimizer.params.min_coeff", minimum=0),
-                  _number(p.get("max_coeff", 10.0), "optimizer.params.max_coeff", minimum=0))
-        notes.append(f"DeepSpeed's Lamb (FusedLamb) clips each layer's trust ratio to [min_coeff, max_coeff] = "
-                     f"[{bounds[0]!r}, {bounds[1]!r}]; optax.lamb does not clip it, so layers whose ratio falls "
-                     f"outside step differently: check it")
+        bounds = (
+            _number(p.get("min_coeff", 0.01), "optimizer.params.min_coeff", minimum=0),
+            _number(p.get("max_coeff", 10.0), "optimizer.params.max_coeff", minimum=0),
+        )
+        notes.append(
+            f"DeepSpeed's Lamb (FusedLamb) clips each layer's trust ratio to [min_coeff, max_coeff] = "
+            f"[{bounds[0]!r}, {bounds[1]!r}]; optax.lamb does not clip it, so layers whose ratio falls "
+            f"outside step differently: check it"
+        )
     elif family == "sgd":
         momentum = _number(p.get("momentum", 0.0), "optimizer.params.momentum", minimum=0) or None
         nesterov = bool(p.get("nesterov", False))
     left = sorted(set(p) - known["sgd" if family == "sgd" else family.replace("adamw", "adam")])
     if left:
-        notes.insert(0, f"params {left} have no counterpart in the printed optax optimizer (e.g. bias_correction, "
-                        "torch_adam): check it")
+        notes.insert(
+            0,
+            f"params {left} have no counterpart in the printed optax optimizer (e.g. bias_correction, "
+            "torch_adam): check it",
+        )
     return _Optimizer(family, lr, b1, b2, eps, wd, momentum, nesterov), "; ".join(notes) or None
 
 

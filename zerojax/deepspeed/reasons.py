@@ -4,19 +4,29 @@ reasons :class:`~zerojax.deepspeed.Translation` lists with its unmapped keys."""
 from __future__ import annotations
 
 _XLA = "no equivalent: XLA schedules and fuses the collectives"
-_LOADER = "the data loader's job: train_step takes the global batch (micro-batch x accumulation x devices) and splits it"
+_LOADER = (
+    "the data loader's job: train_step takes the global batch (micro-batch x accumulation x devices) and splits it"
+)
 _LOGGING = "logging: the train step returns its metrics (experiments/train.py --log writes them)"
 
 # Reasons for keys that are understood but not mapped (paths as "section.key").
 REASONS: dict[str, str] = {
     "train_batch_size": _LOADER,
     "train_micro_batch_size_per_gpu": _LOADER,
-    "steps_per_print": _LOGGING, "wall_clock_breakdown": _LOGGING, "dump_state": _LOGGING,
-    "memory_breakdown": _LOGGING, "tensorboard": _LOGGING, "wandb": _LOGGING, "csv_monitor": _LOGGING,
-    "comet": _LOGGING, "comms_logger": _LOGGING, "flops_profiler": _LOGGING, "timers": _LOGGING,
+    "steps_per_print": _LOGGING,
+    "wall_clock_breakdown": _LOGGING,
+    "dump_state": _LOGGING,
+    "memory_breakdown": _LOGGING,
+    "tensorboard": _LOGGING,
+    "wandb": _LOGGING,
+    "csv_monitor": _LOGGING,
+    "comet": _LOGGING,
+    "comms_logger": _LOGGING,
+    "flops_profiler": _LOGGING,
+    "timers": _LOGGING,
     "prescale_gradients": "zerojax averages gradients in fp32 after the reduction (a float16 reduction divides first)",
     "gradient_predivide_factor": "zerojax averages gradients in fp32 after the reduction (a float16 reduction "
-                                 "divides first)",
+    "divides first)",
     "sparse_gradients": "no equivalent: gradients are dense",
     "amp": "no equivalent: set compute_dtype",
     "zero_allow_untested_optimizer": "any optax transformation works at every stage",
@@ -38,20 +48,20 @@ REASONS: dict[str, str] = {
     "zero_optimization.use_multi_rank_bucket_allreduce": _XLA,
     "zero_optimization.stage3_prefetch_bucket_size": "zerojax prefetches whole layers: ZeroConfig(prefetch=1)",
     "zero_optimization.stage3_max_live_parameters": "stage 3 gathers each layer where it is used; "
-                                                    "ZeroConfig(prefetch=d) bounds the layers live at once",
+    "ZeroConfig(prefetch=d) bounds the layers live at once",
     "zero_optimization.stage3_max_reuse_distance": "stage 3 gathers each layer where it is used, again in backward",
     "zero_optimization.stage3_param_persistence_threshold": "every parameter is sharded, small ones too",
     "zero_optimization.stage3_model_persistence_threshold": "every parameter is sharded, small ones too",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": "zerojax export --dtype bfloat16 writes the "
-                                                                    "consolidated weights",
+    "consolidated weights",
     "zero_optimization.gather_16bit_weights_on_model_save": "zerojax export --dtype bfloat16 writes the "
-                                                             "consolidated weights",
+    "consolidated weights",
     "zero_optimization.stage3_gather_fp16_weights_on_model_save": "the legacy name of stage3_gather_16bit_weights_"
-                                                                   "on_model_save: zerojax export --dtype bfloat16 "
-                                                                   "writes the consolidated weights",
+    "on_model_save: zerojax export --dtype bfloat16 "
+    "writes the consolidated weights",
     "zero_optimization.cpu_offload_use_pin_memory": "legacy key: offloaded state is always in pinned host memory",
     "zero_optimization.cpu_offload_params": "not a DeepSpeed key (DeepSpeed refuses unknown zero_optimization keys); "
-                                            "the legacy key is cpu_offload_param, today offload_param",
+    "the legacy key is cpu_offload_param, today offload_param",
     "zero_optimization.elastic_checkpoint": "zj.restore_checkpoint restores onto any device count",
     "zero_optimization.load_from_fp32_weights": "checkpoints hold the fp32 masters",
     "zero_optimization.ignore_unused_parameters": "an unused parameter gets a zero gradient",
@@ -59,7 +69,7 @@ REASONS: dict[str, str] = {
     "zero_optimization.memory_efficient_linear": "no equivalent",
     "zero_optimization.mics_hierarchical_params_gather": _XLA,
     "zero_optimization.zero_quantized_nontrainable_weights": "frozen parameters are gathered in the compute "
-                                                             "dtype (int8 gathers cover the trained ones)",
+    "dtype (int8 gathers cover the trained ones)",
     "zero_optimization.offload_optimizer.pin_memory": "offloaded state is always in pinned host memory",
     "zero_optimization.offload_optimizer.ratio": "all of the optimizer state is offloaded",
     "zero_optimization.offload_optimizer.buffer_count": _XLA,
@@ -74,18 +84,29 @@ REASONS: dict[str, str] = {
     "zero_optimization.offload_param.nvme_path": "no NVMe offload: host memory instead",
     "activation_checkpointing.partition_activations": "no equivalent: no model parallelism to partition over",
     "activation_checkpointing.cpu_checkpointing": "the nearest is a host-offload policy: ZeroConfig(remat="
-                                                  "'offload_dots') or zj.remat.Remat('offload_names', ...)",
+    "'offload_dots') or zj.remat.Remat('offload_names', ...)",
     "activation_checkpointing.contiguous_memory_optimization": _XLA,
     "activation_checkpointing.number_checkpoints": "every layer of a scanned stack is one remat region",
     "activation_checkpointing.synchronize_checkpoint_boundary": "no equivalent",
     "activation_checkpointing.profile": _LOGGING,
 }
 # DeepSpeed's zero_optimization fields go by their stage3_ names or their own (populate_by_name).
-for _k in ("prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold", "max_live_parameters",
-           "max_reuse_distance"):
+for _k in (
+    "prefetch_bucket_size",
+    "param_persistence_threshold",
+    "model_persistence_threshold",
+    "max_live_parameters",
+    "max_reuse_distance",
+):
     REASONS[f"zero_optimization.{_k}"] = REASONS[f"zero_optimization.stage3_{_k}"]
-for _k in ("stage3_module_granularity_threshold", "module_granularity_threshold", "allgather_sequential",
-           "stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params", "stage3_allgather_sequential"):
+for _k in (
+    "stage3_module_granularity_threshold",
+    "module_granularity_threshold",
+    "allgather_sequential",
+    "stage3_use_all_reduce_for_fetch_params",
+    "use_all_reduce_for_fetch_params",
+    "stage3_allgather_sequential",
+):
     REASONS[f"zero_optimization.{_k}"] = _XLA
 for _k in ("override_module_apply", "pipeline_loading_checkpoint"):
     REASONS[f"zero_optimization.{_k}"] = "no equivalent"
@@ -93,11 +114,28 @@ for _k in ("log_trace_cache_warnings", "enable_sanity_checks"):
     REASONS[f"zero_optimization.{_k}"] = _LOGGING
 for _k in ("pipeline", "tensor_parallel"):
     REASONS[_k] = "no equivalent: zerojax is data parallel (ZeRO) only"
-REASONS["moe"] = ("no equivalent: DeepSpeed-MoE's ep_size is an argument of deepspeed.moe.layer.MoE in the model; "
-                  "zerojax's is zj.make_mesh(expert=E) (docs/moe.md)")
+REASONS["moe"] = (
+    "no equivalent: DeepSpeed-MoE's ep_size is an argument of deepspeed.moe.layer.MoE in the model; "
+    "zerojax's is zj.make_mesh(expert=E) (docs/moe.md)"
+)
 REASONS["seq_parallel_communication_data_type"] = (
-    "no equivalent: the context axis's all-to-alls and permutes move the compute dtype")
-for _k in ("compression_training", "data_efficiency", "curriculum_learning", "autotuning", "elasticity", "aio",
-           "nebula", "compile", "eigenvalue", "progressive_layer_drop", "quantize_training", "hybrid_engine",
-           "weight_quantization", "zero_config", "communication_compression"):
+    "no equivalent: the context axis's all-to-alls and permutes move the compute dtype"
+)
+for _k in (
+    "compression_training",
+    "data_efficiency",
+    "curriculum_learning",
+    "autotuning",
+    "elasticity",
+    "aio",
+    "nebula",
+    "compile",
+    "eigenvalue",
+    "progressive_layer_drop",
+    "quantize_training",
+    "hybrid_engine",
+    "weight_quantization",
+    "zero_config",
+    "communication_compression",
+):
     REASONS.setdefault(_k, "no equivalent in zerojax")

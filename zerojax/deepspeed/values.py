@@ -8,11 +8,12 @@ from collections.abc import Mapping
 from typing import Any
 
 
-def _number(value: Any, key: str, *, integer: bool = False, minimum: float | None = None,
-            strict: bool = False) -> Any:
+def _number(value: Any, key: str, *, integer: bool = False, minimum: float | None = None, strict: bool = False) -> Any:
     if value == "auto":
-        raise ValueError(f"DeepSpeed key {key!r} is 'auto', a placeholder the Hugging Face Trainer fills in; "
-                         "give its value (translate(..., auto={...}) fills it).")
+        raise ValueError(
+            f"DeepSpeed key {key!r} is 'auto', a placeholder the Hugging Face Trainer fills in; "
+            "give its value (translate(..., auto={...}) fills it)."
+        )
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"DeepSpeed key {key!r} must be a number, got {value!r}.")
     if integer:
@@ -26,8 +27,10 @@ def _number(value: Any, key: str, *, integer: bool = False, minimum: float | Non
 
 def _flag(value: Any, key: str) -> bool:
     if value == "auto":
-        raise ValueError(f"DeepSpeed key {key!r} is 'auto', a placeholder the Hugging Face Trainer fills in; "
-                         "give true or false (translate(..., auto={...}) fills it).")
+        raise ValueError(
+            f"DeepSpeed key {key!r} is 'auto', a placeholder the Hugging Face Trainer fills in; "
+            "give true or false (translate(..., auto={...}) fills it)."
+        )
     if not isinstance(value, bool):
         raise ValueError(f"DeepSpeed key {key!r} must be true or false, got {value!r}.")
     return value

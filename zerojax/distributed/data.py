@@ -17,9 +17,11 @@ def _axes(mesh: Mesh, axis: str | tuple[str, ...] | None) -> tuple[str, ...]:
         if a not in mesh.axis_names:
             raise ValueError(f"mesh has axes {mesh.axis_names}; the batch cannot be split over {a!r}.")
     if np.prod([mesh.shape[a] for a in axes]) != mesh.devices.size:
-        raise ValueError(f"the batch is split over every device: axes {axes} cover "
-                         f"{int(np.prod([mesh.shape[a] for a in axes]))} of the mesh's {mesh.devices.size}. "
-                         f"Pass axis=None (all of {mesh.axis_names}).")
+        raise ValueError(
+            f"the batch is split over every device: axes {axes} cover "
+            f"{int(np.prod([mesh.shape[a] for a in axes]))} of the mesh's {mesh.devices.size}. "
+            f"Pass axis=None (all of {mesh.axis_names})."
+        )
     return axes
 
 
@@ -43,8 +45,10 @@ def process_rows(global_batch_size: int, mesh: Mesh, axis: str | tuple[str, ...]
     per_device = global_batch_size // n
     mine = [i for i, d in enumerate(mesh.devices.flat) if d.process_index == jax.process_index()]
     if mine != list(range(mine[0], mine[-1] + 1)):
-        raise ValueError("this process's devices are not contiguous on the data axis; build the "
-                         "mesh with zj.make_mesh() (devices in process order).")
+        raise ValueError(
+            "this process's devices are not contiguous on the data axis; build the "
+            "mesh with zj.make_mesh() (devices in process order)."
+        )
     return slice(mine[0] * per_device, (mine[-1] + 1) * per_device)
 
 
@@ -77,15 +81,27 @@ def _context_blocks(mesh: Mesh, context_axis: str, tensor_axis: str) -> tuple[ra
             cells.add((row, idx[c_dim]))
     rows = sorted({r for r, _ in cells})
     cols = sorted({c for _, c in cells})
-    if (len(cells) != len(rows) * len(cols) or rows != list(range(rows[0], rows[-1] + 1))
-            or cols != list(range(cols[0], cols[-1] + 1))):
-        raise ValueError("this process's devices do not cover a block of data groups x context positions; build "
-                         "the mesh with zj.make_mesh(context=C) (devices in process order).")
+    if (
+        len(cells) != len(rows) * len(cols)
+        or rows != list(range(rows[0], rows[-1] + 1))
+        or cols != list(range(cols[0], cols[-1] + 1))
+    ):
+        raise ValueError(
+            "this process's devices do not cover a block of data groups x context positions; build "
+            "the mesh with zj.make_mesh(context=C) (devices in process order)."
+        )
     return range(rows[0], rows[-1] + 1), range(cols[0], cols[-1] + 1)
 
 
-def process_slices(global_batch_size: int, seq_len: int, mesh: Mesh, *, context_axis: str = "context",
-                   tensor_axis: str = "tensor", config: Any = None) -> tuple[slice, slice]:
+def process_slices(
+    global_batch_size: int,
+    seq_len: int,
+    mesh: Mesh,
+    *,
+    context_axis: str = "context",
+    tensor_axis: str = "tensor",
+    config: Any = None,
+) -> tuple[slice, slice]:
     """``(rows, positions)`` of the global batch this process loads on a context mesh
     (``zj.make_mesh(context=C)``): the rows of its data groups and the sequence chunks of
     its context positions, so that no process reads a token its devices do not hold. The
@@ -112,9 +128,16 @@ def process_slices(global_batch_size: int, seq_len: int, mesh: Mesh, *, context_
     return slice(rows.start * r, rows.stop * r), slice(cols.start * t, cols.stop * t)
 
 
-def global_batch(local_batch: Any, mesh: Mesh, axis: str | tuple[str, ...] | None = None, *,
-                 context_axis: str = "context", context_dims: Any = None, tensor_axis: str = "tensor",
-                 config: Any = None) -> Any:
+def global_batch(
+    local_batch: Any,
+    mesh: Mesh,
+    axis: str | tuple[str, ...] | None = None,
+    *,
+    context_axis: str = "context",
+    context_dims: Any = None,
+    tensor_axis: str = "tensor",
+    config: Any = None,
+) -> Any:
     """A global batch (leading axis split over ``axis``, default every mesh axis, as the
     train step splits it) from this process's own rows
     (``jax.make_array_from_process_local_data``); see :func:`process_rows` for which rows.

@@ -27,14 +27,25 @@ class Launch:
     process_id: int = 0
 
 
-def detect(coordinator_address: str | None = None, num_processes: int | None = None,
-           process_id: int | None = None, env: dict | None = None) -> Launch:
+def detect(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    env: dict | None = None,
+) -> Launch:
     """Finds the job layout: explicit arguments, then ``zerojax.launch``'s environment, then
     SLURM, then Open MPI; otherwise a single process."""
     env = os.environ if env is None else env
     if coordinator_address is not None or num_processes is not None or process_id is not None:
-        missing = [n for n, v in (("coordinator_address", coordinator_address),
-                                  ("num_processes", num_processes), ("process_id", process_id)) if v is None]
+        missing = [
+            n
+            for n, v in (
+                ("coordinator_address", coordinator_address),
+                ("num_processes", num_processes),
+                ("process_id", process_id),
+            )
+            if v is None
+        ]
         if missing:
             raise ValueError(f"explicit multi-process setup needs all three values; missing {missing}.")
         return Launch("explicit", coordinator_address, int(num_processes), int(process_id))
@@ -42,8 +53,10 @@ def detect(coordinator_address: str | None = None, num_processes: int | None = N
         try:
             return Launch("zerojax", env[ENV_COORDINATOR], int(env[ENV_NUM_PROCESSES]), int(env[ENV_PROCESS_ID]))
         except KeyError as e:
-            raise ValueError(f"{ENV_COORDINATOR} is set but {e.args[0]} is not; start processes with "
-                             "python -m zerojax.launch or set all three variables.") from None
+            raise ValueError(
+                f"{ENV_COORDINATOR} is set but {e.args[0]} is not; start processes with "
+                "python -m zerojax.launch or set all three variables."
+            ) from None
     if "SLURM_JOB_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         return Launch("slurm", None, int(env["SLURM_NTASKS"]), int(env["SLURM_PROCID"]))
     if "OMPI_COMM_WORLD_SIZE" in env and int(env["OMPI_COMM_WORLD_SIZE"]) > 1:
@@ -51,10 +64,17 @@ def detect(coordinator_address: str | None = None, num_processes: int | None = N
     return Launch("single")
 
 
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, *, local_cpu_devices: int | None = None,
-               timeout_s: int = 120, heartbeat_timeout_s: int = 30, axis: str = "data",
-               replicas: int = 1) -> Mesh:
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    local_cpu_devices: int | None = None,
+    timeout_s: int = 120,
+    heartbeat_timeout_s: int = 30,
+    axis: str = "data",
+    replicas: int = 1,
+) -> Mesh:
     """Joins the job (``jax.distributed.initialize``) and returns the mesh over every
     process's devices: one ``axis``, or ``replicas`` groups of it (hybrid sharding, see
     :func:`zerojax.make_mesh`; with one group per process, each group is a host's devices).
@@ -88,8 +108,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if launch.launcher != "single" and not jax.distributed.is_initialized():
         kwargs = dict(initialization_timeout=timeout_s, heartbeat_timeout_seconds=heartbeat_timeout_s)
         if launch.launcher in ("explicit", "zerojax"):
-            jax.distributed.initialize(launch.coordinator_address, launch.num_processes,
-                                       launch.process_id, **kwargs)
+            jax.distributed.initialize(launch.coordinator_address, launch.num_processes, launch.process_id, **kwargs)
         else:  # JAX's own cluster detection reads SLURM / Open MPI's variables
             jax.distributed.initialize(**kwargs)
     return make_mesh(axis=axis, replicas=replicas)

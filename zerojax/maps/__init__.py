@@ -14,5 +14,16 @@ from zerojax.checkpoint.tensor_map import (
 )
 from zerojax.models.hf_map import family_map, llama_map
 
-__all__ = ["IDENTITY", "WeightMap", "concat", "family_map", "infer_tensors", "llama_map", "merge_dims", "part",
-           "split_dim", "stack", "transpose"]
+__all__ = [
+    "IDENTITY",
+    "WeightMap",
+    "concat",
+    "family_map",
+    "infer_tensors",
+    "llama_map",
+    "merge_dims",
+    "part",
+    "split_dim",
+    "stack",
+    "transpose",
+]

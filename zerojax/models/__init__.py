@@ -8,5 +8,15 @@ from zerojax.models.hf_config import config_from_hf
 from zerojax.models.llama import Llama, LlamaConfig
 from zerojax.models.rope import RopeScaling
 
-__all__ = ["Llama", "LlamaConfig", "RopeScaling", "config_from_hf", "from_hf", "gpt", "hf_config", "hf_map", "llama",
-           "rope"]
+__all__ = [
+    "Llama",
+    "LlamaConfig",
+    "RopeScaling",
+    "config_from_hf",
+    "from_hf",
+    "gpt",
+    "hf_config",
+    "hf_map",
+    "llama",
+    "rope",
+]

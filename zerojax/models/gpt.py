@@ -63,9 +63,7 @@ class GPTConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}.")
         if self.d_model % self.n_heads:
-            raise ValueError(
-                f"GPTConfig.d_model ({self.d_model}) must divide by n_heads ({self.n_heads})."
-            )
+            raise ValueError(f"GPTConfig.d_model ({self.d_model}) must divide by n_heads ({self.n_heads}).")
 
     def num_params(self) -> int:
         d, L, V, T, m = self.d_model, self.n_layers, self.vocab, self.seq_len, self.mlp_ratio
@@ -96,8 +94,11 @@ class Block(nnx.Module):
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         d = cfg.d_model
         self.n_heads = cfg.n_heads
-        linear = (lambda i, o, **kw: nnx.LoRALinear(i, o, lora_rank=cfg.lora_rank, rngs=rngs, **kw)) \
-            if cfg.lora_rank else (lambda i, o, **kw: nnx.Linear(i, o, rngs=rngs, **kw))
+        linear = (
+            (lambda i, o, **kw: nnx.LoRALinear(i, o, lora_rank=cfg.lora_rank, rngs=rngs, **kw))
+            if cfg.lora_rank
+            else (lambda i, o, **kw: nnx.Linear(i, o, rngs=rngs, **kw))
+        )
         col, row = _split(cfg, (None, "tensor"), ("tensor",)), _split(cfg, ("tensor", None))
         self.ln1 = nnx.LayerNorm(d, rngs=rngs)
         self.tensor_parallel = cfg.tensor_parallel
@@ -179,6 +180,7 @@ class GPT(nnx.Module):
         if self.cfg.sequence_parallel:
             x = znn.sequence_parallel(x)
         if key is None or not self.cfg.dropout:
+
             @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: None})
             def run(x, block):
                 return block(x)

@@ -45,10 +45,12 @@ def from_hf(path: str | os.PathLike, *, accept: Iterable[str] = (), **overrides)
     wmap = llama_map(cfg, experts=family if family in EXPERT_LAYOUTS else "qwen3_moe")
     if config_from_hf(path, accept=accept).tie_embeddings and HEAD in _tensor_names(path):
         if "tie_embeddings" not in overrides:
-            raise ValueError(f"{os.fspath(path)!r} ties the head to the embedding (tie_word_embeddings) but stores "
-                             f"{HEAD} too; transformers ties them only if they are equal. Say which: "
-                             f"from_hf(path, tie_embeddings=True) (one parameter; the stored head is ignored) or "
-                             f"tie_embeddings=False (the head trains apart, from {HEAD}).")
+            raise ValueError(
+                f"{os.fspath(path)!r} ties the head to the embedding (tie_word_embeddings) but stores "
+                f"{HEAD} too; transformers ties them only if they are equal. Say which: "
+                f"from_hf(path, tie_embeddings=True) (one parameter; the stored head is ignored) or "
+                f"tie_embeddings=False (the head trains apart, from {HEAD})."
+            )
         if cfg.tie_embeddings:
             wmap = dataclasses.replace(wmap, ignore=wmap.ignore + (HEAD,))
     fields, _ = read_config(path)

@@ -10,16 +10,31 @@ from zerojax.checkpoint.tensor_map import WeightMap, stack, transpose
 from zerojax.models.llama import LlamaConfig
 
 # Block linear layers: the Flax module name -> the Hugging Face module under model.layers.{i}.
-LINEARS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-           "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+LINEARS = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
 PEFT_PREFIX = "base_model.model."
 # Routed experts (LlamaConfig.n_experts > 0): each layout's router and its experts' gate, up
 # and down under model.layers.{i}, expert {j}.
 EXPERT_LAYOUTS = {
-    "qwen3_moe": {"router": "mlp.gate", "gate": "mlp.experts.{j}.gate_proj", "up": "mlp.experts.{j}.up_proj",
-                  "down": "mlp.experts.{j}.down_proj"},
-    "mixtral": {"router": "block_sparse_moe.gate", "gate": "block_sparse_moe.experts.{j}.w1",
-                "up": "block_sparse_moe.experts.{j}.w3", "down": "block_sparse_moe.experts.{j}.w2"},
+    "qwen3_moe": {
+        "router": "mlp.gate",
+        "gate": "mlp.experts.{j}.gate_proj",
+        "up": "mlp.experts.{j}.up_proj",
+        "down": "mlp.experts.{j}.down_proj",
+    },
+    "mixtral": {
+        "router": "block_sparse_moe.gate",
+        "gate": "block_sparse_moe.experts.{j}.w1",
+        "up": "block_sparse_moe.experts.{j}.w3",
+        "down": "block_sparse_moe.experts.{j}.w2",
+    },
 }
 EXPERT_LAYOUTS["qwen2_moe"] = EXPERT_LAYOUTS["qwen3_moe"]
 
@@ -32,8 +47,9 @@ def _biased(cfg: LlamaConfig, flax: str) -> bool:
     return cfg.mlp_bias
 
 
-def llama_map(config: LlamaConfig | None = None, *, prefix: str = "model", biases: bool = False,
-              experts: str = "qwen3_moe") -> WeightMap:
+def llama_map(
+    config: LlamaConfig | None = None, *, prefix: str = "model", biases: bool = False, experts: str = "qwen3_moe"
+) -> WeightMap:
     """Hugging Face tensors for each parameter of a :class:`~zerojax.models.llama.Llama` with
     ``config``: kernels are the transposes of torch's ``[out, in]`` weights, ``blocks.*``
     stacks ``{prefix}.layers.{i}.*``; the biases and q/k norms the config turns on; the head
@@ -82,7 +98,9 @@ def llama_map(config: LlamaConfig | None = None, *, prefix: str = "model", biase
             entries[f"blocks.moe.{flax}"] = stack(stack(transpose(f"{layer}.{names[flax]}.weight"), var="j"))
         if config.shared_d_ff:  # Qwen2-MoE's shared expert and its gate
             for flax in ("gate", "up", "down"):
-                entries[f"blocks.moe.shared.{flax}.kernel"] = stack(transpose(f"{layer}.mlp.shared_expert.{flax}_proj.weight"))
+                entries[f"blocks.moe.shared.{flax}.kernel"] = stack(
+                    transpose(f"{layer}.mlp.shared_expert.{flax}_proj.weight")
+                )
             if config.shared_gate:
                 entries["blocks.moe.shared_gate.kernel"] = stack(transpose(f"{layer}.mlp.shared_expert_gate.weight"))
     for flax, hf in linears.items():
@@ -122,5 +140,8 @@ def family_map(family: str, *, prefix: str = "model") -> WeightMap:
     """
     if family not in FAMILY_TENSORS:
         raise ValueError(f"no map for the family {family!r}; the families are {sorted(FAMILY_TENSORS)}.")
-    return llama_map(LlamaConfig(**FAMILY_TENSORS[family]), prefix=prefix,
-                     experts=family if family in EXPERT_LAYOUTS else "qwen3_moe")
+    return llama_map(
+        LlamaConfig(**FAMILY_TENSORS[family]),
+        prefix=prefix,
+        experts=family if family in EXPERT_LAYOUTS else "qwen3_moe",
+    )

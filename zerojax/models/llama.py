@@ -151,8 +151,7 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         zremat.resolve(self.remat)  # unknown names raise here, with the valid ones
         if self.attention not in ("einsum",) + znn.METHODS:
-            raise ValueError(f"LlamaConfig.attention must be 'einsum' or one of {znn.METHODS}, got "
-                             f"{self.attention!r}.")
+            raise ValueError(f"LlamaConfig.attention must be 'einsum' or one of {znn.METHODS}, got {self.attention!r}.")
         for name in ("lora_rank", "sliding_window"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -169,31 +168,40 @@ class LlamaConfig:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"LlamaConfig.{name} must be a bool, got {getattr(self, name)!r}.")
         if not self.head_dim and self.d_model % self.n_heads:
-            raise ValueError(f"LlamaConfig.d_model ({self.d_model}) must divide by n_heads "
-                             f"({self.n_heads}), or give head_dim.")
+            raise ValueError(
+                f"LlamaConfig.d_model ({self.d_model}) must divide by n_heads ({self.n_heads}), or give head_dim."
+            )
         if self.n_heads % self.kv_heads:
             raise ValueError(f"LlamaConfig.n_heads ({self.n_heads}) must divide by n_kv_heads ({self.kv_heads}).")
         if self.hd % 2:
             raise ValueError(f"LlamaConfig.head_dim must be even for RoPE, got {self.hd}.")
         if not self.rms_eps > 0 or not self.rope_theta > 0:
-            raise ValueError(f"LlamaConfig.rms_eps and rope_theta must be > 0, got {self.rms_eps!r}, {self.rope_theta!r}.")
+            raise ValueError(
+                f"LlamaConfig.rms_eps and rope_theta must be > 0, got {self.rms_eps!r}, {self.rope_theta!r}."
+            )
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
-            raise TypeError(f"LlamaConfig.rope_scaling must be a zj.models.RopeScaling or None, got "
-                            f"{self.rope_scaling!r}.")
+            raise TypeError(
+                f"LlamaConfig.rope_scaling must be a zj.models.RopeScaling or None, got {self.rope_scaling!r}."
+            )
         if self.window_layers is not None:
             layers = tuple(self.window_layers)
             if len(layers) != self.n_layers or not all(isinstance(x, bool) for x in layers):
-                raise ValueError(f"LlamaConfig.window_layers must be None or {self.n_layers} bools (one per layer), "
-                                 f"got {self.window_layers!r}.")
+                raise ValueError(
+                    f"LlamaConfig.window_layers must be None or {self.n_layers} bools (one per layer), "
+                    f"got {self.window_layers!r}."
+                )
             if any(layers) and not self.sliding_window:
-                raise ValueError("LlamaConfig.window_layers marks windowed layers but sliding_window is 0; give the "
-                                 "window's size.")
+                raise ValueError(
+                    "LlamaConfig.window_layers marks windowed layers but sliding_window is 0; give the window's size."
+                )
             object.__setattr__(self, "window_layers", layers)
         windows = set(self.layer_windows())
         if self.attention != "einsum" and len(windows) > 1:
-            raise ValueError(f"LlamaConfig.attention={self.attention!r} takes one window for every layer (a static "
-                             f"argument of zj.nn.dot_product_attention), but the layers' windows differ "
-                             f"({self.layer_windows()}); use attention='einsum' for per-layer windows.")
+            raise ValueError(
+                f"LlamaConfig.attention={self.attention!r} takes one window for every layer (a static "
+                f"argument of zj.nn.dot_product_attention), but the layers' windows differ "
+                f"({self.layer_windows()}); use attention='einsum' for per-layer windows."
+            )
         for name in ("dtype", "param_dtype"):
             jnp.dtype(getattr(self, name))  # unknown names raise here
         for name in ("n_experts", "top_k", "moe_d_ff", "shared_d_ff"):
@@ -201,22 +209,33 @@ class LlamaConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"LlamaConfig.{name} must be an int >= 0, got {value!r}.")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
-            raise ValueError(f"LlamaConfig.top_k must be in 1..n_experts ({self.n_experts}) for a mixture of experts, "
-                             f"got {self.top_k!r}.")
+            raise ValueError(
+                f"LlamaConfig.top_k must be in 1..n_experts ({self.n_experts}) for a mixture of experts, "
+                f"got {self.top_k!r}."
+            )
         if not self.n_experts and (self.top_k or self.moe_d_ff or self.shared_d_ff or self.shared_gate):
-            raise ValueError("LlamaConfig.top_k / moe_d_ff / shared_d_ff / shared_gate describe routed experts; give "
-                             "n_experts too (or leave them 0).")
+            raise ValueError(
+                "LlamaConfig.top_k / moe_d_ff / shared_d_ff / shared_gate describe routed experts; give "
+                "n_experts too (or leave them 0)."
+            )
         if self.shared_gate and not self.shared_d_ff:
             raise ValueError("LlamaConfig.shared_gate gates a shared expert: give shared_d_ff too.")
         if self.n_experts and (self.lora_rank or self.tensor_parallel):
-            raise ValueError("LlamaConfig: a mixture of experts with lora_rank or tensor_parallel is not supported yet.")
+            raise ValueError(
+                "LlamaConfig: a mixture of experts with lora_rank or tensor_parallel is not supported yet."
+            )
         if not isinstance(self.shared_gate, bool):
             raise TypeError(f"LlamaConfig.shared_gate must be a bool, got {self.shared_gate!r}.")
         if not isinstance(self.norm_topk_prob, bool):
             raise TypeError(f"LlamaConfig.norm_topk_prob must be a bool, got {self.norm_topk_prob!r}.")
-        if isinstance(self.router_aux_loss_coef, bool) or not isinstance(self.router_aux_loss_coef, (int, float)) \
-                or self.router_aux_loss_coef < 0:
-            raise ValueError(f"LlamaConfig.router_aux_loss_coef must be a number >= 0, got {self.router_aux_loss_coef!r}.")
+        if (
+            isinstance(self.router_aux_loss_coef, bool)
+            or not isinstance(self.router_aux_loss_coef, (int, float))
+            or self.router_aux_loss_coef < 0
+        ):
+            raise ValueError(
+                f"LlamaConfig.router_aux_loss_coef must be a number >= 0, got {self.router_aux_loss_coef!r}."
+            )
         if self.expert_method not in ("ragged", "dense"):
             raise ValueError(f"LlamaConfig.expert_method must be 'ragged' or 'dense', got {self.expert_method!r}.")
 
@@ -245,10 +264,21 @@ class LlamaConfig:
         q, kv = self.n_heads * self.hd, self.kv_heads * self.hd
         mlp = 3 * d * F + (2 * F + d) * self.mlp_bias
         if self.n_experts:
-            mlp = (d * self.n_experts + 3 * self.n_experts * d * self.expert_d_ff + 3 * d * self.shared_d_ff
-                   + d * self.shared_gate)
-        block = (2 * d + d * (q + 2 * kv) + q * d + mlp + (q + 2 * kv) * self.qkv_bias + d * self.o_bias
-                 + 2 * self.hd * self.qk_norm)
+            mlp = (
+                d * self.n_experts
+                + 3 * self.n_experts * d * self.expert_d_ff
+                + 3 * d * self.shared_d_ff
+                + d * self.shared_gate
+            )
+        block = (
+            2 * d
+            + d * (q + 2 * kv)
+            + q * d
+            + mlp
+            + (q + 2 * kv) * self.qkv_bias
+            + d * self.o_bias
+            + 2 * self.hd * self.qk_norm
+        )
         return V * d + L * block + d + d * V * (not self.tie_embeddings)
 
 
@@ -263,8 +293,10 @@ def _split(cfg: LlamaConfig, kernel: tuple) -> dict:
         return {}
     # A bias is split like the output features: over "tensor" for a column-parallel layer,
     # whole for a row-parallel one (added after the reduction).
-    return {"kernel_init": nnx.with_partitioning(nnx.initializers.lecun_normal(), kernel),
-            "bias_init": nnx.with_partitioning(nnx.initializers.zeros_init(), (kernel[1],))}
+    return {
+        "kernel_init": nnx.with_partitioning(nnx.initializers.lecun_normal(), kernel),
+        "bias_init": nnx.with_partitioning(nnx.initializers.zeros_init(), (kernel[1],)),
+    }
 
 
 class RMSNorm(nnx.Module):
@@ -281,8 +313,9 @@ class RMSNorm(nnx.Module):
         return self.scale[...] * y.astype(x.dtype)
 
 
-def rope(positions: jax.Array, head_dim: int, theta: float, scaling: RopeScaling | None = None,
-         dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+def rope(
+    positions: jax.Array, head_dim: int, theta: float, scaling: RopeScaling | None = None, dtype=jnp.float32
+) -> tuple[jax.Array, jax.Array]:
     """``(cos, sin)`` ``[batch, seq, head_dim]`` (see :func:`zerojax.models.rope.cos_sin`)."""
     return zrope.cos_sin(positions, head_dim, theta, scaling, _wide(dtype))
 
@@ -299,8 +332,9 @@ class MoE(nnx.Module):
         pdt = jnp.dtype(cfg.param_dtype)
         self.cfg = cfg
         self.router = nnx.Linear(d, e, use_bias=False, dtype=jnp.dtype(cfg.dtype), param_dtype=pdt, rngs=rngs)
-        init = nnx.with_partitioning(nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,)),
-                                     ("expert", None, None))
+        init = nnx.with_partitioning(
+            nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,)), ("expert", None, None)
+        )
         self.gate = nnx.Param(init(rngs.params(), (e, d, f), pdt))
         self.up = nnx.Param(init(rngs.params(), (e, d, f), pdt))
         self.down = nnx.Param(init(rngs.params(), (e, f, d), pdt))
@@ -314,9 +348,18 @@ class MoE(nnx.Module):
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         logits = self.router(x)
-        y, stats = routed_experts(x, logits, self.up[...].astype(dt), self.down[...].astype(dt),
-                                  self.gate[...].astype(dt), top_k=cfg.top_k, normalize=cfg.norm_topk_prob,
-                                  capacity_factor=cfg.capacity_factor, method=cfg.expert_method, token_mask=mask)
+        y, stats = routed_experts(
+            x,
+            logits,
+            self.up[...].astype(dt),
+            self.down[...].astype(dt),
+            self.gate[...].astype(dt),
+            top_k=cfg.top_k,
+            normalize=cfg.norm_topk_prob,
+            capacity_factor=cfg.capacity_factor,
+            method=cfg.expert_method,
+            token_mask=mask,
+        )
         if cfg.shared_d_ff:
             shared = self.shared(x)
             y = y + (jax.nn.sigmoid(self.shared_gate(x)) * shared if cfg.shared_gate else shared)
@@ -338,8 +381,11 @@ class Block(nnx.Module):
         d, q, kv, F = cfg.d_model, cfg.n_heads * cfg.hd, cfg.kv_heads * cfg.hd, cfg.d_ff
         pdt = jnp.dtype(cfg.param_dtype)
         kw = dict(use_bias=False, dtype=jnp.dtype(cfg.dtype), param_dtype=pdt, rngs=rngs)
-        linear = (lambda i, o, **k: nnx.LoRALinear(i, o, lora_rank=cfg.lora_rank, **{**kw, **k})) \
-            if cfg.lora_rank else (lambda i, o, **k: nnx.Linear(i, o, **{**kw, **k}))
+        linear = (
+            (lambda i, o, **k: nnx.LoRALinear(i, o, lora_rank=cfg.lora_rank, **{**kw, **k}))
+            if cfg.lora_rank
+            else (lambda i, o, **k: nnx.Linear(i, o, **{**kw, **k}))
+        )
         col, row = _split(cfg, (None, "tensor")), _split(cfg, ("tensor", None))
         self.cfg = cfg
         self.attn_norm = RMSNorm(d, cfg.rms_eps, pdt)
@@ -358,8 +404,16 @@ class Block(nnx.Module):
             self.up = linear(d, F, use_bias=cfg.mlp_bias, **col)
             self.down = linear(F, d, use_bias=cfg.mlp_bias, **row)
 
-    def attention(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array | None,
-                  window: jax.Array, layout=None, segments: jax.Array | None = None) -> jax.Array:
+    def attention(
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        mask: jax.Array | None,
+        window: jax.Array,
+        layout=None,
+        segments: jax.Array | None = None,
+    ) -> jax.Array:
         b, t, _ = x.shape
         cfg = self.cfg
         h, kv, hd = cfg.n_heads, cfg.kv_heads, cfg.hd
@@ -371,9 +425,18 @@ class Block(nnx.Module):
         if cfg.attention != "einsum":
             keys = None if mask is None else mask[:, None, None, :].astype(bool)
             w = cfg.layer_windows()[0]
-            out = znn.dot_product_attention(q, k, v, mask=keys, is_causal=True, method=cfg.attention,
-                                            block_size=cfg.attention_block, layout=layout, segment_ids=segments,
-                                            local_window_size=(w - 1, 0) if w else None)
+            out = znn.dot_product_attention(
+                q,
+                k,
+                v,
+                mask=keys,
+                is_causal=True,
+                method=cfg.attention,
+                block_size=cfg.attention_block,
+                layout=layout,
+                segment_ids=segments,
+                local_window_size=(w - 1, 0) if w else None,
+            )
             return self.o(out.reshape(b, t, h * hd))
         wide = _wide(q.dtype)
         q = q.reshape(b, t, kv, h // kv, hd)  # query head kv * (h // kv) + g reads KV head kv
@@ -392,8 +455,7 @@ class Block(nnx.Module):
 
     def __call__(self, x, cos, sin, mask=None, window=None, layout=None, segments=None):
         window = jnp.zeros((), jnp.int32) if window is None else window
-        x = x + checkpoint_name(self.attention(self.attn_norm(x), cos, sin, mask, window, layout, segments),
-                                "attn_out")
+        x = x + checkpoint_name(self.attention(self.attn_norm(x), cos, sin, mask, window, layout, segments), "attn_out")
         h = self.mlp_norm(x)
         if self.cfg.n_experts:  # (x, (fractions, mean probs, z-loss, counts, dropped)) for the layer loop
             y, st = self.moe(h, mask)  # padding (mask False) is not routed, as HF's loss leaves it out
@@ -438,11 +500,25 @@ class Llama(nnx.Module):
         self.blocks = blocks(rngs)
         self.norm = RMSNorm(cfg.d_model, cfg.rms_eps, pdt)
         if not cfg.tie_embeddings:
-            self.head = nnx.Linear(cfg.d_model, cfg.vocab, use_bias=False, dtype=dt, param_dtype=pdt, rngs=rngs,
-                                   **{k: v for k, v in _split(cfg, (None, "tensor")).items() if k == "kernel_init"})
+            self.head = nnx.Linear(
+                cfg.d_model,
+                cfg.vocab,
+                use_bias=False,
+                dtype=dt,
+                param_dtype=pdt,
+                rngs=rngs,
+                **{k: v for k, v in _split(cfg, (None, "tensor")).items() if k == "kernel_init"},
+            )
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, mask: jax.Array | None = None,
-                 layout=None, segment_ids: jax.Array | None = None, return_stats: bool = False):
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        mask: jax.Array | None = None,
+        layout=None,
+        segment_ids: jax.Array | None = None,
+        return_stats: bool = False,
+    ):
         cfg = self.cfg
         if positions is None:
             positions = znn.global_positions(tokens.shape[1], layout)[None]  # jnp.arange, in the layout
@@ -454,8 +530,11 @@ class Llama(nnx.Module):
             # runs layer loops whose scanned values are all floating
             per_layer, window = jnp.asarray(np.asarray(windows, np.float32)), None
 
-        @nnx.scan(in_axes=(nnx.Carry, 0, None, None, None, 0, None), out_axes=nnx.Carry,
-                  transform_metadata={nnx.PARTITION_NAME: None})
+        @nnx.scan(
+            in_axes=(nnx.Carry, 0, None, None, None, 0, None),
+            out_axes=nnx.Carry,
+            transform_metadata={nnx.PARTITION_NAME: None},
+        )
         def run(carry, block, cos, sin, mask, scanned, segments):
             if not cfg.n_experts:
                 return block(carry, cos, sin, mask, window if scanned is None else scanned, layout, segments)
@@ -466,8 +545,13 @@ class Llama(nnx.Module):
         x = self.embed(tokens)
         if cfg.n_experts:
             e = cfg.n_experts
-            zeros = (jnp.zeros((e,), jnp.float32), jnp.zeros((e,), jnp.float32), jnp.zeros((), jnp.float32),
-                     jnp.zeros((e,), jnp.int32), jnp.zeros((), jnp.float32))
+            zeros = (
+                jnp.zeros((e,), jnp.float32),
+                jnp.zeros((e,), jnp.float32),
+                jnp.zeros((), jnp.float32),
+                jnp.zeros((e,), jnp.int32),
+                jnp.zeros((), jnp.float32),
+            )
             x, sums = run((x, zeros), self.blocks, cos, sin, mask, per_layer, segment_ids)
         else:
             x = run(x, self.blocks, cos, sin, mask, per_layer, segment_ids)
@@ -480,8 +564,12 @@ class Llama(nnx.Module):
         f, p, z, counts, dropped = sums
         n = cfg.n_layers
         # Hugging Face's load_balancing_loss_func: f and P over every layer's tokens together.
-        return logits, {"load_balancing_loss": e * jnp.sum((f / n) * (p / n)), "z_loss": z / n,
-                        "expert_counts": counts.astype(jnp.float32), "dropped": dropped / n}
+        return logits, {
+            "load_balancing_loss": e * jnp.sum((f / n) * (p / n)),
+            "z_loss": z / n,
+            "expert_counts": counts.astype(jnp.float32),
+            "dropped": dropped / n,
+        }
 
 
 def init(cfg: LlamaConfig, seed: int = 0):
@@ -529,8 +617,14 @@ def make_loss(graphdef, *, with_stats: bool = False):
             inputs, targets = tokens[:, :-1], tokens[:, 1:]
             mask, weight = (None, None) if full is None else (full[:, :-1], full[:, 1:])
         model = nnx.merge(graphdef, params)
-        logits, stats = model(inputs, positions=batch.get("positions"), mask=mask, layout=layout,
-                              segment_ids=batch.get("segment_ids"), return_stats=True)
+        logits, stats = model(
+            inputs,
+            positions=batch.get("positions"),
+            mask=mask,
+            layout=layout,
+            segment_ids=batch.get("segment_ids"),
+            return_stats=True,
+        )
         losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
         if weight is None:
             loss = losses.mean()

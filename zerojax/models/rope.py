@@ -73,16 +73,19 @@ class RopeScaling:
         if self.kind in ("llama3", "yarn"):
             omp = self.original_max_position_embeddings
             if isinstance(omp, bool) or not isinstance(omp, int) or omp < 1:
-                raise ValueError(f"RopeScaling({self.kind!r}) needs original_max_position_embeddings, a positive "
-                                 f"int, got {omp!r}.")
+                raise ValueError(
+                    f"RopeScaling({self.kind!r}) needs original_max_position_embeddings, a positive int, got {omp!r}."
+                )
         if self.kind == "llama3":
             lo, hi = self.low_freq_factor, self.high_freq_factor
             if not (isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and 0 < lo < hi):
-                raise ValueError(f"RopeScaling('llama3') needs 0 < low_freq_factor < high_freq_factor, got "
-                                 f"{lo!r} and {hi!r}.")
+                raise ValueError(
+                    f"RopeScaling('llama3') needs 0 < low_freq_factor < high_freq_factor, got {lo!r} and {hi!r}."
+                )
         if self.kind == "yarn" and not self.beta_fast > self.beta_slow > 0:
-            raise ValueError(f"RopeScaling('yarn') needs beta_fast > beta_slow > 0, got {self.beta_fast!r} and "
-                             f"{self.beta_slow!r}.")
+            raise ValueError(
+                f"RopeScaling('yarn') needs beta_fast > beta_slow > 0, got {self.beta_fast!r} and {self.beta_slow!r}."
+            )
 
     @property
     def cos_sin_factor(self) -> float:
@@ -139,8 +142,9 @@ def _yarn(dim: int, base: float, s: RopeScaling) -> np.ndarray:
     return (1.0 / (s.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
-def cos_sin(positions: jax.Array, head_dim: int, theta: float, scaling: RopeScaling | None = None,
-            dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+def cos_sin(
+    positions: jax.Array, head_dim: int, theta: float, scaling: RopeScaling | None = None, dtype=jnp.float32
+) -> tuple[jax.Array, jax.Array]:
     """``(cos, sin)`` ``[..., head_dim]`` in ``dtype`` for integer ``positions`` ``[...]``:
     both halves of the head repeat the frequencies (rotate-half layout), times the
     scaling's cos / sin factor.

@@ -7,5 +7,17 @@ from zerojax.moe.experts import METHODS, MoEStats, capacity, expert_size, routed
 from zerojax.moe.losses import load_balancing_loss, z_loss
 from zerojax.moe.routing import Routing, route
 
-__all__ = ["METHODS", "MoEStats", "Routing", "capacity", "expert_size", "experts", "load_balancing_loss", "losses",
-           "route", "routed_experts", "routing", "z_loss"]
+__all__ = [
+    "METHODS",
+    "MoEStats",
+    "Routing",
+    "capacity",
+    "expert_size",
+    "experts",
+    "load_balancing_loss",
+    "losses",
+    "route",
+    "routed_experts",
+    "routing",
+    "z_loss",
+]

@@ -73,12 +73,26 @@ class MoEStats(NamedTuple):
     mean_probs: jax.Array
 
 
-def routed_experts(x: jax.Array, router_logits: jax.Array, up: jax.Array, down: jax.Array,
-                   gate: jax.Array | None = None, *, top_k: int, activation: Callable = jax.nn.silu,
-                   score: str = "softmax", normalize: bool = False, selection_bias: jax.Array | None = None,
-                   scale: float = 1.0, capacity_factor: float | None = None, capacity_groups: int | None = None,
-                   method: str = "ragged", token_mask: jax.Array | None = None, mesh: Any = None,
-                   axis: str = "expert") -> tuple[jax.Array, MoEStats]:
+def routed_experts(
+    x: jax.Array,
+    router_logits: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    gate: jax.Array | None = None,
+    *,
+    top_k: int,
+    activation: Callable = jax.nn.silu,
+    score: str = "softmax",
+    normalize: bool = False,
+    selection_bias: jax.Array | None = None,
+    scale: float = 1.0,
+    capacity_factor: float | None = None,
+    capacity_groups: int | None = None,
+    method: str = "ragged",
+    token_mask: jax.Array | None = None,
+    mesh: Any = None,
+    axis: str = "expert",
+) -> tuple[jax.Array, MoEStats]:
     """The routed experts' combined output for tokens ``x`` (see the module docstring).
 
     Args:
@@ -115,34 +129,41 @@ def routed_experts(x: jax.Array, router_logits: jax.Array, up: jax.Array, down: 
       >>> y.shape, stats.counts.sum().item(), stats.dropped.item()
       ((2, 6, 8), 24, 0.0)
     """
-    n_experts = _check(x, router_logits, up, down, gate, top_k, score, selection_bias, scale, capacity_factor,
-                       method)
+    n_experts = _check(x, router_logits, up, down, gate, top_k, score, selection_bias, scale, capacity_factor, method)
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     given_mesh = mesh if not isinstance(mesh, jax.sharding.AbstractMesh) else None
     ep = expert_size(mesh, axis)
     inside = ep > 1 and axis in jax_compat.manual_axes(jax.sharding.get_abstract_mesh())
     if n_experts % ep:
         ok = [e for e in range(1, n_experts + 1) if n_experts % e == 0 and e <= max(ep, n_experts)]
-        raise ValueError(f"{n_experts} experts do not split over the {ep} devices of the expert axis {axis!r}; use "
-                         f"an expert degree dividing {n_experts} (one of {ok}) or a number of experts that {ep} divides.")
+        raise ValueError(
+            f"{n_experts} experts do not split over the {ep} devices of the expert axis {axis!r}; use "
+            f"an expert degree dividing {n_experts} (one of {ok}) or a number of experts that {ep} divides."
+        )
     d = x.shape[-1]
     xf = x.reshape(-1, d)
     n = xf.shape[0]
     lf = router_logits.reshape(-1, n_experts)
     if lf.shape[0] != n:
-        raise ValueError(f"router_logits {tuple(router_logits.shape)} do not match x {tuple(x.shape)}: one row of "
-                         f"{n_experts} logits per token.")
+        raise ValueError(
+            f"router_logits {tuple(router_logits.shape)} do not match x {tuple(x.shape)}: one row of "
+            f"{n_experts} logits per token."
+        )
     split = ep if ep > 1 and not inside else 1
     groups = split if capacity_groups is None else capacity_groups
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or groups % split or n % groups:
-        raise ValueError(f"capacity_groups={capacity_groups!r}: the {n} tokens (x {tuple(x.shape)} flattened) must "
-                         f"split into whole groups, a multiple of the {split} device(s) of {axis!r} they are split "
-                         f"over. Use a group count dividing {n} that {split} divides.")
+        raise ValueError(
+            f"capacity_groups={capacity_groups!r}: the {n} tokens (x {tuple(x.shape)} flattened) must "
+            f"split into whole groups, a multiple of the {split} device(s) of {axis!r} they are split "
+            f"over. Use a group count dividing {n} that {split} divides."
+        )
     mask = None
     if token_mask is not None:
         if tuple(getattr(token_mask, "shape", ())) != tuple(x.shape[:-1]):
-            raise ValueError(f"token_mask has shape {tuple(getattr(token_mask, 'shape', ()))}; it must be x's leading "
-                             f"dimensions {tuple(x.shape[:-1])} (True: a token, False: padding).")
+            raise ValueError(
+                f"token_mask has shape {tuple(getattr(token_mask, 'shape', ()))}; it must be x's leading "
+                f"dimensions {tuple(x.shape[:-1])} (True: a token, False: padding)."
+            )
         mask = jnp.asarray(token_mask).astype(bool).reshape(-1)
     r = routing.route(lf, top_k, score=score, normalize=normalize, selection_bias=selection_bias, scale=scale)
     axes = losses.manual_batch_axes()
@@ -151,15 +172,29 @@ def routed_experts(x: jax.Array, router_logits: jax.Array, up: jax.Array, down: 
     mean_probs = losses.mean_probs(r.probs, axes, mask)
     stats_lb = n_experts * jnp.sum(fractions * mean_probs)
     stats_z = losses.z_loss(lf, mask, axes)
-    body = lambda xf, e, w, m, u, dn, g: _dispatch(xf, e, w, m, u, dn, g, ep=ep if ep > 1 else 1, axis=axis,
-                                                    groups=groups // split, capacity_factor=capacity_factor,
-                                                    activation=activation, method=method, n_experts=n_experts)
+    body = lambda xf, e, w, m, u, dn, g: _dispatch(
+        xf,
+        e,
+        w,
+        m,
+        u,
+        dn,
+        g,
+        ep=ep if ep > 1 else 1,
+        axis=axis,
+        groups=groups // split,
+        capacity_factor=capacity_factor,
+        activation=activation,
+        method=method,
+        n_experts=n_experts,
+    )
     args = (xf, r.experts, r.weights, jnp.ones((n,), bool) if mask is None else mask, up, down, gate)
     if split > 1:
         specs = (P(axis), P(axis), P(axis), P(axis), P(axis), P(axis), None if gate is None else P(axis))
         kw = {} if given_mesh is None else {"mesh": given_mesh}
-        run = jax.shard_map(body, in_specs=specs, out_specs=(P(axis), P(axis)), axis_names={axis}, check_vma=False,
-                            **kw)
+        run = jax.shard_map(
+            body, in_specs=specs, out_specs=(P(axis), P(axis)), axis_names={axis}, check_vma=False, **kw
+        )
         if not any(jax_compat.is_tracer(a) for a in args if a is not None):
             run = jax.jit(run)  # eager: jax 0.10 refuses an eager shard_map manual over some axes
         y, kept = run(*args)
@@ -185,16 +220,20 @@ def _check(x, router_logits, up, down, gate, top_k, score, selection_bias, scale
     if tuple(x.shape[-1:]) != (d,):
         raise ValueError(f"x has shape {tuple(x.shape)} but up {tuple(up.shape)} takes d = {d} features.")
     if tuple(down.shape) != (n_experts, f, d):
-        raise ValueError(f"down must have shape {(n_experts, f, d)} (the experts of up {tuple(up.shape)}), got "
-                         f"{tuple(down.shape)}.")
+        raise ValueError(
+            f"down must have shape {(n_experts, f, d)} (the experts of up {tuple(up.shape)}), got {tuple(down.shape)}."
+        )
     if gate is not None and tuple(gate.shape) != tuple(up.shape):
         raise ValueError(f"gate must have up's shape {tuple(up.shape)}, got {tuple(gate.shape)}.")
     routing.check_router(router_logits, top_k, n_experts, score, selection_bias, scale)
     if tuple(router_logits.shape[:-1]) != tuple(x.shape[:-1]):
-        raise ValueError(f"router_logits {tuple(router_logits.shape)} must be x's leading dimensions "
-                         f"{tuple(x.shape[:-1])} and the {n_experts} experts.")
-    if capacity_factor is not None and (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float))
-                                        or not capacity_factor > 0):
+        raise ValueError(
+            f"router_logits {tuple(router_logits.shape)} must be x's leading dimensions "
+            f"{tuple(x.shape[:-1])} and the {n_experts} experts."
+        )
+    if capacity_factor is not None and (
+        isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or not capacity_factor > 0
+    ):
         raise ValueError(f"capacity_factor must be None (dropless) or a number > 0, got {capacity_factor!r}.")
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
@@ -211,8 +250,23 @@ def capacity(tokens: int, top_k: int, n_experts: int, capacity_factor: float) ->
     return max(1, math.ceil(capacity_factor * tokens * top_k / n_experts))
 
 
-def _dispatch(xf, experts, weights, mask, up, down, gate, *, ep: int, axis: str, groups: int, capacity_factor,
-              activation, method: str, n_experts: int):
+def _dispatch(
+    xf,
+    experts,
+    weights,
+    mask,
+    up,
+    down,
+    gate,
+    *,
+    ep: int,
+    axis: str,
+    groups: int,
+    capacity_factor,
+    activation,
+    method: str,
+    n_experts: int,
+):
     """One device's tokens ``xf`` [n, d] (its ``groups`` capacity groups; ``mask`` [n]: False
     for padding, never dispatched) through the experts (``up``/``down``/``gate`` this device's
     ``n_experts / ep``); ``ep > 1``: manual over ``axis``. Returns the combined output
@@ -234,8 +288,9 @@ def _dispatch(xf, experts, weights, mask, up, down, gate, *, ep: int, axis: str,
     else:
         cap = capacity(ng, k, n_experts, capacity_factor)
         slots = local * groups * cap
-        onehot = ((e.reshape(groups, ng * k)[..., None] == jnp.arange(n_experts))
-                  & real.reshape(groups, ng * k, 1)).astype(jnp.int32)
+        onehot = (
+            (e.reshape(groups, ng * k)[..., None] == jnp.arange(n_experts)) & real.reshape(groups, ng * k, 1)
+        ).astype(jnp.int32)
         rank = jnp.take_along_axis(jnp.cumsum(onehot, axis=1) - 1, e.reshape(groups, ng * k, 1), axis=2).reshape(-1)
         keep = (rank < cap) & real
         group = jnp.arange(groups).repeat(ng * k)

@@ -39,26 +39,34 @@ def manual_batch_axes() -> tuple[str, ...]:
     return tuple(a for a in getattr(mesh, "axis_names", ()) if a in manual)
 
 
-def global_counts(experts: jax.Array, n_experts: int, axes: tuple[str, ...] = (),
-                  mask: jax.Array | None = None) -> jax.Array:
+def global_counts(
+    experts: jax.Array, n_experts: int, axes: tuple[str, ...] = (), mask: jax.Array | None = None
+) -> jax.Array:
     """Assignments per expert (``[n_experts]`` int32) over ``experts`` (``[..., k]`` expert
     indices), summed over the manual ``axes``; ``mask`` (``[...]``, False: a padding token)
     leaves tokens out."""
-    w = jnp.ones(experts.shape, jnp.int32) if mask is None else jnp.broadcast_to(
-        mask.reshape(mask.shape + (1,)).astype(jnp.int32), experts.shape)
+    w = (
+        jnp.ones(experts.shape, jnp.int32)
+        if mask is None
+        else jnp.broadcast_to(mask.reshape(mask.shape + (1,)).astype(jnp.int32), experts.shape)
+    )
     counts = jnp.zeros((n_experts,), jnp.int32).at[experts.reshape(-1)].add(w.reshape(-1))
     return jax.lax.psum(counts, axes) if axes else counts
 
 
 def _tokens(experts_or_probs: jax.Array, mask: jax.Array | None, axes: tuple[str, ...]) -> jax.Array:
     """The tokens counted (the mask's True ones, or all), over the manual ``axes`` too."""
-    n = (jnp.asarray(experts_or_probs.reshape(-1, experts_or_probs.shape[-1]).shape[0], jnp.float32)
-         if mask is None else jnp.sum(mask.astype(jnp.float32)))
+    n = (
+        jnp.asarray(experts_or_probs.reshape(-1, experts_or_probs.shape[-1]).shape[0], jnp.float32)
+        if mask is None
+        else jnp.sum(mask.astype(jnp.float32))
+    )
     return jax.lax.stop_gradient(jax.lax.psum(n, axes) if axes else n)
 
 
-def fractions(experts: jax.Array, n_experts: int, axes: tuple[str, ...] = (),
-              mask: jax.Array | None = None) -> jax.Array:
+def fractions(
+    experts: jax.Array, n_experts: int, axes: tuple[str, ...] = (), mask: jax.Array | None = None
+) -> jax.Array:
     """``fᵢ``: assignments routed to each expert per token, over every token of the manual
     ``axes`` too (float32, no gradient; ``Σᵢ fᵢ = k``); ``mask`` leaves padding tokens out."""
     total = jnp.maximum(_tokens(experts, mask, axes), 1.0)
@@ -77,8 +85,9 @@ def mean_probs(probs: jax.Array, axes: tuple[str, ...] = (), mask: jax.Array | N
     return jnp.sum(m[:, None] * p, axis=0) * shards / jnp.maximum(_tokens(probs, mask, axes), 1.0)
 
 
-def load_balancing_loss(probs: jax.Array, experts: jax.Array, *, axes: tuple[str, ...] | None = None,
-                        mask: jax.Array | None = None) -> jax.Array:
+def load_balancing_loss(
+    probs: jax.Array, experts: jax.Array, *, axes: tuple[str, ...] | None = None, mask: jax.Array | None = None
+) -> jax.Array:
     """``E · Σᵢ fᵢ · Pᵢ`` (module docstring) of ``probs`` ``[..., E]`` and the chosen
     ``experts`` ``[..., k]``; ``axes``: the manual axes the tokens are split over (default:
     those of the trace, :func:`manual_batch_axes`); ``mask`` (``[...]``, False: padding) leaves

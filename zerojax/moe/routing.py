@@ -42,8 +42,9 @@ class Routing(NamedTuple):
     probs: jax.Array
 
 
-def check_router(router_logits: Any, top_k: Any, n_experts: int, score: str = "softmax",
-                 selection_bias: Any = None, scale: Any = 1.0) -> None:
+def check_router(
+    router_logits: Any, top_k: Any, n_experts: int, score: str = "softmax", selection_bias: Any = None, scale: Any = 1.0
+) -> None:
     """Refuses a router configuration before anything is traced: ``top_k`` outside
     ``1..n_experts``, an unknown ``score``, logits whose last dimension is not the experts,
     a ``selection_bias`` that is not ``[n_experts]`` or is given to a softmax router."""
@@ -53,21 +54,34 @@ def check_router(router_logits: Any, top_k: Any, n_experts: int, score: str = "s
         raise ValueError(f"score must be one of {SCORES}, got {score!r}.")
     shape = tuple(getattr(router_logits, "shape", ()))
     if len(shape) < 1 or shape[-1] != n_experts:
-        raise ValueError(f"router_logits has shape {shape}; its last dimension must be the {n_experts} experts "
-                         f"(the experts' weights are stacked [{n_experts}, ...]).")
+        raise ValueError(
+            f"router_logits has shape {shape}; its last dimension must be the {n_experts} experts "
+            f"(the experts' weights are stacked [{n_experts}, ...])."
+        )
     if selection_bias is not None:
         if score != "sigmoid":
-            raise ValueError("selection_bias is DeepSeek-V3's balancing bias, used with score='sigmoid'; a softmax "
-                             "router has none. Remove it, or route with score='sigmoid'.")
+            raise ValueError(
+                "selection_bias is DeepSeek-V3's balancing bias, used with score='sigmoid'; a softmax "
+                "router has none. Remove it, or route with score='sigmoid'."
+            )
         if tuple(getattr(selection_bias, "shape", ())) != (n_experts,):
-            raise ValueError(f"selection_bias must have shape ({n_experts},) (one per expert), got "
-                             f"{tuple(getattr(selection_bias, 'shape', ()))}.")
+            raise ValueError(
+                f"selection_bias must have shape ({n_experts},) (one per expert), got "
+                f"{tuple(getattr(selection_bias, 'shape', ()))}."
+            )
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
         raise ValueError(f"scale must be a positive number (routed_scaling_factor), got {scale!r}.")
 
 
-def route(router_logits: jax.Array, top_k: int, *, score: str = "softmax", normalize: bool = False,
-          selection_bias: jax.Array | None = None, scale: float = 1.0) -> Routing:
+def route(
+    router_logits: jax.Array,
+    top_k: int,
+    *,
+    score: str = "softmax",
+    normalize: bool = False,
+    selection_bias: jax.Array | None = None,
+    scale: float = 1.0,
+) -> Routing:
     """Each token's ``top_k`` experts and their weights (see the module docstring).
 
     Example:
@@ -86,8 +100,11 @@ def route(router_logits: jax.Array, top_k: int, *, score: str = "softmax", norma
         weights, experts = jax.lax.top_k(probs, top_k)
     else:
         scores = jax.nn.sigmoid(logits)
-        choose = scores if selection_bias is None else scores + jax.lax.stop_gradient(
-            jnp.asarray(selection_bias, scores.dtype))
+        choose = (
+            scores
+            if selection_bias is None
+            else scores + jax.lax.stop_gradient(jnp.asarray(selection_bias, scores.dtype))
+        )
         _, experts = jax.lax.top_k(choose, top_k)
         weights = jnp.take_along_axis(scores, experts, axis=-1)
         probs = scores / jnp.sum(scores, axis=-1, keepdims=True)

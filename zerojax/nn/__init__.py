@@ -10,6 +10,17 @@ from zerojax.moe.experts import routed_experts
 from zerojax.nn import context, megatron
 from zerojax.nn.megatron import column_parallel, row_parallel, sequence_parallel, tensor_parallel
 
-__all__ = ["METHODS", "attention", "column_parallel", "context", "context_size", "dot_product_attention",
-           "global_positions", "megatron", "routed_experts", "row_parallel", "sequence_parallel",
-           "tensor_parallel"]
+__all__ = [
+    "METHODS",
+    "attention",
+    "column_parallel",
+    "context",
+    "context_size",
+    "dot_product_attention",
+    "global_positions",
+    "megatron",
+    "routed_experts",
+    "row_parallel",
+    "sequence_parallel",
+    "tensor_parallel",
+]

@@ -12,8 +12,9 @@ from zerojax.context.layout import Layout, global_positions
 
 
 def _moved(name: str, new: str) -> None:
-    warnings.warn(f"zj.nn.context.{name} is deprecated: use zj.context.Layout(kind, C).{new}.", DeprecationWarning,
-                  stacklevel=3)
+    warnings.warn(
+        f"zj.nn.context.{name} is deprecated: use zj.context.Layout(kind, C).{new}.", DeprecationWarning, stacklevel=3
+    )
 
 
 def check(seq_len: int, c: int, layout: str, what: str = "sequence length") -> None:

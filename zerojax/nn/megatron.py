@@ -60,8 +60,7 @@ def tensor_size(axis: str = "tensor") -> int:
     return int(dict(mesh.shape)[axis])
 
 
-def sequence_parallel(x: jax.Array, *, dim: int = 1, axis: str = "tensor",
-                      context_axis: str = "context") -> jax.Array:
+def sequence_parallel(x: jax.Array, *, dim: int = 1, axis: str = "tensor", context_axis: str = "context") -> jax.Array:
     """``x`` with its dimension ``dim`` (the sequence of a ``[batch, seq, ...]`` activation)
     split over the tensor axis ``axis`` of the mesh in context; the identity where there is
     none. The value is unchanged: only where it lives. On a mesh that also splits the
@@ -125,8 +124,15 @@ def _split(x: jax.Array, dim: int, axis: str, name: str, what: str, context_axis
     dim %= ndim
     c = tensor_size(context_axis) if context_axis is not None else 1
     where = (context_axis, axis) if c > 1 else axis
-    _divides(name, x, dim, c * t, " x ".join((context_axis, axis)) if c > 1 else axis, what,
-             hint=", or leave this value unsplit")
+    _divides(
+        name,
+        x,
+        dim,
+        c * t,
+        " x ".join((context_axis, axis)) if c > 1 else axis,
+        what,
+        hint=", or leave this value unsplit",
+    )
     spec = [P.UNCONSTRAINED] * ndim
     spec[dim] = where
     return jax.lax.with_sharding_constraint(x, NamedSharding(jax.sharding.get_abstract_mesh(), P(*spec)))
@@ -170,8 +176,9 @@ def column_parallel(x: jax.Array, kernel: Any, bias: Any = None, *, dim: int = 1
     if not kernels:
         raise ValueError("column_parallel: no kernel given; pass a [in, out] kernel or a tuple of them.")
     if len(biases) != len(kernels):
-        raise ValueError(f"column_parallel: {len(kernels)} kernels but {len(biases)} biases; give one bias (or None) "
-                         "per kernel.")
+        raise ValueError(
+            f"column_parallel: {len(kernels)} kernels but {len(biases)} biases; give one bias (or None) per kernel."
+        )
     dim = [_check_matmul("column_parallel", x, w, b, dim) for w, b in zip(kernels, biases)][0]
     t = tensor_size(axis)
     if t == 1:
@@ -189,14 +196,20 @@ def column_parallel(x: jax.Array, kernel: Any, bias: Any = None, *, dim: int = 1
         it = iter(bs)
         return _gathered_matmul(x, ws, tuple(next(it) if h else None for h in has), dim, axis)
 
-    run = jax.shard_map(body, in_specs=(seq, (P(None, axis),) * len(kernels), (P(axis),) * len(given)),
-                        out_specs=(cols,) * len(kernels), axis_names={axis}, check_vma=False)
+    run = jax.shard_map(
+        body,
+        in_specs=(seq, (P(None, axis),) * len(kernels), (P(axis),) * len(given)),
+        out_specs=(cols,) * len(kernels),
+        axis_names={axis},
+        check_vma=False,
+    )
     out = run(x, kernels, given)
     return out if many else out[0]
 
 
-def row_parallel(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *, dim: int = 1,
-                 axis: str = "tensor") -> jax.Array:
+def row_parallel(
+    x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *, dim: int = 1, axis: str = "tensor"
+) -> jax.Array:
     """``x @ kernel + bias`` for ``x`` split along its features (``[..., in]``, ``in`` over
     the tensor axis, as a column-parallel output is) and ``kernel`` (``[in, out]``) split by
     rows: each tensor shard's partial product is reduce-scattered onto the sequence split
@@ -224,11 +237,15 @@ def row_parallel(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None,
     feats = _spec(x.ndim, x.ndim - 1, axis)
     seq = _spec(x.ndim, dim, axis)
     if bias is None:
-        run = jax.shard_map(lambda x, w: body(x, w, None), in_specs=(feats, P(axis, None)), out_specs=seq,
-                            axis_names={axis}, check_vma=False)
+        run = jax.shard_map(
+            lambda x, w: body(x, w, None),
+            in_specs=(feats, P(axis, None)),
+            out_specs=seq,
+            axis_names={axis},
+            check_vma=False,
+        )
         return run(x, kernel)
-    run = jax.shard_map(body, in_specs=(feats, P(axis, None), P()), out_specs=seq, axis_names={axis},
-                        check_vma=False)
+    run = jax.shard_map(body, in_specs=(feats, P(axis, None), P()), out_specs=seq, axis_names={axis}, check_vma=False)
     return run(x, kernel, bias)
 
 
@@ -265,14 +282,19 @@ def _check_matmul(name: str, x, kernel, bias, dim: int) -> int:
         if getattr(v, "ndim", None) is None:
             raise TypeError(f"{name}: {what} must be an array, got {type(v).__name__}.")
     if kernel.ndim != 2 or x.shape[-1] != kernel.shape[0]:
-        raise ValueError(f"{name}: kernel must be [in, out] with in = x.shape[-1] = {x.shape[-1]}, got kernel "
-                         f"shape {tuple(kernel.shape)}.")
+        raise ValueError(
+            f"{name}: kernel must be [in, out] with in = x.shape[-1] = {x.shape[-1]}, got kernel "
+            f"shape {tuple(kernel.shape)}."
+        )
     if bias is not None and tuple(bias.shape) != (kernel.shape[1],):
-        raise ValueError(f"{name}: bias must have shape ({kernel.shape[1]},) (the kernel's outputs), got "
-                         f"{tuple(bias.shape)}.")
+        raise ValueError(
+            f"{name}: bias must have shape ({kernel.shape[1]},) (the kernel's outputs), got {tuple(bias.shape)}."
+        )
     if not isinstance(dim, int) or not -x.ndim <= dim < x.ndim - 1:
-        raise ValueError(f"{name}(dim={dim!r}): the sequence dimension must be one of x's leading dimensions "
-                         f"(x has shape {tuple(x.shape)}).")
+        raise ValueError(
+            f"{name}(dim={dim!r}): the sequence dimension must be one of x's leading dimensions "
+            f"(x has shape {tuple(x.shape)})."
+        )
     return dim % x.ndim
 
 
@@ -281,9 +303,11 @@ def _divides(name: str, x, dim: int, t: int, axis: str, what: str, *, arg: str =
     length = x.shape[dim]
     if length % t:
         fits = sorted({(length // t) * t, (length // t + 1) * t} - {0})
-        raise ValueError(f"{name}: dimension {dim} of {arg} (shape {tuple(x.shape)}) has length {length}, which the "
-                         f"mesh axis {axis!r} ({t} devices) does not divide; use {what} of "
-                         f"{' or '.join(map(str, fits))} (a multiple of {t}){hint}.")
+        raise ValueError(
+            f"{name}: dimension {dim} of {arg} (shape {tuple(x.shape)}) has length {length}, which the "
+            f"mesh axis {axis!r} ({t} devices) does not divide; use {what} of "
+            f"{' or '.join(map(str, fits))} (a multiple of {t}){hint}."
+        )
 
 
 def _spec(ndim: int, dim: int, axis: str) -> P:

@@ -64,7 +64,8 @@ class Parts:
         if not is_filter(wrt):
             raise TypeError(
                 f"wrt must be an NNX filter (a Variable type such as nnx.Param or nnx.LoRAParam, nnx.All/Any/Not, "
-                f"a path predicate fn(path, variable)), got {wrt!r}.")
+                f"a path predicate fn(path, variable)), got {wrt!r}."
+            )
         graphdef, params, rngs, _ = nnx.split(model, _params_filter(wrt), nnx.RngState, ...)
         trainable = select(wrt, params, name="wrt")
         pred = nnx.filterlib.to_predicate(wrt)
@@ -72,7 +73,8 @@ class Parts:
             if pred(path_keys(path), v):
                 raise TypeError(
                     f"wrt={describe(wrt)} selects the rng stream variable {type(v).__name__} "
-                    f"{jax.tree_util.keystr(path)}, which cannot train. Narrow the filter, e.g. nnx.All(wrt, nnx.Param).")
+                    f"{jax.tree_util.keystr(path)}, which cannot train. Narrow the filter, e.g. nnx.All(wrt, nnx.Param)."
+                )
         flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_variable)[0]
         leaves = [(p, v) for p, v in flat for _ in jax.tree.leaves(v)]
         for (path, v), on in zip(leaves, trainable):
@@ -80,7 +82,8 @@ class Parts:
             if on and dtype is not None and not jnp.issubdtype(dtype, jnp.inexact):
                 raise TypeError(
                     f"wrt={describe(wrt)} selects {type(v).__name__} {jax.tree_util.keystr(path)} of dtype {dtype}, "
-                    "which cannot train (not floating). Narrow the filter, e.g. nnx.All(wrt, nnx.Param).")
+                    "which cannot train (not floating). Narrow the filter, e.g. nnx.All(wrt, nnx.Param)."
+                )
         impls = tuple(_key_impl(x) for x in jax.tree.leaves(rngs) if _is_key(x))
         return cls(graphdef, wrt, trainable, impls)
 
@@ -101,8 +104,12 @@ class Parts:
     def unpack(self, rngs: Any) -> Any:
         """Rng streams with their keys typed again."""
         impls = iter(self.key_impls)
-        return _map_variables(lambda v: v.replace(jax.random.wrap_key_data(v.get_value(), impl=next(impls)))
-                              if isinstance(v, nnx.RngKey) else v, rngs)
+        return _map_variables(
+            lambda v: (
+                v.replace(jax.random.wrap_key_data(v.get_value(), impl=next(impls))) if isinstance(v, nnx.RngKey) else v
+            ),
+            rngs,
+        )
 
     def new_model_state(self, model: nnx.Module, given: dict) -> dict:
         """The model state after ``model`` ran: new counters, the given keys (not the salted
@@ -149,7 +156,8 @@ def build(model: nnx.Module | Callable[[], nnx.Module]) -> tuple[nnx.Module, Cal
             raise TypeError(
                 f"model is an abstract {type(model).__name__} (from nnx.eval_shape: shapes, no values). Pass the "
                 "function that builds it instead, e.g. zj.nnx.Optimizer(lambda: Model(...), tx, ...): zerojax "
-                "plans it with nnx.eval_shape and each device builds only its own shards.")
+                "plans it with nnx.eval_shape and each device builds only its own shards."
+            )
         return model, None
     if callable(model):
         abstract = nnx.eval_shape(model)

@@ -51,9 +51,17 @@ class Optimizer:
       (0, (3, 1))
     """
 
-    def __init__(self, model: nnx.Module | Callable[[], nnx.Module], tx: optax.GradientTransformation, *,
-                 mesh: Mesh, config: ZeroConfig, wrt: Any = nnx.Param, seed: int = 0,
-                 sync_batch_stats: bool = True):
+    def __init__(
+        self,
+        model: nnx.Module | Callable[[], nnx.Module],
+        tx: optax.GradientTransformation,
+        *,
+        mesh: Mesh,
+        config: ZeroConfig,
+        wrt: Any = nnx.Param,
+        seed: int = 0,
+        sync_batch_stats: bool = True,
+    ):
         module, init_fn = build(model)
         self.parts = Parts.of(module, wrt)
         self.tx, self.mesh, self.config, self.wrt = tx, mesh, config, wrt
@@ -67,8 +75,9 @@ class Optimizer:
         else:
             params = lambda: self.parts.split(init_fn())[0]
             model_state = lambda: self.parts.split(init_fn())[1]
-        self.state: ZeroState = init_state(params, tx, mesh=mesh, config=config, rng=rng,
-                                           model_state=model_state, trainable=trainable)
+        self.state: ZeroState = init_state(
+            params, tx, mesh=mesh, config=config, rng=rng, model_state=model_state, trainable=trainable
+        )
 
     @property
     def step(self) -> int:

@@ -33,8 +33,10 @@ def _batch_axes(optimizer: Optimizer) -> str | tuple[str, ...] | None:
 
 def _check_optimizer(optimizer: Any, what: str) -> None:
     if not isinstance(optimizer, Optimizer):
-        raise TypeError(f"{what} takes a zj.nnx.Optimizer as its first argument, got {type(optimizer).__name__}. "
-                        "Call it as step(optimizer, batch).")
+        raise TypeError(
+            f"{what} takes a zj.nnx.Optimizer as its first argument, got {type(optimizer).__name__}. "
+            "Call it as step(optimizer, batch)."
+        )
 
 
 class TrainStep:
@@ -42,8 +44,9 @@ class TrainStep:
     ``optimizer`` in place. ``metrics`` are :class:`zerojax.TrainStep` 's (``loss``,
     ``grad_norm``, ...; ``aux`` with ``has_aux=True``)."""
 
-    def __init__(self, loss_fn: Callable, *, has_aux: bool = False, aux_reduce: Any = None,
-                 timeout_s: float | None = None):
+    def __init__(
+        self, loss_fn: Callable, *, has_aux: bool = False, aux_reduce: Any = None, timeout_s: float | None = None
+    ):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {loss_fn!r}.")
         self.loss_fn, self.has_aux, self.aux_reduce, self.timeout_s = loss_fn, has_aux, aux_reduce, timeout_s
@@ -66,13 +69,23 @@ class TrainStep:
                 new = parts.new_model_state(model, model_state)
                 if has_aux:
                     if not (isinstance(out, tuple) and len(out) == 2):
-                        raise ValueError(f"loss_fn must return (loss, aux) with has_aux=True, got {type(out).__name__}.")
+                        raise ValueError(
+                            f"loss_fn must return (loss, aux) with has_aux=True, got {type(out).__name__}."
+                        )
                     return out[0], (new, out[1])
                 return out, new
 
-            step = ZeroTrainStep(loss, optimizer.tx, mesh=optimizer.mesh, config=optimizer.config,
-                                 has_aux=has_aux, aux_reduce=self.aux_reduce, with_rng=parts.has_rngs,
-                                 with_model_state=True, timeout_s=self.timeout_s)
+            step = ZeroTrainStep(
+                loss,
+                optimizer.tx,
+                mesh=optimizer.mesh,
+                config=optimizer.config,
+                has_aux=has_aux,
+                aux_reduce=self.aux_reduce,
+                with_rng=parts.has_rngs,
+                with_model_state=True,
+                timeout_s=self.timeout_s,
+            )
             self._steps[optimizer] = step
         return step
 
@@ -112,8 +125,9 @@ class EvalStep:
                 model.eval()
                 return user(model, batch)
 
-            step = ZeroEvalStep(fn, mesh=optimizer.mesh, config=optimizer.config, reduce=self.reduce,
-                                with_model_state=True)
+            step = ZeroEvalStep(
+                fn, mesh=optimizer.mesh, config=optimizer.config, reduce=self.reduce, with_model_state=True
+            )
             self._steps[optimizer] = step
         return step
 
@@ -121,8 +135,9 @@ class EvalStep:
         return self.step_for(optimizer)(optimizer.state, batch)
 
 
-def make_train_step(loss_fn: Callable, *, has_aux: bool = False, aux_reduce: Any = None,
-                    timeout_s: float | None = None) -> TrainStep:
+def make_train_step(
+    loss_fn: Callable, *, has_aux: bool = False, aux_reduce: Any = None, timeout_s: float | None = None
+) -> TrainStep:
     """The train step for ``loss_fn(model, batch) -> loss`` (or ``(loss, aux)`` with
     ``has_aux=True``), called as ``metrics = train_step(optimizer, batch)`` with a
     :class:`zerojax.nnx.Optimizer`, which it updates in place. ``batch`` is the global batch;

@@ -11,8 +11,15 @@ from zerojax.optim.update import keep_if, update
 from zerojax.sharding.plan import ZeroPlan
 
 
-def apply_optimizer(plan: ZeroPlan, tx: Any, grads: list[jax.Array], opt_state: Any, masters: list[jax.Array],
-                    skip: jax.Array | None = None, place: str = "device") -> tuple[list[jax.Array], Any]:
+def apply_optimizer(
+    plan: ZeroPlan,
+    tx: Any,
+    grads: list[jax.Array],
+    opt_state: Any,
+    masters: list[jax.Array],
+    skip: jax.Array | None = None,
+    place: str = "device",
+) -> tuple[list[jax.Array], Any]:
     """New fp32 masters (in ``plan.master_layouts``) and optimizer state after one step of
     ``tx``, each stored where it lives (``plan.master_memory``, ``plan.opt_memory``); a
     step with ``skip`` set changes neither, bit for bit. With offloaded state, ``place``

@@ -31,7 +31,7 @@ def init(config: ZeroConfig) -> LossScaleState | None:
     """The scaler's state for ``config``; ``None`` when the loss is not scaled."""
     if not config.scaling:
         return None
-    scale = 2.0 ** config.initial_scale_power if config.dynamic_scaling else config.resolved_loss_scale
+    scale = 2.0**config.initial_scale_power if config.dynamic_scaling else config.resolved_loss_scale
     return LossScaleState(
         scale=jnp.asarray(scale, jnp.float32),
         iteration=jnp.asarray(0, jnp.int32),

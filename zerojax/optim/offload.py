@@ -144,8 +144,7 @@ def update_groups(plan: ZeroPlan, tx: Any, group_size: int) -> UpdateGroups:
     bucket_of = {root: b for b, roots in enumerate(buckets) for root in roots}
     groups = []
     for b in range(len(buckets)):
-        ins = tuple(i for i in range(2 * n + m)
-                    if i not in shared_set and bucket_of[find(unit_of_input[i])] == b)
+        ins = tuple(i for i in range(2 * n + m) if i not in shared_set and bucket_of[find(unit_of_input[i])] == b)
         outs = tuple(k for k, u in enumerate(out_units) if (0 if u is None else bucket_of[find(u)]) == b)
         groups.append((ins, outs))
     return UpdateGroups(tuple(groups), tuple(shared))
@@ -153,8 +152,11 @@ def update_groups(plan: ZeroPlan, tx: Any, group_size: int) -> UpdateGroups:
 
 def apply_on_host(plan: ZeroPlan, tx: Any, grads: list, opt: list, masters: list, skip: jax.Array | None):
     """The update inside ``compute_on("device_host")``, on host-memory copies."""
-    g, m, o = _move(plan, grads, plan.master_layouts, HOST), _move(plan, masters, plan.master_layouts, HOST), \
-        _move(plan, opt, plan.opt_storage_layouts, HOST)
+    g, m, o = (
+        _move(plan, grads, plan.master_layouts, HOST),
+        _move(plan, masters, plan.master_layouts, HOST),
+        _move(plan, opt, plan.opt_storage_layouts, HOST),
+    )
     flag = None if skip is None else jax.device_put(skip, NamedSharding(plan.mesh, P(), memory_kind=HOST))
 
     def run(g, o, m, flag):
@@ -192,11 +194,15 @@ def apply_streamed(plan: ZeroPlan, tx: Any, grads: list, opt: list, masters: lis
             moved, _ = jax.lax.optimization_barrier((moved, done[-2]))
         args = dict(on_device)
         args.update(zip(ins, moved))
-        full = [args[i] if i in args else jax.lax.with_sharding_constraint(
-            jnp.zeros(inputs[i].shape, inputs[i].dtype), device(i)) for i in range(2 * n + m)]
-        new_m, new_o = update(plan, tx, full[:n], full[n:n + m], full[n + m:])
+        full = [
+            args[i]
+            if i in args
+            else jax.lax.with_sharding_constraint(jnp.zeros(inputs[i].shape, inputs[i].dtype), device(i))
+            for i in range(2 * n + m)
+        ]
+        new_m, new_o = update(plan, tx, full[:n], full[n : n + m], full[n + m :])
         new = list(new_m) + list(new_o)
-        old = full[n + m:] + full[n:n + m]
+        old = full[n + m :] + full[n : n + m]
         results = [new[k] if skip is None else jnp.where(skip, old[k], new[k]) for k in outs]
         for k, r in zip(outs, results):  # back where it lives as soon as it is made
             outputs[k] = jax.device_put(r, plan.sharding(out_layouts[k], homes[k]))
@@ -208,13 +214,16 @@ def _move(plan: ZeroPlan, xs: list, layouts, kind: str | None) -> list:
     return [jax.device_put(x, plan.sharding(l, kind)) for x, l in zip(xs, layouts)]
 
 
-def apply_offloaded(plan: ZeroPlan, tx: Any, grads: list, opt: list, masters: list, skip: jax.Array | None,
-                    place: str) -> tuple[list, list]:
+def apply_offloaded(
+    plan: ZeroPlan, tx: Any, grads: list, opt: list, masters: list, skip: jax.Array | None, place: str
+) -> tuple[list, list]:
     """New masters and optimizer-state leaves of offloaded state, each back where it lives."""
     if place == "host":
         new_m, new_o = apply_on_host(plan, tx, grads, opt, masters, skip)
-        return (_move(plan, new_m, plan.master_layouts, plan.master_memory),
-                _move(plan, new_o, plan.opt_storage_layouts, plan.opt_memory))
+        return (
+            _move(plan, new_m, plan.master_layouts, plan.master_memory),
+            _move(plan, new_o, plan.opt_storage_layouts, plan.opt_memory),
+        )
     return apply_streamed(plan, tx, grads, opt, masters, skip)
 
 
@@ -240,18 +249,20 @@ def choose_place(plan: ZeroPlan, tx: Any, opt: list) -> str:
         return "device"  # offload_params alone: the optimizer state is on the device already
     if cfg.offload_update != "auto":
         return cfg.offload_update
-    grads = [jax.ShapeDtypeStruct(l.storage_shape, jnp.float32, sharding=plan.sharding(l))
-             for l in plan.master_layouts]
-    masters = [jax.ShapeDtypeStruct(l.storage_shape, jnp.float32, sharding=plan.sharding(l, plan.master_memory))
-               for l in plan.master_layouts]
+    grads = [jax.ShapeDtypeStruct(l.storage_shape, jnp.float32, sharding=plan.sharding(l)) for l in plan.master_layouts]
+    masters = [
+        jax.ShapeDtypeStruct(l.storage_shape, jnp.float32, sharding=plan.sharding(l, plan.master_memory))
+        for l in plan.master_layouts
+    ]
     probe = lambda g, o, w, skip: apply_on_host(plan, tx, g, o, w, skip)
     # Only the two refusals that mean "this update cannot run in host memory here" choose the
     # device: JAX's, while tracing, of an operation mixing host and device memory (the
     # optimizer makes a device array, as optax.clip_by_global_norm's norm does), and the
     # backend compiler's. Any other error is a bug to report, and propagates.
     try:
-        lowered = jax.jit(probe).lower(grads, [_sds(x) for x in opt], masters,
-                                       jax.ShapeDtypeStruct((), jnp.bool_, sharding=plan.replicated))
+        lowered = jax.jit(probe).lower(
+            grads, [_sds(x) for x in opt], masters, jax.ShapeDtypeStruct((), jnp.bool_, sharding=plan.replicated)
+        )
     except ValueError as e:
         if "memory_space" not in str(e):
             raise

@@ -82,8 +82,9 @@ def _warmup(warmup_num_steps: Any, warmup_type: str) -> tuple[int, Callable[[Any
     return n, lambda it: _float(it) / n
 
 
-def warmup_lr(warmup_max_lr: float, warmup_min_lr: float = 0.0, warmup_num_steps: int = 1000,
-              warmup_type: str = "log") -> optax.Schedule:
+def warmup_lr(
+    warmup_max_lr: float, warmup_min_lr: float = 0.0, warmup_num_steps: int = 1000, warmup_type: str = "log"
+) -> optax.Schedule:
     """DeepSpeed's ``WarmupLR``: from ``warmup_min_lr`` up to ``warmup_max_lr`` over
     ``max(2, warmup_num_steps)`` iterations, logarithmically (``"log"``, DeepSpeed's
     default) or linearly, then constant.
@@ -109,8 +110,13 @@ def warmup_lr(warmup_max_lr: float, warmup_min_lr: float = 0.0, warmup_num_steps
     return _by_optimizer_step(low, at)
 
 
-def warmup_decay_lr(total_num_steps: int, warmup_min_lr: float = 0.0, warmup_max_lr: float = 0.001,
-                    warmup_num_steps: int = 1000, warmup_type: str = "log") -> optax.Schedule:
+def warmup_decay_lr(
+    total_num_steps: int,
+    warmup_min_lr: float = 0.0,
+    warmup_max_lr: float = 0.001,
+    warmup_num_steps: int = 1000,
+    warmup_type: str = "log",
+) -> optax.Schedule:
     """DeepSpeed's ``WarmupDecayLR``: :func:`warmup_lr`'s warm-up, then a linear decay
     to 0 at iteration ``total_num_steps``.
 
@@ -138,9 +144,14 @@ def warmup_decay_lr(total_num_steps: int, warmup_min_lr: float = 0.0, warmup_max
     return _by_optimizer_step(low, at)
 
 
-def warmup_cosine_lr(total_num_steps: int, learning_rate: float, warmup_min_ratio: float = 0.0,
-                     warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001,
-                     warmup_type: str = "log") -> optax.Schedule:
+def warmup_cosine_lr(
+    total_num_steps: int,
+    learning_rate: float,
+    warmup_min_ratio: float = 0.0,
+    warmup_num_steps: int = 1000,
+    cos_min_ratio: float = 0.0001,
+    warmup_type: str = "log",
+) -> optax.Schedule:
     """DeepSpeed's ``WarmupCosineLR``: ``learning_rate`` (the optimizer's ``lr``) times a
     ratio that warms up from ``warmup_min_ratio`` to 1 over ``max(2, warmup_num_steps)``
     iterations, then follows a half cosine down to ``cos_min_ratio`` at
@@ -176,16 +187,21 @@ def warmup_cosine_lr(total_num_steps: int, learning_rate: float, warmup_min_rati
     return _by_optimizer_step(0.0, at)
 
 
-def _cycle(cycle_first_step_size: Any, cycle_second_step_size: Any, cycle_first_stair_count: Any,
-           cycle_second_stair_count: Any) -> tuple[float, Callable[[Any], Any]]:
+def _cycle(
+    cycle_first_step_size: Any, cycle_second_step_size: Any, cycle_first_stair_count: Any, cycle_second_stair_count: Any
+) -> tuple[float, Callable[[Any], Any]]:
     """OneCycle's cycle length and its scale (0 at the bounds of the cycle, 1 at its peak)
     at an iteration inside the cycle, stairs included."""
     first = _number("cycle_first_step_size", cycle_first_step_size, minimum=0, strict=True)
-    second = first if cycle_second_step_size is None else _number(
-        "cycle_second_step_size", cycle_second_step_size, minimum=0)
+    second = (
+        first
+        if cycle_second_step_size is None
+        else _number("cycle_second_step_size", cycle_second_step_size, minimum=0)
+    )
     up_stairs = _whole("cycle_first_stair_count", cycle_first_stair_count)
-    down_stairs = up_stairs if cycle_second_stair_count is None else _whole(
-        "cycle_second_stair_count", cycle_second_stair_count)
+    down_stairs = (
+        up_stairs if cycle_second_stair_count is None else _whole("cycle_second_stair_count", cycle_second_stair_count)
+    )
     total = first + second
     down = second or 1.0  # the falling half is never used when it is empty
 
@@ -202,10 +218,16 @@ def _cycle(cycle_first_step_size: Any, cycle_second_step_size: Any, cycle_first_
     return total, scale
 
 
-def one_cycle(cycle_min_lr: float, cycle_max_lr: float, decay_lr_rate: float = 0.0,
-              cycle_first_step_size: int = 2000, cycle_second_step_size: int | None = None,
-              cycle_first_stair_count: int = 0, cycle_second_stair_count: int | None = None,
-              decay_step_size: int = 0) -> optax.Schedule:
+def one_cycle(
+    cycle_min_lr: float,
+    cycle_max_lr: float,
+    decay_lr_rate: float = 0.0,
+    cycle_first_step_size: int = 2000,
+    cycle_second_step_size: int | None = None,
+    cycle_first_stair_count: int = 0,
+    cycle_second_stair_count: int | None = None,
+    decay_step_size: int = 0,
+) -> optax.Schedule:
     """DeepSpeed's ``OneCycle`` learning rate: up from ``cycle_min_lr`` to
     ``cycle_max_lr`` over ``cycle_first_step_size`` iterations, back down over
     ``cycle_second_step_size`` (default: the same), then, if ``decay_step_size`` and
@@ -225,8 +247,9 @@ def one_cycle(cycle_min_lr: float, cycle_max_lr: float, decay_lr_rate: float = 0
     """
     low = _number("cycle_min_lr", cycle_min_lr)
     high = _number("cycle_max_lr", cycle_max_lr)
-    total, scale = _cycle(cycle_first_step_size, cycle_second_step_size, cycle_first_stair_count,
-                          cycle_second_stair_count)
+    total, scale = _cycle(
+        cycle_first_step_size, cycle_second_step_size, cycle_first_stair_count, cycle_second_stair_count
+    )
     rate = _number("decay_lr_rate", decay_lr_rate)
     every = _number("decay_step_size", decay_step_size)
     decays = not (math.isclose(every, 0) or math.isclose(rate, 0))
@@ -239,10 +262,16 @@ def one_cycle(cycle_min_lr: float, cycle_max_lr: float, decay_lr_rate: float = 0
     return _by_optimizer_step(low, at)
 
 
-def one_cycle_momentum(cycle_min_mom: float = 0.8, cycle_max_mom: float = 0.9, decay_mom_rate: float = 0.0,
-                       cycle_first_step_size: int = 2000, cycle_second_step_size: int | None = None,
-                       cycle_first_stair_count: int = 0, cycle_second_stair_count: int | None = None,
-                       decay_step_size: int = 0) -> optax.Schedule:
+def one_cycle_momentum(
+    cycle_min_mom: float = 0.8,
+    cycle_max_mom: float = 0.9,
+    decay_mom_rate: float = 0.0,
+    cycle_first_step_size: int = 2000,
+    cycle_second_step_size: int | None = None,
+    cycle_first_stair_count: int = 0,
+    cycle_second_stair_count: int | None = None,
+    decay_step_size: int = 0,
+) -> optax.Schedule:
     """The first beta (momentum) DeepSpeed's ``OneCycle`` sets with ``cycle_momentum``
     (its default) on optimizers with ``betas`` (Adam, AdamW, Lamb, Lion): the mirror image
     of :func:`one_cycle`'s learning rate, from ``cycle_max_mom`` down to
@@ -262,8 +291,9 @@ def one_cycle_momentum(cycle_min_mom: float = 0.8, cycle_max_mom: float = 0.9, d
     """
     low = _number("cycle_min_mom", cycle_min_mom)
     high = _number("cycle_max_mom", cycle_max_mom)
-    total, scale = _cycle(cycle_first_step_size, cycle_second_step_size, cycle_first_stair_count,
-                          cycle_second_stair_count)
+    total, scale = _cycle(
+        cycle_first_step_size, cycle_second_step_size, cycle_first_stair_count, cycle_second_stair_count
+    )
     rate = _number("decay_mom_rate", decay_mom_rate)
     every = _number("decay_step_size", decay_step_size)
     decays = not (math.isclose(every, 0) or math.isclose(rate, 0))
@@ -276,8 +306,12 @@ def one_cycle_momentum(cycle_min_mom: float = 0.8, cycle_max_mom: float = 0.9, d
     return _by_optimizer_step(low, at)
 
 
-def lr_range_test(lr_range_test_min_lr: float = 0.001, lr_range_test_step_size: int = 2000,
-                  lr_range_test_step_rate: float = 1.0, lr_range_test_staircase: bool = False) -> optax.Schedule:
+def lr_range_test(
+    lr_range_test_min_lr: float = 0.001,
+    lr_range_test_step_size: int = 2000,
+    lr_range_test_step_rate: float = 1.0,
+    lr_range_test_staircase: bool = False,
+) -> optax.Schedule:
     """DeepSpeed's ``LRRangeTest``: ``min_lr * (1 + step_rate * (i + 1) / step_size)`` at
     iteration ``i``, with ``floor`` of the interval when ``lr_range_test_staircase``; the
     first optimizer step runs at ``min_lr``.

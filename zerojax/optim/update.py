@@ -35,43 +35,61 @@ def check_optimizer(tx: Any) -> None:
     if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
         raise TypeError(
             f"tx must be an optax optimizer: an object with init(params) and "
-            f"update(updates, state, params) (e.g. optax.adamw(1e-3)), got {tx!r}.")
+            f"update(updates, state, params) (e.g. optax.adamw(1e-3)), got {tx!r}."
+        )
 
 
-def view(plan: ZeroPlan, layouts: tuple[LeafLayout, ...], storage: list[jax.Array],
-         memory_kind: str | None = None) -> list[jax.Array]:
+def view(
+    plan: ZeroPlan, layouts: tuple[LeafLayout, ...], storage: list[jax.Array], memory_kind: str | None = None
+) -> list[jax.Array]:
     """Each stored array in its own shape, laid out for the optimizer (see the module docstring)."""
     out = []
     for l, x in zip(layouts, storage):
         v = l.from_storage(x)
         if l.kind != "replicated" or l.tp:
-            v = jax.lax.with_sharding_constraint(v, NamedSharding(plan.mesh, l.view_spec(plan.storage_axes_of(l)), memory_kind=memory_kind))
+            v = jax.lax.with_sharding_constraint(
+                v, NamedSharding(plan.mesh, l.view_spec(plan.storage_axes_of(l)), memory_kind=memory_kind)
+            )
         out.append(v)
     return out
 
 
-def store(plan: ZeroPlan, layouts: tuple[LeafLayout, ...], arrays: list[jax.Array],
-          memory_kind: str | None = None) -> list[jax.Array]:
+def store(
+    plan: ZeroPlan, layouts: tuple[LeafLayout, ...], arrays: list[jax.Array], memory_kind: str | None = None
+) -> list[jax.Array]:
     """The inverse of :func:`view`: each array in its storage layout."""
-    return [jax.lax.with_sharding_constraint(l.to_storage(x), plan.sharding(l, memory_kind))
-            for l, x in zip(layouts, arrays)]
+    return [
+        jax.lax.with_sharding_constraint(l.to_storage(x), plan.sharding(l, memory_kind))
+        for l, x in zip(layouts, arrays)
+    ]
 
 
-def update(plan: ZeroPlan, tx: Any, grads: list[jax.Array], opt_leaves: list[jax.Array], masters: list[jax.Array],
-           memory_kind: str | None = None) -> tuple[list[jax.Array], list[jax.Array]]:
+def update(
+    plan: ZeroPlan,
+    tx: Any,
+    grads: list[jax.Array],
+    opt_leaves: list[jax.Array],
+    masters: list[jax.Array],
+    memory_kind: str | None = None,
+) -> tuple[list[jax.Array], list[jax.Array]]:
     """One optax step on the fp32 masters of the trainable parameters (all in the stage's
     storage layouts; the frozen ones are ``optax.MaskedNode()`` in the trees the optimizer
     sees, as inside ``optax.masked``); returns the new masters and optimizer-state leaves,
     stored the same way, in ``memory_kind``."""
     layouts, opt_layouts = plan.master_layouts, plan.opt_storage_layouts
     params = plan.unflatten_train(view(plan, layouts, masters, memory_kind))
-    updates, new_opt = tx.update(plan.unflatten_train(view(plan, layouts, grads, memory_kind)),
-                                 plan.unflatten_opt(view(plan, opt_layouts, opt_leaves, memory_kind)), params)
+    updates, new_opt = tx.update(
+        plan.unflatten_train(view(plan, layouts, grads, memory_kind)),
+        plan.unflatten_opt(view(plan, opt_layouts, opt_leaves, memory_kind)),
+        params,
+    )
     new = [x.astype(m.dtype) for x, m in zip(jax.tree.leaves(optax.apply_updates(params, updates)), masters)]
     new_opt, treedef = jax.tree.flatten(new_opt)
     if treedef != plan.opt_treedef:
-        raise ValueError(f"the optimizer's update changed its state's structure from {plan.opt_treedef} to "
-                         f"{treedef}; zerojax stores the state tx.init creates and needs it to keep its shape.")
+        raise ValueError(
+            f"the optimizer's update changed its state's structure from {plan.opt_treedef} to "
+            f"{treedef}; zerojax stores the state tx.init creates and needs it to keep its shape."
+        )
     new_opt = [x.astype(l.dtype) for x, l in zip(new_opt, opt_layouts)]
     return store(plan, layouts, new, memory_kind), store(plan, opt_layouts, new_opt, memory_kind)
 

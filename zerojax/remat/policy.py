@@ -76,10 +76,12 @@ class Remat:
             "dots_no_batch": lambda: cp.dots_with_no_batch_dims_saveable,
             "names": lambda: cp.save_only_these_names(*self.names),
             "offload_names": lambda: cp.save_and_offload_only_these_names(
-                names_which_can_be_saved=(), names_which_can_be_offloaded=self.names,
-                offload_src="device", offload_dst="pinned_host"),
-            "offload_dots": lambda: cp.offload_dot_with_no_batch_dims(
-                offload_src="device", offload_dst="pinned_host"),
+                names_which_can_be_saved=(),
+                names_which_can_be_offloaded=self.names,
+                offload_src="device",
+                offload_dst="pinned_host",
+            ),
+            "offload_dots": lambda: cp.offload_dot_with_no_batch_dims(offload_src="device", offload_dst="pinned_host"),
         }[self.kind]()
 
 

@@ -65,8 +65,15 @@ class DeepSpeedEstimate:
     offload: str  # "none", "optimizer", "optimizer+params"
 
 
-def deepspeed_bytes(num_params: float, n: int, stage: int, *, largest_layer: float = 0.0,
-                    offload: str = "none", gpus_per_node: int | None = None) -> DeepSpeedEstimate:
+def deepspeed_bytes(
+    num_params: float,
+    n: int,
+    stage: int,
+    *,
+    largest_layer: float = 0.0,
+    offload: str = "none",
+    gpus_per_node: int | None = None,
+) -> DeepSpeedEstimate:
     """DeepSpeed's estimate for ZeRO-2 or ZeRO-3 (it has none for stages 0 and 1)."""
     psi = float(num_params)
     if stage == 2:
@@ -152,7 +159,9 @@ class LlamaShape:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"LlamaShape.{name} must be a positive int, got {v!r}.")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_kv_heads {self.n_kv_heads} must divide n_heads {self.n_heads} (grouped-query attention).")
+            raise ValueError(
+                f"n_kv_heads {self.n_kv_heads} must divide n_heads {self.n_heads} (grouped-query attention)."
+            )
         if self.head_dim is None and self.d_model % self.n_heads:
             raise ValueError(f"n_heads {self.n_heads} must divide d_model {self.d_model}, or give head_dim.")
 
@@ -232,8 +241,7 @@ MODELS = {
     "llama2-70b": LlamaShape(vocab=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672),
     "llama3-8b": LlamaShape(vocab=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336),
     "llama3-70b": LlamaShape(vocab=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672),
-    "llama3.2-1b": LlamaShape(vocab=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, d_ff=8192,
-                              tied=True),
+    "llama3.2-1b": LlamaShape(vocab=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, d_ff=8192, tied=True),
     "mistral-7b": LlamaShape(vocab=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336),
 }
 """Model shapes by name (``zerojax estimate --model NAME``). The ``gpt*`` entries up to
@@ -247,8 +255,10 @@ _OPTIMIZER_NOTES = {
     "adam": "Adam's m and v in fp32",
     "adamw": "AdamW's m and v in fp32",
     "sgd": "plain SGD, optax.sgd without momentum, keeps none; momentum would add 4",
-    "adafactor": ("Adafactor's factored second moments, taken as ~0, a lower bound: a (rows, cols) matrix keeps "
-                  "4·(rows + cols) bytes, vectors and small matrices 4 per parameter, which Ψ alone does not tell"),
+    "adafactor": (
+        "Adafactor's factored second moments, taken as ~0, a lower bound: a (rows, cols) matrix keeps "
+        "4·(rows + cols) bytes, vectors and small matrices 4 per parameter, which Ψ alone does not tell"
+    ),
 }
 
 
@@ -301,8 +311,16 @@ def parse_count(text: str, *, allow_zero: bool = False) -> int:
     return int(value)
 
 
-def table(num_params: float, n: int, largest_layer: float = 0.0, replicas: int = 1, *,
-          compute_dtype: str = "float32", optimizer: str = "adam", tensor: int = 1) -> str:
+def table(
+    num_params: float,
+    n: int,
+    largest_layer: float = 0.0,
+    replicas: int = 1,
+    *,
+    compute_dtype: str = "float32",
+    optimizer: str = "adam",
+    tensor: int = 1,
+) -> str:
     """The paper's table, DeepSpeed's estimates and zerojax's own per-device state as text
     (what ``zerojax estimate`` prints), with a line per column saying what it assumes.
 
@@ -332,8 +350,9 @@ def table(num_params: float, n: int, largest_layer: float = 0.0, replicas: int =
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1 or n % replicas:
         raise ValueError(f"replicas must be a positive int dividing the {n} devices, got {replicas!r}.")
     if isinstance(tensor, bool) or not isinstance(tensor, int) or tensor < 1 or (n // replicas) % tensor:
-        raise ValueError(f"tensor must be a positive int dividing the {n // replicas} devices of a replica group, "
-                         f"got {tensor!r}.")
+        raise ValueError(
+            f"tensor must be a positive int dividing the {n // replicas} devices of a replica group, got {tensor!r}."
+        )
     opt_bytes = optimizer_bytes(optimizer)
     shard = n // (replicas * tensor)
     gb = lambda b: f"{b / 1e9:,.1f} GB"
@@ -342,19 +361,27 @@ def table(num_params: float, n: int, largest_layer: float = 0.0, replicas: int =
         where += f", tensor parallel T = {tensor} (ZeRO over {shard} devices per data group)"
     full_psi, num_params, largest_layer = num_params, num_params / tensor, largest_layer / tensor
     ours = f"zerojax ({compute_dtype}, {optimizer})"
-    lines = [f"Model states per device, Ψ = {full_psi:,.0f} parameters, {where}",
-             "", f"{'stage':>5}  {'ZeRO paper (K=12)':>18}  {'DeepSpeed estimator':>20}  {ours:>{len(ours)}}"]
+    lines = [
+        f"Model states per device, Ψ = {full_psi:,.0f} parameters, {where}",
+        "",
+        f"{'stage':>5}  {'ZeRO paper (K=12)':>18}  {'DeepSpeed estimator':>20}  {ours:>{len(ours)}}",
+    ]
     for s in range(4):
         ds = gb(deepspeed_bytes(num_params, shard, s, largest_layer=largest_layer).gpu) if s >= 2 else "-"
         zj = gb(zero_formula_bytes(num_params, shard, s, compute_dtype=compute_dtype, opt_bytes=opt_bytes))
         lines.append(f"{s:>5}  {gb(paper_bytes(num_params, shard, s)):>18}  {ds:>20}  {zj:>{len(ours)}}")
     lines += ["", *assumptions(compute_dtype, optimizer)]
-    lines.append(f"DeepSpeed ZeRO-3 uses 4 x largest layer = {gb(4 * largest_layer)}"
-                 if largest_layer else "DeepSpeed ZeRO-3 without --largest-layer counts no gathered layer.")
+    lines.append(
+        f"DeepSpeed ZeRO-3 uses 4 x largest layer = {gb(4 * largest_layer)}"
+        if largest_layer
+        else "DeepSpeed ZeRO-3 without --largest-layer counts no gathered layer."
+    )
     if replicas > 1:
-        lines.append(f"Across replica groups, per device and step: an all-reduce of a buffer of Ψ/{shard} gradient elements "
-                     f"({gb(2 * num_params / shard)} in fp16, {gb(4 * num_params / shard)} in fp32; "
-                     f"a 1-D mesh runs every gather and reduce-scatter across all {n} devices).")
+        lines.append(
+            f"Across replica groups, per device and step: an all-reduce of a buffer of Ψ/{shard} gradient elements "
+            f"({gb(2 * num_params / shard)} in fp16, {gb(4 * num_params / shard)} in fp32; "
+            f"a 1-D mesh runs every gather and reduce-scatter across all {n} devices)."
+        )
     return "\n".join(lines)
 
 
@@ -368,7 +395,9 @@ def assumptions(compute_dtype: str = "float32", optimizer: str = "adam") -> list
     """
     if compute_dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"compute_dtype must be 'float32', 'bfloat16' or 'float16', got {compute_dtype!r}.")
-    copy = "" if compute_dtype == "float32" else f", a replicated {compute_dtype} copy for forward at stages 1-2 (2 bytes)"
+    copy = (
+        "" if compute_dtype == "float32" else f", a replicated {compute_dtype} copy for forward at stages 1-2 (2 bytes)"
+    )
     return [
         "ZeRO paper: mixed-precision Adam: fp16 parameters and gradients (2 + 2 bytes per parameter), "
         "K = 12 bytes of optimizer state (fp32 master, m, v).",

@@ -21,8 +21,10 @@ import numpy as np
 
 _EXPLICIT = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}")
 _IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
-_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(?(\[[0-9,]+\](?:T\([0-9,]+\))?)\)?)?"
-                   r"\s*\{([^}]*)\}")
+_MESH = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(?(\[[0-9,]+\](?:T\([0-9,]+\))?)\)?)?"
+    r"\s*\{([^}]*)\}"
+)
 _ARRAY = re.compile(r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
 
 

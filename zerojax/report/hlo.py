@@ -34,25 +34,58 @@ import re
 from collections import defaultdict
 
 # Bytes per element of each HLO element type.
-DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-               "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-               "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e5m2fnuz": 1, "f8e4m3fnuz": 1, "f8e4m3b11fnuz": 1,
-               "f8e3m4": 1, "f8e8m0fnu": 1, "f4e2m1fn": 0.5, "s2": 0.25, "u2": 0.25, "s1": 0.125, "u1": 0.125,
-               "token": 0}
+DTYPE_BYTES = {
+    "pred": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "f8e4m3": 1,
+    "f8e5m2fnuz": 1,
+    "f8e4m3fnuz": 1,
+    "f8e4m3b11fnuz": 1,
+    "f8e3m4": 1,
+    "f8e8m0fnu": 1,
+    "f4e2m1fn": 0.5,
+    "s2": 0.25,
+    "u2": 0.25,
+    "s1": 0.125,
+    "u1": 0.125,
+    "token": 0,
+}
 
 _COMP = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\((.*)$")
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _OPERAND = re.compile(r"%([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_ATTR = {name: re.compile(rf"\b{name}=%?([\w.\-]+)")
-         for name in ("body", "condition", "to_apply", "calls", "true_computation", "false_computation")}
+_ATTR = {
+    name: re.compile(rf"\b{name}=%?([\w.\-]+)")
+    for name in ("body", "condition", "to_apply", "calls", "true_computation", "false_computation")
+}
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 
 # Control flow: the computations an instruction of this opcode executes, by attribute.
-_CONTROL = {"while": ("body", "condition"), "call": ("to_apply", "calls"),
-            "conditional": ("true_computation", "false_computation", "branch_computations"),
-            "async-start": ("calls",)}
+_CONTROL = {
+    "while": ("body", "condition"),
+    "call": ("to_apply", "calls"),
+    "conditional": ("true_computation", "false_computation", "branch_computations"),
+    "async-start": ("calls",),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,8 +168,10 @@ class Program:
                 for attr in attributes:
                     for callee in ins.called(attr):
                         if callee not in self.computations:
-                            raise ValueError(f"{ins.op} {ins.name!r} calls {callee!r} ({attr}=), which the "
-                                             "HLO text does not define; pass the whole compiled.as_text().")
+                            raise ValueError(
+                                f"{ins.op} {ins.name!r} calls {callee!r} ({attr}=), which the "
+                                "HLO text does not define; pass the whole compiled.as_text()."
+                            )
                         n = 1
                         if ins.op == "while":
                             trip = ins.trip_count or 1
@@ -149,8 +184,9 @@ class Program:
     @functools.cached_property
     def fused(self) -> frozenset[str]:
         """Computations that are the body of a ``fusion`` instruction."""
-        return frozenset(c for instrs in self.computations.values() for i in instrs if i.op == "fusion"
-                         for c in i.called("calls"))
+        return frozenset(
+            c for instrs in self.computations.values() for i in instrs if i.op == "fusion" for c in i.called("calls")
+        )
 
     def executed(self):
         """``(computation, instruction, runs)`` for every instruction of every computation
@@ -161,26 +197,37 @@ class Program:
 
     def loop_bodies(self) -> list[str]:
         """The body computations of the program's ``while`` loops."""
-        return sorted({b for instrs in self.computations.values() for i in instrs if i.op == "while"
-                       for b in i.called("body")})
+        return sorted(
+            {b for instrs in self.computations.values() for i in instrs if i.op == "while" for b in i.called("body")}
+        )
 
     def contains_matmul(self, computation: str, _depth: int = 0) -> bool:
         """Whether ``computation`` has a ``dot``, directly or in a fusion or call."""
         return _depth < 16 and any(
-            i.op == "dot" or (i.op in ("fusion", "call") and any(
-                self.contains_matmul(c, _depth + 1) for c in i.called("calls", "to_apply")))
-            for i in self.computations.get(computation, ()))
+            i.op == "dot"
+            or (
+                i.op in ("fusion", "call")
+                and any(self.contains_matmul(c, _depth + 1) for c in i.called("calls", "to_apply"))
+            )
+            for i in self.computations.get(computation, ())
+        )
 
     def matmuls(self, computation: str) -> list[str]:
         """Instructions of ``computation`` that are, or contain, a matmul."""
-        return [i.name for i in self.computations[computation]
-                if i.op == "dot" or (i.op in ("fusion", "call")
-                                     and any(self.contains_matmul(c) for c in i.called("calls", "to_apply")))]
+        return [
+            i.name
+            for i in self.computations[computation]
+            if i.op == "dot"
+            or (i.op in ("fusion", "call") and any(self.contains_matmul(c) for c in i.called("calls", "to_apply")))
+        ]
 
     def gathers(self, computation: str, shape: str = "") -> list[str]:
         """All-gathers of ``computation`` (whose result type starts with ``shape``, if given)."""
-        return [i.name for i in self.computations[computation]
-                if i.op in ("all-gather", "all-gather-start") and i.shape.startswith(shape)]
+        return [
+            i.name
+            for i in self.computations[computation]
+            if i.op in ("all-gather", "all-gather-start") and i.shape.startswith(shape)
+        ]
 
     def reaches(self, computation: str, src: str, dst: str) -> bool:
         """Whether ``dst`` uses ``src``, directly or through other instructions of ``computation``."""
@@ -265,8 +312,9 @@ def shape_bytes(shape: str) -> float:
     total = 0.0
     for dt, dims in _ARRAY.findall(shape):
         if dt not in DTYPE_BYTES:
-            raise ValueError(f"unknown HLO element type {dt!r} in shape {shape!r}; add it to "
-                             "zerojax.report.hlo.DTYPE_BYTES.")
+            raise ValueError(
+                f"unknown HLO element type {dt!r} in shape {shape!r}; add it to zerojax.report.hlo.DTYPE_BYTES."
+            )
         total += DTYPE_BYTES[dt] * _elements(dims)
     return total
 

@@ -84,8 +84,9 @@ def state_bytes_per_device(state: ZeroState) -> dict[str, int]:
         stored += list(zip(plan.master_layouts, jax.tree.leaves(state.master)))
     if state.frozen is not None:
         stored += list(zip(plan.frozen_layouts, jax.tree.leaves(state.frozen)))
-    pad_bytes = sum(l.padding * np.dtype(x.dtype).itemsize // (l.tensor if l.tp else 1)
-                    for l, x in stored if l.kind != "replicated")  # per tensor shard
+    pad_bytes = sum(
+        l.padding * np.dtype(x.dtype).itemsize // (l.tensor if l.tp else 1) for l, x in stored if l.kind != "replicated"
+    )  # per tensor shard
     on = lambda memory: max(_bytes_per_device(state, memory).values(), default=0)
     return {
         "params": max(params.values()),
@@ -99,10 +100,21 @@ def state_bytes_per_device(state: ZeroState) -> dict[str, int]:
     }
 
 
-def zero_formula_bytes(num_params: int, n: int, stage: int, *, compute_dtype: str = "float32",
-                       opt_bytes: int = 8, frozen_params: int = 0, offload_optimizer: bool = False,
-                       offload_params: bool = False, memory: str = "total", frozen_dtype: str = "compute",
-                       tensor: int = 1, tensor_replicated: float = 0) -> float:
+def zero_formula_bytes(
+    num_params: int,
+    n: int,
+    stage: int,
+    *,
+    compute_dtype: str = "float32",
+    opt_bytes: int = 8,
+    frozen_params: int = 0,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+    memory: str = "total",
+    frozen_dtype: str = "compute",
+    tensor: int = 1,
+    tensor_replicated: float = 0,
+) -> float:
     """Persistent bytes per device with fp32 masters and ``opt_bytes`` of optimizer state per
     trainable parameter (8 for Adam's m and v); ``num_params`` trainable parameters (Ψ_t) and
     ``frozen_params`` fp32 frozen ones (Ψ_f).
@@ -152,7 +164,9 @@ def zero_formula_bytes(num_params: int, n: int, stage: int, *, compute_dtype: st
         raise ValueError(f"stage {stage} cannot offload that (offload_optimizer: stages 1-3; offload_params: stage 3).")
     psi, mixed = float(num_params), compute_dtype != "float32"
     if frozen_dtype not in ("compute", "param"):
-        raise ValueError(f"frozen_dtype must be 'compute' or 'param' (as ZeroConfig.frozen_dtype), got {frozen_dtype!r}.")
+        raise ValueError(
+            f"frozen_dtype must be 'compute' or 'param' (as ZeroConfig.frozen_dtype), got {frozen_dtype!r}."
+        )
     frozen = (4 if compute_dtype == "float32" or frozen_dtype == "param" else 2) * float(frozen_params)
     # (bytes, in host memory?) of each part of the state.
     if stage == 0:
@@ -235,12 +249,17 @@ class StepMemory:
 
     def __str__(self) -> str:
         mib = lambda b: f"{b / 2**20:,.1f} MiB"
-        return (f"per device: total {mib(self.total)} = state {mib(self.state)} + batch "
-                f"{mib(self.batch)} + temp {mib(self.temp)} (+ outputs not donated "
-                f"{mib(self.output - self.alias)}, arguments other than state and batch "
-                f"{mib(self.argument - self._state_in_argument - self.batch)}); host temp {mib(self.host_temp)}"
-                + (f"; offloaded state {mib(self.state_host)}, device total {mib(self.device_total)}"
-                   if self.state_host else ""))
+        return (
+            f"per device: total {mib(self.total)} = state {mib(self.state)} + batch "
+            f"{mib(self.batch)} + temp {mib(self.temp)} (+ outputs not donated "
+            f"{mib(self.output - self.alias)}, arguments other than state and batch "
+            f"{mib(self.argument - self._state_in_argument - self.batch)}); host temp {mib(self.host_temp)}"
+            + (
+                f"; offloaded state {mib(self.state_host)}, device total {mib(self.device_total)}"
+                if self.state_host
+                else ""
+            )
+        )
 
 
 def abstract_batch(plan: Any, batch: Any) -> Any:
@@ -248,14 +267,20 @@ def abstract_batch(plan: Any, batch: Any) -> Any:
     over the batch axes, the sequence over a context axis); leaves that carry a sharding
     keep it."""
     leaves, treedef = jax.tree.flatten(batch)
-    return jax.tree.unflatten(treedef, [
-        x if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None
-        else jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sh)
-        for x, sh in zip(leaves, batch_shardings(plan, batch))])
+    return jax.tree.unflatten(
+        treedef,
+        [
+            x
+            if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None
+            else jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sh)
+            for x, sh in zip(leaves, batch_shardings(plan, batch))
+        ],
+    )
 
 
-def step_memory(loss_fn, params: Any, tx, batch: Any, *, mesh: Mesh, config: ZeroConfig,
-                has_aux: bool = False) -> StepMemory:
+def step_memory(
+    loss_fn, params: Any, tx, batch: Any, *, mesh: Mesh, config: ZeroConfig, has_aux: bool = False
+) -> StepMemory:
     """Compiles the train step for ``params`` and ``batch`` without running it (ahead of
     time) and reports its per-device memory, so a user learns before a run whether it fits.
 
@@ -286,7 +311,11 @@ def step_memory(loss_fn, params: Any, tx, batch: Any, *, mesh: Mesh, config: Zer
     return StepMemory(
         state=max(_bytes_per_device(state).values()),
         batch=max(batch_bytes.values()),
-        argument=m["argument"], output=m["output"], alias=m["alias"], temp=m["temp"],
-        host_temp=m["host_temp"], host_argument=m["host_argument"],
+        argument=m["argument"],
+        output=m["output"],
+        alias=m["alias"],
+        temp=m["temp"],
+        host_temp=m["host_temp"],
+        host_argument=m["host_argument"],
         state_host=max(_bytes_per_device(state, "host").values(), default=0),
     )

@@ -47,8 +47,9 @@ def bar(total: int | None, desc: str, *, unit: str = "it", disable: bool | None 
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, disable=hidden)
 
 
-def progress(iterable: Iterable[T], desc: str, total: int | None = None, *, unit: str = "it",
-             disable: bool | None = None) -> Iterator[T]:
+def progress(
+    iterable: Iterable[T], desc: str, total: int | None = None, *, unit: str = "it", disable: bool | None = None
+) -> Iterator[T]:
     """``iterable``'s items, with a progress bar of ``total`` items (default: ``len(iterable)``
     where it has one) while they are consumed; the items are unchanged. ``disable`` as for
     :func:`bar`: by default shown on a terminal only.

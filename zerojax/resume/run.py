@@ -66,8 +66,9 @@ class RunConfig:
         for name in ("save_every", "keep_last"):
             v = getattr(self, name)
             if (v is not None or name == "save_every") and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name} must be a positive int{' or None' if name == 'keep_last' else ''}, "
-                                 f"got {v!r}.")
+                raise ValueError(
+                    f"{name} must be a positive int{' or None' if name == 'keep_last' else ''}, got {v!r}."
+                )
         if not isinstance(self.synchronous, bool):
             raise TypeError(f"synchronous must be a bool, got {self.synchronous!r}.")
 
@@ -114,7 +115,7 @@ def _same_steps(steps: list[int]) -> list[int]:
 
     n = int(multihost_utils.broadcast_one_to_all(np.array(len(steps), dtype=np.int64)))
     padded = np.full(max(n, 1), -1, dtype=np.int64)
-    padded[:min(n, len(steps))] = steps[:n]
+    padded[: min(n, len(steps))] = steps[:n]
     return [int(s) for s in multihost_utils.broadcast_one_to_all(padded)[:n]]
 
 
@@ -187,9 +188,11 @@ class Run:
 
     def _check_record(self, step: int, record: Any) -> dict:
         if not isinstance(record, dict) or record.get("format") != FORMAT:
-            raise NotARunError(f"checkpoint step {step} in {self.directory} was not saved by a zerojax.resume.Run "
-                             "(it has no run record): restore it with zj.restore_checkpoint, or give the Run a "
-                             "directory of its own.")
+            raise NotARunError(
+                f"checkpoint step {step} in {self.directory} was not saved by a zerojax.resume.Run "
+                "(it has no run record): restore it with zj.restore_checkpoint, or give the Run a "
+                "directory of its own."
+            )
         return record
 
     def micro_batches(self, config: ZeroConfig, mesh: Any, global_batch: int) -> ZeroConfig:
@@ -211,14 +214,18 @@ class Run:
             return config
         s, record = latest
         if record["global_batch"] is None:
-            _say(f"the checkpoint (step {s}) does not record its global batch (saved before micro_batches was "
-                 "called): grad_accum_steps stays as given.")
+            _say(
+                f"the checkpoint (step {s}) does not record its global batch (saved before micro_batches was "
+                "called): grad_accum_steps stays as given."
+            )
             return config
         if record["global_batch"] != global_batch:
-            raise ValueError(f"the run in {self.directory} was saved (step {s}) with a global batch of "
-                             f"{record['global_batch']} rows; this start asks for {global_batch}. Resume with "
-                             f"global_batch={record['global_batch']} (another batch changes the trajectory), or "
-                             "start the new run in another directory.")
+            raise ValueError(
+                f"the run in {self.directory} was saved (step {s}) with a global batch of "
+                f"{record['global_batch']} rows; this start asks for {global_batch}. Resume with "
+                f"global_batch={record['global_batch']} (another batch changes the trajectory), or "
+                "start the new run in another directory."
+            )
         if dp == record["data_parallel"]:
             return config
         rows = record["rows_per_micro_batch"]
@@ -226,19 +233,24 @@ class Run:
             if global_batch % (dp * a) == 0 and global_batch // (dp * a) <= rows:
                 break
         else:
-            raise ValueError(f"a global batch of {global_batch} rows cannot be split over {dp} data-parallel devices "
-                             f"in micro-batches of at most {rows} rows per device (the saved run's): use a device "
-                             f"count that divides {global_batch}.")
-        _say(f"the checkpoint (step {s}) ran on {record['data_parallel']} data-parallel devices with "
-             f"grad_accum_steps {record['grad_accum_steps']} ({rows} rows per device per micro-batch); on {dp} "
-             f"devices grad_accum_steps becomes {a} ({global_batch // (dp * a)} rows per device per micro-batch), "
-             f"the global batch stays {global_batch}.")
+            raise ValueError(
+                f"a global batch of {global_batch} rows cannot be split over {dp} data-parallel devices "
+                f"in micro-batches of at most {rows} rows per device (the saved run's): use a device "
+                f"count that divides {global_batch}."
+            )
+        _say(
+            f"the checkpoint (step {s}) ran on {record['data_parallel']} data-parallel devices with "
+            f"grad_accum_steps {record['grad_accum_steps']} ({rows} rows per device per micro-batch); on {dp} "
+            f"devices grad_accum_steps becomes {a} ({global_batch // (dp * a)} rows per device per micro-batch), "
+            f"the global batch stays {global_batch}."
+        )
         return dataclasses.replace(config, grad_accum_steps=a)
 
     # -- starting ---------------------------------------------------------------------------
 
-    def restore_or_init(self, params: Any, tx: Any, *, mesh: Any, config: ZeroConfig, data: Any = None,
-                        **init_kwargs: Any) -> ZeroState:
+    def restore_or_init(
+        self, params: Any, tx: Any, *, mesh: Any, config: ZeroConfig, data: Any = None, **init_kwargs: Any
+    ) -> ZeroState:
         """The state to train from: the newest complete checkpoint of the run's directory
         that reads on every process, or ``zj.init_state(params, tx, mesh=mesh,
         config=config, **init_kwargs)`` when there is none. A checkpoint that does not read
@@ -249,10 +261,13 @@ class Run:
         saved position. Sets :attr:`step`."""
         if not isinstance(config, ZeroConfig):
             raise TypeError(f"config must be a zj.ZeroConfig, got {type(config).__name__}.")
-        if data is not None and not (callable(getattr(data, "get_state", None))
-                                     and callable(getattr(data, "set_state", None))):
-            raise TypeError(f"data must have get_state() and set_state() (zerojax.resume.IndexSampler, a grain "
-                            f"iterator), got {type(data).__name__}.")
+        if data is not None and not (
+            callable(getattr(data, "get_state", None)) and callable(getattr(data, "set_state", None))
+        ):
+            raise TypeError(
+                f"data must have get_state() and set_state() (zerojax.resume.IndexSampler, a grain "
+                f"iterator), got {type(data).__name__}."
+            )
         self._data = data
         self._mesh, self._zero = mesh, config
         abstract_kwargs = {k: v for k, v in init_kwargs.items() if k != "weights"}
@@ -284,9 +299,11 @@ class Run:
     def _resumed(self, s: int, state: ZeroState, record: dict) -> ZeroState:
         saved_data = record.get("data")
         if (saved_data is None) != (self._data is None):
-            raise ValueError(f"checkpoint step {s} was saved {'with' if saved_data is not None else 'without'} a data "
-                             f"position and this restore passes {'none' if self._data is None else 'one'}: pass the "
-                             "data= the run was started with.")
+            raise ValueError(
+                f"checkpoint step {s} was saved {'with' if saved_data is not None else 'without'} a data "
+                f"position and this restore passes {'none' if self._data is None else 'one'}: pass the "
+                "data= the run was started with."
+            )
         if self._data is not None:
             self._data.set_state(_decode(saved_data))
         gb = self._context.get("global_batch")
@@ -295,11 +312,15 @@ class Run:
         dp = data_parallel(self._mesh, self._zero)
         note = ""
         if dp != record["data_parallel"] and self._zero.grad_accum_steps == record["grad_accum_steps"]:
-            note = (f"; now on {dp} data-parallel devices with the same grad_accum_steps: each device's micro-batch "
-                    f"changes size (Run.micro_batches keeps it)")
-        _say(f"resuming at step {record['step']} from {os.path.join(self.directory, str(s))} (saved on "
-             f"{record['devices']} devices, {record['data_parallel']} data-parallel, grad_accum_steps "
-             f"{record['grad_accum_steps']}){note}")
+            note = (
+                f"; now on {dp} data-parallel devices with the same grad_accum_steps: each device's micro-batch "
+                f"changes size (Run.micro_batches keeps it)"
+            )
+        _say(
+            f"resuming at step {record['step']} from {os.path.join(self.directory, str(s))} (saved on "
+            f"{record['devices']} devices, {record['data_parallel']} data-parallel, grad_accum_steps "
+            f"{record['grad_accum_steps']}){note}"
+        )
         self.step = int(record["step"])
         self.extra = record.get("user")
         self._saved_at = self.step
@@ -312,18 +333,32 @@ class Run:
         dp = data_parallel(self._mesh, self._zero)
         gb = self._context.get("global_batch")
         a = self._zero.grad_accum_steps
-        return {"format": FORMAT, "step": self.step, "data": None if self._data is None else _encode(self._data.get_state()),
-                "devices": int(self._mesh.devices.size), "processes": jax.process_count(), "data_parallel": dp,
-                "grad_accum_steps": a, "global_batch": gb,
-                "rows_per_micro_batch": None if gb is None else gb // (dp * a), "user": extra}
+        return {
+            "format": FORMAT,
+            "step": self.step,
+            "data": None if self._data is None else _encode(self._data.get_state()),
+            "devices": int(self._mesh.devices.size),
+            "processes": jax.process_count(),
+            "data_parallel": dp,
+            "grad_accum_steps": a,
+            "global_batch": gb,
+            "rows_per_micro_batch": None if gb is None else gb // (dp * a),
+            "user": extra,
+        }
 
     def save(self, state: ZeroState, *, extra: dict | None = None, wait: bool | None = None) -> float:
         """Saves the run at :attr:`step` now; returns the seconds the call blocked."""
         if not hasattr(self, "_mesh"):
             raise RuntimeError("call Run.restore_or_init before saving.")
         start = time.perf_counter()
-        save_checkpoint(self.directory, state, step=self.step, keep_last=self.config.keep_last,
-                        wait=self.config.synchronous if wait is None else wait, extra=self._record(extra))
+        save_checkpoint(
+            self.directory,
+            state,
+            step=self.step,
+            keep_last=self.config.keep_last,
+            wait=self.config.synchronous if wait is None else wait,
+            extra=self._record(extra),
+        )
         self._saved_at = self.step
         write_progress(self.directory, self.step)
         return time.perf_counter() - start
@@ -342,8 +377,10 @@ class Run:
         if preempted:
             wait(self.directory)
             self._watch.close()
-            _say(f"preemption notice: saved step {self.step} to {self.directory}; stopping with status "
-                 f"{RESUMABLE_EXIT} (resumable)")
+            _say(
+                f"preemption notice: saved step {self.step} to {self.directory}; stopping with status "
+                f"{RESUMABLE_EXIT} (resumable)"
+            )
             raise Preempted(RESUMABLE_EXIT)
 
     def finish(self, state: ZeroState, *, extra: dict | None = None) -> None:

@@ -36,8 +36,9 @@ class IndexSampler:
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}.")
         if global_batch > num_records:
-            raise ValueError(f"global_batch={global_batch} is larger than num_records={num_records}: "
-                             "an epoch would hold no batch.")
+            raise ValueError(
+                f"global_batch={global_batch} is larger than num_records={num_records}: an epoch would hold no batch."
+            )
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}.")
         self.num_records, self.global_batch = int(num_records), int(global_batch)
@@ -53,10 +54,13 @@ class IndexSampler:
         """The record indices of batch ``k`` (int64, ``global_batch`` of them)."""
         epoch, j = divmod(int(k), self.batches_per_epoch)
         if epoch != self._epoch:
-            self._order = (np.random.default_rng([self.seed, epoch]).permutation(self.num_records) if self.shuffle
-                           else np.arange(self.num_records))
+            self._order = (
+                np.random.default_rng([self.seed, epoch]).permutation(self.num_records)
+                if self.shuffle
+                else np.arange(self.num_records)
+            )
             self._epoch = epoch
-        return self._order[j * self.global_batch:(j + 1) * self.global_batch].astype(np.int64)
+        return self._order[j * self.global_batch : (j + 1) * self.global_batch].astype(np.int64)
 
     def __iter__(self) -> IndexSampler:
         return self
@@ -74,9 +78,15 @@ class IndexSampler:
         (records, batch, seed and order), else the data would silently differ."""
         if not isinstance(state, dict) or "position" not in state:
             raise ValueError(f"not an IndexSampler state: {state!r}.")
-        differ = [f"{f}: saved {state.get(f)!r}, this sampler {getattr(self, f)!r}"
-                  for f in _FIELDS if state.get(f) != getattr(self, f)]
+        differ = [
+            f"{f}: saved {state.get(f)!r}, this sampler {getattr(self, f)!r}"
+            for f in _FIELDS
+            if state.get(f) != getattr(self, f)
+        ]
         if differ:
-            raise ValueError("the saved data position belongs to another sampler (" + "; ".join(differ)
-                             + "). Build the IndexSampler the run was started with.")
+            raise ValueError(
+                "the saved data position belongs to another sampler ("
+                + "; ".join(differ)
+                + "). Build the IndexSampler the run was started with."
+            )
         self.position = int(state["position"])

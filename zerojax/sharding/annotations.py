@@ -40,8 +40,10 @@ def is_boxed(tree: Any) -> bool:
     """Whether ``tree`` holds linen's annotation boxes (``nn.Partitioned``, ...)."""
     from flax.core import meta
 
-    return any(isinstance(x, meta.AxisMetadata)
-               for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, meta.AxisMetadata)))
+    return any(
+        isinstance(x, meta.AxisMetadata)
+        for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, meta.AxisMetadata))
+    )
 
 
 def unbox(tree: Any) -> Any:
@@ -65,8 +67,9 @@ def leaf_names(params: Any, tensor_specs: Any = None) -> list[Annotation | None]
         try:
             specs = treedef.flatten_up_to(boxed)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"tensor_specs must be a tree of PartitionSpec (or None) with the structure of params: "
-                             f"{e}") from None
+            raise ValueError(
+                f"tensor_specs must be a tree of PartitionSpec (or None) with the structure of params: {e}"
+            ) from None
         return [None if s.names is None else Annotation(s.names, logical.LINEN) for s in specs]
     out: list[Annotation | None] = []
     is_node = lambda x: isinstance(x, (meta.AxisMetadata, nnx.Variable))
@@ -97,14 +100,16 @@ class _Spec:
         self.names = None if spec is None else tuple(spec)
 
 
-def tensor_dims(names: list[Annotation | None], shapes: list[tuple[int, ...]], paths: list[str], mesh: Mesh,
-                config: ZeroConfig) -> tuple[int, ...]:
+def tensor_dims(
+    names: list[Annotation | None], shapes: list[tuple[int, ...]], paths: list[str], mesh: Mesh, config: ZeroConfig
+) -> tuple[int, ...]:
     """Per parameter: the dimension split over the tensor axis (-1: none), checked."""
     return tuple(d if a == config.tensor_axis else -1 for d, a in split_dims(names, shapes, paths, mesh, config))
 
 
-def split_dims(names: list[Annotation | None], shapes: list[tuple[int, ...]], paths: list[str], mesh: Mesh,
-               config: ZeroConfig) -> tuple[tuple[int, str], ...]:
+def split_dims(
+    names: list[Annotation | None], shapes: list[tuple[int, ...]], paths: list[str], mesh: Mesh, config: ZeroConfig
+) -> tuple[tuple[int, str], ...]:
     """Per parameter: ``(dimension, axis)`` split over the tensor axis or the expert axis
     (``ZeroConfig.expert_axis``, a routed expert's expert dimension), or ``(-1, "")``,
     checked: a weight is split over one of them on one dimension."""
@@ -122,8 +127,10 @@ def split_dims(names: list[Annotation | None], shapes: list[tuple[int, ...]], pa
             continue
         leaf_names = ann.names
         if len(leaf_names) > len(shape):
-            raise ValueError(f"params{path} has shape {shape} but its annotation names {len(leaf_names)} dimensions "
-                             f"{leaf_names}. Give one name (or None) per dimension.")
+            raise ValueError(
+                f"params{path} has shape {shape} but its annotation names {len(leaf_names)} dimensions "
+                f"{leaf_names}. Give one name (or None) per dimension."
+            )
         try:
             targets = logical.resolve(ann, rules)
         except ValueError as e:
@@ -140,17 +147,21 @@ def split_dims(names: list[Annotation | None], shapes: list[tuple[int, ...]], pa
         for a, ds in dims.items():
             if len(ds) > 1:
                 what = "tensor" if a == t_axis else "expert"
-                raise ValueError(f"params{path} (shape {shape}): its annotation {leaf_names} puts the {what} axis "
-                                 f"{a!r} on dimensions {ds}; a weight is split over it on one dimension. Annotate "
-                                 f"one of them (e.g. the output features of a column-parallel kernel, or the "
-                                 f"stacked experts' expert dimension).")
+                raise ValueError(
+                    f"params{path} (shape {shape}): its annotation {leaf_names} puts the {what} axis "
+                    f"{a!r} on dimensions {ds}; a weight is split over it on one dimension. Annotate "
+                    f"one of them (e.g. the output features of a column-parallel kernel, or the "
+                    f"stacked experts' expert dimension)."
+                )
         used = [(ds[0], a) for a, ds in dims.items() if ds and sizes[a] > 1]
         if len(used) > 1:
-            raise ValueError(f"params{path} (shape {shape}): its annotation {leaf_names} splits it over both the "
-                             f"tensor axis {t_axis!r} (dimension {dims[t_axis][0]}) and the expert axis {e_axis!r} "
-                             f"(dimension {dims[e_axis][0]}); a weight split over both is not supported yet. Leave "
-                             f"one of them whole on this mesh (a rule mapping its name to None), or use a mesh "
-                             f"without one of the two axes.")
+            raise ValueError(
+                f"params{path} (shape {shape}): its annotation {leaf_names} splits it over both the "
+                f"tensor axis {t_axis!r} (dimension {dims[t_axis][0]}) and the expert axis {e_axis!r} "
+                f"(dimension {dims[e_axis][0]}); a weight split over both is not supported yet. Leave "
+                f"one of them whole on this mesh (a rule mapping its name to None), or use a mesh "
+                f"without one of the two axes."
+            )
         if not used:
             out.append((-1, ""))
             continue
@@ -159,9 +170,11 @@ def split_dims(names: list[Annotation | None], shapes: list[tuple[int, ...]], pa
         if shape[d] % k:
             ok = [j for j in range(1, shape[d] + 1) if shape[d] % j == 0 and mesh.devices.size % j == 0]
             what = "tensor" if a == t_axis else "expert"
-            raise ValueError(f"params{path} (shape {shape}) is split over {a!r} on dimension {d} of size "
-                             f"{shape[d]}, which does not divide into {k} {what} shards. Use {'an' if what == 'expert' else 'a'} {what} degree "
-                             f"dividing {shape[d]} (one of {ok}), or a model size that divides {k}.")
+            raise ValueError(
+                f"params{path} (shape {shape}) is split over {a!r} on dimension {d} of size "
+                f"{shape[d]}, which does not divide into {k} {what} shards. Use {'an' if what == 'expert' else 'a'} {what} degree "
+                f"dividing {shape[d]} (one of {ok}), or a model size that divides {k}."
+            )
         out.append((d, a))
     return tuple(out)
 
@@ -173,9 +186,11 @@ def _rule_target(name: Any, target: Any, known: set, path: str, dim: int, mesh: 
     target = tuple(t for t in (amap.get(a, a) if a in amap else a for a in target) if t is not None)
     for a in target:
         if a not in known:
-            raise ValueError(f"ZeroConfig.axis_rules maps {name!r} to mesh axis {a!r}, which the mesh "
-                             f"{dict(mesh.shape)} lacks (used by params{path}, dimension {dim}). Map it to one "
-                             f"of {sorted(known)} or to None.")
+            raise ValueError(
+                f"ZeroConfig.axis_rules maps {name!r} to mesh axis {a!r}, which the mesh "
+                f"{dict(mesh.shape)} lacks (used by params{path}, dimension {dim}). Map it to one "
+                f"of {sorted(known)} or to None."
+            )
     return target
 
 
@@ -198,4 +213,5 @@ def _unruled(name: Any, known: set, path: str, dim: int, mesh: Mesh, config: Zer
         f"{dict(mesh.shape)} (nor the tensor axis {config.tensor_axis!r}) nor a logical name of "
         f"ZeroConfig.axis_rules (nor a model axis of ZeroConfig.axis_map). Add a rule, e.g. "
         f"ZeroConfig(axis_rules=(({name!r}, {config.tensor_axis!r}),)) "
-        f"to split it over the tensor axis, or (({name!r}, None),) to leave it whole.")
+        f"to split it over the tensor axis, or (({name!r}, None),) to leave it whole."
+    )

@@ -27,8 +27,15 @@ from zerojax.sharding.layout import LeafLayout
 from zerojax.sharding.quantize import gather_int8
 
 
-def reduce_grad(g: jax.Array, axis: str, n: int, reduce_dtype, layout: LeafLayout | None = None,
-                replica: str | None = None, block: int | None = None) -> jax.Array:
+def reduce_grad(
+    g: jax.Array,
+    axis: str,
+    n: int,
+    reduce_dtype,
+    layout: LeafLayout | None = None,
+    replica: str | None = None,
+    block: int | None = None,
+) -> jax.Array:
     """fp32 mean of ``g`` over the ``n`` devices of ``axis`` (and ``replica``, when given):
     replicated (``layout=None``, or a replicated layout: all-reduce) or this device's shard of ``layout``'s storage
     (reduce-scatter within the group, then all-reduce of the shard across groups).
@@ -37,7 +44,9 @@ def reduce_grad(g: jax.Array, axis: str, n: int, reduce_dtype, layout: LeafLayou
     if layout is not None and layout.tp:  # each tensor shard on its own: never over the tensor axis
         return layout.on_tensor_shards(
             lambda l, x: reduce_grad(x, axis, n, reduce_dtype, None if l.kind == "replicated" else l, replica, block),
-            g, whole=False)
+            g,
+            whole=False,
+        )
     if reduce_dtype == "int8":
         return _reduce_int8(g, axis, n, layout, replica, block)
     predivide = jnp.dtype(reduce_dtype) == jnp.float16
@@ -55,8 +64,9 @@ def reduce_grad(g: jax.Array, axis: str, n: int, reduce_dtype, layout: LeafLayou
     return summed if predivide else summed / n
 
 
-def _reduce_int8(g: jax.Array, axis: str, n: int, layout: LeafLayout | None, replica: str | None,
-                 block: int | None) -> jax.Array:
+def _reduce_int8(
+    g: jax.Array, axis: str, n: int, layout: LeafLayout | None, replica: str | None, block: int | None
+) -> jax.Array:
     if not block:
         raise ValueError("reduce_dtype='int8' needs a block size (ZeroConfig.reduce_quant_block_size).")
     x = g.astype(jnp.float32)
@@ -69,13 +79,15 @@ def _reduce_int8(g: jax.Array, axis: str, n: int, layout: LeafLayout | None, rep
     return summed / n
 
 
-def gather_values(layout: LeafLayout, axis: str, shard: jax.Array, compute_dtype,
-                  quant_block: int | None = None) -> jax.Array:
+def gather_values(
+    layout: LeafLayout, axis: str, shard: jax.Array, compute_dtype, quant_block: int | None = None
+) -> jax.Array:
     """The full leaf in ``compute_dtype`` from this device's shard: cast, then all-gathered;
     or, with ``quant_block``, all-gathered as blockwise int8 (:mod:`zerojax.sharding.quantize`)."""
     if layout.tp and layout.kind != "replicated":  # each tensor shard on its own
-        return layout.on_tensor_shards(lambda l, s: gather_values(l, axis, s, compute_dtype, quant_block), shard,
-                                       whole=True)
+        return layout.on_tensor_shards(
+            lambda l, s: gather_values(l, axis, s, compute_dtype, quant_block), shard, whole=True
+        )
     if quant_block:
         return gather_int8(layout, shard, axis, quant_block, compute_dtype)
     return layout.gather(shard.astype(compute_dtype), axis)

@@ -29,8 +29,7 @@ def _takes_path_and_value(fn: Any) -> bool:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return False
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-                  and p.default is p.empty]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
     return len(positional) == 2
 
 
@@ -122,16 +121,19 @@ def select(f: Any, tree: Any, *, name: str) -> tuple[bool, ...]:
         raise TypeError(
             f"{name}={describe(f)} selects nnx.Variable types, but the tree it is applied to holds plain arrays "
             "(no nnx.Variable), so it cannot tell them apart. Pass the nnx.State that nnx.split(model, nnx.Param) "
-            "returns (not state.to_pure_dict()), or a path predicate such as lambda path, x: 'lora' in path.")
+            "returns (not state.to_pure_dict()), or a path predicate such as lambda path, x: 'lora' in path."
+        )
     if all(out) and len(out) > 1 and _names_a_subset(pred):
         raise ValueError(
             f"{name}={describe(f)} selects a subset of parameters (it does not select a plain nnx.Param), yet it "
             f"selects all {len(out)} parameter arrays of this model: nothing would be frozen. If every parameter "
-            f"should train, pass {name}=nnx.Param; otherwise check the filter's types and paths.")
+            f"should train, pass {name}=nnx.Param; otherwise check the filter's types and paths."
+        )
     if not any(out):
         kinds = sorted({type(leaf).__name__ for _, leaf in flat})
         raise ValueError(
             f"{name}={describe(f)} selects none of the {len(out)} parameter arrays (their types: "
             f"{', '.join(kinds)}): nothing would train. Name a type the model has (nnx.Param trains every "
-            "parameter), or check the filter's paths and tags.")
+            "parameter), or check the filter's paths and tags."
+        )
     return tuple(out)

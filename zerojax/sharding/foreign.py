@@ -98,17 +98,24 @@ class Translator(Retracer):
         names = () if entry is None or entry is P.UNCONSTRAINED else (entry,) if isinstance(entry, str) else entry
         kept = []
         for name in names:
-            target = self.axis_map[name] if name in self.axis_map else name if name in self.known else _unknown(
-                name, eqn, model_axes, self.mesh_axes, self.tensor)
+            target = (
+                self.axis_map[name]
+                if name in self.axis_map
+                else name
+                if name in self.known
+                else _unknown(name, eqn, model_axes, self.mesh_axes, self.tensor)
+            )
             if target is not None and target not in self.manual and target in (self.tensor,):
                 kept.append(target)
         return None if not kept else kept[0] if len(kept) == 1 else tuple(kept)
 
 
-def _unknown(name: str, eqn: Equation, model_axes: tuple[str, ...], mesh_axes: tuple[str, ...],
-             tensor: str | None) -> None:
+def _unknown(
+    name: str, eqn: Equation, model_axes: tuple[str, ...], mesh_axes: tuple[str, ...], tensor: str | None
+) -> None:
     raise ValueError(
         f"the model constrains a value to mesh axis {name!r} (its mesh has axes {model_axes}) at "
         f"{jax_compat.where(eqn)}, and neither ZeroConfig.axis_map nor zerojax's mesh {mesh_axes} knows that "
         f"axis. Map it: axis_map={{{name!r}: 'data'}} for a batch or FSDP axis, "
-        f"{{{name!r}: {tensor or 'tensor'!r}}} for a tensor-parallel one, or {{{name!r}: None}} to drop it.")
+        f"{{{name!r}: {tensor or 'tensor'!r}}} for a tensor-parallel one, or {{{name!r}: None}} to drop it."
+    )

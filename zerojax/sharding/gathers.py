@@ -77,13 +77,15 @@ class Rewriter(Retracer):
                     f"rewrite (dimension numbers {jax_compat.gather_form(eqn)}), and on a mesh with both a tensor "
                     "and a context axis XLA's partitioner aborts on such gathers. Index with jnp.take_along_axis "
                     "(one element per index along one axis), or train on zj.make_mesh(context=C) or "
-                    "zj.make_mesh(tensor=T) alone.")
+                    "zj.make_mesh(tensor=T) alone."
+                )
             return [select_sum(form, *invals, out_shape=jax_compat.shape(eqn.outvars[0]))]
         return None
 
 
-def select_sum(form: jax_compat.TakeAlong, operand: jax.Array, indices: jax.Array, *,
-               out_shape: tuple[int, ...]) -> jax.Array:
+def select_sum(
+    form: jax_compat.TakeAlong, operand: jax.Array, indices: jax.Array, *, out_shape: tuple[int, ...]
+) -> jax.Array:
     """The gather ``form`` of ``operand`` at ``indices`` (its last dimension the index
     vector, of size 1), without a gather.
 

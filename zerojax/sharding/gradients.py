@@ -57,14 +57,18 @@ def own_sharding_hint(config) -> Any:
         yield
     except ValueError as e:
         text = str(e)
-        if config.axis_map is not None or "mesh" not in text or not any(
-                k in text for k in ("manual", "Manual", "should match", "use_abstract_mesh", "Mesh for all")):
+        if (
+            config.axis_map is not None
+            or "mesh" not in text
+            or not any(k in text for k in ("manual", "Manual", "should match", "use_abstract_mesh", "Mesh for all"))
+        ):
             raise
         raise ValueError(
             f"loss_fn failed inside the train step's shard_map with a mesh error ({text.splitlines()[0]}). If the "
             "model constrains its values to a mesh of its own (with_sharding_constraint, logical axis constraints: "
             "MaxText, hand-written GSPMD code), map that mesh's axes onto zerojax's: ZeroConfig(axis_map={'fsdp': "
-            "'data', 'data': 'data', 'tensor': 'tensor'}) (see zerojax.sharding.foreign).") from e
+            "'data', 'data': 'data', 'tensor': 'tensor'}) (see zerojax.sharding.foreign)."
+        ) from e
 
 
 def cast_batch(batch: Any, dtype) -> Any:
@@ -95,14 +99,27 @@ class Loss:
     program: Any = dataclasses.field(default=None, compare=False)
 
     @classmethod
-    def build(cls, plan: ZeroPlan, fn: Callable, batch: Any, *, has_aux: bool = False, with_rng: bool = False,
-              with_model_state: bool = False, with_layout: bool = False, aux_reduce: Any = None, rng: Any = None,
-              model_state: Any = None) -> Loss:
+    def build(
+        cls,
+        plan: ZeroPlan,
+        fn: Callable,
+        batch: Any,
+        *,
+        has_aux: bool = False,
+        with_rng: bool = False,
+        with_model_state: bool = False,
+        with_layout: bool = False,
+        aux_reduce: Any = None,
+        rng: Any = None,
+        model_state: Any = None,
+    ) -> Loss:
         """The loss, checked once on abstract values of one device's micro-batch (on a
         context mesh, also for the sequence layout: :func:`zerojax.context.checks.check`)."""
         loss = cls(plan, fn, has_aux, with_rng, with_model_state, sequence.layout_of(plan) if with_layout else None)
         cfg = plan.config
-        rows = lambda b: jax.ShapeDtypeStruct((b.shape[0] // (plan.world * cfg.grad_accum_steps),) + b.shape[1:], b.dtype)
+        rows = lambda b: jax.ShapeDtypeStruct(
+            (b.shape[0] // (plan.world * cfg.grad_accum_steps),) + b.shape[1:], b.dtype
+        )
         abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), t)
         args = (loss.param_shapes, jax.tree.map(rows, batch), abstract(rng), abstract(model_state))
         if cfg.axis_map is not None:  # a model with its own sharding: traced outside the shard_map
@@ -150,8 +167,9 @@ class Loss:
 
             closed, shapes = self.program
             program = lambda: (foreign.Translator(self.plan).program(closed), shapes)
-        return per_use.traced(lambda leaves, inputs: self(leaves, *inputs), self.param_shapes,
-                              context(self.plan), program)
+        return per_use.traced(
+            lambda leaves, inputs: self(leaves, *inputs), self.param_shapes, context(self.plan), program
+        )
 
     # Across devices and micro-batches.
     def out_specs(self) -> tuple:
@@ -197,8 +215,11 @@ def context(plan: ZeroPlan, remat: bool = True) -> per_use.Context:
     """How the loss is re-evaluated for ``plan``: the remat policy of every layer loop, the
     prefetch depth (stage 3), and the backend's ordering."""
     cfg = plan.config
-    return per_use.Context(scan_remat=cfg.remat if remat else None, order_by_data=on_cpu(plan),
-                           prefetch=cfg.prefetch if plan.stage == 3 else 0)
+    return per_use.Context(
+        scan_remat=cfg.remat if remat else None,
+        order_by_data=on_cpu(plan),
+        prefetch=cfg.prefetch if plan.stage == 3 else 0,
+    )
 
 
 def local_shapes(plan: ZeroPlan, fn: Callable, *args: Any, batch_at: int | None = None) -> Any:
@@ -206,8 +227,7 @@ def local_shapes(plan: ZeroPlan, fn: Callable, *args: Any, batch_at: int | None 
     inputs), with the data axis bound, as in the step (a BatchNorm may ``pmean`` over it).
     On a context mesh the traced program is checked for the step's sequence layout
     (:func:`zerojax.context.checks.check`; ``args[batch_at]`` is the batch)."""
-    run = jax.shard_map(fn, mesh=plan.mesh, in_specs=P(), out_specs=P(), axis_names=plan.manual_axes,
-                        check_vma=False)
+    run = jax.shard_map(fn, mesh=plan.mesh, in_specs=P(), out_specs=P(), axis_names=plan.manual_axes, check_vma=False)
     if plan.context == 1 or batch_at is None:
         return jax.eval_shape(run, *args)
     from zerojax.context import checks
@@ -218,12 +238,17 @@ def local_shapes(plan: ZeroPlan, fn: Callable, *args: Any, batch_at: int | None 
 
 
 def _parse(out: Any, has_aux: bool, with_model_state: bool) -> tuple:
-    shape = "(loss, (new_model_state, aux))" if has_aux and with_model_state else (
-        "(loss, new_model_state)" if with_model_state else "(loss, aux)" if has_aux else "loss")
+    shape = (
+        "(loss, (new_model_state, aux))"
+        if has_aux and with_model_state
+        else ("(loss, new_model_state)" if with_model_state else "(loss, aux)" if has_aux else "loss")
+    )
     if has_aux or with_model_state:
         if not (isinstance(out, tuple) and len(out) == 2):
-            raise ValueError(f"loss_fn must return {shape} (has_aux={has_aux}, with_model_state="
-                             f"{with_model_state}), got {type(out).__name__}.")
+            raise ValueError(
+                f"loss_fn must return {shape} (has_aux={has_aux}, with_model_state="
+                f"{with_model_state}), got {type(out).__name__}."
+            )
         loss, rest = out
         if has_aux and with_model_state:
             if not (isinstance(rest, tuple) and len(rest) == 2):
@@ -240,12 +265,16 @@ def _parse(out: Any, has_aux: bool, with_model_state: bool) -> tuple:
 def _check_model_state(given: Any, new: Any) -> None:
     a, b = jax.tree.structure(given), jax.tree.structure(new)
     if a != b:
-        raise ValueError(f"loss_fn returned a model state of structure {b}; it was given {a}. Return the "
-                         "updated model state with the structure it came in.")
+        raise ValueError(
+            f"loss_fn returned a model state of structure {b}; it was given {a}. Return the "
+            "updated model state with the structure it came in."
+        )
     for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(given)[0], jax.tree.leaves(new)):
         if tuple(jnp.shape(x)) != tuple(y.shape) or jnp.dtype(x.dtype) != jnp.dtype(y.dtype):
-            raise ValueError(f"model_state{jax.tree_util.keystr(path)} came in as {jnp.shape(x)} {x.dtype} and "
-                             f"came back as {y.shape} {y.dtype}; keep each leaf's shape and dtype.")
+            raise ValueError(
+                f"model_state{jax.tree_util.keystr(path)} came in as {jnp.shape(x)} {x.dtype} and "
+                f"came back as {y.shape} {y.dtype}; keep each leaf's shape and dtype."
+            )
 
 
 def _from_all(x: jax.Array, axis) -> jax.Array:
@@ -276,8 +305,9 @@ def replicated_grads(loss: Loss, *, scatter: bool) -> Callable:
     def loss_and_grad(train, frozen, batch, key, model_state, scale):
         def f(train):
             leaves = plan.join(train, frozen)
-            value, aux, ms = (traced(leaves, (batch, key, model_state)) if traced
-                              else loss(leaves, batch, key, model_state))
+            value, aux, ms = (
+                traced(leaves, (batch, key, model_state)) if traced else loss(leaves, batch, key, model_state)
+            )
             return value * scale / k, (value, aux, ms)
 
         (_, (value, aux, ms)), g = jax.value_and_grad(f, has_aux=True)(train)
@@ -286,16 +316,22 @@ def replicated_grads(loss: Loss, *, scatter: bool) -> Callable:
     def reduce_all(grads):
         grads = [sequence.whole(plan, g, l) for g, l in zip(grads, plan.master_layouts)]
         if not scatter:
-            return [collectives.reduce_grad(g, axis, n, reduce, l.replicated() if l.tp else None, replica, block)
-                    for l, g in zip(plan.master_layouts, grads)]
+            return [
+                collectives.reduce_grad(g, axis, n, reduce, l.replicated() if l.tp else None, replica, block)
+                for l, g in zip(plan.master_layouts, grads)
+            ]
         grads = per_use.after_all(grads, on_cpu(plan))  # ZeRO-1: the whole gradient exists first
-        return [collectives.reduce_grad(g, axis, n, reduce, l, replica, block)
-                for l, g in zip(plan.master_layouts, grads)]
+        return [
+            collectives.reduce_grad(g, axis, n, reduce, l, replica, block) for l, g in zip(plan.master_layouts, grads)
+        ]
 
     def body(train, frozen, batch, scale, rng, model_state):
         value, aux, grads, ms = loss.accumulate(
-            lambda b, key, ms: loss_and_grad(train, frozen, b, key, ms, scale), batch, _device_key(rng, plan.batch_axes),
-            model_state)
+            lambda b, key, ms: loss_and_grad(train, frozen, b, key, ms, scale),
+            batch,
+            _device_key(rng, plan.batch_axes),
+            model_state,
+        )
         return (*loss.combine(value, aux, ms), reduce_all(grads))
 
     grad_specs = [l.partition_spec(axis) for l in plan.master_layouts] if scatter else [P()] * len(plan.master_layouts)
@@ -303,11 +339,14 @@ def replicated_grads(loss: Loss, *, scatter: bool) -> Callable:
     def run(train, frozen, batch, scale, rng, model_state):
         batch = sequence.constrain(plan, batch)
         batch_spec = jax.tree.map(lambda _: P(plan.batch_axes), batch)
-        return jax.shard_map(body, mesh=plan.mesh,
-                             in_specs=([P()] * len(train), [P()] * len(frozen), batch_spec, P(), P(), P()),
-                             out_specs=(*loss.out_specs(), grad_specs), axis_names=plan.manual_axes,
-                             check_vma=False)(
-            train, frozen, batch, scale, rng, model_state)
+        return jax.shard_map(
+            body,
+            mesh=plan.mesh,
+            in_specs=([P()] * len(train), [P()] * len(frozen), batch_spec, P(), P(), P()),
+            out_specs=(*loss.out_specs(), grad_specs),
+            axis_names=plan.manual_axes,
+            check_vma=False,
+        )(train, frozen, batch, scale, rng, model_state)
 
     return run
 
@@ -348,8 +387,11 @@ def per_use_grads(loss: Loss, source: Source, frozen_source: Source | None = Non
 
     def body(resident, sinks, frozen, batch, scale, rng, model_state):
         value, aux, grads, ms = loss.accumulate(
-            lambda b, key, ms: shard_grads(resident, sinks, frozen, b, key, ms, scale), batch,
-            _device_key(rng, plan.batch_axes), model_state)
+            lambda b, key, ms: shard_grads(resident, sinks, frozen, b, key, ms, scale),
+            batch,
+            _device_key(rng, plan.batch_axes),
+            model_state,
+        )
         return (*loss.combine(value, aux, ms), grads)
 
     storage = [l.partition_spec(axis) for l in plan.master_layouts]
@@ -361,11 +403,13 @@ def per_use_grads(loss: Loss, source: Source, frozen_source: Source | None = Non
     def run(resident, sinks, frozen, batch, scale, rng, model_state):
         batch = sequence.constrain(plan, batch)
         batch_spec = jax.tree.map(lambda _: P(plan.batch_axes), batch)
-        return jax.shard_map(body, mesh=plan.mesh,
-                             in_specs=(resident_specs[: len(resident)], storage, frozen_specs, batch_spec, P(), P(),
-                                       P()),
-                             out_specs=(*loss.out_specs(), storage), axis_names=plan.manual_axes,
-                             check_vma=False)(
-            resident, sinks, frozen, batch, scale, rng, model_state)
+        return jax.shard_map(
+            body,
+            mesh=plan.mesh,
+            in_specs=(resident_specs[: len(resident)], storage, frozen_specs, batch_spec, P(), P(), P()),
+            out_specs=(*loss.out_specs(), storage),
+            axis_names=plan.manual_axes,
+            check_vma=False,
+        )(resident, sinks, frozen, batch, scale, rng, model_state)
 
     return run

@@ -47,11 +47,36 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 # The primitives zerojax dispatches on, by their names in jax.extend.core.primitives.
-NEEDED = ("jit_p", "closed_call_p", "scan_p", "remat_p", "slice_p", "reshape_p", "transpose_p",
-          "convert_element_type_p", "squeeze_p", "broadcast_in_dim_p", "copy_p", "add_p", "sub_p",
-          "add_jaxvals_p", "neg_p", "concatenate_p", "pad_p", "reduce_sum_p", "dynamic_slice_p",
-          "gather_p", "select_n_p", "sharding_constraint_p", "custom_jvp_call_p", "custom_vjp_call_p",
-          "while_p", "cond_p", "dot_general_p", "iota_p")
+NEEDED = (
+    "jit_p",
+    "closed_call_p",
+    "scan_p",
+    "remat_p",
+    "slice_p",
+    "reshape_p",
+    "transpose_p",
+    "convert_element_type_p",
+    "squeeze_p",
+    "broadcast_in_dim_p",
+    "copy_p",
+    "add_p",
+    "sub_p",
+    "add_jaxvals_p",
+    "neg_p",
+    "concatenate_p",
+    "pad_p",
+    "reduce_sum_p",
+    "dynamic_slice_p",
+    "gather_p",
+    "select_n_p",
+    "sharding_constraint_p",
+    "custom_jvp_call_p",
+    "custom_vjp_call_p",
+    "while_p",
+    "cond_p",
+    "dot_general_p",
+    "iota_p",
+)
 
 # jax >= 0.11 merged ClosedJaxpr into Jaxpr (the name stays, as an alias).
 _MERGED = jcore.ClosedJaxpr is jcore.Jaxpr
@@ -64,7 +89,8 @@ def _unsupported(what: str, detail: str) -> ImportError:
     return ImportError(
         f"zerojax's reading of JAX programs does not recognise {what} in jax {jax.__version__}: {detail}. "
         "zerojax reads JAX's program form in zerojax/sharding/jax_compat.py; install a JAX release "
-        "in the range pyproject.toml lists (jax>=0.10,<0.13).")
+        "in the range pyproject.toml lists (jax>=0.10,<0.13)."
+    )
 
 
 def _primitives():
@@ -194,8 +220,9 @@ def bind(eqn: Equation, invals: Sequence[Any]) -> list[Any]:
     if _MERGED:
         closed = jcore.Jaxpr([], variables, eqn.outvars, [eqn], eqn.effects, debug_info=_DEBUG_INFO, consts=[])
     else:
-        closed = jcore.ClosedJaxpr(jcore.Jaxpr([], variables, eqn.outvars, [eqn], eqn.effects,
-                                               debug_info=_DEBUG_INFO), [])
+        closed = jcore.ClosedJaxpr(
+            jcore.Jaxpr([], variables, eqn.outvars, [eqn], eqn.effects, debug_info=_DEBUG_INFO), []
+        )
     return list(jcore.jaxpr_as_fun(closed)(*values))
 
 
@@ -234,9 +261,15 @@ def _under_mesh(eqn: Equation, mesh: Any) -> Equation:
     return eqn.replace(ctx=ctx)
 
 
-def rebind(eqn: Equation, invals: Sequence[Any], *, program: Callable[[Any], Any],
-           rule: Callable[[Jaxpr, tuple], tuple[Any, tuple]], param: Callable[[str, Any], Any],
-           mesh: Callable[[Any], Any] | None = None) -> list[Any]:
+def rebind(
+    eqn: Equation,
+    invals: Sequence[Any],
+    *,
+    program: Callable[[Any], Any],
+    rule: Callable[[Jaxpr, tuple], tuple[Any, tuple]],
+    param: Callable[[str, Any], Any],
+    mesh: Callable[[Any], Any] | None = None,
+) -> list[Any]:
     """Binds ``eqn`` on ``invals`` with its parameters rewritten: each sub-program through
     ``program(sub) -> sub`` (tuples of them too), each lazily traced custom rule through
     ``rule(jaxpr, consts) -> (jaxpr, consts)``, every other parameter through
@@ -404,8 +437,10 @@ def is_remat(eqn: Equation) -> bool:
 
 def _spec_dims(spec: Any, ndim: int) -> tuple[tuple[str, ...], ...]:
     entries = tuple(spec) + (None,) * (ndim - len(tuple(spec)))
-    return tuple(() if e is None or not isinstance(e, (str, tuple, list)) else (e,) if isinstance(e, str)
-                 else tuple(e) for e in entries[:ndim])
+    return tuple(
+        () if e is None or not isinstance(e, (str, tuple, list)) else (e,) if isinstance(e, str) else tuple(e)
+        for e in entries[:ndim]
+    )
 
 
 def _region_source(body: Jaxpr) -> str | None:
@@ -471,11 +506,33 @@ def has_sub_programs(eqn: Equation) -> bool:
 _CALLS = frozenset({P.jit_p, P.closed_call_p})
 # Equations of one operand that only change a value's shape or dtype; a parameter passing
 # through them stays pending and the equation is applied after materialisation.
-_SHAPE_ONLY = frozenset({P.reshape_p, P.transpose_p, P.convert_element_type_p, P.squeeze_p,
-                         P.broadcast_in_dim_p, P.copy_p, P.sharding_constraint_p})
+_SHAPE_ONLY = frozenset(
+    {
+        P.reshape_p,
+        P.transpose_p,
+        P.convert_element_type_p,
+        P.squeeze_p,
+        P.broadcast_in_dim_p,
+        P.copy_p,
+        P.sharding_constraint_p,
+    }
+)
 # Equations whose backward needs no operand values (only shapes or integer indices).
-_NO_RESIDUALS = frozenset({P.add_p, P.sub_p, P.add_jaxvals_p, P.neg_p, P.concatenate_p, P.pad_p,
-                           P.reduce_sum_p, P.slice_p, P.dynamic_slice_p, P.gather_p, P.select_n_p})
+_NO_RESIDUALS = frozenset(
+    {
+        P.add_p,
+        P.sub_p,
+        P.add_jaxvals_p,
+        P.neg_p,
+        P.concatenate_p,
+        P.pad_p,
+        P.reduce_sum_p,
+        P.slice_p,
+        P.dynamic_slice_p,
+        P.gather_p,
+        P.select_n_p,
+    }
+)
 # Elementwise shape-only equations that commute with slicing a stack of layers.
 _SLICE_SAFE = frozenset({P.convert_element_type_p, P.copy_p})
 
@@ -524,9 +581,11 @@ def constraint_spec(eqn: Equation) -> tuple[tuple[str, ...], Any]:
     sharding = eqn.params.get("sharding")
     spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
     if spec is None or mesh is None:
-        raise ValueError(f"zerojax reads sharding constraints given as NamedSharding (a mesh and a PartitionSpec); "
-                         f"this one is a {type(sharding).__name__} ({where(eqn)}). Write it as "
-                         "jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(...))) or P(...).")
+        raise ValueError(
+            f"zerojax reads sharding constraints given as NamedSharding (a mesh and a PartitionSpec); "
+            f"this one is a {type(sharding).__name__} ({where(eqn)}). Write it as "
+            "jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(...))) or P(...)."
+        )
     return tuple(mesh.axis_names), spec
 
 
@@ -655,8 +714,7 @@ def _aligned(eqn: Equation, operands: Sequence[int] | None = None) -> tuple:
     output's rank (rank-0 operands broadcast)."""
     ins = _ndims(eqn)
     ops = range(len(ins)) if operands is None else operands
-    return tuple(tuple(tuple((i, d) for i in ops if ins[i] == n) for d in range(n))
-                 for n in _out_ndims(eqn))
+    return tuple(tuple(tuple((i, d) for i in ops if ins[i] == n) for d in range(n)) for n in _out_ndims(eqn))
 
 
 def _elementwise(eqn: Equation) -> Dims:
@@ -759,8 +817,11 @@ def _generic_reduce(eqn: Equation) -> Dims:
     k = len(eqn.outvars)
     n = _ndims(eqn)[0]
     kept = tuple(tuple((i, d) for i in range(k)) for d in range(n) if d not in axes)
-    return Dims(tuple(kept for _ in range(k)), mixed=tuple((i, d) for i in range(k) for d in sorted(axes)),
-                what="reduces, with a computation of its own, along")
+    return Dims(
+        tuple(kept for _ in range(k)),
+        mixed=tuple((i, d) for i in range(k) for d in sorted(axes)),
+        what="reduces, with a computation of its own, along",
+    )
 
 
 def _slice(eqn: Equation) -> Dims:
@@ -785,16 +846,19 @@ def _dynamic_slice(eqn: Equation) -> Dims:
 def _dynamic_update(eqn: Equation) -> Dims:
     full, part = shape(eqn.invars[0]), shape(eqn.invars[1])
     cut = [d for d in range(len(full)) if part[d] != full[d]]
-    return _along(eqn, lambda i: cut if i < 2 else (), "writes a part (a dynamic update slice) along",
-                  operands=(0, 1))
+    return _along(eqn, lambda i: cut if i < 2 else (), "writes a part (a dynamic update slice) along", operands=(0, 1))
 
 
 def _windowed(eqn: Equation) -> Dims:
     p = eqn.params
     n = len(p["window_dimensions"])
-    trivial = lambda d: (p["window_dimensions"][d] == 1 and p["window_strides"][d] == 1
-                         and tuple(p["padding"][d]) == (0, 0) and p.get("base_dilation", (1,) * n)[d] == 1
-                         and p.get("window_dilation", (1,) * n)[d] == 1)
+    trivial = lambda d: (
+        p["window_dimensions"][d] == 1
+        and p["window_strides"][d] == 1
+        and tuple(p["padding"][d]) == (0, 0)
+        and p.get("base_dilation", (1,) * n)[d] == 1
+        and p.get("window_dilation", (1,) * n)[d] == 1
+    )
     moved = [d for d in range(n) if not trivial(d)]
     k = len(eqn.outvars)
     return _along(eqn, lambda i: moved if i < k else (), "reduces windows along", operands=range(k))
@@ -807,8 +871,9 @@ def _gather(eqn: Equation) -> Dims:
     idx_batching = tuple(getattr(dn, "start_indices_batching_dims", ()))
     offset_dims = tuple(dn.offset_dims)
     window = [d for d in range(len(operand)) if d not in dn.collapsed_slice_dims and d not in batching]
-    indexed = [d for d in range(len(operand)) if d not in batching
-               and (d in dn.start_index_map or sizes[d] != operand[d])]
+    indexed = [
+        d for d in range(len(operand)) if d not in batching and (d in dn.start_index_map or sizes[d] != operand[d])
+    ]
     idx_dims = list(range(len(indices) - 1))  # the last is the index vector
     batch_out = [d for d in range(len(out)) if d not in offset_dims]
     dims: list[tuple] = [() for _ in out]
@@ -844,8 +909,11 @@ def _scatter(eqn: Equation) -> Dims:
         else:
             mixed.append((2, u))
             mixed.append((1, j))
-    return Dims((tuple(tuple(per_dim[d]) for d in range(len(operand))),), mixed=tuple(mixed),
-                what="scatters (writes by index) along")
+    return Dims(
+        (tuple(tuple(per_dim[d]) for d in range(len(operand))),),
+        mixed=tuple(mixed),
+        what="scatters (writes by index) along",
+    )
 
 
 def _dot_general(eqn: Equation) -> Dims:
@@ -864,9 +932,15 @@ def _conv(eqn: Equation) -> Dims:
     kernel = shape(eqn.invars[1])
     n = len(lhs) - 2
     ones = (1,) * n
-    spatial_moves = [s for s in range(n) if kernel[rhs[2 + s]] != 1 or p["window_strides"][s] != 1
-                     or tuple(p["padding"][s]) != (0, 0) or tuple(p.get("lhs_dilation") or ones)[s] != 1
-                     or tuple(p.get("rhs_dilation") or ones)[s] != 1]
+    spatial_moves = [
+        s
+        for s in range(n)
+        if kernel[rhs[2 + s]] != 1
+        or p["window_strides"][s] != 1
+        or tuple(p["padding"][s]) != (0, 0)
+        or tuple(p.get("lhs_dilation") or ones)[s] != 1
+        or tuple(p.get("rhs_dilation") or ones)[s] != 1
+    ]
     dims: list[tuple] = [() for _ in range(len(out))]
     dims[out[0]] = ((0, lhs[0]),) if p.get("batch_group_count", 1) == 1 else ()
     dims[out[1]] = ((1, rhs[0]),)
@@ -875,8 +949,7 @@ def _conv(eqn: Equation) -> Dims:
     mixed = [(0, lhs[2 + s]) for s in spatial_moves] + [(1, rhs[2 + s]) for s in range(n)]
     if p.get("batch_group_count", 1) != 1:
         mixed.append((0, lhs[0]))
-    return Dims((tuple(dims),), contracted=(((0, lhs[1]), (1, rhs[1])),), mixed=tuple(mixed),
-                what="convolves along")
+    return Dims((tuple(dims),), contracted=(((0, lhs[1]), (1, rhs[1])),), mixed=tuple(mixed), what="convolves along")
 
 
 def _iota(eqn: Equation) -> Dims:
@@ -921,20 +994,29 @@ def _reduce_scatter(eqn: Equation) -> Dims:
     p, n = eqn.params, _ndims(eqn)[0]
     d, axes = p["scatter_dimension"], _axes_of(eqn)
     if p["tiled"]:
-        return Dims((tuple(((0, k),) for k in range(n)),), collective=Collective(axes, combines=True,
-                                                                                 splits=((0, d),)))
-    return Dims((tuple(((0, k),) for k in range(n) if k != d),), mixed=((0, d),), what="scatters over devices along",
-                collective=Collective(axes, combines=True))
+        return Dims((tuple(((0, k),) for k in range(n)),), collective=Collective(axes, combines=True, splits=((0, d),)))
+    return Dims(
+        (tuple(((0, k),) for k in range(n) if k != d),),
+        mixed=((0, d),),
+        what="scatters over devices along",
+        collective=Collective(axes, combines=True),
+    )
 
 
 def _all_to_all(eqn: Equation) -> Dims:
     p, n = eqn.params, _ndims(eqn)[0]
     axes = _axes_of(eqn)
     if not p.get("tiled", False):
-        return Dims((tuple(((0, k),) for k in range(n)),), mixed=((0, p["split_axis"]), (0, p["concat_axis"])),
-                    what="exchanges (an untiled all-to-all) along", collective=Collective(axes, moves=True))
-    return Dims((tuple(((0, k),) for k in range(n)),),
-                collective=Collective(axes, joins=((0, p["concat_axis"]),), splits=((0, p["split_axis"]),)))
+        return Dims(
+            (tuple(((0, k),) for k in range(n)),),
+            mixed=((0, p["split_axis"]), (0, p["concat_axis"])),
+            what="exchanges (an untiled all-to-all) along",
+            collective=Collective(axes, moves=True),
+        )
+    return Dims(
+        (tuple(((0, k),) for k in range(n)),),
+        collective=Collective(axes, joins=((0, p["concat_axis"]),), splits=((0, p["split_axis"]),)),
+    )
 
 
 def _ppermute(eqn: Equation) -> Dims:
@@ -943,50 +1025,184 @@ def _ppermute(eqn: Equation) -> Dims:
 
 # Primitives whose outputs are their operands' values index by index: the allow-list of
 # elementwise ones (zerojax never assumes an unlisted primitive is elementwise).
-ELEMENTWISE = frozenset({
-    "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh", "bessel_i0e",
-    "bessel_i1e", "cbrt", "ceil", "clamp", "clz", "complex", "conj", "convert_element_type", "copy", "copy_p",
-    "cos", "cosh", "digamma", "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt",
-    "igamma", "igammac", "imag", "integer_pow", "is_finite", "le", "lgamma", "log", "log1p", "log2", "logistic",
-    "lt", "max", "min", "mul", "ne", "neg", "nextafter", "not", "one_minus_square", "or", "polygamma",
-    "population_count", "pow", "real", "reduce_precision", "rem", "round", "rsqrt", "select_n",
-    "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square",
-    "stop_gradient", "sub", "tan", "tanh", "xor", "zeta", "regularized_incomplete_beta",
-    # the value unchanged, only where it lives or what it is called
-    "name", "sharding_constraint", "mesh_cast", "reshard", "pvary", "pcast", "pbroadcast",
-})
+ELEMENTWISE = frozenset(
+    {
+        "abs",
+        "acos",
+        "acosh",
+        "add",
+        "add_any",
+        "and",
+        "asin",
+        "asinh",
+        "atan",
+        "atan2",
+        "atanh",
+        "bessel_i0e",
+        "bessel_i1e",
+        "cbrt",
+        "ceil",
+        "clamp",
+        "clz",
+        "complex",
+        "conj",
+        "convert_element_type",
+        "copy",
+        "copy_p",
+        "cos",
+        "cosh",
+        "digamma",
+        "div",
+        "eq",
+        "erf",
+        "erf_inv",
+        "erfc",
+        "exp",
+        "exp2",
+        "expm1",
+        "floor",
+        "ge",
+        "gt",
+        "igamma",
+        "igammac",
+        "imag",
+        "integer_pow",
+        "is_finite",
+        "le",
+        "lgamma",
+        "log",
+        "log1p",
+        "log2",
+        "logistic",
+        "lt",
+        "max",
+        "min",
+        "mul",
+        "ne",
+        "neg",
+        "nextafter",
+        "not",
+        "one_minus_square",
+        "or",
+        "polygamma",
+        "population_count",
+        "pow",
+        "real",
+        "reduce_precision",
+        "rem",
+        "round",
+        "rsqrt",
+        "select_n",
+        "shift_left",
+        "shift_right_arithmetic",
+        "shift_right_logical",
+        "sign",
+        "sin",
+        "sinh",
+        "sqrt",
+        "square",
+        "stop_gradient",
+        "sub",
+        "tan",
+        "tanh",
+        "xor",
+        "zeta",
+        "regularized_incomplete_beta",
+        # the value unchanged, only where it lives or what it is called
+        "name",
+        "sharding_constraint",
+        "mesh_cast",
+        "reshard",
+        "pvary",
+        "pcast",
+        "pbroadcast",
+    }
+)
 # Outputs that hold nothing of their operands' order: random bits (drawn per index, not
 # per position), a device's index, tokens.
-FRESH = frozenset({"random_bits", "random_seed", "random_split", "random_fold_in", "random_wrap",
-                   "random_unwrap", "threefry2x32", "rng_bit_generator", "rng_uniform", "axis_index",
-                   "create_token", "after_all", "platform_index"})
+FRESH = frozenset(
+    {
+        "random_bits",
+        "random_seed",
+        "random_split",
+        "random_fold_in",
+        "random_wrap",
+        "random_unwrap",
+        "threefry2x32",
+        "rng_bit_generator",
+        "rng_uniform",
+        "axis_index",
+        "create_token",
+        "after_all",
+        "platform_index",
+    }
+)
 
 _DIMS: dict[str, Callable[[Equation], Dims]] = {
     **{n: _elementwise for n in ELEMENTWISE},
     **{n: _fresh for n in FRESH},
-    "optimization_barrier": _one_to_one, "device_put": _one_to_one, "bitcast_convert_type": _bitcast,
-    "transpose": _transpose, "broadcast_in_dim": _broadcast, "squeeze": _squeeze, "reshape": _reshape,
-    "reduce_sum": _reduce, "reduce_max": _reduce, "reduce_min": _reduce, "reduce_prod": _reduce,
-    "reduce_and": _reduce, "reduce_or": _reduce, "reduce_xor": _reduce,
-    "argmax": lambda e: _reduce(e, positional=True), "argmin": lambda e: _reduce(e, positional=True),
+    "optimization_barrier": _one_to_one,
+    "device_put": _one_to_one,
+    "bitcast_convert_type": _bitcast,
+    "transpose": _transpose,
+    "broadcast_in_dim": _broadcast,
+    "squeeze": _squeeze,
+    "reshape": _reshape,
+    "reduce_sum": _reduce,
+    "reduce_max": _reduce,
+    "reduce_min": _reduce,
+    "reduce_prod": _reduce,
+    "reduce_and": _reduce,
+    "reduce_or": _reduce,
+    "reduce_xor": _reduce,
+    "argmax": lambda e: _reduce(e, positional=True),
+    "argmin": lambda e: _reduce(e, positional=True),
     "reduce": _generic_reduce,
-    "slice": _slice, "pad": _pad, "dynamic_slice": _dynamic_slice, "dynamic_update_slice": _dynamic_update,
+    "slice": _slice,
+    "pad": _pad,
+    "dynamic_slice": _dynamic_slice,
+    "dynamic_update_slice": _dynamic_update,
     "concatenate": lambda e: _along(e, lambda i: (e.params["dimension"],), "concatenates along"),
     "rev": lambda e: _along(e, lambda i: tuple(e.params["dimensions"]), "reverses"),
-    **{n: (lambda what: lambda e: _along(e, lambda i: (e.params["axis"],), what))(what) for n, what in (
-        ("cumsum", "sums cumulatively along"), ("cumprod", "multiplies cumulatively along"),
-        ("cummax", "takes a cumulative maximum along"), ("cummin", "takes a cumulative minimum along"),
-        ("cumlogsumexp", "takes a cumulative logsumexp along"))},
-    "sort": _sort, "top_k": _top_k, "split": _split,
-    "reduce_window_sum": _windowed, "reduce_window_max": _windowed, "reduce_window_min": _windowed,
+    **{
+        n: (lambda what: lambda e: _along(e, lambda i: (e.params["axis"],), what))(what)
+        for n, what in (
+            ("cumsum", "sums cumulatively along"),
+            ("cumprod", "multiplies cumulatively along"),
+            ("cummax", "takes a cumulative maximum along"),
+            ("cummin", "takes a cumulative minimum along"),
+            ("cumlogsumexp", "takes a cumulative logsumexp along"),
+        )
+    },
+    "sort": _sort,
+    "top_k": _top_k,
+    "split": _split,
+    "reduce_window_sum": _windowed,
+    "reduce_window_max": _windowed,
+    "reduce_window_min": _windowed,
     "reduce_window": _windowed,
-    "gather": _gather, "scatter": _scatter, "scatter-add": _scatter, "scatter_add": _scatter,
-    "scatter-mul": _scatter, "scatter_mul": _scatter, "scatter-min": _scatter, "scatter_min": _scatter,
-    "scatter-max": _scatter, "scatter_max": _scatter,
-    "dot_general": _dot_general, "conv_general_dilated": _conv, "iota": _iota,
-    "psum": _combining, "psum_invariant": _combining, "pmax": _combining, "pmin": _combining,
-    "all_gather": _all_gather, "reduce_scatter": _reduce_scatter, "psum_scatter": _reduce_scatter,
-    "all_to_all": _all_to_all, "ppermute": _ppermute,
+    "gather": _gather,
+    "scatter": _scatter,
+    "scatter-add": _scatter,
+    "scatter_add": _scatter,
+    "scatter-mul": _scatter,
+    "scatter_mul": _scatter,
+    "scatter-min": _scatter,
+    "scatter_min": _scatter,
+    "scatter-max": _scatter,
+    "scatter_max": _scatter,
+    "dot_general": _dot_general,
+    "conv_general_dilated": _conv,
+    "iota": _iota,
+    "psum": _combining,
+    "psum_invariant": _combining,
+    "pmax": _combining,
+    "pmin": _combining,
+    "all_gather": _all_gather,
+    "reduce_scatter": _reduce_scatter,
+    "psum_scatter": _reduce_scatter,
+    "all_to_all": _all_to_all,
+    "ppermute": _ppermute,
 }
 
 
@@ -1082,7 +1298,8 @@ def _min_compile_time_setting():
     except ImportError as e:  # pragma: no cover - a JAX without it
         raise ImportError(
             "zerojax needs jax._src.config.persistent_cache_min_compile_time_secs to keep CPU steps out of "
-            "the compilation cache; this JAX lacks it. Use a jax in the range pyproject.toml names.") from e
+            "the compilation cache; this JAX lacks it. Use a jax in the range pyproject.toml names."
+        ) from e
     return persistent_cache_min_compile_time_secs
 
 
@@ -1113,41 +1330,99 @@ def _custom_vjp_example():
 def _checks():
     """``(construct, function of an f32[3, 2], its primitive (or the primitive's name), check of
     the first such equation)``."""
+
     def scanned(x):
         w = x[1] * 2.0  # a loop constant computed in the trace (a concrete array would start a backend)
         return jax.lax.scan(lambda c, r: (c * w + r, jnp.sum(r)), x[0], x)[0]
 
-    yield ("jax.jit", lambda x: jax.jit(jnp.sin)(x), P.jit_p,
-           lambda e: (s := structure(e)).kind == "call" and s.body.eqns)
-    yield ("jax.lax.scan", scanned, P.scan_p,
-           lambda e: (s := scan(e)) and (s.n_consts, s.n_carry, s.length) == (1, 1, 3)
-           and len(s.body.invars) == 3 and len(s.body.outvars) == 2)
-    yield ("jax.checkpoint", lambda x: jax.checkpoint(jnp.sin)(x), P.remat_p,
-           lambda e: (r := remat(e)) and r.body.eqns and isinstance(r.prevent_cse, bool))
-    yield ("slicing (x[0])", lambda x: x[0], P.slice_p,
-           lambda e: static_slice(e).limit == (1, 2) and dims(e).mixed == ((0, 0),))
-    yield ("jax.custom_jvp (jax.nn.relu)", jax.nn.relu, P.custom_jvp_call_p,
-           lambda e: RULE_THUNKS[0] in e.params and structure(e).kind == "custom_jvp")
-    yield ("jax.custom_vjp", _custom_vjp_example(), P.custom_vjp_call_p,
-           lambda e: RULE_THUNKS[1] in e.params and structure(e).kind == "custom_vjp")
+    yield (
+        "jax.jit",
+        lambda x: jax.jit(jnp.sin)(x),
+        P.jit_p,
+        lambda e: (s := structure(e)).kind == "call" and s.body.eqns,
+    )
+    yield (
+        "jax.lax.scan",
+        scanned,
+        P.scan_p,
+        lambda e: (
+            (s := scan(e))
+            and (s.n_consts, s.n_carry, s.length) == (1, 1, 3)
+            and len(s.body.invars) == 3
+            and len(s.body.outvars) == 2
+        ),
+    )
+    yield (
+        "jax.checkpoint",
+        lambda x: jax.checkpoint(jnp.sin)(x),
+        P.remat_p,
+        lambda e: (r := remat(e)) and r.body.eqns and isinstance(r.prevent_cse, bool),
+    )
+    yield (
+        "slicing (x[0])",
+        lambda x: x[0],
+        P.slice_p,
+        lambda e: static_slice(e).limit == (1, 2) and dims(e).mixed == ((0, 0),),
+    )
+    yield (
+        "jax.custom_jvp (jax.nn.relu)",
+        jax.nn.relu,
+        P.custom_jvp_call_p,
+        lambda e: RULE_THUNKS[0] in e.params and structure(e).kind == "custom_jvp",
+    )
+    yield (
+        "jax.custom_vjp",
+        _custom_vjp_example(),
+        P.custom_vjp_call_p,
+        lambda e: RULE_THUNKS[1] in e.params and structure(e).kind == "custom_vjp",
+    )
     looped = lambda x: jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2), (0, x))
-    yield ("jax.lax.while_loop", looped, P.while_p,
-           lambda e: (s := structure(e)) and (s.n_cond, s.n_body) == (0, 0) and len(s.body.invars) == 2)
-    yield ("jax.lax.cond", lambda x: jax.lax.cond(x[0, 0] > 0, jnp.sin, jnp.cos, x), P.cond_p,
-           lambda e: len(structure(e).branches) == 2)
+    yield (
+        "jax.lax.while_loop",
+        looped,
+        P.while_p,
+        lambda e: (s := structure(e)) and (s.n_cond, s.n_body) == (0, 0) and len(s.body.invars) == 2,
+    )
+    yield (
+        "jax.lax.cond",
+        lambda x: jax.lax.cond(x[0, 0] > 0, jnp.sin, jnp.cos, x),
+        P.cond_p,
+        lambda e: len(structure(e).branches) == 2,
+    )
 
     idx = lambda x: jnp.zeros((3, 1), jnp.int32)
-    yield ("jnp.take_along_axis", lambda x: jnp.take_along_axis(x, idx(x), axis=-1, mode="fill"), P.gather_p,
-           lambda e: (t := take_along(e)) and (t.dim, t.pairs, t.fill) == (1, ((0, 0),), True)
-           and has_batching_dims(e) and dims(e).mixed == ((0, 1),) and dims(e).out[0][0] == ((1, 0), (0, 0)))
-    yield ("jnp.einsum", lambda x: jnp.einsum("ab,cb->ac", x, x), P.dot_general_p,
-           lambda e: dims(e).contracted == (((0, 1), (1, 1)),) and dims(e).out[0] == (((0, 0),), ((1, 0),)))
+    yield (
+        "jnp.take_along_axis",
+        lambda x: jnp.take_along_axis(x, idx(x), axis=-1, mode="fill"),
+        P.gather_p,
+        lambda e: (
+            (t := take_along(e))
+            and (t.dim, t.pairs, t.fill) == (1, ((0, 0),), True)
+            and has_batching_dims(e)
+            and dims(e).mixed == ((0, 1),)
+            and dims(e).out[0][0] == ((1, 0), (0, 0))
+        ),
+    )
+    yield (
+        "jnp.einsum",
+        lambda x: jnp.einsum("ab,cb->ac", x, x),
+        P.dot_general_p,
+        lambda e: dims(e).contracted == (((0, 1), (1, 1)),) and dims(e).out[0] == (((0, 0),), ((1, 0),)),
+    )
     yield ("jnp.arange", lambda x: x + jnp.arange(2), P.iota_p, lambda e: dims(e).iota == ((0, 0),))
     yield ("reshape", lambda x: x.reshape(6), P.reshape_p, lambda e: dims(e).out[0] == (((0, 0), (0, 1)),))
-    yield ("broadcasting", lambda x: jax.lax.broadcast_in_dim(x, (3, 4, 2), (0, 2)), P.broadcast_in_dim_p,
-           lambda e: dims(e).out[0] == (((0, 0),), (), ((0, 1),)))
-    yield ("jnp.concatenate", lambda x: jnp.concatenate([x, x]), P.concatenate_p,
-           lambda e: dims(e).mixed == ((0, 0), (1, 0)))
+    yield (
+        "broadcasting",
+        lambda x: jax.lax.broadcast_in_dim(x, (3, 4, 2), (0, 2)),
+        P.broadcast_in_dim_p,
+        lambda e: dims(e).out[0] == (((0, 0),), (), ((0, 1),)),
+    )
+    yield (
+        "jnp.concatenate",
+        lambda x: jnp.concatenate([x, x]),
+        P.concatenate_p,
+        lambda e: dims(e).mixed == ((0, 0), (1, 0)),
+    )
     yield ("jnp.pad", lambda x: jnp.pad(x, ((0, 0), (1, 0))), P.pad_p, lambda e: dims(e).mixed == ((0, 1),))
     yield ("jnp.sum", lambda x: jnp.sum(x, 0), P.reduce_sum_p, lambda e: dims(e).reduced == ((0, 0),))
     yield "jnp.cumsum", lambda x: jnp.cumsum(x, 0), "cumsum", lambda e: dims(e).mixed == ((0, 0),)
@@ -1160,17 +1435,32 @@ def _checks():
             return jnp.sin(x)
 
     no_mesh = AbstractMesh((), ())
-    yield ("the mesh an equation was traced under", under_mesh, "sin",
-           lambda e: traced_mesh(e) == mesh and traced_mesh(_under_mesh(e, no_mesh)) == no_mesh)
+    yield (
+        "the mesh an equation was traced under",
+        under_mesh,
+        "sin",
+        lambda e: traced_mesh(e) == mesh and traced_mesh(_under_mesh(e, no_mesh)) == no_mesh,
+    )
 
     gathered = lambda x: jax.lax.all_gather(x, "zerojax_check", axis=0, tiled=True) * 2
-    yield ("jax.shard_map", jax.shard_map(gathered, mesh=mesh, in_specs=jax.P("zerojax_check"),
-                                          out_specs=jax.P("zerojax_check")), "shard_map",
-           lambda e: (r := structure(e)).kind == "shard_map" and r.in_specs == ((("zerojax_check",), ()),)
-           and r.axes == {"zerojax_check"} and r.source and r.source.endswith("jax_compat.py"))
-    yield ("jax.lax.all_gather", jax.shard_map(gathered, mesh=mesh, in_specs=jax.P("zerojax_check"),
-                                               out_specs=jax.P("zerojax_check")), "all_gather",
-           lambda e: dims(e).collective.joins == ((0, 0),) and collective_axes(e) == ("zerojax_check",))
+    yield (
+        "jax.shard_map",
+        jax.shard_map(gathered, mesh=mesh, in_specs=jax.P("zerojax_check"), out_specs=jax.P("zerojax_check")),
+        "shard_map",
+        lambda e: (
+            (r := structure(e)).kind == "shard_map"
+            and r.in_specs == ((("zerojax_check",), ()),)
+            and r.axes == {"zerojax_check"}
+            and r.source
+            and r.source.endswith("jax_compat.py")
+        ),
+    )
+    yield (
+        "jax.lax.all_gather",
+        jax.shard_map(gathered, mesh=mesh, in_specs=jax.P("zerojax_check"), out_specs=jax.P("zerojax_check")),
+        "all_gather",
+        lambda e: dims(e).collective.joins == ((0, 0),) and collective_axes(e) == ("zerojax_check",),
+    )
 
 
 def self_check() -> None:
@@ -1181,8 +1471,13 @@ def self_check() -> None:
     x = jax.ShapeDtypeStruct((3, 2), jnp.float32)  # abstract: importing must not start a backend
     for what, fn, prim, ok in _checks():
         found = walk.equations(jax.make_jaxpr(fn)(x).jaxpr)  # nested calls too: jnp functions run as jitted programs
-        match = (lambda e: True) if prim is None else (lambda e: name(e) == prim) if isinstance(prim, str) else \
-            (lambda e: e.primitive is prim)
+        match = (
+            (lambda e: True)
+            if prim is None
+            else (lambda e: name(e) == prim)
+            if isinstance(prim, str)
+            else (lambda e: e.primitive is prim)
+        )
         eqns = [e for e in found if match(e)]
         if not eqns:
             raise _unsupported(what, f"it no longer traces to the primitive {getattr(prim, 'name', prim)!r}")
@@ -1190,8 +1485,10 @@ def self_check() -> None:
         try:
             good = bool(ok(eqn))
         except (KeyError, AttributeError, TypeError, ValueError, IndexError) as e:
-            raise _unsupported(what, f"primitive {name(eqn)!r} has parameters {sorted(eqn.params)}, "
-                                     f"read as {type(e).__name__}: {e}") from e
+            raise _unsupported(
+                what, f"primitive {name(eqn)!r} has parameters {sorted(eqn.params)}, read as {type(e).__name__}: {e}"
+            ) from e
         if not good:
-            raise _unsupported(what, f"primitive {name(eqn)!r} has parameters {sorted(eqn.params)} "
-                                     "that read differently than expected")
+            raise _unsupported(
+                what, f"primitive {name(eqn)!r} has parameters {sorted(eqn.params)} that read differently than expected"
+            )

@@ -95,14 +95,14 @@ class LeafLayout:
         if not self.tp or self.kind == "replicated":
             return self.shape
         t = self.tdim
-        return self.shape[:t] + (self.tensor, self.shape[t] // self.tensor) + self.shape[t + 1:]
+        return self.shape[:t] + (self.tensor, self.shape[t] // self.tensor) + self.shape[t + 1 :]
 
     def _plain(self, local: bool = False) -> LeafLayout:
         """This layout on its grid, without the tensor split (``local``: one tensor shard's
         grid, its ``T`` axis of size 1, as a nested ``shard_map`` over the tensor axis sees it)."""
         grid = self.grid
         if local and self.tp:
-            grid = grid[: self.tdim] + (1,) + grid[self.tdim + 1:]
+            grid = grid[: self.tdim] + (1,) + grid[self.tdim + 1 :]
         return LeafLayout(grid, self.dtype, self.n, self.kind, self.dim, self.lead)
 
     def local(self) -> LeafLayout:
@@ -111,8 +111,9 @@ class LeafLayout:
             return self
         if self.kind == "replicated":
             t = self.tdim
-            return LeafLayout(self.shape[:t] + (self.shape[t] // self.tensor,) + self.shape[t + 1:], self.dtype,
-                              self.n, "replicated")
+            return LeafLayout(
+                self.shape[:t] + (self.shape[t] // self.tensor,) + self.shape[t + 1 :], self.dtype, self.n, "replicated"
+            )
         return self._plain(local=True)
 
     def tensor_spec(self) -> P:
@@ -127,7 +128,7 @@ class LeafLayout:
     @property
     def inner_size(self) -> int:
         """``flat``: elements of the flattened part (one row, or the whole array)."""
-        return math.prod(self.grid[self.lead:])
+        return math.prod(self.grid[self.lead :])
 
     @property
     def chunk(self) -> int:
@@ -147,7 +148,7 @@ class LeafLayout:
     def storage_shape(self) -> tuple[int, ...]:
         g = self.grid
         if self.kind == "dim":
-            return g[: self.dim] + (self.n * self.chunk,) + g[self.dim + 1:]
+            return g[: self.dim] + (self.n * self.chunk,) + g[self.dim + 1 :]
         if self.kind == "flat":
             return g[: self.lead] + (self.n * self.chunk,)
         return self.shape
@@ -258,8 +259,9 @@ class LeafLayout:
         spec = self.tensor_spec()
         if self.kind != "replicated" and tuple(x.shape) == self.shape:
             x = jnp.reshape(x, self.grid)
-        out = jax.shard_map(lambda v: fn(self.local(), v), in_specs=spec, out_specs=spec,
-                            axis_names={self.taxis}, check_vma=False)(x)
+        out = jax.shard_map(
+            lambda v: fn(self.local(), v), in_specs=spec, out_specs=spec, axis_names={self.taxis}, check_vma=False
+        )(x)
         return out.reshape(self.shape) if whole and tuple(out.shape) == self.grid != self.shape else out
 
     # Stacks of layers.
@@ -314,8 +316,9 @@ class LeafLayout:
         return "replicated" + tp
 
 
-def layout_for(shape: tuple[int, ...], dtype: Any, n: int, *, tensor: int = 1, tdim: int = -1,
-               taxis: str = "tensor") -> LeafLayout:
+def layout_for(
+    shape: tuple[int, ...], dtype: Any, n: int, *, tensor: int = 1, tdim: int = -1, taxis: str = "tensor"
+) -> LeafLayout:
     """The layout of an array of ``shape`` split ``n`` ways over the data axis (and, with
     ``tensor > 1``, dimension ``tdim`` split ``tensor`` ways over ``taxis``; see the module
     docstring).
@@ -341,7 +344,7 @@ def layout_for(shape: tuple[int, ...], dtype: Any, n: int, *, tensor: int = 1, t
         return _choose(shape, dtype, n, -1)
     if not 0 <= tdim < len(shape) or shape[tdim] % tensor:
         raise ValueError(f"layout_for: dimension {tdim} of shape {shape} does not split {tensor} ways")
-    grid = shape[:tdim] + (tensor, shape[tdim] // tensor) + shape[tdim + 1:]
+    grid = shape[:tdim] + (tensor, shape[tdim] // tensor) + shape[tdim + 1 :]
     plain = _choose(grid, dtype, n, tdim)
     return dataclasses.replace(plain, shape=shape, tensor=tensor, tdim=tdim, taxis=taxis)
 

@@ -72,8 +72,10 @@ def _linen(names: tuple, rules: tuple) -> list:
     counts = collections.Counter(n for n in names if isinstance(n, str) and n in named)
     dups = [n for n, c in counts.items() if c > 1]  # (a mesh axis twice is refused later, as a split)
     if dups:
-        raise ValueError(f"the annotation {names} names {dups} on more than one dimension; Flax refuses it too "
-                         f"('Dimensions occur more than once'). Give each dimension its own logical name.")
+        raise ValueError(
+            f"the annotation {names} names {dups} on more than one dimension; Flax refuses it too "
+            f"('Dimensions occur more than once'). Give each dimension its own logical name."
+        )
     out: list = [UNRULED if isinstance(n, str) else n for n in names]
     for logical, target in rules:
         if logical not in names:
@@ -92,9 +94,11 @@ def _nnx(names: tuple, context: tuple, local: tuple | None) -> list:
     table = {k: v for k, v in context}
     for k, v in local or ():
         if k in table and table[k] != v:
-            raise ValueError(f"the annotation {names} has its own rule ({k!r}, {v!r}), which contradicts "
-                             f"ZeroConfig.axis_rules' ({k!r}, {table[k]!r}); Flax refuses it too ('Inconsistent "
-                             f"logical axis annotations'). Make them agree.")
+            raise ValueError(
+                f"the annotation {names} has its own rule ({k!r}, {v!r}), which contradicts "
+                f"ZeroConfig.axis_rules' ({k!r}, {table[k]!r}); Flax refuses it too ('Inconsistent "
+                f"logical axis annotations'). Make them agree."
+            )
         table[k] = v
     return [table[n] if isinstance(n, str) and n in table else (UNRULED if isinstance(n, str) else n) for n in names]
 

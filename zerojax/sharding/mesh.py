@@ -20,10 +20,20 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 
-def make_mesh(devices: Sequence[jax.Device] | None = None, axis: str = "data", *, replicas: int = 1,
-              replica_axis: str = "replica", tensor: int = 1, tensor_axis: str = "tensor",
-              group_size: int | None = None, context: int = 1, context_axis: str = "context", expert: int = 1,
-              expert_axis: str = "expert") -> Mesh:
+def make_mesh(
+    devices: Sequence[jax.Device] | None = None,
+    axis: str = "data",
+    *,
+    replicas: int = 1,
+    replica_axis: str = "replica",
+    tensor: int = 1,
+    tensor_axis: str = "tensor",
+    group_size: int | None = None,
+    context: int = 1,
+    context_axis: str = "context",
+    expert: int = 1,
+    expert_axis: str = "expert",
+) -> Mesh:
     """Builds the mesh zerojax shards over: ``(N,)`` named ``axis``, or with ``replicas=R``,
     ``(R, N/R)`` named ``(replica_axis, axis)``: every stage shards over ``axis`` within a
     group of ``N/R`` devices and replicates over ``replica_axis`` (hybrid sharding).
@@ -94,8 +104,9 @@ def make_mesh(devices: Sequence[jax.Device] | None = None, axis: str = "data", *
     if isinstance(expert, bool) or not isinstance(expert, int) or expert < 1:
         raise ValueError(f"make_mesh(expert=...) must be a positive int (expert-parallel degree), got {expert!r}.")
     if expert > 1:
-        return _with_expert(devices, axis, replicas, replica_axis, tensor, tensor_axis, context, context_axis, expert,
-                            expert_axis)
+        return _with_expert(
+            devices, axis, replicas, replica_axis, tensor, tensor_axis, context, context_axis, expert, expert_axis
+        )
     if context > 1:
         return _with_context(devices, axis, replicas, replica_axis, tensor, tensor_axis, context, context_axis)
     if tensor > 1:
@@ -105,12 +116,15 @@ def make_mesh(devices: Sequence[jax.Device] | None = None, axis: str = "data", *
     if replicas == 1:
         return jax.make_mesh((len(devices),), (axis,), axis_types=(AxisType.Auto,), devices=devices)
     if not isinstance(replica_axis, str) or not replica_axis or replica_axis == axis:
-        raise ValueError(f"make_mesh(replica_axis={replica_axis!r}) must be a non-empty name other than the data "
-                         f"axis {axis!r}.")
+        raise ValueError(
+            f"make_mesh(replica_axis={replica_axis!r}) must be a non-empty name other than the data axis {axis!r}."
+        )
     if len(devices) % replicas:
         ok = [r for r in range(1, len(devices) + 1) if len(devices) % r == 0]
-        raise ValueError(f"make_mesh(replicas={replicas}): {len(devices)} devices do not split into {replicas} "
-                         f"equal replica groups. Use one of {ok}.")
+        raise ValueError(
+            f"make_mesh(replicas={replicas}): {len(devices)} devices do not split into {replicas} "
+            f"equal replica groups. Use one of {ok}."
+        )
     grid = _hybrid_grid(devices, replicas)
     return Mesh(grid, (replica_axis, axis), axis_types=(AxisType.Auto, AxisType.Auto))
 
@@ -119,62 +133,101 @@ def _replicas_of_groups(n: int, group_size: Any, replicas: int) -> int:
     """``replicas`` for groups of ``group_size`` devices (DeepSpeed's ``mics_shard_size``),
     refused where the groups do not divide the devices, as DeepSpeed refuses them."""
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"make_mesh(group_size=...) must be a positive int (devices per replica group), got "
-                         f"{group_size!r}.")
+        raise ValueError(
+            f"make_mesh(group_size=...) must be a positive int (devices per replica group), got {group_size!r}."
+        )
     if replicas != 1:
-        raise ValueError(f"make_mesh takes group_size={group_size} or replicas={replicas}, not both: "
-                         f"group_size=G is replicas=N // G, checked.")
+        raise ValueError(
+            f"make_mesh takes group_size={group_size} or replicas={replicas}, not both: "
+            f"group_size=G is replicas=N // G, checked."
+        )
     if n % group_size:
         ok = [g for g in range(1, n + 1) if n % g == 0]
-        raise ValueError(f"make_mesh(group_size={group_size}): replica groups of {group_size} devices do not divide "
-                         f"the {n} devices (DeepSpeed refuses it too). Use a group size in {ok}, or a device count "
-                         f"that {group_size} divides.")
+        raise ValueError(
+            f"make_mesh(group_size={group_size}): replica groups of {group_size} devices do not divide "
+            f"the {n} devices (DeepSpeed refuses it too). Use a group size in {ok}, or a device count "
+            f"that {group_size} divides."
+        )
     return n // group_size
 
 
-def _with_context(devices: list, axis: str, replicas: int, replica_axis: str, tensor: int, tensor_axis: str,
-                  context: int, context_axis: str) -> Mesh:
+def _with_context(
+    devices: list,
+    axis: str,
+    replicas: int,
+    replica_axis: str,
+    tensor: int,
+    tensor_axis: str,
+    context: int,
+    context_axis: str,
+) -> Mesh:
     """``(replica, data, context, tensor)`` with the size-1 replica and tensor axes left out:
     a context group is neighbouring devices (after the tensor group, innermost)."""
     names = [n for n in (axis, replica_axis, tensor_axis) if isinstance(n, str) and n]
     if not isinstance(context_axis, str) or not context_axis or context_axis in names:
-        raise ValueError(f"make_mesh(context_axis={context_axis!r}) must be a non-empty name other than the data, "
-                         f"replica and tensor axes {names}.")
+        raise ValueError(
+            f"make_mesh(context_axis={context_axis!r}) must be a non-empty name other than the data, "
+            f"replica and tensor axes {names}."
+        )
     for name, value in (("replicas", replicas), ("tensor", tensor)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"make_mesh({name}=...) must be a positive int, got {value!r}.")
     if len(devices) % (replicas * context * tensor):
         ok = [c for c in range(1, len(devices) + 1) if len(devices) % (replicas * c * tensor) == 0]
-        raise ValueError(f"make_mesh(context={context}, tensor={tensor}, replicas={replicas}): {len(devices)} devices "
-                         f"do not split into groups of {context} x {tensor}{f' in {replicas} replica groups' if replicas > 1 else ''}. "
-                         f"Use context in {ok}.")
-    return _laid_out(devices, axis, replicas, replica_axis, [(context_axis, context), (tensor_axis, tensor)],
-                     keep=context_axis)
+        raise ValueError(
+            f"make_mesh(context={context}, tensor={tensor}, replicas={replicas}): {len(devices)} devices "
+            f"do not split into groups of {context} x {tensor}{f' in {replicas} replica groups' if replicas > 1 else ''}. "
+            f"Use context in {ok}."
+        )
+    return _laid_out(
+        devices, axis, replicas, replica_axis, [(context_axis, context), (tensor_axis, tensor)], keep=context_axis
+    )
 
 
-def _with_expert(devices: list, axis: str, replicas: int, replica_axis: str, tensor: int, tensor_axis: str,
-                 context: int, context_axis: str, expert: int, expert_axis: str) -> Mesh:
+def _with_expert(
+    devices: list,
+    axis: str,
+    replicas: int,
+    replica_axis: str,
+    tensor: int,
+    tensor_axis: str,
+    context: int,
+    context_axis: str,
+    expert: int,
+    expert_axis: str,
+) -> Mesh:
     """``(replica, data, expert, context, tensor)``, the size-1 replica, context and tensor
     axes left out: an expert group is neighbouring devices (its all-to-alls stay close)."""
     names = [n for n in (axis, replica_axis, tensor_axis, context_axis) if isinstance(n, str) and n]
     if not isinstance(expert_axis, str) or not expert_axis or expert_axis in names:
-        raise ValueError(f"make_mesh(expert_axis={expert_axis!r}) must be a non-empty name other than the data, "
-                         f"replica, tensor and context axes {names}.")
+        raise ValueError(
+            f"make_mesh(expert_axis={expert_axis!r}) must be a non-empty name other than the data, "
+            f"replica, tensor and context axes {names}."
+        )
     for name, value in (("replicas", replicas), ("tensor", tensor), ("context", context)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"make_mesh({name}=...) must be a positive int, got {value!r}.")
     other = replicas * context * tensor
     if len(devices) % (other * expert):
         ok = [e for e in range(1, len(devices) + 1) if len(devices) % (other * e) == 0]
-        raise ValueError(f"make_mesh(expert={expert}, context={context}, tensor={tensor}, replicas={replicas}): "
-                         f"{len(devices)} devices do not split into groups of {expert} x {context} x {tensor}"
-                         f"{f' in {replicas} replica groups' if replicas > 1 else ''}. Use expert in {ok}.")
-    return _laid_out(devices, axis, replicas, replica_axis,
-                     [(expert_axis, expert), (context_axis, context), (tensor_axis, tensor)], keep=expert_axis)
+        raise ValueError(
+            f"make_mesh(expert={expert}, context={context}, tensor={tensor}, replicas={replicas}): "
+            f"{len(devices)} devices do not split into groups of {expert} x {context} x {tensor}"
+            f"{f' in {replicas} replica groups' if replicas > 1 else ''}. Use expert in {ok}."
+        )
+    return _laid_out(
+        devices,
+        axis,
+        replicas,
+        replica_axis,
+        [(expert_axis, expert), (context_axis, context), (tensor_axis, tensor)],
+        keep=expert_axis,
+    )
 
 
-def _laid_out(devices: list, axis: str, replicas: int, replica_axis: str, inner: list[tuple[str, int]],
-              keep: str) -> Mesh:
+def _laid_out(
+    devices: list, axis: str, replicas: int, replica_axis: str, inner: list[tuple[str, int]], keep: str
+) -> Mesh:
     """``(replica, data, *inner)`` over ``devices`` in process order, the data axis sized by
     what is left, and the size-1 axes left out but the data axis and ``keep``."""
     ordered = [d for _, d in sorted(enumerate(devices), key=lambda t: (t[1].process_index, t[0]))]
@@ -200,16 +253,19 @@ def context_size(mesh: Any, context_axis: str = "context") -> int:
     return int(dict(mesh.shape)[context_axis]) if context_axis in mesh.axis_names else 1
 
 
-def _with_tensor(devices: list, axis: str, replicas: int, replica_axis: str, tensor: int,
-                 tensor_axis: str) -> Mesh:
+def _with_tensor(devices: list, axis: str, replicas: int, replica_axis: str, tensor: int, tensor_axis: str) -> Mesh:
     if not isinstance(tensor_axis, str) or not tensor_axis or tensor_axis in (axis, replica_axis):
-        raise ValueError(f"make_mesh(tensor_axis={tensor_axis!r}) must be a non-empty name other than the data "
-                         f"axis {axis!r} and the replica axis {replica_axis!r}.")
+        raise ValueError(
+            f"make_mesh(tensor_axis={tensor_axis!r}) must be a non-empty name other than the data "
+            f"axis {axis!r} and the replica axis {replica_axis!r}."
+        )
     if len(devices) % (tensor * replicas):
         ok = [t for t in range(1, len(devices) + 1) if len(devices) % (t * replicas) == 0]
-        raise ValueError(f"make_mesh(tensor={tensor}{f', replicas={replicas}' if replicas > 1 else ''}): "
-                         f"{len(devices)} devices do not split into groups of {tensor} tensor-parallel devices"
-                         f"{f' in {replicas} replica groups' if replicas > 1 else ''}. Use tensor in {ok}.")
+        raise ValueError(
+            f"make_mesh(tensor={tensor}{f', replicas={replicas}' if replicas > 1 else ''}): "
+            f"{len(devices)} devices do not split into groups of {tensor} tensor-parallel devices"
+            f"{f' in {replicas} replica groups' if replicas > 1 else ''}. Use tensor in {ok}."
+        )
     ordered = [d for _, d in sorted(enumerate(devices), key=lambda t: (t[1].process_index, t[0]))]
     data = len(devices) // (tensor * replicas)
     if replicas == 1:
@@ -223,11 +279,12 @@ def _hybrid_grid(devices: list[jax.Device], replicas: int) -> np.ndarray:
     per_group = len(devices) // replicas
     processes = sorted({d.process_index for d in devices})
     if len(processes) == replicas > 1 and all(
-            sum(d.process_index == p for d in devices) == per_group for p in processes):
+        sum(d.process_index == p for d in devices) == per_group for p in processes
+    ):
         from jax.experimental import mesh_utils
+
         try:
-            return mesh_utils.create_hybrid_device_mesh((1, per_group), (replicas, 1), devices,
-                                                        process_is_granule=True)
+            return mesh_utils.create_hybrid_device_mesh((1, per_group), (replicas, 1), devices, process_is_granule=True)
         except (ValueError, NotImplementedError, AssertionError):
             pass  # topologies mesh_utils does not lay out: process order below is still per host
     ordered = [d for _, d in sorted(enumerate(devices), key=lambda t: (t[1].process_index, t[0]))]

@@ -40,6 +40,7 @@ class Combine:
 
     def over_micro_batches(self, stacked: Any) -> Any:
         """Leaves stacked on a leading micro-batch axis (from ``lax.scan``) -> one value."""
+
         def one(rule, x):
             if rule == "mean":
                 return jnp.mean(_summable(x), axis=0)
@@ -52,6 +53,7 @@ class Combine:
     def over_devices(self, tree: Any, axis: str) -> Any:
         """This device's value -> the combined one (concat leaves stay local: the
         ``shard_map`` output spec joins them, see :meth:`specs`)."""
+
         def one(rule, x):
             if rule == "mean":
                 return jax.lax.pmean(_summable(x), axis)
@@ -96,7 +98,8 @@ def plan(spec: Any, shapes: Any, what: str = "aux", arg: str = "aux_reduce") -> 
                 raise ValueError(
                     f"{arg} must be one of {RULES}, or a tree with the structure of {what} "
                     f"(or a prefix of it) holding those names; got {spec!r} for {what} "
-                    f"{jax.tree.structure(shapes)}: {e}") from None
+                    f"{jax.tree.structure(shapes)}: {e}"
+                ) from None
         rules = jax.tree.leaves(spec_tree)
     out = []
     for (path, x), rule in zip(leaves, rules):
@@ -106,20 +109,23 @@ def plan(spec: Any, shapes: Any, what: str = "aux", arg: str = "aux_reduce") -> 
             if x.shape == () and floating:
                 out.append("mean")
                 continue
-            hint = ("per-example rows: 'concat'" if x.shape else "a count or total: 'sum'")
+            hint = "per-example rows: 'concat'" if x.shape else "a count or total: 'sum'"
             raise ValueError(
                 f"{name} has shape {x.shape} and dtype {x.dtype}: say how it combines over "
                 f"devices and micro-batches with {arg}= ('mean', 'sum' or 'concat'; for "
-                f"{hint}). Only floating scalars are averaged by default.")
+                f"{hint}). Only floating scalars are averaged by default."
+            )
         if rule not in RULES:
             raise ValueError(f"{arg} for {name} must be one of {RULES}, got {rule!r}.")
         if rule == "mean" and not floating:
             raise ValueError(
                 f"{name} has dtype {x.dtype}: its mean over devices would turn it into a float. "
-                f"Use {arg}='sum' for counts, or return a float.")
+                f"Use {arg}='sum' for counts, or return a float."
+            )
         if rule == "concat" and not x.shape:
             raise ValueError(
                 f"{name} is a scalar: 'concat' joins per-example rows along a leading axis. "
-                "Use 'mean' or 'sum', or return one row per example.")
+                "Use 'mean' or 'sum', or return one row per example."
+            )
         out.append(rule)
     return Combine(treedef=treedef, rules=tuple(out))

@@ -41,8 +41,7 @@ def warn_partial(fn: Callable, mesh: Any, batch_axes: tuple[str, ...], args: tup
     about each collective that names some but not all of ``batch_axes``."""
     if isinstance(batch_axes, str) or len(batch_axes) < 2:
         return
-    run = jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=frozenset(batch_axes),
-                        check_vma=False)
+    run = jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=frozenset(batch_axes), check_vma=False)
     jaxpr = jax.make_jaxpr(run)(*args).jaxpr
     seen = set()
     for prim, names in collectives(jaxpr):
@@ -55,4 +54,6 @@ def warn_partial(fn: Callable, mesh: Any, batch_axes: tuple[str, ...], args: tup
                 f"part of the batch (a BatchNorm with axis_name={names[0]!r} normalises each replica group on its "
                 f"own). Name every batch axis, e.g. axis_name={tuple(batch_axes)!r}, if you mean the global batch. "
                 "Integer leaves of a model state are taken from the first device, whatever the others hold.",
-                PartialBatchCollective, stacklevel=2)
+                PartialBatchCollective,
+                stacklevel=2,
+            )

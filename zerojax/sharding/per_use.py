@@ -172,7 +172,8 @@ def _warn_if_stack_gathered_whole(eqn: Equation, pending: list[Pending], how: st
                 f"a '{jax_compat.name(eqn)}'{how} whole, so it is gathered (stage 3) or its gradient "
                 "reduced (stage 2) whole there, not one layer at a time. Run the layers with "
                 "jax.lax.scan over the stack (nnx.scan, nn.scan) to keep one layer live.",
-                stacklevel=2)
+                stacklevel=2,
+            )
 
 
 def _is_row(eqn: Equation, v: Pending) -> bool:
@@ -182,8 +183,7 @@ def _is_row(eqn: Equation, v: Pending) -> bool:
     if not v.sliceable or sl.strides not in (None, (1,) * len(v.layout.shape)):
         return False
     start, limit = sl.start, sl.limit
-    return (limit[0] - start[0] == 1 and all(s == 0 for s in start[1:])
-            and tuple(limit[1:]) == v.layout.shape[1:])
+    return limit[0] - start[0] == 1 and all(s == 0 for s in start[1:]) and tuple(limit[1:]) == v.layout.shape[1:]
 
 
 def _row(v: Pending, i: int, ctx: Context) -> Pending:
@@ -221,8 +221,10 @@ def _tied_to_inputs(invals: list[Any], ctx: Context) -> list[Any]:
     dep = _order_after(_first_float(invals), ctx, record=False)
     if dep is None:
         return invals
-    return [v.rebuild([_after(a, dep, ctx.order_by_data) for a in v.arrays]) if isinstance(v, Pending) else v
-            for v in invals]
+    return [
+        v.rebuild([_after(a, dep, ctx.order_by_data) for a in v.arrays]) if isinstance(v, Pending) else v
+        for v in invals
+    ]
 
 
 def _order_after(dep: jax.Array | None, ctx: Context, record: bool = True) -> jax.Array | None:
@@ -257,8 +259,9 @@ def _after(x: jax.Array, dep: jax.Array, order_by_data: bool = True) -> jax.Arra
         d = _first(dep)
         zero = -jnp.abs(jnp.where(jnp.isfinite(d), d * 0, jnp.zeros_like(d)))
         if in_host_memory(x):  # offload_params: the same sum, on a device copy (a no-op move on CPU)
-            return jax.device_put(jax.device_put(x, jax.memory.Space.Device) + zero.astype(x.dtype),
-                                  jax.memory.Space.Host)
+            return jax.device_put(
+                jax.device_put(x, jax.memory.Space.Device) + zero.astype(x.dtype), jax.memory.Space.Host
+            )
         x = x + zero.astype(x.dtype)
     return x
 
@@ -337,14 +340,19 @@ def _checkpoint(eqn: Equation, invals: list[Any], ctx: Context) -> list[Any]:
 def _scan(eqn: Equation, invals: list[Any], ctx: Context) -> list[Any]:
     p = jax_compat.scan(eqn)
     n_consts, n_carry = p.n_consts, p.n_carry
-    _warn_if_stack_gathered_whole(eqn, [v for v in invals[: n_consts + n_carry] if isinstance(v, Pending)],
-                                  " as a loop constant or carry (not scanned over)")
+    _warn_if_stack_gathered_whole(
+        eqn,
+        [v for v in invals[: n_consts + n_carry] if isinstance(v, Pending)],
+        " as a loop constant or carry (not scanned over)",
+    )
     consts = _materialize_all(invals[:n_consts])
     carry = _materialize_all(invals[n_consts : n_consts + n_carry])
     xs_in = invals[n_consts + n_carry :]
     # Stacked parameters are sliced in storage form; anything else is materialised first.
-    xs_in = [v if isinstance(v, Pending) and v.sliceable else
-             (v.materialize() if isinstance(v, Pending) else v) for v in xs_in]
+    xs_in = [
+        v if isinstance(v, Pending) and v.sliceable else (v.materialize() if isinstance(v, Pending) else v)
+        for v in xs_in
+    ]
     xs_arrays = [v.arrays if isinstance(v, Pending) else v for v in xs_in]
     stack_pos = [k for k, v in enumerate(xs_in) if isinstance(v, Pending) and v.source.regathers]
     if ctx.prefetch and stack_pos and not p.reverse:
@@ -355,27 +363,37 @@ def _scan(eqn: Equation, invals: list[Any], ctx: Context) -> list[Any]:
             def run_body(consts, carry, xs_vals):
                 return eval_jaxpr(p.body, p.body_consts, [*consts, *carry, *xs_vals], inner)
 
-            return prefetch.prefetched_scan(run_body, n_carry, p.length, ctx.prefetch,
-                                            [xs_in[k] for k in stack_pos], stack_pos, consts, carry, others,
-                                            len(xs_in))
-        warnings.warn("zerojax: prefetch skipped for a layer loop whose carry, scanned inputs or outputs are "
-                      "not all floating; its layers are gathered one at a time without prefetch.",
-                      stacklevel=2)
+            return prefetch.prefetched_scan(
+                run_body,
+                n_carry,
+                p.length,
+                ctx.prefetch,
+                [xs_in[k] for k in stack_pos],
+                stack_pos,
+                consts,
+                carry,
+                others,
+                len(xs_in),
+            )
+        warnings.warn(
+            "zerojax: prefetch skipped for a layer loop whose carry, scanned inputs or outputs are "
+            "not all floating; its layers are gathered one at a time without prefetch.",
+            stacklevel=2,
+        )
 
     remat = ctx.scan_remat is not None and ctx.scan_remat.active
     body_ctx = dataclasses.replace(ctx, in_remat=True) if remat else ctx
 
     def step(carry, xs_slices):
-        xs_vals = [orig.rebuild(sl, sliced=True) if isinstance(orig, Pending) else sl
-                   for orig, sl in zip(xs_in, xs_slices)]
+        xs_vals = [
+            orig.rebuild(sl, sliced=True) if isinstance(orig, Pending) else sl for orig, sl in zip(xs_in, xs_slices)
+        ]
         outs = eval_jaxpr(p.body, p.body_consts, [*consts, *carry, *xs_vals], body_ctx)
         return outs[:n_carry], outs[n_carry:]
 
     if remat:
         step = jax.checkpoint(step, policy=ctx.scan_remat.jax_policy(), prevent_cse=False)
-    carry_out, ys = jax.lax.scan(
-        step, carry, xs_arrays, length=p.length, reverse=p.reverse, unroll=p.unroll
-    )
+    carry_out, ys = jax.lax.scan(step, carry, xs_arrays, length=p.length, reverse=p.reverse, unroll=p.unroll)
     return [*carry_out, *ys]
 
 
@@ -391,14 +409,16 @@ class Evaluator(walk.Evaluate):
         ctx = self.ctx
         if any(isinstance(v, Pending) for v in ins):
             return _eqn_with_pending(eqn, ins, ctx)
-        if ((jax_compat.is_scan(eqn) or jax_compat.is_call(eqn)) and ctx.scan_remat is not None
-                and ctx.scan_remat.active):
+        if (
+            (jax_compat.is_scan(eqn) or jax_compat.is_call(eqn))
+            and ctx.scan_remat is not None
+            and ctx.scan_remat.active
+        ):
             return _eqn_with_pending(eqn, ins, ctx)
         return None
 
 
-def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
-               ctx: Context = _PLAIN) -> list[Any]:
+def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context = _PLAIN) -> list[Any]:
     """Evaluates ``jaxpr`` like ``jax.core.eval_jaxpr``, keeping parameters pending."""
     if ctx.rows is None:  # one split of each stack per evaluation (see ``_row``)
         ctx = dataclasses.replace(ctx, rows={})
@@ -407,20 +427,21 @@ def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
     return _materialize_all(Evaluator(ctx).run(jaxpr, consts, args))
 
 
-def call_per_use(closed: Any, params: Sequence[Any], args: Sequence[Any],
-                 ctx: Context = _PLAIN) -> list[Any]:
+def call_per_use(closed: Any, params: Sequence[Any], args: Sequence[Any], ctx: Context = _PLAIN) -> list[Any]:
     """Evaluates ``closed`` (traced with full parameters first, then ``args``) with the
     parameters given as pending values (or plain arrays)."""
     ctx = dataclasses.replace(ctx, rows=None)
     return eval_jaxpr(*jax_compat.open_jaxpr(closed), [*params, *args], ctx)
 
 
-def traced(fn: Callable, param_shapes: Sequence[jax.ShapeDtypeStruct], ctx: Context = _PLAIN,
-           program: Callable | None = None) -> Callable:
+def traced(
+    fn: Callable, param_shapes: Sequence[jax.ShapeDtypeStruct], ctx: Context = _PLAIN, program: Callable | None = None
+) -> Callable:
     """``fn(param_leaves, batch)`` re-evaluated from its jaxpr, so that the parameter leaves
     it is called with may be :class:`Pending` (``param_shapes`` are their full shapes).
     ``program()``, when given, returns that jaxpr and its output shapes, made elsewhere
     (a model with its own sharding: :mod:`zerojax.sharding.foreign`)."""
+
     def call(params: Sequence[Any], batch: Any) -> Any:
         if program is not None:
             closed, out_shape = program()

@@ -181,8 +181,10 @@ class ZeroPlan:
     def split(self, leaves) -> tuple[list, list]:
         """All parameter leaves -> (trainable ones, frozen ones)."""
         leaves = list(leaves)
-        return ([x for i, x in enumerate(leaves) if self.is_trainable(i)],
-                [x for i, x in enumerate(leaves) if not self.is_trainable(i)])
+        return (
+            [x for i, x in enumerate(leaves) if self.is_trainable(i)],
+            [x for i, x in enumerate(leaves) if not self.is_trainable(i)],
+        )
 
     def join(self, train, frozen) -> list:
         """The inverse of :meth:`split`."""
@@ -234,8 +236,10 @@ class ZeroPlan:
         masters (frozen ones are ``optax.MaskedNode()``: they get no optimizer state)."""
         masters = self.unflatten_train(jax.ShapeDtypeStruct(l.shape, master_dtype(l.dtype)) for l in self.train_layouts)
         leaves, treedef = jax.tree.flatten(jax.eval_shape(tx.init, masters))
-        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
-            jax.eval_shape(tx.init, masters))[0]]
+        paths = [
+            jax.tree_util.keystr(p)
+            for p, _ in jax.tree_util.tree_flatten_with_path(jax.eval_shape(tx.init, masters))[0]
+        ]
         layouts = tuple(self._opt_layout(path, x) for path, x in zip(paths, leaves))
         return dataclasses.replace(self, opt_treedef=treedef, opt_layouts=layouts)
 
@@ -249,8 +253,9 @@ class ZeroPlan:
                 match, best = l, len(p)
         if match is None:
             return layout_for(x.shape, x.dtype, self.shards)
-        return layout_for(x.shape, x.dtype, self.shards_of(match), tensor=match.tensor, tdim=match.tdim,
-                          taxis=match.taxis)
+        return layout_for(
+            x.shape, x.dtype, self.shards_of(match), tensor=match.tensor, tdim=match.tdim, taxis=match.taxis
+        )
 
 
 def master_dtype(dtype) -> jnp.dtype:
@@ -258,8 +263,9 @@ def master_dtype(dtype) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def make_plan(params: Any, mesh: Mesh, config: ZeroConfig, tx: Any = None, trainable: Any = None,
-              tensor_specs: Any = None) -> ZeroPlan:
+def make_plan(
+    params: Any, mesh: Mesh, config: ZeroConfig, tx: Any = None, trainable: Any = None, tensor_specs: Any = None
+) -> ZeroPlan:
     """Validates ``params`` and chooses the layout of every parameter (and, given ``tx``, of
     every optimizer-state array). ``trainable`` marks the parameters that train (a tree of
     bools shaped like ``params``, a callable on ``params`` returning one, or an NNX filter
@@ -281,20 +287,27 @@ def make_plan(params: Any, mesh: Mesh, config: ZeroConfig, tx: Any = None, train
             f"{config.expert_axis!r} (expert parallelism) and {config.replica_axis!r} (replica groups) with size > 1; "
             f"zerojax shards over one data axis, optionally replicated, beside tensor, context and expert axes. Build "
             f"the mesh with zj.make_mesh(), zj.make_mesh(replicas=R), zj.make_mesh(tensor=T), "
-            f"zj.make_mesh(context=C) or zj.make_mesh(expert=E).")
+            f"zj.make_mesh(context=C) or zj.make_mesh(expert=E)."
+        )
     if e > 1 and config.axis_map is not None:
-        raise ValueError("ZeroConfig.axis_map (a model with its own sharding) is not supported on an expert mesh yet: "
-                         "its constraints are translated onto the data and tensor axes only. Annotate the experts "
-                         "with a logical name and ZeroConfig.axis_rules instead (docs/moe.md).")
+        raise ValueError(
+            "ZeroConfig.axis_map (a model with its own sharding) is not supported on an expert mesh yet: "
+            "its constraints are translated onto the data and tensor axes only. Annotate the experts "
+            "with a logical name and ZeroConfig.axis_rules instead (docs/moe.md)."
+        )
     if c > 1 and config.axis_map is not None:
-        raise ValueError("ZeroConfig.axis_map (a model with its own sharding) is not supported on a context mesh yet: "
-                         "its constraints are translated onto the data and tensor axes only. Use zj.make_mesh() or "
-                         "zj.make_mesh(tensor=T).")
+        raise ValueError(
+            "ZeroConfig.axis_map (a model with its own sharding) is not supported on a context mesh yet: "
+            "its constraints are translated onto the data and tensor axes only. Use zj.make_mesh() or "
+            "zj.make_mesh(tensor=T)."
+        )
     for model_axis, target in config.axis_map or ():
         if target is not None and target not in mesh.axis_names and target != config.tensor_axis:
-            raise ValueError(f"ZeroConfig.axis_map maps the model's axis {model_axis!r} to {target!r}, which is not an "
-                             f"axis of the mesh {dict(mesh.shape)}. Map it to one of {mesh.axis_names}, "
-                             f"{config.tensor_axis!r} or None.")
+            raise ValueError(
+                f"ZeroConfig.axis_map maps the model's axis {model_axis!r} to {target!r}, which is not an "
+                f"axis of the mesh {dict(mesh.shape)}. Map it to one of {mesh.axis_names}, "
+                f"{config.tensor_axis!r} or None."
+            )
     names = annotations.leaf_names(params, tensor_specs)
     params = annotations.unbox(params)
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -315,19 +328,35 @@ def make_plan(params: Any, mesh: Mesh, config: ZeroConfig, tx: Any = None, train
                 "are trained. Keep integer or boolean state (counters, masks) out of params."
             )
     if len(names) != len(leaves_with_path):
-        raise ValueError(f"params has {len(leaves_with_path)} leaves but its annotations name {len(names)}; pass "
-                         "the parameter tree as the model gives it.")
+        raise ValueError(
+            f"params has {len(leaves_with_path)} leaves but its annotations name {len(names)}; pass "
+            "the parameter tree as the model gives it."
+        )
     splits = annotations.split_dims(names, [tuple(x.shape) for _, x in leaves_with_path], paths, mesh, config)
     degree = {config.tensor_axis: t, config.expert_axis: e}
     for (_, leaf), (tdim, taxis) in zip(leaves_with_path, splits):
         # A routed expert's weight is sharded over data x context (the expert axis splits its
         # experts); every other over data x context x expert, all the devices that hold it.
         shards = n * c if (tdim >= 0 and taxis == config.expert_axis) else n * c * e
-        layouts.append(layout_for(tuple(leaf.shape), leaf.dtype, shards, tensor=degree[taxis] if tdim >= 0 else 1,
-                                  tdim=tdim, taxis=taxis or config.tensor_axis))
+        layouts.append(
+            layout_for(
+                tuple(leaf.shape),
+                leaf.dtype,
+                shards,
+                tensor=degree[taxis] if tdim >= 0 else 1,
+                tdim=tdim,
+                taxis=taxis or config.tensor_axis,
+            )
+        )
     mask = _trainable_mask(trainable, params, treedef, paths)
-    plan = ZeroPlan(config=config, mesh=mesh, treedef=treedef, layouts=tuple(layouts), paths=tuple(paths),
-                    trainable=() if all(mask) else mask)
+    plan = ZeroPlan(
+        config=config,
+        mesh=mesh,
+        treedef=treedef,
+        layouts=tuple(layouts),
+        paths=tuple(paths),
+        trainable=() if all(mask) else mask,
+    )
     return plan if tx is None else plan.with_optimizer(tx)
 
 
@@ -344,7 +373,8 @@ def _trainable_mask(trainable: Any, params: Any, treedef: Any, paths: list[str])
     except (ValueError, TypeError) as e:
         raise ValueError(
             f"trainable must be a tree of bools with the structure of params (or a callable on params "
-            f"returning one): {e}") from None
+            f"returning one): {e}"
+        ) from None
     out = []
     for path, m in zip(paths, leaves):
         m = bool(m) if isinstance(m, (bool, np.bool_)) else m

@@ -36,9 +36,18 @@ def applies(carry: Sequence[Any], others: Sequence[Any], out_avals: Sequence[Any
     return all(floating(x) for x in [*carry, *others, *out_avals])
 
 
-def prefetched_scan(body: Callable[[list, list, list], list], n_carry: int, length: int, depth: int,
-                    stacks: Sequence[Any], stack_pos: Sequence[int], consts: list, carry: list,
-                    others: list, n_xs: int) -> list:
+def prefetched_scan(
+    body: Callable[[list, list, list], list],
+    n_carry: int,
+    length: int,
+    depth: int,
+    stacks: Sequence[Any],
+    stack_pos: Sequence[int],
+    consts: list,
+    carry: list,
+    others: list,
+    n_xs: int,
+) -> list:
     """Runs ``body(consts, carry, xs_vals) -> carry + ys`` over ``length`` layers.
 
     ``stacks`` are the pending stacked parameters scanned over (``Pending`` with one storage
@@ -101,8 +110,13 @@ def prefetched_scan(body: Callable[[list, list, list], list], n_carry: int, leng
             ct_carry, queue, ct_consts = state
             i, carry_in, other_vals, ct_y = xs
             nxt = fetch(shards, i - depth) if prefetching else None  # issued now, used later
-            _, vjp = jax.vjp(lambda dc, cr, g, o: layer(with_diff(dc), cr, g, o),
-                             [consts[k] for k in diff], carry_in, queue[0], other_vals)
+            _, vjp = jax.vjp(
+                lambda dc, cr, g, o: layer(with_diff(dc), cr, g, o),
+                [consts[k] for k in diff],
+                carry_in,
+                queue[0],
+                other_vals,
+            )
             d_consts, d_carry, d_gathered, d_others = vjp((ct_carry, ct_y))
             d_shards = [_reduce(r, g, s) for r, g, s in zip(rows, d_gathered, shards)]
             queue = queue[1:] + ([nxt] if prefetching else queue[:1])
@@ -112,10 +126,12 @@ def prefetched_scan(body: Callable[[list, list, list], list], n_carry: int, leng
         zeros = [jnp.zeros_like(consts[k]) for k in diff]
         idx = jnp.arange(length)
         part = lambda sl: (idx[sl], [x[sl] for x in inputs], [o[sl] for o in others], [y[sl] for y in ct_ys])
-        state, (ds1, do1) = jax.lax.scan(lambda s, x: backprop(s, x, True), (ct_carry, queue, zeros),
-                                         part(slice(depth, None)), reverse=True)
-        (d_carry, _, d_consts), (ds2, do2) = jax.lax.scan(lambda s, x: backprop(s, x, False), state,
-                                                          part(slice(0, depth)), reverse=True)
+        state, (ds1, do1) = jax.lax.scan(
+            lambda s, x: backprop(s, x, True), (ct_carry, queue, zeros), part(slice(depth, None)), reverse=True
+        )
+        (d_carry, _, d_consts), (ds2, do2) = jax.lax.scan(
+            lambda s, x: backprop(s, x, False), state, part(slice(0, depth)), reverse=True
+        )
         ct_consts = [None] * len(consts)
         for k, d in zip(diff, d_consts):
             ct_consts[k] = d

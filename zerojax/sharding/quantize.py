@@ -53,7 +53,7 @@ def gather_int8(layout: LeafLayout, shard: jax.Array, axis: str, block: int, dty
     if layout.kind == "replicated":
         return shard.astype(dtype)
     q, scale = quantize(shard, block)
-    qs = jax.lax.all_gather(q, axis)          # (n, *shard shape), int8
+    qs = jax.lax.all_gather(q, axis)  # (n, *shard shape), int8
     scales = jax.lax.all_gather(scale, axis)  # (n, blocks)
     parts = jax.vmap(lambda q, s: dequantize(q, s, block, dtype))(qs, scales)
     k = layout.split_axis

@@ -56,10 +56,12 @@ from zerojax.sharding.jax_compat import Equation
 PERMUTED = "permuted"
 IOTA = "iota"
 
-FIX = ("Give shifted targets in the batch (separate inputs and targets leaves, not tokens[:, :-1] and "
-       "tokens[:, 1:] in the loss); build positions with zj.nn.global_positions instead of jnp.arange; use "
-       "zj.nn.dot_product_attention for attention and its causal mask; or train with "
-       "context_layout='contiguous'.")
+FIX = (
+    "Give shifted targets in the batch (separate inputs and targets leaves, not tokens[:, :-1] and "
+    "tokens[:, 1:] in the loss); build positions with zj.nn.global_positions instead of jnp.arange; use "
+    "zj.nn.dot_product_attention for attention and its causal mask; or train with "
+    "context_layout='contiguous'."
+)
 
 Tags = tuple[frozenset, ...] | None  # per dimension; None: nothing tagged
 
@@ -84,15 +86,19 @@ def check_sequence_order(closed_jaxpr: Any, permuted_dims: Sequence[frozenset[in
     """
     jaxpr, consts = jax_compat.open_jaxpr(closed_jaxpr)
     if len(permuted_dims) != len(jaxpr.invars):
-        raise ValueError(f"check_sequence_order: {len(permuted_dims)} sets of permuted dimensions for a program of "
-                         f"{len(jaxpr.invars)} inputs; give one (possibly empty) per flat input.")
+        raise ValueError(
+            f"check_sequence_order: {len(permuted_dims)} sets of permuted dimensions for a program of "
+            f"{len(jaxpr.invars)} inputs; give one (possibly empty) per flat input."
+        )
     args = []
     for k, (v, dims) in enumerate(zip(jaxpr.invars, permuted_dims)):
         n = len(jax_compat.shape(v))
         dims = {int(d) for d in dims}
         if any(not -n <= d < n for d in dims):
-            raise ValueError(f"check_sequence_order: input {k} has shape {jax_compat.shape(v)}, no dimension "
-                             f"{sorted(d for d in dims if not -n <= d < n)}.")
+            raise ValueError(
+                f"check_sequence_order: input {k} has shape {jax_compat.shape(v)}, no dimension "
+                f"{sorted(d for d in dims if not -n <= d < n)}."
+            )
         args.append(_make([frozenset({PERMUTED}) if d in {x % n for x in dims} else frozenset() for d in range(n)]))
     _Tags(what).run(jaxpr, [None] * len(consts), args)
 
@@ -150,7 +156,8 @@ class _Tags(walk.Dataflow):
         raise ValueError(
             f"{self.what} would be silently wrong with ZeroConfig(context_layout='balanced'): the step hands it each "
             f"batch sequence permuted into ring attention's balanced order (zj.context.Layout.order), and at "
-            f"{self.where(eqn)}{inside} '{jax_compat.name(eqn)}' {detail}. {FIX}")
+            f"{self.where(eqn)}{inside} '{jax_compat.name(eqn)}' {detail}. {FIX}"
+        )
 
     def _operand(self, eqn: Equation, i: int) -> str:
         return jax_compat.type_name(eqn.invars[i])
@@ -164,9 +171,12 @@ class _Tags(walk.Dataflow):
             for i, t in enumerate(ins):
                 for k, tags in enumerate(_full(t, len(jax_compat.shape(eqn.invars[i])))):
                     if PERMUTED in tags:
-                        self.refuse(eqn, f"is an operation zerojax does not know the dimensions of, applied to "
-                                         f"dimension {k} of a {self._operand(eqn, i)} value, which holds the permuted "
-                                         "sequence; zerojax refuses rather than guess that it is exact there")
+                        self.refuse(
+                            eqn,
+                            f"is an operation zerojax does not know the dimensions of, applied to "
+                            f"dimension {k} of a {self._operand(eqn, i)} value, which holds the permuted "
+                            "sequence; zerojax refuses rather than guess that it is exact there",
+                        )
             return [None] * len(eqn.outvars)
         if all(t is None for t in ins) and not d.iota:
             return [None] * len(eqn.outvars)
@@ -176,20 +186,27 @@ class _Tags(walk.Dataflow):
         for i, k in d.mixed:
             accounted.add((i, k))
             if PERMUTED in tag(i, k):
-                self.refuse(eqn, f"{d.what} dimension {k} of a {self._operand(eqn, i)} value, which holds the "
-                                 "permuted sequence")
+                self.refuse(
+                    eqn, f"{d.what} dimension {k} of a {self._operand(eqn, i)} value, which holds the permuted sequence"
+                )
         for group in d.contracted:
             accounted.update(group)
             perm = [PERMUTED in tag(i, k) for i, k in group]
             if any(perm) and not all(perm):
                 (pi, pk), (oi, ok) = group[perm.index(True)], group[perm.index(False)]
-                self.refuse(eqn, f"contracts dimension {pk} of a {self._operand(eqn, pi)} value, which holds the "
-                                 f"permuted sequence, with dimension {ok} of a {self._operand(eqn, oi)} value, which "
-                                 "does not (a matmul over positions is exact only between two values both holding "
-                                 "the permuted sequence there)")
+                self.refuse(
+                    eqn,
+                    f"contracts dimension {pk} of a {self._operand(eqn, pi)} value, which holds the "
+                    f"permuted sequence, with dimension {ok} of a {self._operand(eqn, oi)} value, which "
+                    "does not (a matmul over positions is exact only between two values both holding "
+                    "the permuted sequence there)",
+                )
             if any(perm) and any(IOTA in tag(i, k) for i, k in group):
-                self.refuse(eqn, "contracts the permuted sequence with an index in natural order (an iota: "
-                                 "jnp.arange, jnp.tril, jnp.triu)")
+                self.refuse(
+                    eqn,
+                    "contracts the permuted sequence with an index in natural order (an iota: "
+                    "jnp.arange, jnp.tril, jnp.triu)",
+                )
         outs: list[list[frozenset]] = []
         for o, sources in enumerate(d.out):
             dims = []
@@ -197,9 +214,12 @@ class _Tags(walk.Dataflow):
                 accounted.update(src)
                 tags = frozenset().union(*(tag(i, j) for i, j in src)) if src else frozenset()
                 if PERMUTED in tags and IOTA in tags:
-                    self.refuse(eqn, f"combines the permuted sequence with an index in natural order (an iota: "
-                                     f"jnp.arange, jnp.tril, jnp.triu, a mask or positions built over the sequence "
-                                     f"length) at dimension {k} of its {jax_compat.type_name(eqn.outvars[o])} result")
+                    self.refuse(
+                        eqn,
+                        f"combines the permuted sequence with an index in natural order (an iota: "
+                        f"jnp.arange, jnp.tril, jnp.triu, a mask or positions built over the sequence "
+                        f"length) at dimension {k} of its {jax_compat.type_name(eqn.outvars[o])} result",
+                    )
                 dims.append(tags)
             outs.append(dims)
         for o, k in d.iota:
@@ -211,8 +231,11 @@ class _Tags(walk.Dataflow):
         for i, t in enumerate(ins):
             for k, tags in enumerate(_full(t, len(jax_compat.shape(eqn.invars[i])))):
                 if PERMUTED in tags and (i, k) not in accounted:
-                    self.refuse(eqn, f"drops or moves dimension {k} of a {self._operand(eqn, i)} value, which holds "
-                                     "the permuted sequence, in a way zerojax does not follow")
+                    self.refuse(
+                        eqn,
+                        f"drops or moves dimension {k} of a {self._operand(eqn, i)} value, which holds "
+                        "the permuted sequence, in a way zerojax does not follow",
+                    )
         return [_make(dims) for dims in outs]
 
     def _collective(self, eqn: Equation, d: jax_compat.Dims, ins: list[Tags], outs: list[list[frozenset]]) -> None:
@@ -220,8 +243,12 @@ class _Tags(walk.Dataflow):
         across devices (refused) or gathered and scattered in device order (kept)."""
         c = d.collective
         axes = c.axes
-        blocks = [(i, k) for i, t in enumerate(ins) for k, tags in enumerate(_full(t, 0))
-                  if PERMUTED in tags and _split_over(tags, axes)]
+        blocks = [
+            (i, k)
+            for i, t in enumerate(ins)
+            for k, tags in enumerate(_full(t, 0))
+            if PERMUTED in tags and _split_over(tags, axes)
+        ]
         joined = set()
         for o, k in c.joins:
             src = d.out[o][k]
@@ -233,9 +260,12 @@ class _Tags(walk.Dataflow):
             for i, j in src:
                 tags = _at(ins[i], j)
                 if PERMUTED in tags and not all(("split", a) in tags for a in axes):
-                    self.refuse(eqn, f"joins the devices' blocks along dimension {j} of a {self._operand(eqn, i)} "
-                                     f"value, which holds the whole permuted sequence on each device (not split "
-                                     f"over {axes})")
+                    self.refuse(
+                        eqn,
+                        f"joins the devices' blocks along dimension {j} of a {self._operand(eqn, i)} "
+                        f"value, which holds the whole permuted sequence on each device (not split "
+                        f"over {axes})",
+                    )
                 joined.add((i, j))
             outs[o][k] = frozenset(t for t in outs[o][k] if not (isinstance(t, tuple) and t[1] in axes))
         for o, k in c.splits:
@@ -244,8 +274,11 @@ class _Tags(walk.Dataflow):
         if left and (c.combines or c.moves or c.joins):
             i, k = left[0]
             how = "reduces across devices" if c.combines else "moves between devices" if c.moves else "stacks"
-            self.refuse(eqn, f"{how} blocks of dimension {k} of a {self._operand(eqn, i)} value, which holds the "
-                             f"permuted sequence split over {axes}: it mixes different positions")
+            self.refuse(
+                eqn,
+                f"{how} blocks of dimension {k} of a {self._operand(eqn, i)} value, which holds the "
+                f"permuted sequence split over {axes}: it mixes different positions",
+            )
 
     # Constructs.
     def call(self, eqn: Equation, c: jax_compat.Call, ins: list[Tags]) -> list[Tags]:
@@ -256,26 +289,36 @@ class _Tags(walk.Dataflow):
             self.calls.pop()
 
     def scan(self, eqn: Equation, s: jax_compat.Scan, ins: list[Tags]) -> list[Tags]:
-        xs = ins[s.n_consts + s.n_carry:]
+        xs = ins[s.n_consts + s.n_carry :]
         lead = frozenset().union(*(_order(_at(t, 0)) for t in xs))
         if PERMUTED in lead and s.n_carry:
             i = next(i for i, t in enumerate(xs) if PERMUTED in _at(t, 0)) + s.n_consts + s.n_carry
-            self.refuse(eqn, f"loops over dimension 0 of a {self._operand(eqn, i)} value, which holds the permuted "
-                             "sequence, carrying state from one position to the next")
+            self.refuse(
+                eqn,
+                f"loops over dimension 0 of a {self._operand(eqn, i)} value, which holds the permuted "
+                "sequence, carrying state from one position to the next",
+            )
         outs = super().scan(eqn, s, ins)
-        ys = outs[s.n_carry:]
-        ranks = [len(jax_compat.shape(v)) for v in eqn.outvars[s.n_carry:]]
-        return [*outs[:s.n_carry], *(_make([lead, *_full(y, n - 1)]) for y, n in zip(ys, ranks))]
+        ys = outs[s.n_carry :]
+        ranks = [len(jax_compat.shape(v)) for v in eqn.outvars[s.n_carry :]]
+        return [*outs[: s.n_carry], *(_make([lead, *_full(y, n - 1)]) for y, n in zip(ys, ranks))]
 
     def region(self, eqn: Equation, r: jax_compat.ManualRegion, ins: list[Tags]) -> list[Tags]:
         if KERNEL_SCOPE in jax_compat.scope(eqn):  # zj.nn.dot_product_attention's kernel: it knows the layout
             self._natural_mask(eqn, ins)
-            split = frozenset().union(*(
-                _order(_at(t, k)) for t, spec in zip(ins, r.in_specs) for k, axes in enumerate(spec)
-                if set(axes) & r.axes))
+            split = frozenset().union(
+                *(
+                    _order(_at(t, k))
+                    for t, spec in zip(ins, r.in_specs)
+                    for k, axes in enumerate(spec)
+                    if set(axes) & r.axes
+                )
+            )
             return [_make([split if set(axes) & r.axes else frozenset() for axes in spec]) for spec in r.out_specs]
-        body_in = [_make([_at(t, k) | {("split", a) for a in axes} for k, axes in enumerate(spec)])
-                   for t, spec in zip(ins, r.in_specs)]
+        body_in = [
+            _make([_at(t, k) | {("split", a) for a in axes} for k, axes in enumerate(spec)])
+            for t, spec in zip(ins, r.in_specs)
+        ]
         outs = self.run(r.body, [None] * len(r.consts), body_in)
         whole = lambda tags: frozenset(x for x in tags if not (isinstance(x, tuple) and x[1] in r.axes))
         return [None if t is None else _make([whole(tags) for tags in t]) for t in outs]
@@ -294,7 +337,10 @@ class _Tags(walk.Dataflow):
             if tags and not any(PERMUTED in x for x in tags):
                 for k, x in enumerate(tags):
                     if IOTA in x and shapes[i][k] in lengths:
-                        self.refuse(eqn, f"(zj.nn.dot_product_attention's kernel) is given a {self._operand(eqn, i)} "
-                                         f"mask or bias whose dimension {k} was built over the sequence in natural "
-                                         "order (an iota: nn.make_causal_mask, jnp.tril); the kernel reads it by the "
-                                         "permuted indices. Pass is_causal=True instead")
+                        self.refuse(
+                            eqn,
+                            f"(zj.nn.dot_product_attention's kernel) is given a {self._operand(eqn, i)} "
+                            f"mask or bias whose dimension {k} was built over the sequence in natural "
+                            "order (an iota: nn.make_causal_mask, jnp.tril); the kernel reads it by the "
+                            "permuted indices. Pass is_causal=True instead",
+                        )

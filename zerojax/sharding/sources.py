@@ -45,18 +45,29 @@ class Source:
     reduce_block: int | None = None  # elements per fp32 scale of an int8 gradient reduction
 
     @classmethod
-    def gathered(cls, axis: str, world: int, compute_dtype: str, reduce_dtype: str, quant_block: int | None = None,
-                 replica: str | None = None, *, host: bool = False, reduce_block: int | None = None) -> Source:
+    def gathered(
+        cls,
+        axis: str,
+        world: int,
+        compute_dtype: str,
+        reduce_dtype: str,
+        quant_block: int | None = None,
+        replica: str | None = None,
+        *,
+        host: bool = False,
+        reduce_block: int | None = None,
+    ) -> Source:
         """Stage 3: the shard is stored (``host=True``: in host memory, with a device sink)."""
-        return cls(axis, world, compute_dtype, reduce_dtype, quant_block, replica, sink=host,
-                   reduce_block=reduce_block)
+        return cls(axis, world, compute_dtype, reduce_dtype, quant_block, replica, sink=host, reduce_block=reduce_block)
 
     @classmethod
-    def scattered(cls, axis: str, world: int, reduce_dtype: str, replica: str | None = None,
-                  reduce_block: int | None = None) -> Source:
+    def scattered(
+        cls, axis: str, world: int, reduce_dtype: str, replica: str | None = None, reduce_block: int | None = None
+    ) -> Source:
         """Stage 2: the full parameter is stored; its gradient is reduce-scattered into a sink."""
-        return cls(axis, world, reduce_dtype=reduce_dtype, replica=replica, resident=True, sink=True,
-                   reduce_block=reduce_block)
+        return cls(
+            axis, world, reduce_dtype=reduce_dtype, replica=replica, resident=True, sink=True, reduce_block=reduce_block
+        )
 
     @classmethod
     def frozen(cls, axis: str, compute_dtype: str, quant_block: int | None = None) -> Source:
@@ -82,8 +93,9 @@ class Source:
 
     def grad(self, layout: LeafLayout, ct: jax.Array, dtype) -> jax.Array:
         """A use's cotangent, reduced into this device's shard of the storage, in ``dtype``."""
-        return collectives.reduce_grad(ct, self.axis, self.world, self.reduce_dtype, layout,
-                                       self.replica, self.reduce_block).astype(dtype)
+        return collectives.reduce_grad(
+            ct, self.axis, self.world, self.reduce_dtype, layout, self.replica, self.reduce_block
+        ).astype(dtype)
 
     def materialize(self, layout: LeafLayout, arrays: Sequence[jax.Array]) -> jax.Array:
         """The full parameter for one use, whose gradient is reduced where the source says."""

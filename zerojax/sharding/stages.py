@@ -62,8 +62,17 @@ class Stage:
     def masters(self, plan: ZeroPlan, params: Leaves | None, master: Leaves | None) -> Leaves:
         raise NotImplementedError
 
-    def grads(self, loss: Loss, params: Leaves | None, masters: Leaves, frozen: Leaves, batch: Any,
-              scale: jax.Array, rng: Any, model_state: Any):
+    def grads(
+        self,
+        loss: Loss,
+        params: Leaves | None,
+        masters: Leaves,
+        frozen: Leaves,
+        batch: Any,
+        scale: jax.Array,
+        rng: Any,
+        model_state: Any,
+    ):
         """``(loss, aux, model_state, grads)``: see :mod:`zerojax.sharding.gradients`."""
         raise NotImplementedError
 
@@ -112,8 +121,10 @@ class _ReplicatedCopy(Stage):
     def masters(self, plan, params, master):
         if plan.config.mixed:
             return master
-        return [jax.lax.with_sharding_constraint(l.to_storage(x), s)
-                for l, x, s in zip(plan.master_layouts, params, plan.shardings(plan.master_layouts))]
+        return [
+            jax.lax.with_sharding_constraint(l.to_storage(x), s)
+            for l, x, s in zip(plan.master_layouts, params, plan.shardings(plan.master_layouts))
+        ]
 
 
 class Stage1(_ReplicatedCopy):
@@ -135,8 +146,9 @@ class Stage2(_ReplicatedCopy):
     def grads(self, loss, params, masters, frozen, batch, scale, rng, model_state):
         cfg = loss.plan.config
         source = Source.scattered(cfg.axis, loss.plan.world, cfg.reduce_dtype, loss.plan.replica, cfg.reduce_block)
-        return per_use_grads(loss, source)(params, _device_sinks(loss.plan, masters), frozen, batch, scale, rng,
-                                           model_state)
+        return per_use_grads(loss, source)(
+            params, _device_sinks(loss.plan, masters), frozen, batch, scale, rng, model_state
+        )
 
 
 class Stage3(Stage):
@@ -155,25 +167,39 @@ class Stage3(Stage):
 
     def forward(self, plan):
         """The master shards, each gathered where it is used (from host memory too)."""
-        return Forward("master", [l.partition_spec(plan.axis) for l in plan.master_layouts],
-                       _gathered(plan), Source.frozen(plan.axis, plan.config.compute_dtype))
+        return Forward(
+            "master",
+            [l.partition_spec(plan.axis) for l in plan.master_layouts],
+            _gathered(plan),
+            Source.frozen(plan.axis, plan.config.compute_dtype),
+        )
 
     def grads(self, loss, params, masters, frozen, batch, scale, rng, model_state):
         plan = loss.plan
         frozen_source = Source.frozen(plan.axis, plan.config.compute_dtype)
         if plan.master_memory is None:
-            return per_use_grads(loss, _gathered(plan), frozen_source)([], masters, frozen, batch, scale, rng,
-                                                                       model_state)
+            return per_use_grads(loss, _gathered(plan), frozen_source)(
+                [], masters, frozen, batch, scale, rng, model_state
+            )
         # Parameters in host memory: each use moves its shard to the device and gathers it
         # there; the gradient is reduce-scattered into a device-resident shard.
         return per_use_grads(loss, _gathered(plan, host=True), frozen_source)(
-            masters, _device_sinks(plan, masters), frozen, batch, scale, rng, model_state)
+            masters, _device_sinks(plan, masters), frozen, batch, scale, rng, model_state
+        )
 
 
 def _gathered(plan: ZeroPlan, host: bool = False) -> Source:
     cfg = plan.config
-    return Source.gathered(cfg.axis, plan.world, cfg.compute_dtype, cfg.reduce_dtype, cfg.quant_block, plan.replica,
-                           host=host, reduce_block=cfg.reduce_block)
+    return Source.gathered(
+        cfg.axis,
+        plan.world,
+        cfg.compute_dtype,
+        cfg.reduce_dtype,
+        cfg.quant_block,
+        plan.replica,
+        host=host,
+        reduce_block=cfg.reduce_block,
+    )
 
 
 STAGES: dict[int, Stage] = {s.number: s for s in (Stage0(), Stage1(), Stage2(), Stage3())}
@@ -188,7 +214,9 @@ def _device_sinks(plan: ZeroPlan, masters: Leaves) -> Leaves:
     in host memory, device-resident zeros of their shape (gradients are made on the device)."""
     if plan.master_memory is None:
         return masters
-    return [jax.device_put(jnp.zeros(x.shape, x.dtype), s) for x, s in zip(masters, plan.shardings(plan.master_layouts))]
+    return [
+        jax.device_put(jnp.zeros(x.shape, x.dtype), s) for x, s in zip(masters, plan.shardings(plan.master_layouts))
+    ]
 
 
 def _all_gather(plan: ZeroPlan, storage: Leaves, dtype) -> Leaves:
@@ -198,6 +226,9 @@ def _all_gather(plan: ZeroPlan, storage: Leaves, dtype) -> Leaves:
     cast = (lambda s: s.astype(dtype)) if dtype is not None else (lambda s: s)
     return jax.shard_map(
         lambda shards: [l.gather(cast(s), plan.axis) for l, s in zip(layouts, shards)],
-        mesh=plan.mesh, in_specs=([l.partition_spec(plan.axis) for l in layouts],),
-        out_specs=[P()] * len(layouts), axis_names=plan.manual_axes, check_vma=False,
+        mesh=plan.mesh,
+        in_specs=([l.partition_spec(plan.axis) for l in layouts],),
+        out_specs=[P()] * len(layouts),
+        axis_names=plan.manual_axes,
+        check_vma=False,
     )(storage)

@@ -129,8 +129,9 @@ class Dataflow(Walk):
     same facts, a loop's carry joined (:meth:`join`) until it stops changing."""
 
     # The constructs this pass looks into (jax_compat's kinds).
-    follows: frozenset[str] = frozenset({"call", "remat", "custom_jvp", "custom_vjp", "scan", "while", "cond",
-                                         "shard_map"})
+    follows: frozenset[str] = frozenset(
+        {"call", "remat", "custom_jvp", "custom_vjp", "scan", "while", "cond", "shard_map"}
+    )
     max_rounds = 64  # a loop's fixed point: facts only grow, so this bounds a bug, not a program
     enclosing: tuple[Equation, ...] = ()  # the constructs being walked, outermost first
 
@@ -185,14 +186,15 @@ class Dataflow(Walk):
 
     def scan(self, eqn: Equation, s: jax_compat.Scan, ins: list[Any]) -> list[Any]:
         consts = [self.constant(x) for x in s.body_consts]
-        fixed, carry = ins[:s.n_consts], ins[s.n_consts:s.n_consts + s.n_carry]
-        xs = [self.unstack(x) for x in ins[s.n_consts + s.n_carry:]]
-        carry, outs = self.fixed_point(lambda c: self._split(self.run(s.body, consts, [*fixed, *c, *xs]), s.n_carry),
-                                       carry)
+        fixed, carry = ins[: s.n_consts], ins[s.n_consts : s.n_consts + s.n_carry]
+        xs = [self.unstack(x) for x in ins[s.n_consts + s.n_carry :]]
+        carry, outs = self.fixed_point(
+            lambda c: self._split(self.run(s.body, consts, [*fixed, *c, *xs]), s.n_carry), carry
+        )
         return [*carry, *(self.stack(y) for y in outs)]
 
     def loop(self, eqn: Equation, w: jax_compat.Loop, ins: list[Any]) -> list[Any]:
-        cond_in, body_in, carry = ins[:w.n_cond], ins[w.n_cond:w.n_cond + w.n_body], ins[w.n_cond + w.n_body:]
+        cond_in, body_in, carry = ins[: w.n_cond], ins[w.n_cond : w.n_cond + w.n_body], ins[w.n_cond + w.n_body :]
         cond_consts = [self.constant(x) for x in w.cond_consts]
         body_consts = [self.constant(x) for x in w.body_consts]
 
@@ -227,5 +229,6 @@ class Dataflow(Walk):
             if new == carry:
                 return carry, other
             carry = new
-        raise RuntimeError(f"zerojax: a loop's facts did not settle in {self.max_rounds} rounds "
-                           f"({type(self).__name__})")
+        raise RuntimeError(
+            f"zerojax: a loop's facts did not settle in {self.max_rounds} rounds ({type(self).__name__})"
+        )

@@ -19,8 +19,22 @@ import math
 import re
 
 MIB, TIB = 2**20, 2**40
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "m": 1e6,
+    "mb": 1e6,
+    "g": 1e9,
+    "gb": 1e9,
+    "t": 1e12,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 _FORM = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", re.IGNORECASE)
 FORMS = "bytes as an int, or a string with a unit: '80GiB', '16GB', '512MiB'"
 
@@ -56,23 +70,29 @@ def parse_memory(memory: int | float | str) -> int:
     else:
         raise TypeError(f"memory must be {FORMS}, got {type(memory).__name__} {memory!r}.")
     if not math.isfinite(value) or value < MIB:
-        raise ValueError(f"memory={memory!r} is {value:,.0f} B per device, under 1 MiB: a budget is bytes per "
-                         f"device; give {FORMS} (e.g. '80GiB' for an 80 GiB device).")
+        raise ValueError(
+            f"memory={memory!r} is {value:,.0f} B per device, under 1 MiB: a budget is bytes per "
+            f"device; give {FORMS} (e.g. '80GiB' for an 80 GiB device)."
+        )
     if value > TIB:
         from zerojax.tuning.devices import KNOWN
 
         largest = max(KNOWN.values(), key=lambda s: s.memory_bytes)
-        raise ValueError(f"memory={memory!r} is {value / TIB:.2f} TiB per device, more than any accelerator has "
-                         f"(the largest known, {largest.name}, has {largest.memory_bytes / 1e9:.0f} GB). Give the "
-                         f"memory of one device, not of all of them: {FORMS}.")
+        raise ValueError(
+            f"memory={memory!r} is {value / TIB:.2f} TiB per device, more than any accelerator has "
+            f"(the largest known, {largest.name}, has {largest.memory_bytes / 1e9:.0f} GB). Give the "
+            f"memory of one device, not of all of them: {FORMS}."
+        )
     return int(value)
 
 
 def check_margin(margin: float) -> float:
     """The margin as a float in [0, 1); a clear error otherwise."""
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
-        raise ValueError(f"margin must be a fraction in [0, 1) (0.1: 10% above the compiled bytes for allocator "
-                         f"fragmentation and communication buffers), got {margin!r}.")
+        raise ValueError(
+            f"margin must be a fraction in [0, 1) (0.1: 10% above the compiled bytes for allocator "
+            f"fragmentation and communication buffers), got {margin!r}."
+        )
     return float(margin)
 
 

@@ -116,14 +116,17 @@ class SearchSpace:
                 continue
             degrees = (value,) if isinstance(value, int) else tuple(dict.fromkeys(value))
             if not degrees or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in degrees):
-                raise ValueError(f"SearchSpace.{name} must be positive ints ({what} degrees) or None (the mesh's "
-                                 f"own), got {value!r}.")
+                raise ValueError(
+                    f"SearchSpace.{name} must be positive ints ({what} degrees) or None (the mesh's "
+                    f"own), got {value!r}."
+                )
             set_(name, tuple(sorted(degrees)))
         if self.accum is not None:
             accum = (self.accum,) if isinstance(self.accum, int) else tuple(dict.fromkeys(self.accum))
             if not accum or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in accum):
-                raise ValueError(f"SearchSpace.accum must be positive ints (or None: every divisor), "
-                                 f"got {self.accum!r}.")
+                raise ValueError(
+                    f"SearchSpace.accum must be positive ints (or None: every divisor), got {self.accum!r}."
+                )
             set_("accum", tuple(sorted(accum)))
         if isinstance(self.max_accum, bool) or not isinstance(self.max_accum, int) or self.max_accum < 1:
             raise ValueError(f"SearchSpace.max_accum must be a positive int, got {self.max_accum!r}.")
@@ -176,8 +179,7 @@ class Candidate:
     @property
     def levers(self) -> tuple[int, int, int]:
         """(accumulation count, remat rank, offload rank)."""
-        return (self.config.grad_accum_steps, _REMAT_RANK.get(self.config.remat.kind, 0),
-                OFFLOADS.index(self.offload))
+        return (self.config.grad_accum_steps, _REMAT_RANK.get(self.config.remat.kind, 0), OFFLOADS.index(self.offload))
 
     def describe(self) -> str:
         """A short name: ``stage 3, accum 2, remat full, offload optimizer, prefetch 1``
@@ -219,8 +221,17 @@ def needs_more_memory(c: Candidate, d: Candidate) -> bool:
     return k_ok and rc <= rd and oc <= od
 
 
-def enumerate_candidates(base: ZeroConfig, space: SearchSpace, counts: Sequence[int], *, num_params: float,
-                         shards: int, opt_bytes: float, context: int = 1, expert: int = 1) -> list[Candidate]:
+def enumerate_candidates(
+    base: ZeroConfig,
+    space: SearchSpace,
+    counts: Sequence[int],
+    *,
+    num_params: float,
+    shards: int,
+    opt_bytes: float,
+    context: int = 1,
+    expert: int = 1,
+) -> list[Candidate]:
     """Every valid configuration of ``space`` over ``base`` with accumulation ``counts``,
     each with its persistent device bytes (``num_params`` trainable parameters sharded over
     ``shards`` devices, ``opt_bytes`` of optimizer state per parameter), on the mesh of
@@ -230,21 +241,41 @@ def enumerate_candidates(base: ZeroConfig, space: SearchSpace, counts: Sequence[
         for offload in space.offload:
             if (offload != "none" and stage == 0) or (offload == "params" and stage != 3):
                 continue
-            formula = zero_formula_bytes(num_params, shards, stage, compute_dtype=base.compute_dtype,
-                                         opt_bytes=opt_bytes, offload_optimizer=offload != "none",
-                                         offload_params=offload == "params", memory="device")
-            for prefetch in (space.prefetch if stage == 3 else (0,)):
+            formula = zero_formula_bytes(
+                num_params,
+                shards,
+                stage,
+                compute_dtype=base.compute_dtype,
+                opt_bytes=opt_bytes,
+                offload_optimizer=offload != "none",
+                offload_params=offload == "params",
+                memory="device",
+            )
+            for prefetch in space.prefetch if stage == 3 else (0,):
                 if prefetch and offload == "params":
                     continue
-                for gather in (space.gather_dtypes if stage == 3 else (None,)):
+                for gather in space.gather_dtypes if stage == 3 else (None,):
                     for remat in space.remat:
                         for k in counts:
                             config = dataclasses.replace(
-                                base, stage=stage, grad_accum_steps=k, remat=resolve(remat), prefetch=prefetch,
-                                offload_optimizer=offload != "none", offload_params=offload == "params",
-                                gather_dtype=gather)
-                            out.append(Candidate(config=config, offload=offload, formula_bytes=formula,
-                                                 context=context, expert=expert))
+                                base,
+                                stage=stage,
+                                grad_accum_steps=k,
+                                remat=resolve(remat),
+                                prefetch=prefetch,
+                                offload_optimizer=offload != "none",
+                                offload_params=offload == "params",
+                                gather_dtype=gather,
+                            )
+                            out.append(
+                                Candidate(
+                                    config=config,
+                                    offload=offload,
+                                    formula_bytes=formula,
+                                    context=context,
+                                    expert=expert,
+                                )
+                            )
     return _unique(out)
 
 

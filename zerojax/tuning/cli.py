@@ -33,12 +33,22 @@ OPTIMIZERS = ("adam", "adamw", "sgd", "adafactor")
 
 
 def parser(prog: str = "zerojax autotune") -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog, description="the ZeRO configurations that fit, fastest predicted first "
-                                 "(compiled ahead of time; no step runs)")
-    ap.add_argument("target", nargs="?", default=None,
-                    help="module:function returning (loss_fn, params, tx, batch[, config]); or give --model")
-    ap.add_argument("--model", default=None, help="'gpt' (the experiments' GPT, sized by the flags below) or a GPT "
-                                                  "preset: gpt-tiny, gpt2-small, ..., gpt-7.5b")
+    ap = argparse.ArgumentParser(
+        prog=prog,
+        description="the ZeRO configurations that fit, fastest predicted first (compiled ahead of time; no step runs)",
+    )
+    ap.add_argument(
+        "target",
+        nargs="?",
+        default=None,
+        help="module:function returning (loss_fn, params, tx, batch[, config]); or give --model",
+    )
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="'gpt' (the experiments' GPT, sized by the flags below) or a GPT "
+        "preset: gpt-tiny, gpt2-small, ..., gpt-7.5b",
+    )
     ap.add_argument("--d-model", type=int, default=None)
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--heads", type=int, default=None, help="default: d_model / 64")
@@ -46,13 +56,21 @@ def parser(prog: str = "zerojax autotune") -> argparse.ArgumentParser:
     ap.add_argument("--vocab", type=int, default=None)
     ap.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: 1 per device)")
     ap.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                    help="compute dtype of --model's GPT (the tuner keeps it; module:function's config keeps its own)")
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="compute dtype of --model's GPT (the tuner keeps it; module:function's config keeps its own)",
+    )
     ap.add_argument("--devices", type=int, default=None, help="devices to plan for (default: all of this machine's)")
     ap.add_argument("--replicas", type=int, default=1, help="hybrid sharding: replica groups")
     ap.add_argument("--memory", required=True, help="usable memory per device: 80GiB, 16GB, 512MiB")
-    ap.add_argument("--device", default=None, help="rates to price the steps: h100, h200, a100, tpu-v5e, tpu-v5p, "
-                                                   "tpu-v4, or 'calibrate' (measure this machine's devices)")
+    ap.add_argument(
+        "--device",
+        default=None,
+        help="rates to price the steps: h100, h200, a100, tpu-v5e, tpu-v5p, "
+        "tpu-v4, or 'calibrate' (measure this machine's devices)",
+    )
     ap.add_argument("--margin", type=float, default=0.10, help="added to compiled bytes (default 0.10)")
     ap.add_argument("--stages", default="0,1,2,3")
     ap.add_argument("--accum", default=None, help="accumulation counts, e.g. 1,2,4 (default: all that divide)")
@@ -60,12 +78,18 @@ def parser(prog: str = "zerojax autotune") -> argparse.ArgumentParser:
     ap.add_argument("--offload", default="none,optimizer,params")
     ap.add_argument("--prefetch", default="0,1")
     ap.add_argument("--gather", default="none", help="stage 3 gather dtypes: none and/or int8 (lossy)")
-    ap.add_argument("--context", default=None,
-                    help="context-parallel degrees to search, e.g. 1,2,4 (each sequence split over C devices; "
-                         "default: no context axis)")
-    ap.add_argument("--expert", default=None,
-                    help="expert-parallel degrees to search, e.g. 1,2,4 (the experts the model annotates split over "
-                         "E devices; default: no expert axis)")
+    ap.add_argument(
+        "--context",
+        default=None,
+        help="context-parallel degrees to search, e.g. 1,2,4 (each sequence split over C devices; "
+        "default: no context axis)",
+    )
+    ap.add_argument(
+        "--expert",
+        default=None,
+        help="expert-parallel degrees to search, e.g. 1,2,4 (the experts the model annotates split over "
+        "E devices; default: no expert axis)",
+    )
     ap.add_argument("--exhaustive", action="store_true", help="compile every candidate the formula does not prune")
     ap.add_argument("--limit", type=int, default=10, help="plans shown (default 10)")
     ap.add_argument("--quiet", action="store_true", help="no line per candidate on stderr")
@@ -92,19 +116,25 @@ def main(argv: Sequence[str] | None = None, prog: str = "zerojax autotune") -> i
 
     try:
         budget = parse_memory(args.memory)
-        space = SearchSpace(stages=_ints(args.stages), accum=None if args.accum is None else _ints(args.accum),
-                            remat=tuple(args.remat.split(",")), offload=tuple(args.offload.split(",")),
-                            prefetch=_ints(args.prefetch),
-                            gather_dtypes=tuple(None if g == "none" else g for g in args.gather.split(",")),
-                            context=None if args.context is None else _ints(args.context),
-                            expert=None if args.expert is None else _ints(args.expert))
+        space = SearchSpace(
+            stages=_ints(args.stages),
+            accum=None if args.accum is None else _ints(args.accum),
+            remat=tuple(args.remat.split(",")),
+            offload=tuple(args.offload.split(",")),
+            prefetch=_ints(args.prefetch),
+            gather_dtypes=tuple(None if g == "none" else g for g in args.gather.split(",")),
+            context=None if args.context is None else _ints(args.context),
+            expert=None if args.expert is None else _ints(args.expert),
+        )
     except ValueError as e:
         ap.error(str(e))
     devices = jax.devices()
     n = args.devices or len(devices)
     if len(devices) < n:
-        ap.error(f"--devices {n}: only {len(devices)} {devices[0].platform} devices here (set before JAX starts: "
-                 f"run zerojax autotune as its own command)")
+        ap.error(
+            f"--devices {n}: only {len(devices)} {devices[0].platform} devices here (set before JAX starts: "
+            f"run zerojax autotune as its own command)"
+        )
     try:
         mesh = zj.make_mesh(devices[:n], replicas=args.replicas)
     except ValueError as e:
@@ -118,11 +148,25 @@ def main(argv: Sequence[str] | None = None, prog: str = "zerojax autotune") -> i
     from zerojax.tuning.search import autotune
 
     groups = f" in {args.replicas} replica groups" if args.replicas > 1 else ""
-    print(f"{what}; {n} {devices[0].platform} devices{groups}, {args.memory} per device; jax {jax.__version__}",
-          flush=True)
+    print(
+        f"{what}; {n} {devices[0].platform} devices{groups}, {args.memory} per device; jax {jax.__version__}",
+        flush=True,
+    )
     try:
-        result = autotune(loss_fn, params, tx, batch, mesh=mesh, memory=budget, config=base, device=args.device,
-                          space=space, margin=args.margin, exhaustive=args.exhaustive, verbose=not args.quiet)
+        result = autotune(
+            loss_fn,
+            params,
+            tx,
+            batch,
+            mesh=mesh,
+            memory=budget,
+            config=base,
+            device=args.device,
+            space=space,
+            margin=args.margin,
+            exhaustive=args.exhaustive,
+            verbose=not args.quiet,
+        )
     except ValueError as e:
         print(f"zerojax autotune: {e}", file=sys.stderr)
         return 1
@@ -133,8 +177,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "zerojax autotune") -> i
         replicas = f", replicas={args.replicas}" if args.replicas > 1 else ""
         print(f"mesh: zj.make_mesh({', '.join(axes)}{replicas})")
     if devices[0].platform == "cpu" and result.device.source == "datasheet":
-        print(f"(memory from the CPU compiler's program on {n} simulated devices: state and batch exact, temporaries "
-              f"an estimate of the {result.device.name}'s; time priced with its datasheet rates)")
+        print(
+            f"(memory from the CPU compiler's program on {n} simulated devices: state and batch exact, temporaries "
+            f"an estimate of the {result.device.name}'s; time priced with its datasheet rates)"
+        )
     return 0
 
 
@@ -186,18 +232,29 @@ def _gpt(args, ap, n: int):
     d = args.d_model or shape.d_model
     seq = args.seq_len or shape.seq_len
     try:
-        cfg = gpt.GPTConfig(vocab=args.vocab or shape.vocab, seq_len=seq, d_model=d,
-                            n_layers=args.layers or shape.n_layers, n_heads=args.heads or max(1, d // 64),
-                            mlp_ratio=shape.mlp_ratio)
+        cfg = gpt.GPTConfig(
+            vocab=args.vocab or shape.vocab,
+            seq_len=seq,
+            d_model=d,
+            n_layers=args.layers or shape.n_layers,
+            n_heads=args.heads or max(1, d // 64),
+            mlp_ratio=shape.mlp_ratio,
+        )
     except ValueError as e:
         ap.error(str(e))
     graphdef, params = gpt.init_abstract(cfg)
     batch_size = args.batch or n
     tokens = jax.ShapeDtypeStruct((batch_size, seq), "int32")  # inputs and targets: a sequence that splits
-    tx = {"adam": lambda: optax.adam(1e-4), "adamw": lambda: optax.adamw(1e-4), "sgd": lambda: optax.sgd(1e-2),
-          "adafactor": lambda: optax.adafactor(1e-3)}[args.optimizer]()
-    what = (f"GPT d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads, seq {seq}, vocab {cfg.vocab}: "
-            f"Ψ = {cfg.num_params():,}; global batch {batch_size}; {args.optimizer}, {args.dtype} compute")
+    tx = {
+        "adam": lambda: optax.adam(1e-4),
+        "adamw": lambda: optax.adamw(1e-4),
+        "sgd": lambda: optax.sgd(1e-2),
+        "adafactor": lambda: optax.adafactor(1e-3),
+    }[args.optimizer]()
+    what = (
+        f"GPT d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads, seq {seq}, vocab {cfg.vocab}: "
+        f"Ψ = {cfg.num_params():,}; global batch {batch_size}; {args.optimizer}, {args.dtype} compute"
+    )
     return gpt.make_loss(graphdef), params, tx, {"inputs": tokens, "targets": tokens}, ZeroConfig(), what
 
 
@@ -214,8 +271,10 @@ def _user(target: str, ap) -> tuple[Any, Any, Any, Any, Any]:
         ap.error(f"cannot load {target}: {e}")
     out = fn()
     if not isinstance(out, tuple) or len(out) not in (4, 5):
-        ap.error(f"{target}() must return (loss_fn, params, tx, batch) or (loss_fn, params, tx, batch, config), "
-                 f"got {type(out).__name__}")
+        ap.error(
+            f"{target}() must return (loss_fn, params, tx, batch) or (loss_fn, params, tx, batch, config), "
+            f"got {type(out).__name__}"
+        )
     base = out[4] if len(out) == 5 else ZeroConfig()
     if not isinstance(base, ZeroConfig):
         ap.error(f"{target}()'s fifth value must be a zj.ZeroConfig, got {type(base).__name__}")

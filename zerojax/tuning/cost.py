@@ -121,8 +121,12 @@ class StepCost:
             memory = sum(b / spec.memory_rate(size) for size, b in self.memory_sizes) * self.bytes_accessed / parsed
         else:
             memory = self.bytes_accessed / spec.hbm_bandwidth
-        comm = sum(t.bytes * (t.group_size - 1) / t.group_size / spec.axis_bandwidth(t.group_size)
-                   + t.count * spec.collective_latency for t in self.traffic if t.group_size > 1)
+        comm = sum(
+            t.bytes * (t.group_size - 1) / t.group_size / spec.axis_bandwidth(t.group_size)
+            + t.count * spec.collective_latency
+            for t in self.traffic
+            if t.group_size > 1
+        )
         host = self.host_bytes / spec.host_bandwidth
         if self.overlap and spec.async_collectives:
             total = max(compute + memory, comm) + host
@@ -135,8 +139,9 @@ class StepCost:
         return self.breakdown(spec)["total"]
 
 
-def step_cost(compiled, mesh, *, compute_dtype: str = "float32", host_state_bytes: float = 0.0,
-              overlap: bool = False) -> StepCost:
+def step_cost(
+    compiled, mesh, *, compute_dtype: str = "float32", host_state_bytes: float = 0.0, overlap: bool = False
+) -> StepCost:
     """The :class:`StepCost` of ``compiled`` (a program compiled over ``mesh``):
     FLOPs and bytes with every loop iteration, collectives per set of mesh axes,
     ``host_state_bytes`` of offloaded state (crossing the host link twice)."""
@@ -148,6 +153,14 @@ def step_cost(compiled, mesh, *, compute_dtype: str = "float32", host_state_byte
         names = [a for a in axes.split("+") if a in sizes]
         group = math.prod(sizes[a] for a in names) if names else 1
         traffic.append(AxisTraffic(axes=axes, group_size=group, bytes=float(r["zero_bytes"]), count=int(r["count"])))
-    return StepCost(flops=lc.flops, bytes_accessed=lc.bytes, traffic=tuple(traffic),
-                    host_bytes=2.0 * float(host_state_bytes), compute_dtype=compute_dtype, overlap=overlap,
-                    matmuls=lc.matmuls, memory_sizes=lc.memory, matmul_shapes=lc.shapes)
+    return StepCost(
+        flops=lc.flops,
+        bytes_accessed=lc.bytes,
+        traffic=tuple(traffic),
+        host_bytes=2.0 * float(host_state_bytes),
+        compute_dtype=compute_dtype,
+        overlap=overlap,
+        matmuls=lc.matmuls,
+        memory_sizes=lc.memory,
+        matmul_shapes=lc.shapes,
+    )

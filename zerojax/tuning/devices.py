@@ -100,8 +100,11 @@ class DeviceSpec:
             object.__setattr__(self, "host_bandwidth", self.hbm_bandwidth)
         for name in ("network_bandwidth", "host_bandwidth"):
             _positive(self, name)
-        if isinstance(self.devices_per_node, bool) or not isinstance(self.devices_per_node, int) \
-                or self.devices_per_node < 1:
+        if (
+            isinstance(self.devices_per_node, bool)
+            or not isinstance(self.devices_per_node, int)
+            or self.devices_per_node < 1
+        ):
             raise ValueError(f"DeviceSpec.devices_per_node must be a positive int, got {self.devices_per_node!r}.")
         value = self.collective_latency
         if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
@@ -113,15 +116,18 @@ class DeviceSpec:
         for name, what in (("matmul_curve", "(side, FLOP/s)"), ("memory_curve", "(bytes, bytes/s)")):
             given = getattr(self, name)
             curve = tuple((float(a), float(b)) for a, b in given)
-            if any(not (a > 0 and b > 0 and math.isfinite(a) and math.isfinite(b)) for a, b in curve) or \
-                    [a for a, _ in curve] != sorted({a for a, _ in curve}):
-                raise ValueError(f"DeviceSpec.{name} must be {what} pairs, positive, the first increasing, "
-                                 f"got {given!r}.")
+            if any(not (a > 0 and b > 0 and math.isfinite(a) and math.isfinite(b)) for a, b in curve) or [
+                a for a, _ in curve
+            ] != sorted({a for a, _ in curve}):
+                raise ValueError(
+                    f"DeviceSpec.{name} must be {what} pairs, positive, the first increasing, got {given!r}."
+                )
             object.__setattr__(self, name, curve)
         rates = tuple((tuple(int(d) for d in mnk), float(r)) for mnk, r in self.matmul_rates)
         if any(len(mnk) != 3 or min(mnk) < 1 or not (r > 0 and math.isfinite(r)) for mnk, r in rates):
-            raise ValueError(f"DeviceSpec.matmul_rates must be ((M, N, K), FLOP/s) pairs, positive, "
-                             f"got {self.matmul_rates!r}.")
+            raise ValueError(
+                f"DeviceSpec.matmul_rates must be ((M, N, K), FLOP/s) pairs, positive, got {self.matmul_rates!r}."
+            )
         object.__setattr__(self, "matmul_rates", rates)
 
     def flops_for(self, compute_dtype: str) -> float:
@@ -182,38 +188,99 @@ KNOWN: dict[str, DeviceSpec] = {
     # NVIDIA H100 SXM5 datasheet: BF16 1,979 TFLOPS with sparsity (989.4 dense), TF32 989 with
     # sparsity (494.7 dense); HBM3 80 GB at 3.35 TB/s; NVLink 900 GB/s (both directions: 450 each);
     # PCIe Gen5 128 GB/s (64 each way). Across nodes: one 400 Gb/s ConnectX-7 NIC per GPU (DGX H100).
-    "H100": DeviceSpec(name="NVIDIA H100 SXM", peak_flops=989.4e12, peak_flops_fp32=494.7e12, hbm_bandwidth=3.35e12,
-                       link_bandwidth=450 * GB, network_bandwidth=50 * GB, devices_per_node=8,
-                       host_bandwidth=64 * GB, memory_bytes=80 * GB, source="datasheet"),
+    "H100": DeviceSpec(
+        name="NVIDIA H100 SXM",
+        peak_flops=989.4e12,
+        peak_flops_fp32=494.7e12,
+        hbm_bandwidth=3.35e12,
+        link_bandwidth=450 * GB,
+        network_bandwidth=50 * GB,
+        devices_per_node=8,
+        host_bandwidth=64 * GB,
+        memory_bytes=80 * GB,
+        source="datasheet",
+    ),
     # NVIDIA H200 SXM datasheet: same tensor cores as H100 (BF16 989.4 dense, TF32 494.7 dense);
     # HBM3e 141 GB at 4.8 TB/s; NVLink 900 GB/s; PCIe Gen5 128 GB/s.
-    "H200": DeviceSpec(name="NVIDIA H200 SXM", peak_flops=989.4e12, peak_flops_fp32=494.7e12, hbm_bandwidth=4.8e12,
-                       link_bandwidth=450 * GB, network_bandwidth=50 * GB, devices_per_node=8,
-                       host_bandwidth=64 * GB, memory_bytes=141 * GB, source="datasheet"),
+    "H200": DeviceSpec(
+        name="NVIDIA H200 SXM",
+        peak_flops=989.4e12,
+        peak_flops_fp32=494.7e12,
+        hbm_bandwidth=4.8e12,
+        link_bandwidth=450 * GB,
+        network_bandwidth=50 * GB,
+        devices_per_node=8,
+        host_bandwidth=64 * GB,
+        memory_bytes=141 * GB,
+        source="datasheet",
+    ),
     # NVIDIA A100 SXM4 80GB datasheet: BF16 312 TFLOPS dense, TF32 156 dense; HBM2e 2,039 GB/s;
     # NVLink 600 GB/s (300 each way); PCIe Gen4 64 GB/s (32 each way); 200 Gb/s HDR per GPU (DGX A100).
-    "A100": DeviceSpec(name="NVIDIA A100 SXM4 80GB", peak_flops=312e12, peak_flops_fp32=156e12,
-                       hbm_bandwidth=2.039e12, link_bandwidth=300 * GB, network_bandwidth=25 * GB,
-                       devices_per_node=8, host_bandwidth=32 * GB, memory_bytes=80 * GB, source="datasheet"),
+    "A100": DeviceSpec(
+        name="NVIDIA A100 SXM4 80GB",
+        peak_flops=312e12,
+        peak_flops_fp32=156e12,
+        hbm_bandwidth=2.039e12,
+        link_bandwidth=300 * GB,
+        network_bandwidth=25 * GB,
+        devices_per_node=8,
+        host_bandwidth=32 * GB,
+        memory_bytes=80 * GB,
+        source="datasheet",
+    ),
     # Google Cloud TPU v5e: 197 TFLOPS bf16; 16 GB HBM2 at 819 GB/s; ICI 1,600 Gbps per chip
     # (200 GB/s); a pod of 256 chips on ICI.
-    "TPU v5e": DeviceSpec(name="Google TPU v5e", peak_flops=197e12, peak_flops_fp32=197e12, hbm_bandwidth=819 * GB,
-                          link_bandwidth=200 * GB, devices_per_node=256, host_bandwidth=32 * GB,
-                          memory_bytes=16 * GB, source="datasheet"),
+    "TPU v5e": DeviceSpec(
+        name="Google TPU v5e",
+        peak_flops=197e12,
+        peak_flops_fp32=197e12,
+        hbm_bandwidth=819 * GB,
+        link_bandwidth=200 * GB,
+        devices_per_node=256,
+        host_bandwidth=32 * GB,
+        memory_bytes=16 * GB,
+        source="datasheet",
+    ),
     # Google Cloud TPU v5p: 459 TFLOPS bf16; 95 GB HBM2e at 2,765 GB/s; ICI 4,800 Gbps per chip
     # (600 GB/s); a pod of 8,960 chips on ICI.
-    "TPU v5p": DeviceSpec(name="Google TPU v5p", peak_flops=459e12, peak_flops_fp32=459e12, hbm_bandwidth=2765 * GB,
-                          link_bandwidth=600 * GB, devices_per_node=8960, host_bandwidth=32 * GB,
-                          memory_bytes=95 * GB, source="datasheet"),
+    "TPU v5p": DeviceSpec(
+        name="Google TPU v5p",
+        peak_flops=459e12,
+        peak_flops_fp32=459e12,
+        hbm_bandwidth=2765 * GB,
+        link_bandwidth=600 * GB,
+        devices_per_node=8960,
+        host_bandwidth=32 * GB,
+        memory_bytes=95 * GB,
+        source="datasheet",
+    ),
     # Google Cloud TPU v4: 275 TFLOPS bf16; 32 GiB HBM2 at 1,200 GB/s; ICI 2,400 Gbps (300 GB/s).
-    "TPU v4": DeviceSpec(name="Google TPU v4", peak_flops=275e12, peak_flops_fp32=275e12, hbm_bandwidth=1200 * GB,
-                         link_bandwidth=300 * GB, devices_per_node=4096, host_bandwidth=32 * GB,
-                         memory_bytes=32 * 2**30, source="datasheet"),
+    "TPU v4": DeviceSpec(
+        name="Google TPU v4",
+        peak_flops=275e12,
+        peak_flops_fp32=275e12,
+        hbm_bandwidth=1200 * GB,
+        link_bandwidth=300 * GB,
+        devices_per_node=4096,
+        host_bandwidth=32 * GB,
+        memory_bytes=32 * 2**30,
+        source="datasheet",
+    ),
 }
 
 # How JAX's device_kind names them (and the CLI's short names), in the order to try.
-_ALIASES = (("H200", "H200"), ("H100", "H100"), ("A100", "A100"), ("TPU v5 lite", "TPU v5e"), ("v5e", "TPU v5e"),
-            ("TPU v5p", "TPU v5p"), ("v5p", "TPU v5p"), ("TPU v5", "TPU v5p"), ("TPU v4", "TPU v4"), ("v4", "TPU v4"))
+_ALIASES = (
+    ("H200", "H200"),
+    ("H100", "H100"),
+    ("A100", "A100"),
+    ("TPU v5 lite", "TPU v5e"),
+    ("v5e", "TPU v5e"),
+    ("TPU v5p", "TPU v5p"),
+    ("v5p", "TPU v5p"),
+    ("TPU v5", "TPU v5p"),
+    ("TPU v4", "TPU v4"),
+    ("v4", "TPU v4"),
+)
 
 
 def known(kind: str) -> DeviceSpec | None:
@@ -249,8 +316,10 @@ def device_spec(device: Any = None, mesh: Any = None) -> DeviceSpec:
             return calibrate(_need_mesh(mesh))
         spec = known(device)
         if spec is None:
-            raise ValueError(f"no datasheet figures for device {device!r}; known: {', '.join(KNOWN)}. Pass a "
-                             f"zj.autotune.DeviceSpec(...) with its rates, or device='calibrate' to measure the mesh.")
+            raise ValueError(
+                f"no datasheet figures for device {device!r}; known: {', '.join(KNOWN)}. Pass a "
+                f"zj.autotune.DeviceSpec(...) with its rates, or device='calibrate' to measure the mesh."
+            )
         return spec
     if device is None:
         device = _need_mesh(mesh).devices.flat[0]
@@ -305,7 +374,8 @@ def _timed(programs: dict, seconds: float) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in programs}
     start = time.perf_counter()
     while min(len(t) for t in times.values()) < 3 or (
-            time.perf_counter() - start < seconds and min(len(t) for t in times.values()) < 50):
+        time.perf_counter() - start < seconds and min(len(t) for t in times.values()) < 50
+    ):
         for name, (fn, arg) in programs.items():
             t0 = time.perf_counter()
             jax.block_until_ready(fn(arg))
@@ -337,28 +407,43 @@ def _measure(mesh, seconds: float) -> DeviceSpec:
             for _ in range(r):
                 x = jax.lax.psum(work(x), "_all") * 0.125 if with_collectives else work(x)
             return x
+
         return f
 
-    t = _timed({
-        **{f"matmul{m}": (local(chain(m)), put((m, m))) for m in sides},  # 2·m³·reps FLOPs per device
-        **{f"copy{e}": (local(sweep(e)), put((e,))) for e in copies},  # 8·e bytes a pass, per device
-        "gather": (local(lambda v: jax.lax.all_gather(v, "_all", tiled=True)[None]), put((g,))),
-        "launch": (local(lambda v: jax.lax.psum(v, "_all")), put((1,))),  # a program with one tiny collective
-        "work": (local(worked(False)), put((128, 128))),
-        "worked": (local(worked(True)), put((128, 128))),
-    }, seconds)
+    t = _timed(
+        {
+            **{f"matmul{m}": (local(chain(m)), put((m, m))) for m in sides},  # 2·m³·reps FLOPs per device
+            **{f"copy{e}": (local(sweep(e)), put((e,))) for e in copies},  # 8·e bytes a pass, per device
+            "gather": (local(lambda v: jax.lax.all_gather(v, "_all", tiled=True)[None]), put((g,))),
+            "launch": (local(lambda v: jax.lax.psum(v, "_all")), put((1,))),  # a program with one tiny collective
+            "work": (local(worked(False)), put((128, 128))),
+            "worked": (local(worked(True)), put((128, 128))),
+        },
+        seconds,
+    )
     run = lambda name: max(t[name] - t["launch"], 1e-9)  # less the cost of running any program
-    curve = tuple((float(m), 2.0 * m ** 3 * reps[m] / run(f"matmul{m}")) for m in sides)
+    curve = tuple((float(m), 2.0 * m**3 * reps[m] / run(f"matmul{m}")) for m in sides)
     memory = tuple((8.0 * e, 8.0 * e * passes[e] / run(f"copy{e}")) for e in copies)
     flops = max(rate for _, rate in curve)
     hbm = memory[-1][1]  # a 16 MiB buffer: past any cache
     link = 4.0 * g * (n - 1) / run("gather") if n > 1 else hbm
     latency = max(t["worked"] - t["work"], 0.0) / r if n > 1 else 0.0
     kind = getattr(mesh.devices.flat[0], "device_kind", "device")
-    return DeviceSpec(name=f"{kind} (calibrated)", peak_flops=flops, peak_flops_fp32=flops, hbm_bandwidth=hbm,
-                      link_bandwidth=link, network_bandwidth=link, devices_per_node=max(n, 1),
-                      host_bandwidth=hbm, collective_latency=latency,
-                      async_collectives=False, source="calibrated", matmul_curve=curve, memory_curve=memory)
+    return DeviceSpec(
+        name=f"{kind} (calibrated)",
+        peak_flops=flops,
+        peak_flops_fp32=flops,
+        hbm_bandwidth=hbm,
+        link_bandwidth=link,
+        network_bandwidth=link,
+        devices_per_node=max(n, 1),
+        host_bandwidth=hbm,
+        collective_latency=latency,
+        async_collectives=False,
+        source="calibrated",
+        matmul_curve=curve,
+        memory_curve=memory,
+    )
 
 
 _SHAPE_RATES: dict[tuple, dict[tuple[int, int, int], float]] = {}
@@ -394,8 +479,7 @@ def measure_matmuls(spec: DeviceSpec, mesh, shapes, *, flops: float = 2e8, secon
         n = flat.devices.size
         split = NamedSharding(flat, P("_all"))
         local = lambda f: jax.jit(jax.shard_map(f, mesh=flat, in_specs=(P("_all"), P("_all")), out_specs=P("_all")))
-        put = lambda shape: jax.device_put(jnp.full((n * shape[0],) + shape[1:], 1.0 / shape[-2], jnp.float32),
-                                           split)
+        put = lambda shape: jax.device_put(jnp.full((n * shape[0],) + shape[1:], 1.0 / shape[-2], jnp.float32), split)
         programs, reps = {}, {}
         for m, nn, k in todo:
             reps[(m, nn, k)] = r = max(1, int(flops // (2 * m * nn * k)))
@@ -404,13 +488,20 @@ def measure_matmuls(spec: DeviceSpec, mesh, shapes, *, flops: float = 2e8, secon
                 def body(i, acc):
                     y = x[0] @ jax.lax.dynamic_index_in_dim(w[0], i % 2, keepdims=False)
                     return acc + jnp.tanh(y).mean()  # the product read once, as a step's next op reads it
+
                 return jax.lax.fori_loop(0, r, body, x[0, :1, 0] * 0.0)[None]  # a varying zero carry
 
-            programs[(m, nn, k)] = (lambda f: (lambda a: f(*a)))(local(chain)), (put((1, m, k)), put((1, 2, k, nn)))
-        launch = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "_all"), mesh=flat, in_specs=P("_all"),
-                                       out_specs=P("_all")))
-        t = _timed({**{str(s): p for s, p in programs.items()},
-                    "launch": (launch, jax.device_put(jnp.ones((n,), jnp.float32), split))}, seconds)
+            programs[(m, nn, k)] = (lambda f: lambda a: f(*a))(local(chain)), (put((1, m, k)), put((1, 2, k, nn)))
+        launch = jax.jit(
+            jax.shard_map(lambda v: jax.lax.psum(v, "_all"), mesh=flat, in_specs=P("_all"), out_specs=P("_all"))
+        )
+        t = _timed(
+            {
+                **{str(s): p for s, p in programs.items()},
+                "launch": (launch, jax.device_put(jnp.ones((n,), jnp.float32), split)),
+            },
+            seconds,
+        )
         for s in todo:
             m, nn, k = s
             known[s] = 2.0 * m * nn * k * reps[s] / max(t[str(s)] - t["launch"], 1e-9)

@@ -32,21 +32,68 @@ from collections import defaultdict
 from zerojax.report import hlo
 from zerojax.report.hlo import shape_bytes
 
-__all__ = ["LoopCost", "extra_iterations", "loop_cost", "matmul_shapes", "matmul_sizes", "memory_sizes", "parsed_cost",
-           "shape_bytes"]
+__all__ = [
+    "LoopCost",
+    "extra_iterations",
+    "loop_cost",
+    "matmul_shapes",
+    "matmul_sizes",
+    "memory_sizes",
+    "parsed_cost",
+    "shape_bytes",
+]
 
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _LHS_BATCH = re.compile(r"lhs_batch_dims=\{([0-9,]*)\}")
 _DIM_LABELS = re.compile(r"dim_labels=[^_]+_([^-]+)->")
 
 # One FLOP per output element (XLA's HloCostAnalysis; transcendentals are counted apart there).
-_ELEMENTWISE = frozenset({"add", "subtract", "multiply", "divide", "maximum", "minimum", "negate", "abs",
-                          "compare", "select", "and", "or", "xor", "not", "remainder", "clamp", "sign",
-                          "floor", "ceil", "round-nearest-afz", "round-nearest-even", "atan2", "power"})
+_ELEMENTWISE = frozenset(
+    {
+        "add",
+        "subtract",
+        "multiply",
+        "divide",
+        "maximum",
+        "minimum",
+        "negate",
+        "abs",
+        "compare",
+        "select",
+        "and",
+        "or",
+        "xor",
+        "not",
+        "remainder",
+        "clamp",
+        "sign",
+        "floor",
+        "ceil",
+        "round-nearest-afz",
+        "round-nearest-even",
+        "atan2",
+        "power",
+    }
+)
 # Instructions that move no data of their own.
-_FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call",
-                   "conditional", "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency",
-                   "domain"})
+_FREE = frozenset(
+    {
+        "parameter",
+        "constant",
+        "get-tuple-element",
+        "tuple",
+        "bitcast",
+        "while",
+        "call",
+        "conditional",
+        "after-all",
+        "partition-id",
+        "replica-id",
+        "opt-barrier",
+        "add-dependency",
+        "domain",
+    }
+)
 _SLICING = frozenset({"dynamic-slice", "slice", "gather"})
 
 
@@ -111,8 +158,9 @@ class _Pricer:
         rhs = hlo.shape_dims(self.shapes[comp].get(ins.operands[1], ""))
         if not lhs or not rhs:
             return None
-        dims = lambda pattern: [int(d) for d in (pattern.search(ins.rest).group(1).split(",")
-                                                 if pattern.search(ins.rest) else []) if d]
+        dims = lambda pattern: [
+            int(d) for d in (pattern.search(ins.rest).group(1).split(",") if pattern.search(ins.rest) else []) if d
+        ]
         k = math.prod(lhs[d] for d in dims(_CONTRACT))
         b = math.prod(lhs[d] for d in dims(_LHS_BATCH))
         m, n = math.prod(lhs) // max(k * b, 1), math.prod(rhs) // max(k * b, 1)
@@ -162,8 +210,10 @@ class _Pricer:
             parts = [(arg(ops[1]), update), (arg(ops[0]), update)]
         elif ins.op == "fusion":
             fused = next(iter(ins.called("calls")), "")
-            parts = [(arg(o), self._fusion_operand_bytes(fused, n, shape_bytes(shapes.get(o, ""))))
-                     for n, o in enumerate(ops)]
+            parts = [
+                (arg(o), self._fusion_operand_bytes(fused, n, shape_bytes(shapes.get(o, ""))))
+                for n, o in enumerate(ops)
+            ]
             root = next((i for i in reversed(self.comps.get(fused, [])) if i.op != "parameter"), None)
             written = None
             if root is not None and root.op == "dynamic-update-slice" and len(root.operands) > 1:
@@ -315,8 +365,10 @@ def parsed_cost(hlo_text: str, *, per_iteration: bool = True) -> tuple[float, fl
     pricer = _Pricer(program)
     counts = program.runs
     weight = (lambda n: n) if per_iteration else (lambda n: 1)
-    return (sum(weight(n) * pricer.flops(c) for c, n in counts.items()),
-            sum(weight(n) * pricer.bytes(c) for c, n in counts.items()))
+    return (
+        sum(weight(n) * pricer.flops(c) for c, n in counts.items()),
+        sum(weight(n) * pricer.bytes(c) for c, n in counts.items()),
+    )
 
 
 def loop_cost(compiled) -> LoopCost:
@@ -339,6 +391,12 @@ def loop_cost(compiled) -> LoopCost:
     analysis = analysis or {}
     text = compiled.as_text()
     flops, bytes_ = extra_iterations(text)
-    return LoopCost(xla_flops=float(analysis.get("flops", 0.0)), xla_bytes=float(analysis.get("bytes accessed", 0.0)),
-                    loop_flops=flops, loop_bytes=bytes_, matmuls=matmul_sizes(text), memory=memory_sizes(text),
-                    shapes=matmul_shapes(text))
+    return LoopCost(
+        xla_flops=float(analysis.get("flops", 0.0)),
+        xla_bytes=float(analysis.get("bytes accessed", 0.0)),
+        loop_flops=flops,
+        loop_bytes=bytes_,
+        matmuls=matmul_sizes(text),
+        memory=memory_sizes(text),
+        shapes=matmul_shapes(text),
+    )

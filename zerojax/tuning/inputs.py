@@ -21,8 +21,9 @@ def abstract_params(params: Any) -> Any:
     """The parameters as ``jax.ShapeDtypeStruct`` leaves (an init function is traced, not run)."""
     if is_init_fn(params):
         return jax.eval_shape(params)
-    return jax.tree.map(lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else
-                        jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+    return jax.tree.map(
+        lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(np.shape(x), x.dtype), params
+    )
 
 
 def param_counts(shapes: Any, tx: Any) -> tuple[int, float]:
@@ -34,8 +35,9 @@ def param_counts(shapes: Any, tx: Any) -> tuple[int, float]:
     psi = sum(math.prod(x.shape) for x in leaves)
     if psi == 0:
         raise ValueError("params has no elements; pass the model's parameters (or their shapes).")
-    masters = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)
-                           if jnp.issubdtype(x.dtype, jnp.floating) else x, shapes)
+    masters = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, shapes
+    )
     opt = jax.eval_shape(tx.init, masters)
     opt_bytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(opt))
     return psi, opt_bytes / psi
@@ -58,13 +60,18 @@ def check_mesh(mesh, config: ZeroConfig) -> None:
     model (tensor parallelism)."""
     if config.axis not in mesh.axis_names:
         raise ValueError(f"the mesh has no axis {config.axis!r} (ZeroConfig.axis); its axes: {mesh.axis_names}.")
-    other = {a: s for a, s in dict(mesh.shape).items()
-             if a not in (config.axis, config.replica_axis, config.context_axis, config.expert_axis) and s > 1}
+    other = {
+        a: s
+        for a, s in dict(mesh.shape).items()
+        if a not in (config.axis, config.replica_axis, config.context_axis, config.expert_axis) and s > 1
+    }
     if other:
-        raise ValueError(f"autotune searches ZeRO over the data axis {config.axis!r} (and {config.replica_axis!r} for "
-                         f"hybrid sharding, {config.context_axis!r} for context parallelism, {config.expert_axis!r} "
-                         f"for expert parallelism); this mesh also splits {other}, whose memory its formulas do not "
-                         f"model. Tune on the mesh without those axes.")
+        raise ValueError(
+            f"autotune searches ZeRO over the data axis {config.axis!r} (and {config.replica_axis!r} for "
+            f"hybrid sharding, {config.context_axis!r} for context parallelism, {config.expert_axis!r} "
+            f"for expert parallelism); this mesh also splits {other}, whose memory its formulas do not "
+            f"model. Tune on the mesh without those axes."
+        )
 
 
 def _rows(batch: Any, mesh, config: ZeroConfig) -> tuple[int, int]:
@@ -75,8 +82,10 @@ def _rows(batch: Any, mesh, config: ZeroConfig) -> tuple[int, int]:
     for path, x in leaves:
         shape = np.shape(x) if not hasattr(x, "shape") else tuple(x.shape)
         if not shape:
-            raise ValueError(f"batch leaf {jax.tree_util.keystr(path) or '<root>'} has no leading axis; every leaf "
-                             "is split over the devices along its first dimension.")
+            raise ValueError(
+                f"batch leaf {jax.tree_util.keystr(path) or '<root>'} has no leading axis; every leaf "
+                "is split over the devices along its first dimension."
+            )
         sizes[jax.tree_util.keystr(path) or "<root>"] = shape[0]
     if len(set(sizes.values())) > 1:
         raise ValueError(f"batch leaves have different leading sizes {sizes}; give one global batch.")
@@ -85,8 +94,10 @@ def _rows(batch: Any, mesh, config: ZeroConfig) -> tuple[int, int]:
     if global_batch % n:
         below, above = valid_batch_sizes(global_batch, n, (1,))
         sizes_text = " or ".join(str(b) for b in (below, above) if b)
-        raise ValueError(f"the global batch of {global_batch} rows does not split over the {n} devices, whatever the "
-                         f"accumulation count; valid global batch sizes near it: {sizes_text} (multiples of {n}).")
+        raise ValueError(
+            f"the global batch of {global_batch} rows does not split over the {n} devices, whatever the "
+            f"accumulation count; valid global batch sizes near it: {sizes_text} (multiples of {n})."
+        )
     return global_batch // n, global_batch
 
 
@@ -105,27 +116,45 @@ def split_meshes(mesh, config: ZeroConfig, space: SearchSpace, batch: Any) -> di
     bad = [c for c in contexts if group % c]
     if bad:
         fits = [c for c in range(1, group + 1) if group % c == 0]
-        raise ValueError(f"SearchSpace(context={contexts}): {bad} do not divide the {group} devices that hold the same "
-                         f"weights (a replica group); use context degrees among {fits}.")
+        raise ValueError(
+            f"SearchSpace(context={contexts}): {bad} do not divide the {group} devices that hold the same "
+            f"weights (a replica group); use context degrees among {fits}."
+        )
     bad = [(c, e) for c in contexts for e in experts if group % (c * e)]
     if bad:
         fits = [e for e in range(1, group + 1) if all(group % (c * e) == 0 for c in contexts)]
-        raise ValueError(f"SearchSpace(expert={experts}): {sorted({e for _, e in bad})} do not divide the {group} "
-                         f"devices of a replica group{f' with context degrees {contexts}' if contexts != (1,) else ''}; "
-                         f"use expert degrees among {fits}.")
+        raise ValueError(
+            f"SearchSpace(expert={experts}): {sorted({e for _, e in bad})} do not divide the {group} "
+            f"devices of a replica group{f' with context degrees {contexts}' if contexts != (1,) else ''}; "
+            f"use expert degrees among {fits}."
+        )
     if any(c > 1 for c in contexts) and not any(sequence_dims(config, batch)):
-        raise ValueError(f"SearchSpace(context={contexts}) splits each sequence over the context axis, but no batch "
-                         f"leaf has a sequence dimension (leaves with 2+ dimensions, or ZeroConfig.context_dims).")
+        raise ValueError(
+            f"SearchSpace(context={contexts}) splits each sequence over the context axis, but no batch "
+            f"leaf has a sequence dimension (leaves with 2+ dimensions, or ZeroConfig.context_dims)."
+        )
     for c in contexts:
         try:
             check_lengths(config, batch, c)
         except ValueError as e:
             raise ValueError(f"SearchSpace(context={contexts}), context {c}: {e}") from None
     devices = list(mesh.devices.flat)
-    return {(c, e): mesh if (c, e) == (own_c, own_e) else make_mesh(
-                devices, config.axis, replicas=replicas, replica_axis=config.replica_axis, context=c,
-                context_axis=config.context_axis, expert=e, expert_axis=config.expert_axis)
-            for c in contexts for e in experts}
+    return {
+        (c, e): mesh
+        if (c, e) == (own_c, own_e)
+        else make_mesh(
+            devices,
+            config.axis,
+            replicas=replicas,
+            replica_axis=config.replica_axis,
+            context=c,
+            context_axis=config.context_axis,
+            expert=e,
+            expert_axis=config.expert_axis,
+        )
+        for c in contexts
+        for e in experts
+    }
 
 
 def accumulation_counts(space: SearchSpace, rows: int, global_batch: int, devices: int) -> tuple[int, ...]:
@@ -135,9 +164,11 @@ def accumulation_counts(space: SearchSpace, rows: int, global_batch: int, device
     if not counts:
         below, above = valid_batch_sizes(global_batch, devices, space.tried_counts())
         sizes = " or ".join(str(b) for b in (below, above) if b)
-        raise ValueError(f"the global batch of {global_batch} rows gives each of the {devices} devices {rows} rows, "
-                         f"which no accumulation count tried ({_counts(space.tried_counts())}) divides. Use a global "
-                         f"batch of {sizes} rows, or other SearchSpace(accum=...) counts.")
+        raise ValueError(
+            f"the global batch of {global_batch} rows gives each of the {devices} devices {rows} rows, "
+            f"which no accumulation count tried ({_counts(space.tried_counts())}) divides. Use a global "
+            f"batch of {sizes} rows, or other SearchSpace(accum=...) counts."
+        )
     return counts
 
 
@@ -153,19 +184,24 @@ def nothing_fits_formula(pruned: list[Candidate], budget: int, margin: float, sh
     need = smallest.formula_bytes * (1 + margin)
     levers = []
     if smallest.offload != "params":
-        levers.append("offload (SearchSpace(offload=('params',)) at stage 3 keeps the fp32 masters and optimizer "
-                      "state in host memory)")
+        levers.append(
+            "offload (SearchSpace(offload=('params',)) at stage 3 keeps the fp32 masters and optimizer "
+            "state in host memory)"
+        )
     ratio = math.ceil(need / budget)
-    levers.append(f"more devices (the state is sharded {shards} ways; about {ratio * shards} devices would hold "
-                  f"{fmt_bytes(need / ratio)} each)")
-    return (f"no configuration fits {fmt_bytes(budget)} per device: the smallest, {smallest.describe()}, holds "
-            f"{fmt_bytes(smallest.formula_bytes)} of persistent state alone ({psi:,} parameters; "
-            f"{fmt_bytes(need)} with the {margin:.0%} margin), {fmt_bytes(need - budget)} over the budget. Nothing "
-            f"was compiled. Next: {'; or '.join(levers)}.")
+    levers.append(
+        f"more devices (the state is sharded {shards} ways; about {ratio * shards} devices would hold "
+        f"{fmt_bytes(need / ratio)} each)"
+    )
+    return (
+        f"no configuration fits {fmt_bytes(budget)} per device: the smallest, {smallest.describe()}, holds "
+        f"{fmt_bytes(smallest.formula_bytes)} of persistent state alone ({psi:,} parameters; "
+        f"{fmt_bytes(need)} with the {margin:.0%} margin), {fmt_bytes(need - budget)} over the budget. Nothing "
+        f"was compiled. Next: {'; or '.join(levers)}."
+    )
 
 
-def nothing_fits_compiled(plans: dict, space: SearchSpace, counts: dict, rows: dict, budget: int,
-                          margin: float) -> str:
+def nothing_fits_compiled(plans: dict, space: SearchSpace, counts: dict, rows: dict, budget: int, margin: float) -> str:
     """The error when no compiled plan fits: the smallest, how far over, the levers left
     (``counts`` and ``rows``: the accumulation counts tried and rows per device, by context
     degree)."""
@@ -176,8 +212,10 @@ def nothing_fits_compiled(plans: dict, space: SearchSpace, counts: dict, rows: d
     levers = []
     bigger_k = [k for k in range(cand.config.grad_accum_steps + 1, rows + 1) if rows % k == 0]
     if bigger_k and cand.config.grad_accum_steps >= max(counts):
-        levers.append(f"a smaller micro-batch (grad_accum_steps={bigger_k[0]} or more: SearchSpace(accum=...); "
-                      f"each device has {rows} rows)")
+        levers.append(
+            f"a smaller micro-batch (grad_accum_steps={bigger_k[0]} or more: SearchSpace(accum=...); "
+            f"each device has {rows} rows)"
+        )
     elif bigger_k:
         levers.append("a smaller micro-batch (a larger grad_accum_steps)")
     if cand.config.remat.kind not in ("full",) and "full" not in space.remat:
@@ -185,9 +223,13 @@ def nothing_fits_compiled(plans: dict, space: SearchSpace, counts: dict, rows: d
     if cand.offload != "params":
         levers.append("offload (SearchSpace(offload=('optimizer', 'params')) at stage 3)")
     if cand.context == max(space.context or (cand.context,)):
-        levers.append(f"a larger context degree (SearchSpace(context=(..., {2 * cand.context})): each device "
-                      f"holds 1/C of every sequence's activations)")
+        levers.append(
+            f"a larger context degree (SearchSpace(context=(..., {2 * cand.context})): each device "
+            f"holds 1/C of every sequence's activations)"
+        )
     levers.append("more devices (stage 3's state is 12Ψ/N)")
-    return (f"no configuration fits {fmt_bytes(budget)} per device: the smallest compiled, {cand.describe()}, "
-            f"needs {fmt_bytes(plan.memory.device)} ({fmt_bytes(plan.memory.compiled)} compiled + {margin:.0%} "
-            f"margin), {fmt_bytes(over)} ({over / budget:.0%}) over the budget. Next: {'; or '.join(levers)}.")
+    return (
+        f"no configuration fits {fmt_bytes(budget)} per device: the smallest compiled, {cand.describe()}, "
+        f"needs {fmt_bytes(plan.memory.device)} ({fmt_bytes(plan.memory.compiled)} compiled + {margin:.0%} "
+        f"margin), {fmt_bytes(over)} ({over / budget:.0%}) over the budget. Next: {'; or '.join(levers)}."
+    )

@@ -48,8 +48,10 @@ class PlanMemory:
         if self.source not in MEMORY_SOURCES:
             raise ValueError(f"PlanMemory.source must be one of {MEMORY_SOURCES}, got {self.source!r}.")
         if self.device < self.compiled:
-            raise ValueError(f"PlanMemory.device ({self.device}) is the compiled bytes ({self.compiled}) plus a "
-                             "margin; it cannot be smaller.")
+            raise ValueError(
+                f"PlanMemory.device ({self.device}) is the compiled bytes ({self.compiled}) plus a "
+                "margin; it cannot be smaller."
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +86,11 @@ class Plan:
             raise TypeError(f"Plan.config must be a ZeroConfig, got {type(self.config).__name__}.")
         if not isinstance(self.memory, PlanMemory):
             raise TypeError(f"Plan.memory must be a PlanMemory, got {type(self.memory).__name__}.")
-        if isinstance(self.time, bool) or not isinstance(self.time, (int, float)) or not (
-                math.isfinite(self.time) and self.time > 0):
+        if (
+            isinstance(self.time, bool)
+            or not isinstance(self.time, (int, float))
+            or not (math.isfinite(self.time) and self.time > 0)
+        ):
             raise ValueError(f"Plan.time must be positive finite seconds, got {self.time!r}.")
         if isinstance(self.micro_batch, bool) or not isinstance(self.micro_batch, int) or self.micro_batch < 1:
             raise ValueError(f"Plan.micro_batch must be a positive int (rows per device), got {self.micro_batch!r}.")
@@ -178,20 +183,25 @@ class AutotuneResult(Sequence):
     def summary(self) -> str:
         """One line: what was searched, how, and how long it took."""
         plural = "" if self.candidates == 1 else "s"
-        return (f"{self.candidates} candidate{plural} for {fmt_bytes(self.budget)} per device "
-                f"({self.margin:.0%} margin), {self.device.name}: {self.compiled} compiled, "
-                f"{len(self.pruned)} pruned by the state formula, {len(self.skipped)} decided without compiling, "
-                f"{self.shared} sharing a compiled program; {len(self.plans)} fit; "
-                f"search {self.search_seconds:.1f} s")
+        return (
+            f"{self.candidates} candidate{plural} for {fmt_bytes(self.budget)} per device "
+            f"({self.margin:.0%} margin), {self.device.name}: {self.compiled} compiled, "
+            f"{len(self.pruned)} pruned by the state formula, {len(self.skipped)} decided without compiling, "
+            f"{self.shared} sharing a compiled program; {len(self.plans)} fit; "
+            f"search {self.search_seconds:.1f} s"
+        )
 
     def table(self, limit: int | None = None) -> str:
         """A markdown table of the plans (the first ``limit``), with the summary line."""
         context = any(p.context > 1 for p in self.plans)  # a context column where a plan splits sequences
         expert = any(p.expert > 1 for p in self.plans)  # an expert column where a plan splits experts
-        rows = [f"| # | stage |{' context |' if context else ''}{' expert |' if expert else ''} accum (rows) | remat | "
-                "offload | prefetch | gather | device memory | host | time / step | compute | comm |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if context else "")
-                + ("---|" if expert else "")]
+        rows = [
+            f"| # | stage |{' context |' if context else ''}{' expert |' if expert else ''} accum (rows) | remat | "
+            "offload | prefetch | gather | device memory | host | time / step | compute | comm |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"
+            + ("---|" if context else "")
+            + ("---|" if expert else ""),
+        ]
         for i, p in enumerate(self.plans[:limit], 1):
             c, parts = p.config, p.cost.breakdown(self.device)
             rows.append(
@@ -200,7 +210,8 @@ class AutotuneResult(Sequence):
                 f"{remat_name(c.remat)} | {p.offload} | "
                 f"{c.prefetch} | {c.gather_dtype or c.compute_dtype} | {fmt_bytes(p.memory.device)}"
                 f"{'*' if p.memory.source == 'formula' else ''} | {fmt_bytes(p.memory.host)} | {_seconds(p.time)} | "
-                f"{_seconds(parts['compute'] + parts['memory'])} | {_seconds(parts['comm'])} |")
+                f"{_seconds(parts['compute'] + parts['memory'])} | {_seconds(parts['comm'])} |"
+            )
         return "\n".join([self.summary(), "", *rows])
 
     def __str__(self) -> str:

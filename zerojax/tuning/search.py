@@ -52,10 +52,23 @@ from zerojax.tuning.result import AutotuneResult, Plan, PlanMemory, Skipped
 Progress = Callable[[int, int, str], None]
 
 
-def autotune(loss_fn: Callable, params: Any, tx: Any, batch: Any, *, mesh, memory: int | str,
-             config: ZeroConfig | None = None, device: DeviceSpec | str | None = None,
-             space: SearchSpace | None = None, margin: float = 0.10, has_aux: bool = False,
-             exhaustive: bool = False, verbose: bool = False, progress: Progress | None = None) -> AutotuneResult:
+def autotune(
+    loss_fn: Callable,
+    params: Any,
+    tx: Any,
+    batch: Any,
+    *,
+    mesh,
+    memory: int | str,
+    config: ZeroConfig | None = None,
+    device: DeviceSpec | str | None = None,
+    space: SearchSpace | None = None,
+    margin: float = 0.10,
+    has_aux: bool = False,
+    exhaustive: bool = False,
+    verbose: bool = False,
+    progress: Progress | None = None,
+) -> AutotuneResult:
     """The ZeRO configurations that fit ``memory`` bytes per device, fastest predicted
     first, found by compiling candidate steps ahead of time: no step runs.
 
@@ -121,16 +134,17 @@ def autotune(loss_fn: Callable, params: Any, tx: Any, batch: Any, *, mesh, memor
     meshes = split_meshes(mesh, base, space, batch)
     psi, opt_bytes = param_counts(shapes, tx)
     # A replica group's devices: data x context x expert, whatever the split (C and E move none).
-    shards = (dict(mesh.shape)[base.axis] * context_size(mesh, base.context_axis)
-              * expert_size(mesh, base.expert_axis))
+    shards = dict(mesh.shape)[base.axis] * context_size(mesh, base.context_axis) * expert_size(mesh, base.expert_axis)
     cands, rows, counts = [], {}, {}
     for (c, e), mesh_c in meshes.items():
         try:
             rows[c, e], global_batch = rows_per_device(batch, mesh_c, base)
             if rows[c, e] % e:
-                raise ValueError(f"the global batch of {global_batch} rows gives each of the "
-                                 f"{batch_devices(mesh_c, base)} data groups {rows[c, e]} rows, which do not split over "
-                                 f"the {e} devices of the expert axis.")
+                raise ValueError(
+                    f"the global batch of {global_batch} rows gives each of the "
+                    f"{batch_devices(mesh_c, base)} data groups {rows[c, e]} rows, which do not split over "
+                    f"the {e} devices of the expert axis."
+                )
             rows[c, e] //= e  # each device of an expert group runs its own rows
             counts[c, e] = accumulation_counts(space, rows[c, e], global_batch, batch_devices(mesh_c, base) * e)
         except ValueError as err:
@@ -138,43 +152,73 @@ def autotune(loss_fn: Callable, params: Any, tx: Any, batch: Any, *, mesh, memor
                 raise
             contexts, experts = tuple(dict.fromkeys(k[0] for k in meshes)), tuple(dict.fromkeys(k[1] for k in meshes))
             if experts == (1,):
-                raise ValueError(f"SearchSpace(context={contexts}), context {c} (the batch over "
-                                 f"{batch_devices(mesh_c, base)} data groups): {err}") from None
-            raise ValueError(f"SearchSpace(context={contexts}, expert={experts}), context {c}, expert {e} (the batch "
-                             f"over {batch_devices(mesh_c, base) * e} devices): {err}") from None
+                raise ValueError(
+                    f"SearchSpace(context={contexts}), context {c} (the batch over "
+                    f"{batch_devices(mesh_c, base)} data groups): {err}"
+                ) from None
+            raise ValueError(
+                f"SearchSpace(context={contexts}, expert={experts}), context {c}, expert {e} (the batch "
+                f"over {batch_devices(mesh_c, base) * e} devices): {err}"
+            ) from None
         # Stages 0-2 keep Ψ_d + Ψ_e / E parameters whole per device (a routed expert's stack is
         # split E ways): the formula with that count over the whole group is a lower bound of the
         # state (what it shards is Ψ / N), so it prunes no candidate that could fit.
         num = psi if e == 1 else psi - expert_params(shapes, mesh_c, base) * (1 - 1 / e)
-        cands += enumerate_candidates(base, space, counts[c, e], num_params=num, shards=shards, opt_bytes=opt_bytes,
-                                      context=c, expert=e)
+        cands += enumerate_candidates(
+            base, space, counts[c, e], num_params=num, shards=shards, opt_bytes=opt_bytes, context=c, expert=e
+        )
     limit = usable(budget, margin)
     pruned = [c for c in cands if c.formula_bytes > limit]
     alive = [c for c in cands if c.formula_bytes <= limit]
     if not alive:
         raise ValueError(nothing_fits_formula(pruned, budget, margin, shards, psi))
     spec = device_spec(device, mesh)
-    search = _Search(loss_fn, shapes, tx, batch, meshes, spec, budget, margin, has_aux, rows, len(cands), verbose,
-                     progress)
+    search = _Search(
+        loss_fn, shapes, tx, batch, meshes, spec, budget, margin, has_aux, rows, len(cands), verbose, progress
+    )
     for c in pruned:
         search.report(f"{c.describe()}: pruned, state {fmt_bytes(c.formula_bytes)} > {fmt_bytes(limit)}")
     search.run(alive, exhaustive)
-    spec = search.price(measure_matmuls(spec, mesh, {mnk for _, cost in search.by_program.values()
-                                                     for mnk, _ in cost.matmul_shapes}))
+    spec = search.price(
+        measure_matmuls(spec, mesh, {mnk for _, cost in search.by_program.values() for mnk, _ in cost.matmul_shapes})
+    )
     plans = sorted((p for p in search.plans.values() if p.memory.device <= budget), key=lambda p: p.time)
     if not plans:
         raise ValueError(nothing_fits_compiled(search.plans, space, counts, rows, budget, margin))
-    return AutotuneResult(plans=tuple(plans), budget=budget, margin=margin, device=spec,
-                          compiled=search.compiles, pruned=tuple(pruned), skipped=tuple(search.skipped.values()),
-                          shared=search.shared, candidates=len(cands), search_seconds=time.perf_counter() - t0,
-                          global_batch=global_batch)
+    return AutotuneResult(
+        plans=tuple(plans),
+        budget=budget,
+        margin=margin,
+        device=spec,
+        compiled=search.compiles,
+        pruned=tuple(pruned),
+        skipped=tuple(search.skipped.values()),
+        shared=search.shared,
+        candidates=len(cands),
+        search_seconds=time.perf_counter() - t0,
+        global_batch=global_batch,
+    )
 
 
 class _Search:
     """The compile loop and what it has learned so far."""
 
-    def __init__(self, loss_fn, shapes, tx, batch, meshes: dict, spec: DeviceSpec, budget: int, margin: float,
-                 has_aux: bool, rows: dict[int, int], total: int, verbose: bool, progress: Progress | None):
+    def __init__(
+        self,
+        loss_fn,
+        shapes,
+        tx,
+        batch,
+        meshes: dict,
+        spec: DeviceSpec,
+        budget: int,
+        margin: float,
+        has_aux: bool,
+        rows: dict[int, int],
+        total: int,
+        verbose: bool,
+        progress: Progress | None,
+    ):
         self.loss_fn, self.shapes, self.tx, self.batch, self.meshes = loss_fn, shapes, tx, batch, meshes
         self.spec, self.budget, self.margin, self.has_aux, self.rows = spec, budget, margin, has_aux, rows
         self.total, self.done, self.verbose, self.progress = total, 0, verbose, progress
@@ -241,18 +285,34 @@ class _Search:
             self.compiles += 1
             memory = self.memory(compiled, state, c)
             host_state = memory.step.state_host if memory.step is not None else 0
-            cost = step_cost(compiled, mesh, compute_dtype=c.config.compute_dtype,
-                             host_state_bytes=host_state, overlap=c.config.prefetch > 0)
+            cost = step_cost(
+                compiled,
+                mesh,
+                compute_dtype=c.config.compute_dtype,
+                host_state_bytes=host_state,
+                overlap=c.config.prefetch > 0,
+            )
             self.by_program[key] = (memory, cost)
             how = f"compiled in {time.perf_counter() - t0:.1f} s"
-        plan = Plan(config=c.config, memory=memory, time=cost.seconds(self.spec), cost=cost,
-                    micro_batch=self.rows[c.split] // c.config.grad_accum_steps, offload=c.offload,
-                    program=key[:12], context=c.context, mesh=self.meshes[c.split], expert=c.expert)
+        plan = Plan(
+            config=c.config,
+            memory=memory,
+            time=cost.seconds(self.spec),
+            cost=cost,
+            micro_batch=self.rows[c.split] // c.config.grad_accum_steps,
+            offload=c.offload,
+            program=key[:12],
+            context=c.context,
+            mesh=self.meshes[c.split],
+            expert=c.expert,
+        )
         self.plans[c] = plan
         self.fits[c] = memory.device <= self.budget
         verdict = "fits" if self.fits[c] else f"over by {fmt_bytes(memory.device - self.budget)}"
-        self.report(f"{c.describe()}: {how}; {fmt_bytes(memory.device)} per device, {verdict}; "
-                    f"{plan.time * 1e3:.3g} ms per step predicted")
+        self.report(
+            f"{c.describe()}: {how}; {fmt_bytes(memory.device)} per device, {verdict}; "
+            f"{plan.time * 1e3:.3g} ms per step predicted"
+        )
 
     def price(self, spec: DeviceSpec) -> DeviceSpec:
         """Every plan's time again with ``spec`` (a measured device's rates for the matmul
@@ -276,20 +336,42 @@ class _Search:
         batch_bytes = sum(_shard_bytes(x) for x in jax.tree.leaves(abstract_batch(state.plan, self.batch)))
         if m["argument"] == 0 and m["output"] == 0 and m["temp"] == 0:  # jax issue #18954
             if not self.warned:
-                warnings.warn("memory_analysis() of the compiled step reports zero bytes on this backend (jax issue "
-                              "#18954): plan memory falls back to zerojax's state formula plus the batch, which does "
-                              "not count activations or temporaries; leave more margin, or check the chosen plan "
-                              "with zj.report.step_memory on a backend that reports it.", RuntimeWarning, stacklevel=4)
+                warnings.warn(
+                    "memory_analysis() of the compiled step reports zero bytes on this backend (jax issue "
+                    "#18954): plan memory falls back to zerojax's state formula plus the batch, which does "
+                    "not count activations or temporaries; leave more margin, or check the chosen plan "
+                    "with zj.report.step_memory on a backend that reports it.",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
                 self.warned = True
             compiled_total = int(math.ceil(c.formula_bytes)) + batch_bytes
-            return PlanMemory(device=int(math.ceil(compiled_total * (1 + self.margin))), compiled=compiled_total,
-                              host=state_host, state=int(math.ceil(c.formula_bytes)), source="formula")
-        step = StepMemory(state=state_bytes, batch=batch_bytes, argument=m["argument"], output=m["output"],
-                          alias=m["alias"], temp=m["temp"], host_temp=m["host_temp"], state_host=state_host,
-                          host_argument=m["host_argument"])
+            return PlanMemory(
+                device=int(math.ceil(compiled_total * (1 + self.margin))),
+                compiled=compiled_total,
+                host=state_host,
+                state=int(math.ceil(c.formula_bytes)),
+                source="formula",
+            )
+        step = StepMemory(
+            state=state_bytes,
+            batch=batch_bytes,
+            argument=m["argument"],
+            output=m["output"],
+            alias=m["alias"],
+            temp=m["temp"],
+            host_temp=m["host_temp"],
+            state_host=state_host,
+            host_argument=m["host_argument"],
+        )
         total = step.device_total
-        return PlanMemory(device=int(math.ceil(total * (1 + self.margin))), compiled=total,
-                          host=state_host + m["host_temp"], state=state_bytes - state_host, step=step)
+        return PlanMemory(
+            device=int(math.ceil(total * (1 + self.margin))),
+            compiled=total,
+            host=state_host + m["host_temp"],
+            state=state_bytes - state_host,
+            step=step,
+        )
 
 
 def _lever_order(members: list[Candidate]):
@@ -334,7 +416,6 @@ def _state_bytes(state) -> tuple[int, int]:
         if getattr(x.sharding, "memory_kind", None) in ("pinned_host", "unpinned_host"):
             host += nbytes
     return total, host
-
 
 
 def _shard_bytes(x: jax.ShapeDtypeStruct) -> int:
