@@ -159,28 +159,12 @@ def test_launcher_options_are_checked(capsys):
 STEPS, SAVE_EVERY = 15, 3
 
 
-def job(out, args, nprocs=4, timeout=400, watch=None):
-    cmd = [
-        sys.executable,
-        "-m",
-        "zerojax.launch",
-        "--nprocs",
-        str(nprocs),
-        "--devices-per-proc",
-        "1",
-        *args,
-        "--",
-        sys.executable,
-        str(WORKER),
-        "--dir",
-        str(out / "ck"),
-        "--out",
-        str(out / "out"),
-        "--steps",
-        str(STEPS),
-        "--save-every",
-        str(SAVE_EVERY),
-    ]
+def job(out, args, *, nprocs=4, steps=STEPS, worker_args=(), timeout=400, watch=None):
+    """``zerojax launch ARGS -- python resume_job.py ...`` on ``nprocs`` processes of one device
+    each: its exit status, output and seconds (``watch`` sees each line as it comes)."""
+    launcher = ["-m", "zerojax.launch", "--nprocs", str(nprocs), "--devices-per-proc", "1", *args, "--"]
+    worker = [str(WORKER), "--dir", str(out / "ck"), "--out", str(out / "out"), "--steps", str(steps)]
+    cmd = [sys.executable, *launcher, sys.executable, *worker, "--save-every", str(SAVE_EVERY), *worker_args]
     start = time.monotonic()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     timer = threading.Timer(timeout, p.kill)
@@ -306,35 +290,16 @@ def test_elastic_four_processes_then_two(tmp_path):
     # SGD: AdamW would scale the rounding noise of the attention key bias's gradient (zero in
     # exact arithmetic) up to steps of the learning rate's size, on any change of device count.
     def run(nprocs, steps, out):
-        cmd = [
-            sys.executable,
-            "-m",
-            "zerojax.launch",
-            "--nprocs",
-            str(nprocs),
-            "--devices-per-proc",
-            "1",
-            "--timeout",
-            "300",
-            "--",
-            sys.executable,
-            str(WORKER),
-            "--dir",
-            str(out / "ck"),
-            "--out",
-            str(out / "out"),
-            "--steps",
-            str(steps),
-            "--save-every",
-            "3",
-            "--dropout",
-            "0",
-            "--optimizer",
-            "sgd",
-        ]
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=330, cwd=ROOT)
-        assert p.returncode == 0, p.stdout[-4000:]
-        return p.stdout
+        code, log, _ = job(
+            out,
+            ["--timeout", "300"],
+            nprocs=nprocs,
+            steps=steps,
+            worker_args=["--dropout", "0", "--optimizer", "sgd"],
+            timeout=330,
+        )
+        assert code == 0, log[-4000:]
+        return log
 
     run(4, 9, tmp_path / "ref")
     run(4, 5, tmp_path / "run")  # checkpoints 3 and 5 (the last step); then 2 processes resume at 5
