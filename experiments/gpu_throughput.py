@@ -75,9 +75,9 @@ def peak_flops(device, override: float | None) -> float | None:
 
 OFFLOAD = {
     "none": {},
-    "optimizer": dict(offload_optimizer=True, offload_update="auto"),
-    "optimizer-device": dict(offload_optimizer=True, offload_update="device"),
-    "params": dict(offload_optimizer=True, offload_params=True, offload_update="auto"),
+    "optimizer": dict(offload={"optimizer": True, "update": "auto"}),
+    "optimizer-device": dict(offload={"optimizer": True, "update": "device"}),
+    "params": dict(offload={"optimizer": True, "params": True, "update": "auto"}),
 }
 
 

@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import llama  # noqa: E402
+from zerojax.models import llama  # noqa: E402
 from zerojax.report.comm import collectives  # noqa: E402
 
 ATTENTIONS = ("einsum", "ulysses", "ring")

@@ -4,7 +4,7 @@ The model carries logical axis names on every parameter (``nnx.Param(..., out_sh
 ("embed", "mlp"))``), constrains its activations to a mesh of its own with MaxText's logical
 rules (``with_sharding_constraint(x, NamedSharding(model_mesh, logical_to_mesh_axes(...)))``),
 and runs its layers with ``nnx.scan`` over ``nnx.remat`` blocks. zerojax takes it unchanged
-with ``ZeroConfig(axis_map=AXIS_MAP, axis_rules=RULES)``: the rules as MaxText gives them,
+with ``ZeroConfig(axes={"model_axes": AXIS_MAP, "rules": RULES})``: the rules as MaxText gives them,
 and the model mesh's axes mapped onto zerojax's (``fsdp``, ``fsdp_transpose`` and ``data``
 onto "data", ``tensor`` onto "tensor").
 
@@ -166,7 +166,7 @@ def main(argv=None) -> list[dict]:
     for tensor in (1, 2):
         mesh = zj.make_mesh(tensor=tensor)
         for stage in range(4):
-            cfg = zj.ZeroConfig(stage=stage, axis_map=AXIS_MAP, axis_rules=RULES)
+            cfg = zj.ZeroConfig(stage=stage, axes={"model_axes": AXIS_MAP, "rules": RULES})
             state = zj.init_state(params, tx, mesh=mesh, config=cfg)
             step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=cfg)
             losses = []

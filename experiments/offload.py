@@ -82,11 +82,7 @@ def main(argv=None) -> list[dict]:
             plain, zc = dataclasses.replace(plain, stage=2), plain
         else:
             zc = dataclasses.replace(
-                plain,
-                offload_optimizer=opt,
-                offload_params=par,
-                offload_update=place,
-                offload_group_size=args.group_size,
+                plain, offload=zj.config.Offload(optimizer=opt, params=par, update=place, group_size=args.group_size)
             )
         runs = []
         for c in (plain, zc):

@@ -28,7 +28,7 @@ from zerojax.models import gpt  # noqa: E402
 RUNS = {
     "fp32": dict(compute_dtype="float32"),
     "bf16": dict(compute_dtype="bfloat16"),
-    "fp16": dict(compute_dtype="float16", loss_scale="dynamic", loss_scale_window=20),
+    "fp16": dict(compute_dtype="float16", loss_scaling={"loss_scale": "dynamic", "loss_scale_window": 20}),
 }
 
 

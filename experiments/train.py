@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRECISIONS = {
     "fp32": dict(compute_dtype="float32"),
     "bf16": dict(compute_dtype="bfloat16"),
-    "fp16": dict(compute_dtype="float16", loss_scale="dynamic"),
+    "fp16": dict(compute_dtype="float16", loss_scaling={"loss_scale": "dynamic"}),
 }
 
 

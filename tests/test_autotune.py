@@ -534,7 +534,7 @@ CONTEXT = SearchSpace(stages=(3,), accum=(1,), remat=("full",), offload=("none",
 
 
 def _llama():
-    from experiments import llama
+    from zerojax.models import llama
 
     graphdef, params = llama.init_abstract(llama.LlamaConfig(**LLAMA))
     return llama.make_loss(graphdef), params

@@ -21,9 +21,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
-from experiments import llama
 from tests.models import abs_errors, reference_run
 from zerojax.context import Layout
+from zerojax.models import llama
 from zerojax.report.comm import collectives
 
 B, H = 2, 8
@@ -271,11 +271,11 @@ def test_the_balanced_layout_refuses_plain_ops_attention():
     compiling at the model's line."""
     with pytest.raises(
         ValueError,
-        match=r"(?s)context_layout='balanced'.*llama.py:\d+ \(Block.attention\).*"
+        match=r"(?s)context=\{'layout': 'balanced'\}.*llama.py:\d+ \(Block.attention\).*"
         r"index in natural order.*zj.nn.dot_product_attention",
     ):
         _train(2, "einsum", 1, layout="balanced")
-    with pytest.raises(ValueError, match="context_layout must be 'contiguous' or 'balanced'"):
+    with pytest.raises(ValueError, match=r"Context.layout \(context_layout\) must be 'contiguous' or 'balanced'"):
         zj.ZeroConfig(context_layout="zigzag")
     graphdef, params = llama.init(BASE)
     mesh, zc = zj.make_mesh(context=8), zj.ZeroConfig(stage=1, context_layout="balanced")
@@ -709,7 +709,7 @@ def test_which_leaves_are_sequences_is_explicit_on_the_balanced_layout():
     with pytest.raises(
         ValueError,
         match=r"\['mask'\] \[8, 16, 16\] has the sequence length 16 on dimension\(s\) "
-        r"\[1, 2\].*context_dims",
+        r"\[1, 2\].*context=\{'dims'",
     ):
         step(st, batch)
     mesh, zc, step = _balanced_step(loss, context_dims={"['q']": 1, "['mask']": (1, 2)})
@@ -724,7 +724,7 @@ def test_which_leaves_are_sequences_is_explicit_on_the_balanced_layout():
 
     mesh, zc, step = _balanced_step(per_example)
     st = zj.init_state({"w": jnp.ones(())}, optax.sgd(0.1), mesh=mesh, config=zc)
-    with pytest.raises(ValueError, match=r"different lengths on dimension 1.*\['label'\] \[8, 8\].*context_dims"):
+    with pytest.raises(ValueError, match=r"different lengths on dimension 1.*\['label'\] \[8, 8\].*context=\{'dims'"):
         step(st, {**batch, "label": jnp.ones((8, 8))})
 
 

@@ -316,7 +316,8 @@ def test_cli(tmp_path, capsys):
     path.write_text(json.dumps(ZERO2_BF16))
     assert cli.main(["from-deepspeed", str(path)]) == 0
     out = capsys.readouterr()
-    assert "config = zj.ZeroConfig(stage=2, compute_dtype='bfloat16', reduce_dtype='bfloat16'" in out.out
+    assert "config = zj.ZeroConfig(stage=2, compute_dtype='bfloat16'" in out.out
+    assert "collectives=zj.config.Collectives(reduce_dtype='bfloat16'))" in out.out
     assert "tx = optax.adamw(" in out.out
     assert "zero_optimization.overlap_comm" in out.err
     assert "mesh =" not in out.out  # no replica groups: the mesh is zj.make_mesh()

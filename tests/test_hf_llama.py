@@ -16,7 +16,8 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 import zerojax as zj
-from experiments import llama
+from zerojax.models import llama
+from zerojax.models.hf_config import config_from_hf
 
 FIXTURE = pathlib.Path(__file__).resolve().parent / "data" / "hf_llama_tiny"
 REF = np.load(FIXTURE / "reference.npz")
@@ -37,7 +38,7 @@ def _batches(cfg, n, seed=0):
 
 @functools.cache
 def _loaded(stage: int):
-    cfg = llama.config_from_hf(str(FIXTURE))
+    cfg = config_from_hf(str(FIXTURE))
     abstract = llama.init_abstract(cfg)[1]
     state = zj.init_state(
         abstract,
@@ -69,7 +70,7 @@ def test_lora_finetune_at_stage_3_exports_merged_and_as_adapters(tmp_path):
     """10 LoRA steps on 8 devices (base from the checkpoint, adapters from the init function,
     said explicitly), exported: merged into a plain Llama checkpoint (the default), and as
     base + adapters."""
-    cfg = llama.config_from_hf(str(FIXTURE), lora_rank=4)
+    cfg = config_from_hf(str(FIXTURE), lora_rank=4)
     graphdef, _ = llama.init_abstract(cfg)
     tx = optax.adamw(1e-2)
     mesh, zc = zj.make_mesh(), zj.ZeroConfig(stage=3)
@@ -101,7 +102,7 @@ def test_lora_finetune_at_stage_3_exports_merged_and_as_adapters(tmp_path):
     assert set(index["weight_map"]) == set(
         json.loads((FIXTURE / "model.safetensors.index.json").read_text())["weight_map"]
     )  # the transformers checkpoint's tensors, no adapter among them
-    plain = llama.config_from_hf(str(FIXTURE))
+    plain = config_from_hf(str(FIXTURE))
     merged = zj.load_weights(zj.Weights(tmp_path / "merged", wmap), like=llama.init_abstract(plain)[1])
     err = np.abs(_logits(plain, merged, REF["tokens"]) - want).max()
     assert err <= 1e-5, err  # kernel + a @ b summed once in the file, twice in the model

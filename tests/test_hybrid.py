@@ -233,7 +233,7 @@ def test_clear_errors():
         zj.make_mesh(replicas=0)
     with pytest.raises(ValueError, match="replica_axis='data'"):
         zj.make_mesh(replicas=2, replica_axis="data")
-    with pytest.raises(ValueError, match="replica_axis must be a mesh axis name other than axis='data'"):
+    with pytest.raises(ValueError, match="Axes.replica must be a mesh axis name other than data='data'"):
         zj.ZeroConfig(replica_axis="data")
     mesh, cfg = zj.make_mesh(replicas=2), zj.ZeroConfig(stage=3)
     state = zj.init_state(models.mlp_params(), ADAM(), mesh=mesh, config=cfg)

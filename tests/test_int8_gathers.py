@@ -127,9 +127,12 @@ def test_eval_step_gathers_int8_too():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(stage=3, gather_dtype="int4"), "gather_dtype must be None"),
+        (dict(stage=3, gather_dtype="int4"), "Collectives.gather_dtype must be None"),
         (dict(stage=2, gather_dtype="int8"), "quantizes stage 3's weight gathers"),
-        (dict(stage=3, gather_dtype="int8", quant_block_size=0), "quant_block_size must be a positive int"),
+        (
+            dict(stage=3, gather_dtype="int8", quant_block_size=0),
+            "Collectives.gather_block_size must be a positive int",
+        ),
     ],
 )
 def test_config_errors(kwargs, match):

@@ -213,14 +213,17 @@ def test_fp16_overflow_is_seen_through_int8_and_the_step_skipped(stage):
     [
         (dict(stage=0, reduce_dtype="int8"), "stage 0 all-reduces full gradients"),
         (dict(stage=2, reduce_dtype="int4"), "reduce_dtype must be one of"),
-        (dict(stage=2, reduce_dtype="int8", reduce_quant_block_size=0), "reduce_quant_block_size must be a positive"),
+        (
+            dict(stage=2, reduce_dtype="int8", reduce_quant_block_size=0),
+            "Collectives.reduce_block_size must be a positive",
+        ),
         (
             dict(stage=2, reduce_dtype="int8", reduce_quant_block_size=True),
-            "reduce_quant_block_size must be a positive",
+            "Collectives.reduce_block_size must be a positive",
         ),
         (
             dict(stage=2, reduce_dtype="int8", reduce_quant_block_size=64.0),
-            "reduce_quant_block_size must be a positive",
+            "Collectives.reduce_block_size must be a positive",
         ),
     ],
 )

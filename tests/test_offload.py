@@ -248,12 +248,15 @@ def test_eval_step_reads_offloaded_parameters():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(stage=0, offload_optimizer=True), "offload_optimizer needs a sharded optimizer state"),
-        (dict(stage=2, offload_params=True), "offload_params keeps stage 3"),
-        (dict(stage=2, offload_optimizer=True, offload_update="cpu"), "offload_update must be"),
-        (dict(stage=3, offload_params=True, prefetch=1), "prefetch=1 with offload_params"),
-        (dict(stage=2, offload_optimizer=True, offload_group_size=0), "offload_group_size must be a positive int"),
-        (dict(stage=2, offload_optimizer=1), "offload_optimizer must be a bool"),
+        (
+            dict(stage=0, offload_optimizer=True),
+            r"offload.optimizer \(offload_optimizer\) needs a sharded optimizer state",
+        ),
+        (dict(stage=2, offload_params=True), r"offload.params \(offload_params\) keeps stage 3"),
+        (dict(stage=2, offload_optimizer=True, offload_update="cpu"), "Offload.update must be"),
+        (dict(stage=3, offload_params=True, prefetch=1), "prefetch=1 with offload.params=True"),
+        (dict(stage=2, offload_optimizer=True, offload_group_size=0), "Offload.group_size must be a positive int"),
+        (dict(stage=2, offload_optimizer=1), "Offload.optimizer must be a bool"),
     ],
 )
 def test_offload_config_errors(kwargs, match):

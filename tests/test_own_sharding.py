@@ -111,7 +111,7 @@ def test_without_axis_map_the_error_says_what_to_set():
     mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=3)
     state = zj.init_state(params, optax.sgd(0.1), mesh=mesh, config=cfg)
     step = zj.make_train_step(make_loss(graphdef), optax.sgd(0.1), mesh=mesh, config=cfg)
-    with pytest.raises(ValueError, match=r"ZeroConfig\(axis_map="):
+    with pytest.raises(ValueError, match=r"ZeroConfig\(axes=\{'model_axes'"):
         step(state, data(1)[0])
 
 
@@ -141,7 +141,7 @@ def test_unknown_axis_names_the_source_lines_of_the_helper_and_its_callers():
 
 
 def test_bad_axis_map():
-    with pytest.raises(ValueError, match="axis_map must map"):
+    with pytest.raises(ValueError, match=r"Axes.model_axes \(axis_map\) must map"):
         zj.ZeroConfig(axis_map={"fsdp": 3})
     graphdef, params = build()
     with pytest.raises(ValueError, match=r"maps the model's axis 'fsdp' to 'model', which is not an axis"):

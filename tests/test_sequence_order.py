@@ -13,8 +13,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
-from experiments import llama
 from zerojax.context import Layout
+from zerojax.models import llama
 from zerojax.sharding.sequence_order import check_sequence_order
 
 B, T, V, D, C = 2, 16, 12, 8, 4
@@ -123,8 +123,8 @@ def test_a_wrong_loss_is_refused_naming_the_op_its_line_and_the_fix(case):
     assert not _exact_on_the_permuted_sequence(loss, batch)  # the refusal is no false alarm
     with pytest.raises(
         ValueError,
-        match=rf"loss_fn would be silently wrong with ZeroConfig\(context_layout="
-        rf"'balanced'\).* at .*{LINE}.*{message}.*{FIX}",
+        match=rf"loss_fn would be silently wrong with ZeroConfig\(context=\{{'layout': "
+        rf"'balanced'\}}\).* at .*{LINE}.*{message}.*{FIX}",
     ):
         _check(loss, batch)
 
@@ -190,7 +190,7 @@ def test_positions_from_global_positions_pass():
 @pytest.mark.parametrize("attention", ["ring", "ulysses"])
 @pytest.mark.parametrize("extras", [(), ("weights", "mask"), ("positions",)])
 def test_the_llama_with_the_context_kernels_passes(attention, extras):
-    """experiments/llama.py with zj.nn.dot_product_attention on a context mesh, its loss
+    """zerojax.models.llama with zj.nn.dot_product_attention on a context mesh, its loss
     traced as the step traces it: the kernels' regions know the layout; everything around
     them (RoPE from global_positions or from the batch, GQA reshapes, the layer scan with
     remat, optax's cross-entropy, weights, key masks) is exact."""

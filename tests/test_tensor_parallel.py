@@ -400,7 +400,7 @@ def _init(params, specs, tensor=2, **config):
 
 def test_bad_annotations():
     params = mlp_params()
-    with pytest.raises(ValueError, match=r"params\['w1'\]: dimension 1 is annotated 'model'.*axis_rules"):
+    with pytest.raises(ValueError, match=r"params\['w1'\]: dimension 1 is annotated 'model'.*axes.rules"):
         _init(params, {**MLP_SPECS, "w1": P(None, "model")})
     with pytest.raises(ValueError, match=r"params\['w1'\] \(shape \(16, 32\)\).*dimensions \[0, 1\]"):
         _init(params, {**MLP_SPECS, "w1": P("tensor", "tensor")})
@@ -415,9 +415,9 @@ def test_bad_annotations():
         _init(params, {**MLP_SPECS, "w1": P(None, "mlp")}, axis_rules=(("mlp", "model"),))
     with pytest.raises(ValueError, match="annotation names 3 dimensions"):
         _init(params, {**MLP_SPECS, "b1": P(None, None, "tensor")})
-    with pytest.raises(ValueError, match="tensor_axis must be a mesh axis name other than"):
+    with pytest.raises(ValueError, match="Axes.tensor must be a mesh axis name other than"):
         zj.ZeroConfig(tensor_axis="data")
-    with pytest.raises(ValueError, match="axis_rules must be a sequence"):
+    with pytest.raises(ValueError, match=r"Axes.rules \(axis_rules\) must be a sequence"):
         zj.ZeroConfig(axis_rules="mlp")
 
 

@@ -2,11 +2,11 @@
 
 The top level holds what a training loop calls: the mesh, the config, the state, the
 steps, gathering, checkpoints and weights, the autotuner; everything else lives in the
-subpackage that owns it (``zj.report``, ``zj.maps``, ``zj.nn``, ``zj.nnx``, ``zj.moe``,
+subpackage that owns it (``zj.config``, ``zj.report``, ``zj.maps``, ``zj.nn``, ``zj.nnx``, ``zj.moe``,
 ``zj.distributed``, ``zj.resume``, ``zj.models``, ``zj.context``, ``zj.remat``).
 """
 
-from zerojax import checkpoint, context, distributed, maps, models, moe, nn, nnx, remat, report, resume
+from zerojax import checkpoint, config, context, distributed, maps, models, moe, nn, nnx, remat, report, resume
 from zerojax._deprecated import module_getattr as __getattr__  # noqa: F401 (moved names)
 from zerojax.checkpoint import export_weights, load_weights, restore_checkpoint, save_checkpoint
 from zerojax.checkpoint.weights import Weights
@@ -29,6 +29,7 @@ __all__ = [
     "abstract_state",
     "autotune",
     "checkpoint",
+    "config",
     "context",
     "distributed",
     "export_weights",

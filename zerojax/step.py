@@ -315,7 +315,7 @@ class TrainStep:
 
         Example:
           >>> import jax.numpy as jnp, optax, zerojax as zj
-          >>> cfg = zj.ZeroConfig(stage=2, offload_optimizer=True)
+          >>> cfg = zj.ZeroConfig(stage=2, offload={"optimizer": True})
           >>> st = zj.init_state({"w": jnp.ones((8, 4))}, optax.adam(1e-3), mesh=zj.make_mesh(), config=cfg)
           >>> step = zj.make_train_step(lambda p, x: jnp.sum(x @ p["w"]), optax.adam(1e-3), mesh=zj.make_mesh(), config=cfg)
           >>> step.update_place(st)   # the CPU backend compiles it in host memory

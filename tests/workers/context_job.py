@@ -21,8 +21,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from experiments import llama  # noqa: E402
 from tests import test_context  # noqa: E402
+from zerojax.models import llama  # noqa: E402
 
 out = sys.argv[1]
 rank = jax.process_index()

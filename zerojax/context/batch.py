@@ -79,13 +79,13 @@ def _balanced_default(names: list[str], shapes: list[tuple]) -> list[tuple[int, 
     """Dimension 1 of every leaf with two or more, when that is unambiguous."""
     lengths = {s[1] for s in shapes if len(s) >= 2}
     fix = (
-        "say which leaves and dimensions are sequences: ZeroConfig(context_dims={leaf path: dim, (dims...) or "
-        "None}), e.g. {\"['tokens']\": 1, \"['mask']\": (1, 2), \"['label']\": None}"
+        "say which leaves and dimensions are sequences: ZeroConfig(context={'dims': {leaf path: dim, (dims...) or "
+        "None}}), e.g. {\"['tokens']\": 1, \"['mask']\": (1, 2), \"['label']\": None}"
     )
     if len(lengths) > 1:
         seen = ", ".join(f"{n} {list(s)}" for n, s in zip(names, shapes) if len(s) >= 2)
         raise ValueError(
-            f"context_layout='balanced' permutes each sequence of the batch, but its leaves have "
+            f"context={{'layout': 'balanced'}} permutes each sequence of the batch, but its leaves have "
             f"different lengths on dimension 1 ({seen}): the step does not guess which are sequences; "
             f"{fix}."
         )
@@ -97,7 +97,7 @@ def _balanced_default(names: list[str], shapes: list[tuple]) -> list[tuple[int, 
         again = [d for d in range(2, len(s)) if s[d] == s[1]]
         if again:
             raise ValueError(
-                f"context_layout='balanced': batch leaf {n} {list(s)} has the sequence length {s[1]} on "
+                f"context={{'layout': 'balanced'}}: batch leaf {n} {list(s)} has the sequence length {s[1]} on "
                 f"dimension(s) {[1] + again}; a [B, T, T] mask is a sequence on each, a [B, T, D] "
                 f"feature with D = T on one only: {fix}."
             )

@@ -125,15 +125,8 @@ class Translation:
             ) from None
 
     def code(self) -> str:
-        """``zj.ZeroConfig(...)`` with the fields that differ from zerojax's defaults."""
-        args, default = [], ZeroConfig()
-        for f in dataclasses.fields(ZeroConfig):
-            value = getattr(self.config, f.name)
-            if value != getattr(default, f.name) or f.name == "stage":
-                if f.name == "remat" and not value.names:
-                    value = value.kind  # the policy's name is what ZeroConfig takes
-                args.append(f"{f.name}={value!r}")
-        return f"zj.ZeroConfig({', '.join(args)})"
+        """``zj.ZeroConfig(...)`` with the fields that differ from zerojax's defaults (``config.code()``)."""
+        return self.config.code()
 
     def message(self) -> str:
         """The warning: every unmapped key with its reason, the ``"auto"`` values filled in
@@ -227,7 +220,11 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
     """
     unmapped: dict[str, str] = {}
     notes: list[str] = []
+    # ZeroConfig's own fields, and its groups filled from the DeepSpeed sections they stand for.
     kw: dict[str, Any] = {}
+    fp16_kw: dict[str, Any] = {}  # the fp16 section: LossScaling
+    offload: dict[str, Any] = {}  # offload_optimizer, offload_param, sub_group_size: Offload
+    collectives: dict[str, Any] = {}  # communication_data_type, ZeRO++'s quantization: Collectives
     ds, resolved = _resolve_auto(_load(source), auto, notes)
 
     # ZeRO stage and offload.
@@ -269,9 +266,9 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
             f"DeepSpeed key 'zero_optimization.offload_param' needs ZeRO stage 3, but the stage is {stage}."
         )
     if offload_opt:
-        kw["offload_optimizer"] = True
+        offload["optimizer"] = True
     if offload_par:
-        kw["offload_params"] = True
+        offload["params"] = True
     if "zero_quantized_weights" in zero and _flag(
         zero["zero_quantized_weights"], "zero_optimization.zero_quantized_weights"
     ):
@@ -280,7 +277,7 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
                 f"DeepSpeed key 'zero_optimization.zero_quantized_weights' quantizes ZeRO-3's weight "
                 f"gathers, but the stage is {stage}."
             )
-        kw["gather_dtype"] = "int8"
+        collectives["gather_dtype"] = "int8"
     if (
         "zero_quantized_gradients" in zero
         and _flag(zero["zero_quantized_gradients"], "zero_optimization.zero_quantized_gradients")
@@ -298,10 +295,10 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
                 f"zero_quantized_gradients moves gradients as int8 (reduce_dtype='int8'); "
                 f"communication_data_type={ds['communication_data_type']!r} does not apply to them."
             )
-        kw["reduce_dtype"] = "int8"
+        collectives["reduce_dtype"] = "int8"
     shard_size = _shard_size(zero, notes, kw["stage"], unmapped)
     if "sub_group_size" in zero:
-        kw["offload_group_size"] = _number(
+        offload["group_size"] = _number(
             zero["sub_group_size"], "zero_optimization.sub_group_size", integer=True, minimum=1
         )
     for key, value in zero.items():
@@ -328,7 +325,7 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
         kw["compute_dtype"] = "float16"
         scale = _number(fp16.get("loss_scale", 0), "fp16.loss_scale", minimum=0)
         if scale:
-            kw["loss_scale"] = float(scale)
+            fp16_kw["loss_scale"] = float(scale)
         for key, field, integer, minimum, strict in (
             ("initial_scale_power", "initial_scale_power", True, 0, False),
             ("loss_scale_window", "loss_scale_window", True, 0, True),
@@ -336,11 +333,11 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
             ("min_loss_scale", "min_loss_scale", False, 0, True),
         ):
             if key in fp16:
-                kw[field] = _number(fp16[key], f"fp16.{key}", integer=integer, minimum=minimum, strict=strict)
-        if "min_loss_scale" in kw:
-            kw["min_loss_scale"] = float(kw["min_loss_scale"])
+                fp16_kw[field] = _number(fp16[key], f"fp16.{key}", integer=integer, minimum=minimum, strict=strict)
+        if "min_loss_scale" in fp16_kw:
+            fp16_kw["min_loss_scale"] = float(fp16_kw["min_loss_scale"])
         if "consecutive_hysteresis" in fp16:
-            kw["consecutive_hysteresis"] = _flag(fp16["consecutive_hysteresis"], "fp16.consecutive_hysteresis")
+            fp16_kw["consecutive_hysteresis"] = _flag(fp16["consecutive_hysteresis"], "fp16.consecutive_hysteresis")
     elif bf16_on:
         kw["compute_dtype"] = "bfloat16"
     for name, section, on in (("fp16", fp16, fp16_on), ("bf16", bf16, bf16_on)):
@@ -373,9 +370,9 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
             raise ValueError(
                 f"DeepSpeed key 'communication_data_type' must be one of {sorted(_COMM_DTYPES)}, got {name!r}."
             )
-        if kw.get("reduce_dtype") != "int8":  # zero_quantized_gradients wins (noted above)
-            kw["reduce_dtype"] = _COMM_DTYPES[name]
-    elif "compute_dtype" in kw and kw.get("reduce_dtype") != "int8":
+        if collectives.get("reduce_dtype") != "int8":  # zero_quantized_gradients wins (noted above)
+            collectives["reduce_dtype"] = _COMM_DTYPES[name]
+    elif "compute_dtype" in kw and collectives.get("reduce_dtype") != "int8":
         notes.append(
             f"communication_data_type is absent: DeepSpeed then reduces gradients in the compute dtype "
             f"({kw['compute_dtype']}); zerojax keeps reduce_dtype='float32' (exact sums, twice the bytes "
@@ -462,7 +459,7 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
             unmapped["scheduler"] = sched.why
     tx = None if opt is None else opt.expr(sched.lr, sched.momentum)
     try:
-        config = ZeroConfig(**kw)
+        config = ZeroConfig(**kw, loss_scaling=fp16_kw, offload=offload, collectives=collectives)
     except (TypeError, ValueError) as e:
         raise ValueError(f"the DeepSpeed config maps to an invalid ZeroConfig: {e}") from None
     return Translation(

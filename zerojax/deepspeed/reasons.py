@@ -37,7 +37,7 @@ REASONS: dict[str, str] = {
     "fp16.auto_cast": "zerojax always casts floating batch leaves to the compute dtype",
     "fp16.fp16_master_weights_and_grads": "the masters are always fp32",
     "bf16.immediate_grad_update": "no equivalent: gradients are reduced inside the compiled step",
-    "bf16.check_grad_overflow": "set ZeroConfig(skip_nonfinite=True) to skip steps with non-finite gradients",
+    "bf16.check_grad_overflow": "set ZeroConfig(loss_scaling={'skip_nonfinite': True}) to skip steps with non-finite gradients",
     "zero_optimization.overlap_comm": _XLA,
     "zero_optimization.contiguous_gradients": _XLA,
     "zero_optimization.reduce_bucket_size": _XLA,

@@ -158,7 +158,7 @@ def global_batch(
         if config is None:
             from zerojax.config import ZeroConfig
 
-            config = ZeroConfig(context_axis=context_axis, tensor_axis=tensor_axis, context_dims=context_dims)
+            config = ZeroConfig(axes={"context": context_axis, "tensor": tensor_axis}, context={"dims": context_dims})
         return _context_global_batch(local_batch, mesh, config)
     sharding = NamedSharding(mesh, P(_axes(mesh, axis)))
     n_proc = len({d.process_index for d in mesh.devices.flat})

@@ -1,6 +1,6 @@
 """The optimizer update of state kept in host memory (ZeRO-Offload).
 
-With ``ZeroConfig(offload_optimizer=True)`` the optimizer state, and the fp32 masters where
+With ``ZeroConfig(offload={"optimizer": True})`` the optimizer state, and the fp32 masters where
 they are kept apart, live in host memory (memory kind ``"pinned_host"``), sharded as they
 would be on the device. The update runs in one of two places
 (``ZeroConfig.offload_update``):

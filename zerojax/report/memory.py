@@ -59,7 +59,7 @@ def state_bytes_per_device(state: ZeroState) -> dict[str, int]:
     step counters, scalar parameters), and ``padding`` the per-device bytes of the zeros
     stored to make sharded arrays (masters and optimizer state) divide over the data axis;
     ``device`` and ``host`` split ``total`` by memory: offloaded state
-    (``ZeroConfig(offload_optimizer=...)``) counts in ``host``.
+    (``ZeroConfig(offload={"optimizer": ...})``) counts in ``host``.
 
     Example:
       >>> import jax.numpy as jnp, optax, zerojax as zj
@@ -208,7 +208,7 @@ class StepMemory:
     :func:`compiled_bytes`). ``total`` = argument + output − alias + temp.
 
     ``state_host`` is the part of ``state`` offloaded to host memory
-    (``ZeroConfig(offload_optimizer=..., offload_params=...)``), read from the state's
+    (``ZeroConfig(offload={"optimizer": ..., "params": ...})``), read from the state's
     shardings. Where the backend reports host arguments apart
     (``host_argument_size_in_bytes``), ``argument`` is device memory only; where it does not
     (the CPU backend reports every argument together), the offloaded state is counted in

@@ -211,7 +211,7 @@ def _unruled(name: Any, known: set, path: str, dim: int, mesh: Mesh, config: Zer
     raise ValueError(
         f"params{path}: dimension {dim} is annotated {name!r}, which is neither an axis of the mesh "
         f"{dict(mesh.shape)} (nor the tensor axis {config.tensor_axis!r}) nor a logical name of "
-        f"ZeroConfig.axis_rules (nor a model axis of ZeroConfig.axis_map). Add a rule, e.g. "
-        f"ZeroConfig(axis_rules=(({name!r}, {config.tensor_axis!r}),)) "
+        f"ZeroConfig.axes.rules (nor a model axis of ZeroConfig.axes.model_axes). Add a rule, e.g. "
+        f"ZeroConfig(axes={{'rules': (({name!r}, {config.tensor_axis!r}),)}}) "
         f"to split it over the tensor axis, or (({name!r}, None),) to leave it whole."
     )

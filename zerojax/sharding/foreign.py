@@ -5,7 +5,7 @@ sometimes their weights) with ``jax.lax.with_sharding_constraint(x, NamedShardin
 P(...)))`` against a mesh of their own (MaxText's ``data``, ``fsdp``, ``fsdp_transpose``,
 ``tensor``, ...). Inside the train step's ``shard_map`` (manual over zerojax's data axes)
 such a constraint cannot run: its mesh is not the step's, and it names axes that are manual
-there. With ``ZeroConfig(axis_map={"fsdp": "data", "data": "data", "tensor": "tensor"})``
+there. With ``ZeroConfig(axes={"model_axes": {"fsdp": "data", "data": "data", "tensor": "tensor"}})``
 zerojax instead
 
 1. traces the loss once *outside* the ``shard_map``, on one device's micro-batch, with the

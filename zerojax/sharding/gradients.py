@@ -66,8 +66,8 @@ def own_sharding_hint(config) -> Any:
         raise ValueError(
             f"loss_fn failed inside the train step's shard_map with a mesh error ({text.splitlines()[0]}). If the "
             "model constrains its values to a mesh of its own (with_sharding_constraint, logical axis constraints: "
-            "MaxText, hand-written GSPMD code), map that mesh's axes onto zerojax's: ZeroConfig(axis_map={'fsdp': "
-            "'data', 'data': 'data', 'tensor': 'tensor'}) (see zerojax.sharding.foreign)."
+            "MaxText, hand-written GSPMD code), map that mesh's axes onto zerojax's: ZeroConfig(axes={'model_axes': "
+            "{'fsdp': 'data', 'data': 'data', 'tensor': 'tensor'}}) (see zerojax.sharding.foreign)."
         ) from e
 
 

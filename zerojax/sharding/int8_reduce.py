@@ -1,6 +1,6 @@
 """Blockwise int8 gradient reductions (ZeRO++'s qgZ).
 
-With ``ZeroConfig(reduce_dtype="int8")`` a gradient crosses devices as int8 plus one fp32
+With ``ZeroConfig(collectives={"reduce_dtype": "int8"})`` a gradient crosses devices as int8 plus one fp32
 scale per block, and every sum is taken in fp32 on the device that owns the result:
 
 * :func:`reduce_scatter_int8`: each device splits its fp32 gradient into the N pieces the

@@ -298,7 +298,7 @@ def axis_size(mesh: Mesh, axis: str) -> int:
     if axis not in mesh.axis_names:
         raise ValueError(
             f"mesh has axes {mesh.axis_names} but the config names axis {axis!r}. "
-            f"Build the mesh with zj.make_mesh(axis={axis!r}) or set ZeroConfig(axis=...) "
+            f"Build the mesh with zj.make_mesh(axis={axis!r}) or set ZeroConfig(axes={{'data': ...}}) "
             "to one of the mesh's axes."
         )
     return int(mesh.shape[axis])

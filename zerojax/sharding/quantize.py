@@ -1,6 +1,6 @@
 """Blockwise int8 weight gathers (ZeRO++'s qwZ).
 
-With ``ZeroConfig(gather_dtype="int8")`` stage 3 gathers each parameter as int8 plus one
+With ``ZeroConfig(collectives={"gather_dtype": "int8"})`` stage 3 gathers each parameter as int8 plus one
 fp32 scale per block: each device quantizes its own shard (flattened, in blocks of
 ``quant_block_size`` elements; symmetric, scale = the block's largest magnitude / 127),
 all-gathers the int8 values and the scales, and dequantizes every device's part to the

@@ -1,6 +1,6 @@
 """Refusing a loss that would be silently wrong on a sequence the balanced layout permutes.
 
-With ``ZeroConfig(context_layout="balanced")`` the train step hands the loss each batch
+With ``ZeroConfig(context={"layout": "balanced"})`` the train step hands the loss each batch
 leaf's sequence dimension permuted into ring attention's balanced order
 (:meth:`zerojax.context.Layout.order`). What the loss does along that dimension decides whether
 it is still exact:
@@ -154,7 +154,7 @@ class _Tags(walk.Dataflow):
     def refuse(self, eqn: Equation, detail: str) -> None:
         inside = f" (inside {self.calls[-1]!r})" if self.calls and self.calls[-1] else ""
         raise ValueError(
-            f"{self.what} would be silently wrong with ZeroConfig(context_layout='balanced'): the step hands it each "
+            f"{self.what} would be silently wrong with ZeroConfig(context={{'layout': 'balanced'}}): the step hands it each "
             f"batch sequence permuted into ring attention's balanced order (zj.context.Layout.order), and at "
             f"{self.where(eqn)}{inside} '{jax_compat.name(eqn)}' {detail}. {FIX}"
         )

@@ -263,9 +263,10 @@ def enumerate_candidates(
                                 grad_accum_steps=k,
                                 remat=resolve(remat),
                                 prefetch=prefetch,
-                                offload_optimizer=offload != "none",
-                                offload_params=offload == "params",
-                                gather_dtype=gather,
+                                offload=dataclasses.replace(
+                                    base.offload, optimizer=offload != "none", params=offload == "params"
+                                ),
+                                collectives=dataclasses.replace(base.collectives, gather_dtype=gather),
                             )
                             out.append(
                                 Candidate(

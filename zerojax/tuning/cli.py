@@ -185,7 +185,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "zerojax autotune") -> i
 
 
 def code(config) -> str:
-    """The ``zj.ZeroConfig(...)`` call for ``config``: the fields that differ from the defaults.
+    """The ``zj.ZeroConfig(...)`` call for ``config`` (``config.code()``): the stage, then the fields
+    that differ from the defaults.
 
     Example:
       >>> import zerojax as zj
@@ -193,17 +194,7 @@ def code(config) -> str:
       >>> code(zj.ZeroConfig(stage=2, remat="full", grad_accum_steps=4))
       "zj.ZeroConfig(stage=2, grad_accum_steps=4, remat='full')"
     """
-    from zerojax.config import ZeroConfig
-
-    default = ZeroConfig()
-    parts = []
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if value != getattr(default, f.name):
-            if f.name == "remat":
-                value = value.kind if not value.names else value
-            parts.append(f"{f.name}={value!r}")
-    return f"zj.ZeroConfig({', '.join(parts)})"
+    return config.code()
 
 
 def _ints(text: str) -> tuple[int, ...]:

@@ -1,0 +1,9 @@
+"""The configuration of a ZeRO train step: :class:`ZeroConfig` and its groups.
+
+Why the groups are the ones they are: docs/design.md ("ZeroConfig's groups").
+"""
+
+from zerojax.config.groups import Axes, Collectives, Context, LossScaling, Offload
+from zerojax.config.zero import COMPUTE_DTYPES, STAGES, ZeroConfig
+
+__all__ = ["COMPUTE_DTYPES", "STAGES", "Axes", "Collectives", "Context", "LossScaling", "Offload", "ZeroConfig"]

@@ -1,0 +1,321 @@
+"""Typed, validated configuration of a ZeRO train step: :class:`ZeroConfig`."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import inspect
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from zerojax.config.groups import (
+    AUTO,
+    FLAT,
+    GROUPS,
+    Axes,
+    Collectives,
+    Context,
+    LossScaling,
+    Offload,
+    check_bool,
+    check_int,
+    dtype_name,
+)
+from zerojax.remat.policy import resolve as resolve_remat
+
+STAGES = (0, 1, 2, 3)
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig:
+    """How a train step shards model state and in which precision it computes.
+
+    The knobs of every run are fields; the rest sit in groups named after the DeepSpeed
+    section each stands for (:mod:`zerojax.config.groups`), given as the group's class or as
+    a dict of its fields: ``zj.ZeroConfig(stage=2, offload={"optimizer": True})``.
+
+    Fields:
+      stage: 0 (plain data parallelism), 1 (optimizer state sharded), 2 (optimizer
+        state and gradients sharded) or 3 (optimizer state, gradients and parameters
+        sharded; parameters are gathered where each layer uses them).
+      compute_dtype: "float32", "bfloat16" or "float16" for forward and backward; the
+        optimizer always updates fp32 master weights. Floating batch leaves are cast to it
+        too (as DeepSpeed's engine does); integer ones are not.
+      grad_clip: clip by the global norm over all shards, after unscaling (None: off).
+      grad_accum_steps: micro-batches per optimizer step, inside one compiled step.
+      remat: a rematerialization policy (a name of :mod:`zerojax.remat` or a
+        ``zj.remat.Remat``) applied to every layer loop (``scan``) of the loss, one layer
+        per remat region, with no change to the model. Unrolled layers opt in with
+        ``zj.remat.nnx_module`` / ``zj.remat.linen_module``.
+      prefetch: stage 3: gather this many layers ahead of their use, so that a gather
+        overlaps the compute of the layers before it (0: each layer is gathered when it is
+        reached). A ``scan`` over stacked layers then recomputes each layer's forward in
+        backward, as ``remat="full"`` does (see :mod:`zerojax.sharding.prefetch`).
+      frozen_dtype: the dtype frozen parameters (``init_state(..., trainable=...)``) are
+        stored in. "compute" (the default): the compute dtype where it is narrower than
+        theirs (a bf16 run keeps a frozen fp32 base in bf16, half the bytes; forward only
+        reads it in bf16, but ``gather_params`` and exports then hold the bf16 rounding).
+        "param": their own dtype, exactly as given.
+      donate: let the train step reuse the buffers of the state it is given.
+
+    Groups:
+      loss_scaling: :class:`~zerojax.config.LossScaling`, float16's loss scaling
+        (DeepSpeed's ``fp16`` section).
+      offload: :class:`~zerojax.config.Offload`, host memory (ZeRO-Offload).
+      collectives: :class:`~zerojax.config.Collectives`, the gradient reduction's dtype and
+        ZeRO++'s int8 collectives.
+      axes: :class:`~zerojax.config.Axes`, the mesh's axis names and a model's own names.
+      context: :class:`~zerojax.config.Context`, the sequence layout over the context axis.
+
+    Flat keywords: the groups' fields can also be given flat, as before the groups
+    (``offload_optimizer=True``, ``reduce_dtype="int8"``, ``axis_rules=...``; the table is
+    :data:`zerojax.config.groups.FLAT`), to the constructor and to ``dataclasses.replace``;
+    the first use prints the grouped form once. They read back flat too
+    (``config.offload_optimizer`` is ``config.offload.optimizer``).
+
+    Example:
+      >>> import zerojax as zj
+      >>> cfg = zj.ZeroConfig(stage=2, compute_dtype="float16", offload={"optimizer": True})
+      >>> cfg.offload.optimizer, cfg.resolved_loss_scale
+      (True, 'dynamic')
+      >>> cfg.code()
+      "zj.ZeroConfig(stage=2, compute_dtype='float16', offload=zj.config.Offload(optimizer=True))"
+      >>> import dataclasses
+      >>> dataclasses.replace(zj.ZeroConfig(), compute_dtype="float16").resolved_loss_scale
+      'dynamic'
+      >>> zj.ZeroConfig(stage=4)
+      Traceback (most recent call last):
+      ...
+      ValueError: ZeroConfig.stage must be one of (0, 1, 2, 3), got 4. ...
+    """
+
+    stage: int = 3
+    _: dataclasses.KW_ONLY
+    compute_dtype: Any = "float32"
+    grad_clip: float | None = None
+    grad_accum_steps: int = 1
+    remat: Any = None
+    prefetch: int = 0
+    frozen_dtype: str = "compute"
+    donate: bool = True
+    loss_scaling: LossScaling = LossScaling()
+    offload: Offload = Offload()
+    collectives: Collectives = Collectives()
+    axes: Axes = Axes()
+    context: Context = Context()
+
+    def __post_init__(self) -> None:
+        set_ = functools.partial(object.__setattr__, self)
+        if isinstance(self.stage, bool) or self.stage not in STAGES:
+            raise ValueError(
+                f"ZeroConfig.stage must be one of {STAGES}, got {self.stage!r}. "
+                "Use 0 for plain data parallelism, 1 to shard optimizer state, 2 to also "
+                "shard gradients, 3 to also shard parameters."
+            )
+        for name, cls in GROUPS.items():
+            set_(name, _as_group(name, cls, getattr(self, name)))
+        set_("compute_dtype", dtype_name(self.compute_dtype, "ZeroConfig.compute_dtype", COMPUTE_DTYPES))
+        set_("remat", resolve_remat(self.remat))
+        check_bool("ZeroConfig", self, "donate")
+        check_int("ZeroConfig", self, "grad_accum_steps", "prefetch")
+        if self.grad_accum_steps < 1:
+            raise ValueError(
+                f"ZeroConfig.grad_accum_steps must be >= 1 (1 = no accumulation), got {self.grad_accum_steps}."
+            )
+        if self.grad_clip is not None and not (
+            isinstance(self.grad_clip, (int, float)) and not isinstance(self.grad_clip, bool) and self.grad_clip > 0
+        ):
+            raise ValueError(f"ZeroConfig.grad_clip must be a positive number or None, got {self.grad_clip!r}.")
+        if self.frozen_dtype not in ("compute", "param"):
+            raise ValueError(
+                f"ZeroConfig.frozen_dtype must be 'compute' (frozen parameters stored in the compute "
+                f"dtype where narrower) or 'param' (in their own dtype), got {self.frozen_dtype!r}."
+            )
+        if self.prefetch < 0:
+            raise ValueError(f"ZeroConfig.prefetch must be >= 0 (layers gathered ahead; 0: none), got {self.prefetch}.")
+        self._check_across_groups()
+
+    def _check_across_groups(self) -> None:
+        """The rules that tie a group to the stage or the compute dtype."""
+        ls = self.loss_scaling.loss_scale
+        if ls is not None and ls != AUTO and self.compute_dtype != "float16":
+            raise ValueError(
+                f"ZeroConfig.loss_scaling.loss_scale={ls!r} cannot apply with compute_dtype="
+                f"{self.compute_dtype!r}: loss scaling exists for float16's narrow exponent range. Use "
+                "compute_dtype='float16', or loss_scale=None (bfloat16 has fp32's range; use "
+                "skip_nonfinite=True to skip non-finite steps)."
+            )
+        if self.offload.optimizer and self.stage == 0:
+            raise ValueError(
+                "ZeroConfig.offload.optimizer (offload_optimizer) needs a sharded optimizer state: use "
+                "stage 1, 2 or 3 (stage 0 replicates it on every device)."
+            )
+        if self.offload.params and self.stage != 3:
+            raise ValueError(
+                f"ZeroConfig.offload.params (offload_params) keeps stage 3's sharded parameters in host "
+                f"memory; stage {self.stage} keeps a replicated copy on every device. Use stage=3."
+            )
+        if self.collectives.gather_dtype is not None and self.stage != 3:
+            raise ValueError(
+                f"ZeroConfig.collectives.gather_dtype='int8' (gather_dtype) quantizes stage 3's weight "
+                f"gathers; stage {self.stage} gathers none per use. Use stage=3."
+            )
+        if self.collectives.reduce_dtype == "int8" and self.stage == 0:
+            raise ValueError(
+                "ZeroConfig.collectives.reduce_dtype='int8' (reduce_dtype) quantizes the gradient "
+                "reduce-scatter of stages 1–3 (ZeRO++'s qgZ); stage 0 all-reduces full gradients. Use "
+                "stage=1, 2 or 3, or a float reduce_dtype."
+            )
+        if self.prefetch and self.stage != 3:
+            raise ValueError(
+                f"ZeroConfig.prefetch={self.prefetch} gathers stage 3's weights ahead of their use; stage "
+                f"{self.stage} gathers none per use. Use stage=3, or prefetch=0."
+            )
+        if self.prefetch and self.offload.params:
+            raise ValueError(
+                f"ZeroConfig.prefetch={self.prefetch} with offload.params=True is not supported: the "
+                f"prefetched scan gathers device shards, and offloaded ones are in host memory. "
+                f"Use prefetch=0 with offloaded parameters, or keep the parameters on the device."
+            )
+
+    def code(self) -> str:
+        """The shortest grouped ``zj.ZeroConfig(...)`` call that builds this config: the stage,
+        then each field and group field that differs from the defaults.
+
+        Example:
+          >>> import zerojax as zj
+          >>> zj.ZeroConfig(grad_accum_steps=4, remat="full", collectives={"reduce_dtype": "int8"}).code()
+          "zj.ZeroConfig(stage=3, grad_accum_steps=4, remat='full', collectives=zj.config.Collectives(reduce_dtype='int8'))"
+        """
+        default = _DEFAULT
+        parts = [f"stage={self.stage}"]
+        for f in dataclasses.fields(self):
+            value, base = getattr(self, f.name), getattr(default, f.name)
+            if f.name == "stage" or value == base:
+                continue
+            if f.name in GROUPS:
+                inner = ", ".join(
+                    f"{g.name}={getattr(value, g.name)!r}"
+                    for g in dataclasses.fields(value)
+                    if getattr(value, g.name) != getattr(base, g.name)
+                )
+                parts.append(f"{f.name}=zj.config.{type(value).__name__}({inner})")
+            elif f.name == "remat" and not value.names:
+                parts.append(f"remat={value.kind!r}")  # the policy's name is what ZeroConfig takes
+            else:
+                parts.append(f"{f.name}={value!r}")
+        return f"zj.ZeroConfig({', '.join(parts)})"
+
+    @property
+    def reduce_block(self) -> int | None:
+        """Elements per int8 block of the gradient reduction; None when it is not int8."""
+        c = self.collectives
+        return c.reduce_block_size if c.reduce_dtype == "int8" else None
+
+    @property
+    def quant_block(self) -> int | None:
+        """Elements per int8 block of stage 3's weight gathers; None without quantization."""
+        c = self.collectives
+        return c.gather_block_size if c.gather_dtype == "int8" else None
+
+    @property
+    def resolved_loss_scale(self) -> str | float | None:
+        """The loss scaling in effect: ``"dynamic"``, a static scale, or ``None`` (none).
+
+        ``"auto"`` resolves here, where it is read, from the current ``compute_dtype``."""
+        ls = self.loss_scaling.loss_scale
+        if isinstance(ls, str) and ls == AUTO:
+            return "dynamic" if self.compute_dtype == "float16" else None
+        return ls
+
+    @property
+    def dynamic_scaling(self) -> bool:
+        return self.resolved_loss_scale == "dynamic"
+
+    @property
+    def scaling(self) -> bool:
+        return self.resolved_loss_scale is not None
+
+    @property
+    def checks_finite(self) -> bool:
+        """Whether non-finite gradients skip the step."""
+        return self.scaling or self.loss_scaling.skip_nonfinite
+
+    @property
+    def mixed(self) -> bool:
+        """Whether compute runs in a narrower dtype than the fp32 masters."""
+        return self.compute_dtype != "float32"
+
+
+def _as_group(name: str, cls: type, value: Any) -> Any:
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(value) - set(fields))
+        if unknown:
+            raise TypeError(f"ZeroConfig.{name} has no field(s) {unknown}; {cls.__name__}'s fields are {fields}.")
+        return cls(**value)
+    raise TypeError(
+        f"ZeroConfig.{name} must be a zj.config.{cls.__name__} or a dict of its fields, got {type(value).__name__}."
+    )
+
+
+_generated_init = ZeroConfig.__init__
+_said_flat = False
+
+
+@functools.wraps(_generated_init)
+def _init(self, *args: Any, **kwargs: Any) -> None:
+    flat = {k: kwargs.pop(k) for k in [k for k in kwargs if k in FLAT]}
+    known = {f.name for f in dataclasses.fields(ZeroConfig)}
+    unknown = [k for k in kwargs if k not in known]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], sorted(known | set(FLAT)), n=1)
+        raise TypeError(
+            f"ZeroConfig got an unknown keyword {unknown[0]!r}"
+            + (f"; did you mean {close[0]!r}?" if close else f"; its fields are {sorted(known)}.")
+        )
+    for key, value in flat.items():  # a flat keyword sets one field of its group's value
+        group, field = FLAT[key]
+        cls = GROUPS[group]
+        base = _as_group(group, cls, kwargs.get(group, cls()))
+        kwargs[group] = dataclasses.replace(base, **{field: value})
+    _generated_init(self, *args, **kwargs)
+    global _said_flat
+    if flat and not _said_flat:
+        _said_flat = True
+        written = ", ".join(f"{k}={v!r}" for k, v in flat.items())
+        warnings.warn(
+            f"ZeroConfig({written}): flat keywords keep working; the grouped form of this config is "
+            f"{self.code()} (said once).",
+            UserWarning,
+            stacklevel=_caller_level(),
+        )
+
+
+def _caller_level() -> int:
+    """The stack level of the first frame outside this module and ``dataclasses``."""
+    frame, level = inspect.currentframe(), 1
+    while frame is not None and frame.f_code.co_filename in (__file__, dataclasses.__file__):
+        frame, level = frame.f_back, level + 1
+    return level - 1
+
+
+_init.__signature__ = inspect.signature(_generated_init)
+ZeroConfig.__init__ = _init
+
+
+def _flat_alias(group: str, field: str) -> property:
+    return property(
+        lambda self: getattr(getattr(self, group), field), doc=f"``{group}.{field}``, read by its flat name."
+    )
+
+
+for _key, (_group, _field) in FLAT.items():
+    setattr(ZeroConfig, _key, _flat_alias(_group, _field))
+
+_DEFAULT = ZeroConfig()
