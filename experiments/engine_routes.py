@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -34,7 +33,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data  # noqa: E402
+from experiments import data, harness  # noqa: E402
 from experiments.progress import bar  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 
@@ -147,23 +146,20 @@ def main(argv=None) -> dict:
     routes["quax"] = {"compile_s": time.perf_counter() - t, "mib": compiled_mib(qc), "hlo": collectives(qc.as_text())}
     progress.update()
 
-    times = {"zerojax": [], "quax": []}
-    for i in range(args.steps + 1):  # the first round warms up
-        t = time.perf_counter()
-        state, metrics = zstep(state, batch)
-        jax.block_until_ready(metrics["loss"])
-        if i:
-            times["zerojax"].append(time.perf_counter() - t)
-        progress.update()
-        t = time.perf_counter()
-        shards, qloss = qstep(shards, batch)
-        jax.block_until_ready(qloss)
-        if i:
-            times["quax"].append(time.perf_counter() - t)
-        progress.update()
-    routes["zerojax"]["loss"], routes["quax"]["loss"] = float(metrics["loss"]), float(qloss)
+    live = {"zerojax": (state, None), "quax": (shards, None)}  # each route's state, carried between calls
+
+    def route(name, step):
+        def run():
+            live[name] = step(live[name][0], batch)
+            return live[name][1]
+
+        return run
+
+    times = harness.side_by_side({"zerojax": route("zerojax", zstep), "quax": route("quax", qstep)}, args.steps)
+    progress.update(2 * (args.steps + 1))
+    routes["zerojax"]["loss"], routes["quax"]["loss"] = float(live["zerojax"][1]["loss"]), float(live["quax"][1])
     for name in routes:
-        routes[name]["ms"] = 1e3 * statistics.median(times[name])
+        routes[name]["ms"] = harness.median_ms(times[name])
     checks = custom_vjp_check(mesh)
     progress.update()
     progress.close()

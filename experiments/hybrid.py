@@ -23,54 +23,32 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data  # noqa: E402
+from experiments import harness  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
-from zerojax.report.comm import collectives  # noqa: E402
 from zerojax.report.progress import progress  # noqa: E402
-
-GATHERS = {
-    "fp32": dict(compute_dtype="float32"),
-    "bf16": dict(compute_dtype="bfloat16"),
-    "int8": dict(compute_dtype="bfloat16", gather_dtype="int8"),
-}
 
 
 def traffic(cfg: gpt.GPTConfig, replicas: int, gathers: str, batch: int) -> dict[str, int]:
     """Bytes per device per step by the mesh axes each collective spans."""
-    graphdef, params = gpt.init(cfg)
-    tx, mesh = optax.adamw(3e-3), zj.make_mesh(replicas=replicas)
-    zc = zj.ZeroConfig(stage=3, **GATHERS[gathers])
-    state = zj.init_state(params, tx, mesh=mesh, config=zc)
-    tokens = next(data.batches(data.stdlib_bytes(1 << 20), batch, cfg.seq_len))
-    compiled = zj.make_train_step(gpt.make_loss(graphdef), tx, mesh=mesh, config=zc).lower(state, tokens).compile()
-    out: dict[str, int] = {}
-    for c in collectives(compiled.as_text()):
-        nbytes = c.total_bytes
-        if gathers == "bf16" and c.kind == "all-gather" and c.dtype == "f32":
-            nbytes //= 2  # asked in bf16; the CPU backend widens it
-        key = "+".join(c.axes(mesh))
-        out[key] = out.get(key, 0) + nbytes
-    return out
+    mesh = zj.make_mesh(replicas=replicas)
+    zc = zj.ZeroConfig(stage=3, **harness.GATHERS[gathers])
+    _, _, compiled = harness.compile_step(cfg, mesh, zc, batch=batch)
+    return harness.traffic(compiled, mesh, narrow_gathers=gathers == "bf16")  # asked in bf16; the CPU widens it
 
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--d-model", type=int, default=128)
+    harness.add_gpt_args(ap, d_model=128, layers=2)
     ap.add_argument("--replicas", default="1,2,4", help="replica groups of each mesh (1: the 1-D mesh)")
     args = ap.parse_args(argv)
-    cfg = gpt.GPTConfig(
-        vocab=256, seq_len=64, d_model=args.d_model, n_layers=args.layers, n_heads=max(1, args.d_model // 32)
-    )
+    cfg = harness.gpt_config(args, head_dim=32)
     n = len(jax.devices())
     rows = []
     # One compile per configuration: a bar on a terminal, nothing when piped or in CI.
-    configs = [(int(x), g) for x in args.replicas.split(",") for g in GATHERS]
+    configs = [(int(x), g) for x in args.replicas.split(",") for g in harness.GATHERS]
     for r, g in progress(configs, "hybrid", unit="config"):
         t = traffic(cfg, r, g, args.batch)
         rows.append(
@@ -83,25 +61,22 @@ def main(argv=None) -> list[dict]:
                 "total": sum(t.values()),
             }
         )
-    psi = cfg.num_params()
-    print(
-        f"GPT d{args.d_model} L{args.layers} ({psi:,} parameters), ZeRO-3, AdamW, batch {args.batch} x "
-        f"{cfg.seq_len}, {n} x {jax.devices()[0].platform}, jax {jax.__version__}\n"
-    )
+    print(harness.header(cfg, f"ZeRO-3, AdamW, batch {args.batch} x {cfg.seq_len}"))
     mib = lambda b: f"{b / 2**20:.3f} MiB"
-    print(
-        "| mesh | gathers | inside a group (data) | across groups (replica) | every device | total | "
-        "spans nodes (a group per node) |"
-    )
-    print("|---|---|---|---|---|---|---|")
     for row in rows:
         r = row["replicas"]
-        mesh = f"1-D ({n})" if r == 1 else f"{r} x {n // r}"
+        row["mesh"] = f"1-D ({n})" if r == 1 else f"{r} x {n // r}"
         row["spans_nodes"] = row["total"] if r == 1 else row["replica"] + row["all"]
-        print(
-            f"| {mesh} | {row['gathers']} | {mib(row['data'])} | {mib(row['replica'])} | {mib(row['all'])} | "
-            f"{mib(row['total'])} | {mib(row['spans_nodes'])} |"
-        )
+    columns = {"mesh": "{mesh}", "gathers": "{gathers}"}
+    for title, key in (
+        ("inside a group (data)", "data"),
+        ("across groups (replica)", "replica"),
+        ("every device", "all"),
+        ("total", "total"),
+        ("spans nodes (a group per node)", "spans_nodes"),
+    ):
+        columns[title] = lambda row, key=key: mib(row[key])
+    print(harness.table(rows, columns))
     return rows
 
 

@@ -29,15 +29,11 @@ import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data  # noqa: E402
+from experiments import data, harness  # noqa: E402
 from experiments.progress import bar  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 
-GATHERS = {
-    "fp32": dict(compute_dtype="float32"),
-    "bf16": dict(compute_dtype="bfloat16"),
-    "int8": dict(compute_dtype="bfloat16", gather_dtype="int8"),
-}
+GATHERS = harness.GATHERS
 
 
 def gather_traffic(cfg: gpt.GPTConfig, batch: int) -> dict[str, dict]:

@@ -23,11 +23,11 @@ import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data  # noqa: E402
+from experiments import data, harness  # noqa: E402
 from experiments.progress import bar  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 
-MIB = 2**20
+MIB = harness.MIB
 
 
 def measure(cfg: gpt.GPTConfig, stage: int, lora: bool, args) -> dict:
@@ -66,23 +66,14 @@ def measure(cfg: gpt.GPTConfig, stage: int, lora: bool, args) -> dict:
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=8)
+    harness.add_gpt_args(ap)
     ap.add_argument("--rank", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--precision", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--stages", default="0,1,2,3")
     args = ap.parse_args(argv)
-    cfg = gpt.GPTConfig(
-        vocab=256,
-        seq_len=64,
-        d_model=args.d_model,
-        n_layers=args.layers,
-        n_heads=max(1, args.d_model // 64),
-        lora_rank=args.rank,
-    )
+    cfg = harness.gpt_config(args, lora_rank=args.rank)
     stages = [int(s) for s in args.stages.split(",")]
     progress = bar(2 * len(stages), "lora")
     rows = []
@@ -100,13 +91,16 @@ def main(argv=None) -> list[dict]:
         f"{len(jax.devices())} x {jax.devices()[0].platform}, batch {args.batch} x 64, {args.steps} steps, "
         f"jax {jax.__version__}\n"
     )
-    print("| stage | fine-tune | state per device (arrays) | formula | compiled temp | loss: first -> last 5 |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['stage']} | {r['run']} | {r['state'] / MIB:.2f} MiB | {r['formula'] / MIB:.2f} MiB | "
-            f"{r['temp'] / MIB:.2f} MiB | {r['loss_first']:.3f} -> {r['loss_last']:.3f} |"
-        )
+    mib = lambda key: lambda r: f"{r[key] / MIB:.2f} MiB"
+    columns = {
+        "stage": "{stage}",
+        "fine-tune": "{run}",
+        "state per device (arrays)": mib("state"),
+        "formula": mib("formula"),
+        "compiled temp": mib("temp"),
+        "loss: first -> last 5": "{loss_first:.3f} -> {loss_last:.3f}",
+    }
+    print(harness.table(rows, columns))
     return rows
 
 

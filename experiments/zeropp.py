@@ -32,16 +32,12 @@ import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data  # noqa: E402
+from experiments import data, harness  # noqa: E402
 from experiments.progress import bar  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 
-WEIGHTS = {
-    "fp32": dict(compute_dtype="float32"),
-    "bf16": dict(compute_dtype="bfloat16"),
-    "int8": dict(compute_dtype="bfloat16", gather_dtype="int8"),
-}
-GRADS = {"fp32": dict(reduce_dtype="float32"), "bf16": dict(reduce_dtype="bfloat16"), "int8": dict(reduce_dtype="int8")}
+WEIGHTS = harness.GATHERS
+GRADS = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8"}  # the gradient reduction's dtype
 
 
 def runs(weights: list[str]) -> list[tuple[int, str, str]]:
@@ -50,7 +46,9 @@ def runs(weights: list[str]) -> list[tuple[int, str, str]]:
 
 
 def config(stage: int, weights: str, grads: str) -> zj.ZeroConfig:
-    return zj.ZeroConfig(stage=stage, grad_clip=1.0, **WEIGHTS[weights], **GRADS[grads])
+    w = dict(WEIGHTS[weights])
+    collectives = {**w.pop("collectives", {}), "reduce_dtype": GRADS[grads]}
+    return zj.ZeroConfig(stage=stage, grad_clip=1.0, collectives=collectives, **w)
 
 
 def traffic(report: dict, cfg: zj.ZeroConfig) -> dict[str, int]:

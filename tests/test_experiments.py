@@ -471,3 +471,47 @@ def test_hybrid_traffic_table_per_mesh_axis():
         assert 4 * psi // 4 <= by[(2, g)]["replica"] <= 1.01 * 4 * psi // 4 + 64  # padded shards
         assert by[(2, g)]["spans_nodes"] < 0.2 * by[(1, g)]["spans_nodes"]
     assert by[(1, "int8")]["data"] < by[(1, "bf16")]["data"] < by[(1, "fp32")]["data"]
+
+
+def test_the_experiments_page_lists_every_script():
+    """docs/experiments.md's index names each script in experiments/ once, with a command
+    that runs that script (or says what it needs), and no script that is gone."""
+    page = (ROOT / "docs" / "experiments.md").read_text()
+    index = page[page.index("## Every script") : page.index("## 1.")]
+    listed = [line.split("`")[1] for line in index.splitlines() if line.startswith("| `")]
+    helpers = {"__init__.py", "harness.py", "data.py", "progress.py"}
+    scripts = sorted(p.name for p in (ROOT / "experiments").glob("*.py") if p.name not in helpers)
+    assert sorted(listed) == scripts
+    for line in index.splitlines():
+        if line.startswith("| `"):
+            assert f"experiments/{line.split('`')[1]}" in line, line
+
+
+def test_harness_table_and_side_by_side():
+    from experiments import harness
+
+    rows = [{"a": 1, "b": 2.5}, {"a": 10, "b": 0.25}]
+    text = harness.table(rows, {"a": "{a:,}", "b x2": lambda r: f"{2 * r['b']:.1f}"})
+    assert text.splitlines() == ["| a | b x2 |", "|---|---|", "| 1 | 5.0 |", "| 10 | 0.5 |"]
+    calls = []
+    times = harness.side_by_side({"x": lambda: calls.append("x"), "y": lambda: calls.append("y")}, 3, warmup=1)
+    assert calls == ["x", "y"] * 4  # turns taken, the warm-up round untimed
+    assert [len(t) for t in times.values()] == [3, 3] and all(s >= 0 for t in times.values() for s in t)
+
+
+def test_harness_traffic_matches_the_communication_report():
+    """The collective bytes by mesh axes add up to the communication report's total, and a
+    hybrid mesh's replica axis carries the gradient shards' all-reduce."""
+    import argparse
+
+    from experiments import harness
+
+    args = harness.add_gpt_args(argparse.ArgumentParser(), d_model=32, layers=1, batch=8).parse_args([])
+    cfg = harness.gpt_config(args, head_dim=32)
+    mesh = zj.make_mesh(replicas=2)
+    _, _, compiled = harness.compile_step(cfg, mesh, zj.ZeroConfig(stage=3), batch=args.batch)
+    by_axes = harness.traffic(compiled, mesh)
+    report = zj.report.communication_report(compiled, mesh=mesh)
+    assert by_axes == {k: v["bytes"] for k, v in report["by_axis"].items()}
+    assert sum(by_axes.values()) == report["total"]["bytes"]
+    assert by_axes["replica"] > 0 and by_axes["data"] > by_axes["replica"]
