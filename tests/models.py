@@ -225,3 +225,27 @@ class DeepNNX(nnx.Module):
         for block in self.blocks:
             x = block(x)
         return x
+
+
+def pairwise(**factors: list) -> list[tuple]:
+    """Rows of the factors' values (in the order given) in which every pair of values of any
+    two factors appears together at least once: a covering array of strength 2, for matrices
+    whose bugs come from two settings meeting. Greedy and deterministic: each row is the first
+    combination, in product order, that covers the most pairs not yet covered.
+
+    >>> len(pairwise(opt=["a", "b"], n=[1, 2, 4], stage=[0, 1, 2, 3]))  # 24 combinations
+    12
+    """
+    import itertools
+
+    names = list(factors)
+    values = [list(factors[k]) for k in names]
+    pairs = lambda row: {(i, row[i], j, row[j]) for i, j in itertools.combinations(range(len(row)), 2)}
+    todo = set().union(*(pairs(r) for r in itertools.product(*values)))
+    rows: list[tuple] = []
+    candidates = list(itertools.product(*values))
+    while todo:
+        best = max(candidates, key=lambda r: len(pairs(r) & todo))  # max keeps the first of ties
+        rows.append(best)
+        todo -= pairs(best)
+    return rows

@@ -1,4 +1,4 @@
-"""Every stage, on 1/2/4/8 devices, matches plain single-device optax."""
+"""Every stage, on 1/2/4/8 devices, matches plain single-device optax (every pair of settings)."""
 
 import functools
 
@@ -70,18 +70,17 @@ def _case(model, opt, stage, n):
         assert a.shape == b.shape and a.dtype == b.dtype
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+# The matrices are covered pairwise (tests.models.pairwise): every pair of settings (model and
+# optimizer, optimizer and stage, device count and stage, ...) meets in some case; the full
+# products repeated each pair two to four times over.
 @pytest.mark.parametrize(
-    "opt",
-    [
-        "sgd_momentum",
-        "clip_sgd",
-        "clip_adamw",
-        pytest.param("adamw", marks=pytest.mark.slow),
-        pytest.param("lion", marks=pytest.mark.slow),
+    "model,opt,stage",
+    models.pairwise(model=list(MODELS), opt=["sgd_momentum", "clip_sgd", "clip_adamw"], stage=[0, 1, 2, 3])
+    + [
+        pytest.param(*row, marks=pytest.mark.slow)
+        for row in models.pairwise(model=list(MODELS), opt=["adamw", "lion"], stage=[0, 1, 2, 3])
     ],
 )
-@pytest.mark.parametrize("model", list(MODELS))
 def test_eight_devices_match_optax(model, opt, stage):
     _case(model, opt, stage, 8)
 
@@ -92,18 +91,18 @@ def test_layers_taken_by_index_match_optax(opt, stage):
     _case("indexed", opt, stage, 8)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("n", [1, 2, 4])
-@pytest.mark.parametrize("opt", ["clip_sgd", "clip_adamw"])
+@pytest.mark.parametrize(
+    "opt,n,stage", models.pairwise(opt=["clip_sgd", "clip_adamw"], n=[1, 2, 4], stage=[0, 1, 2, 3])
+)
 def test_fewer_devices_match_optax(opt, n, stage):
     _case("scan", opt, stage, n)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("n", [1, 2, 4])
-@pytest.mark.parametrize("opt", ["sgd_momentum", "lion"])
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize(
+    "model,opt,n,stage",
+    models.pairwise(model=list(MODELS), opt=["sgd_momentum", "lion"], n=[1, 2, 4], stage=[0, 1, 2, 3]),
+)
 def test_full_matrix_fewer_devices(model, opt, n, stage):
     _case(model, opt, stage, n)
 
@@ -126,3 +125,27 @@ def test_mesh_with_explicit_axes():
     for b in _batches():
         state, _ = step(state, b)
     assert models.abs_errors(zj.gather_params(state), ref).max() <= 1e-5
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_pairwise_covers_every_pair_of_settings(seed):
+    """The covering the matrices above use: random factors, every pair of values of every two
+    factors in some row, each row a combination of the factors, and fewer rows than the product
+    once three factors or more have two values or more."""
+    import itertools
+    import random
+
+    rng = random.Random(seed)
+    factors = {f"f{i}": list(range(rng.randint(1, 4))) for i in range(rng.randint(2, 5))}
+    rows = models.pairwise(**factors)
+    values = list(factors.values())
+    assert all(len(r) == len(values) and all(v in vals for v, vals in zip(r, values)) for r in rows)
+    for (i, a), (j, b) in itertools.combinations(enumerate(values), 2):
+        assert {(x, y) for x in a for y in b} == {(r[i], r[j]) for r in rows}
+    assert models.pairwise(**factors) == rows  # deterministic: the same cases on every worker
+    product = 1
+    for v in values:
+        product *= len(v)
+    assert len(rows) <= product
+    if sum(len(v) >= 2 for v in values) >= 3:
+        assert len(rows) < product

@@ -30,9 +30,17 @@ def batches():
 SLOW = pytest.mark.slow
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("replicas", [2, pytest.param(4, marks=SLOW)])
-@pytest.mark.parametrize("model", ["scan", pytest.param("unrolled", marks=SLOW)])
+# Every stage with two groups of the scanned model by default; the other settings pairwise
+# (tests.models.pairwise) in the slow set.
+@pytest.mark.parametrize(
+    "model,replicas,stage",
+    [("scan", 2, stage) for stage in range(4)]
+    + [
+        pytest.param(*row, marks=SLOW)
+        for row in models.pairwise(model=["scan", "unrolled"], replicas=[2, 4], stage=[0, 1, 2, 3])
+        if row[:2] != ("scan", 2)
+    ],
+)
 def test_matches_single_device_optax(model, replicas, stage):
     make_params, loss_fn = MODELS[model]
     ref, ref_losses = models.reference_run(loss_fn, make_params(), CLIP_SGD(), batches())

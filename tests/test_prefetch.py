@@ -35,9 +35,9 @@ def test_a_non_finite_activation_does_not_reach_the_parameters(stage, prefetch):
     assert models.abs_errors(got, ref).max() <= 1e-6
 
 
-@pytest.mark.parametrize("prefetch", [1, 2])
-@pytest.mark.parametrize("model", ["scan", "unrolled"])
-@pytest.mark.parametrize("remat", ["none", "full"])
+@pytest.mark.parametrize(
+    "remat,model,prefetch", models.pairwise(remat=["none", "full"], model=["scan", "unrolled"], prefetch=[1, 2])
+)
 def test_prefetch_trains_like_optax(model, prefetch, remat):
     make, loss = {
         "scan": (models.stacked_params, models.stacked_loss),
