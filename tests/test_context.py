@@ -548,6 +548,7 @@ def test_linen_attention_with_the_kernel_on_a_context_mesh():
         )
 
 
+@pytest.mark.slow  # reason: 10 s; the tensor axis beside the context axis trains exactly in the default set (Llama)
 def test_a_stock_linen_model_on_tensor_and_context_axes():
     """A linen model of stock layers (Embed, MultiHeadDotProductAttention with a causal mask,
     Dense with logical axes: the head's vocabulary over "tensor") and optax's integer-label
@@ -728,6 +729,7 @@ def test_which_leaves_are_sequences_is_explicit_on_the_balanced_layout():
         step(st, {**batch, "label": jnp.ones((8, 8))})
 
 
+@pytest.mark.slow  # reason: 12 s; each layout trains exactly against one device in the default set
 def test_one_jitted_apply_serves_a_balanced_and_a_contiguous_step():
     """The layout is a static argument of the user's jitted function: each step traces it
     for its own layout, both exact. Without it (the layout not passed on), the balanced
