@@ -27,7 +27,7 @@ import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data  # noqa: E402
+from experiments import data, harness  # noqa: E402
 from experiments.progress import bar  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 from zerojax.report.comm import collectives  # noqa: E402
@@ -109,15 +109,10 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=8)
+    harness.add_gpt_args(ap, d_model=256, layers=8, batch=8, seq_len=64)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     args = ap.parse_args(argv)
-    cfg = gpt.GPTConfig(
-        seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=max(1, args.d_model // 64)
-    )
+    cfg = harness.gpt_config(args)
     mesh = zj.make_mesh()
     psi = cfg.num_params()
     print(

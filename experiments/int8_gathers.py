@@ -72,15 +72,11 @@ def train(cfg: gpt.GPTConfig, kw: dict, steps: int, batch: int, progress) -> lis
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--d-model", type=int, default=128)
+    harness.add_gpt_args(ap, d_model=128, layers=2, batch=16)
     ap.add_argument("--plot", default=None, help="write the two loss curves to this PNG")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
-    cfg = gpt.GPTConfig(
-        vocab=256, seq_len=64, d_model=args.d_model, n_layers=args.layers, n_heads=max(1, args.d_model // 32)
-    )
+    cfg = harness.gpt_config(args, head_dim=32)
     traffic = gather_traffic(cfg, args.batch)
     progress = bar(2 * args.steps, "int8_gathers")
     losses = {name: train(cfg, GATHERS[name], args.steps, args.batch, progress) for name in ("bf16", "int8")}

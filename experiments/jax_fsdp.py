@@ -53,7 +53,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data  # noqa: E402
+from experiments import data, harness  # noqa: E402
 from experiments.progress import bar  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 
@@ -353,15 +353,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per variant, interleaved")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first")
     ap.add_argument("--json", default=None, help="also write the results to this path")
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=32)
+    harness.add_gpt_args(ap, d_model=256, layers=8, batch=32)
     ap.add_argument("--check-steps", type=int, default=5)
     ap.add_argument("--check-only", action="store_true", help="run the correctness check and stop")
     args = ap.parse_args(argv)
-    cfg = gpt.GPTConfig(
-        vocab=256, seq_len=64, d_model=args.d_model, n_layers=args.layers, n_heads=max(1, args.d_model // 64)
-    )
+    cfg = harness.gpt_config(args)
     result = {"config": vars(args), "jax": jax.__version__, "params": cfg.num_params()}
     c = check(cfg, steps=args.check_steps, batch_size=args.batch)
     print_check(c)

@@ -36,7 +36,7 @@ import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data  # noqa: E402
+from experiments import data, harness  # noqa: E402
 from experiments.progress import bar  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 
@@ -57,16 +57,12 @@ RUNS = [
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=16)
+    harness.add_gpt_args(ap, d_model=256, layers=8, batch=16)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--runs", default=",".join(map(str, range(len(RUNS)))), help="which rows (indices) to run")
     ap.add_argument("--group-size", type=int, default=1_000_000, help="offload_group_size of the device update")
     args = ap.parse_args(argv)
-    cfg = gpt.GPTConfig(
-        vocab=256, seq_len=64, d_model=args.d_model, n_layers=args.layers, n_heads=max(1, args.d_model // 64)
-    )
+    cfg = harness.gpt_config(args)
     graphdef, params = gpt.init(cfg)
     psi, n = cfg.num_params(), len(jax.devices())
     mesh, tx = zj.make_mesh(), optax.adamw(1e-3)

@@ -26,7 +26,7 @@ import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data  # noqa: E402
+from experiments import data, harness  # noqa: E402
 from experiments.progress import bar  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 from zerojax.report import hlo  # noqa: E402
@@ -50,14 +50,10 @@ def loop_independence(text: str) -> tuple[int, int]:
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=16)
+    harness.add_gpt_args(ap, d_model=256, layers=8, batch=16)
     ap.add_argument("--repeats", type=int, default=5, help="timed steps per configuration, interleaved")
     args = ap.parse_args(argv)
-    cfg = gpt.GPTConfig(
-        vocab=256, seq_len=64, d_model=args.d_model, n_layers=args.layers, n_heads=max(1, args.d_model // 64)
-    )
+    cfg = harness.gpt_config(args)
     graphdef, params = gpt.init(cfg)
     psi = cfg.num_params()
     mesh, tx = zj.make_mesh(), optax.adamw(1e-3)

@@ -19,7 +19,7 @@ import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data  # noqa: E402
+from experiments import data, harness  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 
 FORMULA = {0: "12Ψ", 1: "4Ψ + 8Ψ/N", 2: "4Ψ + 8Ψ/N", 3: "12Ψ/N"}
@@ -28,20 +28,11 @@ MIB = 2**20
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--d-model", type=int, default=256)
+    harness.add_gpt_args(ap, d_model=256, layers=8, batch=8, seq_len=64)
     ap.add_argument("--vocab", type=int, default=256)
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=8)
     args = ap.parse_args(argv)
 
-    cfg = gpt.GPTConfig(
-        vocab=args.vocab,
-        seq_len=args.seq_len,
-        d_model=args.d_model,
-        n_layers=args.layers,
-        n_heads=max(1, args.d_model // 64),
-    )
+    cfg = harness.gpt_config(args, vocab=args.vocab)
     graphdef, params = gpt.init(cfg)
     loss_fn = gpt.make_loss(graphdef)
     psi = cfg.num_params()

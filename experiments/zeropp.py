@@ -95,9 +95,7 @@ def measure(gcfg: gpt.GPTConfig, batch: int, steps: int, todo: list, progress) -
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--d-model", type=int, default=128)
+    harness.add_gpt_args(ap, d_model=128, layers=2, batch=16)
     ap.add_argument("--weights", default="fp32,bf16,int8", help="weight-gather rows of the table (comma-separated)")
     ap.add_argument("--plot", default=None, help="write the loss curves to this PNG")
     ap.add_argument("--json", default=None, help="also write the results here (a run's key as stage/weights/grads)")
@@ -107,9 +105,7 @@ def main(argv=None) -> dict:
     if unknown or not weights:
         raise ValueError(f"--weights takes a comma-separated subset of {list(WEIGHTS)}, got {args.weights!r}.")
     todo = runs(weights)
-    gcfg = gpt.GPTConfig(
-        vocab=256, seq_len=64, d_model=args.d_model, n_layers=args.layers, n_heads=max(1, args.d_model // 32)
-    )
+    gcfg = harness.gpt_config(args, head_dim=32)
     progress = bar(len(todo) * args.steps, "zeropp")
     res = measure(gcfg, args.batch, args.steps, todo, progress)
     progress.close()
