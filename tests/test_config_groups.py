@@ -155,3 +155,20 @@ def test_bad_values_are_refused_naming_the_group_and_field(kwargs, error, messag
 def test_the_groups_sit_under_zj_config_not_at_the_top_level():
     assert zj.config.Offload is G.Offload and zj.ZeroConfig is zj.config.ZeroConfig
     assert not {"Offload", "LossScaling", "Collectives", "Axes", "Context"} & set(zj.__all__)
+
+
+def test_a_grouped_config_pickles_and_replaces_like_a_flat_one():
+    """What runs and checkpoints do with a config: pickle it (process pools, launchers), copy
+    it, and change one field with dataclasses.replace, flat or grouped, from user code."""
+    import copy
+    import pickle
+
+    cfg = zj.ZeroConfig(
+        stage=3, compute_dtype="float16", offload={"optimizer": True}, axes={"rules": (("mlp", "tensor"),)}
+    )
+    assert pickle.loads(pickle.dumps(cfg)) == cfg and copy.deepcopy(cfg) == cfg
+    grouped = dataclasses.replace(cfg, collectives=dataclasses.replace(cfg.collectives, reduce_dtype="int8"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        flat = dataclasses.replace(cfg, reduce_dtype="int8")
+    assert grouped == flat and flat.offload.optimizer and flat.axes.rules == (("mlp", "tensor"),)
