@@ -157,6 +157,7 @@ def test_launcher_options_are_checked(capsys):
 # -- the real thing (slow) -------------------------------------------------------------------
 
 STEPS, SAVE_EVERY = 15, 3
+CHAOS_PROCS = 2  # every fault path needs two processes; more only add start-up time on 2 cores
 
 
 def job(out, args, *, nprocs=4, steps=STEPS, worker_args=(), timeout=400, watch=None):
@@ -189,7 +190,7 @@ def final_params(out):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("uninterrupted")
-    code, log, seconds = job(out, ["--timeout", "300"])
+    code, log, seconds = job(out, ["--timeout", "300"], nprocs=CHAOS_PROCS)
     assert code == 0, log[-4000:]
     return final_params(out), seconds
 
@@ -219,9 +220,9 @@ class Chaos:
                 self.trigger = min(k, STEPS - 2)
         elif (m := re.match(r"\[rank 0\] step (\d+) loss", line)) and self.trigger is not None:
             done = int(m[1]) + 1  # steps complete once this one's Run.completed returns
-            if done >= self.trigger and len(self.pids) == 4:
+            if done >= self.trigger and len(self.pids) == CHAOS_PROCS:
                 kind = self.faults[len(self.fired)]
-                rank = int(self.rng.integers(0, 4))
+                rank = int(self.rng.integers(0, CHAOS_PROCS))
                 delay = 0.0 if kind == "SIGKILL in a save" else float(self.rng.uniform(0.0, 0.3))
                 sig = {"SIGSTOP": signal.SIGSTOP, "SIGTERM": signal.SIGTERM}.get(kind, signal.SIGKILL)
                 threading.Timer(delay, os.kill, (self.pids[rank], sig)).start()
@@ -229,7 +230,7 @@ class Chaos:
                 self.trigger = None
 
 
-@pytest.mark.slow  # reason: six starts of a 4-process job (about 2-4 minutes on 2 cores)
+@pytest.mark.slow  # reason: six starts of a 2-process job (about 2-3 minutes on 2 cores)
 def test_chaos_ends_bit_identical_to_an_uninterrupted_run(tmp_path, uninterrupted):
     faults = ["SIGKILL in a save", "SIGKILL", "SIGSTOP", "SIGTERM", "SIGKILL"]
     chaos = Chaos(seed=48, faults=np.random.default_rng(48).permutation(faults).tolist())
@@ -247,6 +248,7 @@ def test_chaos_ends_bit_identical_to_an_uninterrupted_run(tmp_path, uninterrupte
             "--timeout",
             "600",
         ],
+        nprocs=CHAOS_PROCS,
         timeout=650,
         watch=chaos,
     )
@@ -269,7 +271,7 @@ def test_chaos_ends_bit_identical_to_an_uninterrupted_run(tmp_path, uninterrupte
 
     cfg = gpt.GPTConfig(vocab=256, seq_len=16, d_model=32, n_layers=2, n_heads=2, dropout=0.1)
     params = gpt.init_abstract(cfg)[1]
-    mesh = zj.make_mesh(jax.devices()[:4])
+    mesh = zj.make_mesh(jax.devices()[:CHAOS_PROCS])
     target = zj.abstract_state(
         params, optax.adamw(1e-2), mesh=mesh, config=zj.ZeroConfig(stage=3), rng=jax.random.key(7)
     )
