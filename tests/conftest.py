@@ -3,16 +3,38 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# LLVM's optimisation of the CPU code off (XLA's default is level 3): most of a test's time
-# is compiling small programs it runs a few times. XLA's HLO passes, which decide the
-# collectives, fusion, buffers and memory the tests check, run as always: the compiled HLO
-# text, memory_analysis() and cost_analysis() are the same at both levels, and results agree
-# to rounding (tests/test_compile_options.py). The variable reaches the job processes that
-# the multi-process tests start. ZEROJAX_TEST_FULL_OPT=1 keeps XLA's default.
-if os.environ.get("ZEROJAX_TEST_FULL_OPT") != "1" and "--xla_backend_optimization_level" not in os.environ.get(
-    "XLA_FLAGS", ""
-):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
+
+def _xla_knows(flag: str) -> bool:
+    """Whether the installed jaxlib accepts ``flag`` in ``XLA_FLAGS`` (an unknown flag aborts
+    the process, so a throwaway one tries it). About a second, once per run: the workers and
+    the processes the tests start inherit the decision through the environment."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
+    probe = [sys.executable, "-c", "import jax; jax.devices()"]
+    return subprocess.run(probe, env=env, capture_output=True).returncode == 0
+
+
+# Compile speed. Most of a test's time is XLA compiling small 8-device programs it runs a
+# few times, so the tests compile them cheaply; ZEROJAX_TEST_FULL_OPT=1 keeps XLA's
+# defaults. Each flag is added unless XLA_FLAGS sets it already, and only where the
+# installed jaxlib knows it:
+# - LLVM's optimisation of the CPU code off (XLA's default is level 3). XLA's HLO passes,
+#   which decide the collectives, fusion, buffers and memory the tests check, run as
+#   always: the compiled HLO text, memory_analysis() and cost_analysis() are the same at
+#   both levels, and results agree to rounding (tests/test_compile_options.py).
+# - XLA:CPU's older (non-MLIR) fusion code generator, where the jaxlib still has it (jax
+#   0.10 does, 0.12 does not): it compiles a step in about half the time. It forms other
+#   CPU fusions, so the optimised HLO text and cost_analysis()'s bytes differ; the
+#   collectives, memory_analysis(), flops and results to rounding do not
+#   (tests/test_compile_options.py holds both).
+_FAST_COMPILE = {"--xla_backend_optimization_level=0": False, "--xla_cpu_use_fusion_emitters=false": True}  # -> probe?
+if os.environ.get("ZEROJAX_TEST_FULL_OPT") != "1" and "PYTEST_XDIST_WORKER" not in os.environ:
+    for _flag, _probe in _FAST_COMPILE.items():
+        if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", "") and (not _probe or _xla_knows(_flag)):
+            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
 import jax  # noqa: E402
 
@@ -47,6 +69,10 @@ jax.config.update("jax_num_cpu_devices", 8)
 import pytest  # noqa: E402
 
 NUM_DEVICES = 8
+
+
+def pytest_report_header(config):
+    return f"jax {jax.__version__}; XLA_FLAGS: {os.environ.get('XLA_FLAGS', '')!r}"
 
 
 def pytest_configure(config):

@@ -1,7 +1,13 @@
 """The tests (conftest.py) and the autotuner compile CPU programs at
 ``xla_backend_optimization_level=0``. What the tests and the tuner read must be the same at
 XLA's default level 3: the optimised HLO (collectives, fusion, loops), memory_analysis(),
-cost_analysis(), the communication report; and results to rounding."""
+cost_analysis(), the communication report; and results to rounding.
+
+Where the jaxlib has it, the tests (not the tuner) also compile with XLA:CPU's older fusion
+code generator (``--xla_cpu_use_fusion_emitters=false``). It forms other fusions, so less
+stays equal, and the tests read nothing of what changes: the collectives,
+memory_analysis(), flops and results to rounding stay; the HLO text and the bytes
+cost_analysis() counts do not."""
 
 import os
 
@@ -17,6 +23,7 @@ from zerojax.tuning import search
 from zerojax.tuning.cost import step_cost
 
 LEVELS = (0, 3)
+EMITTERS = "xla_cpu_use_fusion_emitters"  # conftest.py sets it false where the jaxlib knows it
 CASES = {
     "stage3-scan-accum2-adam": dict(stage=3, grad_accum_steps=2),
     "stage2-fp16-dynamic": dict(stage=2, compute_dtype="float16", initial_scale_power=8),
@@ -42,6 +49,7 @@ def programs(request):
         compiled = lowered.compile(compiler_options={"xla_backend_optimization_level": level})
         new_state, metrics = compiled(state, batch)
         out[level] = (compiled, zj.gather_params(new_state), metrics)
+    out["lowered"] = (lowered, state, batch)
     return request.param, mesh, out
 
 
@@ -68,6 +76,27 @@ def test_results_agree_to_rounding(programs):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=rtol * 1e-2)
     assert float(m0["loss"]) == pytest.approx(float(m3["loss"]), rel=rtol)
     assert int(m0["skipped"]) == int(m3["skipped"])
+
+
+def test_the_older_fusion_emitter_keeps_what_the_tests_read(programs):
+    name, mesh, out = programs
+    lowered, state, batch = out["lowered"]
+    options = {"xla_backend_optimization_level": 0}
+    if f"--{EMITTERS}=false" not in os.environ.get("XLA_FLAGS", ""):
+        # conftest.py left it out: the jaxlib must not know it (else the tests lose the speed)
+        with pytest.raises(Exception, match=f"No such compile option: '{EMITTERS}'"):
+            lowered.compile(compiler_options={**options, EMITTERS: False})
+        return
+    (older, older_params, older_metrics), newer = out[0], lowered.compile(compiler_options={**options, EMITTERS: True})
+    assert zj.report.compiled_bytes(older) == zj.report.compiled_bytes(newer)
+    assert zj.report.communication_report(older, mesh=mesh) == zj.report.communication_report(newer, mesh=mesh)
+    a, b = step_cost(older, mesh), step_cost(newer, mesh)
+    assert (a.flops, a.traffic, a.matmuls, a.matmul_shapes) == (b.flops, b.traffic, b.matmuls, b.matmul_shapes)
+    new_state, metrics = newer(state, batch)
+    rtol = 1e-5 if "fp16" not in name else 1e-3
+    for x, y in zip(jax.tree.leaves(older_params), jax.tree.leaves(zj.gather_params(new_state))):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=rtol * 1e-2)
+    assert float(older_metrics["loss"]) == pytest.approx(float(metrics["loss"]), rel=rtol)
 
 
 def test_tuner_and_tests_compile_at_level_0():
