@@ -30,10 +30,11 @@ def _xla_knows(flag: str) -> bool:
 #   CPU fusions, so the optimised HLO text and cost_analysis()'s bytes differ; the
 #   collectives, memory_analysis(), flops and results to rounding do not
 #   (tests/test_compile_options.py holds both).
-_FAST_COMPILE = {"--xla_backend_optimization_level=0": False, "--xla_cpu_use_fusion_emitters=false": True}  # -> probe?
+# flag -> whether only some jaxlibs know it (then a throwaway process tries it first)
+_FAST_COMPILE = {"--xla_backend_optimization_level=0": False, "--xla_cpu_use_fusion_emitters=false": True}
 if os.environ.get("ZEROJAX_TEST_FULL_OPT") != "1" and "PYTEST_XDIST_WORKER" not in os.environ:
-    for _flag, _probe in _FAST_COMPILE.items():
-        if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", "") and (not _probe or _xla_knows(_flag)):
+    for _flag, _some_jaxlibs in _FAST_COMPILE.items():
+        if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", "") and (not _some_jaxlibs or _xla_knows(_flag)):
             os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
 import jax  # noqa: E402

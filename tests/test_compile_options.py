@@ -33,7 +33,8 @@ CASES = {
 
 @pytest.fixture(scope="module", params=list(CASES))
 def programs(request):
-    """One step lowered once, compiled at both levels, run once from the same state."""
+    """One step lowered once, compiled at both levels, run once from the same state; the
+    lowered step, state and batch for compiling it otherwise."""
     mesh, tx = zj.make_mesh(), optax.adam(1e-3)
     cfg = zj.ZeroConfig(donate=False, **CASES[request.param])
     loss, params = (
@@ -49,19 +50,18 @@ def programs(request):
         compiled = lowered.compile(compiler_options={"xla_backend_optimization_level": level})
         new_state, metrics = compiled(state, batch)
         out[level] = (compiled, zj.gather_params(new_state), metrics)
-    out["lowered"] = (lowered, state, batch)
-    return request.param, mesh, out
+    return request.param, mesh, out, (lowered, state, batch)
 
 
 def test_hlo_is_the_same(programs):
-    _, _, out = programs
+    _, _, out, _ = programs
     texts = [out[level][0].as_text() for level in LEVELS]
     assert texts[0] == texts[1]
     assert hlo.parse(texts[0]).runs  # a program the reader reads
 
 
 def test_memory_cost_and_collectives_are_the_same(programs):
-    _, mesh, out = programs
+    _, mesh, out, _ = programs
     (a, *_), (b, *_) = out[0], out[3]
     assert zj.report.compiled_bytes(a) == zj.report.compiled_bytes(b)
     assert step_cost(a, mesh) == step_cost(b, mesh)
@@ -69,7 +69,7 @@ def test_memory_cost_and_collectives_are_the_same(programs):
 
 
 def test_results_agree_to_rounding(programs):
-    name, _, out = programs
+    name, _, out, _ = programs
     (_, p0, m0), (_, p3, m3) = out[0], out[3]
     rtol = 1e-5 if "fp16" not in name else 1e-3  # float16 compute rounds to 2^-11
     for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p3)):
@@ -79,8 +79,7 @@ def test_results_agree_to_rounding(programs):
 
 
 def test_the_older_fusion_emitter_keeps_what_the_tests_read(programs):
-    name, mesh, out = programs
-    lowered, state, batch = out["lowered"]
+    name, mesh, _, (lowered, state, batch) = programs
 
     def compile_with(emitters: bool):
         return lowered.compile(compiler_options={"xla_backend_optimization_level": 0, EMITTERS: emitters})
