@@ -110,7 +110,9 @@ def test_masters_loss_scale_and_counters_carry_over(tmp_path):
         assert count(got) == count(src) == 5
 
 
-@pytest.mark.parametrize("devices,stage", [(2, 1), (1, 0), (4, 3)])
+# Another process start per case: 2 and 1 devices in the default set, 4 in the slow one
+# (stage 3 restores on 4 devices in-process in test_masters_loss_scale_and_counters_carry_over).
+@pytest.mark.parametrize("devices,stage", [(2, 1), (1, 0), pytest.param(4, 3, marks=pytest.mark.slow)])
 def test_restore_in_a_process_with_another_device_count(tmp_path, devices, stage):
     straight = trained(stage, devices, 6)  # same math as the subprocess' mesh
     zj.save_checkpoint(tmp_path / "ck", trained(3, 8, 3), step=3, wait=True)
@@ -203,7 +205,9 @@ def test_bad_restores_say_what_is_wrong(tmp_path):
         zj.restore_checkpoint(tmp_path, models.stacked_params(), optax.adam(1e-3), mesh=mesh, config=cfg)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# bfloat16 in the slow set: the CLI's --dtype cast is test_cli's (float16, against a cast
+# of gather_params) in the default set.
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_export_consolidated_weights_cli(tmp_path, dtype):
     from safetensors.numpy import load_file
 
@@ -567,6 +571,7 @@ def _cycle_through(graph, start):
     return None
 
 
+@pytest.mark.slow  # reason: a fresh interpreter per module (4 s); test_layering finds import cycles from the source in the default set
 def test_the_checkpoint_package_imports_without_a_cycle():
     """Each module of zerojax.checkpoint, and zerojax.state, imports on its own in a fresh
     interpreter (zerojax's own __init__, which imports everything, aside), and the modules

@@ -129,7 +129,9 @@ def test_stage2_peak_below_stage1_by_most_of_a_gradient(deep):
     assert t1 >= grad
 
 
-@pytest.mark.parametrize("kind", ["unrolled", "scan"])
+@pytest.mark.parametrize(
+    "kind", [pytest.param("unrolled", marks=pytest.mark.slow), "scan"]
+)  # unrolled: test_unsplit_batch_would_show_as_n_times_the_flops
 def test_no_replicated_compute(kind):
     """Per-device FLOPs of every stage are about 1/N of the single-device step's."""
     params = models.deep_params(4, 128, stacked=kind == "scan")

@@ -1,8 +1,5 @@
 """Closed-form memory estimates: the paper's table, DeepSpeed's formulas, the CLI."""
 
-import subprocess
-import sys
-
 import pytest
 
 from zerojax.models import gpt
@@ -43,25 +40,16 @@ def test_model_shapes_count_like_the_experiments_gpt(vocab, d_model):
     assert estimate.from_params(params)[1] >= 3 * (4 * d_model * d_model + 4 * d_model)
 
 
-def test_cli_prints_the_paper_table():
-    out = subprocess.run(
-        [sys.executable, "-m", "zerojax.cli", "estimate", "--params", "7.5e9", "--devices", "64"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+def test_cli_prints_the_paper_table(capsys):
+    """``zerojax estimate``, run in this process (test_cli runs the console script)."""
+    from zerojax import cli
+
+    assert cli.main(["estimate", "--params", "7.5e9", "--devices", "64"]) == 0
+    out = capsys.readouterr().out
     for figure in ("120.0 GB", "31.4 GB", "16.6 GB", "1.9 GB"):
         assert figure in out
-    out = subprocess.run(
-        [sys.executable, "-m", "zerojax.cli", "estimate", "--model", "gpt2-small", "--devices", "8"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    assert "4 x largest layer" in out
-    bad = subprocess.run(
-        [sys.executable, "-m", "zerojax.cli", "estimate", "--model", "nope", "--devices", "8"],
-        capture_output=True,
-        text=True,
-    )
-    assert bad.returncode == 2 and "unknown --model 'nope'" in bad.stderr
+    assert cli.main(["estimate", "--model", "gpt2-small", "--devices", "8"]) == 0
+    assert "4 x largest layer" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as bad:
+        cli.main(["estimate", "--model", "nope", "--devices", "8"])
+    assert bad.value.code == 2 and "unknown --model 'nope'" in capsys.readouterr().err

@@ -65,10 +65,11 @@ def test_every_family_and_feature_has_a_fixture():
 
 
 def _logits(cfg, params, tokens, mask=None):
+    """The model's logits, in one compiled program (run eagerly, each operation compiles on
+    its own)."""
     graphdef = llama.init_abstract(cfg)[0]
-    return np.asarray(
-        nnx.merge(graphdef, params)(jnp.asarray(tokens), mask=None if mask is None else jnp.asarray(mask, bool))
-    )
+    run = jax.jit(lambda p, t, m: nnx.merge(graphdef, p)(t, mask=m))
+    return np.asarray(run(params, jnp.asarray(tokens), None if mask is None else jnp.asarray(mask, bool)))
 
 
 def _batches(cfg, n, seed=0):

@@ -106,7 +106,7 @@ def test_gradients_move_as_int8_at_a_quarter_of_the_fp32_bytes(stage):
     assert q["total"]["bytes"] < fp32["total"]["bytes"]
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])  # 2 reduces through 3's code
 def test_on_a_hybrid_mesh_each_hop_is_int8(stage):
     """ZeRO++'s hierarchical exchange: inside a group, then the shard across groups,
     both int8; no fp32 gradient bytes cross groups (only the scalar loss and counters)."""
@@ -188,7 +188,7 @@ def test_sgd_stays_within_the_quantization_bound_of_single_device_optax(stage, r
     np.testing.assert_allclose(losses, ref_losses, rtol=0.01)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])  # 2 reduces through 3's code
 def test_fp16_overflow_is_seen_through_int8_and_the_step_skipped(stage):
     """A non-finite gradient on one device makes its blocks' scales non-finite: every
     owner's sum is non-finite, and dynamic loss scaling skips the step everywhere."""
