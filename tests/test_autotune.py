@@ -50,11 +50,32 @@ SMALL = SearchSpace(accum=(1, 2), remat=("none",), offload=("none",), prefetch=(
 
 
 @pytest.fixture(scope="module")
-def tuned():
-    """One search of the tiny model in 2 MiB: stage 0 (3 MiB of state) is pruned unseen."""
-    return zj.autotune(
-        tiny_loss, tiny_params(), optax.adam(1e-3), BATCH, mesh=zj.make_mesh(), memory="2MiB", device=SPEC, space=SMALL
-    )
+def tuned_and_progress():
+    """One search of the tiny model in 2 MiB: stage 0 (3 MiB of state) is pruned unseen.
+    With its progress: what the callback saw and the lines ``verbose`` printed."""
+    import contextlib
+    import io
+
+    seen, err = [], io.StringIO()
+    with contextlib.redirect_stderr(err):
+        plans = zj.autotune(
+            tiny_loss,
+            tiny_params(),
+            optax.adam(1e-3),
+            BATCH,
+            mesh=zj.make_mesh(),
+            memory="2MiB",
+            device=SPEC,
+            space=SMALL,
+            verbose=True,
+            progress=lambda done, total, msg: seen.append((done, total)),
+        )
+    return plans, seen, err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def tuned(tuned_and_progress):
+    return tuned_and_progress[0]
 
 
 def test_plans_fit_and_memory_is_step_memory_of_the_same_config(tuned):
@@ -396,22 +417,9 @@ def test_search_space_and_results_are_validated():
         zj.autotune(tiny_loss, tiny_params(), optax.adam(1e-3), BATCH, mesh=mesh, memory="2MiB", device=SPEC)
 
 
-def test_progress_is_reported_per_candidate(capsys):
-    seen = []
-    zj.autotune(
-        tiny_loss,
-        tiny_params(),
-        optax.adam(1e-3),
-        BATCH,
-        mesh=zj.make_mesh(),
-        memory="2MiB",
-        device=SPEC,
-        space=SMALL,
-        verbose=True,
-        progress=lambda done, total, msg: seen.append((done, total)),
-    )
+def test_progress_is_reported_per_candidate(tuned_and_progress):
+    _, seen, err = tuned_and_progress
     assert [d for d, _ in seen] == list(range(1, 9)) and {t for _, t in seen} == {8}
-    err = capsys.readouterr().err
     assert "[1/8] stage 0, accum 1, remat none: pruned, state 3.00 MiB > 1.82 MiB" in err
     assert "compiled in" in err
 
