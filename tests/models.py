@@ -249,3 +249,21 @@ def pairwise(**factors: list) -> list[tuple]:
         rows.append(best)
         todo -= pairs(best)
     return rows
+
+
+def marked_slow(cases, slow) -> list:
+    """``cases`` (a test's argument values, or tuples of them) as pytest parameters, those in
+    ``slow`` marked slow: the default set keeps the others. Each of ``slow`` must be a case.
+
+    >>> [type(c).__name__ for c in marked_slow(range(3), slow=[1])]
+    ['int', 'ParameterSet', 'int']
+    """
+    import pytest
+
+    cases = list(cases)
+    missing = [c for c in slow if c not in cases]
+    if missing:
+        raise ValueError(f"marked_slow: {missing} are not among the cases {cases}")
+    return [
+        pytest.param(*(c if isinstance(c, tuple) else (c,)), marks=pytest.mark.slow) if c in slow else c for c in cases
+    ]

@@ -2,8 +2,10 @@
 computed here independently (zj.report.step_memory, zj.report.zero_formula_bytes, XLA's cost analysis of
 unrolled programs, a matmul's 2·M·N·K)."""
 
+import contextlib
 import dataclasses
 import importlib
+import io
 import sys
 import textwrap
 
@@ -53,9 +55,6 @@ SMALL = SearchSpace(accum=(1, 2), remat=("none",), offload=("none",), prefetch=(
 def tuned_and_progress():
     """One search of the tiny model in 2 MiB: stage 0 (3 MiB of state) is pruned unseen.
     With its progress: what the callback saw and the lines ``verbose`` printed."""
-    import contextlib
-    import io
-
     seen, err = [], io.StringIO()
     with contextlib.redirect_stderr(err):
         plans = zj.autotune(

@@ -32,9 +32,7 @@ CASES = {
 
 
 # stage 1 bf16 in the slow set: the narrow compute copy compiles in the fp16 case too.
-@pytest.fixture(
-    scope="module", params=[pytest.param(c, marks=pytest.mark.slow) if c == "stage1-bf16" else c for c in CASES]
-)
+@pytest.fixture(scope="module", params=models.marked_slow(CASES, slow=["stage1-bf16"]))
 def programs(request):
     """One step lowered once, compiled at both levels, run once from the same state; the
     lowered step, state and batch for compiling it otherwise."""

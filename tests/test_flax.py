@@ -27,7 +27,7 @@ def train_both(params, loss_fn, tx, batches, stage):
 # Stages 0 and 3 in the default set: stages 1 and 2 share their code with them (stage 1
 # differentiates replicated params as stage 0 does, stage 2 per use as stage 3 does) and
 # test_conformance trains every stage exactly; the slow set adds them here.
-STAGES = [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3]
+STAGES = models.marked_slow(range(4), slow=[1, 2])
 
 
 @pytest.mark.parametrize("stage", STAGES)

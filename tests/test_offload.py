@@ -57,9 +57,7 @@ CASES = [  # (stage, compute dtype, offload_params): where the masters live with
 
 # Stage 2 in the slow set: it places its state as stage 1 does, and
 # test_checkpoint_round_trip_of_offloaded_state finds stage 2's optimizer state on the host.
-@pytest.mark.parametrize(
-    "stage,dtype,offload_params", [pytest.param(*c, marks=pytest.mark.slow) if c[0] == 2 else c for c in CASES]
-)
+@pytest.mark.parametrize("stage,dtype,offload_params", models.marked_slow(CASES, slow=[c for c in CASES if c[0] == 2]))
 def test_offloaded_state_lives_in_host_memory(stage, dtype, offload_params):
     cfg = zj.ZeroConfig(stage=stage, compute_dtype=dtype, offload_optimizer=True, offload_params=offload_params)
     state, _, _ = train(cfg, batches=BATCHES[:1])  # placement after a step, not only after init

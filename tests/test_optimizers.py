@@ -169,14 +169,10 @@ def test_shape_aware_transforms_match_single_device_optax(name, stage):
 
 # adafactor at n = 2 in the default set (its factored moments get layouts that depend on n);
 # muon_dims and the other device counts in the slow set.
-@pytest.mark.parametrize(
-    "name,n",
-    [
-        (name, n) if (name, n) == ("adafactor", 2) else pytest.param(name, n, marks=pytest.mark.slow)
-        for n in (1, 2, 4)
-        for name in ("adafactor", "muon_dims")
-    ],
-)
+FEWER = [(name, n) for n in (1, 2, 4) for name in ("adafactor", "muon_dims")]
+
+
+@pytest.mark.parametrize("name,n", models.marked_slow(FEWER, slow=[c for c in FEWER if c != ("adafactor", 2)]))
 def test_fewer_devices(name, n):
     check(name, errors(name, 3, n), lambda: errors(name, 0, n))
 

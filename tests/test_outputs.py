@@ -123,9 +123,7 @@ def test_masked_mean_with_global_weights_equals_the_global_masked_mean():
 
 
 # Stages 1 and 2 in the slow set: their forward is stage 0's.
-@pytest.mark.parametrize(
-    "stage", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3]
-)
+@pytest.mark.parametrize("stage", models.marked_slow(range(4), slow=[1, 2]))
 def test_eval_step_equals_single_device_forward(stage):
     params, b = models.stacked_params(), models.batch(32, 2)
     mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=stage, compute_dtype="float32")

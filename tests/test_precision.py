@@ -103,25 +103,13 @@ def low_precision_run(stage, dtype, reduce_dtype="float32"):
     return zj.gather_params(state), losses, skipped
 
 
-def _cases(*factors, slow=()):
-    """The product of ``factors`` (tuples of argument values), the cases in ``slow`` marked
-    slow: a case is the concatenated tuple, in the order pytest's stacked parametrize ids use."""
-    import itertools
-
-    cases = [sum(c, ()) for c in itertools.product(*factors)]
-    assert set(slow) <= set(cases), set(slow) - set(cases)
-    value = lambda c: c if len(c) > 1 else c[0]  # one argument: its value, not a 1-tuple
-    return [pytest.param(*c, marks=pytest.mark.slow) if c in slow else value(c) for c in cases]
-
-
 # bf16 at stages 1 and 2 in the slow set: fp16 takes the same compute-dtype copy there (with a
 # tighter tolerance); bf16 trains at stages 0 and 3 here and at stage 2 in
 # test_narrow_reduce_dtype_trains_accurately.
 @pytest.mark.parametrize(
     "dtype,rtol,stage",
-    _cases(
-        [("bfloat16", 0.05), ("float16", 0.01)],
-        [(s,) for s in range(4)],
+    models.marked_slow(
+        [(d, r, s) for d, r in (("bfloat16", 0.05), ("float16", 0.01)) for s in range(4)],
         slow=[("bfloat16", 0.05, 1), ("bfloat16", 0.05, 2)],
     ),
 )
@@ -171,7 +159,9 @@ def test_stage3_gathers_in_compute_dtype_and_reduces_in_reduce_dtype():
 # shard through the same gradients; bf16's skip_nonfinite flag is checked at stages 0 and 1.
 @pytest.mark.parametrize(
     "dtype,stage",
-    _cases([("float16",), ("bfloat16",)], [(s,) for s in range(4)], slow=[("bfloat16", 2), ("bfloat16", 3)]),
+    models.marked_slow(
+        [(d, s) for d in ("float16", "bfloat16") for s in range(4)], slow=[("bfloat16", 2), ("bfloat16", 3)]
+    ),
 )
 def test_overflow_on_one_device_skips_for_everyone(stage, dtype):
     extra = {} if dtype == "float16" else {"skip_nonfinite": True}
@@ -200,7 +190,10 @@ def test_overflow_on_one_device_skips_for_everyone(stage, dtype):
 
 # The scale's update runs after the gradients, whatever the stage: each stage and each
 # hysteresis mode once in the default set.
-@pytest.mark.parametrize("stage,consecutive", _cases([(1,), (3,)], [(False,), (True,)], slow=[(1, False), (3, True)]))
+@pytest.mark.parametrize(
+    "stage,consecutive",
+    models.marked_slow([(s, c) for s in (1, 3) for c in (False, True)], slow=[(1, False), (3, True)]),
+)
 def test_scale_sequence_matches_deepspeed(stage, consecutive):
     window, hyst, init_power, min_scale = 3, 2, 5, 4.0
     script = [False] * 4 + [True] + [False] * 2 + [True, False, True, True] + [False] * 7 + [True] * 3 + [False] * 4
@@ -267,7 +260,7 @@ def test_static_loss_scale():
 
 # Clipping runs after the gradients, whatever the stage: stages 0 and 3 (both gradient paths)
 # in the default set; test_conformance checks each stage's grad_norm against optax.
-@pytest.mark.parametrize("stage", _cases([(s,) for s in range(4)], slow=[(1,), (2,)]))
+@pytest.mark.parametrize("stage", models.marked_slow(range(4), slow=[1, 2]))
 def test_grad_clip_equals_unsharded_clipping(stage):
     tx = optax.sgd(0.1)
     ref_tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1))
@@ -295,7 +288,7 @@ def test_grad_clip_after_unscaling_fp16():
 
 
 # Stages 0 and 2 in the slow set: test_grad_accumulation_sgd_exact holds them exactly.
-@pytest.mark.parametrize("stage", _cases([(s,) for s in range(4)], slow=[(0,), (2,)]))
+@pytest.mark.parametrize("stage", models.marked_slow(range(4), slow=[0, 2]))
 def test_grad_accumulation_equals_one_big_step(stage):
     tx = optax.adamw(1e-3)
     params, big = models.stacked_params(), models.batch(64, 0)
@@ -426,7 +419,10 @@ def test_backward_runs_at_the_full_loss_scale(monkeypatch, stage, k):
 
 # One stage per reduce dtype in the default set: stages 2 and 3 reduce through the same code.
 @pytest.mark.parametrize(
-    "dtype,stage", _cases([("bfloat16",), ("float16",)], [(2,), (3,)], slow=[("bfloat16", 3), ("float16", 2)])
+    "dtype,stage",
+    models.marked_slow(
+        [(d, s) for d in ("bfloat16", "float16") for s in (2, 3)], slow=[("bfloat16", 3), ("float16", 2)]
+    ),
 )
 def test_narrow_reduce_dtype_trains_accurately(stage, dtype):
     """Gradients reduced in bf16/fp16 (half the bytes): the trained weights stay within the

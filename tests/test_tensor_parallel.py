@@ -159,19 +159,8 @@ def _gpt_data(k: int = 2):
     return [{"tokens": jax.random.randint(jax.random.key(i), (16, 17), 0, 64)} for i in range(k)]
 
 
-@pytest.mark.parametrize(
-    "stage,tensor",
-    [
-        # slow: 9 s; this GPT trains from its annotations at stage 3, T = 2 in
-        # test_sequence_parallel_gpt_matches_single_device and test_zj_nnx_optimizer_reads_annotations
-        pytest.param(3, 2, marks=pytest.mark.slow),
-        pytest.param(1, 4, marks=pytest.mark.slow),
-        pytest.param(0, 2, marks=pytest.mark.slow),
-        pytest.param(2, 4, marks=pytest.mark.slow),
-        pytest.param(3, 4, marks=pytest.mark.slow),
-        pytest.param(2, 2, marks=pytest.mark.slow),
-    ],
-)
+@pytest.mark.slow  # reason: a GPT step compile per case (4-9 s); this GPT trains from its annotations at stage 3, T = 2 in test_sequence_parallel_gpt_matches_single_device and test_zj_nnx_optimizer_reads_annotations
+@pytest.mark.parametrize("stage,tensor", [(3, 2), (1, 4), (0, 2), (2, 4), (3, 4), (2, 2)])
 def test_nnx_gpt_annotations_match_single_device(stage, tensor):
     """The experiments' GPT with nnx.with_partitioning on q/k/v, the MLP and the head (nnx.vmap
     stack run by nnx.scan) trains as on one device, read from the Variables' metadata."""

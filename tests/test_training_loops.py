@@ -221,9 +221,7 @@ def bn_run(stage, axis_name, steps=2, replicas=1):
 
 # Stages 1 and 2 in the slow set: model state takes the same path at every stage; stages 0
 # and 3 cover both gradient paths.
-@pytest.mark.parametrize(
-    "stage", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3]
-)
+@pytest.mark.parametrize("stage", models.marked_slow(range(4), slow=[1, 2]))
 def test_synced_batchnorm_equals_single_device_on_the_global_batch(stage):
     ref_p, ref_bs = bn_reference(2)
     state = bn_run(stage, "data")
@@ -342,7 +340,7 @@ def frozen_mask(params):
 
 # Stage 1 in the slow set: it differentiates as stage 0 does, and
 # test_no_collective_moves_a_frozen_gradient covers its scatter.
-@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.slow), 2, 3])
+@pytest.mark.parametrize("stage", models.marked_slow(range(4), slow=[1]))
 def test_frozen_weights_equal_multi_transform_and_never_change(stage):
     params, tx = models.stacked_params(), optax.adamw(1e-2)
     mask = frozen_mask(params)
@@ -450,7 +448,7 @@ def gpt_init_fn():
     return lambda: gpt.init(cfg)[1]
 
 
-@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.slow), 3])  # 1: replicated as 0, sharded as 3
+@pytest.mark.parametrize("stage", models.marked_slow([0, 1, 3], slow=[1]))  # 1: replicated as 0, sharded as 3
 def test_init_fn_values_equal_jit_of_it(stage):
     init_fn = gpt_init_fn()
     state = zj.init_state(init_fn, optax.adam(1e-3), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=stage))
