@@ -158,6 +158,7 @@ def test_launcher_options_are_checked(capsys):
 
 STEPS, SAVE_EVERY = 15, 3
 CHAOS_PROCS = 2  # every fault path needs two processes; more only add start-up time on 2 cores
+CHAOS_STEP_S = 0.15  # the chaos job's least step time (the worker's --sleep)
 
 
 def job(out, args, *, nprocs=4, steps=STEPS, worker_args=(), timeout=400, watch=None):
@@ -249,6 +250,12 @@ def test_chaos_ends_bit_identical_to_an_uninterrupted_run(tmp_path, uninterrupte
             "600",
         ],
         nprocs=CHAOS_PROCS,
+        # Steps of at least CHAOS_STEP_S: a fault's delay (up to 0.3 s after its trigger)
+        # then lands within about two steps. Without it a fast machine runs 15 steps in a
+        # fraction of a second: a SIGTERM can arrive after the last step (no preemption to
+        # see) and a SIGKILL several steps and a save past its trigger (more repeats than
+        # the bound below allows).
+        worker_args=["--sleep", str(CHAOS_STEP_S)],
         timeout=650,
         watch=chaos,
     )
