@@ -12,7 +12,8 @@ import numpy as np
 import optax
 import pytest
 
-from zerojax.sharding import gathers, jax_compat
+from zerojax._jaxpr import constructs
+from zerojax.sharding import gathers
 
 BOTH = types.SimpleNamespace(tensor=2, context=2)  # what gathers.wrap reads of a plan
 
@@ -32,7 +33,7 @@ def _no_batched_gather(fn, *args):
                 yield from eqns(getattr(sub, "jaxpr", sub))
 
     return not any(
-        jax_compat.is_gather(e) and jax_compat.has_batching_dims(e) for e in eqns(jax.make_jaxpr(fn)(*args).jaxpr)
+        constructs.is_gather(e) and constructs.has_batching_dims(e) for e in eqns(jax.make_jaxpr(fn)(*args).jaxpr)
     )
 
 

@@ -1,6 +1,7 @@
 """The package's layering, read from the source: which module may import which.
 
-Layers, bottom up: the core (configuration, sharding, optimizer application, state,
+Layers, bottom up: the JAX boundary (``_jaxpr``: everything read of JAX's internals) imports
+no other part of zerojax; the core (configuration, sharding, optimizer application, state,
 steps, checkpoints, the distributed runtime, resumable runs, reports) never imports the
 layers users build with on top of it (``nn``, ``models``, ``nnx``, ``moe``, ``tuning``,
 ``deepspeed``, the command line and the launcher) nor the package root; ``sharding`` sits
@@ -86,7 +87,11 @@ CORE = {
 }
 ABOVE_CORE = {"nn", "models", "nnx", "moe", "tuning", "deepspeed", "cli", "launch", "(zerojax)", "maps"}
 ABOVE_SHARDING = {"state", "step", "evaluate", "checkpoint", "distributed", "resume"}
-RULES = [("the core", CORE, ABOVE_CORE), ("sharding", {"sharding"}, ABOVE_SHARDING | ABOVE_CORE)]
+RULES = [
+    ("the JAX boundary", {"_jaxpr"}, CORE | ABOVE_CORE),
+    ("the core", CORE, ABOVE_CORE),
+    ("sharding", {"sharding"}, ABOVE_SHARDING | ABOVE_CORE),
+]
 
 
 @pytest.mark.parametrize("layer, below, above", RULES, ids=[r[0] for r in RULES])
@@ -126,3 +131,4 @@ def test_the_reader_sees_the_imports():
     assert "zerojax.sharding.filters" in _imports("zerojax.sharding.plan", lazy=True)
     assert "zerojax.config" in _imports("zerojax.deepspeed.mapping", lazy=False)
     assert "zerojax.checkpoint.io" in _imports("zerojax.resume.run", lazy=False)
+    assert "zerojax._jaxpr.form" in _imports("zerojax._jaxpr.walk", lazy=False)

@@ -249,20 +249,21 @@ def test_the_translated_program_binds_nothing_under_the_models_mesh():
     """JAX records the mesh each equation was traced under and binds it again under that one.
     Outside the step, vmap traced the gate's broadcast under the model's mesh; translated,
     every equation is bound under the step's (inside its shard_map: manual over "data")."""
-    from zerojax.sharding import foreign, jax_compat, walk
+    from zerojax._jaxpr import form, settings, walk
+    from zerojax.sharding import foreign
     from zerojax.sharding.plan import make_plan
 
     params, b = _attention_params(), _attention_data(1, rows=8)[0]
     plan = make_plan(params, zj.make_mesh(), zj.ZeroConfig(axis_map=OWN_MAP))
     local = jax.tree.map(lambda x: x[:1], b)  # one device's rows
     closed, _ = foreign.trace(_attention_loss("vmap", constrain=True), (params, local), plan)
-    outside = {jax_compat.traced_mesh(e).axis_names for e in walk.equations(jax_compat.open_jaxpr(closed)[0])}
+    outside = {form.traced_mesh(e).axis_names for e in walk.equations(form.open_jaxpr(closed)[0])}
     assert ("batch", "fsdp", "model") in outside, outside
     inside = []
 
     def capture(p, batch):
         program = foreign.Translator(plan).program(closed)
-        inside.extend(jax_compat.traced_mesh(e) for e in walk.equations(jax_compat.open_jaxpr(program)[0]))
+        inside.extend(form.traced_mesh(e) for e in walk.equations(form.open_jaxpr(program)[0]))
         return batch["x"]
 
     jax.eval_shape(
@@ -273,4 +274,4 @@ def test_the_translated_program_binds_nothing_under_the_models_mesh():
         b,
     )
     assert inside and {m.axis_names for m in inside} == {("data",)}, inside
-    assert all(jax_compat.manual_axes(m) == {"data"} for m in inside), inside
+    assert all(settings.manual_axes(m) == {"data"} for m in inside), inside

@@ -1,4 +1,4 @@
-"""zerojax.sharding.sequence_order: a loss that would be silently wrong on a sequence the
+"""zerojax.context.sequence_order: a loss that would be silently wrong on a sequence the
 balanced layout permutes is refused before compiling, naming the op, its line and the fix;
 an exact one passes. Each small loss is also evaluated on the permuted sequence: the ones
 refused change value there, the ones passed do not."""
@@ -14,8 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
 from zerojax.context import Layout
+from zerojax.context.sequence_order import check_sequence_order
 from zerojax.models import llama
-from zerojax.sharding.sequence_order import check_sequence_order
 
 B, T, V, D, C = 2, 16, 12, 8, 4
 ORDER = Layout("balanced", C).order(T)

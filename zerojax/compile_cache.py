@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 
-from zerojax.sharding import jax_compat
+from zerojax._jaxpr import settings
 
 DEFAULT_BACKEND_OPTIMIZATION_LEVEL = 3  # XLA's default for xla_backend_optimization_level
 _LEVEL = re.compile(r"--xla_backend_optimization_level=(\d+)")
@@ -63,7 +63,7 @@ def jit_options(mesh) -> dict[str, Any]:
 def compiling(mesh):
     """Context for compiling a step over ``mesh``: no cache write where :func:`applies`."""
     if applies(mesh):
-        with jax_compat.no_cache_writes():
+        with settings.no_cache_writes():
             yield
     else:
         yield

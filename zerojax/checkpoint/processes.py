@@ -72,10 +72,10 @@ class Processes:
         self.client = None
         if self.count > 1:
             self.prefix = f"zerojax/{what}/{next(_CALLS[what])}"
-            from zerojax.sharding import jax_compat
+            from zerojax._jaxpr import settings
 
             try:  # the client jax.distributed.initialize starts (the same API in jax 0.10 and 0.12)
-                self.client = jax_compat.distributed_client()
+                self.client = settings.distributed_client()
             except ImportError as e:
                 raise RuntimeError(f"{what}: {e}") from None
             if self.client is None:

@@ -50,8 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from zerojax._jaxpr import check, settings
 from zerojax.context.layout import KERNEL_SCOPE, Layout, resolve
-from zerojax.sharding import jax_compat
 from zerojax.sharding.mesh import context_size
 
 METHODS = ("auto", "ulysses", "ring", "xla")
@@ -177,6 +177,11 @@ def dot_product_attention(
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     c = context_size(mesh, axis)
     lay = resolve(layout, c)
+    if lay.moves:  # a step checks the loss's order for it by reading the program
+        check.require(
+            f"zj.nn.dot_product_attention with the {lay.kind!r} layout",
+            "Use the contiguous layout (ZeroConfig(context_layout='contiguous'); layout=None here).",
+        )
     layout = lay.kind
     local = c > 1 and axis in _manual_axes()
     if c > 1 and method == "xla":
@@ -323,7 +328,7 @@ def _flax_arguments(query, key, value, kw: dict):
 
 def _manual_axes() -> frozenset[str]:
     """The mesh axes the code being traced is manual over (inside a ``shard_map``)."""
-    return jax_compat.manual_axes(jax.sharding.get_abstract_mesh())
+    return settings.manual_axes(jax.sharding.get_abstract_mesh())
 
 
 def _check_xla(layout: str, local: bool, axis: str) -> None:
@@ -383,7 +388,7 @@ def _kernel(method: str, n: int, c: int, axis: str) -> str:
 
 
 def _is_traced(x) -> bool:
-    return jax_compat.is_tracer(x)
+    return settings.is_tracer(x)
 
 
 def _boolean_mask(mask, query):

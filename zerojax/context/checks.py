@@ -8,7 +8,7 @@ check the program:
   ``layout=`` not passed on, or a jitted function first traced in another step) would read
   the sequence in the wrong order;
 - in a layout that moves the sequence, nothing mixes positions along a permuted dimension
-  of a batch leaf (:func:`zerojax.sharding.sequence_order.check_sequence_order`).
+  of a batch leaf (:func:`zerojax.context.sequence_order.check_sequence_order`).
 
 Both refuse with a ``ValueError`` naming the line and the fix.
 """
@@ -19,18 +19,19 @@ from typing import Any
 
 import jax
 
+from zerojax._jaxpr import check as program_check
+from zerojax._jaxpr import form, lines, walk
 from zerojax.context.batch import layout_of, permuted_dims
 from zerojax.context.layout import KERNEL_SCOPE
-from zerojax.sharding import jax_compat, walk
-from zerojax.sharding.sequence_order import check_sequence_order
+from zerojax.context.sequence_order import check_sequence_order
 
 
 def kernel_layouts(jaxpr: Any) -> list[tuple[str, Any]]:
     """``(layout kind, equation)`` of each equation an attention kernel traced into
     ``jaxpr`` (the kernel's ``jax.named_scope`` names its layout)."""
     found = []
-    for eqn in walk.equations(jax_compat.open_jaxpr(jaxpr)[0]):
-        name = jax_compat.scope(eqn)
+    for eqn in walk.equations(form.open_jaxpr(jaxpr)[0]):
+        name = form.scope(eqn)
         if KERNEL_SCOPE in name:
             found.append((name.split(KERNEL_SCOPE, 1)[1].split("/", 1)[0], eqn))
     return found
@@ -38,8 +39,19 @@ def kernel_layouts(jaxpr: Any) -> list[tuple[str, Any]]:
 
 def check(plan: Any, closed: Any, args: tuple, batch_at: int) -> None:
     """Refuses a traced loss (``closed``, traced on ``args``, whose ``args[batch_at]`` is the
-    batch) that does not agree with the step's layout."""
+    batch) that does not agree with the step's layout. Where zerojax reads no program, a
+    layout that moves the sequence is refused (its check reads the program) and a
+    contiguous one needs none (every kernel is refused a moving layout there:
+    :func:`zerojax.context.attention.dot_product_attention`)."""
     layout = layout_of(plan)
+    if layout.moves:
+        program_check.require(
+            f"ZeroConfig(context_layout={layout.kind!r})",
+            "Use ZeroConfig(context_layout='contiguous'): the same results, with the causal work less balanced "
+            "over the context devices.",
+        )
+    elif not program_check.reading():
+        return
     for kind, eqn in kernel_layouts(closed):
         if kind != layout.kind:
             how = (
@@ -47,7 +59,7 @@ def check(plan: Any, closed: Any, args: tuple, batch_at: int) -> None:
                 "zj.nn.dot_product_attention(..., layout=layout) and zj.nn.global_positions(T, layout)"
             )
             raise ValueError(
-                f"zj.nn.dot_product_attention at {jax_compat.where(eqn)} was traced for the {kind!r} layout, but "
+                f"zj.nn.dot_product_attention at {lines.where(eqn)} was traced for the {kind!r} layout, but "
                 f"this step lays its sequences out {layout.kind!r} (ZeroConfig.context_layout). {how}; a function "
                 f"jitted once and used by steps of two layouts must take the layout as a static argument."
             )

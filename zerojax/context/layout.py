@@ -24,10 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zerojax.sharding.mesh import context_size
+
 KINDS = ("contiguous", "balanced")
 # The jax.named_scope an attention kernel runs under, naming its layout ("...=balanced"): the
 # step reads it from the traced loss and checks it is its own (zerojax.context.checks), and
-# the sequence-order check knows the kernels by it (zerojax.sharding.sequence_order).
+# the sequence-order check knows the kernels by it (zerojax.context.sequence_order).
 KERNEL_SCOPE = "zerojax_attention_layout="
 
 
@@ -165,7 +167,5 @@ def global_positions(seq_len: int, layout: Layout | str | None = None, axis: str
       >>> zj.nn.global_positions(4).tolist()      # contiguous: 0, 1, 2, 3
       [0, 1, 2, 3]
     """
-    from zerojax.sharding.mesh import context_size
-
     c = context_size(jax.sharding.get_abstract_mesh(), axis)
     return resolve(layout, c).positions(seq_len)

@@ -43,8 +43,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from zerojax._jaxpr import settings
 from zerojax.moe import losses, routing
-from zerojax.sharding import jax_compat
 from zerojax.sharding.mesh import expert_size
 
 METHODS = ("ragged", "dense")
@@ -133,7 +133,7 @@ def routed_experts(
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     given_mesh = mesh if not isinstance(mesh, jax.sharding.AbstractMesh) else None
     ep = expert_size(mesh, axis)
-    inside = ep > 1 and axis in jax_compat.manual_axes(jax.sharding.get_abstract_mesh())
+    inside = ep > 1 and axis in settings.manual_axes(jax.sharding.get_abstract_mesh())
     if n_experts % ep:
         ok = [e for e in range(1, n_experts + 1) if n_experts % e == 0 and e <= max(ep, n_experts)]
         raise ValueError(
@@ -195,7 +195,7 @@ def routed_experts(
         run = jax.shard_map(
             body, in_specs=specs, out_specs=(P(axis), P(axis)), axis_names={axis}, check_vma=False, **kw
         )
-        if not any(jax_compat.is_tracer(a) for a in args if a is not None):
+        if not any(settings.is_tracer(a) for a in args if a is not None):
             run = jax.jit(run)  # eager: jax 0.10 refuses an eager shard_map manual over some axes
         y, kept = run(*args)
     else:

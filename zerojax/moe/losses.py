@@ -28,14 +28,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from zerojax.sharding import jax_compat
+from zerojax._jaxpr import settings
 
 
 def manual_batch_axes() -> tuple[str, ...]:
     """The mesh axes the code being traced is manual over (the train step's data axes),
     in the mesh's order; empty outside any ``shard_map``."""
     mesh = jax.sharding.get_abstract_mesh()
-    manual = jax_compat.manual_axes(mesh)
+    manual = settings.manual_axes(mesh)
     return tuple(a for a in getattr(mesh, "axis_names", ()) if a in manual)
 
 

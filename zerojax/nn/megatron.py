@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerojax.sharding import jax_compat
+from zerojax._jaxpr import settings
 
 __all__ = ["column_parallel", "row_parallel", "sequence_parallel", "tensor_parallel", "tensor_size"]
 
@@ -55,7 +55,7 @@ def tensor_size(axis: str = "tensor") -> int:
     that axis is manual there: inside a ``shard_map`` over it a value is already one
     shard's)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or axis not in getattr(mesh, "axis_names", ()) or axis in jax_compat.manual_axes(mesh):
+    if mesh is None or axis not in getattr(mesh, "axis_names", ()) or axis in settings.manual_axes(mesh):
         return 1
     return int(dict(mesh.shape)[axis])
 

@@ -42,8 +42,8 @@ from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax._jaxpr import check, walk
 from zerojax.optim.update import keep_if, update
-from zerojax.sharding import walk
 from zerojax.sharding.plan import HOST, ZeroPlan
 
 PLACES = ("auto", "host", "device")
@@ -94,10 +94,15 @@ def _sds(x: Any) -> jax.ShapeDtypeStruct:
 
 def update_groups(plan: ZeroPlan, tx: Any, group_size: int) -> UpdateGroups:
     """Splits the update of ``tx`` into independent groups of at most ``group_size``
-    parameter elements each (a set of leaves that read one another stays together)."""
+    parameter elements each (a set of leaves that read one another stays together). Which
+    leaves read one another is read from the update's program; where zerojax reads none
+    (:func:`zerojax._jaxpr.check.reading`), the update is one group."""
     layouts, opt_layouts = plan.master_layouts, plan.opt_storage_layouts
     n, m = len(layouts), len(opt_layouts)
     shared = [n + j for j, l in enumerate(opt_layouts) if l.kind == "replicated"]
+    if not check.reading():
+        whole = tuple(i for i in range(2 * n + m) if i not in set(shared))
+        return UpdateGroups(((whole, tuple(range(n + m))),), tuple(shared))
     masters = [jax.ShapeDtypeStruct(l.storage_shape, jnp.float32, sharding=plan.sharding(l)) for l in layouts]
     opt = [jax.ShapeDtypeStruct(l.storage_shape, l.dtype, sharding=plan.sharding(l)) for l in opt_layouts]
     jaxpr = jax.make_jaxpr(lambda g, o, w: update(plan, tx, g, o, w))(masters, opt, masters).jaxpr

@@ -27,7 +27,7 @@ zerojax instead
 
 A constraint naming an axis neither ``axis_map`` nor zerojax's mesh knows raises a
 ``ValueError`` naming the equation's source line and the mapping to add. Everything this
-module reads of JAX's program form goes through :mod:`zerojax.sharding.jax_compat`.
+module reads of JAX's program form goes through :mod:`zerojax._jaxpr`.
 """
 
 from __future__ import annotations
@@ -39,15 +39,21 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerojax.sharding import jax_compat
-from zerojax.sharding.jax_compat import Equation
+from zerojax._jaxpr import check, constructs, lines, settings
+from zerojax._jaxpr.form import Equation
+from zerojax._jaxpr.retrace import Retracer
 from zerojax.sharding.plan import ZeroPlan
-from zerojax.sharding.retrace import Retracer
 
 
 def trace(fn: Callable, args: Sequence[Any], plan: ZeroPlan) -> tuple[Any, Any]:
     """``(program, output shapes)`` of ``fn(*args)`` traced outside the step's ``shard_map``,
-    with its manual axes bound by name (``args``: one device's shapes)."""
+    with its manual axes bound by name (``args``: one device's shapes). Refused where
+    zerojax reads no program (the translation reads it)."""
+    check.require(
+        f"ZeroConfig(axes={{'model_axes': {dict(plan.config.axis_map)!r}}}) (a model with its own mesh)",
+        "Remove the model's own sharding constraints (with_sharding_constraint, logical axis constraints) and the "
+        "model_axes setting.",
+    )
     axis_env = [(a, int(plan.mesh.shape[a])) for a in plan.mesh.axis_names if a in plan.manual_axes]
     return jax.make_jaxpr(fn, axis_env=axis_env, return_shape=True)(*args)
 
@@ -65,10 +71,10 @@ class Translator(Retracer):
         self.mesh_axes = tuple(plan.mesh.axis_names)
 
     def replace(self, eqn: Equation, invals: list[Any]) -> list[Any] | None:
-        if jax_compat.is_constraint(eqn):
+        if constructs.is_constraint(eqn):
             return [self._constrain(eqn, invals[0])]
-        if jax_compat.is_call(eqn):  # inlined: no call keeps the model's mesh
-            return self.run(*jax_compat.call_body(eqn), invals)
+        if constructs.is_call(eqn):  # inlined: no call keeps the model's mesh
+            return self.run(*constructs.call_body(eqn), invals)
         return None
 
     def param(self, name: str, value: Any) -> Any:
@@ -82,13 +88,13 @@ class Translator(Retracer):
         # jax.nn.dot_product_attention's masks): bound so again, a broadcast or iota whose
         # sharding param was cleared would take the model's mesh from it. Here it is bound
         # under the step's, as if traced inside it. A shard_map body keeps its own.
-        if jax_compat.manual_axes(traced):
+        if settings.manual_axes(traced):
             return traced
         return jax.sharding.get_abstract_mesh()
 
     # Constraints.
     def _constrain(self, eqn: Equation, x: jax.Array) -> jax.Array:
-        axes, spec = jax_compat.constraint_spec(eqn)
+        axes, spec = constructs.constraint_spec(eqn)
         kept = [self._entry(e, eqn, axes) for e in spec]
         if all(k is None for k in kept):
             return x
@@ -115,7 +121,7 @@ def _unknown(
 ) -> None:
     raise ValueError(
         f"the model constrains a value to mesh axis {name!r} (its mesh has axes {model_axes}) at "
-        f"{jax_compat.where(eqn)}, and neither ZeroConfig.axis_map nor zerojax's mesh {mesh_axes} knows that "
+        f"{lines.where(eqn)}, and neither ZeroConfig.axis_map nor zerojax's mesh {mesh_axes} knows that "
         f"axis. Map it: axis_map={{{name!r}: 'data'}} for a batch or FSDP axis, "
         f"{{{name!r}: {tensor or 'tensor'!r}}} for a tensor-parallel one, or {{{name!r}: None}} to drop it."
     )

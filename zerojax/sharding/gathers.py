@@ -18,7 +18,7 @@ its part, then one all-reduce of ``[batch, seq]``. A gather with batching dimens
 another form is refused with a ``ValueError`` naming its source line, rather than left to
 abort the process. ``shard_map`` regions (zerojax's attention kernels) are bound whole:
 their axes exist only inside them. Everything read of JAX's program form goes through
-:mod:`zerojax.sharding.jax_compat`.
+:mod:`zerojax._jaxpr`.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zerojax.sharding import jax_compat
-from zerojax.sharding.jax_compat import Equation
-from zerojax.sharding.retrace import Retracer
+from zerojax._jaxpr import check, constructs, form, lines
+from zerojax._jaxpr.form import Equation
+from zerojax._jaxpr.retrace import Retracer
 
 
 def needed(plan: Any) -> bool:
@@ -43,9 +43,15 @@ def needed(plan: Any) -> bool:
 def wrap(plan: Any, fn: Callable) -> Callable:
     """``fn`` as is, or on a mesh with tensor and context axes, ``fn`` evaluated from its
     jaxpr with its batched gathers rewritten (same signature, positional and keyword
-    arguments alike)."""
+    arguments alike). Where zerojax reads no program, such a mesh is refused
+    (:class:`zerojax._jaxpr.check.ProgramReadingRequired`): without the rewrite XLA's
+    partitioner may abort the process."""
     if not needed(plan):
         return fn
+    check.require(
+        f"A mesh with both a tensor ({plan.tensor}) and a context ({plan.context}) axis",
+        "Train on a mesh with one of the two (zj.make_mesh(tensor=...) or zj.make_mesh(context=...)).",
+    )
 
     @functools.wraps(fn)
     def rewritten(*args, **kwargs):
@@ -66,52 +72,52 @@ class Rewriter(Retracer):
     select and a sum (see the module docstring)."""
 
     def replace(self, eqn: Equation, invals: list[Any]) -> list[Any] | None:
-        if jax_compat.is_manual_region(eqn):
-            return jax_compat.bind(eqn, invals)
-        if jax_compat.is_gather(eqn) and jax_compat.has_batching_dims(eqn):
-            form = jax_compat.take_along(eqn)
-            if form is None:
-                line = jax_compat.where(eqn) or "a library line"
+        if constructs.is_manual_region(eqn):
+            return form.bind(eqn, invals)
+        if constructs.is_gather(eqn) and constructs.has_batching_dims(eqn):
+            pick = constructs.take_along(eqn)
+            if pick is None:
+                line = lines.where(eqn) or "a library line"
                 raise ValueError(
                     f"the loss gathers with batching dimensions at {line} in a form zerojax does not "
-                    f"rewrite (dimension numbers {jax_compat.gather_form(eqn)}), and on a mesh with both a tensor "
+                    f"rewrite (dimension numbers {constructs.gather_form(eqn)}), and on a mesh with both a tensor "
                     "and a context axis XLA's partitioner aborts on such gathers. Index with jnp.take_along_axis "
                     "(one element per index along one axis), or train on zj.make_mesh(context=C) or "
                     "zj.make_mesh(tensor=T) alone."
                 )
-            return [select_sum(form, *invals, out_shape=jax_compat.shape(eqn.outvars[0]))]
+            return [select_sum(pick, *invals, out_shape=form.shape(eqn.outvars[0]))]
         return None
 
 
 def select_sum(
-    form: jax_compat.TakeAlong, operand: jax.Array, indices: jax.Array, *, out_shape: tuple[int, ...]
+    pick: constructs.TakeAlong, operand: jax.Array, indices: jax.Array, *, out_shape: tuple[int, ...]
 ) -> jax.Array:
-    """The gather ``form`` of ``operand`` at ``indices`` (its last dimension the index
+    """The gather ``pick`` of ``operand`` at ``indices`` (its last dimension the index
     vector, of size 1), without a gather.
 
     Example (``jnp.take_along_axis``'s result):
       >>> import jax.numpy as jnp
-      >>> from zerojax.sharding.jax_compat import TakeAlong
+      >>> from zerojax._jaxpr.constructs import TakeAlong
       >>> x, i = jnp.arange(6.0).reshape(2, 3), jnp.array([[2], [0]])
       >>> select_sum(TakeAlong(dim=1, pairs=((0, 0),), fill=True, fill_value=None), x, i, out_shape=(2, 1))
       Array([[2.],
              [3.]], dtype=float32)
     """
-    size = operand.shape[form.dim]
+    size = operand.shape[pick.dim]
     idx = indices[..., 0]
     # the operand laid out like the indices: each batching dimension where its indices'
     # dimension is, the picked one last
-    order = [o for o, _ in sorted(form.pairs, key=lambda p: p[1])] + [form.dim]
+    order = [o for o, _ in sorted(pick.pairs, key=lambda p: p[1])] + [pick.dim]
     shape = [1] * idx.ndim
-    for o, i in form.pairs:
+    for o, i in pick.pairs:
         shape[i] = operand.shape[o]
     op = jnp.transpose(operand, order).reshape(shape + [size])
-    if not form.fill:
+    if not pick.fill:
         idx = jnp.clip(idx, 0, size - 1)
     hit = jax.lax.broadcasted_iota(idx.dtype, idx.shape + (size,), idx.ndim) == idx[..., None]
     out = jnp.where(hit, op, jnp.zeros((), op.dtype)).sum(-1).astype(op.dtype)
-    if form.fill:
-        out = jnp.where((idx >= 0) & (idx < size), out, _fill(form.fill_value, op.dtype))
+    if pick.fill:
+        out = jnp.where((idx >= 0) & (idx < size), out, _fill(pick.fill_value, op.dtype))
     return out.reshape(out_shape)
 
 

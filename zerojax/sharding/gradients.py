@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zerojax.context import batch as sequence
+from zerojax.context import checks
 from zerojax.sharding import collectives, gathers, outputs, per_use
 from zerojax.sharding.plan import ZeroPlan
 from zerojax.sharding.sources import Source
@@ -127,8 +128,6 @@ class Loss:
 
             closed, shapes = foreign.trace(loss.__call__, args, plan)
             if plan.context > 1:
-                from zerojax.context import checks
-
                 checks.check(plan, closed, args, 1)
             loss = dataclasses.replace(loss, program=(closed, shapes))
             _, aux, new_ms = shapes
@@ -230,8 +229,6 @@ def local_shapes(plan: ZeroPlan, fn: Callable, *args: Any, batch_at: int | None 
     run = jax.shard_map(fn, mesh=plan.mesh, in_specs=P(), out_specs=P(), axis_names=plan.manual_axes, check_vma=False)
     if plan.context == 1 or batch_at is None:
         return jax.eval_shape(run, *args)
-    from zerojax.context import checks
-
     closed, shapes = jax.make_jaxpr(run, return_shape=True)(*args)
     checks.check(plan, closed, args, batch_at)
     return shapes

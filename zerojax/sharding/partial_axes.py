@@ -16,7 +16,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
-from zerojax.sharding import jax_compat, walk
+from zerojax._jaxpr import check, constructs, form, walk
 
 
 class PartialBatchCollective(UserWarning):
@@ -25,21 +25,22 @@ class PartialBatchCollective(UserWarning):
 
 def _sub_jaxprs(value: Any) -> Iterator[Any]:
     """The programs in one equation parameter's value (a body, or a tuple of branches)."""
-    yield from jax_compat.programs_in(value)
+    yield from form.programs_in(value)
 
 
 def collectives(jaxpr: Any) -> Iterator[tuple[str, tuple[str, ...]]]:
     """``(primitive name, mesh axes)`` of every collective in ``jaxpr`` and the jaxprs inside it."""
     for eqn in walk.equations(jaxpr):
-        names = jax_compat.collective_axes(eqn)
+        names = constructs.collective_axes(eqn)
         if names:
-            yield jax_compat.name(eqn), names
+            yield form.name(eqn), names
 
 
 def warn_partial(fn: Callable, mesh: Any, batch_axes: tuple[str, ...], args: tuple, what: str = "loss_fn") -> None:
     """Traces ``fn(*args)`` with ``mesh``'s axes bound and warns (:class:`PartialBatchCollective`)
-    about each collective that names some but not all of ``batch_axes``."""
-    if isinstance(batch_axes, str) or len(batch_axes) < 2:
+    about each collective that names some but not all of ``batch_axes`` (nothing where
+    zerojax reads no program: :func:`zerojax._jaxpr.check.reading`)."""
+    if isinstance(batch_axes, str) or len(batch_axes) < 2 or not check.reading():
         return
     run = jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=frozenset(batch_axes), check_vma=False)
     jaxpr = jax.make_jaxpr(run)(*args).jaxpr

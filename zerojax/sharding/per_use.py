@@ -25,14 +25,16 @@ consumes it:
 
 Everything else in the program is evaluated unchanged.
 
-The evaluation is a pass on :mod:`zerojax.sharding.walk` (:class:`Evaluator`): the walk
+The evaluation is a pass on :mod:`zerojax._jaxpr.walk` (:class:`Evaluator`): the walk
 goes through the program and binds every equation without a pending operand as JAX would;
 this module's hook takes the equations with one. What it reads of JAX's program form (which
 equations are shape-only, a call's body, a scan's operand split, a checkpoint's options, a
-slice's bounds) it reads through :mod:`zerojax.sharding.jax_compat`, which knows each
-supported JAX release's form and checks them at import: a JAX release that moves one fails
-there, naming the JAX version and the construct, instead of silently gathering whole
-parameters.
+slice's bounds) it reads through :mod:`zerojax._jaxpr`, which knows each supported JAX
+release's form and checks it the first time a program is read
+(:func:`zerojax._jaxpr.check.reading`). Where the check fails, or where
+``ZEROJAX_NO_PROGRAM_READING=1`` is set, :func:`traced` reads no program: it materialises
+every parameter before calling the function (stage 3 gathers each one whole, stage 2
+reduce-scatters each gradient once backward is done), the same numbers at more memory.
 A stacked parameter that reaches a higher-order primitive this module does not handle
 (``while``, ``cond``, ...) is gathered whole there, with a warning that says so.
 """
@@ -47,12 +49,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zerojax.sharding import jax_compat, prefetch, walk
-from zerojax.sharding.jax_compat import Equation, Jaxpr
+from zerojax._jaxpr import check, constructs, form, walk
+from zerojax._jaxpr.form import Equation, Jaxpr
+from zerojax.sharding import prefetch
 from zerojax.sharding.layout import LeafLayout
 from zerojax.sharding.sources import Source, in_host_memory
-
-jax_compat.self_check()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +63,7 @@ class Pending:
     arrays: tuple[jax.Array, ...]
     layout: LeafLayout
     source: Source
-    ops: tuple[jax_compat.Unary, ...] = ()  # shape-only equations to apply once materialised
+    ops: tuple[constructs.Unary, ...] = ()  # shape-only equations to apply once materialised
     name: str = ""  # the parameter's path, for messages
 
     def materialize(self) -> jax.Array:
@@ -71,7 +72,7 @@ class Pending:
             value = op.apply(value)
         return value
 
-    def then(self, op: jax_compat.Unary) -> Pending:
+    def then(self, op: constructs.Unary) -> Pending:
         return dataclasses.replace(self, ops=self.ops + (op,))
 
     @property
@@ -84,7 +85,7 @@ class Pending:
         return dataclasses.replace(self, arrays=tuple(arrays), layout=layout)
 
 
-_bind = jax_compat.bind
+_bind = form.bind
 
 
 def _materialize_all(vals: Sequence[Any]) -> list[Any]:
@@ -136,16 +137,16 @@ _PLAIN = Context()
 def _eqn_with_pending(eqn: Equation, invals: list[Any], ctx: Context) -> list[Any]:
     pending = [v for v in invals if isinstance(v, Pending)]
 
-    shape_only = jax_compat.shape_only(eqn)
+    shape_only = constructs.shape_only(eqn)
     if shape_only is not None and len(invals) == 1:
         return [invals[0].then(shape_only)]
-    if jax_compat.is_call(eqn):
-        return eval_jaxpr(*jax_compat.call_body(eqn), invals, ctx)
-    if jax_compat.is_scan(eqn):
+    if constructs.is_call(eqn):
+        return eval_jaxpr(*constructs.call_body(eqn), invals, ctx)
+    if constructs.is_scan(eqn):
         return _scan(eqn, invals, ctx)
-    if jax_compat.is_slice(eqn) and len(invals) == 1 and _is_row(eqn, invals[0]):
-        return [_row(invals[0], jax_compat.static_slice(eqn).start[0], ctx)]
-    if jax_compat.is_remat(eqn):
+    if constructs.is_slice(eqn) and len(invals) == 1 and _is_row(eqn, invals[0]):
+        return [_row(invals[0], constructs.static_slice(eqn).start[0], ctx)]
+    if constructs.is_remat(eqn):
         return _checkpoint(eqn, invals, ctx)
     _warn_if_stack_gathered_whole(eqn, pending)
 
@@ -153,7 +154,7 @@ def _eqn_with_pending(eqn: Equation, invals: list[Any], ctx: Context) -> list[An
     # rather than kept alive from forward.
     if not any(p.source.regathers for p in pending):
         return _bind(eqn, _materialize_all(invals))
-    if jax_compat.keeps_no_operands(eqn) or ctx.in_remat:
+    if constructs.keeps_no_operands(eqn) or ctx.in_remat:
         # Inside a remat region the gathered value is recomputed (gathered again) for this
         # layer's backward anyway; a second re-gather would only add traffic.
         return _bind(eqn, _materialize_all(_tied_to_inputs(invals, ctx)))
@@ -163,13 +164,13 @@ def _eqn_with_pending(eqn: Equation, invals: list[Any], ctx: Context) -> list[An
 def _warn_if_stack_gathered_whole(eqn: Equation, pending: list[Pending], how: str = "") -> None:
     """A stacked parameter entering a loop or branch this module cannot look into is
     materialised whole for all of it: say so, once per trace."""
-    if not how and not jax_compat.has_sub_programs(eqn):
+    if not how and not constructs.has_sub_programs(eqn):
         return
     for p in pending:
         if p.layout.can_slice_layers:
             warnings.warn(
                 f"zerojax: the stacked parameter {p.name or '(unnamed)'} of shape {p.layout.shape} enters "
-                f"a '{jax_compat.name(eqn)}'{how} whole, so it is gathered (stage 3) or its gradient "
+                f"a '{form.name(eqn)}'{how} whole, so it is gathered (stage 3) or its gradient "
                 "reduced (stage 2) whole there, not one layer at a time. Run the layers with "
                 "jax.lax.scan over the stack (nnx.scan, nn.scan) to keep one layer live.",
                 stacklevel=2,
@@ -179,7 +180,7 @@ def _warn_if_stack_gathered_whole(eqn: Equation, pending: list[Pending], how: st
 def _is_row(eqn: Equation, v: Pending) -> bool:
     """Whether ``eqn`` takes one whole layer of a stacked parameter (``w[i]`` in a Python
     loop over layers: ``slice`` of one row along the layer axis, everything else whole)."""
-    sl = jax_compat.static_slice(eqn)
+    sl = constructs.static_slice(eqn)
     if not v.sliceable or sl.strides not in (None, (1,) * len(v.layout.shape)):
         return False
     start, limit = sl.start, sl.limit
@@ -202,7 +203,7 @@ def _row(v: Pending, i: int, ctx: Context) -> Pending:
     split = cache[key][1]
     row = v.rebuild([rows[i] for rows in split], sliced=True)
     inner = jax.ShapeDtypeStruct(v.layout.shape[1:], v.layout.dtype)
-    for op in jax_compat.unary_ops(lambda x: jnp.expand_dims(x, 0), inner):
+    for op in constructs.unary_ops(lambda x: jnp.expand_dims(x, 0), inner):
         row = row.then(op)
     return row
 
@@ -321,7 +322,7 @@ def _regathered(eqn: Equation, invals: list[Any], ctx: Context) -> list[Any]:
 
 
 def _checkpoint(eqn: Equation, invals: list[Any], ctx: Context) -> list[Any]:
-    spec = jax_compat.remat(eqn)
+    spec = constructs.remat(eqn)
     flat, rebuild = _split_pending(invals)
     others_idx = [i for i, v in enumerate(invals) if not isinstance(v, Pending)]
 
@@ -338,7 +339,7 @@ def _checkpoint(eqn: Equation, invals: list[Any], ctx: Context) -> list[Any]:
 
 
 def _scan(eqn: Equation, invals: list[Any], ctx: Context) -> list[Any]:
-    p = jax_compat.scan(eqn)
+    p = constructs.scan(eqn)
     n_consts, n_carry = p.n_consts, p.n_carry
     _warn_if_stack_gathered_whole(
         eqn,
@@ -410,7 +411,7 @@ class Evaluator(walk.Evaluate):
         if any(isinstance(v, Pending) for v in ins):
             return _eqn_with_pending(eqn, ins, ctx)
         if (
-            (jax_compat.is_scan(eqn) or jax_compat.is_call(eqn))
+            (constructs.is_scan(eqn) or constructs.is_call(eqn))
             and ctx.scan_remat is not None
             and ctx.scan_remat.active
         ):
@@ -431,7 +432,7 @@ def call_per_use(closed: Any, params: Sequence[Any], args: Sequence[Any], ctx: C
     """Evaluates ``closed`` (traced with full parameters first, then ``args``) with the
     parameters given as pending values (or plain arrays)."""
     ctx = dataclasses.replace(ctx, rows=None)
-    return eval_jaxpr(*jax_compat.open_jaxpr(closed), [*params, *args], ctx)
+    return eval_jaxpr(*form.open_jaxpr(closed), [*params, *args], ctx)
 
 
 def traced(
@@ -440,9 +441,15 @@ def traced(
     """``fn(param_leaves, batch)`` re-evaluated from its jaxpr, so that the parameter leaves
     it is called with may be :class:`Pending` (``param_shapes`` are their full shapes).
     ``program()``, when given, returns that jaxpr and its output shapes, made elsewhere
-    (a model with its own sharding: :mod:`zerojax.sharding.foreign`)."""
+    (a model with its own sharding: :mod:`zerojax.sharding.foreign`).
+
+    Where zerojax reads no program (:func:`zerojax._jaxpr.check.reading`, asked when the
+    caller is traced), ``fn`` is called on the parameters materialised up front instead:
+    the same values and gradients, without per-use gathering, prefetch or ``ctx``'s remat."""
 
     def call(params: Sequence[Any], batch: Any) -> Any:
+        if program is None and not check.reading():
+            return fn(_materialize_all(params), batch)
         if program is not None:
             closed, out_shape = program()
         else:

@@ -21,10 +21,10 @@ it is still exact:
   (``zj.nn.global_positions(T)`` is a constant of the layout's order, so its positions
   are right.)
 
-:func:`check_sequence_order` is a dataflow pass on :mod:`zerojax.sharding.walk`: each
+:func:`check_sequence_order` is a dataflow pass on :mod:`zerojax._jaxpr.walk`: each
 value carries, per dimension, a set of tags, ``"permuted"`` (holds the permuted sequence)
 and ``"iota"`` (holds an index in natural order), propagated through every equation by
-how :func:`zerojax.sharding.jax_compat.dims` says the equation maps dimensions (a reshape
+how :func:`zerojax.sharding.rules.dims` says the equation maps dimensions (a reshape
 that merges or splits a permuted dimension keeps every part tagged), into and out of
 calls, remat regions, custom derivatives' primals, scan and while bodies (carries to a
 fixed point) and cond branches. Inside a ``shard_map`` the tags also record which mesh axes
@@ -39,7 +39,7 @@ a mask or bias handed to them that was built over the sequence in natural order
 It refuses with a ``ValueError`` naming the op, the line of the user's code that made it
 and the fix. An equation whose primitive zerojax does not know is refused when a permuted
 dimension reaches it (never guessed exact); the elementwise ones it knows are
-``jax_compat.ELEMENTWISE``. Not detected: positions built by a loop counter, a learned
+``rules.ELEMENTWISE``. Not detected: positions built by a loop counter, a learned
 position table sliced ``table[:T]`` (a parameter, untagged like the constant
 ``global_positions`` returns), and an ``iota`` that passes through an unknown primitive.
 """
@@ -49,9 +49,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from zerojax._jaxpr import check, constructs, form, rules, walk
+from zerojax._jaxpr.form import Equation
 from zerojax.context.layout import KERNEL_SCOPE
-from zerojax.sharding import jax_compat, walk
-from zerojax.sharding.jax_compat import Equation
 
 PERMUTED = "permuted"
 IOTA = "iota"
@@ -83,8 +83,13 @@ def check_sequence_order(closed_jaxpr: Any, permuted_dims: Sequence[frozenset[in
       Traceback (most recent call last):
       ...
       ValueError: the loss would be silently wrong...
+
+    Where zerojax reads no program (:func:`zerojax._jaxpr.check.reading`) it refuses to
+    check (:class:`zerojax._jaxpr.check.ProgramReadingRequired`) rather than pass a program
+    it cannot read.
     """
-    jaxpr, consts = jax_compat.open_jaxpr(closed_jaxpr)
+    check.require("check_sequence_order", "Lay the sequence out contiguously, which needs no order check.")
+    jaxpr, consts = form.open_jaxpr(closed_jaxpr)
     if len(permuted_dims) != len(jaxpr.invars):
         raise ValueError(
             f"check_sequence_order: {len(permuted_dims)} sets of permuted dimensions for a program of "
@@ -92,11 +97,11 @@ def check_sequence_order(closed_jaxpr: Any, permuted_dims: Sequence[frozenset[in
         )
     args = []
     for k, (v, dims) in enumerate(zip(jaxpr.invars, permuted_dims)):
-        n = len(jax_compat.shape(v))
+        n = len(form.shape(v))
         dims = {int(d) for d in dims}
         if any(not -n <= d < n for d in dims):
             raise ValueError(
-                f"check_sequence_order: input {k} has shape {jax_compat.shape(v)}, no dimension "
+                f"check_sequence_order: input {k} has shape {form.shape(v)}, no dimension "
                 f"{sorted(d for d in dims if not -n <= d < n)}."
             )
         args.append(_make([frozenset({PERMUTED}) if d in {x % n for x in dims} else frozenset() for d in range(n)]))
@@ -156,20 +161,20 @@ class _Tags(walk.Dataflow):
         raise ValueError(
             f"{self.what} would be silently wrong with ZeroConfig(context={{'layout': 'balanced'}}): the step hands it each "
             f"batch sequence permuted into ring attention's balanced order (zj.context.Layout.order), and at "
-            f"{self.where(eqn)}{inside} '{jax_compat.name(eqn)}' {detail}. {FIX}"
+            f"{self.where(eqn)}{inside} '{form.name(eqn)}' {detail}. {FIX}"
         )
 
     def _operand(self, eqn: Equation, i: int) -> str:
-        return jax_compat.type_name(eqn.invars[i])
+        return form.type_name(eqn.invars[i])
 
     # Plain equations.
     def primitive(self, eqn: Equation, ins: list[Tags]) -> list[Tags]:
-        d = jax_compat.dims(eqn)
+        d = rules.dims(eqn)
         if d is None:
-            if jax_compat.no_outputs(eqn):
+            if rules.no_outputs(eqn):
                 return []
             for i, t in enumerate(ins):
-                for k, tags in enumerate(_full(t, len(jax_compat.shape(eqn.invars[i])))):
+                for k, tags in enumerate(_full(t, len(form.shape(eqn.invars[i])))):
                     if PERMUTED in tags:
                         self.refuse(
                             eqn,
@@ -218,7 +223,7 @@ class _Tags(walk.Dataflow):
                         eqn,
                         f"combines the permuted sequence with an index in natural order (an iota: "
                         f"jnp.arange, jnp.tril, jnp.triu, a mask or positions built over the sequence "
-                        f"length) at dimension {k} of its {jax_compat.type_name(eqn.outvars[o])} result",
+                        f"length) at dimension {k} of its {form.type_name(eqn.outvars[o])} result",
                     )
                 dims.append(tags)
             outs.append(dims)
@@ -229,7 +234,7 @@ class _Tags(walk.Dataflow):
         if d.collective is not None:
             self._collective(eqn, d, ins, outs)
         for i, t in enumerate(ins):
-            for k, tags in enumerate(_full(t, len(jax_compat.shape(eqn.invars[i])))):
+            for k, tags in enumerate(_full(t, len(form.shape(eqn.invars[i])))):
                 if PERMUTED in tags and (i, k) not in accounted:
                     self.refuse(
                         eqn,
@@ -238,7 +243,7 @@ class _Tags(walk.Dataflow):
                     )
         return [_make(dims) for dims in outs]
 
-    def _collective(self, eqn: Equation, d: jax_compat.Dims, ins: list[Tags], outs: list[list[frozenset]]) -> None:
+    def _collective(self, eqn: Equation, d: rules.Dims, ins: list[Tags], outs: list[list[frozenset]]) -> None:
         """A collective inside a ``shard_map``: blocks of the sequence may be summed or moved
         across devices (refused) or gathered and scattered in device order (kept)."""
         c = d.collective
@@ -281,14 +286,14 @@ class _Tags(walk.Dataflow):
             )
 
     # Constructs.
-    def call(self, eqn: Equation, c: jax_compat.Call, ins: list[Tags]) -> list[Tags]:
+    def call(self, eqn: Equation, c: constructs.Call, ins: list[Tags]) -> list[Tags]:
         self.calls.append(c.name)
         try:
             return super().call(eqn, c, ins)
         finally:
             self.calls.pop()
 
-    def scan(self, eqn: Equation, s: jax_compat.Scan, ins: list[Tags]) -> list[Tags]:
+    def scan(self, eqn: Equation, s: constructs.Scan, ins: list[Tags]) -> list[Tags]:
         xs = ins[s.n_consts + s.n_carry :]
         lead = frozenset().union(*(_order(_at(t, 0)) for t in xs))
         if PERMUTED in lead and s.n_carry:
@@ -300,11 +305,11 @@ class _Tags(walk.Dataflow):
             )
         outs = super().scan(eqn, s, ins)
         ys = outs[s.n_carry :]
-        ranks = [len(jax_compat.shape(v)) for v in eqn.outvars[s.n_carry :]]
+        ranks = [len(form.shape(v)) for v in eqn.outvars[s.n_carry :]]
         return [*outs[: s.n_carry], *(_make([lead, *_full(y, n - 1)]) for y, n in zip(ys, ranks))]
 
-    def region(self, eqn: Equation, r: jax_compat.ManualRegion, ins: list[Tags]) -> list[Tags]:
-        if KERNEL_SCOPE in jax_compat.scope(eqn):  # zj.nn.dot_product_attention's kernel: it knows the layout
+    def region(self, eqn: Equation, r: constructs.ManualRegion, ins: list[Tags]) -> list[Tags]:
+        if KERNEL_SCOPE in form.scope(eqn):  # zj.nn.dot_product_attention's kernel: it knows the layout
             self._natural_mask(eqn, ins)
             split = frozenset().union(
                 *(
@@ -330,7 +335,7 @@ class _Tags(walk.Dataflow):
         told apart from the queries (whose head dimension may hold RoPE's ``iota``) by
         holding no permuted dimension, and from other inputs by its ``iota`` dimension
         having the sequence's length."""
-        shapes = [jax_compat.shape(v) for v in eqn.invars]
+        shapes = [form.shape(v) for v in eqn.invars]
         lengths = {shapes[i][k] for i, t in enumerate(ins) for k, tags in enumerate(_full(t, 0)) if PERMUTED in tags}
         for i, t in enumerate(ins):
             tags = _full(t, 0)

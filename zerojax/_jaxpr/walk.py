@@ -17,7 +17,7 @@ update groups (``offload._Reads``)            dataflow    which inputs each outp
 sequence order (``sequence_order._Tags``)     dataflow    which dimensions hold the permuted
                                                           sequence or an ``iota``'s order
 partial collectives (``partial_axes``)        visit       every collective, at any depth
-the import-time check (``jax_compat``)        visit       every equation, at any depth
+the program check (``check``)               visit       every equation, at any depth
 ============================================  ==========  ==========================================
 
 What the walk owns, once for all of them:
@@ -25,12 +25,12 @@ What the walk owns, once for all of them:
 * the traversal: :meth:`Walk.run` binds a program's constants and arguments to its
   variables, goes through its equations in order, reads literals, and returns its outputs;
   :func:`equations` visits every equation of a program and of the programs inside it;
-* the access to sub-programs: :func:`zerojax.sharding.jax_compat.structure` reads a call,
+* the access to sub-programs: :func:`zerojax.sharding.constructs.structure` reads a call,
   a remat region, a custom derivative's primal, a ``scan``, a ``while``, a ``cond`` and a
   ``shard_map`` into zerojax's terms, and :class:`Dataflow` recurses into each with the
   pass's facts (fixed points over loop carries, joins over branches);
 * the evaluation of one equation: :class:`Evaluate` binds an equation as JAX would
-  (:func:`zerojax.sharding.jax_compat.bind`) unless the pass replaces it.
+  (:func:`zerojax.sharding.form.bind`) unless the pass replaces it.
 
 A pass is a subclass that says what a value is and what it does differently at an
 equation. The two evaluating passes differ in their hooks, not in the walk: per-use
@@ -43,7 +43,7 @@ the mesh each is bound under. The dataflow passes differ in their facts and in w
 constructs they follow (:attr:`Dataflow.follows`): the update groups follow calls only and
 count a loop whole, the sequence-order check follows every construct.
 
-Nothing here names a JAX primitive or parameter: :mod:`zerojax.sharding.jax_compat` does.
+Nothing here names a JAX primitive or parameter: the rest of :mod:`zerojax._jaxpr` does.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from zerojax.sharding import jax_compat
-from zerojax.sharding.jax_compat import Equation, Jaxpr
+from zerojax._jaxpr import constructs, form, lines
+from zerojax._jaxpr.form import Equation, Jaxpr
 
 
 def equations(jaxpr: Jaxpr) -> Iterator[Equation]:
@@ -60,7 +60,7 @@ def equations(jaxpr: Jaxpr) -> Iterator[Equation]:
     branches, custom derivatives' primals), depth first, each before the ones inside it."""
     for eqn in jaxpr.eqns:
         yield eqn
-        for sub, _ in jax_compat.sub_programs(eqn):
+        for sub, _ in form.sub_programs(eqn):
             yield from equations(sub)
 
 
@@ -73,7 +73,7 @@ class Walk:
         env: dict[Any, Any] = {}
 
         def read(v):
-            return self.literal(jax_compat.literal_value(v)) if jax_compat.is_literal(v) else env[v]
+            return self.literal(form.literal_value(v)) if form.is_literal(v) else env[v]
 
         for v, x in zip(jaxpr.constvars, consts):
             env[v] = x
@@ -87,7 +87,7 @@ class Walk:
 
     def run_closed(self, closed: Any, args: Sequence[Any]) -> list[Any]:
         """:meth:`run` on a program in any of JAX's forms (closed, or open with no constants)."""
-        jaxpr, consts = jax_compat.open_jaxpr(closed)
+        jaxpr, consts = form.open_jaxpr(closed)
         return self.run(jaxpr, [self.constant(c) for c in consts], args)
 
     # What a pass says.
@@ -117,7 +117,7 @@ class Evaluate(Walk):
         return None
 
     def bind(self, eqn: Equation, ins: list[Any]) -> list[Any]:
-        return jax_compat.bind(eqn, ins)
+        return form.bind(eqn, ins)
 
 
 class Dataflow(Walk):
@@ -128,7 +128,7 @@ class Dataflow(Walk):
     to :meth:`primitive` as a whole otherwise. The defaults run the sub-programs with the
     same facts, a loop's carry joined (:meth:`join`) until it stops changing."""
 
-    # The constructs this pass looks into (jax_compat's kinds).
+    # The constructs this pass looks into (:mod:`zerojax._jaxpr.constructs`' kinds).
     follows: frozenset[str] = frozenset(
         {"call", "remat", "custom_jvp", "custom_vjp", "scan", "while", "cond", "shard_map"}
     )
@@ -136,7 +136,7 @@ class Dataflow(Walk):
     enclosing: tuple[Equation, ...] = ()  # the constructs being walked, outermost first
 
     def equation(self, eqn: Equation, ins: list[Any]) -> list[Any]:
-        s = jax_compat.structure(eqn)
+        s = constructs.structure(eqn)
         if s is None or s.kind not in self.follows:
             return self.primitive(eqn, ins)
         outer, self.enclosing = self.enclosing, (*self.enclosing, eqn)
@@ -158,10 +158,10 @@ class Dataflow(Walk):
         equation inside a ``jit`` of a library function), the line of the innermost
         construct around it that has one."""
         for e in (eqn, *reversed(self.enclosing)):
-            line = jax_compat.user_line(e)
+            line = lines.user_line(e)
             if line:
                 return line
-        return jax_compat.where(eqn)
+        return lines.where(eqn)
 
     # What a pass says.
     def primitive(self, eqn: Equation, ins: list[Any]) -> list[Any]:
@@ -181,10 +181,10 @@ class Dataflow(Walk):
         return fact
 
     # The constructs.
-    def call(self, eqn: Equation, c: jax_compat.Call, ins: list[Any]) -> list[Any]:
+    def call(self, eqn: Equation, c: constructs.Call, ins: list[Any]) -> list[Any]:
         return self.run(c.body, [self.constant(x) for x in c.consts], ins)
 
-    def scan(self, eqn: Equation, s: jax_compat.Scan, ins: list[Any]) -> list[Any]:
+    def scan(self, eqn: Equation, s: constructs.Scan, ins: list[Any]) -> list[Any]:
         consts = [self.constant(x) for x in s.body_consts]
         fixed, carry = ins[: s.n_consts], ins[s.n_consts : s.n_consts + s.n_carry]
         xs = [self.unstack(x) for x in ins[s.n_consts + s.n_carry :]]
@@ -193,7 +193,7 @@ class Dataflow(Walk):
         )
         return [*carry, *(self.stack(y) for y in outs)]
 
-    def loop(self, eqn: Equation, w: jax_compat.Loop, ins: list[Any]) -> list[Any]:
+    def loop(self, eqn: Equation, w: constructs.Loop, ins: list[Any]) -> list[Any]:
         cond_in, body_in, carry = ins[: w.n_cond], ins[w.n_cond : w.n_cond + w.n_body], ins[w.n_cond + w.n_body :]
         cond_consts = [self.constant(x) for x in w.cond_consts]
         body_consts = [self.constant(x) for x in w.body_consts]
@@ -204,14 +204,14 @@ class Dataflow(Walk):
 
         return self.fixed_point(once, carry)[0]
 
-    def branches(self, eqn: Equation, b: jax_compat.Branches, ins: list[Any]) -> list[Any]:
+    def branches(self, eqn: Equation, b: constructs.Branches, ins: list[Any]) -> list[Any]:
         outs = None
         for jaxpr, consts in b.branches:
             got = self.run(jaxpr, [self.constant(x) for x in consts], ins[1:])
             outs = got if outs is None else [self.join(x, y) for x, y in zip(outs, got)]
         return outs
 
-    def region(self, eqn: Equation, r: jax_compat.ManualRegion, ins: list[Any]) -> list[Any]:
+    def region(self, eqn: Equation, r: constructs.ManualRegion, ins: list[Any]) -> list[Any]:
         return self.run(r.body, [self.constant(x) for x in r.consts], ins)
 
     # Helpers.

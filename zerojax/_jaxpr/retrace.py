@@ -4,13 +4,13 @@ Two passes of zerojax evaluate a loss from its jaxpr rather than calling it: the
 of a model's own sharding constraints onto zerojax's mesh (:mod:`zerojax.sharding.foreign`)
 and the rewrite of gathers XLA's partitioner cannot split over a data x context x tensor
 mesh (:mod:`zerojax.sharding.gathers`). Both are :class:`Retracer` passes on
-:mod:`zerojax.sharding.walk`: every equation is bound again, in the trace they run in, and
+:mod:`zerojax._jaxpr.walk`: every equation is bound again, in the trace they run in, and
 every sub-program (a ``scan`` body, a ``checkpoint``, a custom derivative's primal and
 rule) is re-traced by the same walk. A subclass says what it does differently with
 :meth:`Retracer.replace` (an equation replaced), :meth:`Retracer.param` (a parameter
 replaced) and :meth:`Retracer.mesh` (the abstract mesh an equation is bound under, by
 default the one it was traced under). Everything read of JAX's program form goes through
-:mod:`zerojax.sharding.jax_compat`.
+:mod:`zerojax._jaxpr`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 
 import jax
 
-from zerojax.sharding import jax_compat, walk
-from zerojax.sharding.jax_compat import Equation, Jaxpr
+from zerojax._jaxpr import form, walk
+from zerojax._jaxpr.form import Equation, Jaxpr
 
 
 class Retracer(walk.Evaluate):
@@ -29,7 +29,7 @@ class Retracer(walk.Evaluate):
 
     def program(self, closed: Any) -> Any:
         """``closed`` re-traced here, in the current trace's context."""
-        jaxpr, consts = jax_compat.open_jaxpr(closed)
+        jaxpr, consts = form.open_jaxpr(closed)
         return self._retrace(jaxpr, consts)
 
     def evaluate(self, closed: Any, args: Sequence[Any]) -> list[Any]:
@@ -48,14 +48,14 @@ class Retracer(walk.Evaluate):
 
     # The walk's binding: parameters rewritten, sub-programs re-traced.
     def bind(self, eqn: Equation, ins: list[Any]) -> list[Any]:
-        return jax_compat.rebind(eqn, ins, program=self._sub, rule=self._rule, param=self.param, mesh=self.mesh)
+        return form.rebind(eqn, ins, program=self._sub, rule=self._rule, param=self.param, mesh=self.mesh)
 
     def _retrace(self, jaxpr: Jaxpr, consts: Sequence[Any]) -> Any:
-        avals = [jax_compat.shape_struct(v) for v in jaxpr.invars]
+        avals = [form.shape_struct(v) for v in jaxpr.invars]
         return jax.make_jaxpr(lambda *args: self.run(jaxpr, consts, args))(*avals)
 
     def _sub(self, program: Any) -> Any:
-        return jax_compat.like(program, self._retrace(*jax_compat.open_jaxpr(program)))
+        return form.like(program, self._retrace(*form.open_jaxpr(program)))
 
     def _rule(self, jaxpr: Jaxpr, consts: Sequence[Any]) -> tuple[Any, tuple]:
-        return jax_compat.open_jaxpr(self._retrace(jaxpr, consts))
+        return form.open_jaxpr(self._retrace(jaxpr, consts))
