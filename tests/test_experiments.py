@@ -383,6 +383,23 @@ def test_prefetch_script_structure(capsys):
     assert "| 3, prefetch 1 | none |" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # reason: six GPT steps compiled (about 20 s); the no-reading path trains in test_jax_releases
+def test_program_reading_script_agrees_and_shows_the_memory_cost(capsys):
+    """Each step gives the same loss with and without reading the program; stage 3 without
+    it holds more per device than with it (the whole model gathered), and gathers each
+    parameter once instead of once per use."""
+    from experiments import program_reading
+
+    rows = program_reading.main(["--d-model", "64", "--layers", "2", "--batch", "8", "--repeats", "1"])
+    by = {(r["stage"], r["remat"], r["read"]): r for r in rows}
+    for stage, remat, _ in by:
+        assert by[(stage, remat, "yes")]["loss"] == pytest.approx(by[(stage, remat, "no")]["loss"], rel=1e-6)
+    assert by[(3, "none", "no")]["total_mib"] > by[(3, "none", "yes")]["total_mib"]
+    assert by[(3, "full", "no")]["total_mib"] > by[(3, "full", "yes")]["total_mib"]
+    assert by[(3, "none", "no")]["gathers"] < by[(3, "none", "yes")]["gathers"]
+    assert "| 3 | full | no |" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_offload_script_matches_the_formulas_and_the_run_without():
     from experiments import offload
