@@ -2,7 +2,7 @@
 
 * zerojax's own: the loss is traced to a jaxpr and re-evaluated with each parameter
   pending (zerojax/sharding/per_use.py, which reads JAX's program form only through
-  zerojax/sharding/jax_compat.py);
+  zerojax/_jaxpr/);
 * quax (custom array types through unmodified code): each sharded parameter is a
   ``quax.ArrayValue`` whose ``materialise`` is the all-gather; quax's interpreter decides
   where it materialises.
