@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import itertools
 import random
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -598,3 +599,22 @@ def test_combination_trains_like_single_device_optax(row, tmp_path):
             np.testing.assert_array_equal(
                 np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=jax.tree_util.keystr(path)
             )
+
+
+@pytest.mark.slow  # reason: the matrix again (about 50 s); the no-reading path's pairwise set is in the default set
+@pytest.mark.parametrize("row", ROWS, ids=row_id)
+def test_combination_without_reading_programs(row, tmp_path, monkeypatch):
+    """The same matrix through the path that reads no program (a JAX release zerojax does not
+    know, or ZEROJAX_NO_PROGRAM_READING=1): every row trains like single-device optax, but
+    those whose feature needs a program read (the model's own sharding, a tensor x context
+    mesh), which are refused with the fix before anything runs."""
+    from zerojax._jaxpr.check import ENV, ProgramReadingOff, ProgramReadingRequired
+
+    monkeypatch.setenv(ENV, "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ProgramReadingOff)
+        if row["axis_map"] or row["mesh"] == "tensor+context":
+            with pytest.raises(ProgramReadingRequired, match=r"or unset ZEROJAX_NO_PROGRAM_READING"):
+                test_combination_trains_like_single_device_optax(row, tmp_path)
+        else:
+            test_combination_trains_like_single_device_optax(row, tmp_path)
