@@ -58,13 +58,3 @@ def where(eqn: Equation, frames: int = 4) -> str:
         return source_info_util.summarize(eqn.source_info)
     except Exception:  # noqa: BLE001
         return "unknown source line"
-
-
-def source_files(eqn: Equation) -> tuple[str, ...]:
-    """The files of every frame that made ``eqn`` (JAX's own included), innermost first;
-    () where JAX kept no traceback."""
-    try:
-        tb = eqn.source_info.traceback
-        return tuple(f.file_name for f in tb.frames) if tb is not None else ()
-    except Exception:  # noqa: BLE001 - a traceback JAX did not keep reads as none
-        return ()
