@@ -18,7 +18,7 @@ global loss and its gradient: no gradient flows through a collective. Over the c
 and expert axes (automatic in the step) the arrays are already global.
 
 **Gradient accumulation**: each micro-batch's losses are over that micro-batch's global
-tokens, and the step averages them over micro-batches, as it averages the loss (DeepSpeed
+tokens (micro-batch ``j`` is the global rows ``g % k == j``, on every mesh), and the step averages them over micro-batches, as it averages the loss (DeepSpeed
 computes its ``l_aux`` per micro-batch too). It is not the loss over the accumulated
 batch: ``fᵢ · Pᵢ`` is not linear in the tokens.
 """

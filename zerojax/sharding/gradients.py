@@ -12,7 +12,8 @@ programs compute gradients; each ZeRO stage (:mod:`zerojax.sharding.stages`) use
   stage 3 all-gathers each parameter where it is used, in forward and again in backward.
 
 Gradients cross devices in ``reduce_dtype``. With ``grad_accum_steps = k`` each device
-runs k micro-batches in a ``scan``; per-use gradients reduce-scatter every micro-batch into
+runs k micro-batches in a ``scan`` (micro-batch ``j`` is the global rows ``g % k == j`` on
+every mesh: :func:`micro_batches`); per-use gradients reduce-scatter every micro-batch into
 a sharded fp32 accumulator, replicated ones accumulate the full gradient and reduce once.
 
 Each device back-propagates its local mean loss times ``scale / k`` (DeepSpeed's
@@ -187,12 +188,15 @@ class Loss:
         """Runs ``fn(micro_batch, key, model_state) -> (loss, aux, grads, model_state)`` on the
         k micro-batches of ``batch`` in order, with ``key`` folded with each micro-batch's
         index and the model state carried from one to the next; sums the gradients (fp32),
-        averages the loss and combines the aux by its rules."""
+        averages the loss and combines the aux by its rules.
+
+        Micro-batch ``j`` is the global rows ``g`` with ``g % k == j``, on every mesh and
+        process count (:func:`micro_batches`)."""
         k = self.plan.config.grad_accum_steps
         key_of = lambda j: None if key is None else jax.random.fold_in(key, j)
         if k == 1:
             return fn(batch, key_of(0), model_state)
-        micro = jax.tree.map(lambda b: b.reshape((k, b.shape[0] // k) + b.shape[1:]), batch)
+        micro = micro_batches(batch, k)
         _, _, grads_s, _ = jax.eval_shape(fn, jax.tree.map(lambda b: b[0], micro), key_of(0), model_state)
 
         def step(carry, xs):
@@ -204,6 +208,18 @@ class Loss:
         zeros = [jnp.zeros(g.shape, g.dtype) for g in grads_s]
         (grads, ms), (values, auxes) = jax.lax.scan(step, (zeros, model_state), (micro, jnp.arange(k)))
         return jnp.mean(values), (self.aux.over_micro_batches(auxes) if self.has_aux else None), grads, ms
+
+
+def micro_batches(batch: Any, k: int) -> Any:
+    """One device's rows ``[m, ...]`` -> ``[k, m // k, ...]``, strided: local row ``r`` goes
+    to micro-batch ``r % k``. A device's rows are a contiguous block of the global batch
+    starting at a multiple of ``m`` (and ``k`` divides ``m``), so micro-batch ``j`` holds
+    the global rows ``g`` with ``g % k == j`` whatever the number of data devices: a loss
+    that is not linear in its rows (a MoE load-balancing loss, BatchNorm statistics synced
+    over devices, a per-micro-batch normalisation) is the same on every mesh, and an
+    elastic resume keeps it. Contiguous blocks (``reshape((k, m // k))``) would give
+    micro-batch ``j`` a different set of global rows on each data degree."""
+    return jax.tree.map(lambda b: b.reshape((b.shape[0] // k, k) + b.shape[1:]).swapaxes(0, 1), batch)
 
 
 def on_cpu(plan: ZeroPlan) -> bool:

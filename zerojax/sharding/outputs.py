@@ -6,8 +6,8 @@ Every output leaf says how those per-device values make one result:
 * ``"mean"``: the mean over micro-batches and devices (floating leaves only; for a scalar
   metric that is a mean over equal-sized shares of the batch, this is the global mean);
 * ``"sum"``: the sum (counts, totals; booleans count as 0/1);
-* ``"concat"``: per-example rows, concatenated along the leading axis in global batch
-  order (micro-batches in order within a device, devices in mesh order).
+* ``"concat"``: per-example rows, in global batch order (each device's rows put back in
+  their order from its strided micro-batches, devices in mesh order).
 
 By default a floating scalar is averaged; every other leaf must be given a rule, because
 averaging per-example predictions element by element, or an integer count into a float,
@@ -46,7 +46,8 @@ class Combine:
                 return jnp.mean(_summable(x), axis=0)
             if rule == "sum":
                 return jnp.sum(_summable(x), axis=0)
-            return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+            # micro-batch j holds the device's rows j, j + k, ...: back to row order
+            return x.swapaxes(0, 1).reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
         return self._map(one, stacked)
 
