@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from zerojax.config import ZeroConfig
+from zerojax.nnx import held
 from zerojax.nnx.model import Parts, build
 from zerojax.params import gather_params
 from zerojax.state import ZeroState, init_state
@@ -38,8 +39,10 @@ class Optimizer:
 
     The module's ``nnx.BatchStat`` (and any other Variable that is neither a parameter nor
     an rng stream) are the model state, and its ``nnx.Rngs`` streams drive dropout: see
-    :mod:`zerojax.nnx.model`. Train with :func:`zerojax.nnx.make_train_step`; take the
-    trained module back with :meth:`gathered_model`. ``state`` is the :class:`zerojax.ZeroState`
+    :mod:`zerojax.nnx.model`. Train with :func:`zerojax.nnx.make_train_step`. As with
+    ``nnx.Optimizer``, the module given holds the trained values after every step
+    (:attr:`model`; sharded where ZeRO stores them evenly); :meth:`gathered_model` gives a
+    copy with every parameter whole. ``state`` is the :class:`zerojax.ZeroState`
     (for ``zj.report.state_bytes_per_device``, ``communication_report`` and the rest).
 
     Example:
@@ -75,9 +78,53 @@ class Optimizer:
         else:
             params = lambda: self.parts.split(init_fn())[0]
             model_state = lambda: self.parts.split(init_fn())[1]
-        self.state: ZeroState = init_state(
+        # The module given holds the trained values after every change of the state (as
+        # nnx.Optimizer leaves it); a module built here by a function is made on first use.
+        self._module = module if init_fn is None else None
+        self._state: ZeroState = init_state(
             params, tx, mesh=mesh, config=config, rng=rng, model_state=model_state, trainable=trainable
         )
+
+    @property
+    def state(self) -> ZeroState:
+        """The :class:`zerojax.ZeroState` (parameters, optimizer state and model state, sharded)."""
+        return self._state
+
+    @state.setter
+    def state(self, new: ZeroState) -> None:
+        if not isinstance(new, ZeroState):
+            raise TypeError(f"Optimizer.state must be a zj.ZeroState, got {type(new).__name__}.")
+        self._state = new
+        if self._module is not None:
+            self._hold(self._module)
+
+    @property
+    def model(self) -> nnx.Module:
+        """The module, holding the current parameters and model state (see
+        :mod:`zerojax.nnx.held`): the module given, updated in place after every step as
+        ``nnx.Optimizer`` does, or one made from the state when a function built it. Its
+        parameters stay sharded where ZeRO stores them evenly; :meth:`gathered_model`
+        gives a copy with every parameter whole."""
+        if self._module is None:
+            model_state = jax.tree.map(jnp.copy, self.state.model_state)
+            frozen = [l.from_storage(x) for l, x in zip(self.state.plan.frozen_layouts, self._frozen_leaves())]
+            self._module = self.parts.merge(self.state.plan.unflatten(self._join(frozen)), model_state)
+        return self._module
+
+    def _frozen_leaves(self) -> list:
+        return jax.tree.leaves(self.state.frozen) if self.state.frozen is not None else []
+
+    def _join(self, frozen: list) -> list:
+        return self.state.plan.join(held.trained_values(self.state), frozen)
+
+    def _hold(self, module: nnx.Module) -> None:
+        """Puts the state's trained values and model state into ``module`` (in place)."""
+        plan = self.state.plan
+        params, _ = self.parts.split(module)
+        _, frozen = plan.split(jax.tree.leaves(params))
+        nnx.update(module, plan.unflatten(self._join(frozen)))
+        model_state = self.state.model_state
+        nnx.update(module, self.parts.unpack(model_state["rngs"]), model_state["rest"])
 
     @property
     def step(self) -> int:
