@@ -130,6 +130,45 @@ def sync_batch_norms(model: nnx.Module, axes: str | tuple[str, ...]) -> None:
             module.axis_name = axes
 
 
+def remat_listed_blocks(model: nnx.Module, spec: Any) -> int:
+    """Makes each call of a block held in a list (``nnx.List`` or a Python list or tuple of
+    two or more modules of one class: the usual way to write unrolled layers in NNX) one
+    remat region with the policy ``spec`` (:func:`zerojax.remat.nnx_module`), in place;
+    blocks whose class already rematerializes are left as they are. ``model`` is the
+    step's own copy, made for this trace. Returns how many blocks it changed."""
+    from zerojax.remat import Remat
+
+    changed = 0
+    for _, module in nnx.iter_modules(model):
+        for value in vars(module).values():
+            if not isinstance(value, _SEQUENCES):
+                continue
+            blocks = [v for v in value if isinstance(v, nnx.Module)]
+            if len(blocks) < 2 or len({type(b) for b in blocks}) != 1:
+                continue
+            cls = type(blocks[0])
+            if isinstance(getattr(cls, "zerojax_remat", None), Remat):
+                continue
+            remat_cls = _remat_class(cls, spec)
+            for b in blocks:
+                b.__class__ = remat_cls
+                changed += 1
+    return changed
+
+
+_SEQUENCES = (list, tuple) + ((nnx.List,) if hasattr(nnx, "List") else ())
+_REMAT_CLASSES: dict = {}  # (block class, policy) -> its remat subclass: one per pair
+
+
+def _remat_class(cls: type, spec: Any) -> type:
+    from zerojax.remat import nnx_module
+
+    key = (cls, spec)
+    if key not in _REMAT_CLASSES:
+        _REMAT_CLASSES[key] = nnx_module(cls, spec)
+    return _REMAT_CLASSES[key]
+
+
 def _key_impl(key: Any) -> Any:
     """The implementation of a key array, or of an abstract one (from ``nnx.eval_shape``)."""
     if isinstance(key, jax.Array):

@@ -6,7 +6,9 @@ where it runs), with this device's rows of the batch. The train step runs it in 
 mode (``model.train()``: dropout on, BatchNorm batch statistics), the eval step in
 evaluation mode (``model.eval()``). An ``nnx.BatchNorm`` without an ``axis_name`` takes
 the global batch's statistics, as on one device, unless the optimizer was built with
-``sync_batch_stats=False``.
+``sync_batch_stats=False``. ``ZeroConfig(remat=...)`` applies to each layer loop
+(``nnx.scan``) and to each block held in a list (``nnx.List`` of one block class): one
+remat region per block call.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 import jax
 
 from zerojax.evaluate import EvalStep as ZeroEvalStep
-from zerojax.nnx.model import sync_batch_norms
+from zerojax.nnx.model import remat_listed_blocks, sync_batch_norms
 from zerojax.nnx.optimizer import Optimizer
 from zerojax.sharding.mesh import batch_axes
 from zerojax.step import LossScaleError
@@ -59,12 +61,15 @@ class TrainStep:
         if step is None:
             parts, user, has_aux = optimizer.parts, self.loss_fn, self.has_aux
             sync = _batch_axes(optimizer)
+            remat = optimizer.config.remat
 
             def loss(params, batch, rng=None, model_state=None):
                 model = parts.merge(params, model_state, salt=rng)
                 model.train()
                 if sync:
                     sync_batch_norms(model, sync)
+                if remat.active:  # the config's policy reaches layers held in a list too
+                    remat_listed_blocks(model, remat)
                 out = user(model, batch)
                 new = parts.new_model_state(model, model_state)
                 if has_aux:

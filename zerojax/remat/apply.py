@@ -38,7 +38,7 @@ def nnx_module(cls: type[nnx.Module], spec: str | Remat | None) -> type[nnx.Modu
     if not r.active:
         return cls
     call = nnx.remat(cls.__call__, policy=r.jax_policy())
-    return type(f"Remat{cls.__name__}", (cls,), {"__call__": call, "__module__": cls.__module__})
+    return type(f"Remat{cls.__name__}", (cls,), {"__call__": call, "__module__": cls.__module__, "zerojax_remat": r})
 
 
 def linen_module(cls: type[nn.Module], spec: str | Remat | None, **kwargs: Any) -> type[nn.Module]:

@@ -455,7 +455,31 @@ def traced(
         else:
             batch_sds = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape, b.dtype), batch)
             closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(list(param_shapes), batch_sds)
+        if ctx.scan_remat is not None and ctx.scan_remat.active:
+            warn_if_no_layer_regions(closed, ctx.scan_remat)
         outs = call_per_use(closed, params, jax.tree.leaves(batch), ctx)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
     return call
+
+
+class RematNotApplied(UserWarning):
+    """``ZeroConfig(remat=...)`` found no layer to apply to: nothing is rematerialized."""
+
+
+def warn_if_no_layer_regions(closed: Any, remat: Any) -> None:
+    """Warns when the loss has no layer loop (``scan``) for the config's remat policy to
+    apply to, and no remat region of its own: unrolled layers (a Python loop over a list
+    of blocks) would otherwise keep every activation with no word."""
+    jaxpr, _ = form.open_jaxpr(closed)
+    if any(constructs.is_scan(e) or constructs.is_remat(e) for e in walk.equations(jaxpr)):
+        return
+    warnings.warn(
+        f"ZeroConfig(remat={remat.kind!r}) applies to each layer loop (scan) of the loss, and this loss has "
+        "none (its layers are unrolled) and no remat region of its own: nothing is rematerialized. Run the "
+        "layers as a scan (nnx.scan, nn.scan, lax.scan over stacked layers), or make each block a remat "
+        "region in the model: Block = zj.remat.nnx_module(Block, ...), zj.remat.linen_module(Block, ...) "
+        "or zj.remat.checkpoint(block_fn, ...). (zj.nnx steps do this for blocks held in an nnx.List.)",
+        RematNotApplied,
+        stacklevel=2,
+    )
