@@ -216,9 +216,10 @@ def test_bad_input():
 
 
 @pytest.mark.slow  # reason: 12 s, two doc scripts in their own processes; the NNX API is tested in the default set
-def test_nnx_doc_scripts_run_and_differ_by_five_lines(capsys):
+def test_nnx_doc_scripts_run_and_differ_by_four_lines(capsys):
     """docs/nnx.md: the single-device NNX script and the zerojax one both train; the
-    zerojax one writes at most 5 lines and deletes only the hand-written step."""
+    zerojax one writes at most 4 lines and deletes only the hand-written step (the module
+    is trained in place, as nnx.Optimizer trains it)."""
     import difflib
     import pathlib
     import re
@@ -228,7 +229,7 @@ def test_nnx_doc_scripts_run_and_differ_by_five_lines(capsys):
     ops = difflib.SequenceMatcher(None, single.splitlines(), zero.splitlines()).get_opcodes()
     written = sum(j2 - j1 for tag, _, _, j1, j2 in ops if tag in ("replace", "insert"))
     deleted = sum(max(0, (i2 - i1) - (j2 - j1)) for tag, i1, i2, j1, j2 in ops if tag in ("replace", "delete"))
-    assert written <= 5 and deleted <= 5, (written, deleted)
+    assert written <= 4 and deleted <= 5, (written, deleted)
     results = []
     for source in (single, zero):
         exec(compile(source, "docs/nnx.md", "exec"), {"__name__": "__doc__"})

@@ -49,7 +49,9 @@ class ZeroConfig:
       remat: a rematerialization policy (a name of :mod:`zerojax.remat` or a
         ``zj.remat.Remat``) applied to every layer loop (``scan``) of the loss, one layer
         per remat region, with no change to the model. Unrolled layers opt in with
-        ``zj.remat.nnx_module`` / ``zj.remat.linen_module``.
+        ``zj.remat.nnx_module`` / ``zj.remat.linen_module`` (``zj.nnx`` steps do it for
+        blocks held in an ``nnx.List``); a loss with neither gets a ``RematNotApplied``
+        warning.
       prefetch: stage 3: gather this many layers ahead of their use, so that a gather
         overlaps the compute of the layers before it (0: each layer is gathered when it is
         reached). A ``scan`` over stacked layers then recomputes each layer's forward in
