@@ -1,8 +1,10 @@
 """Bad input is rejected before any compute, with a message naming the value and the fix."""
 
+import dataclasses
 import os
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -90,7 +92,7 @@ def test_mesh_without_configured_axis():
 def test_state_and_step_must_agree(setup):
     mesh, _, state = setup
     step = zj.make_train_step(models.mlp_loss, TX, mesh=mesh, config=zj.ZeroConfig(stage=1))
-    with pytest.raises(ValueError, match="state was built for .*stage=3.*this train step uses .*stage=1"):
+    with pytest.raises(ValueError, match=r"different settings \(state -> train step\): config: stage: 3 -> 1\. "):
         step(state, models.batch(16))
 
 
@@ -178,3 +180,87 @@ def test_stage3_only_settings_are_refused_alike_below_stage_3(stage):
     ):
         zj.ZeroConfig(stage=stage, gather_dtype="int8")
     assert zj.ZeroConfig(stage=3, prefetch=2).prefetch == 2
+
+
+def test_a_config_prints_what_differs_from_the_defaults_as_code():
+    """repr is code() (not every group's defaults), it evaluates, a named remat policy
+    included, and differences() names only the fields that differ."""
+    cfgs = [
+        zj.ZeroConfig(),
+        zj.ZeroConfig(stage=2, compute_dtype="bfloat16", grad_accum_steps=4),
+        zj.ZeroConfig(remat=zj.remat.Remat("names", names=("attn_out",)), offload={"optimizer": True}),
+    ]
+    for cfg in cfgs:
+        assert repr(cfg) == cfg.code() and eval(repr(cfg), {"zj": zj}) == cfg
+    assert repr(cfgs[0]) == "zj.ZeroConfig(stage=3)"
+    assert cfgs[1].differences(cfgs[2]) == (
+        "stage: 2 -> 3; compute_dtype: 'bfloat16' -> 'float32'; grad_accum_steps: 4 -> 1; "
+        "remat: Remat(kind='none', names=()) -> Remat(kind='names', names=('attn_out',)); "
+        "offload.optimizer: False -> True"
+    )
+    assert cfgs[0].differences(zj.ZeroConfig()) == "none"
+
+
+def test_batch_leaves_with_different_row_counts_name_both(setup):
+    mesh, cfg, state = setup
+    step = zj.make_train_step(models.mlp_loss, TX, mesh=mesh, config=cfg)
+    b = {"x": models.batch(16)["x"], "y": models.batch(32)["y"]}
+    with pytest.raises(ValueError, match=r"\['x'\] has 16 and \['y'\] has 32"):
+        step(state, b)
+
+
+def test_a_batch_committed_to_one_device_is_placed_on_the_mesh(setup):
+    """A single-device loader's habit (jax.device_put(x, jax.devices()[0])) is moved onto the
+    mesh, giving the step of the uncommitted batch."""
+    mesh, cfg, _ = setup
+    cfg = dataclasses.replace(cfg, donate=False)
+    state = zj.init_state(models.mlp_params(), TX, mesh=mesh, config=cfg)
+    step = zj.make_train_step(models.mlp_loss, TX, mesh=mesh, config=cfg)
+    b = models.batch(16)
+    on_one = jax.tree.map(lambda x: jax.device_put(x, jax.devices()[3]), b)
+    assert all(x.committed for x in jax.tree.leaves(on_one))
+    _, want = step(state, b)
+    _, got = step(state, on_one)
+    assert float(got["loss"]) == float(want["loss"]) and float(got["grad_norm"]) == float(want["grad_norm"])
+
+
+def test_a_flax_style_call_names_the_zerojax_call(setup):
+    from flax import nnx
+
+    mesh, cfg, state = setup
+    step = zj.make_train_step(models.mlp_loss, TX, mesh=mesh, config=cfg)
+    with pytest.raises(TypeError, match=r"called as step\(state, batch\) -> \(state, metrics\); it got 3"):
+        step(state, state, models.batch(16))
+    model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    opt = zj.nnx.Optimizer(model, TX, mesh=mesh, config=cfg)
+    train_step = zj.nnx.make_train_step(lambda m, b: jnp.mean(m(b) ** 2))
+    with pytest.raises(TypeError, match=r"train_step\(optimizer, batch\), not as Flax's"):
+        train_step(model, opt, jnp.ones((8, 3)))
+
+
+def test_float16_scaling_knobs_without_float16_say_they_do_nothing(monkeypatch):
+    from zerojax.config import zero as Z
+
+    monkeypatch.setattr(Z, "_said_unused_scaling", False)
+    with pytest.warns(
+        UserWarning, match=r"sets initial_scale_power, loss_scale_window.*'bfloat16' runs no loss scaling"
+    ):
+        zj.ZeroConfig(compute_dtype="bfloat16", loss_scaling={"initial_scale_power": 12, "loss_scale_window": 10})
+    monkeypatch.setattr(Z, "_said_unused_scaling", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        zj.ZeroConfig(compute_dtype="float16", loss_scaling={"initial_scale_power": 12})  # used: no word
+        zj.ZeroConfig(compute_dtype="bfloat16")
+
+
+def test_initialize_after_jax_was_used_says_it_fails_under_a_launcher(monkeypatch):
+    """In one process a late zj.distributed.initialize() works; it says that the same
+    script fails under a launcher (the backends here are up: the fixtures made arrays)."""
+    from zerojax.distributed import init
+
+    monkeypatch.setattr(init, "_CALLED", False)
+    with pytest.warns(UserWarning, match=r"called after JAX was used.*under a launcher the same script fails"):
+        zj.distributed.initialize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        zj.distributed.initialize()  # a second call is not a late first one

@@ -14,7 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zerojax import compile_cache
 from zerojax.config import ZeroConfig
@@ -270,8 +271,15 @@ class TrainStep:
         check_batch(batch, *row_split(self.mesh, self.config), self.config.grad_accum_steps)
         context.check(state.plan, batch)
 
-    def __call__(self, state: ZeroState, batch: Any) -> tuple[ZeroState, dict[str, jax.Array]]:
+    def __call__(self, state: ZeroState, batch: Any, *extra: Any) -> tuple[ZeroState, dict[str, jax.Array]]:
+        if extra:
+            raise TypeError(
+                f"a zerojax train step is called as step(state, batch) -> (state, metrics); it got "
+                f"{2 + len(extra)} arguments. The state holds the parameters and the optimizer state: "
+                "state, metrics = step(state, batch)."
+            )
         self.check(state, batch)
+        batch = place_batch(batch, self.mesh, row_split(self.mesh, self.config)[1])
         with own_sharding_hint(self.config), compile_cache.compiling(state.plan.mesh):
             new_state, metrics = self._jit_for(state)(state, batch)
         if self.timeout_s is not None:
@@ -337,9 +345,12 @@ def check_state(state: Any, config: ZeroConfig, mesh: Mesh, what: str) -> None:
     if not isinstance(state, ZeroState):
         raise TypeError(f"state must come from zj.init_state, got {type(state).__name__}.")
     if state.plan.config != config or state.plan.mesh != mesh:
+        differ = [] if state.plan.config == config else [f"config: {state.plan.config.differences(config)}"]
+        if state.plan.mesh != mesh:
+            differ.append(f"mesh: {dict(state.plan.mesh.shape)} -> {dict(mesh.shape)}")
         raise ValueError(
-            f"state was built for {state.plan.config} on mesh {dict(state.plan.mesh.shape)}, "
-            f"but this {what} uses {config} on mesh {dict(mesh.shape)}. Build both with the same mesh and config."
+            f"state and this {what} were built with different settings (state -> {what}): "
+            f"{'; '.join(differ)}. Build both with the same mesh and config (the state's is {state.plan.config})."
         )
     check_alive(state, f"the {what}")
 
@@ -371,6 +382,18 @@ def check_batch(batch: Any, n: int, axis: str | tuple[str, ...], k: int = 1) -> 
     leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
     if not leaves:
         raise ValueError("batch has no arrays; pass the global batch (leading axis = examples).")
+    rows = {}
+    for path, x in leaves:
+        shape = getattr(x, "shape", None)
+        if shape:
+            rows.setdefault(shape[0], jax.tree_util.keystr(path) or "<root>")
+    if len(rows) > 1:
+        (a, name_a), (b, name_b) = list(rows.items())[:2]
+        raise ValueError(
+            f"batch leaves have different numbers of rows: {name_a} has {a} and {name_b} has {b}. Every "
+            "batch leaf is split over the devices along its first dimension, one row per example: give "
+            "each leaf the global batch's rows (a per-batch constant belongs in the loss, or repeated per row)."
+        )
     for path, x in leaves:
         shape = getattr(x, "shape", None)
         name = jax.tree_util.keystr(path) or "<root>"
@@ -391,6 +414,30 @@ def check_batch(batch: Any, n: int, axis: str | tuple[str, ...], k: int = 1) -> 
                 f"device, which do not split into grad_accum_steps={k} equal micro-batches. "
                 f"Use a global batch size that is a multiple of {n * k} (devices x grad_accum_steps)."
             )
+
+
+def place_batch(batch: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
+    """The batch with each leaf committed to one device (a single-device loader's habit:
+    ``jax.device_put(x, jax.devices()[0])``) moved onto the mesh, its rows split over
+    ``axes`` as the step takes them; other leaves unchanged. In a multi-process job such a
+    leaf holds only this process's data and is refused, naming the fix."""
+    if mesh.devices.size == 1:
+        return batch
+
+    def one(path, x):
+        if not (isinstance(x, jax.Array) and getattr(x, "committed", False) and len(x.sharding.device_set) == 1):
+            return x
+        if jax.process_count() > 1:
+            raise ValueError(
+                f"batch leaf {jax.tree_util.keystr(path) or '<root>'} is committed to one device "
+                f"({next(iter(x.sharding.device_set))}), but the step splits the global batch over "
+                f"{mesh.devices.size} devices of {jax.process_count()} processes. Build the global batch from "
+                "each process's rows: zj.distributed.data.global_batch(...) or "
+                "jax.make_array_from_process_local_data(...)."
+            )
+        return jax.device_put(x, NamedSharding(mesh, P(axes)))
+
+    return jax.tree_util.tree_map_with_path(one, batch)
 
 
 def make_train_step(

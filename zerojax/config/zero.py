@@ -142,6 +142,7 @@ class ZeroConfig:
 
     def _check_across_groups(self) -> None:
         """The rules that tie a group to the stage or the compute dtype."""
+        _warn_unused_scaling(self)
         ls = self.loss_scaling.loss_scale
         if ls is not None and ls != AUTO and self.compute_dtype != "float16":
             raise ValueError(
@@ -205,11 +206,41 @@ class ZeroConfig:
                     if getattr(value, g.name) != getattr(base, g.name)
                 )
                 parts.append(f"{f.name}=zj.config.{type(value).__name__}({inner})")
-            elif f.name == "remat" and not value.names:
-                parts.append(f"remat={value.kind!r}")  # the policy's name is what ZeroConfig takes
+            elif f.name == "remat":  # a name where that says it all, else the policy itself
+                parts.append(f"remat={value.kind!r}" if not value.names else f"remat=zj.remat.{value!r}")
             else:
                 parts.append(f"{f.name}={value!r}")
         return f"zj.ZeroConfig({', '.join(parts)})"
+
+    def __repr__(self) -> str:
+        """:meth:`code`: only what differs from the defaults, as code that builds it."""
+        return self.code()
+
+    def differences(self, other: ZeroConfig) -> str:
+        """The fields where ``self`` and ``other`` differ, ``name: self's -> other's``
+        (``"none"`` when they are equal).
+
+        Example:
+          >>> import zerojax as zj
+          >>> zj.ZeroConfig(stage=2).differences(zj.ZeroConfig(stage=3, remat="full"))
+          "stage: 2 -> 3; remat: 'none' -> 'full'"
+        """
+        out = []
+        for f in dataclasses.fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if a == b:
+                continue
+            if f.name in GROUPS:
+                out += [
+                    f"{f.name}.{g.name}: {getattr(a, g.name)!r} -> {getattr(b, g.name)!r}"
+                    for g in dataclasses.fields(a)
+                    if getattr(a, g.name) != getattr(b, g.name)
+                ]
+            elif f.name == "remat" and not (a.names or b.names):
+                out.append(f"remat: {a.kind!r} -> {b.kind!r}")
+            else:
+                out.append(f"{f.name}: {a!r} -> {b!r}")
+        return "; ".join(out) or "none"
 
     @property
     def reduce_block(self) -> int | None:
@@ -263,6 +294,42 @@ def _as_group(name: str, cls: type, value: Any) -> Any:
         return cls(**value)
     raise TypeError(
         f"ZeroConfig.{name} must be a zj.config.{cls.__name__} or a dict of its fields, got {type(value).__name__}."
+    )
+
+
+_said_unused_scaling = False
+# The float16 loss-scaling knobs: settings with no effect where no loss scaling runs.
+_SCALING_KNOBS = (
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "min_loss_scale",
+    "raise_at_min_scale",
+)
+
+
+def _warn_unused_scaling(config: ZeroConfig) -> None:
+    """Warns once when float16's dynamic loss-scaling knobs are set where no dynamic
+    scaling runs (bf16 or fp32 compute, or a static or no scale): they would do nothing."""
+    global _said_unused_scaling
+    if _said_unused_scaling or config.dynamic_scaling:
+        return
+    base = LossScaling()
+    set_ = [k for k in _SCALING_KNOBS if getattr(config.loss_scaling, k) != getattr(base, k)]
+    if not set_:
+        return
+    _said_unused_scaling = True
+    why = (
+        f"compute_dtype={config.compute_dtype!r} runs no loss scaling"
+        if config.compute_dtype != "float16"
+        else f"loss_scale={config.loss_scaling.loss_scale!r} is not dynamic"
+    )
+    warnings.warn(
+        f"ZeroConfig.loss_scaling sets {', '.join(set_)}, float16's dynamic loss-scaling settings, but {why}: "
+        "they do nothing. Drop them, or use compute_dtype='float16' (said once).",
+        UserWarning,
+        stacklevel=_caller_level(),
     )
 
 
