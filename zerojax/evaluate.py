@@ -19,7 +19,7 @@ from zerojax.sharding.mesh import auto_axes, batch_devices, row_split
 from zerojax.sharding.plan import ZeroPlan
 from zerojax.sharding.stages import stage_of
 from zerojax.state import ZeroState
-from zerojax.step import check_batch, check_keywords, check_state
+from zerojax.step import check_batch, check_keywords, check_state, place_batch
 
 
 class EvalStep:
@@ -134,6 +134,7 @@ class EvalStep:
 
     def __call__(self, state: ZeroState, batch: Any) -> Any:
         self.check(state, batch)
+        batch = place_batch(batch, self.mesh, row_split(self.mesh, self.config)[1])
         with compile_cache.compiling(state.plan.mesh):
             return self._jit_for(state)(state, batch)
 

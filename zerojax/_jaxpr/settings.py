@@ -36,6 +36,17 @@ def manual_axes(mesh: Any) -> frozenset[str]:
     return frozenset(mesh.manual_axes or ())
 
 
+def backends_initialized() -> bool | None:
+    """Whether JAX has started its backends (made devices, run or placed an array); None
+    where this JAX release does not say (the callers only advise on it)."""
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):
+        return None
+
+
 def distributed_client() -> Any:
     """The coordination service client ``jax.distributed.initialize`` starts (its key-value
     store: ``key_value_set``, ``key_value_dir_get``, ...), or None on one process without

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 
 import jax
 from jax.sharding import Mesh
 
+from zerojax._jaxpr import settings
 from zerojax.distributed.heartbeat import start_heartbeat
 from zerojax.sharding.mesh import make_mesh
 
@@ -15,6 +17,7 @@ ENV_COORDINATOR = "ZEROJAX_COORDINATOR"
 ENV_NUM_PROCESSES = "ZEROJAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "ZEROJAX_PROCESS_ID"
 ENV_LOCAL_DEVICES = "ZEROJAX_LOCAL_DEVICES"
+_CALLED = False  # initialize() ran once in this process (a second call is not a late first one)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +98,15 @@ def initialize(
     launch = detect(coordinator_address, num_processes, process_id)
     start_heartbeat()
     local = local_cpu_devices if local_cpu_devices is not None else os.environ.get(ENV_LOCAL_DEVICES)
+    global _CALLED
+    if launch.launcher == "single" and local is None and not _CALLED and settings.backends_initialized():
+        warnings.warn(
+            "zj.distributed.initialize() was called after JAX was used (an array was made or a device "
+            "listed): that works in one process, but under a launcher the same script fails, because "
+            "joining the job must come before anything touches JAX. Call it first.",
+            stacklevel=2,
+        )
+    _CALLED = True
     if launch.launcher != "single" or local is not None:
         try:
             if local is not None:

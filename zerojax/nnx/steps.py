@@ -94,7 +94,13 @@ class TrainStep:
             self._steps[optimizer] = step
         return step
 
-    def __call__(self, optimizer: Optimizer, batch: Any) -> dict[str, jax.Array]:
+    def __call__(self, optimizer: Optimizer, batch: Any, *extra: Any) -> dict[str, jax.Array]:
+        if extra or isinstance(batch, Optimizer):
+            raise TypeError(
+                "a zj.nnx train step is called as metrics = train_step(optimizer, batch), not as Flax's "
+                "train_step(model, optimizer, batch): the optimizer holds the model (optimizer.model, "
+                "trained in place)."
+            )
         step = self.step_for(optimizer)
         try:
             optimizer.state, metrics = step(optimizer.state, batch)
