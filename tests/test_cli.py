@@ -175,6 +175,11 @@ def test_version_and_launch_help_from_the_console_script():
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("usage: zerojax launch") and "--nprocs N" in r.stdout
     assert "-- command [args...]" in r.stdout.splitlines()[0]
+    # Every file the help names is one pip installs or a link: no experiments/ or docs/ path.
+    import re
+
+    assert not re.search(r"(?<!main/)\b(experiments|docs|tests)/", r.stdout), r.stdout
+    assert "https://github.com/zerojax/zerojax/blob/main/docs/fault_tolerance.md" in r.stdout
 
 
 def test_launch_runs_the_command_in_each_process(capsys):
