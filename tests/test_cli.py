@@ -175,6 +175,11 @@ def test_version_and_launch_help_from_the_console_script():
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("usage: zerojax launch") and "--nprocs N" in r.stdout
     assert "-- command [args...]" in r.stdout.splitlines()[0]
+    # Every file the help names is one pip installs or a link: no experiments/ or docs/ path.
+    import re
+
+    assert not re.search(r"(?<!main/)\b(experiments|docs|tests)/", r.stdout), r.stdout
+    assert "https://github.com/zerojax/zerojax/blob/main/docs/fault_tolerance.md" in r.stdout
 
 
 def test_launch_runs_the_command_in_each_process(capsys):
@@ -376,3 +381,44 @@ def test_progress_shows_on_a_terminal_only(monkeypatch):
     assert list(progress.progress(range(2), "ci")) == [0, 1] and term.getvalue() == before
     monkeypatch.setenv("CI", "0")
     assert not progress.quiet()
+
+
+# --- autotune's command line -----------------------------------------------------------------
+
+
+def test_every_autotune_option_says_what_it_does():
+    from zerojax.tuning.cli import parser
+
+    silent = [a.option_strings or a.dest for a in parser()._actions if not a.help]
+    assert not silent, silent
+
+
+@pytest.mark.parametrize("name", [k for k in estimate.MODELS if k.startswith(("llama", "mistral"))])
+def test_autotune_builds_the_llama_presets_estimate_counts(name):
+    """`zerojax autotune --model NAME` takes every Llama preset of `zerojax estimate` and
+    builds zerojax.models' Llama with exactly the parameters the estimate counts."""
+    import argparse
+
+    import jax
+
+    from zerojax.report.estimate import MODELS
+    from zerojax.tuning.cli import LLAMA_SEQ_LEN, _model, parser
+
+    args = parser().parse_args(["--model", name, "--memory", "80GiB"])
+    loss_fn, params, tx, batch, base, what = _model(args, argparse.ArgumentParser(), 8)
+    assert sum(x.size for x in jax.tree.leaves(params)) == MODELS[name].num_params()
+    assert batch["tokens"].shape == (8, LLAMA_SEQ_LEN + 1) and f"Llama ({name})" in what
+    assert base == zj.ZeroConfig()
+
+
+def test_autotune_tunes_a_llama_preset_from_the_command_line(capsys):
+    argv = ["autotune", "--model", "llama3.2-1b", "--d-model", "64", "--layers", "2", "--vocab", "128"]
+    argv += ["--heads", "8", "--seq-len", "16", "--memory", "1GiB", "--stages", "3", "--remat", "none"]
+    argv += ["--offload", "none", "--prefetch", "0", "--accum", "1", "--device", "h100", "--quiet"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Llama (llama3.2-1b) d_model 64, 2 layers, 8 heads (8 key/value)" in out
+    assert "best: zj.ZeroConfig(stage=3" in out
+    with pytest.raises(SystemExit):
+        cli.main(["autotune", "--model", "llama9-1t", "--memory", "1GiB"])
+    assert "unknown --model 'llama9-1t'" in capsys.readouterr().err

@@ -126,3 +126,31 @@ def test_readme_says_how_to_get_simulated_devices_and_what_the_report_total_is(t
     compiled = step.lower(state, jnp.ones((8, 64))).compile()
     value = eval(expr, {"zj": zj, "compiled": compiled})
     assert isinstance(value, int) and value == zj.report.communication_report(compiled)["total"]["bytes"] > 0
+
+
+def test_the_package_metadata_a_user_meets():
+    """What an index page and pip show: a license file, links, the Python range that installs
+    (Flax 0.12 needs 3.11), and a long description whose links work off GitHub too."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    assert "Apache License" in (ROOT / "LICENSE").read_text() and "Version 2.0" in (ROOT / "LICENSE").read_text()
+    assert project["requires-python"] == ">=3.11"
+    assert {"Homepage", "Documentation", "Source", "Issues"} <= set(project["urls"])
+    assert project["readme"] == "README.md"
+    links = re.findall(r"\]\(([^)\s]+)\)", README)
+    relative = [l for l in links if not l.startswith(("https://", "http://", "#"))]
+    assert links and not relative, relative
+    base = "https://github.com/zerojax/zerojax/blob/main/"
+    for link in links:
+        if link.startswith(base):  # each points at a file of the repository
+            assert (ROOT / link[len(base) :].split("#")[0]).exists(), link
+
+
+def test_readme_says_its_blocks_continue_one_script_and_where_the_fixture_is():
+    assert "The Python blocks of this README continue one script" in README
+    fixture = ROOT / "tests/data/hf/llama32_tied"
+    shards = sorted(fixture.glob("model-*-of-*.safetensors"))
+    (line,) = [l for l in README.splitlines() if l.startswith('hf_dir = "tests/data/hf/llama32_tied"')]
+    assert f"{len(shards)} shards" in line and "from a checkout" in README

@@ -150,10 +150,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"zerojax from-deepspeed: {e}", file=sys.stderr)
             return 2
         print(f"config = {t.code()}")
+        says = []
         if t.shard_size is not None:
-            print(f"mesh = {t.mesh_code()}  # refused unless {t.shard_size} divides the device count")
-        elif t.context is not None:
-            print(f"mesh = {t.mesh_code()}  # each sequence over {t.context} devices")
+            says.append(f"refused unless {t.shard_size} divides the device count")
+        if t.context is not None:
+            says.append(f"each sequence over {t.context} devices")
+        if t.tensor is not None:
+            says.append(f"the weights the model annotates split over {t.tensor} devices")
+        if t.expert is not None:
+            says.append(f"the routed experts over {t.expert} devices")
+        if says:
+            print(f"mesh = {t.mesh_code()}  # {'; '.join(says)}")
         if t.optimizer:
             print(f"tx = {t.optimizer}")
         elif t.schedule:

@@ -1,7 +1,7 @@
 """Local multi-process launcher, in the spirit of ``torchrun --standalone``.
 
-    zerojax launch --nprocs 2 --devices-per-proc 4 -- python experiments/train.py ...
-    python -m zerojax.launch --nprocs 2 --devices-per-proc 4 -- python experiments/train.py ...
+    zerojax launch --nprocs 2 --devices-per-proc 4 -- python train.py ...
+    python -m zerojax.launch --nprocs 2 --devices-per-proc 4 -- python train.py ...
 
 Starts ``--nprocs`` copies of the command with the environment that
 ``zj.distributed.initialize()`` reads (coordinator on a free localhost port, process
@@ -412,7 +412,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m zerojax.launc
     ap.add_argument(
         "--verbose", action="store_true", help="also show gloo's connection messages (one per communicator and process)"
     )
-    ft = ap.add_argument_group("fault tolerance (docs/fault_tolerance.md)")
+    ft = ap.add_argument_group("fault tolerance (https://github.com/zerojax/zerojax/blob/main/docs/fault_tolerance.md)")
     ft.add_argument(
         "--max-restarts",
         type=int,
@@ -443,7 +443,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m zerojax.launc
             f"unrecognized arguments: {' '.join(extra)} (the command to run goes after --, e.g. -- {' '.join(extra)})"
         )
     if not cmd:
-        ap.error("give the command after --, e.g. -- python experiments/train.py")
+        ap.error("give the command after --, e.g. -- python train.py")
     try:
         return launch(
             cmd,

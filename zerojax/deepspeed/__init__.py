@@ -21,6 +21,13 @@ not the config: ``zj.make_mesh(group_size=shard_size)``
 ignores it at stages 1–2, and so does the mapping): its exchange is
 hierarchical wherever the mesh has replica groups (inside a group, then across groups),
 which is what DeepSpeed's intra-node/inter-node all-to-all does.
+``stage3_prefetch_bucket_size`` sets ``prefetch`` (1: one whole layer gathered ahead; 0:
+none), ``sequence_parallel_size``, AutoTP's ``tensor_parallel.autotp_size`` and AutoEP's
+``expert_parallel.autoep_size`` are the context, tensor and expert axes of the mesh.
+
+DeepSpeed refuses keys its ``zero_optimization`` model does not have (it forbids extra
+fields), and so does the translation, naming the nearest key; ``gradient_allreduce_op:
+"sum"`` is refused (zerojax averages, as DeepSpeed's default ``"mean"`` does).
 
 DeepSpeed's ``gradient_clipping`` default was 0.0 (off) until PR #8068 (merged
 2026-06-23) made it 1.0, so that configs which omit it are clipped. zerojax follows the

@@ -14,6 +14,7 @@ from typing import Any
 
 from zerojax.config import ZeroConfig
 from zerojax.deepspeed.auto import _resolve_auto
+from zerojax.deepspeed.keys import OFFLOAD_OPTIMIZER_KEYS, OFFLOAD_PARAM_KEYS, ZERO_KEYS, check_keys
 from zerojax.deepspeed.optimizer import _optimizer_lr, _parse_optimizer
 from zerojax.deepspeed.reasons import REASONS
 from zerojax.deepspeed.scheduler import _Schedule, _scheduler
@@ -78,6 +79,7 @@ class Translation:
       context: devices of the context axis (``sequence_parallel_size``, DeepSpeed-Ulysses),
         or None: a property of the mesh, as :attr:`shard_size` is (see :meth:`mesh_code`).
       expert: devices of the expert axis (AutoEP's ``expert_parallel.autoep_size``), or None.
+      tensor: devices of the tensor axis (AutoTP's ``tensor_parallel.autotp_size``), or None.
     """
 
     config: ZeroConfig
@@ -90,6 +92,7 @@ class Translation:
     schedule: str | None = None
     context: int | None = None
     expert: int | None = None
+    tensor: int | None = None
 
     def _mesh_kwargs(self) -> dict[str, int]:
         kw = {}
@@ -99,6 +102,8 @@ class Translation:
             kw["context"] = self.context
         if self.expert is not None:
             kw["expert"] = self.expert
+        if self.tensor is not None:
+            kw["tensor"] = self.tensor
         return kw
 
     def mesh_code(self) -> str:
@@ -106,7 +111,8 @@ class Translation:
         devices ``zj.make_mesh(group_size=shard_size)``, which refuses a size that does not
         divide the devices, as DeepSpeed does and as :meth:`make_mesh` does; with
         ``sequence_parallel_size`` ``context=C`` (the context axis); with AutoEP's
-        ``expert_parallel.autoep_size`` ``expert=E`` (the expert axis)."""
+        ``expert_parallel.autoep_size`` ``expert=E`` (the expert axis); with AutoTP's
+        ``tensor_parallel.autotp_size`` ``tensor=T`` (the tensor axis)."""
         return "zj.make_mesh(" + ", ".join(f"{k}={v}" for k, v in self._mesh_kwargs().items()) + ")"
 
     def make_mesh(self, devices: Any = None) -> Any:
@@ -172,6 +178,7 @@ def _load(source: Any) -> dict:
 def _offload_device(section: Any, key: str, notes: list[str]) -> bool:
     if not isinstance(section, Mapping):
         raise ValueError(f'DeepSpeed key {key!r} must be an object like {{"device": "cpu"}}, got {section!r}.')
+    check_keys(section, OFFLOAD_PARAM_KEYS if key.endswith("offload_param") else OFFLOAD_OPTIMIZER_KEYS, key)
     device = section.get("device", "none")
     if device not in ("cpu", "nvme", "none", None):
         raise ValueError(f"DeepSpeed key '{key}.device' must be 'cpu', 'nvme' or 'none', got {device!r}.")
@@ -233,6 +240,7 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
         zero = {"stage": 1 if zero else 0}
     if not isinstance(zero, Mapping):
         raise ValueError(f"DeepSpeed key 'zero_optimization' must be an object, got {zero!r}.")
+    check_keys(zero, ZERO_KEYS, "zero_optimization")
     stage = zero.get("stage", 0)
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ValueError(f"DeepSpeed key 'zero_optimization.stage' must be 0, 1, 2 or 3, got {stage!r}.")
@@ -301,8 +309,11 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
         offload["group_size"] = _number(
             zero["sub_group_size"], "zero_optimization.sub_group_size", integer=True, minimum=1
         )
+    prefetch = _prefetch(zero, kw["stage"], offload_par, notes, unmapped)
+    if prefetch is not None:
+        kw["prefetch"] = prefetch
     for key, value in zero.items():
-        if key in _ZERO_MAPPED:
+        if key in _ZERO_MAPPED or key in _PREFETCH_KEYS:
             if key in ("offload_optimizer", "offload_param") and isinstance(value, Mapping):
                 for sub in value:
                     if sub != "device":
@@ -310,7 +321,7 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
                         unmapped[path] = REASONS.get(path, "no equivalent")
             continue
         path = f"zero_optimization.{key}"
-        unmapped[path] = REASONS.get(path, "unknown to this mapping (not a DeepSpeed key zerojax knows)")
+        unmapped[path] = REASONS.get(path, "no equivalent in zerojax")
 
     # Precision.
     fp16 = _section(ds, "fp16")
@@ -350,6 +361,7 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
             )
 
     # Gradients.
+    _allreduce_op(ds)
     if "gradient_clipping" in ds:
         clip = _number(ds["gradient_clipping"], "gradient_clipping", minimum=0)
         if clip:
@@ -424,6 +436,8 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
 
     # AutoEP: {"expert_parallel": {"enabled": true, "autoep_size": E, "expert_tensor_parallel_size": 1}}.
     expert = _expert_parallel(ds.get("expert_parallel"), notes, unmapped)
+    # AutoTP: {"tensor_parallel": {"autotp_size": T}} splits the linear layers over T devices (the tensor axis).
+    tensor = _tensor_parallel(ds.get("tensor_parallel"), notes, unmapped)
 
     # Everything else at the top level.
     handled = {
@@ -439,6 +453,8 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
         "scheduler",
         "sequence_parallel_size",
         "expert_parallel",
+        "tensor_parallel",
+        "gradient_allreduce_op",
     }
     for key in ds:
         if key not in handled:
@@ -473,7 +489,95 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
         None if sched.lr is None else sched.lr.code(),
         context,
         expert,
+        tensor,
     )
+
+
+_PREFETCH_KEYS = ("stage3_prefetch_bucket_size", "prefetch_bucket_size")
+
+
+def _prefetch(
+    zero: Mapping, stage: int, offload_params: bool, notes: list[str], unmapped: dict[str, str]
+) -> int | None:
+    """``ZeroConfig.prefetch`` for DeepSpeed's ``stage3_prefetch_bucket_size`` (elements
+    fetched ahead of use; 0 turns prefetching off), or None where the config does not set it
+    or it does not apply. zerojax prefetches whole layers: a positive size is one layer
+    ahead. ``"auto"`` (the HF Trainer's ``0.9 * hidden_size**2``, always positive) is too."""
+    given = [k for k in _PREFETCH_KEYS if k in zero]
+    if len(given) > 1:
+        raise ValueError(
+            "DeepSpeed config sets both 'zero_optimization.stage3_prefetch_bucket_size' and its other name "
+            "'prefetch_bucket_size'; keep one."
+        )
+    if not given:
+        return None
+    key = given[0]
+    path = f"zero_optimization.{key}"
+    value = zero[key]
+    if value != "auto":
+        value = _number(value, path, minimum=0)
+    if stage != 3:
+        unmapped[path] = (
+            f"DeepSpeed prefetches ZeRO-3's parameters only and ignores it at stage {stage}; so does zerojax "
+            "(ZeroConfig(prefetch=1) needs stage 3)"
+        )
+        return None
+    if value == 0:
+        return 0
+    if offload_params:
+        unmapped[path] = (
+            "zerojax's prefetch does not combine with offload_param (the prefetching scan gathers device shards, "
+            "offloaded ones are in host memory): prefetch stays 0"
+        )
+        return None
+    size = "the HF Trainer's 0.9 x hidden_size^2" if value == "auto" else f"{value:g}"
+    notes.append(
+        f"{key}={size} is mapped to prefetch=1: each layer of a scanned stack is gathered one layer ahead "
+        f"of its use (DeepSpeed fetches up to {size} elements ahead; zerojax prefetches whole layers, "
+        f"prefetch=d for d layers), and the stack is recomputed in backward as with remat='full'."
+    )
+    return 1
+
+
+def _allreduce_op(ds: Mapping) -> None:
+    """DeepSpeed's ``gradient_allreduce_op``: ``"mean"`` (its default) is what zerojax does;
+    ``"sum"`` is refused with the fix, as is any other value (DeepSpeed refuses those)."""
+    if "gradient_allreduce_op" not in ds:
+        return
+    op = ds["gradient_allreduce_op"]
+    op = op.lower() if isinstance(op, str) else op
+    if op == "mean":
+        return
+    if op == "sum":
+        raise ValueError(
+            "DeepSpeed key 'gradient_allreduce_op' is 'sum': zerojax averages gradients over the data "
+            "devices (DeepSpeed's 'mean') and cannot sum them. Remove the key (or set 'mean'); for the "
+            "summed gradient, multiply the loss by the number of data-parallel devices."
+        )
+    raise ValueError(f"DeepSpeed key 'gradient_allreduce_op' must be 'mean' or 'sum' (as in DeepSpeed), got {op!r}.")
+
+
+def _tensor_parallel(tp: Any, notes: list[str], unmapped: dict[str, str]) -> int | None:
+    """DeepSpeed AutoTP's ``tensor_parallel`` section: ``autotp_size`` devices split the
+    linear layers (the tensor axis, ``zj.make_mesh(tensor=T)``); None when it is 0 or 1."""
+    if tp is None:
+        return None
+    if not isinstance(tp, Mapping):
+        raise ValueError(f"DeepSpeed key 'tensor_parallel' must be an object, got {tp!r}.")
+    size = _number(tp.get("autotp_size", 0), "tensor_parallel.autotp_size", integer=True, minimum=0)
+    for key in tp:
+        if key != "autotp_size":
+            path = f"tensor_parallel.{key}"
+            unmapped[path] = REASONS.get(path, "no equivalent (zerojax reads the split from the model's annotations)")
+    if size <= 1:
+        return None
+    notes.append(
+        f"tensor_parallel.autotp_size={size} is the tensor axis: build the mesh with zj.make_mesh(tensor={size}). "
+        f"AutoTP splits a Hugging Face model's linear layers by itself; zerojax splits the weights the model "
+        f"annotates (nnx.with_partitioning(init, (None, 'tensor')), init_state(..., tensor_specs=...), or "
+        f"zj.models' LlamaConfig(tensor_parallel=True)), and shards them with ZeRO over the data axes beside."
+    )
+    return size
 
 
 def _expert_parallel(ep: Any, notes: list[str], unmapped: dict[str, str]) -> int | None:

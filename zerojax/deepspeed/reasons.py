@@ -7,23 +7,32 @@ _XLA = "no equivalent: XLA schedules and fuses the collectives"
 _LOADER = (
     "the data loader's job: train_step takes the global batch (micro-batch x accumulation x devices) and splits it"
 )
-_LOGGING = "logging: the train step returns its metrics (experiments/train.py --log writes them)"
+_LOGGING = (
+    "logging: zerojax has no logger of its own; the train step returns its metrics every step (loss, "
+    "grad_norm, loss_scale, skipped) for you to print or write where you log"
+)
+_TIMING = "logging: time the step yourself (jax.block_until_ready on its metrics); XLA fuses it into one program"
+_MONITOR = "logging: write the step's metrics (loss, grad_norm, loss_scale, skipped) with your own writer"
 
 # Reasons for keys that are understood but not mapped (paths as "section.key").
 REASONS: dict[str, str] = {
     "train_batch_size": _LOADER,
     "train_micro_batch_size_per_gpu": _LOADER,
     "steps_per_print": _LOGGING,
-    "wall_clock_breakdown": _LOGGING,
-    "dump_state": _LOGGING,
-    "memory_breakdown": _LOGGING,
-    "tensorboard": _LOGGING,
-    "wandb": _LOGGING,
-    "csv_monitor": _LOGGING,
-    "comet": _LOGGING,
-    "comms_logger": _LOGGING,
-    "flops_profiler": _LOGGING,
-    "timers": _LOGGING,
+    "wall_clock_breakdown": _TIMING,
+    "timers": _TIMING,
+    "dump_state": "print(zj.ZeroConfig(...).code()) and zj.report.state_bytes_per_device(state) show the config "
+    "and the state",
+    "memory_breakdown": "zj.report.state_bytes_per_device(state) and zj.report.step_memory(...) (from the "
+    "compiled step) give the memory per device",
+    "tensorboard": _MONITOR,
+    "wandb": _MONITOR,
+    "csv_monitor": _MONITOR,
+    "comet": _MONITOR,
+    "comms_logger": "zj.report.communication_report(train_step.lower(state, batch).compile()) counts every "
+    "collective of the compiled step, by kind, dtype and mesh axis",
+    "flops_profiler": "the compiled step's cost_analysis() has its FLOPs (train_step.lower(state, batch)"
+    ".compile().cost_analysis())",
     "prescale_gradients": "zerojax averages gradients in fp32 after the reduction (a float16 reduction divides first)",
     "gradient_predivide_factor": "zerojax averages gradients in fp32 after the reduction (a float16 reduction "
     "divides first)",
@@ -46,6 +55,7 @@ REASONS: dict[str, str] = {
     "zero_optimization.reduce_scatter": _XLA,
     "zero_optimization.round_robin_gradients": _XLA,
     "zero_optimization.use_multi_rank_bucket_allreduce": _XLA,
+    # Read by the mapping (ZeroConfig.prefetch); listed so that an "auto" left unfilled is no error.
     "zero_optimization.stage3_prefetch_bucket_size": "zerojax prefetches whole layers: ZeroConfig(prefetch=1)",
     "zero_optimization.stage3_max_live_parameters": "stage 3 gathers each layer where it is used; "
     "ZeroConfig(prefetch=d) bounds the layers live at once",
@@ -60,8 +70,6 @@ REASONS: dict[str, str] = {
     "on_model_save: zerojax export --dtype bfloat16 "
     "writes the consolidated weights",
     "zero_optimization.cpu_offload_use_pin_memory": "legacy key: offloaded state is always in pinned host memory",
-    "zero_optimization.cpu_offload_params": "not a DeepSpeed key (DeepSpeed refuses unknown zero_optimization keys); "
-    "the legacy key is cpu_offload_param, today offload_param",
     "zero_optimization.elastic_checkpoint": "zj.restore_checkpoint restores onto any device count",
     "zero_optimization.load_from_fp32_weights": "checkpoints hold the fp32 masters",
     "zero_optimization.ignore_unused_parameters": "an unused parameter gets a zero gradient",
@@ -82,7 +90,9 @@ REASONS: dict[str, str] = {
     "zero_optimization.offload_param.buffer_size": _XLA,
     "zero_optimization.offload_param.max_in_cpu": "all of the parameters are offloaded",
     "zero_optimization.offload_param.nvme_path": "no NVMe offload: host memory instead",
-    "activation_checkpointing.partition_activations": "no equivalent: no model parallelism to partition over",
+    "activation_checkpointing.partition_activations": "DeepSpeed splits the saved activations over the tensor "
+    "(model-parallel) group; zerojax's nearest: a context axis splits every activation along the sequence "
+    "(zj.make_mesh(context=C)), and ZeroConfig(remat=...) chooses what is saved",
     "activation_checkpointing.cpu_checkpointing": "the nearest is a host-offload policy: ZeroConfig(remat="
     "'offload_dots') or zj.remat.Remat('offload_names', ...)",
     "activation_checkpointing.contiguous_memory_optimization": _XLA,
@@ -112,8 +122,27 @@ for _k in ("override_module_apply", "pipeline_loading_checkpoint"):
     REASONS[f"zero_optimization.{_k}"] = "no equivalent"
 for _k in ("log_trace_cache_warnings", "enable_sanity_checks"):
     REASONS[f"zero_optimization.{_k}"] = _LOGGING
-for _k in ("pipeline", "tensor_parallel"):
-    REASONS[_k] = "no equivalent: zerojax is data parallel (ZeRO) only"
+REASONS["pipeline"] = (
+    "pipeline parallelism is not built in zerojax yet (it is planned): each device runs every layer. zerojax "
+    "splits a model over tensor, context and expert axes beside ZeRO's data axis (zj.make_mesh(tensor=T, "
+    "context=C, expert=E))"
+)
+REASONS["tensor_parallel.tp_overlap_comm"] = _XLA
+REASONS["tensor_parallel.partition_config"] = (
+    "zerojax reads the split from the model's own annotations (nnx.with_partitioning, tensor_specs=...)"
+)
+REASONS["tensor_parallel.dtype"] = "set the compute dtype with the bf16 / fp16 sections (ZeroConfig.compute_dtype)"
+REASONS["disable_allgather"] = _XLA
+REASONS["gradient_allreduce_op"] = "zerojax averages gradients, DeepSpeed's 'mean'"
+REASONS["autotuning"] = (
+    "zerojax's autotuner is zj.autotune (and `zerojax autotune`): it compiles each candidate configuration "
+    "ahead of time and prices it from the compiled program, with no trial run"
+)
+REASONS["elasticity"] = (
+    "DeepSpeed's elasticity picks batch sizes valid across GPU counts; zerojax.resume.Run resumes a run on "
+    "another device count (run.micro_batches(config, mesh, global_batch) keeps the global batch) and "
+    "zj.restore_checkpoint restores onto any device count"
+)
 REASONS["moe"] = (
     "no equivalent: DeepSpeed-MoE's ep_size is an argument of deepspeed.moe.layer.MoE in the model; "
     "zerojax's is zj.make_mesh(expert=E) (docs/moe.md)"
@@ -125,8 +154,6 @@ for _k in (
     "compression_training",
     "data_efficiency",
     "curriculum_learning",
-    "autotuning",
-    "elasticity",
     "aio",
     "nebula",
     "compile",
@@ -139,3 +166,16 @@ for _k in (
     "communication_compression",
 ):
     REASONS.setdefault(_k, "no equivalent in zerojax")
+REASONS["zero_optimization.zenflow"] = "no equivalent: the optimizer updates every parameter at every step"
+REASONS["zero_optimization.zeropp_loco_param"] = (
+    "no equivalent: int8 gradients (reduce_dtype='int8') carry no error feedback"
+)
+REASONS["zero_optimization.leaf_module"] = (
+    "no equivalent: stage 3 gathers each parameter where the traced loss uses it, with no module hooks"
+)
+for _k in ("partition_stream_chunk_size", "stage3_partition_stream_chunk_size"):
+    REASONS[f"zero_optimization.{_k}"] = (
+        "no equivalent: init_state places each parameter's shards as it is given them; to build a model "
+        "larger than one device, give init_state a function that builds the parameters"
+    )
+REASONS["zero_optimization.save_muon_momentum_buffer_in_memory"] = "no NVMe offload: the state is in memory"

@@ -6,7 +6,9 @@
 
 ``--model gpt`` builds the experiments' GPT (``zerojax.models.gpt``)
 from ``--d-model``, ``--layers``, ``--heads``, ``--seq-len`` and ``--vocab``; ``--model NAME``
-takes those from a GPT preset of ``zerojax estimate`` (``gpt2-small`` … ``gpt-7.5b``).
+takes those from a preset of ``zerojax estimate``: the GPT presets (``gpt2-small`` …
+``gpt-7.5b``) build the GPT, the Llama and Mistral presets (``llama3-8b``, ``mistral-7b``, …)
+``zerojax.models``' Llama (sequences of 2048 tokens unless ``--seq-len`` says).
 ``module:function`` imports ``module`` (from the current directory too) and calls
 ``function()``, which returns ``(loss_fn, params, tx, batch)`` or
 ``(loss_fn, params, tx, batch, config)``; params and batch may be shapes.
@@ -30,6 +32,13 @@ from collections.abc import Sequence
 from typing import Any
 
 OPTIMIZERS = ("adam", "adamw", "sgd", "adafactor")
+LLAMA_SEQ_LEN = 2048  # tokens per sequence of a Llama preset unless --seq-len says
+
+
+def _preset_names() -> list[str]:
+    from zerojax.report.estimate import MODELS
+
+    return list(MODELS)
 
 
 def parser(prog: str = "zerojax autotune") -> argparse.ArgumentParser:
@@ -46,21 +55,31 @@ def parser(prog: str = "zerojax autotune") -> argparse.ArgumentParser:
     ap.add_argument(
         "--model",
         default=None,
-        help="'gpt' (the experiments' GPT, sized by the flags below) or a GPT "
-        "preset: gpt-tiny, gpt2-small, ..., gpt-7.5b",
+        help="'gpt' (the experiments' GPT, sized by the flags below) or a preset of zerojax estimate: "
+        + ", ".join(_preset_names())
+        + " (the Llama and Mistral presets build zerojax.models' Llama)",
     )
-    ap.add_argument("--d-model", type=int, default=None)
-    ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--heads", type=int, default=None, help="default: d_model / 64")
-    ap.add_argument("--seq-len", type=int, default=None)
-    ap.add_argument("--vocab", type=int, default=None)
+    ap.add_argument("--d-model", type=int, default=None, help="model width (default: the preset's; gpt: 128)")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the preset's; gpt: 4)")
+    ap.add_argument(
+        "--heads", type=int, default=None, help="attention heads (default: the preset's; GPT: d_model / 64)"
+    )
+    ap.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help=f"tokens per sequence (default: the GPT preset's; Llama presets: {LLAMA_SEQ_LEN}; gpt: 64)",
+    )
+    ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: the preset's; gpt: 256)")
     ap.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: 1 per device)")
-    ap.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    ap.add_argument(
+        "--optimizer", choices=OPTIMIZERS, default="adamw", help="optax optimizer of --model (default: adamw)"
+    )
     ap.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
         default="float32",
-        help="compute dtype of --model's GPT (the tuner keeps it; module:function's config keeps its own)",
+        help="compute dtype of --model (the tuner keeps it; module:function's config keeps its own)",
     )
     ap.add_argument("--devices", type=int, default=None, help="devices to plan for (default: all of this machine's)")
     ap.add_argument("--replicas", type=int, default=1, help="hybrid sharding: replica groups")
@@ -72,11 +91,19 @@ def parser(prog: str = "zerojax autotune") -> argparse.ArgumentParser:
         "tpu-v4, or 'calibrate' (measure this machine's devices)",
     )
     ap.add_argument("--margin", type=float, default=0.10, help="added to compiled bytes (default 0.10)")
-    ap.add_argument("--stages", default="0,1,2,3")
+    ap.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to search (default: 0,1,2,3)")
     ap.add_argument("--accum", default=None, help="accumulation counts, e.g. 1,2,4 (default: all that divide)")
-    ap.add_argument("--remat", default="none,dots,full")
-    ap.add_argument("--offload", default="none,optimizer,params")
-    ap.add_argument("--prefetch", default="0,1")
+    ap.add_argument(
+        "--remat",
+        default="none,dots,full",
+        help="remat policies to search, zerojax.remat names (default: none,dots,full)",
+    )
+    ap.add_argument(
+        "--offload",
+        default="none,optimizer,params",
+        help="offload to host memory to search: none, optimizer, params (default: all three)",
+    )
+    ap.add_argument("--prefetch", default="0,1", help="stage 3: layers gathered ahead of use to search (default: 0,1)")
     ap.add_argument("--gather", default="none", help="stage 3 gather dtypes: none and/or int8 (lossy)")
     ap.add_argument(
         "--context",
@@ -140,7 +167,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "zerojax autotune") -> i
     except ValueError as e:
         ap.error(str(e))
     if args.model is not None:
-        loss_fn, params, tx, batch, base, what = _gpt(args, ap, n)
+        loss_fn, params, tx, batch, base, what = _model(args, ap, n)
     else:
         loss_fn, params, tx, batch, base = _user(args.target, ap)
         what = args.target
@@ -204,22 +231,73 @@ def _ints(text: str) -> tuple[int, ...]:
         raise ValueError(f"{text!r} is not a comma-separated list of integers (e.g. 1,2,4)") from None
 
 
-def _gpt(args, ap, n: int):
+def _tx(name: str):
+    import optax
+
+    return {
+        "adam": lambda: optax.adam(1e-4),
+        "adamw": lambda: optax.adamw(1e-4),
+        "sgd": lambda: optax.sgd(1e-2),
+        "adafactor": lambda: optax.adafactor(1e-3),
+    }[name]()
+
+
+def _model(args, ap, n: int):
+    """--model's (loss_fn, params, tx, batch, base config, description): the experiments'
+    GPT for 'gpt' and the GPT presets, zerojax.models' Llama for the Llama presets."""
+    from zerojax.report.estimate import MODELS, GPTShape, LlamaShape
+
+    if args.model == "gpt":
+        return _gpt(GPTShape(vocab=256, seq_len=64, d_model=128, n_layers=4), args, ap, n)
+    shape = MODELS.get(args.model)
+    if isinstance(shape, GPTShape):
+        return _gpt(shape, args, ap, n)
+    if isinstance(shape, LlamaShape):
+        return _llama(shape, args, ap, n)
+    ap.error(f"unknown --model {args.model!r}; choose 'gpt' or one of {', '.join(MODELS)}")
+
+
+def _llama(shape, args, ap, n: int):
+    """zerojax.models' Llama in a preset's shape (the flags override its sizes)."""
+    import jax
+
+    from zerojax.config import ZeroConfig
+    from zerojax.models import llama
+
+    seq = args.seq_len or LLAMA_SEQ_LEN
+    try:
+        cfg = llama.LlamaConfig(
+            vocab=args.vocab or shape.vocab,
+            d_model=args.d_model or shape.d_model,
+            n_layers=args.layers or shape.n_layers,
+            n_heads=args.heads or shape.n_heads,
+            n_kv_heads=shape.n_kv_heads,
+            head_dim=shape.head_dim or 0,
+            d_ff=shape.d_ff,
+            seq_len=seq,
+            tie_embeddings=shape.tied,
+        )
+        graphdef, params = llama.init_abstract(cfg)
+    except ValueError as e:
+        ap.error(f"--model {args.model}: {e}")
+    psi = sum(x.size for x in jax.tree.leaves(params))
+    batch_size = args.batch or n
+    tokens = jax.ShapeDtypeStruct((batch_size, seq + 1), "int32")
+    what = (
+        f"Llama ({args.model}) d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads "
+        f"({cfg.n_kv_heads or cfg.n_heads} key/value), d_ff {cfg.d_ff}, seq {seq}, vocab {cfg.vocab}: Ψ = {psi:,}; "
+        f"global batch {batch_size}; {args.optimizer}, {args.dtype} compute"
+    )
+    return llama.make_loss(graphdef), params, _tx(args.optimizer), {"tokens": tokens}, ZeroConfig(), what
+
+
+def _gpt(shape, args, ap, n: int):
     """The experiments' GPT: (loss_fn, params, tx, batch, base config, description)."""
     import jax
-    import optax
 
     from zerojax.config import ZeroConfig
     from zerojax.models import gpt
-    from zerojax.report.estimate import MODELS, GPTShape
 
-    presets = {k: v for k, v in MODELS.items() if isinstance(v, GPTShape)}
-    if args.model == "gpt":
-        shape = GPTShape(vocab=256, seq_len=64, d_model=128, n_layers=4)
-    elif args.model in presets:
-        shape = presets[args.model]
-    else:
-        ap.error(f"unknown --model {args.model!r}; choose 'gpt' or one of {', '.join(presets)}")
     d = args.d_model or shape.d_model
     seq = args.seq_len or shape.seq_len
     try:
@@ -236,12 +314,7 @@ def _gpt(args, ap, n: int):
     graphdef, params = gpt.init_abstract(cfg)
     batch_size = args.batch or n
     tokens = jax.ShapeDtypeStruct((batch_size, seq), "int32")  # inputs and targets: a sequence that splits
-    tx = {
-        "adam": lambda: optax.adam(1e-4),
-        "adamw": lambda: optax.adamw(1e-4),
-        "sgd": lambda: optax.sgd(1e-2),
-        "adafactor": lambda: optax.adafactor(1e-3),
-    }[args.optimizer]()
+    tx = _tx(args.optimizer)
     what = (
         f"GPT d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads, seq {seq}, vocab {cfg.vocab}: "
         f"Ψ = {cfg.num_params():,}; global batch {batch_size}; {args.optimizer}, {args.dtype} compute"
