@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from zerojax import compile_cache
 from zerojax.config import ZeroConfig
 from zerojax.context import batch as sequence
-from zerojax.sharding import gathers, outputs, per_use
+from zerojax.sharding import gathers, in_step, outputs, per_use
 from zerojax.sharding.gradients import cast_batch, context, local_shapes, pending
 from zerojax.sharding.mesh import auto_axes, batch_devices, row_split
 from zerojax.sharding.plan import ZeroPlan
@@ -76,7 +76,8 @@ class EvalStep:
             kwargs = {"model_state": jax.tree.map(lambda x: x, ms)} if self.with_model_state else {}
             if self.with_layout:
                 kwargs["layout"] = sequence.layout_of(plan)
-            return gathers.wrap(plan, self.fn)(plan.unflatten(leaves), cast_batch(b, compute), **kwargs)
+            with in_step.tracing(plan, 1):
+                return gathers.wrap(plan, self.fn)(plan.unflatten(leaves), cast_batch(b, compute), **kwargs)
 
         ms = state.model_state if self.with_model_state else None
         local = jax.tree.map(lambda b: jax.ShapeDtypeStruct((b.shape[0] // n,) + b.shape[1:], b.dtype), batch)

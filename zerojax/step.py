@@ -459,8 +459,9 @@ def make_train_step(
     of the batch, exactly as in single-device training; it returns a scalar mean over its
     examples (or ``(scalar, aux)`` with ``has_aux=True``). The step's loss and gradient are
     the mean over devices and micro-batches of those means: the global-batch mean when
-    every example weighs the same (for a loss normalised by a count that varies between
-    devices, such as a masked-token mean, see the README's note on per-example weights).
+    every example weighs the same. **A masked mean** (a count that varies between
+    devices) is not: write ``jnp.mean(zj.nn.global_weights(mask) * token_loss)``
+    (:func:`zerojax.nn.global_weights`), not ``sum(mask * l) / sum(mask)``.
 
     ``aux_reduce`` says how each aux leaf combines over devices and micro-batches:
     ``"mean"``, ``"sum"`` or ``"concat"`` (per-example rows, in global batch order), for

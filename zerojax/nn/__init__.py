@@ -1,7 +1,8 @@
 """Layers for long sequences: attention over a sequence split across a context axis
 (:mod:`zerojax.context.attention`, with the layouts of that split in
 :mod:`zerojax.context.layout`) and Megatron's sequence parallelism on the tensor axis
-(:mod:`zerojax.nn.megatron`)."""
+(:mod:`zerojax.nn.megatron`); and the weights of a masked mean over the global batch
+(:func:`zerojax.nn.global_weights`)."""
 
 from zerojax.context import attention
 from zerojax.context.attention import METHODS, context_size, dot_product_attention
@@ -9,6 +10,7 @@ from zerojax.context.layout import global_positions
 from zerojax.moe.experts import routed_experts
 from zerojax.nn import context, megatron
 from zerojax.nn.megatron import column_parallel, row_parallel, sequence_parallel, tensor_parallel
+from zerojax.nn.weights import global_weights
 
 __all__ = [
     "METHODS",
@@ -18,6 +20,7 @@ __all__ = [
     "context_size",
     "dot_product_attention",
     "global_positions",
+    "global_weights",
     "megatron",
     "routed_experts",
     "row_parallel",

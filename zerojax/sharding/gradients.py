@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.context import batch as sequence
 from zerojax.context import checks
-from zerojax.sharding import collectives, gathers, outputs, per_use
+from zerojax.sharding import collectives, gathers, in_step, outputs, per_use
 from zerojax.sharding.plan import ZeroPlan
 from zerojax.sharding.sources import Source
 
@@ -154,7 +154,8 @@ class Loss:
             # trace other than the one that built them, and the state comes from outside grad.
             kwargs["model_state"] = jax.tree.map(lambda x: x, model_state)
         fn = gathers.wrap(self.plan, self.fn)  # a data x context x tensor mesh: batched gathers rewritten
-        out = fn(self.plan.unflatten(leaves), cast_batch(batch, self.plan.config.compute_dtype), **kwargs)
+        with in_step.tracing(self.plan, self.plan.config.grad_accum_steps):
+            out = fn(self.plan.unflatten(leaves), cast_batch(batch, self.plan.config.compute_dtype), **kwargs)
         return _parse(out, self.has_aux, self.with_model_state)
 
     def traced(self) -> Callable:
