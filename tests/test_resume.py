@@ -97,8 +97,12 @@ def test_a_damaged_latest_checkpoint_is_skipped_with_its_name(tmp_path, step8, u
     capsys.readouterr()
     state, run, data = train(tmp_path, 6, step8)  # resumes from 4 and recomputes 5 and 6
     out = capsys.readouterr().out
-    assert f"checkpoint {tmp_path / '6'} is unreadable" in out, out
+    assert f"checkpoint {tmp_path / '6'} is damaged" in out, out
+    assert f"moved the damaged checkpoint aside to {tmp_path / '6.damaged'}" in out
     assert "resuming at step 4" in out
+    # The step is saved again (a save at or below a damaged step's number was skipped unreported).
+    assert zj.checkpoint.checkpoint_steps(tmp_path) == [2, 4, 6] and (tmp_path / "6.damaged").is_dir()
+    assert zj.checkpoint.checkpoint_extra(tmp_path, 6)["data"]["position"] == 6
     state, _, _ = train(tmp_path, 9, step8)
     assert all(np.array_equal(a, b) for a, b in zip(leaves(state), uninterrupted[0]))
 
@@ -182,7 +186,7 @@ def test_bad_input_is_refused_with_the_fix(tmp_path, step8):
     zj.save_checkpoint(
         plain, zj.init_state(models.stacked_params(), TX, mesh=zj.make_mesh(), config=CONFIG), step=1, wait=True
     )
-    with pytest.raises(zj.resume.NotARunError, match="not saved by a zerojax.resume.Run"):
+    with pytest.raises(zj.resume.NotARunError, match=r"holds checkpoints \(steps \[1\]\) but none was saved by a zerojax.resume.Run"):
         Run(RunConfig(plain, save_every=2)).restore_or_init(
             models.stacked_params(), TX, mesh=zj.make_mesh(), config=CONFIG
         )
