@@ -310,6 +310,24 @@ def checkpoint_steps(directory: Directory) -> list[int]:
     return sorted(mngr.all_steps())
 
 
+def list_steps(directory: str | os.PathLike) -> list[int]:
+    """:func:`checkpoint_steps` read by this process alone: making an orbax manager is a
+    barrier across processes, which processes that see a new folder at different moments
+    would reach at different points. The complete steps are the folders named by a number
+    (orbax renames a step's folder to its number once every process has written it); a
+    manager this process already has is reloaded, so that its next save sees the same."""
+    wait(directory)
+    path = os.path.abspath(os.fspath(directory))
+    cached = _MANAGERS.get(path)
+    if cached is not None:
+        cached[0].reload()
+    try:
+        names = os.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(path, n)))
+
+
 def _check_params(meta: canonical.Meta, params: Any) -> None:
     """Every leaf whose path or shape differs from the checkpoint's, named in one error."""
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]

@@ -27,7 +27,7 @@ from typing import Any
 
 import jax
 
-from zerojax.checkpoint.io import CheckpointMismatchError, checkpoint_steps, read_step_json, save_checkpoint, wait
+from zerojax.checkpoint.io import CheckpointMismatchError, list_steps, read_step_json, save_checkpoint, wait
 from zerojax.config import ZeroConfig
 from zerojax.distributed.heartbeat import start_heartbeat, write_progress, write_refusal
 from zerojax.resume import owner
@@ -149,7 +149,7 @@ class Run:
         file by each process alone: no collective)."""
         if self._record_cache is False:
             self._record_cache = None
-            for s in reversed(checkpoint_steps(self.directory)):
+            for s in reversed(list_steps(self.directory)):
                 try:
                     record = read_step_json(self.directory, s, "extra")
                 except Exception:  # an unreadable record: restore_or_init names the step and skips it
@@ -304,7 +304,7 @@ class Run:
     def _start(self, params: Any, tx: Any, holder: Any, init_kwargs: dict) -> ZeroState:
         mesh, config = self._mesh, self._zero
         self._claim()
-        steps = same_steps(checkpoint_steps(self.directory))
+        steps = same_steps(list_steps(self.directory))
         target = None
         if steps:
             if holder is not None:
@@ -316,7 +316,7 @@ class Run:
         for path in move_aside(self.directory, skipped):
             _say(f"moved the damaged checkpoint aside to {path}: its step is saved again when the run reaches it.")
         if skipped:
-            checkpoint_steps(self.directory)  # every process's view without the steps moved aside
+            list_steps(self.directory)  # every process's view without the steps moved aside
         if s is not None:
             return self._resumed(s, tried.read.state(), tried.record)
         if steps:
