@@ -54,12 +54,18 @@ class Tried:
     error: Exception | None = None
 
 
+def _short(e: Exception) -> str:
+    """An error in one line (a TensorStore error spans dozens)."""
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first[:200]}{'...' if len(first) > 200 or chr(10) in str(e).strip() else ''}"
+
+
 def try_step(directory: str, step: int, target: ZeroState) -> Tried:
     """Reads this process's part of checkpoint ``step`` (run record, metadata, shards); no collective."""
     try:
         record = read_step_json(directory, step, "extra")
     except Exception as e:
-        return Tried(DAMAGED, f"its run record does not read ({type(e).__name__}: {str(e)[:200]})")
+        return Tried(DAMAGED, f"its run record does not read ({_short(e)})")
     if not is_run_record(record):
         return Tried(NOT_A_RUN, "it has no run record: not saved by a zerojax.resume.Run, or its record was lost")
     try:
@@ -67,7 +73,7 @@ def try_step(directory: str, step: int, target: ZeroState) -> Tried:
     except CheckpointMismatchError as e:
         return Tried(MISMATCH, str(e), error=e)
     except Exception as e:  # any failure to read is damage
-        return Tried(DAMAGED, f"{type(e).__name__}: {str(e)[:300]}")
+        return Tried(DAMAGED, _short(e))
     return Tried(OK, record=record, read=read)
 
 
