@@ -4,7 +4,12 @@ the data position, a preemption notice, and bad input."""
 import glob
 import json
 import os
+import pathlib
+import shutil
 import signal
+import socket
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -97,8 +102,12 @@ def test_a_damaged_latest_checkpoint_is_skipped_with_its_name(tmp_path, step8, u
     capsys.readouterr()
     state, run, data = train(tmp_path, 6, step8)  # resumes from 4 and recomputes 5 and 6
     out = capsys.readouterr().out
-    assert f"checkpoint {tmp_path / '6'} is unreadable" in out, out
+    assert f"checkpoint {tmp_path / '6'} is damaged" in out, out
+    assert f"moved the damaged checkpoint aside to {tmp_path / '6.damaged'}" in out
     assert "resuming at step 4" in out
+    # The step is saved again (a save at or below a damaged step's number was skipped unreported).
+    assert zj.checkpoint.checkpoint_steps(tmp_path) == [2, 4, 6] and (tmp_path / "6.damaged").is_dir()
+    assert zj.checkpoint.checkpoint_extra(tmp_path, 6)["data"]["position"] == 6
     state, _, _ = train(tmp_path, 9, step8)
     assert all(np.array_equal(a, b) for a, b in zip(leaves(state), uninterrupted[0]))
 
@@ -182,7 +191,9 @@ def test_bad_input_is_refused_with_the_fix(tmp_path, step8):
     zj.save_checkpoint(
         plain, zj.init_state(models.stacked_params(), TX, mesh=zj.make_mesh(), config=CONFIG), step=1, wait=True
     )
-    with pytest.raises(zj.resume.NotARunError, match="not saved by a zerojax.resume.Run"):
+    with pytest.raises(
+        zj.resume.NotARunError, match=r"holds checkpoints \(steps \[1\]\) but none was saved by a zerojax.resume.Run"
+    ):
         Run(RunConfig(plain, save_every=2)).restore_or_init(
             models.stacked_params(), TX, mesh=zj.make_mesh(), config=CONFIG
         )
@@ -268,3 +279,98 @@ def test_stage3_hybrid_fp16_frozen_resume_is_bit_identical(tmp_path):
     assert float(got.loss_scale.scale) == float(ref.loss_scale.scale)
     frozen = zj.gather_params(got)["inp"]["w"]  # in the compute dtype, and never updated
     assert np.array_equal(np.asarray(frozen), np.asarray(models.stacked_params()["inp"]["w"]).astype(np.float16))
+
+
+# -- damage and misuse ----------------------------------------------------------------------
+
+
+def test_a_lost_run_record_and_a_stray_folder_are_damage_skipped_by_name(tmp_path, step8, uninterrupted, capsys):
+    train(tmp_path, 6, step8)  # checkpoints 2, 4, 6
+    shutil.rmtree(tmp_path / "6" / "extra")  # step 6's run record lost
+    os.makedirs(tmp_path / "99")  # a stray folder named like a step
+    capsys.readouterr()
+    train(tmp_path, 6, step8)
+    out = capsys.readouterr().out
+    for s in (99, 6):
+        assert f"checkpoint {tmp_path / str(s)} is damaged (it has no run record" in out, out
+        assert f"moved the damaged checkpoint aside to {tmp_path / f'{s}.damaged'}" in out
+    assert "resuming at step 4" in out
+    assert zj.checkpoint.checkpoint_steps(tmp_path) == [2, 4, 6]  # 6 saved again; 99 no longer blocks saves
+    state, _, _ = train(tmp_path, 9, step8)
+    assert all(np.array_equal(a, b) for a, b in zip(leaves(state), uninterrupted[0]))
+
+
+def test_a_save_orbax_declines_raises_instead_of_passing_for_saved(tmp_path):
+    state = zj.init_state({"w": jnp.ones((8, 4))}, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig())
+    zj.save_checkpoint(tmp_path, state, step=4, wait=True)
+    for step in (4, 3):
+        with pytest.raises(
+            zj.checkpoint.io.CheckpointNotSavedError, match=f"step {step} was not saved .* already holds step 4"
+        ):
+            zj.save_checkpoint(tmp_path, state, step=step, wait=True)
+    assert zj.checkpoint.checkpoint_steps(tmp_path) == [4]
+
+
+def _start(directory, step8, until, run=None):
+    run = run or Run(RunConfig(directory, save_every=2))
+    data = IndexSampler(N_RECORDS, BATCH, seed=5)
+    state = run.restore_or_init(models.stacked_params(), TX, mesh=zj.make_mesh(), config=CONFIG, data=data)
+    while run.step < until:
+        state, _ = step8(state, jax.tree.map(lambda x: x[next(data)], DATA))
+        run.completed(state)
+    return run, state
+
+
+def test_a_second_job_on_the_folder_is_refused_and_a_taken_folder_stops_the_saves(tmp_path, step8, monkeypatch):
+    monkeypatch.setenv("ZEROJAX_JOB_ID", "job A")
+    run_a, state_a = _start(tmp_path, step8, 2)  # saves step 2; job A owns the folder
+    monkeypatch.setenv("ZEROJAX_JOB_ID", "job B")
+    host = socket.gethostname()
+    with pytest.raises(
+        zj.resume.RunOwnedError, match=f"being written by another job, job A \\(process 0: pid {os.getpid()} on {host},"
+    ):
+        _start(tmp_path, step8, 4)
+    assert zj.checkpoint.checkpoint_steps(tmp_path) == [2]
+    # Job A's claim is taken over (as by a job that found A's host gone): A stops before its next save.
+    record = json.loads((tmp_path / "zerojax-run-owner.json").read_text())
+    (tmp_path / "zerojax-run-owner.json").write_text(json.dumps({**record, "job": "job C", "pid": 1}))
+    monkeypatch.setenv("ZEROJAX_JOB_ID", "job A")
+    state_a, _ = step8(state_a, jax.tree.map(lambda x: x[:BATCH], DATA))
+    run_a.completed(state_a)  # step 3: no save due
+    with pytest.raises(zj.resume.RunOwnedError, match="now written by another job, job C .*stops before saving"):
+        run_a.completed(state_a)
+    assert zj.checkpoint.checkpoint_steps(tmp_path) == [2]
+    # A job whose process 0 is gone from this host, or whose run finished, gives the folder up at once.
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / "zerojax-run-owner.json").write_text(json.dumps({**record, "job": "job C", "pid": int(gone.stdout)}))
+    monkeypatch.setenv("ZEROJAX_JOB_ID", "job D")
+    run_d, state_d = _start(tmp_path, step8, 4)
+    run_d.finish(state_d)
+    assert json.loads((tmp_path / "zerojax-run-owner.json").read_text())["released"] is True
+    monkeypatch.setenv("ZEROJAX_JOB_ID", "job E")
+    assert _start(tmp_path, step8, 4)[0].step == 4
+
+
+def test_a_folder_that_takes_no_writes_is_refused_before_step_1(tmp_path, step8):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(
+        zj.resume.RunFolderError, match=r"ckpt is not writable from process \d+ on .*NotADirectoryError"
+    ):
+        _start(tmp_path / "file" / "ckpt", step8, 1)
+    # A folder without write permission (checked as an unprivileged user: root writes anywhere).
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    tmp_path.chmod(0o755)
+    script = f"""
+import importlib.util, os, sys
+spec = importlib.util.spec_from_file_location("owner", {str(pathlib.Path(zj.resume.owner.__file__))!r})
+owner = importlib.util.module_from_spec(spec); spec.loader.exec_module(owner)
+os.setgid(65534); os.setuid(65534)  # after the imports: the interpreter's files need not be readable to nobody
+try:
+    owner.check_writable({str(ro)!r})
+except owner.RunFolderError as e:
+    print(e)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert f"folder {ro} is not writable from process" in out.stdout and "PermissionError" in out.stdout, out

@@ -36,10 +36,12 @@ from zerojax.distributed.heartbeat import (
     ENV_HEARTBEAT_S,
     ENV_LAUNCH_DIR,
     ENV_RESTART,
+    REFUSED,
     RESUMABLE_EXIT,
     complete_steps,
     heartbeat_path,
     read_progress,
+    read_refusal,
 )
 from zerojax.distributed.init import ENV_COORDINATOR, ENV_LOCAL_DEVICES, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 from zerojax.xla_flags import with_gpu_overlap_flags
@@ -132,8 +134,8 @@ class _Job:
     ):
         self.out, self.lock, self.nprocs = out, lock, nprocs
         self.launch_dir, self.heartbeat_timeout_s = launch_dir, heartbeat_timeout_s
-        for name in os.listdir(launch_dir):  # the previous start's heartbeats and progress
-            if name.startswith("heartbeat."):
+        for name in os.listdir(launch_dir):  # the previous start's heartbeats and refusals
+            if name.startswith(("heartbeat.", REFUSED)):
                 os.remove(os.path.join(launch_dir, name))
         self.procs, self.pumps = [], []
         self.started = time.monotonic()
@@ -187,17 +189,53 @@ class _Job:
                 stale.append((rank, age))
         return stale
 
-    def watch(self, deadline: float | None, preempt_grace_s: float, stop_requested: threading.Event) -> Outcome:
-        preempted_at = None
+    def not_answering(self, exclude: int) -> list[tuple[int, str]]:
+        """Running processes (but ``exclude``) that are stopped (``SIGSTOP``: their state in
+        /proc) or have missed two heartbeats: ``(rank, how)``. When one process fails, such a
+        process is the likelier cause: a stopped coordinator makes the others abort."""
+        out = []
+        lag = None if self.heartbeat_timeout_s is None else max(1.0, self.heartbeat_timeout_s / 2)
+        for rank, p in enumerate(self.procs):
+            if rank == exclude or p.poll() is not None:
+                continue
+            if _stopped(p.pid):
+                out.append((rank, "it is stopped (SIGSTOP or a debugger)"))
+                continue
+            if lag is not None:
+                try:
+                    age = time.time() - os.stat(heartbeat_path(self.launch_dir, rank)).st_mtime
+                except FileNotFoundError:
+                    continue
+                if age > lag:
+                    out.append((rank, f"no heartbeat for {age:.1f}s"))
+        return out
+
+    def watch(
+        self, deadline: float | None, preempt_grace_s: float, stop_requested: threading.Event, finish_grace_s: float
+    ) -> Outcome:
+        preempted_at = finished_at = None
         while True:
             codes = [p.poll() for p in self.procs]
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0, RESUMABLE_EXIT)]
             if failed:
                 rank, code = failed[0]
+                exit_ = _describe_exit(rank, self.procs[rank].pid, code)
+                silent = self.not_answering(exclude=rank)
+                if silent:
+                    r, how = silent[0]
+                    return Outcome(1, f"process {r} (pid {self.procs[r].pid}) stopped answering ({how}); then {exit_}")
+                return Outcome(code if code > 0 else 128 - code, exit_, failed_on_its_own=code > 0)
+            if finished_at is None and 0 in codes and None in codes:
+                finished_at = time.monotonic()  # the others should follow within finish_grace_s
+            if finished_at is not None and None in codes and time.monotonic() - finished_at > finish_grace_s:
+                running = [r for r, c in enumerate(codes) if c is None]
+                done = [r for r, c in enumerate(codes) if c == 0]
+                pids = ", ".join(f"{r} (pid {self.procs[r].pid})" for r in running)
                 return Outcome(
-                    code if code > 0 else 128 - code,
-                    _describe_exit(rank, self.procs[rank].pid, code),
-                    failed_on_its_own=code > 0,
+                    1,
+                    f"process{'es' if len(running) > 1 else ''} {pids} still running {finish_grace_s:g}s after "
+                    f"process{'es' if len(done) > 1 else ''} {', '.join(map(str, done))} finished with status 0: "
+                    "stuck after the last step (--finish-grace)",
                 )
             if all(c is not None for c in codes):
                 if any(c == RESUMABLE_EXIT for c in codes):
@@ -245,6 +283,15 @@ class _Job:
             t.join(timeout=2)
 
 
+def _stopped(pid: int) -> bool:
+    """Whether ``pid`` is in the stopped state (Linux /proc; False where it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def _resume_point(launch_dir: str) -> tuple[str | None, int | None]:
     """The run's checkpoint folder (as its process 0 reported it) and its newest complete step."""
     progress = read_progress(launch_dir)
@@ -268,6 +315,7 @@ def launch(
     restart_delay_s: float = 5.0,
     heartbeat_timeout_s: float | None = None,
     preempt_grace_s: float = 120.0,
+    finish_grace_s: float = 120.0,
 ) -> int:
     """Runs ``cmd`` in ``nprocs`` processes; returns the job's exit status. ``gpu_overlap``
     adds XLA's GPU overlap flags (:mod:`zerojax.xla_flags`) to every process's ``XLA_FLAGS``.
@@ -280,8 +328,14 @@ def launch(
     exiting with an error status on its own before any checkpoint exists is not restarted
     (the same command would fail the same way). A process that exits with
     ``RESUMABLE_EXIT`` (75: it saved on a preemption notice) gives the others
-    ``preempt_grace_s`` to do the same; the launcher restarts that too. ``SIGTERM`` to the
-    launcher is passed to every process, and the launcher exits with their status.
+    ``preempt_grace_s`` to do the same; the launcher restarts that too. A process still
+    running ``finish_grace_s`` after another finished with status 0 is stuck after its last
+    step: it fails the job (and is restarted like a failure). When one process fails while
+    another is stopped or has missed heartbeats, the stopped one is named as the cause. A
+    run that refuses to go on for a reason a restart cannot change (another job owns its
+    folder, the folder is read-only, it holds no run's checkpoints) is not restarted.
+    ``SIGTERM`` to the launcher is passed to every process, and the launcher exits with
+    their status.
 
     Exit status: 0 when the command finished on every process; 75 when the job stopped on
     a preemption notice with no restart left (resumable: a cluster's requeue can act on it);
@@ -294,7 +348,11 @@ def launch(
         raise ValueError("no command given: zerojax launch --nprocs 2 -- python train.py")
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"--max-restarts must be an int >= 0, got {max_restarts!r}")
-    for name, v in (("--restart-delay", restart_delay_s), ("--preempt-grace", preempt_grace_s)):
+    for name, v in (
+        ("--restart-delay", restart_delay_s),
+        ("--preempt-grace", preempt_grace_s),
+        ("--finish-grace", finish_grace_s),
+    ):
         if v < 0:
             raise ValueError(f"{name} must be >= 0, got {v}")
     if heartbeat_timeout_s is not None and heartbeat_timeout_s <= 0:
@@ -324,7 +382,7 @@ def launch(
                 restarts,
             )
             try:
-                outcome = job.watch(deadline, preempt_grace_s, stop_requested)
+                outcome = job.watch(deadline, preempt_grace_s, stop_requested, finish_grace_s)
             except KeyboardInterrupt:
                 outcome = Outcome(130, "interrupted")
             if outcome.status == 0:
@@ -338,6 +396,14 @@ def launch(
             job.stop(grace_s if outcome.status in (124, 130) or outcome.preempted else 0.0)
             directory, step = _resume_point(launch_dir)
             if stop_requested.is_set() or outcome.status in (124, 130):
+                return outcome.status
+            refusal = read_refusal(launch_dir)
+            if refusal is not None:
+                rank, reason = refusal
+                job.say(
+                    f"process {rank} refused to go on: {reason}\nzerojax.launch: not restarting: a restart would be "
+                    "refused the same way."
+                )
                 return outcome.status
             if restarts >= max_restarts:
                 if max_restarts:
@@ -358,7 +424,7 @@ def launch(
                 return outcome.status
             restarts += 1
             where = (
-                f"resumes from checkpoint step {step} in {directory}"
+                f"resumes from the newest checkpoint that reads (the newest complete one is step {step} in {directory})"
                 if step is not None
                 else "starts from the beginning (no complete checkpoint yet)"
             )
@@ -376,7 +442,7 @@ def launch(
 USAGE = (
     "%(prog)s [-h] --nprocs N [--devices-per-proc D] [--port PORT] [--timeout SECONDS] [--gpu-overlap] "
     "[--verbose] [--max-restarts R] [--restart-delay SECONDS] [--heartbeat-timeout SECONDS] "
-    "[--preempt-grace SECONDS] -- command [args...]"
+    "[--preempt-grace SECONDS] [--finish-grace SECONDS] -- command [args...]"
 )
 
 
@@ -437,6 +503,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m zerojax.launc
         metavar="SECONDS",
         help="after one process stops on a preemption notice (status 75), how long the others get to save and stop too",
     )
+    ft.add_argument(
+        "--finish-grace",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="after one process finishes (status 0), how long the others get to finish too before the "
+        "job counts as failed (a process stuck after its last step)",
+    )
     args, extra = ap.parse_known_args(argv)
     if extra:
         ap.error(
@@ -457,6 +531,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m zerojax.launc
             restart_delay_s=args.restart_delay,
             heartbeat_timeout_s=args.heartbeat_timeout,
             preempt_grace_s=args.preempt_grace,
+            finish_grace_s=args.finish_grace,
         )
     except ValueError as e:
         ap.error(str(e))

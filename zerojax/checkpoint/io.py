@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import json
 import os
 import sys
 import threading
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.sharding import Mesh
 
 from zerojax.checkpoint import canonical
@@ -40,6 +42,11 @@ class CheckpointMismatchError(ValueError):
     """The checkpoint holds another model or optimizer than the restore asks for (leaves,
     shapes, frozen mask, model state or optimizer state differ): a wrong restore target,
     never a damaged checkpoint."""
+
+
+class CheckpointNotSavedError(RuntimeError):
+    """orbax declined to write a step: the directory already holds that step or a later one
+    (orbax writes only steps newer than its newest)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +157,12 @@ def save_checkpoint(
     items = dict(state=ocp.args.PyTreeSave(arrays), meta=ocp.args.JsonSave(meta.to_json()))
     if extra is not None:
         items["extra"] = ocp.args.JsonSave(extra)
-    mngr.save(step, args=ocp.args.Composite(**items))
+    if not mngr.save(step, args=ocp.args.Composite(**items)) and (mngr.latest_step() or 0) >= step:
+        raise CheckpointNotSavedError(
+            f"checkpoint step {step} was not saved to {_describe(directory)}: it already holds step "
+            f"{mngr.latest_step()} (orbax writes only steps newer than its newest). Save a later step, or move "
+            f"the steps from {step} on out of the directory."
+        )
     if not wait and _EXIT_CANNOT_FINISH_SAVES:
         _warn_synchronous()
     if wait or _EXIT_CANNOT_FINISH_SAVES:
@@ -182,11 +194,24 @@ def checkpoint_extra(directory: Directory, step: int) -> dict | None:
     steps = checkpoint_steps(directory)
     if step not in steps:
         raise FileNotFoundError(f"no checkpoint for step {step} in {_describe(directory)}; it has steps {steps}.")
-    mngr = _manager(directory)
-    path = os.path.join(os.fspath(mngr.directory), str(step), "extra")
+    return read_step_json(directory, step, "extra")
+
+
+def _path(directory: Directory) -> str:
+    if isinstance(directory, ocp.CheckpointManager):
+        return os.fspath(directory.directory)
+    return os.path.abspath(os.fspath(directory))
+
+
+def read_step_json(directory: Directory, step: int, item: str) -> Any:
+    """The JSON item ``item`` (``"extra"``, ``"meta"``) of checkpoint ``step`` read from its
+    file by this process alone (no collective, unlike an orbax restore), or None when the
+    step has no such item. Raises ``OSError`` / ``ValueError`` when the file does not read."""
+    path = os.path.join(_path(directory), str(step), item, "metadata")
     if not os.path.exists(path):
         return None
-    return mngr.restore(step, args=ocp.args.Composite(extra=ocp.args.JsonRestore()))["extra"]
+    with open(path) as f:
+        return json.load(f)
 
 
 # CPython 3.12.0 and 3.12.1 refuse new threads once exit begins (gh-113964), and finishing an
@@ -285,6 +310,24 @@ def checkpoint_steps(directory: Directory) -> list[int]:
     return sorted(mngr.all_steps())
 
 
+def list_steps(directory: str | os.PathLike) -> list[int]:
+    """:func:`checkpoint_steps` read by this process alone: making an orbax manager is a
+    barrier across processes, which processes that see a new folder at different moments
+    would reach at different points. The complete steps are the folders named by a number
+    (orbax renames a step's folder to its number once every process has written it); a
+    manager this process already has is reloaded, so that its next save sees the same."""
+    wait(directory)
+    path = os.path.abspath(os.fspath(directory))
+    cached = _MANAGERS.get(path)
+    if cached is not None:
+        cached[0].reload()
+    try:
+        names = os.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(path, n)))
+
+
 def _check_params(meta: canonical.Meta, params: Any) -> None:
     """Every leaf whose path or shape differs from the checkpoint's, named in one error."""
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
@@ -371,6 +414,15 @@ def restore_checkpoint(
         plan = make_plan(params, mesh, config, tx, trainable, tensor_specs)
     _check_extras(meta, plan, model_state)
     _check_optimizer(meta, plan)
+    item, restore_args = _restore_items(meta, plan)
+    arrays = mngr.restore(
+        step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
+    )["state"]
+    return canonical.from_canonical(arrays, meta, plan, jax.tree.structure(model_state))
+
+
+def _restore_items(meta: canonical.Meta, plan) -> tuple[dict, dict]:
+    """What to read each saved array into on ``plan``'s mesh, and orbax's restore arguments."""
     targets = canonical.restore_targets(meta, plan)
     restore_args = jax.tree.map(
         lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype, strict=False), targets
@@ -387,10 +439,55 @@ def restore_checkpoint(
         names = {"scale": jnp.float32, "iteration": jnp.int32, "last_overflow": jnp.int32, "hysteresis": jnp.int32}
         item["loss_scale"] = {k: scalar(t)[0] for k, t in names.items()}
         restore_args["loss_scale"] = {k: scalar(t)[1] for k, t in names.items()}
-    arrays = mngr.restore(
-        step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
-    )["state"]
-    return canonical.from_canonical(arrays, meta, plan, jax.tree.structure(model_state))
+    return item, restore_args
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRead:
+    """This process's shards of one checkpoint step, read; :meth:`state` lays them out."""
+
+    arrays: dict
+    meta: canonical.Meta
+    plan: Any
+    model_state_def: Any
+
+    def state(self) -> ZeroState:
+        """The restored state. It may run programs over the whole mesh: call it on every
+        process, once every process has read its shards."""
+        return canonical.from_canonical(self.arrays, self.meta, self.plan, self.model_state_def)
+
+
+def read_step(directory: Directory, target: ZeroState, step: int) -> StepRead:
+    """Reads the shards this process's devices hold of checkpoint ``step`` onto ``target``'s
+    layout (a :func:`zerojax.abstract_state`), touching only this process's files and
+    running no collective: one process's damaged file fails on that process alone, and the
+    processes can then agree which step to take (:class:`zerojax.resume.Run` does) without
+    one of them waiting inside a restore for the others. Raises
+    :class:`CheckpointMismatchError` for another model or optimizer, anything else for a
+    step that does not read."""
+    if not isinstance(target, ZeroState):
+        raise TypeError(f"read_step takes a zj.abstract_state target, got {type(target).__name__}.")
+    meta_json = read_step_json(directory, step, "meta")
+    if meta_json is None:
+        raise FileNotFoundError(f"checkpoint step {step} in {_describe(directory)} has no metadata (meta/metadata).")
+    meta = canonical.Meta.from_json(meta_json)
+    plan = target.plan
+    _check_params(meta, plan.unflatten(jax.ShapeDtypeStruct(l.shape, l.dtype) for l in plan.layouts))
+    _check_extras(meta, plan, target.model_state)
+    _check_optimizer(meta, plan)
+    item, restore_args = _restore_items(meta, plan)
+    # The handler itself, not a Checkpointer or a manager: they end every restore with a
+    # barrier across processes, which a process whose read failed would never reach.
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        arrays = handler.restore(
+            epath.Path(_path(directory)) / str(step) / "state",
+            args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args),
+        )
+    finally:
+        handler.close()
+    jax.block_until_ready(arrays)
+    return StepRead(arrays, meta, plan, jax.tree.structure(target.model_state))
 
 
 def _check_extras(meta: canonical.Meta, plan, model_state: Any) -> None:

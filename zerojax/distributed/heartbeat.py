@@ -7,7 +7,10 @@ process that stops answering (``SIGSTOP``, a frozen host, a hung interpreter) st
 touching it, and the launcher's ``--heartbeat-timeout`` catches it. A resumable run
 (:class:`zerojax.resume.Run`) writes ``progress.json`` (its checkpoint directory and step),
 from which the launcher says which step a restart resumes from and whether any checkpoint
-exists yet. Outside the launcher these are no-ops.
+exists yet, and ``refused.<rank>`` when a run refuses to start or to go on for a reason
+a restart cannot change (another job owns its folder, the folder is read-only, it holds no
+run's checkpoints): the launcher then does not restart. Outside the launcher these are
+no-ops.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ ENV_LAUNCH_DIR = "ZEROJAX_LAUNCH_DIR"
 ENV_HEARTBEAT_S = "ZEROJAX_HEARTBEAT_S"
 ENV_RESTART = "ZEROJAX_RESTART"  # how many times the launcher has restarted the job (0: first start)
 PROGRESS = "progress.json"
+REFUSED = "refused."
 # The exit status of a run that saved and stopped on a preemption notice: EX_TEMPFAIL of
 # sysexits.h ("a temporary failure; the user is invited to retry"). ``zerojax launch``
 # restarts on it; a SLURM or Kubernetes requeue rule can match it.
@@ -76,6 +80,34 @@ def write_progress(checkpoint_dir: str, step: int) -> None:
         os.replace(tmp, os.path.join(launch_dir, PROGRESS))
     except OSError:
         pass
+
+
+def write_refusal(reason: str) -> None:
+    """Tells the launcher (any process) that this run refused to go on for a reason a
+    restart cannot change."""
+    launch_dir = os.environ.get(ENV_LAUNCH_DIR)
+    if not launch_dir:
+        return
+    try:
+        with open(os.path.join(launch_dir, f"{REFUSED}{_rank()}"), "w") as f:
+            f.write(reason)
+    except OSError:
+        pass
+
+
+def read_refusal(launch_dir: str) -> tuple[int, str] | None:
+    """The lowest rank's refusal and its reason, if any process wrote one."""
+    try:
+        names = sorted(n for n in os.listdir(launch_dir) if n.startswith(REFUSED) and n[len(REFUSED) :].isdigit())
+    except OSError:
+        return None
+    for name in sorted(names, key=lambda n: int(n[len(REFUSED) :])):
+        try:
+            with open(os.path.join(launch_dir, name)) as f:
+                return int(name[len(REFUSED) :]), f.read()
+        except OSError:
+            continue
+    return None
 
 
 def read_progress(launch_dir: str) -> dict | None:

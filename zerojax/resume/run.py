@@ -26,22 +26,19 @@ import time
 from typing import Any
 
 import jax
-import numpy as np
 
-from zerojax.checkpoint.io import (
-    CheckpointMismatchError,
-    checkpoint_extra,
-    checkpoint_steps,
-    restore_checkpoint,
-    save_checkpoint,
-    wait,
-)
+from zerojax.checkpoint.io import CheckpointMismatchError, list_steps, read_step_json, save_checkpoint, wait
 from zerojax.config import ZeroConfig
-from zerojax.distributed.heartbeat import start_heartbeat, write_progress
+from zerojax.distributed.heartbeat import start_heartbeat, write_progress, write_refusal
+from zerojax.resume import owner
+from zerojax.resume.choose import FORMAT, NotARunError, choose, is_run_record, move_aside, same_steps
+from zerojax.resume.holder import abstract_of, is_holder, state_of
+from zerojax.resume.owner import RunFolderError, RunOwnedError
 from zerojax.resume.preemption import RESUMABLE_EXIT, PreemptionWatch
 from zerojax.state import ZeroState, abstract_state, init_state
 
-FORMAT = 1  # the run record's layout
+# Errors a restart cannot change: the launcher is told not to restart on them.
+_FINAL = (NotARunError, CheckpointMismatchError, RunOwnedError, RunFolderError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +70,6 @@ class RunConfig:
             raise TypeError(f"synchronous must be a bool, got {self.synchronous!r}.")
 
 
-class NotARunError(ValueError):
-    """A checkpoint in a run's directory that no :class:`Run` saved."""
-
-
 class Preempted(SystemExit):
     """Raised by :meth:`Run.completed` once the run has saved on a preemption notice; exits
     the interpreter with status ``RESUMABLE_EXIT`` (75) unless caught."""
@@ -104,28 +97,6 @@ def _decode(saved: Any) -> Any:
     if isinstance(saved, dict) and set(saved) == {"bytes_base64"}:
         return base64.b64decode(saved["bytes_base64"])
     return saved
-
-
-def _same_steps(steps: list[int]) -> list[int]:
-    """Process 0's list of complete checkpoints, on every process: each then tries the same
-    steps in the same order (a shared file system may show a rename late on some hosts)."""
-    if jax.process_count() == 1:
-        return steps
-    from jax.experimental import multihost_utils
-
-    n = int(multihost_utils.broadcast_one_to_all(np.array(len(steps), dtype=np.int64)))
-    padded = np.full(max(n, 1), -1, dtype=np.int64)
-    padded[: min(n, len(steps))] = steps[:n]
-    return [int(s) for s in multihost_utils.broadcast_one_to_all(padded)[:n]]
-
-
-def _agree(ok: bool) -> bool:
-    """Whether every process's ``ok`` is True (each process learns the same answer)."""
-    if jax.process_count() == 1:
-        return ok
-    from jax.experimental import multihost_utils
-
-    return bool(np.all(multihost_utils.process_allgather(np.array(ok, dtype=np.int32))))
 
 
 class Run:
@@ -174,26 +145,19 @@ class Run:
     # -- where the run stands -------------------------------------------------------------
 
     def _latest_record(self) -> tuple[int, dict] | None:
-        """The newest checkpoint whose run record reads, with that record."""
+        """The newest checkpoint whose run record reads, with that record (read from its
+        file by each process alone: no collective)."""
         if self._record_cache is False:
             self._record_cache = None
-            for s in reversed(checkpoint_steps(self.directory)):
+            for s in reversed(list_steps(self.directory)):
                 try:
-                    record = checkpoint_extra(self.directory, s)
-                except Exception:  # an unreadable step: restore_or_init says so and falls back
+                    record = read_step_json(self.directory, s, "extra")
+                except Exception:  # an unreadable record: restore_or_init names the step and skips it
                     continue
-                self._record_cache = (s, self._check_record(s, record))
-                break
+                if is_run_record(record):
+                    self._record_cache = (s, record)
+                    break
         return self._record_cache
-
-    def _check_record(self, step: int, record: Any) -> dict:
-        if not isinstance(record, dict) or record.get("format") != FORMAT:
-            raise NotARunError(
-                f"checkpoint step {step} in {self.directory} was not saved by a zerojax.resume.Run "
-                "(it has no run record): restore it with zj.restore_checkpoint, or give the Run a "
-                "directory of its own."
-            )
-        return record
 
     def micro_batches(self, config: ZeroConfig, mesh: Any, global_batch: int) -> ZeroConfig:
         """``config``, with ``grad_accum_steps`` adjusted when the run resumes on another
@@ -249,16 +213,45 @@ class Run:
     # -- starting ---------------------------------------------------------------------------
 
     def restore_or_init(
-        self, params: Any, tx: Any, *, mesh: Any, config: ZeroConfig, data: Any = None, **init_kwargs: Any
-    ) -> ZeroState:
+        self,
+        params: Any,
+        tx: Any = None,
+        *,
+        mesh: Any = None,
+        config: ZeroConfig | None = None,
+        data: Any = None,
+        **init_kwargs: Any,
+    ) -> Any:
         """The state to train from: the newest complete checkpoint of the run's directory
         that reads on every process, or ``zj.init_state(params, tx, mesh=mesh,
-        config=config, **init_kwargs)`` when there is none. A checkpoint that does not read
-        (a damaged file) is named and skipped for the one before it; one that holds
-        another model or optimizer raises :class:`~zerojax.checkpoint.CheckpointMismatchError`
-        naming the leaves, before any step. ``data`` (an object with ``get_state`` /
-        ``set_state``, such as :class:`IndexSampler` or a grain iterator) is set to the
-        saved position. Sets :attr:`step`."""
+        config=config, **init_kwargs)`` when there is none.
+
+        ``params`` may instead be a :class:`zerojax.nnx.Optimizer` (anything holding its
+        :class:`~zerojax.ZeroState` in ``.state`` with its ``tx``, ``mesh`` and ``config``),
+        given alone: it is restored in place and returned (a fresh run keeps it as built).
+
+        Before anything is read, the folder is checked: it must be writable from this
+        process, and no other live job may be writing it (:mod:`zerojax.resume.owner`);
+        this job then owns it. Each process then reads its own part of the newest step
+        with no collective, and the processes agree on the result: a step that does not
+        read on some process, or has no run record, is named and skipped for the one
+        before it (:mod:`zerojax.resume.choose`), and moved aside once the run has chosen,
+        so that its step is saved again. A folder in which no step has a run record raises
+        :class:`NotARunError`; a checkpoint of another model or optimizer raises
+        :class:`~zerojax.checkpoint.CheckpointMismatchError` naming the leaves, before any
+        step. ``data`` (an object with ``get_state`` / ``set_state``, such as
+        :class:`IndexSampler` or a grain iterator) is set to the saved position. Sets
+        :attr:`step`."""
+        holder = params if is_holder(params) else None
+        if holder is not None:
+            given = [n for n, v in (("tx", tx), ("mesh", mesh), ("config", config)) if v is not None]
+            if given or init_kwargs:
+                raise ValueError(
+                    f"restore_or_init({type(holder).__name__}) takes the optimizer alone (its tx, mesh and config "
+                    f"are its own); got also {given + sorted(init_kwargs)}. Call run.restore_or_init(optimizer, "
+                    "data=...)."
+                )
+            tx, mesh, config = holder.tx, holder.mesh, holder.config
         if not isinstance(config, ZeroConfig):
             raise TypeError(f"config must be a zj.ZeroConfig, got {type(config).__name__}.")
         if data is not None and not (
@@ -270,30 +263,70 @@ class Run:
             )
         self._data = data
         self._mesh, self._zero = mesh, config
-        abstract_kwargs = {k: v for k, v in init_kwargs.items() if k != "weights"}
-        steps = _same_steps(checkpoint_steps(self.directory))
-        target = abstract_state(params, tx, mesh=mesh, config=config, **abstract_kwargs) if steps else None
-        for s in reversed(steps):
-            state, record, error = None, None, None
+        try:
+            state = self._start(params, tx, holder, init_kwargs)
+        except _FINAL as e:
+            write_refusal(f"{type(e).__name__}: {e}")
+            owner.stop_refreshing(self.directory)
+            if jax.process_index() == 0 and not isinstance(e, (RunOwnedError, RunFolderError)):
+                owner.release(self.directory)
+            raise
+        if holder is None:
+            return state
+        holder.state = state
+        return holder
+
+    def _claim(self) -> None:
+        """The folder takes writes here; this job owns it (process 0 decides, all agree)."""
+        owner.check_writable(self.directory)
+        error = None
+        if jax.process_index() == 0:
             try:
-                record = self._check_record(s, checkpoint_extra(self.directory, s))
-                state = restore_checkpoint(self.directory, target, step=s)
-                jax.block_until_ready(state.params)
-            except (CheckpointMismatchError, NotARunError):
-                raise
-            except Exception as e:  # any failure to read is a damaged checkpoint
+                owner.claim(self.directory)
+            except RunOwnedError as e:
                 error = e
-            if _agree(error is None):
-                return self._resumed(s, state, record)
-            where = os.path.join(self.directory, str(s))
-            why = f"{type(error).__name__}: {str(error)[:300]}" if error else "it does not read on another process"
-            _say(f"checkpoint {where} is unreadable ({why}); falling back to the previous complete checkpoint.")
+        if jax.process_count() > 1:
+            from zerojax.resume.choose import gather
+
+            refused = gather(int(error is not None))[0]
+            if refused and error is None:
+                record, age = owner.read_owner(self.directory)
+                error = RunOwnedError(
+                    f"the run folder {self.directory} is being written by another job"
+                    + (f", {owner.describe(record, age)}" if record else "")
+                    + " (process 0 says more): give this run a folder of its own."
+                )
+        if error is not None:
+            raise error
+        if jax.process_index() == 0:
+            owner.keep_fresh(self.directory)
+
+    def _start(self, params: Any, tx: Any, holder: Any, init_kwargs: dict) -> ZeroState:
+        mesh, config = self._mesh, self._zero
+        self._claim()
+        steps = same_steps(list_steps(self.directory))
+        target = None
+        if steps:
+            if holder is not None:
+                target = abstract_of(holder.state)
+            else:
+                abstract_kwargs = {k: v for k, v in init_kwargs.items() if k != "weights"}
+                target = abstract_state(params, tx, mesh=mesh, config=config, **abstract_kwargs)
+        s, tried, skipped = choose(self.directory, steps, target, _say)
+        for path in move_aside(self.directory, skipped):
+            _say(f"moved the damaged checkpoint aside to {path}: its step is saved again when the run reaches it.")
+        if skipped:
+            list_steps(self.directory)  # every process's view without the steps moved aside
+        if s is not None:
+            return self._resumed(s, tried.read.state(), tried.record)
         if steps:
             _say(f"no checkpoint in {self.directory} reads; starting at step 0.")
         else:
             _say(f"no checkpoint in {self.directory}; starting at step 0")
         self.step = 0
         write_progress(self.directory, 0)
+        if holder is not None:
+            return holder.state
         return init_state(params, tx, mesh=mesh, config=config, **init_kwargs)
 
     def _resumed(self, s: int, state: ZeroState, record: dict) -> ZeroState:
@@ -346,11 +379,18 @@ class Run:
             "user": extra,
         }
 
-    def save(self, state: ZeroState, *, extra: dict | None = None, wait: bool | None = None) -> float:
-        """Saves the run at :attr:`step` now; returns the seconds the call blocked."""
+    def save(self, state: Any, *, extra: dict | None = None, wait: bool | None = None) -> float:
+        """Saves the run at :attr:`step` now; returns the seconds the call blocked. Refuses
+        (:class:`~zerojax.resume.owner.RunOwnedError`) when another job has taken the folder."""
         if not hasattr(self, "_mesh"):
             raise RuntimeError("call Run.restore_or_init before saving.")
+        state = state_of(state, "save")
         start = time.perf_counter()
+        try:
+            owner.check_owner(self.directory)
+        except RunOwnedError as e:
+            write_refusal(f"{type(e).__name__}: {e}")
+            raise
         save_checkpoint(
             self.directory,
             state,
@@ -363,13 +403,13 @@ class Run:
         write_progress(self.directory, self.step)
         return time.perf_counter() - start
 
-    def completed(self, state: ZeroState, *, extra: dict | None = None) -> None:
-        """Marks one more step done, with the state it returned: saves every
-        ``save_every`` steps, and on a preemption notice (``SIGTERM`` to any process) saves
-        at this boundary on every process, waits until the checkpoint is on disk and raises
-        :class:`Preempted` (exit status 75). Call it on every process after every step."""
-        if not isinstance(state, ZeroState):
-            raise TypeError(f"completed takes the ZeroState the step returned, got {type(state).__name__}.")
+    def completed(self, state: Any, *, extra: dict | None = None) -> None:
+        """Marks one more step done, with the state it returned (or the
+        :class:`zerojax.nnx.Optimizer` it updated): saves every ``save_every`` steps, and on
+        a preemption notice (``SIGTERM`` to any process) saves at this boundary on every
+        process, waits until the checkpoint is on disk and raises :class:`Preempted` (exit
+        status 75). Call it on every process after every step."""
+        state = state_of(state, "completed")
         self.step += 1
         preempted = self._watch.reached(self.step)
         if preempted or self.step % self.config.save_every == 0:
@@ -383,9 +423,14 @@ class Run:
             )
             raise Preempted(RESUMABLE_EXIT)
 
-    def finish(self, state: ZeroState, *, extra: dict | None = None) -> None:
-        """Saves the final step (unless just saved) and waits until every save is on disk."""
+    def finish(self, state: Any, *, extra: dict | None = None) -> None:
+        """Saves the final step (unless just saved), waits until every save is on disk and
+        releases the folder (another job may take it at once)."""
+        state = state_of(state, "finish")
         if self._saved_at != self.step:
             self.save(state, extra=extra)
         wait(self.directory)
         self._watch.close()
+        owner.stop_refreshing(self.directory)
+        if jax.process_index() == 0:
+            owner.release(self.directory)
