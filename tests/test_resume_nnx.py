@@ -35,9 +35,13 @@ def train_step():
 
 def start(directory, until, train_step):
     """One start: a fresh module and optimizer, restored (or not) by the run, trained to ``until``."""
-    opt = zj.nnx.Optimizer(Net(nnx.Rngs(0, dropout=1)), TX, mesh=zj.make_mesh(), config=CONFIG)
+    model = Net(nnx.Rngs(0, dropout=1))
+    opt = zj.nnx.Optimizer(model, TX, mesh=zj.make_mesh(), config=CONFIG)
     run, data = Run(RunConfig(directory, save_every=2)), IndexSampler(N, BATCH, seed=3)
     assert run.restore_or_init(opt, data=data) is opt
+    # The module given holds what was restored, as it holds what a step trains.
+    held, restored = nnx.state(model, nnx.Param), nnx.state(opt.gathered_model(), nnx.Param)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(held), jax.tree.leaves(restored)))
     while run.step < until:
         idx = next(data)
         train_step(opt, {"x": XS[idx], "y": YS[idx]})
