@@ -131,6 +131,8 @@ def test_elastic_eight_four_eight_devices_follows_the_trajectory(tmp_path, capsy
     state, run, _ = train(tmp_path / "run", 6, None, mesh=zj.make_mesh(devices[:4]), config=config)
     out = capsys.readouterr().out
     assert "on 4 devices grad_accum_steps becomes 2 (2 rows per device per micro-batch)" in out, out
+    assert "A loss not linear in its rows (a MoE load-balancing loss" in out and "now sees 2 micro-batches" in out
+    assert "randomness drawn from the step's key" not in out  # the state carries no key
     assert zj.checkpoint.checkpoint_extra(tmp_path / "run", 6)["grad_accum_steps"] == 2
     state, _, _ = train(tmp_path / "run", 9, None, config=config)
     assert "on 8 devices grad_accum_steps becomes 1" in capsys.readouterr().out
@@ -374,3 +376,17 @@ except owner.RunFolderError as e:
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert f"folder {ro} is not writable from process" in out.stdout and "PermissionError" in out.stdout, out
+
+
+def test_a_resume_on_another_device_count_says_a_keyed_state_leaves_the_trajectory(tmp_path, capsys):
+    """A state with a key (dropout's randomness is drawn per device and micro-batch): the
+    resume message says so when the data-parallel degree changes, and not when it stays."""
+    config = zj.ZeroConfig(stage=1)
+    for devices, says in ((8, False), (8, False), (4, True)):
+        mesh = zj.make_mesh(jax.devices()[:devices])
+        run = Run(RunConfig(tmp_path, save_every=1))
+        state = run.restore_or_init(models.mlp_params(), TX, mesh=mesh, config=config, rng=jax.random.key(0))
+        run.completed(state)
+        run.finish(state)
+        out = capsys.readouterr().out
+        assert ("randomness drawn from the step's key (dropout) is drawn per device" in out) == says, out

@@ -207,6 +207,13 @@ class Run:
             f"grad_accum_steps {record['grad_accum_steps']} ({rows} rows per device per micro-batch); on {dp} "
             f"devices grad_accum_steps becomes {a} ({global_batch // (dp * a)} rows per device per micro-batch), "
             f"the global batch stays {global_batch}."
+            + (
+                f" A loss not linear in its rows (a MoE load-balancing loss, synced BatchNorm statistics) now sees "
+                f"{a} micro-batches instead of {record['grad_accum_steps']}, so its steps are not the saved run's "
+                "within rounding."
+                if a != record["grad_accum_steps"]
+                else ""
+            )
         )
         return dataclasses.replace(config, grad_accum_steps=a)
 
@@ -348,6 +355,12 @@ class Run:
             note = (
                 f"; now on {dp} data-parallel devices with the same grad_accum_steps: each device's micro-batch "
                 f"changes size (Run.micro_batches keeps it)"
+            )
+        if dp != record["data_parallel"] and state.rng is not None:
+            note += (
+                f". The state carries a key: randomness drawn from the step's key (dropout) is drawn per device "
+                f"and micro-batch, so on {dp} data-parallel devices its masks differ from the saved run's and "
+                "the trajectory leaves the uninterrupted one (docs/fault_tolerance.md)"
             )
         _say(
             f"resuming at step {record['step']} from {os.path.join(self.directory, str(s))} (saved on "
