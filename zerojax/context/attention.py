@@ -51,11 +51,10 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from zerojax._jaxpr import check, settings
-from zerojax.context.layout import KERNEL_SCOPE, Layout, resolve
+from zerojax.context.layout import KERNEL_SCOPE, Layout, axis_of, resolve
 from zerojax.sharding.mesh import context_size
 
 METHODS = ("auto", "ulysses", "ring", "xla")
-CONTEXT_AXIS = "context"
 # jax.nn.dot_product_attention's fill for masked logits (finite, so that a fully masked row
 # averages every value, as JAX's does); the kernels' logits are float32.
 _FILL = -0.7 * float(np.finfo(np.float32).max)
@@ -78,8 +77,8 @@ def dot_product_attention(
     segment_ids=None,
     key_value_segment_ids=None,
     method: str = "auto",
-    layout: str | None = None,
-    axis: str = CONTEXT_AXIS,
+    layout: Layout | str | None = None,
+    axis: str | None = None,
     mesh: Any = None,
     block_size: int = 512,
     broadcast_dropout: bool = True,
@@ -132,7 +131,10 @@ def dot_product_attention(
         :class:`zerojax.context.Layout` (the one the train step hands the loss with
         ``with_layout=True``), ``"contiguous"``, ``"balanced"``, or None (contiguous); the
         arrays' sequence dimensions are in that layout's order.
-      axis: the context axis's name.
+      axis: the context axis's name (default: the ``layout``'s own, which the step's layout
+        names, else ``"context"``). An ``axis`` other than the layout's is refused, as are a
+        layout over more devices than the mesh gives its axis and ``layout="balanced"``
+        without an axis on a mesh with no ``"context"`` axis: the kernel never guesses.
       mesh: the mesh (default: the one in context, ``jax.sharding.get_abstract_mesh()``).
       block_size: keys per chunk of the local attention: each device computes its logits
         a chunk at a time, rematerialised in backward, so its memory is linear in the
@@ -175,8 +177,9 @@ def dot_product_attention(
         raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
     given = mesh
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    axis = axis_of(layout, axis, mesh)
     c = context_size(mesh, axis)
-    lay = resolve(layout, c)
+    lay = resolve(layout, c, axis)
     if lay.moves:  # a step checks the loss's order for it by reading the program
         check.require(
             f"zj.nn.dot_product_attention with the {lay.kind!r} layout",
