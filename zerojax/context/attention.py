@@ -51,11 +51,10 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from zerojax._jaxpr import check, settings
-from zerojax.context.layout import KERNEL_SCOPE, Layout, resolve
+from zerojax.context.layout import KERNEL_SCOPE, Layout, axis_of, resolve
 from zerojax.sharding.mesh import context_size
 
 METHODS = ("auto", "ulysses", "ring", "xla")
-CONTEXT_AXIS = "context"
 # jax.nn.dot_product_attention's fill for masked logits (finite, so that a fully masked row
 # averages every value, as JAX's does); the kernels' logits are float32.
 _FILL = -0.7 * float(np.finfo(np.float32).max)
@@ -78,8 +77,8 @@ def dot_product_attention(
     segment_ids=None,
     key_value_segment_ids=None,
     method: str = "auto",
-    layout: str | None = None,
-    axis: str = CONTEXT_AXIS,
+    layout: Layout | str | None = None,
+    axis: str | None = None,
     mesh: Any = None,
     block_size: int = 512,
     broadcast_dropout: bool = True,
@@ -132,7 +131,10 @@ def dot_product_attention(
         :class:`zerojax.context.Layout` (the one the train step hands the loss with
         ``with_layout=True``), ``"contiguous"``, ``"balanced"``, or None (contiguous); the
         arrays' sequence dimensions are in that layout's order.
-      axis: the context axis's name.
+      axis: the context axis's name (default: the ``layout``'s own, which the step's layout
+        names, else ``"context"``). An ``axis`` other than the layout's is refused, as are a
+        layout over more devices than the mesh gives its axis and ``layout="balanced"``
+        without an axis on a mesh with no ``"context"`` axis: the kernel never guesses.
       mesh: the mesh (default: the one in context, ``jax.sharding.get_abstract_mesh()``).
       block_size: keys per chunk of the local attention: each device computes its logits
         a chunk at a time, rematerialised in backward, so its memory is linear in the
@@ -173,10 +175,12 @@ def dot_product_attention(
     )
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
+    scale = _scale(scale)
     given = mesh
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    axis = axis_of(layout, axis, mesh)
     c = context_size(mesh, axis)
-    lay = resolve(layout, c)
+    lay = resolve(layout, c, axis)
     if lay.moves:  # a step checks the loss's order for it by reading the program
         check.require(
             f"zj.nn.dot_product_attention with the {lay.kind!r} layout",
@@ -239,7 +243,7 @@ def dot_product_attention(
             (local_window_size, local_window_size) if isinstance(local_window_size, int) else tuple(local_window_size)
         )
     )
-    scale = 1.0 / math.sqrt(h) if scale is None else float(scale)
+    scale = jnp.asarray(1.0 / math.sqrt(h), jnp.float32) if scale is None else scale
     spec = _Spec(
         c=c,
         axis=axis,
@@ -248,7 +252,6 @@ def dot_product_attention(
         s=s,
         n=n,
         kh=kh,
-        scale=scale,
         causal=bool(is_causal),
         window=window,
         zero_padded_rows=query_seq_lengths is not None,
@@ -258,7 +261,7 @@ def dot_product_attention(
         local=local,
     )
     with jax.named_scope(f"{KERNEL_SCOPE}{layout}"):  # the layout it was traced with, in the program
-        return (_ulysses if method == "ulysses" else _ring)(spec, q, k, v, mask, bias, lengths, segments)
+        return (_ulysses if method == "ulysses" else _ring)(spec, q, k, v, mask, bias, scale, lengths, segments)
 
 
 def chunked_attention(
@@ -290,7 +293,6 @@ def chunked_attention(
         s=s,
         n=n,
         kh=kh,
-        scale=1.0 / math.sqrt(h) if scale is None else float(scale),
         causal=bool(is_causal),
         window=None,
         zero_padded_rows=False,
@@ -301,7 +303,9 @@ def chunked_attention(
     )
     rows = _Side(jnp.arange(t), jnp.full((b,), t, jnp.int32))
     cols = _Side(jnp.arange(s), jnp.full((b,), s, jnp.int32))
-    return _finish(spec, _attend(spec, q, rows, k, v, cols, None, None), rows, q.dtype)
+    scale = _scale(scale)
+    scale = jnp.asarray(1.0 / math.sqrt(h), jnp.float32) if scale is None else scale
+    return _finish(spec, _attend(spec, q, rows, k, v, cols, None, None, scale), rows, q.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -324,6 +328,29 @@ def _flax_arguments(query, key, value, kw: dict):
     if dtype is not None:
         query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
     return query, key, value, kw.get("precision")
+
+
+def _scale(scale):
+    """``scale`` as a scalar array (None stays None: ``1/sqrt(head_dim)``). A number, or a
+    scalar array, traced too (a learned temperature: the kernels take it as an operand and
+    differentiate it); anything else is refused."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.number, np.ndarray, jax.Array)):
+        raise TypeError(
+            f"scale must be a number or a scalar array (e.g. a learned temperature), got {type(scale).__name__}: "
+            f"{scale!r}."
+        )
+    x = scale if _is_traced(scale) else jnp.asarray(scale)
+    if x.size != 1:
+        raise ValueError(
+            f"scale must be a scalar (it multiplies every logit), got shape {x.shape}; a per-head or per-key "
+            f"scale goes into the queries or keys (or bias=)."
+        )
+    if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
+        raise TypeError(f"scale must be a real number, got dtype {x.dtype}.")
+    x = x.reshape(())
+    return x if jnp.issubdtype(x.dtype, jnp.floating) else x.astype(jnp.float32)
 
 
 def _manual_axes() -> frozenset[str]:
@@ -538,21 +565,22 @@ def _grouped(x, kh: int):
     return x[:, :, None] if x.shape[1] == 1 else x.reshape(x.shape[0], kh, x.shape[1] // kh, *x.shape[2:])
 
 
-def _logits(spec: _Spec, q, rows: _Side, k, cols: _Side, mask, bias, exists):
+def _logits(spec: _Spec, q, rows: _Side, k, cols: _Side, mask, bias, exists, scale, raw: bool = False):
     """Masked, scaled logits ``[B, K, G, T, S]`` (fp32), what the masks keep, and the queries
-    grouped by key/value head ``[B, T, K, G, H]``. A masked logit is JAX's fill; a key that
-    ``exists`` (``bool[S]``, None: all) leaves out is ``-inf``, whatever the masks say."""
+    grouped by key/value head ``[B, T, K, G, H]`` (and with ``raw``, the unscaled, unmasked
+    ``q·k``). A masked logit is JAX's fill; a key that ``exists`` (``bool[S]``, None: all)
+    leaves out is ``-inf``, whatever the masks say."""
     b, t, n, h = q.shape
     kh = k.shape[2]
     qg = q.reshape(b, t, kh, n // kh, h)
-    logits = jnp.einsum(
+    qk = jnp.einsum(
         "btkgh,bskh->bkgts",
         qg,
         k,
         preferred_element_type=jnp.promote_types(q.dtype, jnp.float32),
         precision=spec.precision,
     )
-    logits = logits * jnp.asarray(spec.scale, logits.dtype)
+    logits = qk * scale.astype(qk.dtype)
     if bias is not None:
         logits = (logits + _grouped(bias, kh)).astype(logits.dtype)
     keep = _valid(spec, rows, cols)
@@ -561,7 +589,7 @@ def _logits(spec: _Spec, q, rows: _Side, k, cols: _Side, mask, bias, exists):
     logits = jnp.where(keep, logits, jnp.asarray(_FILL, logits.dtype)).astype(jnp.float32)
     if exists is not None:
         logits = jnp.where(exists, logits, -jnp.inf)
-    return logits, keep, qg
+    return (logits, keep, qg, qk.astype(jnp.float32)) if raw else (logits, keep, qg)
 
 
 def _stabiliser(m):
@@ -570,15 +598,14 @@ def _stabiliser(m):
     return jnp.where(m == -jnp.inf, jnp.zeros_like(m), m)
 
 
-def _block(spec: _Spec, q, rows: _Side, k, v, cols: _Side, mask, bias, exists):
+def _block(spec: _Spec, q, rows: _Side, k, v, cols: _Side, mask, bias, exists, scale):
     """One chunk of keys, unnormalised: ``(acc [B,T,K,G,H], max [B,K,G,T], sum [B,K,G,T])``.
     The max is the softmax's stabiliser, on which the normalised result does not depend: it
-    carries no gradient (as in ``jax.nn.softmax``), and the max's derivative, which counts
-    the logits equal to it, is never taken. (It was, in this kernel's autodiff path: in a
-    rematerialised chunk with a bias XLA's CPU backend at ``--xla_backend_optimization_level=0``
-    recomputes the logits apart for the max and for that count, the copies differ in the last
-    bit, no logit equals the max, and the count's division by zero made NaN gradients.)"""
-    logits, _, _ = _logits(spec, q, rows, k, cols, mask, bias, exists)
+    carries no gradient (as in ``jax.nn.softmax``; :func:`_flash_bwd` differentiates at a
+    fixed max), and the max's derivative, which counts the logits equal to it, is never
+    taken (a recomputed logit may differ from the max in the last bit, and that count's
+    division by zero once made NaN gradients)."""
+    logits, _, _ = _logits(spec, q, rows, k, cols, mask, bias, exists, scale)
     m = jax.lax.stop_gradient(logits.max(axis=-1))
     p = jnp.exp(logits - _stabiliser(m)[..., None])
     acc = jnp.einsum(
@@ -662,25 +689,30 @@ def _unchunk(x, s: int):
     return jnp.concatenate([head, x[:, -1, count * size - s :]], axis=1)
 
 
-def _attend(spec: _Spec, q, rows: _Side, k, v, cols: _Side, mask, bias):
+def _attend(spec: _Spec, q, rows: _Side, k, v, cols: _Side, mask, bias, scale):
     """``q`` over the keys ``k`` / ``v`` (masked by ``rows`` and ``cols``), unnormalised:
     ``(acc, max, sum)``, in chunks of ``spec.block`` keys. Forward and backward each
     hold one chunk's logits at a time, and backward keeps only the inputs and the row maxima
     (flash attention's backward: each chunk's logits recomputed, ``dq`` summed over chunks,
-    ``dk`` and ``dv`` chunk by chunk), so memory is linear in the sequence. Masks and bias
-    hold all key columns; each chunk slices its own. With a bias (whose gradient is
-    quadratic anyway) it is JAX's autodiff of the chunked scan."""
-    if bias is not None:
-        return _attend_autodiff(spec, q, rows, k, v, cols, mask, bias)
-    return _flash(spec, q, k, v, rows, cols, mask)
+    ``dk``, ``dv`` and the bias's gradient chunk by chunk, all in float32), so memory is
+    linear in the sequence (but for a bias's gradient, which is the bias's size). Masks and
+    bias hold all key columns; each chunk slices its own. ``scale`` is a scalar array (a
+    traced one too: a learned temperature), differentiated as the rest."""
+    if spec.local:
+        # Inside a user's shard_map that checks varying axes, the custom VJP's gradients of
+        # a scale or bias the queries vary over must vary too: they enter as varying (an
+        # addition of 0), whose transpose sums their gradients over the axis.
+        zero = lambda x: None if x is None else x + jnp.zeros_like(q, shape=(), dtype=x.dtype)
+        bias, scale = zero(bias), zero(scale)
+    return _flash(spec, q, k, v, bias, scale, rows, cols, mask)
 
 
-def _flash_forward(spec: _Spec, q, k, v, rows: _Side, cols: _Side, mask):
+def _flash_forward(spec: _Spec, q, k, v, bias, scale, rows: _Side, cols: _Side, mask):
     size, count = _chunking(k.shape[1], spec.block)
 
     def chunk(j):
-        kj, vj, cj, mj, _, exists = _key_chunk(j, size, k, v, cols, mask, None)
-        return _block(spec, q, rows, kj, vj, cj, mj, None, exists)
+        kj, vj, cj, mj, bj, exists = _key_chunk(j, size, k, v, cols, mask, bias)
+        return _block(spec, q, rows, kj, vj, cj, mj, bj, exists, scale)
 
     first = chunk(0)
     if count == 1:
@@ -690,43 +722,67 @@ def _flash_forward(spec: _Spec, q, k, v, rows: _Side, cols: _Side, mask):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(spec: _Spec, q, k, v, rows: _Side, cols: _Side, mask):
-    return _flash_forward(spec, q, k, v, rows, cols, mask)
+def _flash(spec: _Spec, q, k, v, bias, scale, rows: _Side, cols: _Side, mask):
+    return _flash_forward(spec, q, k, v, bias, scale, rows, cols, mask)
 
 
-def _flash_fwd(spec, q, k, v, rows, cols, mask):
-    out = _flash_forward(spec, q, k, v, rows, cols, mask)
-    return out, (q, k, v, rows, cols, mask, out[1])
+def _flash_fwd(spec, q, k, v, bias, scale, rows, cols, mask):
+    out = _flash_forward(spec, q, k, v, bias, scale, rows, cols, mask)
+    return out, (q, k, v, bias, scale, rows, cols, mask, out[1])
 
 
 def _flash_bwd(spec, res, cotangents):
     """The row maxima are the softmax's stabiliser: the normalised result does not depend on
     them, so their cotangent is dropped and ``acc = Σ exp(x - m)·v``, ``sum = Σ exp(x - m)``
-    are differentiated at fixed ``m``."""
-    q, k, v, rows, cols, mask, m = res
+    are differentiated at fixed ``m``. Every product and sum is float32 (the inputs' dtype
+    only at the end, once): ``exp(x - m)``'s cotangent from ``acc`` and the one from ``sum``
+    then cancel where they should (a row that sees one key has logit gradients of 0, as
+    JAX's), which a bfloat16 cotangent from ``acc`` beside a float32 one from ``sum`` does not.
+    A logit's gradient ``dx`` is the bias's (summed where the bias broadcasts); ``dx · q·k`` is
+    the scale's."""
+    q, k, v, bias, scale, rows, cols, mask, m = res
     d_acc, _, d_l = cotangents
     b, t, n, h = q.shape
     s = k.shape[1]
     size, count = _chunking(s, spec.block)
     d_acc = d_acc.astype(jnp.float32)  # [B, T, K, G, H]
     ref = _stabiliser(m)[..., None]
+    f32 = lambda x: x.astype(jnp.float32)
+    keys_broadcast = bias is not None and bias.shape[3] == 1
 
-    def chunk(dq, j):
-        kj, vj, cj, mj, _, exists = _key_chunk(j, size, k, v, cols, mask, None)
-        logits, keep, qg = _logits(spec, q, rows, kj, cj, mj, None, exists)
+    def chunk(carry, j):
+        dq, dscale, dbias_sum = carry
+        kj, vj, cj, mj, bj, exists = _key_chunk(j, size, k, v, cols, mask, bias)
+        logits, keep, qg, raw = _logits(spec, q, rows, kj, cj, mj, bj, exists, scale, raw=True)
         p = jnp.exp(logits - ref)  # [B, K, G, T, size]; 0 where a key is left out
         dv = jnp.einsum("bkgts,btkgh->bskh", p, d_acc, precision=spec.precision)
-        dp = jnp.einsum("btkgh,bskh->bkgts", d_acc, vj.astype(jnp.float32), precision=spec.precision) + d_l[..., None]
-        dx = jnp.where(keep, p * dp, 0.0) * spec.scale
-        dq = dq + jnp.einsum("bkgts,bskh->btkgh", dx, kj.astype(jnp.float32), precision=spec.precision)
-        dk = jnp.einsum("bkgts,btkgh->bskh", dx, qg.astype(jnp.float32), precision=spec.precision)
-        return dq, (dk, dv)
+        dp = jnp.einsum("btkgh,bskh->bkgts", d_acc, f32(vj), precision=spec.precision) + d_l[..., None]
+        dx = jnp.where(keep, p * dp, 0.0)  # the logits' gradient
+        dscale = dscale + jnp.sum(dx * raw)
+        ds = dx * f32(scale)
+        dq = dq + jnp.einsum("bkgts,bskh->btkgh", ds, f32(kj), precision=spec.precision)
+        dk = jnp.einsum("bkgts,btkgh->bskh", ds, f32(qg), precision=spec.precision)
+        dbias = None
+        if bias is not None:
+            dbias = _to_bias(dx.reshape(b, n, t, -1), bias.shape)  # [B|1, N|1, T|1, size|1]
+            if keys_broadcast:
+                dbias_sum, dbias = dbias_sum + dbias, None
+        return (dq, dscale, dbias_sum), (dk, dv, dbias)
 
-    dq, (dk, dv) = jax.lax.scan(chunk, jnp.zeros_like(d_acc), jnp.arange(count))
+    # zeros derived from d_acc: varying over a manual axis where the cotangents are
+    zero_bias = jnp.zeros_like(d_acc, shape=bias.shape) if keys_broadcast else None
+    carry = (jnp.zeros_like(d_acc), jnp.zeros_like(d_acc, shape=()), zero_bias)
+    (dq, dscale, dbias_sum), (dk, dv, dbias) = jax.lax.scan(chunk, carry, jnp.arange(count))
+    if bias is not None:
+        if not keys_broadcast:  # [chunks, B|1, N|1, T|1, size] -> [B|1, N|1, T|1, S]
+            dbias_sum = jnp.moveaxis(_unchunk(jnp.moveaxis(dbias, -1, 2), s), 1, -1)
+        dbias_sum = dbias_sum.astype(bias.dtype)
     return (
         dq.reshape(b, t, n, h).astype(q.dtype),
         _unchunk(dk, s).astype(k.dtype),
         _unchunk(dv, s).astype(v.dtype),
+        dbias_sum,
+        dscale.astype(scale.dtype),
         None,
         None,
         None,
@@ -736,26 +792,11 @@ def _flash_bwd(spec, res, cotangents):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def _attend_autodiff(spec: _Spec, q, rows: _Side, k, v, cols: _Side, mask, bias):
-    """:func:`_attend` with a bias: JAX's autodiff of a ``lax.scan`` over key chunks whose
-    step is rematerialised (no chunk's logits are kept, but backward keeps the scan's carry,
-    ``[B, T, N, H]``, for every chunk: memory grows as ``T·S/block``)."""
-    size, count = _chunking(k.shape[1], spec.block)
-
-    def chunk(j):
-        kj, vj, cj, mj, bj, exists = _key_chunk(j, size, k, v, cols, mask, bias)
-        return _block(spec, q, rows, kj, vj, cj, mj, bj, exists)
-
-    first = jax.checkpoint(chunk)(0)  # rematerialised too, so that backward keeps no logits
-    if count == 1:
-        return first
-
-    @jax.checkpoint
-    def step(carry, j):
-        return _merge(carry, chunk(j)), None
-
-    out, _ = jax.lax.scan(step, first, jnp.arange(1, count))
-    return out
+def _to_bias(dx, shape: tuple[int, ...]):
+    """A logits-shaped gradient ``[B, N, T, S]`` summed over the dimensions a bias of ``shape``
+    (rank 4) broadcasts over."""
+    dims = tuple(d for d, size in enumerate(shape) if size == 1 and dx.shape[d] != 1)
+    return dx.sum(axis=dims, keepdims=True) if dims else dx
 
 
 def _finish(spec: _Spec, part, rows: _Side, dtype):
@@ -826,7 +867,7 @@ def _seq_spec(x, axis: str):
 # Ulysses: all-to-all from sequence-split to head-split and back.
 
 
-def _ulysses(spec: _Spec, q, k, v, mask, bias, lengths, segments):
+def _ulysses(spec: _Spec, q, k, v, mask, bias, scale, lengths, segments):
     c, axis = spec.c, spec.axis
     if spec.kh % c:  # GQA with fewer key/value heads than devices: repeat them up to the query heads
         rep = spec.n // spec.kh
@@ -837,22 +878,24 @@ def _ulysses(spec: _Spec, q, k, v, mask, bias, lengths, segments):
     def heads_spec(x):  # a mask or bias: its head dimension split with the heads, else whole
         return None if x is None else (P(None, axis) if x.shape[1] > 1 else P())
 
-    def body(q, k, v, mask, bias, qlen, kvlen, qseg, kseg):
+    def body(q, k, v, mask, bias, scale, qlen, kvlen, qseg, kseg):
         q, k, v = (jax.lax.all_to_all(x, axis, 2, 1, tiled=True) for x in (q, k, v))
         rows, cols = _Side(pos, qlen, _gathered(qseg, axis)), _Side(kpos, kvlen, _gathered(kseg, axis))
-        out = _finish(spec, _attend(spec, q, rows, k, v, cols, mask, bias), rows, q.dtype)
+        out = _finish(spec, _attend(spec, q, rows, k, v, cols, mask, bias, scale), rows, q.dtype)
         return jax.lax.all_to_all(out, axis, 1, 2, tiled=True)
 
     seq = P(None, axis)
-    in_specs = (seq, seq, seq, heads_spec(mask), heads_spec(bias), P(), P(), *(_seq_spec(x, axis) for x in segments))
-    return _run(spec, body, (q, k, v, mask, bias, *lengths, *segments), in_specs, seq, whole=(3, 4))
+    in_specs = (seq, seq, seq, heads_spec(mask), heads_spec(bias), P(), P(), P()) + tuple(
+        _seq_spec(x, axis) for x in segments
+    )
+    return _run(spec, body, (q, k, v, mask, bias, scale, *lengths, *segments), in_specs, seq, whole=(3, 4))
 
 
 # ----------------------------------------------------------------------------------------------
 # Ring: key/value chunks passed round the context axis, merged with an online softmax.
 
 
-def _ring(spec: _Spec, q, k, v, mask, bias, lengths, segments):
+def _ring(spec: _Spec, q, k, v, mask, bias, scale, lengths, segments):
     c, axis = spec.c, spec.axis
     qpos_all = jnp.asarray(Layout(spec.layout, c).device_positions(spec.t))
     kpos_all = jnp.asarray(Layout(spec.layout, c).device_positions(spec.s))
@@ -862,7 +905,7 @@ def _ring(spec: _Spec, q, k, v, mask, bias, lengths, segments):
     def rows_spec(x):  # a mask or bias: its query rows split with the queries, key columns whole
         return None if x is None else P(None, None, axis if x.shape[2] > 1 else None)
 
-    def body(q, k, v, mask, bias, qlen, kvlen, qseg, kseg):
+    def body(q, k, v, mask, bias, scale, qlen, kvlen, qseg, kseg):
         i = jax.lax.axis_index(axis)
         rows = _Side(qpos_all[i], qlen, qseg)
         kseg_all = _gathered(kseg, axis)
@@ -872,7 +915,9 @@ def _ring(spec: _Spec, q, k, v, mask, bias, lengths, segments):
             return _Side(kpos_all[src], kvlen, seg)
 
         def attend(k, v, src):  # over the chunk of the device ``src`` (this device's at step 0)
-            return _attend(spec, q, rows, k, v, cols(src), _columns(mask, src * sc, sc), _columns(bias, src * sc, sc))
+            return _attend(
+                spec, q, rows, k, v, cols(src), _columns(mask, src * sc, sc), _columns(bias, src * sc, sc), scale
+            )
 
         def update(out, k, v, src):
             return _merge(out, attend(k, v, src))
@@ -880,7 +925,7 @@ def _ring(spec: _Spec, q, k, v, mask, bias, lengths, segments):
         if spec.causal:
             # Rematerialised: otherwise the switch hands each branch's residuals (the queries
             # among them) out per ring step, and the scan stacks them C times.
-            update = jax.checkpoint(functools.partial(_causal_update, spec, q, rows, cols, mask, bias, i))
+            update = jax.checkpoint(functools.partial(_causal_update, spec, q, rows, cols, mask, bias, scale, i))
 
         def step(carry, s):  # a scan, not a Python loop: backward then runs the steps in turn
             out, k, v = carry
@@ -891,11 +936,13 @@ def _ring(spec: _Spec, q, k, v, mask, bias, lengths, segments):
         return _finish(spec, out, rows, q.dtype)
 
     seq = P(None, axis)
-    in_specs = (seq, seq, seq, rows_spec(mask), rows_spec(bias), P(), P(), *(_seq_spec(x, axis) for x in segments))
-    return _run(spec, body, (q, k, v, mask, bias, *lengths, *segments), in_specs, seq, whole=(3, 4))
+    in_specs = (seq, seq, seq, rows_spec(mask), rows_spec(bias), P(), P(), P()) + tuple(
+        _seq_spec(x, axis) for x in segments
+    )
+    return _run(spec, body, (q, k, v, mask, bias, scale, *lengths, *segments), in_specs, seq, whole=(3, 4))
 
 
-def _causal_update(spec: _Spec, q, rows: _Side, cols, mask, bias, i, out, k, v, src):
+def _causal_update(spec: _Spec, q, rows: _Side, cols, mask, bias, scale, i, out, k, v, src):
     """A ring step of causal attention from device ``i`` over the keys of device ``src``
     (``src != i``), computing only the logits the causal mask does not hide from every row.
 
@@ -918,7 +965,7 @@ def _causal_update(spec: _Spec, q, rows: _Side, cols, mask, bias, i, out, k, v, 
     if spec.layout == "contiguous":
 
         def seen(k, v):
-            return _attend(spec, q, rows, k, v, keys, cut(mask, sc), cut(bias, sc))
+            return _attend(spec, q, rows, k, v, keys, cut(mask, sc), cut(bias, sc), scale)
 
         branches = [seen, lambda k, v: _unseen(v, t, g)]
         branch = jnp.where(src > i, 1, 0)
@@ -926,7 +973,7 @@ def _causal_update(spec: _Spec, q, rows: _Side, cols, mask, bias, i, out, k, v, 
         th, sh = t // 2, sc // 2
 
         def early(k, v):
-            part = _attend(spec, q, rows, k[:, :sh], v[:, :sh], keys.part(0, sh), cut(mask, sh), cut(bias, sh))
+            part = _attend(spec, q, rows, k[:, :sh], v[:, :sh], keys.part(0, sh), cut(mask, sh), cut(bias, sh), scale)
             return _merge(part, _unseen(v[:, sh:], t, g))
 
         def late(k, v):
@@ -939,6 +986,7 @@ def _causal_update(spec: _Spec, q, rows: _Side, cols, mask, bias, i, out, k, v, 
                 keys,
                 cut(_rows(mask, th, t - th), sc),
                 cut(_rows(bias, th, t - th), sc),
+                scale,
             )
             return _stack_rows(_unseen(v, th, g), part)
 

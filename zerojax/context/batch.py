@@ -37,7 +37,9 @@ from zerojax.context.layout import Layout
 
 def layout_of(plan: Any) -> Layout:
     """The layout a step with ``plan`` lays its sequences out in."""
-    return Layout(plan.config.context_layout if plan.context > 1 else "contiguous", plan.context)
+    return Layout(
+        plan.config.context_layout if plan.context > 1 else "contiguous", plan.context, plan.config.context_axis
+    )
 
 
 def sequence_dims(config: Any, batch: Any) -> list[tuple[int, ...]]:

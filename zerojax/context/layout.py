@@ -13,12 +13,15 @@ A layout is a frozen value: the train step hands it to the loss (``make_train_st
 with_layout=True)`` calls ``loss_fn(params, batch, layout=...)``), the loss hands it to
 ``zj.nn.dot_product_attention(..., layout=layout)`` and ``zj.nn.global_positions(T, layout)``,
 and a jitted function that takes it as a static argument is traced once per layout. Nothing
-reads a layout from ambient state.
+reads a layout from ambient state. A layout names the mesh axis it splits the sequence over
+(``axis``: the step's ``ZeroConfig(axes={"context": ...})``), so that a kernel handed it
+finds that axis without an ``axis=`` of its own (:func:`axis_of`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +30,7 @@ import numpy as np
 from zerojax.sharding.mesh import context_size
 
 KINDS = ("contiguous", "balanced")
+CONTEXT_AXIS = "context"  # the context axis's name where nothing names another
 # The jax.named_scope an attention kernel runs under, naming its layout ("...=balanced"): the
 # step reads it from the traced loss and checks it is its own (zerojax.context.checks), and
 # the sequence-order check knows the kernels by it (zerojax.context.sequence_order).
@@ -36,8 +40,8 @@ KERNEL_SCOPE = "zerojax_attention_layout="
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A sequence layout over ``c`` context devices (``kind``: ``"contiguous"`` or
-    ``"balanced"``).
+    """A sequence layout over ``c`` devices of the mesh axis ``axis`` (``kind``:
+    ``"contiguous"`` or ``"balanced"``).
 
     Example:
       >>> lay = Layout("balanced", 2)
@@ -55,12 +59,15 @@ class Layout:
 
     kind: str = "contiguous"
     c: int = 1
+    axis: str = CONTEXT_AXIS
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"a context layout is one of {KINDS}, got {self.kind!r}.")
         if isinstance(self.c, bool) or not isinstance(self.c, (int, np.integer)) or self.c < 1:
             raise ValueError(f"a context layout's device count must be a positive int, got {self.c!r}.")
+        if not isinstance(self.axis, str) or not self.axis:
+            raise ValueError(f"a context layout's axis is a mesh axis name (a non-empty str), got {self.axis!r}.")
         object.__setattr__(self, "c", int(self.c))
 
     @property
@@ -139,13 +146,52 @@ class Layout:
 CONTIGUOUS = Layout()
 
 
-def resolve(layout: Layout | str | None, c: int) -> Layout:
-    """A :class:`Layout` over ``c`` devices from a layout, its kind, or None (contiguous);
-    a layout made for another device count is refused."""
+def axis_of(layout: Layout | str | None, axis: str | None, mesh: Any) -> str:
+    """The context axis a kernel or :func:`global_positions` runs over: ``axis`` where given,
+    else the :class:`Layout`'s own, else ``"context"``. Refuses what it would otherwise have
+    to guess: an ``axis`` other than the layout's, a layout over ``C > 1`` devices of an axis
+    the mesh does not have (or has at another size), and a layout kind that moves the
+    sequence (``"balanced"``) named without an axis on a mesh that has no ``"context"`` axis.
+    (Off a mesh, a kind runs as what it is over one device.)"""
+    if axis is not None and (not isinstance(axis, str) or not axis):
+        raise ValueError(f"axis must be the name of the mesh's context axis (a non-empty str), got {axis!r}.")
+    names = tuple(getattr(mesh, "axis_names", ()) or ())
+    if isinstance(layout, Layout):
+        if axis is not None and axis != layout.axis:
+            raise ValueError(
+                f"axis={axis!r}, but the layout {layout} splits the sequence over {layout.axis!r}. Pass the "
+                f"layout alone (it names its axis), or Layout({layout.kind!r}, {layout.c}, axis={axis!r})."
+            )
+        if layout.c > 1 and context_size(mesh, layout.axis) != layout.c:
+            has = (
+                f"has {context_size(mesh, layout.axis)} devices on it"
+                if layout.axis in names
+                else f"has no such axis (its axes: {names})"
+            )
+            raise ValueError(
+                f"{layout} splits the sequence over {layout.c} devices of the mesh axis {layout.axis!r}, but the "
+                f"mesh {has}. Call it under the mesh of the step that handed the loss the layout "
+                f"(jax.set_mesh(mesh)), or pass the layout that mesh's step hands the loss."
+            )
+        return layout.axis
+    if axis is not None:
+        return axis
+    if layout == "balanced" and names and CONTEXT_AXIS not in names:
+        raise ValueError(
+            f"layout='balanced' names no axis, and the mesh has no {CONTEXT_AXIS!r} axis (its axes: {names}): "
+            f"which axis splits the sequence is not known. Pass the layout the step hands the loss "
+            f"(make_train_step(..., with_layout=True): it names its axis), or axis= the context axis."
+        )
+    return CONTEXT_AXIS
+
+
+def resolve(layout: Layout | str | None, c: int, axis: str = CONTEXT_AXIS) -> Layout:
+    """A :class:`Layout` over ``c`` devices of ``axis`` from a layout, its kind, or None
+    (contiguous); a layout made for another device count is refused."""
     if layout is None:
-        return Layout("contiguous", c)
+        return Layout("contiguous", c, axis)
     if isinstance(layout, str):
-        return Layout(layout, c)
+        return Layout(layout, c, axis)
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be a zj.context.Layout, 'contiguous', 'balanced' or None, got {layout!r}.")
     if layout.c != c and layout.moves:
@@ -153,19 +199,21 @@ def resolve(layout: Layout | str | None, c: int) -> Layout:
             f"{layout} is laid out over {layout.c} context devices, but the mesh's context axis has "
             f"{c}; pass the layout the step hands the loss."
         )
-    return Layout(layout.kind, c)
+    return Layout(layout.kind, c, axis)
 
 
-def global_positions(seq_len: int, layout: Layout | str | None = None, axis: str = "context") -> jax.Array:
+def global_positions(seq_len: int, layout: Layout | str | None = None, axis: str | None = None) -> jax.Array:
     """``int32[seq_len]``: the global position of each index of a sequence laid out in
     ``layout`` (the one the step hands the loss: ``make_train_step(..., with_layout=True)``),
     ``jnp.arange(seq_len)`` for the contiguous layout (None) or off a context mesh. Use it
-    where a model builds positions (RoPE, learned position embeddings, masks).
+    where a model builds positions (RoPE, learned position embeddings, masks). ``axis``: the
+    context axis (default: the layout's, else ``"context"``; see :func:`axis_of`).
 
     Example:
       >>> import zerojax as zj
       >>> zj.nn.global_positions(4).tolist()      # contiguous: 0, 1, 2, 3
       [0, 1, 2, 3]
     """
-    c = context_size(jax.sharding.get_abstract_mesh(), axis)
-    return resolve(layout, c).positions(seq_len)
+    mesh = jax.sharding.get_abstract_mesh()
+    axis = axis_of(layout, axis, mesh)
+    return resolve(layout, context_size(mesh, axis), axis).positions(seq_len)
