@@ -183,7 +183,7 @@ def plain_moe(p, x, k):
     return jnp.einsum("btef,efd,bte->btd", h, p["down"], gates), 0.0
 
 
-def zj_moe(p, x, k, cf=None, groups=None):
+def zj_moe(p, x, k, cf=None, groups=None, **kw):
     y, st = routed_experts(
         x,
         x @ p["router"],
@@ -194,6 +194,7 @@ def zj_moe(p, x, k, cf=None, groups=None):
         normalize=True,
         capacity_factor=cf,
         capacity_groups=groups,
+        **kw,
     )
     return y, 0.01 * st.load_balancing_loss + 0.001 * st.z_loss
 
@@ -521,3 +522,27 @@ def test_padding_is_not_routed_and_is_left_out_of_the_losses():
     state, losses, mt = _train(step, state, batches)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5
     assert abs_errors(zj.gather_params(state), ref_params).max() < 1e-5
+
+
+def test_a_renamed_expert_axis_is_read_from_the_step():
+    """make_mesh(expert=4, expert_axis="moe") with ZeroConfig(axes={"expert": "moe"}):
+    routed_experts without axis= takes the step's expert axis, so the program has the
+    all-to-alls of the default name (before: it looked up "expert", found size 1 and ran
+    every expert on every device), and the loss is the same; an axis= that contradicts
+    the step's is refused."""
+    moe = functools.partial(zj_moe, k=2)
+    loss = lambda p, b: moe_loss(p, b, moe)
+    got = {}
+    for name in ("expert", "moe"):
+        mesh = zj.make_mesh(expert=4, expert_axis=name)
+        cfg = zj.ZeroConfig(stage=2, axes={"expert": name}, donate=False)
+        specs = {k: (P(name) if v is not None else None) for k, v in SPECS.items()}
+        state = zj.init_state(moe_params(), optax.sgd(0.1), mesh=mesh, config=cfg, tensor_specs=specs)
+        step = zj.make_train_step(loss, optax.sgd(0.1), mesh=mesh, config=cfg)
+        text = step.lower(state, data()[0]).compile().as_text()
+        got[name] = (text.count("all-to-all("), float(step(state, data()[0])[1]["loss"]))
+    assert got["moe"][0] == got["expert"][0] > 0, got
+    np.testing.assert_allclose(got["moe"][1], got["expert"][1], rtol=1e-6)
+    wrong = lambda p, b: moe_loss(p, b, functools.partial(zj_moe, k=2, axis="expert"))
+    with pytest.raises(ValueError, match=r"routed_experts\(axis='expert'\), but the step's expert axis is 'moe'"):
+        zj.make_train_step(wrong, optax.sgd(0.1), mesh=mesh, config=cfg)(state, data()[0])

@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax._jaxpr import settings
 from zerojax.moe import losses, routing
+from zerojax.sharding import in_step
 from zerojax.sharding.mesh import expert_size
 
 METHODS = ("ragged", "dense")
@@ -73,6 +74,23 @@ class MoEStats(NamedTuple):
     mean_probs: jax.Array
 
 
+def _expert_axis(axis: str | None, mesh: Any) -> str:
+    """The expert axis: ``axis`` as given, else the step's configured one (a renamed axis
+    read as "expert" would find size 1 and run every expert on every device, silently);
+    an ``axis`` other than the step's on a mesh that splits the step's is refused."""
+    step = in_step.current()
+    configured = step[0].config.axes.expert if step is not None else None
+    if axis is None:
+        return configured or "expert"
+    if configured is not None and axis != configured and expert_size(mesh, configured) > 1:
+        raise ValueError(
+            f"routed_experts(axis={axis!r}), but the step's expert axis is {configured!r} "
+            f"(ZeroConfig(axes={{'expert': {configured!r}}})), split over {expert_size(mesh, configured)} devices. "
+            f"Leave axis= out (the step's is used), or pass axis={configured!r}."
+        )
+    return axis
+
+
 def routed_experts(
     x: jax.Array,
     router_logits: jax.Array,
@@ -91,7 +109,7 @@ def routed_experts(
     method: str = "ragged",
     token_mask: jax.Array | None = None,
     mesh: Any = None,
-    axis: str = "expert",
+    axis: str | None = None,
 ) -> tuple[jax.Array, MoEStats]:
     """The routed experts' combined output for tokens ``x`` (see the module docstring).
 
@@ -111,7 +129,8 @@ def routed_experts(
         not dispatched (its output is zero, it takes no capacity) and is left out of the
         auxiliary losses and the counts, as Hugging Face's ``load_balancing_loss_func`` leaves
         out what ``attention_mask`` masks. None: every token.
-      mesh: the mesh (default: the one in context); ``axis``: its expert axis.
+      mesh: the mesh (default: the one in context); ``axis``: its expert axis (default:
+        inside a train or eval step, the config's ``axes.expert``; elsewhere ``"expert"``).
 
     Returns:
       ``(y, stats)``: ``y`` shaped like ``x``, and :class:`MoEStats`.
@@ -132,6 +151,7 @@ def routed_experts(
     n_experts = _check(x, router_logits, up, down, gate, top_k, score, selection_bias, scale, capacity_factor, method)
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     given_mesh = mesh if not isinstance(mesh, jax.sharding.AbstractMesh) else None
+    axis = _expert_axis(axis, mesh)
     ep = expert_size(mesh, axis)
     inside = ep > 1 and axis in settings.manual_axes(jax.sharding.get_abstract_mesh())
     if n_experts % ep:
