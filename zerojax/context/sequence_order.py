@@ -6,26 +6,37 @@ leaf's sequence dimension permuted into ring attention's balanced order
 it is still exact:
 
 * exact: elementwise ops (the permuted dimension meets the same permuted dimension, or a
-  value constant along it), reductions over it (a sum or a max does not see the order),
-  contractions where both operands hold the same permuted dimension (attention's
-  ``probs @ v`` over keys), gathers that index other dimensions (a token embedding, optax's
-  integer-label cross-entropy picking each target's logit), and the kernels of
-  ``zj.nn.dot_product_attention``, which know the layout;
+  value constant along it), reductions over it that are commutative and associative (a sum
+  or a max does not see the order; a scatter-add, ``jax.ops.segment_sum``, sums what lands
+  on one index in no order; a ``scan`` whose changing carries only accumulate, ``c + f(x)``
+  or ``max(c, f(x))``, and that nothing else reads), contractions where both operands hold
+  the same permuted dimension (attention's ``probs @ v`` over keys), gathers that index
+  other dimensions (a token embedding, optax's integer-label cross-entropy picking each
+  target's logit), the kernels of ``zj.nn.dot_product_attention``, which know the layout,
+  and computations that declare themselves maps over rows in any order (:func:`rows`:
+  dropless ``zj.nn.routed_experts``);
 * silently wrong: anything that moves, picks or combines positions along it (a slice such
   as ``logits[:, :-1]``, a pad, a concatenation, ``jnp.roll``, a reverse, ``jnp.cumsum``, a
   sort, a gather or dynamic slice along it, a convolution or window over it, ``argmax``
-  over it, a scan that carries state from one position to the next), a contraction of it
-  with a dimension that is not permuted (a token-mixing matmul), and an index built in
-  natural order meeting it: ``jnp.arange(T)`` positions into RoPE, a causal mask
-  ``jnp.tril(jnp.ones((T, T)))``, both an ``iota`` in the program.
-  (``zj.nn.global_positions(T)`` is a constant of the layout's order, so its positions
-  are right.)
+  over it, a scan whose outputs or other carries read a carry, a plain scatter whose last
+  write wins, a scatter told its indices are sorted), a contraction of it with a dimension
+  that is not permuted (a token-mixing matmul), computations over rows that depend on their
+  order (``routed_experts`` with a capacity), and values in natural order meeting it: an
+  index (an ``iota``: ``jnp.arange(T)`` positions into RoPE, a causal mask
+  ``jnp.tril(jnp.ones((T, T)))``), a parameter or batch leaf the step does not permute (a
+  learned position table sliced ``table[:T]``), or what a slice, pad, concatenation or
+  cumulative op makes along a dimension. (``zj.nn.global_positions(T)`` is a constant of
+  the layout's order, so its positions, and ``table[global_positions(T, layout)]``, are
+  right.)
 
 :func:`check_sequence_order` is a dataflow pass on :mod:`zerojax._jaxpr.walk`: each
-value carries, per dimension, a set of tags, ``"permuted"`` (holds the permuted sequence)
-and ``"iota"`` (holds an index in natural order), propagated through every equation by
-how :func:`zerojax.sharding.rules.dims` says the equation maps dimensions (a reshape
-that merges or splits a permuted dimension keeps every part tagged), into and out of
+value carries, per dimension, a set of tags, ``"permuted"`` (holds the permuted sequence),
+``"iota"`` (holds an index in natural order) and ``"natural"`` (varies along it in natural
+order: every dimension of an input that holds no permuted one, and what a slice, pad,
+concatenation or cumulative op makes), propagated through every equation by how
+:func:`zerojax._jaxpr.rules.dims` says the equation maps dimensions (a reshape that merges
+or splits a permuted dimension keeps every part tagged; merged with it, another
+dimension's natural order is not one along the sequence), into and out of
 calls, remat regions, custom derivatives' primals, scan and while bodies (carries to a
 fixed point) and cond branches. Inside a ``shard_map`` the tags also record which mesh axes
 a dimension is split over, so a collective that sums or moves blocks of the sequence
@@ -39,9 +50,9 @@ a mask or bias handed to them that was built over the sequence in natural order
 It refuses with a ``ValueError`` naming the op, the line of the user's code that made it
 and the fix. An equation whose primitive zerojax does not know is refused when a permuted
 dimension reaches it (never guessed exact); the elementwise ones it knows are
-``rules.ELEMENTWISE``. Not detected: positions built by a loop counter, a learned
-position table sliced ``table[:T]`` (a parameter, untagged like the constant
-``global_positions`` returns), and an ``iota`` that passes through an unknown primitive.
+``rules.ELEMENTWISE``. Not detected: positions built by a loop counter, a table in natural
+order captured as a constant (untagged, like the constant ``global_positions`` returns,
+where a parameter is not), and an ``iota`` that passes through an unknown primitive.
 """
 
 from __future__ import annotations
