@@ -44,6 +44,9 @@ class Dims:
     operand dimensions a reshape merges into it). ``contracted``: groups of operand
     dimensions summed over together (a ``dot_general``'s contracting pairs).
     ``reduced``: operand dimensions reduced in an order-independent way (a sum, a max).
+    ``combined``: groups of operand dimensions aligned index by index and reduced together
+    in an order-independent way (a scatter-add's updates and the indices that say where
+    each goes: ``jax.ops.segment_sum``), the result holding none of them.
     ``mixed``: operand dimensions along which the equation moves, picks or combines
     positions (a slice that cuts, a pad, a concatenation, a reverse, a cumulative op, a
     sort, a gather's indexed dimension, a window, an argmax) — ``what`` says how.
@@ -54,6 +57,7 @@ class Dims:
     out: tuple[tuple[tuple[tuple[int, int], ...], ...], ...]
     contracted: tuple[tuple[tuple[int, int], ...], ...] = ()
     reduced: tuple[tuple[int, int], ...] = ()
+    combined: tuple[tuple[tuple[int, int], ...], ...] = ()
     mixed: tuple[tuple[int, int], ...] = ()
     iota: tuple[tuple[int, int], ...] = ()
     what: str = ""
@@ -244,8 +248,30 @@ def _gather(eqn: Equation) -> Dims:
     return Dims((tuple(dims),), mixed=tuple((0, d) for d in indexed), what="gathers (indexes) along")
 
 
+# Scatters that combine the updates landing on one index with a commutative, associative
+# operation: which update comes first does not change the result.
+_COMBINING_SCATTERS = frozenset(
+    {
+        "scatter-add",
+        "scatter_add",
+        "scatter-mul",
+        "scatter_mul",
+        "scatter-min",
+        "scatter_min",
+        "scatter-max",
+        "scatter_max",
+    }
+)
+
+
 def _scatter(eqn: Equation) -> Dims:
     dn = eqn.params["dimension_numbers"]
+    # Each update's place comes from its own index, so the updates' scattered dimensions
+    # (and the indices' dimensions beside them) are reduced in no particular order where
+    # the scatter combines what lands on one index; not where it overwrites (a plain
+    # scatter: the last write wins), nor where it tells XLA the indices are sorted.
+    combining = eqn.primitive.name in _COMBINING_SCATTERS and not eqn.params.get("indices_are_sorted", False)
+    combined = []
     operand, indices, updates = (shape(v) for v in eqn.invars[:3])
     batching = tuple(getattr(dn, "operand_batching_dims", ()))
     idx_batching = tuple(getattr(dn, "scatter_indices_batching_dims", ()))
@@ -265,11 +291,14 @@ def _scatter(eqn: Equation) -> Dims:
     for u, j in zip(scatter_dims, idx_dims):
         if j in pair:
             per_dim[pair[j]] += [(1, j), (2, u)]
+        elif combining:
+            combined.append(((1, j), (2, u)))
         else:
             mixed.append((2, u))
             mixed.append((1, j))
     return Dims(
         (tuple(tuple(per_dim[d]) for d in range(len(operand))),),
+        combined=tuple(combined),
         mixed=tuple(mixed),
         what="scatters (writes by index) along",
     )

@@ -17,7 +17,12 @@ Which dimensions are sequences (``ZeroConfig.context_dims``):
   sequences;
 - an int ``d``: dimension ``d`` of every leaf that has one;
 - None (default), contiguous layout: dimension 1 of every leaf with two or more
-  dimensions (splitting a leaf that is not a sequence costs nothing: XLA keeps it exact);
+  dimensions (splitting a leaf that is not a sequence costs nothing: XLA keeps it exact),
+  except where the leaves disagree on it and one length is held by more leaves than any
+  other: that length is the sequence's, and a leaf of another length (a per-example
+  ``[B, 3]`` beside ``[B, T]`` inputs and targets) is not split (exact either way: XLA
+  partitions the loss). A tie is no such evidence: every leaf stays a sequence, and one
+  that does not split is refused naming the ``dims`` that would say otherwise;
 - None, balanced layout, where a wrong guess would permute values: dimension 1 of every
   leaf with two or more dimensions, provided they all have the same length there, and no
   leaf has that length on another dimension too; otherwise the step refuses the batch and
@@ -26,6 +31,7 @@ Which dimensions are sequences (``ZeroConfig.context_dims``):
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import jax
@@ -62,7 +68,7 @@ def sequence_dims(config: Any, batch: Any) -> list[tuple[int, ...]]:
     elif config.context_layout == "balanced":
         out = _balanced_default(names, shapes)
     else:
-        out = [(1,) if len(s) >= 2 else () for s in shapes]
+        out = _contiguous_default(shapes)
     for n, s, ds in zip(names, shapes, out):
         if any(d >= len(s) for d in ds):
             raise ValueError(
@@ -75,6 +81,14 @@ def _as_dims(d: Any) -> tuple[int, ...]:
     if d is None:
         return ()
     return (d,) if isinstance(d, int) else tuple(d)
+
+
+def _contiguous_default(shapes: list[tuple]) -> list[tuple[int, ...]]:
+    """Dimension 1 of every leaf with two or more, or where the leaves disagree and one
+    length is the most common, of the leaves of that length."""
+    counts = collections.Counter(s[1] for s in shapes if len(s) >= 2).most_common()
+    seq = counts[0][0] if len(counts) > 1 and counts[0][1] > counts[1][1] else None
+    return [(1,) if len(s) >= 2 and (seq is None or s[1] == seq) else () for s in shapes]
 
 
 def _balanced_default(names: list[str], shapes: list[tuple]) -> list[tuple[int, ...]]:
@@ -147,9 +161,24 @@ def check_lengths(config: Any, batch: Any, c: int) -> None:
         return
     layout = Layout(config.context_layout, c)
     leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
-    for (path, x), dims in zip(leaves, sequence_dims(config, batch)):
+    seqs = sequence_dims(config, batch)
+    for (path, x), dims in zip(leaves, seqs):
+        name = jax.tree_util.keystr(path)
         for d in dims:
-            layout.check(int(x.shape[d]), f"batch leaf {jax.tree_util.keystr(path)}'s sequence length (dimension {d})")
+            try:
+                layout.check(int(x.shape[d]), f"batch leaf {name}'s sequence length (dimension {d})")
+            except ValueError as e:
+                if config.context_dims is not None:  # the user said it is a sequence
+                    raise
+                say = {
+                    jax.tree_util.keystr(p): (ds[0] if len(ds) == 1 else ds) if ds else None
+                    for (p, _), ds in zip(leaves, seqs)
+                }
+                say[name] = None
+                raise ValueError(
+                    f"{e} If {name} {list(x.shape)} is not a sequence (a per-example value), say which leaves "
+                    f"are: ZeroConfig(context={{'dims': {say}}})."
+                ) from None
 
 
 def constrain(plan: Any, batch: Any) -> Any:

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zerojax._jaxpr import settings
+from zerojax.context import sequence_order
 from zerojax.moe import losses, routing
 from zerojax.sharding import in_step
 from zerojax.sharding.mesh import expert_size
@@ -217,9 +218,12 @@ def routed_experts(
         )
         if not any(settings.is_tracer(a) for a in args if a is not None):
             run = jax.jit(run)  # eager: jax 0.10 refuses an eager shard_map manual over some axes
-        y, kept = run(*args)
     else:
-        y, kept = body(*args)
+        run = body
+    # Dropless, each token's output is its own whatever the tokens' order (the balanced
+    # context layout permutes them); with a capacity, an expert keeps its first assignments.
+    how = "routed_experts, dropless" if capacity_factor is None else "routed_experts with a capacity_factor"
+    y, kept = sequence_order.rows(run, order_free=capacity_factor is None, what=how)(*args)
     kept = jnp.sum(kept)
     total = n * top_k if mask is None else jnp.sum(mask.astype(jnp.int32)) * top_k
     if axes:
