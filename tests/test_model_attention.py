@@ -114,22 +114,6 @@ def test_the_default_on_a_cpu_is_the_einsum_path_bit_for_bit(window, per_layer):
         assert "attention_einsum" in compiled.as_text()
 
 
-def test_the_einsum_path_is_jax_attention():
-    """The block's einsum attention against jax.nn.dot_product_attention (independent of it):
-    causal, a window of 5 (transformers': 5 keys including itself), GQA, a key mask."""
-    cfg = llama.LlamaConfig(**CFG, sliding_window=5)
-    block = llama.Block(cfg, nnx.Rngs(0))
-    rng = np.random.default_rng(1)
-    q = jnp.asarray(rng.normal(size=(B, T, 4, 8)), jnp.float32)
-    k, v = (jnp.asarray(rng.normal(size=(B, T, 2, 8)), jnp.float32) for _ in range(2))
-    _, mask, _ = _batch()
-    got = block.einsum_attention(q, k, v, mask, jnp.asarray(5), None)
-    want = jax.nn.dot_product_attention(
-        q, k, v, mask=mask[:, None, None, :], is_causal=True, local_window_size=(4, 0), implementation="xla"
-    )
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
-
-
 def test_the_cudnn_branch_computes_the_einsum_attention(monkeypatch):
     """The model's cuDNN call (causal, the window as (w - 1, 0), GQA's heads, JAX's default
     scale), run through JAX's XLA implementation on a CPU in float32: the einsum path's

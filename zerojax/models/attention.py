@@ -150,7 +150,7 @@ def warn_fallback(choice: Choice, plat: str, scores_bytes: int) -> None:
     _WARNED.add(choice.reason)
     warnings.warn(
         f"attention='fused' runs the exact einsum attention here ({choice.reason}), which materialises "
-        f"{scores_bytes / 2**20:,.1f} MiB of scores per layer; see docs/models.md (attention).",
+        f"{scores_bytes / 2**20:,.1f} MiB of scores per layer; see docs/hf_families.md (Attention: which kernel runs).",
         stacklevel=3,
     )
 

@@ -430,8 +430,20 @@ class Block(nnx.Module):
         v = self.v(x).reshape(b, t, kv, hd)
         kind = self.attention_kind(q, mask, segments, layout)
         with jax.named_scope(zattn.SCOPES[kind]):  # the compiled program says which ran
-            if kind == "einsum":
-                out = self.einsum_attention(q, k, v, mask, window, segments)
+            if kind == "einsum":  # the exact attention with plain ops, scores in float32 at least
+                wide = _wide(q.dtype)
+                g = q.reshape(b, t, kv, h // kv, hd)  # query head kv * (h // kv) + g reads KV head kv
+                scores = jnp.einsum("bqkgd,bskd->bkgqs", g, k).astype(wide) / math.sqrt(hd)
+                qi, ki = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+                allowed = (qi >= ki) & ((window == 0) | (ki > qi - window))  # transformers' sliding window
+                allowed = allowed[None, None, None]
+                if mask is not None:  # padded keys get no attention
+                    allowed = allowed & mask[:, None, None, None, :].astype(bool)
+                if segments is not None:  # packed sequences: each token sees its own document only
+                    allowed = allowed & (segments[:, None, None, :, None] == segments[:, None, None, None, :])
+                scores = jnp.where(allowed, scores, jnp.finfo(wide).min)
+                probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+                out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
             elif kind == "cudnn":
                 w = cfg.layer_windows()[0]
                 out = jax.nn.dot_product_attention(
@@ -475,24 +487,6 @@ class Block(nnx.Module):
         b, t = q.shape[:2]
         zattn.warn_fallback(choice, plat, zattn.scores_bytes(b, cfg.n_heads, t, t, q.dtype))
         return choice.kind
-
-    def einsum_attention(self, q, k, v, mask, window, segments) -> jax.Array:
-        """The exact attention with plain ops: ``[B, K, G, T, S]`` scores in float32 at least."""
-        b, t, h, hd = q.shape
-        kv = k.shape[2]
-        wide = _wide(q.dtype)
-        q = q.reshape(b, t, kv, h // kv, hd)  # query head kv * (h // kv) + g reads KV head kv
-        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(wide) / math.sqrt(hd)
-        qi, ki = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
-        allowed = (qi >= ki) & ((window == 0) | (ki > qi - window))  # transformers' sliding window
-        allowed = allowed[None, None, None]
-        if mask is not None:  # padded keys get no attention
-            allowed = allowed & mask[:, None, None, None, :].astype(bool)
-        if segments is not None:  # packed sequences: each token sees its own document only
-            allowed = allowed & (segments[:, None, None, :, None] == segments[:, None, None, None, :])
-        scores = jnp.where(allowed, scores, jnp.finfo(wide).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, t, h, hd)
 
     def __call__(self, x, cos, sin, mask=None, window=None, layout=None, segments=None):
         window = jnp.zeros((), jnp.int32) if window is None else window
