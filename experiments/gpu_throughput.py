@@ -26,6 +26,14 @@ Ulysses step computes; ``zj.context.attention.chunked_attention``): time, TFLOP/
 half of the logits' matmuls, and the compiled temp bytes (a length that does not fit
 says so instead of stopping the script).
 
+A model-attention table follows (``--no-model-attention`` skips it): the package's Llama
+(``zj.models.Llama``: ``--attn-layers`` blocks of ``--attn-d-model``, ``--attn-heads`` heads,
+bf16 compute on fp32 masters, batch ``--attn-batch``) trained one step at ``--attn-seq``
+tokens with ``attention="einsum"`` (the exact attention, whose ``[B, N, T, T]`` scores it
+materialises) and with the default ``attention="fused"``: step time, the compiled step's temp
+bytes, and which attention the compiled step runs (``zerojax.models.attention.ran``: cuDNN's
+by its ``__cudnn$fmha`` custom call, the others by their scope names).
+
 XLA's GPU overlap flags (``zerojax.xla_flags``) are set before JAX starts (set
 ``ZEROJAX_NO_OVERLAP_FLAGS=1`` to measure without them); the table header prints them.
 
@@ -57,7 +65,8 @@ import optax  # noqa: E402
 import zerojax as zj  # noqa: E402
 from experiments import remat_table  # noqa: E402
 from experiments.progress import bar  # noqa: E402
-from zerojax.models import gpt  # noqa: E402
+from zerojax.models import attention as zattn  # noqa: E402
+from zerojax.models import gpt, llama  # noqa: E402
 
 OFFLOAD_POLICIES = "none,names,offload_names,dots_no_batch,offload_dots"
 
@@ -181,6 +190,69 @@ def long_context(seqs: list[int], heads: int, block: int, peak: float | None, he
     return rows
 
 
+def model_attention(args, device) -> list[dict]:
+    """One training step of the package's Llama at a long sequence, per ``attention`` value:
+    median step time of ``--steps`` steps, the compiled step's temp bytes, and which attention
+    the compiled step runs."""
+    rows = []
+    for attention in ("einsum", "fused"):
+        cfg = llama.LlamaConfig(
+            vocab=args.attn_vocab,
+            d_model=args.attn_d_model,
+            n_layers=args.attn_layers,
+            n_heads=args.attn_heads,
+            d_ff=args.attn_d_ff,
+            seq_len=args.attn_seq,
+            dtype="bfloat16",
+            attention=attention,
+        )
+        row = {"attention": attention, "seq": args.attn_seq, "batch": args.attn_batch, "head_dim": cfg.hd}
+        try:
+            graphdef, params = llama.init(cfg)
+            tx = optax.adamw(1e-4)
+            mesh = zj.make_mesh([device])
+            zc = zj.ZeroConfig(stage=0, compute_dtype="bfloat16")
+            state = zj.init_state(params, tx, mesh=mesh, config=zc)
+            del params
+            step = zj.make_train_step(llama.make_loss(graphdef), tx, mesh=mesh, config=zc)
+            rng = np.random.default_rng(0)
+            tokens = rng.integers(0, cfg.vocab, (args.attn_batch, args.attn_seq + 1), dtype=np.int32)
+            batch = {"tokens": jax.device_put(tokens, device)}
+            compiled = step.lower(state, batch).compile()
+            row["temp_bytes"] = zj.report.compiled_bytes(compiled)["temp"]
+            row["ran"] = list(zattn.ran(compiled))
+            state, m = step(state, batch)
+            float(m["loss"])
+            times = []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                state, m = step(state, batch)
+                float(m["loss"])
+                times.append(time.perf_counter() - t0)
+            row["step_s"] = statistics.median(times)
+            row["loss"] = float(m["loss"])
+            del state, step
+        except Exception as e:  # out of memory, or a kernel the backend lacks: say so, go on
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        rows.append(row)
+    print(
+        f"\nModel attention: zj.models.Llama, d{args.attn_d_model} L{args.attn_layers}, {args.attn_heads} heads of "
+        f"{args.attn_d_model // args.attn_heads}, bf16 compute, batch {args.attn_batch} x {args.attn_seq} tokens, "
+        "one AdamW step:\n"
+    )
+    print("| attention | ran (compiled step) | step time | compiled temp |")
+    print("|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['attention']} | {r['error']} | | |")
+            continue
+        print(
+            f"| {r['attention']} | {', '.join(r['ran']) or 'none found'} | {1e3 * r['step_s']:.1f} ms | "
+            f"{r['temp_bytes'] / 2**20:,.1f} MiB |"
+        )
+    return rows
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d-model", type=int, default=1024)
@@ -208,6 +280,16 @@ def main(argv=None) -> list[dict]:
     )
     ap.add_argument("--long-heads", type=int, default=16, help="heads of 128 in the long-context table")
     ap.add_argument("--long-block", type=int, default=1024, help="keys per chunk of the chunked attention")
+    ap.add_argument(
+        "--no-model-attention", action="store_true", help="skip the model-attention table (einsum against fused)"
+    )
+    ap.add_argument("--attn-seq", type=int, default=8192, help="sequence length of the model-attention table")
+    ap.add_argument("--attn-d-model", type=int, default=1024, help="d_model of the model-attention table's Llama")
+    ap.add_argument("--attn-layers", type=int, default=4, help="layers of the model-attention table's Llama")
+    ap.add_argument("--attn-heads", type=int, default=8, help="heads of the model-attention table's Llama")
+    ap.add_argument("--attn-d-ff", type=int, default=2816, help="MLP features of the model-attention table's Llama")
+    ap.add_argument("--attn-vocab", type=int, default=32000, help="vocabulary of the model-attention table's Llama")
+    ap.add_argument("--attn-batch", type=int, default=1, help="batch of the model-attention table")
     args = ap.parse_args(argv)
     device = jax.devices()[0]
     peak = peak_flops(device, args.peak_tflops)
@@ -271,6 +353,7 @@ def main(argv=None) -> list[dict]:
             print(f"offload check: {line}")
         offload = {"rows": table, "failures": failures}
     long_rows = long_context([int(x) for x in args.long_seqs.split(",") if x], args.long_heads, args.long_block, peak)
+    attention_rows = [] if args.no_model_attention else model_attention(args, device)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -282,6 +365,7 @@ def main(argv=None) -> list[dict]:
                     "xla_flags": os.environ.get("XLA_FLAGS", ""),
                     "remat_offload": offload,
                     "long_context": long_rows,
+                    "model_attention": attention_rows,
                 },
                 f,
                 indent=1,

@@ -177,9 +177,16 @@ def test_gpu_throughput_script_runs_on_cpu(tmp_path):
         "2",
         "--long-block",
         "32",
+        *("--attn-seq", "128", "--attn-d-model", "64", "--attn-layers", "1", "--attn-heads", "2"),
+        *("--attn-d-ff", "96", "--attn-vocab", "128"),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out_json.read_text())
+    # The model-attention table: on the CPU the fused default is the einsum path, and the
+    # compiled steps say so; the two steps compute the same loss.
+    attn = {r["attention"]: r for r in result["model_attention"]}
+    assert set(attn) == {"einsum", "fused"} and all(r["ran"] == ["einsum"] for r in attn.values()), attn
+    assert attn["fused"]["loss"] == attn["einsum"]["loss"] and attn["fused"]["temp_bytes"] > 0
     # The long-context table: JAX's attention and the chunked one at each length (cuDNN is
     # not on the CPU backend, and says so); the chunked program holds one chunk's logits
     # (128 x 32 per head), XLA's the whole square.

@@ -242,7 +242,9 @@ def test_a_natural_order_mask_handed_to_the_kernels_is_refused(method):
 
 
 def test_the_llama_with_plain_attention_is_refused():
-    cfg = llama.LlamaConfig(vocab=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, seq_len=T)
+    cfg = llama.LlamaConfig(
+        vocab=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, seq_len=T, attention="einsum"
+    )
     graphdef, params = llama.init_abstract(cfg)
     batch = {k: jax.ShapeDtypeStruct((B, T), jnp.int32) for k in ("inputs", "targets")}
     with jax.set_mesh(zj.make_mesh(context=C)):

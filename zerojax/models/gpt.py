@@ -19,9 +19,12 @@ from jax.ad_checkpoint import checkpoint_name
 from zerojax import nn as znn
 from zerojax import remat as zremat
 from zerojax.config import ZeroConfig
+from zerojax.models import attention as zattn
 from zerojax.models import building
 from zerojax.state import init_state
 from zerojax.step import make_train_step
+
+ATTENTION = (zattn.FUSED, "einsum")  # GPTConfig.attention's values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +54,15 @@ class GPTConfig:
     # marked only (znn.tensor_parallel), the collectives left to XLA's partitioner. LoRA
     # layers (lora_rank > 0) are always marked only.
     sp_matmuls: bool = True
+    # "fused": chosen while tracing (zerojax.models.attention.choose): cuDNN's flash attention
+    # on a CUDA GPU where it takes the call (bf16/fp16, head dim a multiple of 8 up to 128 or
+    # 256), zj.nn.dot_product_attention on a context mesh, the exact "einsum" elsewhere.
+    attention: str = "fused"
 
     def __post_init__(self) -> None:
         zremat.resolve(self.remat)  # unknown names raise here, with the valid ones
+        if self.attention not in ATTENTION:
+            raise ValueError(f"GPTConfig.attention must be one of {ATTENTION}, got {self.attention!r}.")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}.")
         if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
@@ -94,6 +103,7 @@ class Block(nnx.Module):
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         d = cfg.d_model
         self.n_heads = cfg.n_heads
+        self.attention_mode = cfg.attention
         linear = (
             (lambda i, o, **kw: nnx.LoRALinear(i, o, lora_rank=cfg.lora_rank, rngs=rngs, **kw))
             if cfg.lora_rank
@@ -135,11 +145,29 @@ class Block(nnx.Module):
             q, k, v = (self.cols(f(x).reshape(b, t, h, d // h), dim=2) for f in (self.q, self.k, self.v))
         else:
             q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3 * h, d // h), 3, axis=2)
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // h)
-        causal = jnp.tril(jnp.ones((t, t), bool))
-        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-        out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+        kind = self.attention_kind(q)
+        with jax.named_scope(zattn.SCOPES[kind]):  # the compiled program says which ran
+            if kind == "cudnn":
+                out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+            elif kind == "einsum":
+                scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // h)
+                causal = jnp.tril(jnp.ones((t, t), bool))
+                scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+                out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+            else:
+                out = znn.dot_product_attention(q, k, v, is_causal=True, method=kind)
         return self.row(out.reshape(b, t, d), self.proj)
+
+    def attention_kind(self, q: jax.Array) -> str:
+        """What runs (``zerojax.models.attention.KINDS``): ``"einsum"``, or for ``"fused"`` the
+        choice from the static facts of this trace."""
+        if self.attention_mode != zattn.FUSED:
+            return self.attention_mode
+        b, t, h, hd = q.shape
+        plat = zattn.platform()
+        choice = zattn.choose(plat, q.dtype, hd, context=zattn.on_context_mesh(None), capability=zattn.capability())
+        zattn.warn_fallback(choice, plat, zattn.scores_bytes(b, h, t, t, q.dtype))
+        return choice.kind
 
     def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
         """``key``: this layer's dropout key (None: no dropout)."""

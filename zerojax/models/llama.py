@@ -85,10 +85,13 @@ from jax.ad_checkpoint import checkpoint_name
 
 from zerojax import nn as znn
 from zerojax import remat as zremat
+from zerojax.models import attention as zattn
 from zerojax.models import building
 from zerojax.models import rope as zrope
 from zerojax.models.rope import RopeScaling
 from zerojax.moe.experts import routed_experts
+
+ATTENTION = (zattn.FUSED, "einsum") + znn.METHODS  # LlamaConfig.attention's values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,9 +132,12 @@ class LlamaConfig:
     # Megatron annotations (nnx.with_partitioning): q/k/v, gate/up and the head column-parallel
     # (output features over "tensor"), o and down row-parallel (input features over "tensor").
     tensor_parallel: bool = False
+    # "fused": chosen while tracing (zerojax.models.attention.choose): cuDNN's flash attention
+    # on a CUDA GPU where it takes the call, zj.nn.dot_product_attention on a context mesh, the
+    # exact "einsum" elsewhere (a CPU, float32, a key mask, segment ids, per-layer windows).
     # "einsum": attention written with plain ops; "auto" / "ulysses" / "ring" / "xla":
     # zj.nn.dot_product_attention with that method (Ulysses or ring over a context axis).
-    attention: str = "einsum"
+    attention: str = "fused"
     attention_block: int = 512  # block_size of zj.nn.dot_product_attention: keys per chunk
     dtype: str = "float32"  # compute dtype (norms, RoPE and softmax at least float32)
     param_dtype: str = "float32"
@@ -150,8 +156,8 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         zremat.resolve(self.remat)  # unknown names raise here, with the valid ones
-        if self.attention not in ("einsum",) + znn.METHODS:
-            raise ValueError(f"LlamaConfig.attention must be 'einsum' or one of {znn.METHODS}, got {self.attention!r}.")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"LlamaConfig.attention must be one of {ATTENTION}, got {self.attention!r}.")
         for name in ("lora_rank", "sliding_window"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -196,7 +202,7 @@ class LlamaConfig:
                 )
             object.__setattr__(self, "window_layers", layers)
         windows = set(self.layer_windows())
-        if self.attention != "einsum" and len(windows) > 1:
+        if self.attention in znn.METHODS and len(windows) > 1:
             raise ValueError(
                 f"LlamaConfig.attention={self.attention!r} takes one window for every layer (a static "
                 f"argument of zj.nn.dot_product_attention), but the layers' windows differ "
@@ -422,36 +428,65 @@ class Block(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = zrope.rotate(q, cos, sin), zrope.rotate(k, cos, sin)
         v = self.v(x).reshape(b, t, kv, hd)
-        if cfg.attention != "einsum":
-            keys = None if mask is None else mask[:, None, None, :].astype(bool)
-            w = cfg.layer_windows()[0]
-            out = znn.dot_product_attention(
-                q,
-                k,
-                v,
-                mask=keys,
-                is_causal=True,
-                method=cfg.attention,
-                block_size=cfg.attention_block,
-                layout=layout,
-                segment_ids=segments,
-                local_window_size=(w - 1, 0) if w else None,
-            )
-            return self.o(out.reshape(b, t, h * hd))
-        wide = _wide(q.dtype)
-        q = q.reshape(b, t, kv, h // kv, hd)  # query head kv * (h // kv) + g reads KV head kv
-        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(wide) / math.sqrt(hd)
-        qi, ki = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
-        allowed = (qi >= ki) & ((window == 0) | (ki > qi - window))  # transformers' sliding window
-        allowed = allowed[None, None, None]
-        if mask is not None:  # padded keys get no attention
-            allowed = allowed & mask[:, None, None, None, :].astype(bool)
-        if segments is not None:  # packed sequences: each token sees its own document only
-            allowed = allowed & (segments[:, None, None, :, None] == segments[:, None, None, None, :])
-        scores = jnp.where(allowed, scores, jnp.finfo(wide).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+        kind = self.attention_kind(q, mask, segments, layout)
+        with jax.named_scope(zattn.SCOPES[kind]):  # the compiled program says which ran
+            if kind == "einsum":  # the exact attention with plain ops, scores in float32 at least
+                wide = _wide(q.dtype)
+                g = q.reshape(b, t, kv, h // kv, hd)  # query head kv * (h // kv) + g reads KV head kv
+                scores = jnp.einsum("bqkgd,bskd->bkgqs", g, k).astype(wide) / math.sqrt(hd)
+                qi, ki = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+                allowed = (qi >= ki) & ((window == 0) | (ki > qi - window))  # transformers' sliding window
+                allowed = allowed[None, None, None]
+                if mask is not None:  # padded keys get no attention
+                    allowed = allowed & mask[:, None, None, None, :].astype(bool)
+                if segments is not None:  # packed sequences: each token sees its own document only
+                    allowed = allowed & (segments[:, None, None, :, None] == segments[:, None, None, None, :])
+                scores = jnp.where(allowed, scores, jnp.finfo(wide).min)
+                probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+                out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+            elif kind == "cudnn":
+                w = cfg.layer_windows()[0]
+                out = jax.nn.dot_product_attention(
+                    q, k, v, is_causal=True, local_window_size=(w - 1, 0) if w else None, implementation="cudnn"
+                )
+            else:
+                keys = None if mask is None else mask[:, None, None, :].astype(bool)
+                w = cfg.layer_windows()[0]
+                out = znn.dot_product_attention(
+                    q,
+                    k,
+                    v,
+                    mask=keys,
+                    is_causal=True,
+                    method=kind,
+                    block_size=cfg.attention_block,
+                    layout=layout,
+                    segment_ids=segments,
+                    local_window_size=(w - 1, 0) if w else None,
+                )
         return self.o(out.reshape(b, t, h * hd))
+
+    def attention_kind(self, q: jax.Array, mask, segments, layout) -> str:
+        """What runs (``zerojax.models.attention.KINDS``): the configured method, or for
+        ``"fused"`` the choice from the static facts of this trace."""
+        cfg = self.cfg
+        if cfg.attention != zattn.FUSED:
+            return cfg.attention
+        windows = set(cfg.layer_windows())
+        plat = zattn.platform()
+        choice = zattn.choose(
+            plat,
+            q.dtype,
+            cfg.hd,
+            mask=mask is not None,
+            segments=segments is not None,
+            window=windows.pop() if len(windows) == 1 else None,
+            context=zattn.on_context_mesh(layout),
+            capability=zattn.capability(),
+        )
+        b, t = q.shape[:2]
+        zattn.warn_fallback(choice, plat, zattn.scores_bytes(b, cfg.n_heads, t, t, q.dtype))
+        return choice.kind
 
     def __call__(self, x, cos, sin, mask=None, window=None, layout=None, segments=None):
         window = jnp.zeros((), jnp.int32) if window is None else window
