@@ -61,10 +61,10 @@ def traffic(report: dict, cfg: zj.ZeroConfig) -> dict[str, int]:
         role = "gathers" if kind == "all-gather" else "grads" if kind in ("reduce-scatter", "all-to-all") else None
         if role is None:
             continue  # all-reduces: the loss and metrics (a few bytes)
-        asked = cfg.compute_dtype if role == "gathers" else cfg.reduce_dtype
-        if dtype == "s8" and role == "gathers" and cfg.gather_dtype != "int8":
+        asked = cfg.compute_dtype if role == "gathers" else cfg.collectives.reduce_dtype
+        if dtype == "s8" and role == "gathers" and cfg.collectives.gather_dtype != "int8":
             role = "grads"  # the int8 all-gather of an int8 all-reduce (leaves kept whole)
-        halve = dtype == "f32" and asked == "bfloat16" and not (role == "gathers" and cfg.gather_dtype)
+        halve = dtype == "f32" and asked == "bfloat16" and not (role == "gathers" and cfg.collectives.gather_dtype)
         out[role] += r["bytes"] // 2 if halve else r["bytes"]
     return out
 

@@ -591,7 +591,7 @@ def test_combination_trains_like_single_device_optax(row, tmp_path):
     if row["checkpoint"]:
         # Save, then restore onto the other stage family, another mesh, fp32 (a tensor or
         # context run: onto a mesh with neither).
-        other = zj.ZeroConfig(stage=(row["stage"] + 2) % 4, axis_map=cfg.axis_map)
+        other = zj.ZeroConfig(stage=(row["stage"] + 2) % 4, axis_map=cfg.axes.model_axes)
         other_mesh = zj.make_mesh(replicas=1 if row["mesh"] == "hybrid" else 2)
         step, back = run.restored(tmp_path / "ck", other_mesh, other)
         assert step == STEPS

@@ -390,7 +390,7 @@ def test_context_parallelism_with_the_other_features(name, kw, attention, tol):
     tx, zc = optax.sgd(0.3), zj.ZeroConfig(stage=3, **kw)
     state = zj.init_state(params, tx, mesh=mesh, config=zc)
     step = zj.make_train_step(
-        llama.make_loss(graphdef), tx, mesh=mesh, config=zc, with_layout=zc.context_layout == "balanced"
+        llama.make_loss(graphdef), tx, mesh=mesh, config=zc, with_layout=zc.context.layout == "balanced"
     )
     losses = []
     for b in _data():

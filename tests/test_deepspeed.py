@@ -188,13 +188,13 @@ def test_old_forms_and_a_clean_config():
     assert translate({"zero_optimization": True, "gradient_clipping": 0}).config.stage == 1
     assert translate(
         {"zero_optimization": {"stage": 2, "cpu_offload": True}, "gradient_clipping": 0}
-    ).config.offload_optimizer
+    ).config.offload.optimizer
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing unmapped: no warning
         cfg = zj.from_deepspeed({"zero_optimization": {"stage": 0}, "gradient_clipping": 0.5})
     assert cfg == zj.ZeroConfig(stage=0, grad_clip=0.5)
     nvme = translate({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}})
-    assert nvme.config.offload_optimizer and any("nvme" in n for n in nvme.notes)
+    assert nvme.config.offload.optimizer and any("nvme" in n for n in nvme.notes)
     assert "zero_optimization.offload_optimizer.nvme_path" in nvme.unmapped
 
 
@@ -440,13 +440,13 @@ def test_compute_dtype_reduction_default_is_named(section, dtype, ds):
     """DeepSpeed reduces gradients in the compute dtype when communication_data_type is
     absent; zerojax keeps float32 and says so."""
     t = translate({"gradient_clipping": 1.0, section: {"enabled": True}})
-    assert t.config.reduce_dtype == "float32"
+    assert t.config.collectives.reduce_dtype == "float32"
     assert (
         f"communication_data_type is absent: DeepSpeed then reduces gradients in the compute dtype ({dtype})"
         in t.message()
     ) and f"Set communication_data_type to '{ds}'" in t.message()
     t = translate({"gradient_clipping": 1.0, section: {"enabled": True}, "communication_data_type": ds})
-    assert t.config.reduce_dtype == dtype and "communication_data_type" not in t.message()
+    assert t.config.collectives.reduce_dtype == dtype and "communication_data_type" not in t.message()
     assert "communication_data_type" not in translate({"gradient_clipping": 1.0}).message()
 
 

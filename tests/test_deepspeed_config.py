@@ -760,7 +760,7 @@ def test_one_error_names_every_missing_value_and_every_bad_entry():
 def test_from_deepspeed_takes_auto_and_warns_with_the_sources():
     with pytest.warns(UserWarning, match=r"optimizer.params.lr = 0.0003: given \(TrainingArguments.learning_rate\)"):
         cfg = zj.from_deepspeed(HF_ZERO3, auto={"learning_rate": 3e-4, "fp16": True})
-    assert cfg.compute_dtype == "float16" and cfg.initial_scale_power == 16
+    assert cfg.compute_dtype == "float16" and cfg.loss_scaling.initial_scale_power == 16
 
 
 # --- legacy keys ---------------------------------------------------------------------------
@@ -789,7 +789,7 @@ def test_legacy_zero_keys_are_known():
     }
     t = translate({"gradient_clipping": 1.0, "zero_optimization": zero})
     assert "unknown to this mapping" not in t.message()
-    assert t.config.offload_optimizer and t.config.offload_params  # cpu_offload, cpu_offload_param
+    assert t.config.offload.optimizer and t.config.offload.params  # cpu_offload, cpu_offload_param
     legacy = t.unmapped["zero_optimization.stage3_gather_fp16_weights_on_model_save"]
     assert "legacy name of stage3_gather_16bit" in legacy
     with pytest.raises(

@@ -252,12 +252,12 @@ def test_deepspeed_zero_quantized_gradients_maps_to_int8():
     )
     assert not any("quantized_gradients" in k for k in t.unmapped)
     t = translate({**ds, "communication_data_type": "bf16"})
-    assert t.config.reduce_dtype == "int8"
+    assert t.config.collectives.reduce_dtype == "int8"
     assert any("communication_data_type='bf16' does not apply" in n for n in t.notes)
     # DeepSpeed quantizes gradients at stage 3 only: at stages 0-2 its gradients stay as
     # they are, and so do zerojax's (the reason says how to ask for int8 anyway).
     for stage in (0, 1, 2):
         t = translate({"zero_optimization": {"stage": stage, "zero_quantized_gradients": True}})
-        assert t.config.reduce_dtype == "float32"
+        assert t.config.collectives.reduce_dtype == "float32"
         why = t.unmapped["zero_optimization.zero_quantized_gradients"]
         assert f"ignores it at stage {stage}" in why and "reduce_dtype='int8'" in why

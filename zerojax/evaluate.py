@@ -47,7 +47,7 @@ class EvalStep:
             raise TypeError(f"fn must be callable as fn(params, batch), got {fn!r}.")
         if not isinstance(config, ZeroConfig):
             raise TypeError(f"config must be a zj.ZeroConfig, got {type(config).__name__}.")
-        self.n = batch_devices(mesh, config.axis, config.replica_axis)
+        self.n = batch_devices(mesh, config.axes.data, config.axes.replica)
         self.mesh, self.config, self.fn, self.reduce = auto_axes(mesh), config, fn, reduce
         self.with_model_state, self.with_layout = with_model_state, with_layout
         check_keywords(fn, "fn", model_state=with_model_state, layout=with_layout)
@@ -82,7 +82,7 @@ class EvalStep:
         ms = state.model_state if self.with_model_state else None
         local = jax.tree.map(lambda b: jax.ShapeDtypeStruct((b.shape[0] // n,) + b.shape[1:], b.dtype), batch)
         program = None
-        if plan.config.axis_map is not None:  # a model with its own sharding: traced outside the shard_map
+        if plan.config.axes.model_axes is not None:  # a model with its own sharding: traced outside the shard_map
             from zerojax.sharding import foreign
 
             closed, out_shapes = foreign.trace(user_fn, (shapes, (local, ms)), plan)

@@ -71,7 +71,7 @@ def _step(loss_fn: Callable, tx: Any, options: dict, state: ZeroState, batch: An
         model_state=model_state,
     )
     if (
-        plan.replica and cfg.axis_map is None
+        plan.replica and cfg.axes.model_axes is None
     ):  # hybrid mesh: a collective over one batch axis only sees part of the batch
         shape = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), t)
         rows = lambda b: jax.ShapeDtypeStruct(
@@ -204,7 +204,7 @@ class TrainStep:
             raise ValueError(f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}.")
         if aux_reduce is not None and not has_aux:
             raise ValueError("aux_reduce says how the loss's aux combines; it needs has_aux=True.")
-        self.n = batch_devices(mesh, config.axis, config.replica_axis)
+        self.n = batch_devices(mesh, config.axes.data, config.axes.replica)
         self.mesh, self.config, self.tx, self.loss_fn = auto_axes(mesh), config, tx, loss_fn
         self.timeout_s = timeout_s
         self._jitted: dict[ZeroPlan, Any] = {}
@@ -284,7 +284,7 @@ class TrainStep:
             new_state, metrics = self._jit_for(state)(state, batch)
         if self.timeout_s is not None:
             _wait_or_fail(metrics["loss"], self.timeout_s)
-        if self.config.dynamic_scaling and self.config.raise_at_min_scale:
+        if self.config.dynamic_scaling and self.config.loss_scaling.raise_at_min_scale:
             previous, self._unchecked = self._unchecked, (metrics["overflow_at_min_scale"], metrics["step"])
             if previous is not None:
                 self._raise_if_at_min(previous, new_state, metrics)
@@ -301,7 +301,7 @@ class TrainStep:
         at_min, step = flag
         if bool(at_min):
             raise LossScaleError(
-                f"Current loss scale already at minimum ({self.config.min_loss_scale}) and the "
+                f"Current loss scale already at minimum ({self.config.loss_scaling.min_loss_scale}) and the "
                 f"gradients overflowed again at step {int(step)}; that step was skipped. "
                 "Lower the learning rate, check the data for non-finite values, use "
                 "compute_dtype='bfloat16', or set raise_at_min_scale=False to keep skipping.",
@@ -473,7 +473,7 @@ def make_train_step(
     every step, device and micro-batch, folded from ``state.rng`` (the same at every stage).
     ``with_model_state=True`` calls ``loss_fn(params, batch, model_state=state)`` and expects
     ``(loss, new_model_state)`` back (``(loss, (new_model_state, aux))`` with ``has_aux``);
-    the data axis is bound inside the loss, so ``nn.BatchNorm(axis_name=config.axis)``
+    the data axis is bound inside the loss, so ``nn.BatchNorm(axis_name=config.axes.data)``
     syncs its statistics over devices. The new state is carried from micro-batch to
     micro-batch, then averaged over the devices (floating leaves; integer ones are taken
     from the first device), and kept unchanged by a skipped step. ``with_layout=True``

@@ -378,13 +378,20 @@ _init.__signature__ = inspect.signature(_generated_init)
 ZeroConfig.__init__ = _init
 
 
-def _flat_alias(group: str, field: str) -> property:
-    return property(
-        lambda self: getattr(getattr(self, group), field), doc=f"``{group}.{field}``, read by its flat name."
-    )
+def _flat_alias(key: str, group: str, field: str) -> property:
+    def read(self: ZeroConfig) -> Any:
+        warnings.warn(
+            f"ZeroConfig.{key} is the flat spelling of ZeroConfig.{group}.{field}: read config.{group}.{field}. "
+            "(Flat keywords still build a config; reading by the flat name goes in a later release.)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(getattr(self, group), field)
+
+    return property(read, doc=f"Deprecated: ``{group}.{field}``, read by its flat name.")
 
 
 for _key, (_group, _field) in FLAT.items():
-    setattr(ZeroConfig, _key, _flat_alias(_group, _field))
+    setattr(ZeroConfig, _key, _flat_alias(_key, _group, _field))
 
 _DEFAULT = ZeroConfig()

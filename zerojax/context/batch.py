@@ -44,7 +44,7 @@ from zerojax.context.layout import Layout
 def layout_of(plan: Any) -> Layout:
     """The layout a step with ``plan`` lays its sequences out in."""
     return Layout(
-        plan.config.context_layout if plan.context > 1 else "contiguous", plan.context, plan.config.context_axis
+        plan.config.context.layout if plan.context > 1 else "contiguous", plan.context, plan.config.axes.context
     )
 
 
@@ -54,7 +54,7 @@ def sequence_dims(config: Any, batch: Any) -> list[tuple[int, ...]]:
     leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
     names = [jax.tree_util.keystr(p) for p, _ in leaves]
     shapes = [tuple(getattr(x, "shape", ())) for _, x in leaves]
-    dims = config.context_dims
+    dims = config.context.dims
     if isinstance(dims, tuple):  # {leaf path: dims}
         table = dict(dims)
         unknown = sorted(set(table) - set(names))
@@ -65,7 +65,7 @@ def sequence_dims(config: Any, batch: Any) -> list[tuple[int, ...]]:
         out = [_as_dims(table.get(n)) for n in names]
     elif dims is not None:
         out = [(dims,) if len(s) > dims else () for s in shapes]
-    elif config.context_layout == "balanced":
+    elif config.context.layout == "balanced":
         out = _balanced_default(names, shapes)
     else:
         out = _contiguous_default(shapes)
@@ -139,13 +139,13 @@ def _rows(plan: Any) -> Any:
     if plan.expert == 1:
         return plan.batch_axes
     b = plan.batch_axes
-    return (*((b,) if isinstance(b, str) else b), plan.config.expert_axis)
+    return (*((b,) if isinstance(b, str) else b), plan.config.axes.expert)
 
 
 def _spec(plan: Any, ndim: int, dims: tuple[int, ...]) -> P:
     spec = [_rows(plan)] + [None] * (ndim - 1)
     if dims:
-        spec[dims[0]] = plan.config.context_axis
+        spec[dims[0]] = plan.config.axes.context
     return P(*spec)
 
 
@@ -159,7 +159,7 @@ def check_lengths(config: Any, batch: Any, c: int) -> None:
     ``config``'s layout, naming the leaf and the lengths that fit."""
     if c == 1:
         return
-    layout = Layout(config.context_layout, c)
+    layout = Layout(config.context.layout, c)
     leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
     seqs = sequence_dims(config, batch)
     for (path, x), dims in zip(leaves, seqs):
@@ -168,7 +168,7 @@ def check_lengths(config: Any, batch: Any, c: int) -> None:
             try:
                 layout.check(int(x.shape[d]), f"batch leaf {name}'s sequence length (dimension {d})")
             except ValueError as e:
-                if config.context_dims is not None:  # the user said it is a sequence
+                if config.context.dims is not None:  # the user said it is a sequence
                     raise
                 say = {
                     jax.tree_util.keystr(p): (ds[0] if len(ds) == 1 else ds) if ds else None

@@ -673,7 +673,7 @@ def from_deepspeed(source: Any, *, auto: Mapping[str, Any] | None = None) -> Zer
       >>> import zerojax as zj
       >>> zj.from_deepspeed({"zero_optimization": {"stage": 3},
       ...     "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12},
-      ...     "gradient_clipping": 1.0}).initial_scale_power
+      ...     "gradient_clipping": 1.0}).loss_scaling.initial_scale_power
       12
     """
     t = translate(source, auto=auto)

@@ -59,7 +59,7 @@ def _axis_names(mesh: Mesh, config: Any, context_axis: str, tensor_axis: str) ->
 
         if not isinstance(config, ZeroConfig):
             raise TypeError(f"config must be a zj.ZeroConfig, got {type(config).__name__}.")
-        context_axis, tensor_axis = config.context_axis, config.tensor_axis
+        context_axis, tensor_axis = config.axes.context, config.axes.tensor
     return context_axis, tensor_axis
 
 
@@ -172,10 +172,10 @@ def global_batch(
 
 def _context_global_batch(local_batch: Any, mesh: Mesh, config: Any) -> Any:
     """On a context mesh: each leaf's rows over the data axes, its first sequence dimension
-    (``config.context_dims``, as the step reads it) over the context axis."""
+    (``config.context.dims``, as the step reads it) over the context axis."""
     from zerojax.context.batch import sequence_dims
 
-    context_axis, tensor_axis = config.context_axis, config.tensor_axis
+    context_axis, tensor_axis = config.axes.context, config.axes.tensor
     rows_axes = tuple(n for n in mesh.axis_names if n not in (context_axis, tensor_axis))
     rows, cols = _context_blocks(mesh, context_axis, tensor_axis)
     groups = _groups(mesh, context_axis, tensor_axis)

@@ -55,7 +55,7 @@ def global_weights(mask: Any) -> jax.Array:
                 "on the global batch where the data is made (batch['weights'] = zj.nn.global_weights(mask)) "
                 "and use jnp.mean(batch['weights'] * token_loss) in the loss."
             )
-        if plan.config.axis_map is None:  # inside the step's shard_map: this device's rows
+        if plan.config.axes.model_axes is None:  # inside the step's shard_map: this device's rows
             axes = plan.batch_axes
             count = jax.lax.psum(count, axes)
             size = size * jax.lax.psum(1, axes)

@@ -30,7 +30,7 @@ from zerojax.step import TrainStep as ZeroTrainStep
 def _batch_axes(optimizer: Optimizer) -> str | tuple[str, ...] | None:
     """The axes BatchNorm statistics reduce over, or None when they stay per device."""
     cfg = optimizer.config
-    return batch_axes(optimizer.mesh, cfg.axis, cfg.replica_axis) if optimizer.sync_batch_stats else None
+    return batch_axes(optimizer.mesh, cfg.axes.data, cfg.axes.replica) if optimizer.sync_batch_stats else None
 
 
 def _check_optimizer(optimizer: Any, what: str) -> None:

@@ -31,12 +31,12 @@ def init(config: ZeroConfig) -> LossScaleState | None:
     """The scaler's state for ``config``; ``None`` when the loss is not scaled."""
     if not config.scaling:
         return None
-    scale = 2.0**config.initial_scale_power if config.dynamic_scaling else config.resolved_loss_scale
+    scale = 2.0**config.loss_scaling.initial_scale_power if config.dynamic_scaling else config.resolved_loss_scale
     return LossScaleState(
         scale=jnp.asarray(scale, jnp.float32),
         iteration=jnp.asarray(0, jnp.int32),
         last_overflow=jnp.asarray(-1, jnp.int32),
-        hysteresis=jnp.asarray(config.hysteresis, jnp.int32),
+        hysteresis=jnp.asarray(config.loss_scaling.hysteresis, jnp.int32),
     )
 
 
@@ -44,15 +44,15 @@ def update(state: LossScaleState, overflow: jax.Array, config: ZeroConfig) -> tu
     """Next scaler state after a step; also whether an overflow hit the minimum scale."""
     if not config.dynamic_scaling:  # static scale: never changes
         return state._replace(iteration=state.iteration + 1), jnp.asarray(False)
-    full = jnp.asarray(config.hysteresis, jnp.int32)
+    full = jnp.asarray(config.loss_scaling.hysteresis, jnp.int32)
     halve = overflow & (state.hysteresis <= 1)
-    at_min = halve & (state.scale <= config.min_loss_scale)
-    scale_o = jnp.where(halve, jnp.maximum(state.scale / 2.0, config.min_loss_scale), state.scale)
+    at_min = halve & (state.scale <= config.loss_scaling.min_loss_scale)
+    scale_o = jnp.where(halve, jnp.maximum(state.scale / 2.0, config.loss_scaling.min_loss_scale), state.scale)
     hyst_o = jnp.where(halve, state.hysteresis, state.hysteresis - 1)
 
-    hyst_c = full if config.consecutive_hysteresis else state.hysteresis
+    hyst_c = full if config.loss_scaling.consecutive_hysteresis else state.hysteresis
     stable = state.iteration - state.last_overflow - 1
-    grow = (stable > 0) & (stable % config.loss_scale_window == 0)
+    grow = (stable > 0) & (stable % config.loss_scaling.loss_scale_window == 0)
     scale_c = jnp.where(grow, state.scale * 2.0, state.scale)
     hyst_c = jnp.where(grow, full, hyst_c)
 

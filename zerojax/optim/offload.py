@@ -184,7 +184,7 @@ def on_host(fn, *args):
 def apply_streamed(plan: ZeroPlan, tx: Any, grads: list, opt: list, masters: list, skip: jax.Array | None):
     """The update on the device, the offloaded state streamed in groups (module docstring)."""
     n, m = len(masters), len(opt)
-    groups = update_groups(plan, tx, plan.config.offload_group_size)
+    groups = update_groups(plan, tx, plan.config.offload.group_size)
     layouts = list(plan.master_layouts) + list(plan.opt_storage_layouts) + list(plan.master_layouts)
     inputs = list(grads) + list(opt) + list(masters)
     device = lambda i: plan.sharding(layouts[i])
@@ -250,10 +250,10 @@ def choose_place(plan: ZeroPlan, tx: Any, opt: list) -> str:
     cfg = plan.config
     if plan.opt_memory is None and plan.master_memory is None:
         return "device"
-    if cfg.offload_update == "auto" and plan.opt_memory is None:
+    if cfg.offload.update == "auto" and plan.opt_memory is None:
         return "device"  # offload_params alone: the optimizer state is on the device already
-    if cfg.offload_update != "auto":
-        return cfg.offload_update
+    if cfg.offload.update != "auto":
+        return cfg.offload.update
     grads = [jax.ShapeDtypeStruct(l.storage_shape, jnp.float32, sharding=plan.sharding(l)) for l in plan.master_layouts]
     masters = [
         jax.ShapeDtypeStruct(l.storage_shape, jnp.float32, sharding=plan.sharding(l, plan.master_memory))

@@ -83,7 +83,7 @@ def _say(msg: str) -> None:
 def data_parallel(mesh: Any, config: ZeroConfig) -> int:
     """Devices the batch's rows are split over: all, but the context and tensor axes."""
     shape = dict(mesh.shape)
-    return int(mesh.devices.size) // shape.get(config.context_axis, 1) // shape.get(config.tensor_axis, 1)
+    return int(mesh.devices.size) // shape.get(config.axes.context, 1) // shape.get(config.axes.tensor, 1)
 
 
 def _encode(data_state: Any) -> Any:

@@ -104,7 +104,7 @@ def tensor_dims(
     names: list[Annotation | None], shapes: list[tuple[int, ...]], paths: list[str], mesh: Mesh, config: ZeroConfig
 ) -> tuple[int, ...]:
     """Per parameter: the dimension split over the tensor axis (-1: none), checked."""
-    return tuple(d if a == config.tensor_axis else -1 for d, a in split_dims(names, shapes, paths, mesh, config))
+    return tuple(d if a == config.axes.tensor else -1 for d, a in split_dims(names, shapes, paths, mesh, config))
 
 
 def split_dims(
@@ -113,8 +113,8 @@ def split_dims(
     """Per parameter: ``(dimension, axis)`` split over the tensor axis or the expert axis
     (``ZeroConfig.expert_axis``, a routed expert's expert dimension), or ``(-1, "")``,
     checked: a weight is split over one of them on one dimension."""
-    rules = tuple(config.axis_rules)
-    t_axis, e_axis = config.tensor_axis, config.expert_axis
+    rules = tuple(config.axes.rules)
+    t_axis, e_axis = config.axes.tensor, config.axes.expert
     sizes = {a: int(mesh.shape[a]) if a in mesh.axis_names else 1 for a in (t_axis, e_axis)}
     split = any(k > 1 for k in sizes.values())
     known = set(mesh.axis_names) | {t_axis, e_axis}
@@ -181,7 +181,7 @@ def split_dims(
 
 def _rule_target(name: Any, target: Any, known: set, path: str, dim: int, mesh: Mesh, config: ZeroConfig) -> tuple:
     """The zerojax mesh axes of a rule's target (model axes through ``ZeroConfig.axis_map``)."""
-    amap = dict(config.axis_map or ())
+    amap = dict(config.axes.model_axes or ())
     target = () if target is None else (target,) if isinstance(target, str) else tuple(logical._leaves(target))
     target = tuple(t for t in (amap.get(a, a) if a in amap else a for a in target) if t is not None)
     for a in target:
@@ -203,15 +203,15 @@ def _unruled(name: Any, known: set, path: str, dim: int, mesh: Mesh, config: Zer
         return tuple(a for n in name for a in _unruled(n, known, path, dim, mesh, config))
     if not isinstance(name, str):
         raise TypeError(f"params{path}: dimension {dim}'s annotation {name!r} is not an axis name (str or None).")
-    amap = dict(config.axis_map or ())
+    amap = dict(config.axes.model_axes or ())
     if name in amap:  # a model mesh axis, through ZeroConfig.axis_map
         return () if amap[name] is None else (amap[name],)
     if name in known:
         return (name,)
     raise ValueError(
         f"params{path}: dimension {dim} is annotated {name!r}, which is neither an axis of the mesh "
-        f"{dict(mesh.shape)} (nor the tensor axis {config.tensor_axis!r}) nor a logical name of "
+        f"{dict(mesh.shape)} (nor the tensor axis {config.axes.tensor!r}) nor a logical name of "
         f"ZeroConfig.axes.rules (nor a model axis of ZeroConfig.axes.model_axes). Add a rule, e.g. "
-        f"ZeroConfig(axes={{'rules': (({name!r}, {config.tensor_axis!r}),)}}) "
+        f"ZeroConfig(axes={{'rules': (({name!r}, {config.axes.tensor!r}),)}}) "
         f"to split it over the tensor axis, or (({name!r}, None),) to leave it whole."
     )

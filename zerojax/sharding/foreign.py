@@ -50,7 +50,7 @@ def trace(fn: Callable, args: Sequence[Any], plan: ZeroPlan) -> tuple[Any, Any]:
     with its manual axes bound by name (``args``: one device's shapes). Refused where
     zerojax reads no program (the translation reads it)."""
     check.require(
-        f"ZeroConfig(axes={{'model_axes': {dict(plan.config.axis_map)!r}}}) (a model with its own mesh)",
+        f"ZeroConfig(axes={{'model_axes': {dict(plan.config.axes.model_axes)!r}}}) (a model with its own mesh)",
         "Remove the model's own sharding constraints (with_sharding_constraint, logical axis constraints) and the "
         "model_axes setting.",
     )
@@ -64,10 +64,10 @@ class Translator(Retracer):
 
     def __init__(self, plan: ZeroPlan):
         cfg = plan.config
-        self.axis_map = dict(cfg.axis_map or ())
+        self.axis_map = dict(cfg.axes.model_axes or ())
         self.manual = plan.manual_axes
-        self.tensor = cfg.tensor_axis if cfg.tensor_axis in plan.mesh.axis_names else None
-        self.known = set(plan.mesh.axis_names) | {cfg.tensor_axis}
+        self.tensor = cfg.axes.tensor if cfg.axes.tensor in plan.mesh.axis_names else None
+        self.known = set(plan.mesh.axis_names) | {cfg.axes.tensor}
         self.mesh_axes = tuple(plan.mesh.axis_names)
 
     def replace(self, eqn: Equation, invals: list[Any]) -> list[Any] | None:

@@ -60,7 +60,7 @@ def own_sharding_hint(config) -> Any:
     except ValueError as e:
         text = str(e)
         if (
-            config.axis_map is not None
+            config.axes.model_axes is not None
             or "mesh" not in text
             or not any(k in text for k in ("manual", "Manual", "should match", "use_abstract_mesh", "Mesh for all"))
         ):
@@ -124,7 +124,7 @@ class Loss:
         )
         abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), t)
         args = (loss.param_shapes, jax.tree.map(rows, batch), abstract(rng), abstract(model_state))
-        if cfg.axis_map is not None:  # a model with its own sharding: traced outside the shard_map
+        if cfg.axes.model_axes is not None:  # a model with its own sharding: traced outside the shard_map
             from zerojax.sharding import foreign
 
             closed, shapes = foreign.trace(loss.__call__, args, plan)
@@ -313,7 +313,7 @@ def replicated_grads(loss: Loss, *, scatter: bool) -> Callable:
     exists). ``rng`` is this step's key (folded with each device's index and micro-batch)."""
     plan = loss.plan
     axis, n, k, replica = plan.axis, plan.world, plan.config.grad_accum_steps, plan.replica
-    reduce, block = plan.config.reduce_dtype, plan.config.reduce_block
+    reduce, block = plan.config.collectives.reduce_dtype, plan.config.reduce_block
     traced = loss.traced() if plan.config.remat.active or loss.program is not None else None
 
     def loss_and_grad(train, frozen, batch, key, model_state, scale):

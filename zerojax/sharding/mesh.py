@@ -321,11 +321,11 @@ def batch_devices(mesh: Mesh, axis: str, replica_axis: str) -> int:
 def row_split(mesh: Mesh, config: Any) -> tuple[int, tuple[str, ...]]:
     """How many ways, and over which axes, a batch's rows are split: the batch axes, and
     the expert axis after them where the mesh has one (automatic in the step)."""
-    b = batch_axes(mesh, config.axis, config.replica_axis)
+    b = batch_axes(mesh, config.axes.data, config.axes.replica)
     axes = (b,) if isinstance(b, str) else tuple(b)
-    n = batch_devices(mesh, config.axis, config.replica_axis)
-    e = expert_size(mesh, config.expert_axis)
-    return (n * e, (*axes, config.expert_axis)) if e > 1 else (n, axes)
+    n = batch_devices(mesh, config.axes.data, config.axes.replica)
+    e = expert_size(mesh, config.axes.expert)
+    return (n * e, (*axes, config.axes.expert)) if e > 1 else (n, axes)
 
 
 def tensor_size(mesh: Mesh, tensor_axis: str) -> int:

@@ -49,18 +49,18 @@ class ZeroPlan:
 
     @property
     def axis(self) -> str:
-        return self.config.axis
+        return self.config.axes.data
 
     @property
     def shards(self) -> int:
         """Devices the state is sharded over (one replica group: data x context, and x expert
         on an expert mesh): every leaf's shard count but a routed expert's
         (:meth:`shards_of`)."""
-        return int(self.mesh.shape[self.config.axis]) * self.context * self.expert
+        return int(self.mesh.shape[self.config.axes.data]) * self.context * self.expert
 
     def is_expert(self, layout: LeafLayout) -> bool:
         """Whether ``layout`` is split over the expert axis (a routed expert's weight)."""
-        return layout.tp and layout.taxis == self.config.expert_axis
+        return layout.tp and layout.taxis == self.config.axes.expert
 
     def shards_of(self, layout: LeafLayout) -> int:
         """The shard count of a leaf of ``layout``: data x context for a routed expert's
@@ -72,11 +72,11 @@ class ZeroPlan:
         expert (but for a routed expert's, which the expert axis splits by expert), then
         context; data-major, so that inside the step's ``shard_map`` (manual over the data
         axis) a device's block is contiguous and split over the others automatically."""
-        axes = [self.config.axis]
+        axes = [self.config.axes.data]
         if self.expert > 1 and not self.is_expert(layout):
-            axes.append(self.config.expert_axis)
+            axes.append(self.config.axes.expert)
         if self.context > 1:
-            axes.append(self.config.context_axis)
+            axes.append(self.config.axes.context)
         return axes[0] if len(axes) == 1 else tuple(axes)
 
     def axis_degree(self, name: str) -> int:
@@ -86,17 +86,17 @@ class ZeroPlan:
     @property
     def context(self) -> int:
         """Devices of the context axis (1 without context parallelism)."""
-        return context_size(self.mesh, self.config.context_axis)
+        return context_size(self.mesh, self.config.axes.context)
 
     @property
     def expert(self) -> int:
         """Devices of the expert axis (1 without expert parallelism)."""
-        return expert_size(self.mesh, self.config.expert_axis)
+        return expert_size(self.mesh, self.config.axes.expert)
 
     @property
     def replica(self) -> str | None:
         """The mesh axis of replica groups (hybrid sharding), or None on a 1-D mesh."""
-        return self.config.replica_axis if self.config.replica_axis in self.mesh.axis_names else None
+        return self.config.axes.replica if self.config.axes.replica in self.mesh.axis_names else None
 
     @property
     def replicas(self) -> int:
@@ -106,23 +106,23 @@ class ZeroPlan:
     def world(self) -> int:
         """Devices the batch is split over and gradients are averaged over: all of them but
         the tensor axis's (a tensor group shares its rows of the batch)."""
-        return int(self.mesh.shape[self.config.axis]) * self.replicas
+        return int(self.mesh.shape[self.config.axes.data]) * self.replicas
 
     @property
     def tensor(self) -> int:
         """Devices of the tensor axis (1 without tensor parallelism)."""
-        return tensor_size(self.mesh, self.config.tensor_axis)
+        return tensor_size(self.mesh, self.config.axes.tensor)
 
     @property
     def manual_axes(self) -> frozenset[str]:
         """The axes the step's ``shard_map`` is manual over (the batch axes; the tensor axis
         stays automatic)."""
-        return manual_axes(self.mesh, self.config.axis, self.config.replica_axis)
+        return manual_axes(self.mesh, self.config.axes.data, self.config.axes.replica)
 
     @property
     def batch_axes(self) -> str | tuple[str, str]:
         """The mesh axes of the batch (and of every mean over devices)."""
-        return batch_axes(self.mesh, self.config.axis, self.config.replica_axis)
+        return batch_axes(self.mesh, self.config.axes.data, self.config.axes.replica)
 
     @property
     def stage(self) -> int:
@@ -214,14 +214,14 @@ class ZeroPlan:
     @property
     def opt_memory(self) -> str | None:
         """Where the optimizer state lives: host memory with ``offload_optimizer``."""
-        return HOST if self.config.offload_optimizer else None
+        return HOST if self.config.offload.optimizer else None
 
     @property
     def master_memory(self) -> str | None:
         """Where the fp32 masters live: host memory when offloaded, if they are kept apart
         (stages 1–2 in bf16/fp16) or are the parameters (stage 3 with ``offload_params``)."""
         cfg = self.config
-        if (cfg.offload_params and self.stage == 3) or (cfg.offload_optimizer and self.stage in (1, 2) and cfg.mixed):
+        if (cfg.offload.params and self.stage == 3) or (cfg.offload.optimizer and self.stage in (1, 2) and cfg.mixed):
             return HOST
         return None
 
@@ -275,38 +275,38 @@ def make_plan(
 
     if not isinstance(config, ZeroConfig):
         raise TypeError(f"config must be a zj.ZeroConfig, got {type(config).__name__}.")
-    n = axis_size(mesh, config.axis)
+    n = axis_size(mesh, config.axes.data)
     mesh = auto_axes(mesh)
-    t = tensor_size(mesh, config.tensor_axis)
-    c = context_size(mesh, config.context_axis)
-    e = expert_size(mesh, config.expert_axis)
-    if mesh.devices.size != batch_devices(mesh, config.axis, config.replica_axis) * t * c * e:
+    t = tensor_size(mesh, config.axes.tensor)
+    c = context_size(mesh, config.axes.context)
+    e = expert_size(mesh, config.axes.expert)
+    if mesh.devices.size != batch_devices(mesh, config.axes.data, config.axes.replica) * t * c * e:
         raise ValueError(
-            f"mesh {dict(mesh.shape)} has axes other than {config.axis!r} (the data axis), "
-            f"{config.tensor_axis!r} (tensor parallelism), {config.context_axis!r} (context parallelism), "
-            f"{config.expert_axis!r} (expert parallelism) and {config.replica_axis!r} (replica groups) with size > 1; "
+            f"mesh {dict(mesh.shape)} has axes other than {config.axes.data!r} (the data axis), "
+            f"{config.axes.tensor!r} (tensor parallelism), {config.axes.context!r} (context parallelism), "
+            f"{config.axes.expert!r} (expert parallelism) and {config.axes.replica!r} (replica groups) with size > 1; "
             f"zerojax shards over one data axis, optionally replicated, beside tensor, context and expert axes. Build "
             f"the mesh with zj.make_mesh(), zj.make_mesh(replicas=R), zj.make_mesh(tensor=T), "
             f"zj.make_mesh(context=C) or zj.make_mesh(expert=E)."
         )
-    if e > 1 and config.axis_map is not None:
+    if e > 1 and config.axes.model_axes is not None:
         raise ValueError(
             "ZeroConfig.axis_map (a model with its own sharding) is not supported on an expert mesh yet: "
             "its constraints are translated onto the data and tensor axes only. Annotate the experts "
             "with a logical name and ZeroConfig.axis_rules instead (docs/moe.md)."
         )
-    if c > 1 and config.axis_map is not None:
+    if c > 1 and config.axes.model_axes is not None:
         raise ValueError(
             "ZeroConfig.axis_map (a model with its own sharding) is not supported on a context mesh yet: "
             "its constraints are translated onto the data and tensor axes only. Use zj.make_mesh() or "
             "zj.make_mesh(tensor=T)."
         )
-    for model_axis, target in config.axis_map or ():
-        if target is not None and target not in mesh.axis_names and target != config.tensor_axis:
+    for model_axis, target in config.axes.model_axes or ():
+        if target is not None and target not in mesh.axis_names and target != config.axes.tensor:
             raise ValueError(
                 f"ZeroConfig.axis_map maps the model's axis {model_axis!r} to {target!r}, which is not an "
                 f"axis of the mesh {dict(mesh.shape)}. Map it to one of {mesh.axis_names}, "
-                f"{config.tensor_axis!r} or None."
+                f"{config.axes.tensor!r} or None."
             )
     names = annotations.leaf_names(params, tensor_specs)
     params = annotations.unbox(params)
@@ -333,11 +333,11 @@ def make_plan(
             "the parameter tree as the model gives it."
         )
     splits = annotations.split_dims(names, [tuple(x.shape) for _, x in leaves_with_path], paths, mesh, config)
-    degree = {config.tensor_axis: t, config.expert_axis: e}
+    degree = {config.axes.tensor: t, config.axes.expert: e}
     for (_, leaf), (tdim, taxis) in zip(leaves_with_path, splits):
         # A routed expert's weight is sharded over data x context (the expert axis splits its
         # experts); every other over data x context x expert, all the devices that hold it.
-        shards = n * c if (tdim >= 0 and taxis == config.expert_axis) else n * c * e
+        shards = n * c if (tdim >= 0 and taxis == config.axes.expert) else n * c * e
         layouts.append(
             layout_for(
                 tuple(leaf.shape),
@@ -345,7 +345,7 @@ def make_plan(
                 shards,
                 tensor=degree[taxis] if tdim >= 0 else 1,
                 tdim=tdim,
-                taxis=taxis or config.tensor_axis,
+                taxis=taxis or config.axes.tensor,
             )
         )
     mask = _trainable_mask(trainable, params, treedef, paths)

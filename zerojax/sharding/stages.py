@@ -145,7 +145,9 @@ class Stage2(_ReplicatedCopy):
 
     def grads(self, loss, params, masters, frozen, batch, scale, rng, model_state):
         cfg = loss.plan.config
-        source = Source.scattered(cfg.axis, loss.plan.world, cfg.reduce_dtype, loss.plan.replica, cfg.reduce_block)
+        source = Source.scattered(
+            cfg.axes.data, loss.plan.world, cfg.collectives.reduce_dtype, loss.plan.replica, cfg.reduce_block
+        )
         return per_use_grads(loss, source)(
             params, _device_sinks(loss.plan, masters), frozen, batch, scale, rng, model_state
         )
@@ -191,10 +193,10 @@ class Stage3(Stage):
 def _gathered(plan: ZeroPlan, host: bool = False) -> Source:
     cfg = plan.config
     return Source.gathered(
-        cfg.axis,
+        cfg.axes.data,
         plan.world,
         cfg.compute_dtype,
-        cfg.reduce_dtype,
+        cfg.collectives.reduce_dtype,
         cfg.quant_block,
         plan.replica,
         host=host,

@@ -174,7 +174,14 @@ class Candidate:
         meshes (rows per device, sequence per device): neither decides the other."""
         c = self.config
         rank = _REMAT_RANK.get(c.remat.kind)
-        return (c.stage, c.prefetch, c.gather_dtype, c.remat if rank is None else None, self.context, self.expert)
+        return (
+            c.stage,
+            c.prefetch,
+            c.collectives.gather_dtype,
+            c.remat if rank is None else None,
+            self.context,
+            self.expert,
+        )
 
     @property
     def levers(self) -> tuple[int, int, int]:
@@ -194,8 +201,8 @@ class Candidate:
             parts.append(f"offload {self.offload}")
         if c.prefetch:
             parts.append(f"prefetch {c.prefetch}")
-        if c.gather_dtype is not None:
-            parts.append(f"gather {c.gather_dtype}")
+        if c.collectives.gather_dtype is not None:
+            parts.append(f"gather {c.collectives.gather_dtype}")
         return ", ".join(parts)
 
 

@@ -45,7 +45,7 @@ def param_counts(shapes: Any, tx: Any) -> tuple[int, float]:
 
 def batch_devices(mesh, config: ZeroConfig) -> int:
     sizes = dict(mesh.shape)
-    return sizes[config.axis] * sizes.get(config.replica_axis, 1)
+    return sizes[config.axes.data] * sizes.get(config.axes.replica, 1)
 
 
 def rows_per_device(batch: Any, mesh, config: ZeroConfig) -> tuple[int, int]:
@@ -58,17 +58,17 @@ def rows_per_device(batch: Any, mesh, config: ZeroConfig) -> tuple[int, int]:
 def check_mesh(mesh, config: ZeroConfig) -> None:
     """Refuses a mesh without the data axis, or with axes whose memory the formulas do not
     model (tensor parallelism)."""
-    if config.axis not in mesh.axis_names:
-        raise ValueError(f"the mesh has no axis {config.axis!r} (ZeroConfig.axis); its axes: {mesh.axis_names}.")
+    if config.axes.data not in mesh.axis_names:
+        raise ValueError(f"the mesh has no axis {config.axes.data!r} (ZeroConfig.axis); its axes: {mesh.axis_names}.")
     other = {
         a: s
         for a, s in dict(mesh.shape).items()
-        if a not in (config.axis, config.replica_axis, config.context_axis, config.expert_axis) and s > 1
+        if a not in (config.axes.data, config.axes.replica, config.axes.context, config.axes.expert) and s > 1
     }
     if other:
         raise ValueError(
-            f"autotune searches ZeRO over the data axis {config.axis!r} (and {config.replica_axis!r} for "
-            f"hybrid sharding, {config.context_axis!r} for context parallelism, {config.expert_axis!r} "
+            f"autotune searches ZeRO over the data axis {config.axes.data!r} (and {config.axes.replica!r} for "
+            f"hybrid sharding, {config.axes.context!r} for context parallelism, {config.axes.expert!r} "
             f"for expert parallelism); this mesh also splits {other}, whose memory its formulas do not "
             f"model. Tune on the mesh without those axes."
         )
@@ -108,11 +108,11 @@ def split_meshes(mesh, config: ZeroConfig, space: SearchSpace, batch: Any) -> di
     that do not divide a replica group's devices or a batch leaf's sequence (naming the
     degrees that would)."""
     sizes = dict(mesh.shape)
-    own_c, own_e = context_size(mesh, config.context_axis), expert_size(mesh, config.expert_axis)
+    own_c, own_e = context_size(mesh, config.axes.context), expert_size(mesh, config.axes.expert)
     contexts = space.context if space.context is not None else (own_c,)
     experts = space.expert if space.expert is not None else (own_e,)
-    replicas = sizes.get(config.replica_axis, 1)
-    group = sizes[config.axis] * own_c * own_e
+    replicas = sizes.get(config.axes.replica, 1)
+    group = sizes[config.axes.data] * own_c * own_e
     bad = [c for c in contexts if group % c]
     if bad:
         fits = [c for c in range(1, group + 1) if group % c == 0]
@@ -144,13 +144,13 @@ def split_meshes(mesh, config: ZeroConfig, space: SearchSpace, batch: Any) -> di
         if (c, e) == (own_c, own_e)
         else make_mesh(
             devices,
-            config.axis,
+            config.axes.data,
             replicas=replicas,
-            replica_axis=config.replica_axis,
+            replica_axis=config.axes.replica,
             context=c,
-            context_axis=config.context_axis,
+            context_axis=config.axes.context,
             expert=e,
-            expert_axis=config.expert_axis,
+            expert_axis=config.axes.expert,
         )
         for c in contexts
         for e in experts

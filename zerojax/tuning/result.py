@@ -208,7 +208,7 @@ class AutotuneResult(Sequence):
                 f"| {i} | {c.stage} |{f' {p.context} |' if context else ''}{f' {p.expert} |' if expert else ''} "
                 f"{c.grad_accum_steps} ({p.micro_batch}) | "
                 f"{remat_name(c.remat)} | {p.offload} | "
-                f"{c.prefetch} | {c.gather_dtype or c.compute_dtype} | {fmt_bytes(p.memory.device)}"
+                f"{c.prefetch} | {c.collectives.gather_dtype or c.compute_dtype} | {fmt_bytes(p.memory.device)}"
                 f"{'*' if p.memory.source == 'formula' else ''} | {fmt_bytes(p.memory.host)} | {_seconds(p.time)} | "
                 f"{_seconds(parts['compute'] + parts['memory'])} | {_seconds(parts['comm'])} |"
             )

@@ -134,7 +134,8 @@ def autotune(
     meshes = split_meshes(mesh, base, space, batch)
     psi, opt_bytes = param_counts(shapes, tx)
     # A replica group's devices: data x context x expert, whatever the split (C and E move none).
-    shards = dict(mesh.shape)[base.axis] * context_size(mesh, base.context_axis) * expert_size(mesh, base.expert_axis)
+    axes = base.axes
+    shards = dict(mesh.shape)[axes.data] * context_size(mesh, axes.context) * expert_size(mesh, axes.expert)
     cands, rows, counts = [], {}, {}
     for (c, e), mesh_c in meshes.items():
         try:
