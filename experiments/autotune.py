@@ -263,7 +263,14 @@ def remat_family(plans) -> list:
     groups: dict = {}
     for p in plans:  # fastest predicted first
         c = p.config
-        key = (c.stage, c.grad_accum_steps, c.offload_optimizer, c.offload_params, c.prefetch, c.gather_dtype)
+        key = (
+            c.stage,
+            c.grad_accum_steps,
+            c.offload.optimizer,
+            c.offload.params,
+            c.prefetch,
+            c.collectives.gather_dtype,
+        )
         groups.setdefault(key, {}).setdefault(c.remat, p)
     full = [g for g in groups.values() if set(g) == policies and len(policies) > 1]
     return sorted(full[0].values(), key=lambda p: p.time) if full else []
