@@ -3,8 +3,8 @@
 A model's ``attention="fused"`` (the default of :class:`zerojax.models.LlamaConfig` and
 :class:`zerojax.models.gpt.GPTConfig`) takes:
 
-* ``"auto"``: on a context mesh (a layout of 2+ devices handed in, or a ``"context"``
-  axis of 2+ devices in the mesh), ``zj.nn.dot_product_attention`` with ``method="auto"``
+* ``"auto"``: on a context mesh (a layout of 2+ devices handed in, or the step's context
+  axis with 2+ devices in the mesh), ``zj.nn.dot_product_attention`` with ``method="auto"``
   (Ulysses or ring), as ``attention="auto"`` does;
 * ``"cudnn"``: on a CUDA GPU where cuDNN's flash attention takes the call,
   ``jax.nn.dot_product_attention(..., implementation="cudnn")``: queries, keys and values
@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zerojax.context.attention import METHODS
+from zerojax.sharding import in_step
 from zerojax.sharding.mesh import context_size
 
 FUSED = "fused"
@@ -134,10 +135,13 @@ def capability() -> tuple[int, int] | None:
 
 def on_context_mesh(layout) -> bool:
     """Whether the sequence is split over 2+ context devices: by the layout handed in, or
-    by the mesh in context."""
+    by the mesh in context, over the step's context axis (``ZeroConfig(axes={"context":
+    ...})``; "context" outside a step)."""
     if layout is not None and getattr(layout, "c", 1) > 1:
         return True
-    return context_size(jax.sharding.get_abstract_mesh()) > 1
+    step = in_step.current()
+    axis = step[0].config.axes.context if step is not None else "context"
+    return context_size(jax.sharding.get_abstract_mesh(), axis) > 1
 
 
 _WARNED: set[str] = set()
