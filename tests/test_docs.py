@@ -69,3 +69,38 @@ def test_the_fault_tolerance_loop_resumes(tmp_path, monkeypatch, capsys):
     run(path, with_slow=False)
     second = capsys.readouterr().out
     assert "resuming at step 30" in second and "loss" not in second.split("resuming at step 30")[1], second
+
+
+@pytest.mark.slow  # reason: these blocks train a model or compile several steps (20-60 s each on 2 cores)
+@pytest.mark.parametrize("path", SLOW, ids=lambda p: p.name)
+def test_docs_slow_blocks_run(path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert run(path, with_slow=True) >= 1
+
+
+def test_every_block_runs_or_is_marked_and_names_what_exists():
+    """Each block is runnable (tested above) or marked; the names of zerojax it uses exist."""
+    assert DOCS and sum(len(blocks(p)) for p in DOCS) >= 20
+    missing = []
+    for path in DOCS:
+        for line, _, code in blocks(path):
+            for name in re.findall(r"\b(?:zj|zerojax)(?:\.[A-Za-z_]\w*)+", code):
+                obj = zj
+                for part in name.split(".")[1:]:
+                    if not hasattr(obj, part):
+                        missing.append(f"{path.name}:{line}: {name}")
+                        break
+                    obj = getattr(obj, part)
+        # Names taken with "from zerojax.x import y", then used as y.attr.
+        for line, _, code in blocks(path):
+            for module, names in re.findall(r"^from (zerojax[\w.]*) import ([\w, ]+)$", code, flags=re.M):
+                mod = importlib.import_module(module)
+                for name in (n.strip() for n in names.split(",")):
+                    obj = getattr(mod, name, None)
+                    if obj is None:
+                        missing.append(f"{path.name}:{line}: {module}.{name}")
+                        continue
+                    for attr in re.findall(rf"\b{name}\.([A-Za-z_]\w*)", code):
+                        if not hasattr(obj, attr):
+                            missing.append(f"{path.name}:{line}: {module}.{name}.{attr}")
+    assert not missing, missing
