@@ -57,22 +57,20 @@ def test_dropout_keys_per_step_device_and_micro_batch(stage):
     state, masks = run_dropout(stage, k=k)
     for t, mask in enumerate(masks):
         for d in range(N):
-            for j in range(k):
-                lo = d * rows + j * rows // k
+            for j in range(k):  # micro-batch j: the device's rows j, j + k, ... (global rows g % k == j)
                 want = jax.random.bernoulli(expected_key(7, t, d, j), 0.5, (rows // k, models.HID))
-                np.testing.assert_array_equal(mask[lo : lo + rows // k], np.asarray(want))
+                np.testing.assert_array_equal(mask[d * rows + j : (d + 1) * rows : k], np.asarray(want))
     # Different steps, devices and micro-batches, different masks.
     assert (masks[0] != masks[1]).any()
     assert (masks[0][:rows] != masks[0][rows : 2 * rows]).any()
-    assert (masks[0][: rows // k] != masks[0][rows // k : rows]).any()
+    assert (masks[0][:rows:k] != masks[0][1:rows:k]).any()
 
     # The independent reference: plain SGD on the mean of those per-(device, micro) losses.
     def global_loss(p, b, t):
         parts = []
         for d in range(N):
             for j in range(k):
-                lo = d * rows + j * rows // k
-                mb = jax.tree.map(lambda x: x[lo : lo + rows // k], b)
+                mb = jax.tree.map(lambda x: x[d * rows + j : (d + 1) * rows : k], b)
                 parts.append(dropout_loss(p, mb, expected_key(7, t, d, j))[0])
         return jnp.mean(jnp.stack(parts))
 

@@ -62,8 +62,8 @@ def train(out, stages, helper, replicas, checkpoint):
             f"{[sorted({d.process_index for d in row}) for row in mesh.devices]}",
             flush=True,
         )
-    for stage in stages:
-        train_stage(out, stage, mesh, helper, checkpoint)
+    for stage in stages:  # the last stage's state is the checkpoint (one save per step number)
+        train_stage(out, stage, mesh, helper, checkpoint if stage == stages[-1] else None)
 
 
 def train_stage(out, stage, mesh, helper, checkpoint):
