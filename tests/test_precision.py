@@ -401,9 +401,8 @@ def test_backward_runs_at_the_full_loss_scale(monkeypatch, stage, k):
     rows = 32 // N
     for d in range(N):
         want = jax.tree.map(jnp.zeros_like, p16)
-        for j in range(k):
-            lo = d * rows + j * rows // k
-            mb = jax.tree.map(lambda x: x[lo : lo + rows // k].astype(jnp.float16), b)
+        for j in range(k):  # micro-batch j: the device's rows j, j + k, ...
+            mb = jax.tree.map(lambda x: x[d * rows + j : (d + 1) * rows : k].astype(jnp.float16), b)
             g = jax.grad(lambda p: loss_fn(p, mb).astype(jnp.float32) * 2.0**power / k)(p16)
             want = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), want, g)
         got = {x.shape: x for i, x in seen if i == d}
