@@ -59,7 +59,11 @@ def reference(params, batch, k):
     return float(np.mean(losses)), jax.tree.map(lambda p, g: p - LR * g, params, grad)
 
 
-@pytest.mark.parametrize("stage,k", [(0, 2), (2, 4), (3, 2)])
+@pytest.mark.parametrize(
+    "stage,k",
+    # Stages 0 and 2 in the slow set: the micro-batch split is the one function at every stage.
+    [pytest.param(0, 2, marks=pytest.mark.slow), pytest.param(2, 4, marks=pytest.mark.slow), (3, 2)],
+)
 def test_a_loss_not_linear_in_its_rows_is_the_same_on_every_data_degree(stage, k):
     """One step on 1, 2, 4 and 8 data devices equals the one-device definition. With
     contiguous micro-batches (each device's rows cut into k blocks) the loss is 4% off
