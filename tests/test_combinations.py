@@ -314,13 +314,14 @@ def _reference(frozen: bool, packed: bool):
 
 def model_state_reference(groups: int, k: int) -> np.ndarray:
     """The model state after STEPS steps: each batch group updates it micro-batch by
-    micro-batch on its own rows (whole sequences), then the groups' values are averaged."""
+    micro-batch on its own rows (whole sequences; micro-batch j: the group's rows j, j + k,
+    ...), then the groups' values are averaged."""
     mean = np.zeros(IN)
     for i in range(STEPS):
-        x = np.asarray(batch(i)["x"], np.float64).reshape(groups, k, BATCH // (groups * k), SEQ, IN)
+        x = np.asarray(batch(i)["x"], np.float64).reshape(groups, BATCH // (groups * k), k, SEQ, IN)
         per_group = np.repeat(mean[None], groups, axis=0)
         for j in range(k):
-            per_group = 0.5 * per_group + 0.5 * x[:, j].mean(axis=(1, 2))
+            per_group = 0.5 * per_group + 0.5 * x[:, :, j].mean(axis=(1, 2))
         mean = per_group.mean(axis=0)
     return mean
 
