@@ -321,8 +321,10 @@ def test_the_step_hands_the_loss_its_layout_as_a_value():
 @pytest.mark.parametrize(
     "c,attention,stage",
     [
-        (2, "ulysses", 3),
-        (4, "ring", 2),  # data x context x tensor = 2 x 2 x 2, and 1 x 4 x 2
+        # slow: 5 s; Ulysses trains exactly on a context mesh above, and C = 4 ring beside
+        # the tensor axis stays here
+        pytest.param(2, "ulysses", 3, marks=pytest.mark.slow),
+        (4, "ring", 2),  # data x context x tensor = 1 x 4 x 2
         pytest.param(2, "einsum", 0, marks=pytest.mark.slow),
         pytest.param(2, "ring", 1, marks=pytest.mark.slow),
     ],
@@ -776,6 +778,7 @@ def test_one_jitted_apply_serves_a_balanced_and_a_contiguous_step():
         step(zj.init_state(params, tx, mesh=mesh, config=zc), data[0])
 
 
+@pytest.mark.slow  # reason: 12 s, the doc's whole packed step; packed attention is test_attention's and test_combinations' packed rows
 def test_packed_sequences_train_as_their_documents_alone():
     """docs/long_context.md's packed fine-tuning step, run as written (the Llama with ring
     attention in the balanced layout at ZeRO-3 on data x context = 4 x 2, segment ids and
