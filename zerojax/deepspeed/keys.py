@@ -30,16 +30,6 @@ _ZERO_FIELDS = (
     "cpu_offload_param",
     "cpu_offload_use_pin_memory",
     "cpu_offload",
-    "prefetch_bucket_size",
-    "param_persistence_threshold",
-    "model_persistence_threshold",
-    "max_live_parameters",
-    "max_reuse_distance",
-    "gather_16bit_weights_on_model_save",
-    "module_granularity_threshold",
-    "use_all_reduce_for_fetch_params",
-    "allgather_sequential",
-    "partition_stream_chunk_size",
     "stage3_gather_fp16_weights_on_model_save",
     "ignore_unused_parameters",
     "legacy_stage1",
@@ -59,23 +49,21 @@ _ZERO_FIELDS = (
     "save_muon_momentum_buffer_in_memory",
     "leaf_module",
 )
-# ... and by the stage3_ aliases the documented configs use.
-_ZERO_ALIASES = tuple(
-    f"stage3_{k}"
-    for k in (
-        "prefetch_bucket_size",
-        "param_persistence_threshold",
-        "model_persistence_threshold",
-        "max_live_parameters",
-        "max_reuse_distance",
-        "gather_16bit_weights_on_model_save",
-        "module_granularity_threshold",
-        "use_all_reduce_for_fetch_params",
-        "allgather_sequential",
-        "partition_stream_chunk_size",
-    )
+# ... and these, each also under its stage3_ alias (the spelling the documented configs use).
+_STAGE3_FIELDS = (
+    "prefetch_bucket_size",
+    "param_persistence_threshold",
+    "model_persistence_threshold",
+    "max_live_parameters",
+    "max_reuse_distance",
+    "gather_16bit_weights_on_model_save",
+    "module_granularity_threshold",
+    "use_all_reduce_for_fetch_params",
+    "allgather_sequential",
+    "partition_stream_chunk_size",
 )
-ZERO_KEYS = frozenset(_ZERO_FIELDS + _ZERO_ALIASES)
+_ZERO_ALIASES = tuple(f"stage3_{k}" for k in _STAGE3_FIELDS)
+ZERO_KEYS = frozenset(_ZERO_FIELDS + _STAGE3_FIELDS + _ZERO_ALIASES)
 
 # DeepSpeedZeroOffloadParamConfig and DeepSpeedZeroOffloadOptimizerConfig
 # (deepspeed/runtime/zero/offload_config.py).
