@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zerojax.remat import Remat, nnx_module
 from zerojax.sharding.filters import describe, is_filter, is_variable, path_keys, select
 
 
@@ -136,8 +137,6 @@ def remat_listed_blocks(model: nnx.Module, spec: Any) -> int:
     remat region with the policy ``spec`` (:func:`zerojax.remat.nnx_module`), in place;
     blocks whose class already rematerializes are left as they are. ``model`` is the
     step's own copy, made for this trace. Returns how many blocks it changed."""
-    from zerojax.remat import Remat
-
     changed = 0
     for _, module in nnx.iter_modules(model):
         for value in vars(module).values():
@@ -161,8 +160,6 @@ _REMAT_CLASSES: dict = {}  # (block class, policy) -> its remat subclass: one pe
 
 
 def _remat_class(cls: type, spec: Any) -> type:
-    from zerojax.remat import nnx_module
-
     key = (cls, spec)
     if key not in _REMAT_CLASSES:
         _REMAT_CLASSES[key] = nnx_module(cls, spec)
