@@ -1,4 +1,4 @@
-"""The slowest tests of a run, as the markdown tables of tests/README.md.
+"""The slowest tests of a run, as the markdown tables of docs/test_timings.md.
 
     python -m pytest -q --junitxml=run.xml                    # (or -m "not slow")
     python tests/durations.py run.xml [--top 25] [--slow-ids slow.txt]
