@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
 from experiments import harness  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
-from zerojax.report.progress import progress  # noqa: E402
+from zerojax.progress import progress  # noqa: E402
 
 
 def traffic(cfg: gpt.GPTConfig, replicas: int, gathers: str, batch: int) -> dict[str, int]:

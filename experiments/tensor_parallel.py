@@ -36,8 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
 from experiments import data  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
+from zerojax.progress import progress  # noqa: E402
 from zerojax.report.comm import collectives  # noqa: E402
-from zerojax.report.progress import progress  # noqa: E402
 
 
 def measure(cfg: gpt.GPTConfig, tensor: int, batch: int, steps: int = 5) -> dict:

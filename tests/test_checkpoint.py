@@ -419,7 +419,7 @@ def test_safetensors_header_writer_and_checker_agree_with_safetensors(tmp_path):
     import ml_dtypes
     from safetensors.numpy import load_file
 
-    from zerojax.checkpoint.safetensors_files import StoredTensor, TensorWriter, check_file, header, stored_dtypes
+    from zerojax.tensors.safetensors_files import StoredTensor, TensorWriter, check_file, header, stored_dtypes
 
     tensors = {"a": ((2, 3), np.float32), "b": ((4,), np.int32), "c": ((), ml_dtypes.bfloat16)}
     values = {

@@ -15,8 +15,8 @@ from flax import linen as nn
 from flax import nnx
 
 import zerojax as zj
-from zerojax import cli
-from zerojax.report import estimate, progress
+from zerojax import cli, progress
+from zerojax.report import estimate
 
 SCRIPT = pathlib.Path(sys.executable).parent / "zerojax"  # the installed console script
 GB = 1e9

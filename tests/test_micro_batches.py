@@ -11,7 +11,7 @@ import pytest
 
 import zerojax as zj
 from tests import models
-from zerojax.sharding.gradients import micro_batches
+from zerojax.stages.gradients import micro_batches
 
 LR = 0.1
 

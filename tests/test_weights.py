@@ -22,10 +22,10 @@ from safetensors.numpy import load_file, save_file
 
 import zerojax as zj
 from tests import weights_model
-from zerojax.checkpoint import boxes
-from zerojax.checkpoint import tensor_map as tm
-from zerojax.checkpoint.safetensors_files import TensorFiles, TensorWriter
 from zerojax.maps import concat, merge_dims, part, split_dim, stack, transpose
+from zerojax.tensors import boxes
+from zerojax.tensors import tensor_map as tm
+from zerojax.tensors.safetensors_files import TensorFiles, TensorWriter
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RNG = np.random.default_rng(0)

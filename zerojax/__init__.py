@@ -9,7 +9,6 @@ subpackage that owns it (``zj.config``, ``zj.report``, ``zj.maps``, ``zj.nn``, `
 from zerojax import checkpoint, config, context, distributed, maps, models, moe, nn, nnx, remat, report, resume
 from zerojax._deprecated import module_getattr as __getattr__  # noqa: F401 (moved names)
 from zerojax.checkpoint import export_weights, load_weights, restore_checkpoint, save_checkpoint
-from zerojax.checkpoint.weights import Weights
 from zerojax.config import ZeroConfig
 from zerojax.deepspeed import from_deepspeed
 from zerojax.evaluate import EvalStep, make_eval_step
@@ -17,6 +16,7 @@ from zerojax.params import gather_params
 from zerojax.sharding.mesh import make_mesh
 from zerojax.state import ZeroState, abstract_state, init_state
 from zerojax.step import LossScaleError, TrainStep, make_train_step
+from zerojax.tensors.weights import Weights
 from zerojax.tuning import autotune
 
 __all__ = [

@@ -14,10 +14,10 @@ from zerojax import compile_cache
 from zerojax.config import ZeroConfig
 from zerojax.context import batch as sequence
 from zerojax.sharding import gathers, in_step, outputs, per_use
-from zerojax.sharding.gradients import cast_batch, context, local_shapes, pending
 from zerojax.sharding.mesh import auto_axes, batch_devices, row_split
 from zerojax.sharding.plan import ZeroPlan
-from zerojax.sharding.stages import stage_of
+from zerojax.stages.gradients import cast_batch, context, local_shapes, pending
+from zerojax.stages.per_stage import stage_of
 from zerojax.state import ZeroState
 from zerojax.step import check_batch, check_keywords, check_state, place_batch
 

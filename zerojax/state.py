@@ -10,19 +10,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from zerojax.checkpoint.born import donated, loaded_storage
 from zerojax.config import ZeroConfig
 from zerojax.optim import loss_scale as ls
 from zerojax.optim.update import check_optimizer
 from zerojax.sharding.plan import ZeroPlan, make_plan, master_dtype
-from zerojax.sharding.stages import stage_of
+from zerojax.stages.per_stage import stage_of
+from zerojax.tensors.born import donated, loaded_storage
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ZeroState:
     """Train state: a pytree of arrays plus a static ``plan``. Each field means one thing at
-    every stage; which fields a stage keeps is :mod:`zerojax.sharding.stages`' business.
+    every stage; which fields a stage keeps is :mod:`zerojax.stages.per_stage`' business.
     Trees of parameters have the user's structure, with ``optax.MaskedNode()`` in the place
     of the parameters a field does not hold (frozen ones in ``params``/``master``, trainable
     ones in ``frozen``), as ``optax.masked`` does.
@@ -137,7 +137,7 @@ def init_state(
         only the structure, shapes and dtypes (abstract leaves from ``jax.eval_shape`` /
         ``nnx.eval_shape`` are enough); every process reads only the bytes of the shards
         its devices hold, straight into the masters' (and frozen weights') ZeRO layout
-        (see :mod:`zerojax.checkpoint.weights`). Every parameter must be in the checkpoint,
+        (see :mod:`zerojax.tensors.weights`). Every parameter must be in the checkpoint,
         except those ``zj.Weights(path, map, optional=patterns)`` names (new LoRA adapters,
         a new head), which ``params`` (an ``init_fn`` or concrete arrays) then provides.
 

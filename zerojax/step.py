@@ -17,18 +17,18 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerojax import compile_cache
+from zerojax import compile_cache, on_stall
 from zerojax.config import ZeroConfig
 from zerojax.context import batch as context
 from zerojax.optim import loss_scale as ls
 from zerojax.optim.apply import apply_optimizer
 from zerojax.optim.offload import choose_place
 from zerojax.optim.update import check_optimizer, clip_by_global_norm, keep_if
-from zerojax.sharding.gradients import Loss, own_sharding_hint
 from zerojax.sharding.mesh import auto_axes, batch_devices, row_split
 from zerojax.sharding.partial_axes import warn_partial
 from zerojax.sharding.plan import ZeroPlan
-from zerojax.sharding.stages import stage_of
+from zerojax.stages.gradients import Loss, own_sharding_hint
+from zerojax.stages.per_stage import stage_of
 from zerojax.state import ZeroState, check_alive, state_shardings
 
 
@@ -144,14 +144,12 @@ def _wait_or_fail(x: jax.Array, timeout_s: float) -> None:
 
     threading.Thread(target=wait, daemon=True).start()
     if not done.wait(timeout_s):
-        from zerojax.checkpoint.io import finish_pending_saves
-
         sys.stderr.write(
             f"zerojax: the train step did not finish within timeout_s={timeout_s:g}s on process "
             f"{jax.process_index()}: another process has probably stalled or died and this one is "
             "waiting for it in a collective.\n"
         )
-        for line in finish_pending_saves(timeout_s=max(timeout_s, SAVE_GRACE_S)):
+        for line in on_stall.finish_all(max(timeout_s, SAVE_GRACE_S)):
             sys.stderr.write(f"zerojax: {line}\n")
         sys.stderr.write("zerojax: exiting with status 1.\n")
         sys.stderr.flush()

@@ -30,8 +30,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from zerojax.checkpoint.safetensors_files import TensorWriter  # noqa: E402
 from zerojax.maps import transpose  # noqa: E402
+from zerojax.tensors.safetensors_files import TensorWriter  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)

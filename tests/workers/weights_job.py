@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from tests.weights_model import MAP, abstract_params  # noqa: E402
-from zerojax.checkpoint.safetensors_files import TensorFiles, TensorWriter  # noqa: E402
+from zerojax.tensors.safetensors_files import TensorFiles, TensorWriter  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--ckpt", required=True)

@@ -1,14 +1,12 @@
 """Sharded, resharding checkpoints on orbax-checkpoint, weight export, and loading weights.
 
-The package has two layers. Below ``zerojax.state`` (which builds a state from weights
-through :mod:`~zerojax.checkpoint.born`): the safetensors files
-(:mod:`~zerojax.checkpoint.safetensors_files`), boxes, tensor names, the checked cast, maps
-(:mod:`~zerojax.checkpoint.tensor_map`), reading (:mod:`~zerojax.checkpoint.weights`,
-:mod:`~zerojax.checkpoint.load`) and the processes' agreement. Above it, taking states:
-orbax checkpoints (:mod:`~zerojax.checkpoint.io`, :mod:`~zerojax.checkpoint.canonical`) and
-the export pipeline (:mod:`~zerojax.checkpoint.export`: sources, map, sinks). This package
-imports neither layer itself: its public names load their module on first use, so that
-importing one module of the lower layer never imports the state it sits below.
+This package sits above :mod:`zerojax.state`, whose states it saves, restores and exports:
+orbax checkpoints (:mod:`~zerojax.checkpoint.io`, :mod:`~zerojax.checkpoint.canonical`),
+the export pipeline (:mod:`~zerojax.checkpoint.export`: sources, map, sinks) and
+``load_weights`` (:mod:`~zerojax.checkpoint.load`). What the state itself needs to be born
+from pretrained weights (the safetensors files, tensor names, the checked cast, maps and
+reading into a plan's storage) is :mod:`zerojax.tensors`, below the state. Its public names
+load their module on first use.
 """
 
 from __future__ import annotations

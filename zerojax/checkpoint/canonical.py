@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from zerojax.optim import loss_scale as ls
 from zerojax.sharding.layout import LeafLayout
 from zerojax.sharding.plan import ZeroPlan, master_dtype
-from zerojax.sharding.stages import stage_of
+from zerojax.stages.per_stage import stage_of
 from zerojax.state import ZeroState, state_shardings
 
 FORMAT_VERSION = 2

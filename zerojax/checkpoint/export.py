@@ -2,13 +2,13 @@
 
 One pipeline serves every export: a source (:mod:`zerojax.checkpoint.sources`: a live
 state's shards, written by the process that holds them, or a checkpoint directory's leaves,
-read one at a time by process 0) through the map (:mod:`zerojax.checkpoint.tensor_map`, run
+read one at a time by process 0) through the map (:mod:`zerojax.tensors.tensor_map`, run
 backwards: names, transposes, unstacked layers, fused parts) into the files
 (:mod:`zerojax.checkpoint.sinks`). No array is gathered; a process holds one piece of one
 shard (or, from a checkpoint directory, one parameter) at a time.
 
 Every check that can fail runs before the first byte is written, and its outcome is agreed
-by every process (:mod:`zerojax.checkpoint.processes`): the map (every element of every
+by every process (:mod:`zerojax.tensors.processes`): the map (every element of every
 tensor written exactly once, dtypes the format holds), the output folder (writable by every
 process, one filesystem for all), and the float16 range of each process's own shards. A
 failure in one process raises on every process, naming the process and the problem; a
@@ -30,19 +30,19 @@ from typing import Any
 
 import numpy as np
 
-from zerojax.checkpoint import boxes
 from zerojax.checkpoint import lora as lora_
-from zerojax.checkpoint import tensor_map as tm
-from zerojax.checkpoint.casts import as_dtype, cast, is_float, narrows_range
 from zerojax.checkpoint.configs import exported, source_configs
-from zerojax.checkpoint.names import leaf_name, path_keys, tensor_names
-from zerojax.checkpoint.processes import DEFAULT_TIMEOUT_S, Processes
-from zerojax.checkpoint.safetensors_files import TensorFiles, TensorWriter, dtype_code, stored_dtypes
 from zerojax.checkpoint.sinks import LAYOUTS, ExportFiles, natural, parse_size
 from zerojax.checkpoint.sources import CheckpointSource, Source, StateSource
-from zerojax.checkpoint.weights import storage_expr
-from zerojax.report.progress import progress
+from zerojax.progress import progress
 from zerojax.state import ZeroState
+from zerojax.tensors import boxes
+from zerojax.tensors import tensor_map as tm
+from zerojax.tensors.casts import as_dtype, cast, is_float, narrows_range
+from zerojax.tensors.names import leaf_name, path_keys, tensor_names
+from zerojax.tensors.processes import DEFAULT_TIMEOUT_S, Processes
+from zerojax.tensors.safetensors_files import TensorFiles, TensorWriter, dtype_code, stored_dtypes
+from zerojax.tensors.weights import storage_expr
 
 __all__ = ["EXPORT_DTYPES", "export_weights", "leaf_name", "path_keys", "stored_dtypes", "tensor_names"]
 

@@ -29,6 +29,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import Mesh
 
+from zerojax import on_stall
 from zerojax.checkpoint import canonical
 from zerojax.config import ZeroConfig
 from zerojax.optim.update import check_optimizer
@@ -279,6 +280,8 @@ def finish_pending_saves(timeout_s: float) -> list[str]:
             )
     return lines
 
+
+on_stall.register(finish_pending_saves)  # a step that stalls finishes the saves in flight first
 
 _AT_EXIT = []
 

@@ -2,7 +2,7 @@
 
 :func:`zerojax.export_weights` (``zerojax export``) writes one ``.safetensors`` file whose
 tensors are named by their parameter paths (``blocks.linear.kernel``; see
-:func:`zerojax.checkpoint.names.tensor_names`), or Hugging Face's sharded layout through a
+:func:`zerojax.tensors.names.tensor_names`), or Hugging Face's sharded layout through a
 map. :func:`load_weights` reads either (or any Hugging Face checkpoint, with a map) into
 the structure of a tree you already have (an ``nnx.State`` from ``nnx.split(model,
 nnx.Param)``, a linen ``params`` dict, any pytree of arrays or ``jax.ShapeDtypeStruct``),
@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax.checkpoint import boxes
-from zerojax.checkpoint.casts import check_cast
-from zerojax.checkpoint.names import tensor_names
-from zerojax.checkpoint.processes import Processes
-from zerojax.checkpoint.weights import as_weights, check_ranges, place, read_box, resolve
+from zerojax.tensors import boxes
+from zerojax.tensors.casts import check_cast
+from zerojax.tensors.names import tensor_names
+from zerojax.tensors.processes import Processes
+from zerojax.tensors.weights import as_weights, check_ranges, place, read_box, resolve
 
 
 def load_weights(path: Any, like: Any) -> Any:

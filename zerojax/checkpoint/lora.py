@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from zerojax.checkpoint import boxes
-from zerojax.checkpoint import tensor_map as tm
+from zerojax.tensors import boxes
+from zerojax.tensors import tensor_map as tm
 
 MODES = ("merge", "adapters", "keep")
 

@@ -9,7 +9,7 @@ visible only once complete:
    export in the way (``layout="file"``: the file; ``layout="hf"``: ``model.safetensors``,
    ``model-*-of-*.safetensors`` of any count, the index, ``.partial`` files of a killed
    export), then writes each file's header and sets its size.
-2. Every process writes its boxes (:class:`~zerojax.checkpoint.safetensors_files.TensorWriter`).
+2. Every process writes its boxes (:class:`~zerojax.tensors.safetensors_files.TensorWriter`).
 3. ``commit`` (process 0, once every process has written): checks each file's header and
    size, writes ``config.json`` / ``generation_config.json`` where asked, renames the files
    into place, and writes the index last (with several files).
@@ -28,7 +28,7 @@ import re
 
 import numpy as np
 
-from zerojax.checkpoint.safetensors_files import INDEX, SHARD, SINGLE, StoredTensor, check_file, header, nbytes
+from zerojax.tensors.safetensors_files import INDEX, SHARD, SINGLE, StoredTensor, check_file, header, nbytes
 
 LAYOUTS = ("file", "hf")
 PROBE = ".zerojax-export-probe-{rank}"

@@ -21,12 +21,13 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from zerojax.checkpoint import boxes, canonical
+from zerojax.checkpoint import canonical
 from zerojax.checkpoint.io import _manager, checkpoint_steps
-from zerojax.checkpoint.names import tensor_names
 from zerojax.sharding.layout import LeafLayout
 from zerojax.sharding.plan import master_dtype
 from zerojax.state import ZeroState, check_alive
+from zerojax.tensors import boxes
+from zerojax.tensors.names import tensor_names
 
 
 class Source:

@@ -1,7 +1,8 @@
 """Maps from a model's parameters to a checkpoint's tensors (see
-:mod:`zerojax.checkpoint.tensor_map`), and ready ones for Hugging Face layouts."""
+:mod:`zerojax.tensors.tensor_map`), and ready ones for Hugging Face layouts."""
 
-from zerojax.checkpoint.tensor_map import (
+from zerojax.models.hf_map import family_map, llama_map
+from zerojax.tensors.tensor_map import (
     IDENTITY,
     WeightMap,
     concat,
@@ -12,7 +13,6 @@ from zerojax.checkpoint.tensor_map import (
     stack,
     transpose,
 )
-from zerojax.models.hf_map import family_map, llama_map
 
 __all__ = [
     "IDENTITY",

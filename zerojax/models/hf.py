@@ -8,11 +8,11 @@ import os
 from collections.abc import Iterable
 
 from zerojax.checkpoint.configs import GENERATION
-from zerojax.checkpoint.safetensors_files import TensorFiles, resolve_path
-from zerojax.checkpoint.tensor_map import WeightMap
 from zerojax.models.hf_config import config_from_hf, read_config
 from zerojax.models.hf_map import EXPERT_LAYOUTS, llama_map
 from zerojax.models.llama import LlamaConfig
+from zerojax.tensors.safetensors_files import TensorFiles, resolve_path
+from zerojax.tensors.tensor_map import WeightMap
 
 HEAD = "lm_head.weight"
 

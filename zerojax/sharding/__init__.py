@@ -1,4 +1,4 @@
-"""Meshes, leaf layouts and the per-stage gradient programs."""
+"""Meshes, leaf layouts, collectives and the per-use gathers the stages build on."""
 
 from zerojax.sharding.layout import LeafLayout, layout_for
 from zerojax.sharding.mesh import make_mesh

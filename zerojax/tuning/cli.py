@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "zerojax autotune") -> i
             jax.config.update("jax_num_cpu_devices", args.devices)  # before the backend starts; CPU only
         except RuntimeError:
             pass  # already started (called from Python): use what is there
-    import zerojax as zj
+    from zerojax.sharding.mesh import make_mesh
     from zerojax.tuning.budget import parse_memory
     from zerojax.tuning.candidates import SearchSpace
 
@@ -163,7 +163,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "zerojax autotune") -> i
             f"run zerojax autotune as its own command)"
         )
     try:
-        mesh = zj.make_mesh(devices[:n], replicas=args.replicas)
+        mesh = make_mesh(devices[:n], replicas=args.replicas)
     except ValueError as e:
         ap.error(str(e))
     if args.model is not None:

@@ -21,7 +21,7 @@ def quiet() -> bool:
     ``CI`` environment variable is set (to anything but ``""``, ``"0"``, ``"false"``).
 
     Example:
-      >>> from zerojax.report.progress import quiet
+      >>> from zerojax.progress import quiet
       >>> quiet() in (True, False)  # True under pytest, which captures stderr
       True
     """
@@ -36,7 +36,7 @@ def bar(total: int | None, desc: str, *, unit: str = "it", disable: bool | None 
     is a terminal and not in CI (:func:`quiet`); a hidden bar accepts the same calls.
 
     Example:
-      >>> from zerojax.report.progress import bar
+      >>> from zerojax.progress import bar
       >>> with bar(3, "work") as b:  # on stderr, where a terminal shows it
       ...     b.set_postfix_str("step 1")
       ...     b.update(3)
@@ -55,7 +55,7 @@ def progress(
     :func:`bar`: by default shown on a terminal only.
 
     Example:
-      >>> from zerojax.report.progress import progress
+      >>> from zerojax.progress import progress
       >>> list(progress(range(3), "configurations"))
       [0, 1, 2]
     """

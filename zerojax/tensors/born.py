@@ -2,7 +2,7 @@
 
 The masters (and frozen weights) are read straight into the storage the plan lays them out
 in, each process reading the bytes of its own devices' shards only
-(:mod:`zerojax.checkpoint.weights`); the init program then builds the optimizer state from
+(:mod:`zerojax.tensors.weights`); the init program then builds the optimizer state from
 them, with the loaded shards donated so that they are never held twice.
 """
 
@@ -12,11 +12,11 @@ from typing import Any
 
 import jax
 
-from zerojax.checkpoint.casts import check_cast
-from zerojax.checkpoint.names import tensor_names
-from zerojax.checkpoint.processes import Processes
-from zerojax.checkpoint.weights import as_weights, check_ranges, place, resolve
 from zerojax.sharding.plan import ZeroPlan, master_dtype
+from zerojax.tensors.casts import check_cast
+from zerojax.tensors.names import tensor_names
+from zerojax.tensors.processes import Processes
+from zerojax.tensors.weights import as_weights, check_ranges, place, resolve
 
 
 def loaded_storage(source: Any, params: Any, plan: ZeroPlan, *, init: bool) -> tuple[list, list, bool]:

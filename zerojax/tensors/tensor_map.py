@@ -1,9 +1,9 @@
 """Maps from a model's parameters to a checkpoint's tensors, read and written by box.
 
 A :class:`WeightMap` says, for each parameter (by its dotted name, as
-:func:`zerojax.checkpoint.names.tensor_names` gives it), how it is made of checkpoint tensors:
+:func:`zerojax.tensors.names.tensor_names` gives it), how it is made of checkpoint tensors:
 
-    >>> from zerojax.checkpoint import tensor_map as tm
+    >>> from zerojax.tensors import tensor_map as tm
     >>> llama_like = tm.WeightMap({
     ...     "embed.embedding": "model.embed_tokens.weight",                       # as stored
     ...     "blocks.q.kernel": tm.stack(tm.transpose("model.layers.{i}.self_attn.q_proj.weight")),
@@ -38,8 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from zerojax.checkpoint import boxes
-from zerojax.checkpoint.boxes import Box
+from zerojax.tensors import boxes
+from zerojax.tensors.boxes import Box
 
 # ----------------------------------------------------------------------------------------------
 # Expressions: a parameter as a rearrangement of tensors, read and written by box.

@@ -2,7 +2,7 @@
 
 :class:`Weights` names a checkpoint (one ``.safetensors`` file, or Hugging Face's sharded
 layout: ``model.safetensors.index.json`` and the files it names) and a
-:class:`~zerojax.checkpoint.tensor_map.WeightMap` from the model's parameters to its tensors.
+:class:`~zerojax.tensors.tensor_map.WeightMap` from the model's parameters to its tensors.
 :func:`place` builds one array of any sharding from it: each process reads, for each
 distinct shard its own devices hold, exactly the bytes of that shard (through the map's
 transposes, reshapes and stacks, and ZeRO's storage layout with its padding), in pieces of
@@ -34,11 +34,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from zerojax.checkpoint import boxes
-from zerojax.checkpoint import tensor_map as tm
-from zerojax.checkpoint.casts import cast, check_cast, narrows_range
-from zerojax.checkpoint.safetensors_files import TensorFiles, resolve_path
 from zerojax.sharding.layout import LeafLayout
+from zerojax.tensors import boxes
+from zerojax.tensors import tensor_map as tm
+from zerojax.tensors.casts import cast, check_cast, narrows_range
+from zerojax.tensors.safetensors_files import TensorFiles, resolve_path
 
 MIB = 2**20
 
@@ -50,7 +50,7 @@ class Weights:
     Attributes:
       path: a ``.safetensors`` file, a ``model.safetensors.index.json``, or a directory
         holding either (Hugging Face's ``save_pretrained`` output).
-      map: a :class:`~zerojax.checkpoint.tensor_map.WeightMap` (default: each parameter is
+      map: a :class:`~zerojax.tensors.tensor_map.WeightMap` (default: each parameter is
         the tensor of its own dotted name, as ``zerojax export`` writes them), e.g.
         ``zj.maps.llama_map()``.
       buffer_mib: the largest piece read at once (MiB): a shard larger than this is read in
@@ -239,7 +239,7 @@ def check_ranges(items, files: TensorFiles, limit: int, alive: Callable[[], None
     """Reads this process's shards of the parameters whose cast could overflow (float32
     tensors into float16 storage) and refuses them before anything is placed.
     ``items``: ``(name, expr, layout, sharding, dtype)``; ``alive`` is called per piece read
-    (:meth:`zerojax.checkpoint.processes.Processes.alive`)."""
+    (:meth:`zerojax.tensors.processes.Processes.alive`)."""
     for name, expr, layout, sharding, dtype in items:
         if not narrows_range(expr.dtype, dtype):
             continue

@@ -3,7 +3,7 @@
 A safetensors file is an 8-byte little-endian header length, a JSON header naming each
 tensor's dtype, shape and data offsets (and an optional ``__metadata__`` of strings), padded
 with spaces to a multiple of 8, then the tensors' bytes in C order. Reading a box of a
-tensor here is one ``pread`` per contiguous run of it (:func:`zerojax.checkpoint.boxes.runs`)
+tensor here is one ``pread`` per contiguous run of it (:func:`zerojax.tensors.boxes.runs`)
 straight into the output array: no memory map (its touched pages would count against the
 process), no whole tensor, and every byte read is counted (:attr:`TensorFiles.bytes_read`),
 so a test can check that a process read exactly its own shards. Writing is the mirror
@@ -27,8 +27,8 @@ from collections.abc import Mapping
 import ml_dtypes
 import numpy as np
 
-from zerojax.checkpoint import boxes
-from zerojax.checkpoint.casts import as_dtype
+from zerojax.tensors import boxes
+from zerojax.tensors.casts import as_dtype
 
 # safetensors' dtype codes: the one table.
 DTYPES = {

@@ -29,9 +29,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerojax.sharding.gradients import Loss, per_use_grads, replicated_grads
 from zerojax.sharding.plan import ZeroPlan
 from zerojax.sharding.sources import Source
+from zerojax.stages.gradients import Loss, per_use_grads, replicated_grads
 
 Leaves = list[jax.Array]
 
@@ -73,7 +73,7 @@ class Stage:
         rng: Any,
         model_state: Any,
     ):
-        """``(loss, aux, model_state, grads)``: see :mod:`zerojax.sharding.gradients`."""
+        """``(loss, aux, model_state, grads)``: see :mod:`zerojax.stages.gradients`."""
         raise NotImplementedError
 
     def forward(self, plan: ZeroPlan) -> Forward:

@@ -1,7 +1,7 @@
 """Per-device loss and gradients, with every collective explicit.
 
 The user's loss runs inside ``jax.shard_map`` on each device's slice of the batch. Two
-programs compute gradients; each ZeRO stage (:mod:`zerojax.sharding.stages`) uses one:
+programs compute gradients; each ZeRO stage (:mod:`zerojax.stages.per_stage`) uses one:
 
 * :func:`replicated_grads`: the full parameters are resident; backward produces full
   gradients, which are then reduced: all-reduced (stage 0) or, once the whole gradient
