@@ -367,7 +367,7 @@ def test_export_keeps_a_parameter_whose_dict_key_is_value(tmp_path):
     key named "value" (attention's query/key/value) is a parameter of its own."""
     from safetensors.numpy import load_file
 
-    from zerojax.checkpoint.export import leaf_name
+    from zerojax.tensors.names import leaf_name
 
     rng = np.random.default_rng(0)
     params = {

@@ -84,7 +84,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the reference models and their weight maps", {"models", "maps"}),
     ("Flax NNX training", {"nnx"}),
     ("DeepSpeed configs and the autotuner", {"deepspeed", "tuning"}),
-    ("the package root and its shims", {"(zerojax)", "_deprecated"}),
+    ("the package root and its listing", {"(zerojax)", "_surface"}),
     ("the command line and the launcher", {"cli", "launch"}),
 ]
 LAYER_OF = {part: i for i, (_, parts) in enumerate(LAYERS) for part in parts}

@@ -503,7 +503,7 @@ def test_frozen_dtype_is_a_visible_choice(tmp_path, stage):
     exact. The step computes the same in both (the base is read in bf16 either way)."""
     from safetensors.numpy import load_file
 
-    from zerojax.checkpoint.export import stored_dtypes
+    from zerojax.tensors.safetensors_files import stored_dtypes
 
     params = models.deep_params(4, 128, stacked=True)
     base = np.asarray(params["w"])

@@ -7,7 +7,7 @@ subpackage that owns it (``zj.config``, ``zj.report``, ``zj.maps``, ``zj.nn``, `
 """
 
 from zerojax import checkpoint, config, context, distributed, maps, models, moe, nn, nnx, remat, report, resume
-from zerojax._deprecated import module_getattr as __getattr__  # noqa: F401 (moved names)
+from zerojax._surface import module_dir, module_getattr
 from zerojax.checkpoint import export_weights, load_weights, restore_checkpoint, save_checkpoint
 from zerojax.config import ZeroConfig
 from zerojax.deepspeed import from_deepspeed
@@ -52,3 +52,8 @@ __all__ = [
     "save_checkpoint",
 ]
 __version__ = "0.1.0"
+__getattr__ = module_getattr
+
+
+def __dir__() -> list[str]:
+    return module_dir(__all__)

@@ -228,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {len(shapes)} tensors, {n:,} parameters ({args.dtype}) to {args.out}")
         if args.layout != "file":
             return 0
-        from zerojax.checkpoint.export import stored_dtypes
+        from zerojax.tensors.safetensors_files import stored_dtypes
 
         narrow = {k: v for k, v in stored_dtypes(args.out).items() if v not in ("float32", "float64")}
         if narrow:

@@ -39,12 +39,11 @@ from zerojax.state import ZeroState
 from zerojax.tensors import boxes
 from zerojax.tensors import tensor_map as tm
 from zerojax.tensors.casts import as_dtype, cast, is_float, narrows_range
-from zerojax.tensors.names import leaf_name, path_keys, tensor_names
 from zerojax.tensors.processes import DEFAULT_TIMEOUT_S, Processes
-from zerojax.tensors.safetensors_files import TensorFiles, TensorWriter, dtype_code, stored_dtypes
+from zerojax.tensors.safetensors_files import TensorFiles, TensorWriter, dtype_code
 from zerojax.tensors.weights import storage_expr
 
-__all__ = ["EXPORT_DTYPES", "export_weights", "leaf_name", "path_keys", "stored_dtypes", "tensor_names"]
+__all__ = ["EXPORT_DTYPES", "export_weights"]
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 PIECE_BYTES = 64 * 2**20  # the largest piece of a shard cast and written at once

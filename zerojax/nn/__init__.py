@@ -8,7 +8,7 @@ from zerojax.context import attention
 from zerojax.context.attention import METHODS, context_size, dot_product_attention
 from zerojax.context.layout import global_positions
 from zerojax.moe.experts import routed_experts
-from zerojax.nn import context, megatron
+from zerojax.nn import megatron
 from zerojax.nn.megatron import column_parallel, row_parallel, sequence_parallel, tensor_parallel
 from zerojax.nn.weights import global_weights
 
@@ -16,7 +16,6 @@ __all__ = [
     "METHODS",
     "attention",
     "column_parallel",
-    "context",
     "context_size",
     "dot_product_attention",
     "global_positions",
