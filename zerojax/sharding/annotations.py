@@ -100,13 +100,6 @@ class _Spec:
         self.names = None if spec is None else tuple(spec)
 
 
-def tensor_dims(
-    names: list[Annotation | None], shapes: list[tuple[int, ...]], paths: list[str], mesh: Mesh, config: ZeroConfig
-) -> tuple[int, ...]:
-    """Per parameter: the dimension split over the tensor axis (-1: none), checked."""
-    return tuple(d if a == config.axes.tensor else -1 for d, a in split_dims(names, shapes, paths, mesh, config))
-
-
 def split_dims(
     names: list[Annotation | None], shapes: list[tuple[int, ...]], paths: list[str], mesh: Mesh, config: ZeroConfig
 ) -> tuple[tuple[int, str], ...]:

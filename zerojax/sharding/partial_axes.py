@@ -23,11 +23,6 @@ class PartialBatchCollective(UserWarning):
     """A collective in the loss names only some of the mesh axes the batch is split over."""
 
 
-def _sub_jaxprs(value: Any) -> Iterator[Any]:
-    """The programs in one equation parameter's value (a body, or a tuple of branches)."""
-    yield from form.programs_in(value)
-
-
 def collectives(jaxpr: Any) -> Iterator[tuple[str, tuple[str, ...]]]:
     """``(primitive name, mesh axes)`` of every collective in ``jaxpr`` and the jaxprs inside it."""
     for eqn in walk.equations(jaxpr):
