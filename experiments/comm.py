@@ -45,7 +45,7 @@ WHAT = {
 def measure(cfg: gpt.GPTConfig, stage: int, compute_dtype: str, batch_size: int, mesh) -> dict:
     """Collectives of one compiled step: elements and bytes per device, and the dtypes asked for."""
     zc = zj.ZeroConfig(stage=stage, compute_dtype=compute_dtype)
-    state, step = gpt.zero_setup(cfg, optax.adamw(1e-3), mesh=mesh, config=zc)
+    state, step = harness.zero_setup(cfg, optax.adamw(1e-3), mesh=mesh, config=zc)
     batch = next(data.batches(data.stdlib_bytes(1 << 20), batch_size, cfg.seq_len))
     lowered = step.lower(state, batch)
     report = zj.report.communication_report(lowered.compile())

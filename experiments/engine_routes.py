@@ -132,7 +132,7 @@ def main(argv=None) -> dict:
 
     routes = {}
     t = time.perf_counter()
-    state, zstep = gpt.zero_setup(cfg, optax.sgd(LR), mesh=mesh, config=zj.ZeroConfig(stage=3))
+    state, zstep = harness.zero_setup(cfg, optax.sgd(LR), mesh=mesh, config=zj.ZeroConfig(stage=3))
     zc = zstep.lower(state, batch).compile()
     routes["zerojax"] = {
         "compile_s": time.perf_counter() - t,

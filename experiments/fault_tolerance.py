@@ -45,7 +45,10 @@ def save_table(args) -> list[str]:
 
     cfg = gpt.GPTConfig(vocab=256, seq_len=64, d_model=args.d_model, n_layers=args.layers, n_heads=4)
     mesh, zc = zj.make_mesh(), zj.ZeroConfig(stage=3, compute_dtype="bfloat16")
-    state, step = gpt.zero_setup(cfg, optax.adamw(1e-3), mesh=mesh, config=zc)
+    graphdef, params = gpt.init(cfg)
+    tx = optax.adamw(1e-3)
+    state = zj.init_state(params, tx, mesh=mesh, config=zc)
+    step = zj.make_train_step(gpt.make_loss(graphdef), tx, mesh=mesh, config=zc)
     tokens = np.random.default_rng(0).integers(0, 256, (16, 65), dtype=np.int32)
     for _ in range(2):
         state, m = step(state, {"tokens": tokens})

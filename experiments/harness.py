@@ -136,3 +136,10 @@ def side_by_side(runs: Mapping[str, Callable[[], Any]], repeats: int, *, warmup:
 
 def median_ms(times: Sequence[float]) -> float:
     return 1e3 * statistics.median(times)
+
+
+def zero_setup(cfg: gpt.GPTConfig, tx: optax.GradientTransformation, *, mesh, config: zj.ZeroConfig, seed: int = 0):
+    """``(state, train_step)`` of a fresh GPT under ``config``: what every experiment builds."""
+    graphdef, params = gpt.init(cfg, seed)
+    state = zj.init_state(params, tx, mesh=mesh, config=config)
+    return state, zj.make_train_step(gpt.make_loss(graphdef), tx, mesh=mesh, config=config)

@@ -395,7 +395,7 @@ def main(argv=None) -> dict:
         else:
             stage, pf = (0, 0) if "stage 0" in name else (3, int(name[-1]))
             zc = zj.ZeroConfig(stage=stage, prefetch=pf)
-            state, zstep = gpt.zero_setup(cfg, tx, mesh=zmesh, config=zc)
+            state, zstep = harness.zero_setup(cfg, tx, mesh=zmesh, config=zc)
             compiled = zstep.lower(state, zbatches[0]).compile()
 
             def run(state, i, zstep=zstep):

@@ -31,7 +31,7 @@ import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data  # noqa: E402
+from experiments import data, harness  # noqa: E402
 from experiments.progress import bar  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 
@@ -65,7 +65,7 @@ class Setup:
         )
 
     def build(self, stage: int, layers: int):
-        return gpt.zero_setup(self.cfg(layers), self.tx, mesh=self.mesh, config=self.zero(stage))
+        return harness.zero_setup(self.cfg(layers), self.tx, mesh=self.mesh, config=self.zero(stage))
 
 
 def largest(setup: Setup, stage: int, budget: float, max_layers: int) -> tuple[int, dict[int, int]]:

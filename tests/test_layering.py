@@ -150,3 +150,15 @@ def test_the_reader_sees_the_imports():
     assert "zerojax.checkpoint.io" in _imports("zerojax.resume.run", lazy=False)
     assert "zerojax.tensors.born" in _imports("zerojax.state", lazy=False)
     assert "zerojax._jaxpr.form" in _imports("zerojax._jaxpr.walk", lazy=False)
+
+
+def test_models_do_not_build_trainers():
+    # A reference model is a model: states and steps are built by the code that trains it.
+    wrong = [
+        f"{m} imports {t}"
+        for m in sorted(MODULES)
+        if _part(m) == "models"
+        for t in sorted(_imports(m, lazy=True))
+        if _part(t) in {"state", "step", "evaluate", "params"}
+    ]
+    assert not wrong, "\n".join(wrong)

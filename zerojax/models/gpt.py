@@ -18,11 +18,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from zerojax import nn as znn
 from zerojax import remat as zremat
-from zerojax.config import ZeroConfig
 from zerojax.models import attention as zattn
 from zerojax.models import building
-from zerojax.state import init_state
-from zerojax.step import make_train_step
 
 ATTENTION = (zattn.FUSED, "einsum")  # GPTConfig.attention's values
 
@@ -243,13 +240,6 @@ def init_abstract(cfg: GPTConfig):
     """``(graphdef, params)`` with ``jax.ShapeDtypeStruct`` leaves: nothing is allocated, for
     planning with ``step_memory`` models larger than the machine."""
     return building.abstract(GPT, cfg)
-
-
-def zero_setup(cfg: GPTConfig, tx: optax.GradientTransformation, *, mesh, config: ZeroConfig, seed: int = 0):
-    """``(state, train_step)`` of a fresh model under ``config``: what every experiment builds."""
-    graphdef, params = init(cfg, seed)
-    state = init_state(params, tx, mesh=mesh, config=config)
-    return state, make_train_step(make_loss(graphdef), tx, mesh=mesh, config=config)
 
 
 def make_loss(graphdef, with_rng: bool = False):
