@@ -169,7 +169,7 @@ def init_state(
         loaded_train, loaded_frozen, given = loaded_storage(weights, params, plan, init=is_init_fn(params))
         args = (args[0] if given else [], args[1], loaded_train, loaded_frozen)
         # The loaded shards are the masters' storage itself: donated, so never held twice.
-        p, master, frozen, opt_state, ms = jax.jit(build, out_shardings=out, donate_argnums=donated(plan))(*args)
+        p, master, frozen, opt_state, ms = jax.jit(build, out_shardings=out, donate_argnames=donated(plan))(*args)
     else:
         if not is_init_fn(params):
             _refuse_abstract(params)

@@ -76,12 +76,10 @@ def loaded_storage(source: Any, params: Any, plan: ZeroPlan, *, init: bool) -> t
     return loaded["train"], loaded["frozen"], concrete
 
 
-def donated(plan: ZeroPlan) -> tuple[int, ...]:
-    """The init program's arguments (2: trainable storage, 3: frozen) that its outputs can
-    alias: the masters' storage is an output at stages 0 and 3 and with mixed precision
-    (stages 1-2 in fp32 keep only the gathered copy), in device memory."""
-    out = [3]
+def donated(plan: ZeroPlan) -> tuple[str, ...]:
+    """The init program's arguments, by name, that its outputs can alias: the frozen
+    storage (``loaded_frozen``) always; the trainable storage (``loaded_train``) where the
+    masters' storage is an output (stages 0 and 3, and with mixed precision; stages 1-2 in
+    fp32 keep only the gathered copy) in device memory."""
     keeps = plan.stage in (0, 3) or plan.config.mixed
-    if keeps and plan.master_memory is None:
-        out.insert(0, 2)
-    return tuple(out)
+    return ("loaded_train", "loaded_frozen") if keeps and plan.master_memory is None else ("loaded_frozen",)
