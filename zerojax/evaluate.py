@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from zerojax import compile_cache
-from zerojax.config import ZeroConfig
+from zerojax.config import StepOptions, ZeroConfig
 from zerojax.context import batch as sequence
 from zerojax.sharding import gathers, in_step, outputs, per_use
 from zerojax.sharding.mesh import auto_axes, batch_devices, row_split
@@ -34,14 +34,7 @@ class EvalStep:
     """
 
     def __init__(
-        self,
-        fn: Callable,
-        *,
-        mesh: Mesh,
-        config: ZeroConfig,
-        reduce: Any = None,
-        with_model_state: bool = False,
-        with_layout: bool = False,
+        self, fn: Callable, *, mesh: Mesh, config: ZeroConfig, reduce: Any = None, options: StepOptions = PLAIN
     ):
         if not callable(fn):
             raise TypeError(f"fn must be callable as fn(params, batch), got {fn!r}.")
@@ -49,14 +42,21 @@ class EvalStep:
             raise TypeError(f"config must be a zj.ZeroConfig, got {type(config).__name__}.")
         self.n = batch_devices(mesh, config.axes.data, config.axes.replica)
         self.mesh, self.config, self.fn, self.reduce = auto_axes(mesh), config, fn, reduce
-        self.with_model_state, self.with_layout = with_model_state, with_layout
-        check_keywords(fn, "fn", model_state=with_model_state, layout=with_layout)
+        if not isinstance(options, StepOptions):
+            raise TypeError(f"options must be a zj.config.StepOptions, got {type(options).__name__}.")
+        if options.has_aux or options.with_rng:
+            raise ValueError(
+                "an eval step returns what fn returns (no aux to split off) and draws no keys: "
+                f"build its StepOptions with has_aux=False and with_rng=False, got {options}."
+            )
+        self.options = options
+        check_keywords(fn, "fn", **options.keywords())
         self._jitted: dict[ZeroPlan, Any] = {}
         self._compiles = 0
 
     def check(self, state: ZeroState, batch: Any) -> None:
         check_state(state, self.config, self.mesh, "eval step")
-        if self.with_model_state and state.model_state is None:
+        if self.options.with_model_state and state.model_state is None:
             raise ValueError(
                 "make_eval_step(..., with_model_state=True) needs a state built with "
                 "zj.init_state(..., model_state=...)."
@@ -73,13 +73,13 @@ class EvalStep:
 
         def user_fn(leaves, inputs):
             b, ms = inputs
-            kwargs = {"model_state": jax.tree.map(lambda x: x, ms)} if self.with_model_state else {}
-            if self.with_layout:
+            kwargs = {"model_state": jax.tree.map(lambda x: x, ms)} if self.options.with_model_state else {}
+            if self.options.with_layout:
                 kwargs["layout"] = sequence.layout_of(plan)
             with in_step.tracing(plan, 1):
                 return gathers.wrap(plan, self.fn)(plan.unflatten(leaves), cast_batch(b, compute), **kwargs)
 
-        ms = state.model_state if self.with_model_state else None
+        ms = state.model_state if self.options.with_model_state else None
         local = jax.tree.map(lambda b: jax.ShapeDtypeStruct((b.shape[0] // n,) + b.shape[1:], b.dtype), batch)
         program = None
         if plan.config.axes.model_axes is not None:  # a model with its own sharding: traced outside the shard_map
@@ -178,5 +178,9 @@ def make_eval_step(
       (9.0, (8, 1))
     """
     return EvalStep(
-        fn, mesh=mesh, config=config, reduce=reduce, with_model_state=with_model_state, with_layout=with_layout
+        fn,
+        mesh=mesh,
+        config=config,
+        reduce=reduce,
+        options=StepOptions(with_model_state=with_model_state, with_layout=with_layout),
     )

@@ -18,7 +18,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax import compile_cache, on_stall
-from zerojax.config import ZeroConfig
+from zerojax.config import StepOptions, ZeroConfig
+from zerojax.config.step_options import PLAIN
 from zerojax.context import batch as context
 from zerojax.optim import loss_scale as ls
 from zerojax.optim.apply import apply_optimizer
@@ -48,7 +49,9 @@ def _leaves(tree: Any) -> list | None:
     return None if tree is None else jax.tree.leaves(tree)
 
 
-def _step(loss_fn: Callable, tx: Any, options: dict, state: ZeroState, batch: Any) -> tuple[ZeroState, dict[str, Any]]:
+def _step(
+    loss_fn: Callable, tx: Any, options: StepOptions, update_place: str, state: ZeroState, batch: Any
+) -> tuple[ZeroState, dict[str, Any]]:
     plan = state.plan
     cfg = plan.config
     stage = stage_of(plan)
@@ -56,20 +59,9 @@ def _step(loss_fn: Callable, tx: Any, options: dict, state: ZeroState, batch: An
     params = _leaves(state.params)
     masters = stage.masters(plan, params, _leaves(state.master))  # what the optimizer updates
     frozen = _leaves(state.frozen) or []
-    rng = jax.random.fold_in(state.rng, state.step) if options["with_rng"] else None
-    model_state = state.model_state if options["with_model_state"] else None
-    loss = Loss.build(
-        plan,
-        loss_fn,
-        batch,
-        has_aux=options["has_aux"],
-        with_rng=options["with_rng"],
-        with_model_state=options["with_model_state"],
-        with_layout=options["with_layout"],
-        aux_reduce=options["aux_reduce"],
-        rng=rng,
-        model_state=model_state,
-    )
+    rng = jax.random.fold_in(state.rng, state.step) if options.with_rng else None
+    model_state = state.model_state if options.with_model_state else None
+    loss = Loss.build(plan, loss_fn, batch, options, rng=rng, model_state=model_state)
     if (
         plan.replica and cfg.axes.model_axes is None
     ):  # hybrid mesh: a collective over one batch axis only sees part of the batch
@@ -93,9 +85,9 @@ def _step(loss_fn: Callable, tx: Any, options: dict, state: ZeroState, batch: An
     skip = jnp.logical_not(finite) if cfg.checks_finite else jnp.asarray(False)
     # A non-finite step changes nothing, bit for bit.
     new_masters, opt_state = apply_optimizer(
-        plan, tx, grads, state.opt_state, masters, skip if cfg.checks_finite else None, options["update_place"]
+        plan, tx, grads, state.opt_state, masters, skip if cfg.checks_finite else None, update_place
     )
-    if cfg.checks_finite and options["with_model_state"]:
+    if cfg.checks_finite and options.with_model_state:
         new_model_state = keep_if(skip, state.model_state, new_model_state)
     new_params, new_master = stage.fields(plan, new_masters)
 
@@ -106,7 +98,7 @@ def _step(loss_fn: Callable, tx: Any, options: dict, state: ZeroState, batch: An
         params=None if new_params is None else plan.unflatten_train(new_params),
         master=None if new_master is None else plan.unflatten_train(new_master),
         opt_state=opt_state,
-        model_state=new_model_state if options["with_model_state"] else state.model_state,
+        model_state=new_model_state if options.with_model_state else state.model_state,
         loss_scale=scaler,
         skipped=state.skipped + skip.astype(jnp.int32),
     )
@@ -119,7 +111,7 @@ def _step(loss_fn: Callable, tx: Any, options: dict, state: ZeroState, batch: An
         "skipped_steps": new_state.skipped,
         "overflow_at_min_scale": at_min,
     }
-    if options["has_aux"]:
+    if options.has_aux:
         metrics["aux"] = aux
     return new_state, metrics
 
@@ -186,11 +178,7 @@ class TrainStep:
         *,
         mesh: Mesh,
         config: ZeroConfig,
-        has_aux: bool = False,
-        aux_reduce: Any = None,
-        with_rng: bool = False,
-        with_model_state: bool = False,
-        with_layout: bool = False,
+        options: StepOptions = PLAIN,
         timeout_s: float | None = None,
     ):
         if not callable(loss_fn):
@@ -200,8 +188,8 @@ class TrainStep:
             raise TypeError(f"config must be a zj.ZeroConfig, got {type(config).__name__}.")
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}.")
-        if aux_reduce is not None and not has_aux:
-            raise ValueError("aux_reduce says how the loss's aux combines; it needs has_aux=True.")
+        if not isinstance(options, StepOptions):
+            raise TypeError(f"options must be a zj.config.StepOptions, got {type(options).__name__}.")
         self.n = batch_devices(mesh, config.axes.data, config.axes.replica)
         self.mesh, self.config, self.tx, self.loss_fn = auto_axes(mesh), config, tx, loss_fn
         self.timeout_s = timeout_s
@@ -209,26 +197,12 @@ class TrainStep:
         self._places: dict[ZeroPlan, str] = {}
         self._compiles = 0
         self._unchecked: tuple[jax.Array, int] | None = None  # (overflow_at_min_scale, step)
-        for name, flag in (
-            ("has_aux", has_aux),
-            ("with_rng", with_rng),
-            ("with_model_state", with_model_state),
-            ("with_layout", with_layout),
-        ):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {flag!r}.")
-        self.options = dict(
-            has_aux=has_aux,
-            aux_reduce=aux_reduce,
-            with_rng=with_rng,
-            with_model_state=with_model_state,
-            with_layout=with_layout,
-        )
-        check_keywords(loss_fn, "loss_fn", rng=with_rng, model_state=with_model_state, layout=with_layout)
+        self.options = options
+        check_keywords(loss_fn, "loss_fn", **options.keywords())
 
         def step(state, batch, place="device"):
             self._compiles += 1  # runs once per trace: once per compiled program
-            return _step(loss_fn, tx, {**self.options, "update_place": place}, state, batch)
+            return _step(loss_fn, tx, options, place, state, batch)
 
         self._step = step
 
@@ -256,12 +230,12 @@ class TrainStep:
     def check(self, state: ZeroState, batch: Any) -> None:
         """Raises a clear error for a state or batch this step cannot take."""
         check_state(state, self.config, self.mesh, "train step")
-        if self.options["with_rng"] and state.rng is None:
+        if self.options.with_rng and state.rng is None:
             raise ValueError(
                 "make_train_step(..., with_rng=True) hands the loss a key: build the state with "
                 "zj.init_state(..., rng=jax.random.key(seed))."
             )
-        if self.options["with_model_state"] and state.model_state is None:
+        if self.options.with_model_state and state.model_state is None:
             raise ValueError(
                 "make_train_step(..., with_model_state=True) hands the loss the model state: build "
                 "the state with zj.init_state(..., model_state=...)."
@@ -498,15 +472,11 @@ def make_train_step(
       >>> float(metrics["loss"])
       1.0
     """
-    return TrainStep(
-        loss_fn,
-        tx,
-        mesh=mesh,
-        config=config,
+    options = StepOptions(
         has_aux=has_aux,
         aux_reduce=aux_reduce,
         with_rng=with_rng,
         with_model_state=with_model_state,
         with_layout=with_layout,
-        timeout_s=timeout_s,
     )
+    return TrainStep(loss_fn, tx, mesh=mesh, config=config, options=options, timeout_s=timeout_s)

@@ -4,6 +4,17 @@ Why the groups are the ones they are: docs/design.md ("ZeroConfig's groups").
 """
 
 from zerojax.config.groups import Axes, Collectives, Context, LossScaling, Offload
+from zerojax.config.step_options import StepOptions
 from zerojax.config.zero import COMPUTE_DTYPES, STAGES, ZeroConfig
 
-__all__ = ["COMPUTE_DTYPES", "STAGES", "Axes", "Collectives", "Context", "LossScaling", "Offload", "ZeroConfig"]
+__all__ = [
+    "COMPUTE_DTYPES",
+    "STAGES",
+    "Axes",
+    "Collectives",
+    "Context",
+    "LossScaling",
+    "Offload",
+    "StepOptions",
+    "ZeroConfig",
+]

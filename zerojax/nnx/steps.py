@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 
+from zerojax.config import StepOptions
 from zerojax.evaluate import EvalStep as ZeroEvalStep
 from zerojax.nnx.model import remat_listed_blocks, sync_batch_norms
 from zerojax.nnx.optimizer import Optimizer
@@ -85,10 +86,9 @@ class TrainStep:
                 optimizer.tx,
                 mesh=optimizer.mesh,
                 config=optimizer.config,
-                has_aux=has_aux,
-                aux_reduce=self.aux_reduce,
-                with_rng=parts.has_rngs,
-                with_model_state=True,
+                options=StepOptions(
+                    has_aux=has_aux, aux_reduce=self.aux_reduce, with_rng=parts.has_rngs, with_model_state=True
+                ),
                 timeout_s=self.timeout_s,
             )
             self._steps[optimizer] = step
@@ -137,7 +137,11 @@ class EvalStep:
                 return user(model, batch)
 
             step = ZeroEvalStep(
-                fn, mesh=optimizer.mesh, config=optimizer.config, reduce=self.reduce, with_model_state=True
+                fn,
+                mesh=optimizer.mesh,
+                config=optimizer.config,
+                reduce=self.reduce,
+                options=StepOptions(with_model_state=True),
             )
             self._steps[optimizer] = step
         return step

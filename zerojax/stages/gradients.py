@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from zerojax.config.step_options import StepOptions
 from zerojax.context import batch as sequence
 from zerojax.context import checks
 from zerojax.sharding import collectives, gathers, in_step, outputs, per_use
@@ -102,22 +103,14 @@ class Loss:
 
     @classmethod
     def build(
-        cls,
-        plan: ZeroPlan,
-        fn: Callable,
-        batch: Any,
-        *,
-        has_aux: bool = False,
-        with_rng: bool = False,
-        with_model_state: bool = False,
-        with_layout: bool = False,
-        aux_reduce: Any = None,
-        rng: Any = None,
-        model_state: Any = None,
+        cls, plan: ZeroPlan, fn: Callable, batch: Any, options: StepOptions, *, rng: Any = None, model_state: Any = None
     ) -> Loss:
         """The loss, checked once on abstract values of one device's micro-batch (on a
         context mesh, also for the sequence layout: :func:`zerojax.context.checks.check`)."""
-        loss = cls(plan, fn, has_aux, with_rng, with_model_state, sequence.layout_of(plan) if with_layout else None)
+        o = options
+        loss = cls(
+            plan, fn, o.has_aux, o.with_rng, o.with_model_state, sequence.layout_of(plan) if o.with_layout else None
+        )
         cfg = plan.config
         rows = lambda b: jax.ShapeDtypeStruct(
             (b.shape[0] // (plan.world * cfg.grad_accum_steps),) + b.shape[1:], b.dtype
@@ -135,9 +128,9 @@ class Loss:
         else:
             with own_sharding_hint(cfg):
                 _, aux, new_ms = local_shapes(plan, loss.__call__, *args, batch_at=1)
-        if with_model_state:
+        if o.with_model_state:
             _check_model_state(model_state, new_ms)
-        return dataclasses.replace(loss, aux=outputs.plan(aux_reduce, aux)) if has_aux else loss
+        return dataclasses.replace(loss, aux=outputs.plan(o.aux_reduce, aux)) if o.has_aux else loss
 
     @property
     def param_shapes(self) -> list[jax.ShapeDtypeStruct]:
