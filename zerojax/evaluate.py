@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax import compile_cache
 from zerojax.config import StepOptions, ZeroConfig
+from zerojax.config.step_options import PLAIN
 from zerojax.context import batch as sequence
 from zerojax.sharding import gathers, in_step, outputs, per_use
 from zerojax.sharding.mesh import auto_axes, batch_devices, row_split
