@@ -21,7 +21,7 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
-from zerojax.context import Layout, attention
+from zerojax.context import Layout, attention, flash
 
 B, H = 2, 8
 TOL = {"float32": 2e-5, "bfloat16": 4e-2}
@@ -498,8 +498,8 @@ def test_chunks_keep_block_size_keys():
     keys, the last overlapping the one before with the keys it repeats left out exactly:
     values and gradients JAX's where the block does not divide the keys, rows that see no
     key included (whose mean must not count a repeated key twice)."""
-    assert attention._chunking(4098, 512) == (512, 9)
-    assert attention._chunking(300, 512) == (300, 1)
+    assert flash._chunking(4098, 512) == (512, 9)
+    assert flash._chunking(300, 512) == (300, 1)
     q = jax.ShapeDtypeStruct((1, 8, 2, 8), jnp.float32)
     k = jax.ShapeDtypeStruct((1, 4098, 2, 8), jnp.float32)
     jaxpr = jax.make_jaxpr(lambda q, k: attention.chunked_attention(q, k, k, block_size=512))(q, k)

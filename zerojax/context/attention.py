@@ -36,28 +36,28 @@ finfo(float32).max`` (so a row whose every key is masked averages every value, a
 does); a bias of ``-inf`` stays ``-inf``. A chunk whose keys are all ``-inf`` for a row has
 ``max = -inf`` and weighs nothing (its exponentials are taken against 0, never against
 ``-inf``); a chunk the causal mask hides from every row is not computed but merged as what
-it is, every logit the fill: ``max`` the fill, ``Σ v`` and its key count (:func:`_unseen`).
+it is, every logit the fill: ``max`` the fill, ``Σ v`` and its key count (:func:`unseen`).
 """
 
 from __future__ import annotations
 
-import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from zerojax._jaxpr import check, settings
+from zerojax.context import kernels
+from zerojax.context.flash import Side, attend, finish
+from zerojax.context.kernel_spec import KernelSpec
 from zerojax.context.layout import KERNEL_SCOPE, Layout, axis_of, resolve
 from zerojax.sharding.mesh import context_size
 
 METHODS = ("auto", "ulysses", "ring", "xla")
 # jax.nn.dot_product_attention's fill for masked logits (finite, so that a fully masked row
 # averages every value, as JAX's does); the kernels' logits are float32.
-_FILL = -0.7 * float(np.finfo(np.float32).max)
 
 
 def dot_product_attention(
@@ -244,10 +244,8 @@ def dot_product_attention(
         )
     )
     scale = jnp.asarray(1.0 / math.sqrt(h), jnp.float32) if scale is None else scale
-    spec = _Spec(
-        c=c,
-        axis=axis,
-        layout=layout,
+    spec = KernelSpec(
+        layout=lay,
         t=t,
         s=s,
         n=n,
@@ -261,7 +259,9 @@ def dot_product_attention(
         local=local,
     )
     with jax.named_scope(f"{KERNEL_SCOPE}{layout}"):  # the layout it was traced with, in the program
-        return (_ulysses if method == "ulysses" else _ring)(spec, q, k, v, mask, bias, scale, lengths, segments)
+        return (kernels.ulysses if method == "ulysses" else kernels.ring)(
+            spec, q, k, v, mask, bias, scale, lengths, segments
+        )
 
 
 def chunked_attention(
@@ -285,10 +285,8 @@ def chunked_attention(
     s, kh = k.shape[1], k.shape[2]
     if is_causal and t != s:
         raise ValueError(f"is_causal with query length {t} and key length {s}: causal attention needs one sequence.")
-    spec = _Spec(
-        c=1,
-        axis=None,
-        layout="contiguous",
+    spec = KernelSpec(
+        layout=Layout("contiguous", 1),
         t=t,
         s=s,
         n=n,
@@ -301,11 +299,11 @@ def chunked_attention(
         block=block_size,
         local=False,
     )
-    rows = _Side(jnp.arange(t), jnp.full((b,), t, jnp.int32))
-    cols = _Side(jnp.arange(s), jnp.full((b,), s, jnp.int32))
+    rows = Side(jnp.arange(t), jnp.full((b,), t, jnp.int32))
+    cols = Side(jnp.arange(s), jnp.full((b,), s, jnp.int32))
     scale = _scale(scale)
     scale = jnp.asarray(1.0 / math.sqrt(h), jnp.float32) if scale is None else scale
-    return _finish(spec, _attend(spec, q, rows, k, v, cols, None, None, scale), rows, q.dtype)
+    return finish(spec, attend(spec, q, rows, k, v, cols, None, None, scale), rows, q.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -517,479 +515,3 @@ def _jax_attention(query, key, value, bias, mask, segment_ids, key_value_segment
         same = qseg[:, None, :, None] == kseg[:, None, None, :]  # [B, 1, T, S]
         mask = same if mask is None else _as_rank4(mask) & same
     return jax.nn.dot_product_attention(query, key, value, bias, mask, **kw)
-
-
-class _Spec:
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
-
-
-# ----------------------------------------------------------------------------------------------
-# The local attention: keys a chunk at a time, merged with an online softmax.
-
-
-class _Side(NamedTuple):
-    """What masks one side of the logits (the query rows or the key columns) token by token:
-    global positions ``int32[L]``, the sequences' lengths ``int32[B]`` (positions at or past
-    them are padding) and segment ids ``int32[B, L]`` (None: none)."""
-
-    pos: Any
-    length: Any
-    seg: Any = None
-
-    def part(self, start, size: int) -> _Side:
-        """Tokens ``[start, start + size)``."""
-        cut = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
-        return _Side(cut(self.pos, 0), self.length, None if self.seg is None else cut(self.seg, 1))
-
-
-def _valid(spec: _Spec, rows: _Side, cols: _Side):
-    """``[B, 1, 1, Tq, Sk]`` boolean: the logits the causal / window / length / segment masks
-    keep, by global position."""
-    qpos, kpos = rows.pos[:, None], cols.pos[None, :]
-    keep = (qpos[None] < rows.length[:, None, None]) & (kpos[None] < cols.length[:, None, None])
-    if spec.causal:
-        keep = keep & (qpos >= kpos)[None]
-    if spec.window is not None:
-        left, right = spec.window
-        keep = keep & ((qpos <= kpos + left) & (qpos >= kpos - right))[None]
-    if rows.seg is not None:
-        keep = keep & (rows.seg[:, :, None] == cols.seg[:, None, :])
-    return keep[:, None, None]
-
-
-def _grouped(x, kh: int):
-    """``[B, N|1, ...]`` -> ``[B, K|1, G|1, ...]`` (query heads grouped by key/value head)."""
-    if x is None:
-        return None
-    return x[:, :, None] if x.shape[1] == 1 else x.reshape(x.shape[0], kh, x.shape[1] // kh, *x.shape[2:])
-
-
-def _logits(spec: _Spec, q, rows: _Side, k, cols: _Side, mask, bias, exists, scale, raw: bool = False):
-    """Masked, scaled logits ``[B, K, G, T, S]`` (fp32), what the masks keep, and the queries
-    grouped by key/value head ``[B, T, K, G, H]`` (and with ``raw``, the unscaled, unmasked
-    ``q·k``). A masked logit is JAX's fill; a key that ``exists`` (``bool[S]``, None: all)
-    leaves out is ``-inf``, whatever the masks say."""
-    b, t, n, h = q.shape
-    kh = k.shape[2]
-    qg = q.reshape(b, t, kh, n // kh, h)
-    qk = jnp.einsum(
-        "btkgh,bskh->bkgts",
-        qg,
-        k,
-        preferred_element_type=jnp.promote_types(q.dtype, jnp.float32),
-        precision=spec.precision,
-    )
-    logits = qk * scale.astype(qk.dtype)
-    if bias is not None:
-        logits = (logits + _grouped(bias, kh)).astype(logits.dtype)
-    keep = _valid(spec, rows, cols)
-    if mask is not None:
-        keep = keep & _grouped(mask, kh)
-    logits = jnp.where(keep, logits, jnp.asarray(_FILL, logits.dtype)).astype(jnp.float32)
-    if exists is not None:
-        logits = jnp.where(exists, logits, -jnp.inf)
-    return (logits, keep, qg, qk.astype(jnp.float32)) if raw else (logits, keep, qg)
-
-
-def _stabiliser(m):
-    """What a row's exponentials are taken against: its maximum logit, or 0 where that is
-    ``-inf`` (every logit ``-inf``: then each ``exp(x - 0)`` is 0, where ``x - max`` is NaN)."""
-    return jnp.where(m == -jnp.inf, jnp.zeros_like(m), m)
-
-
-def _block(spec: _Spec, q, rows: _Side, k, v, cols: _Side, mask, bias, exists, scale):
-    """One chunk of keys, unnormalised: ``(acc [B,T,K,G,H], max [B,K,G,T], sum [B,K,G,T])``.
-    The max is the softmax's stabiliser, on which the normalised result does not depend: it
-    carries no gradient (as in ``jax.nn.softmax``; :func:`_flash_bwd` differentiates at a
-    fixed max), and the max's derivative, which counts the logits equal to it, is never
-    taken (a recomputed logit may differ from the max in the last bit, and that count's
-    division by zero once made NaN gradients)."""
-    logits, _, _ = _logits(spec, q, rows, k, cols, mask, bias, exists, scale)
-    m = jax.lax.stop_gradient(logits.max(axis=-1))
-    p = jnp.exp(logits - _stabiliser(m)[..., None])
-    acc = jnp.einsum(
-        "bkgts,bskh->btkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=spec.precision
-    )
-    return acc, m, p.sum(axis=-1)
-
-
-def _merge(a, b):
-    """Two unnormalised partial attentions over disjoint keys, as one (online softmax). A
-    part whose max is ``-inf`` (no key but ``-inf`` ones) weighs nothing; both ``-inf``: the
-    merged part is empty too, and the row's result NaN, as JAX's."""
-    (acc, m, l), (acc2, m2, l2) = a, b
-    m, m2 = jax.lax.stop_gradient(m), jax.lax.stop_gradient(m2)
-    new = jnp.maximum(m, m2)
-    ref = _stabiliser(new)
-    w, w2 = jnp.exp(m - ref), jnp.exp(m2 - ref)
-    return (acc * jnp.moveaxis(w, -1, 1)[..., None] + acc2 * jnp.moveaxis(w2, -1, 1)[..., None], new, l * w + l2 * w2)
-
-
-def _unseen(v, rows: int, groups: int):
-    """The partial attention of ``rows`` query rows over keys every one of them has masked
-    (a chunk the causal mask hides), without computing a logit: each is the fill, so the
-    part is ``(Σ v, fill, key count)``. A row that sees some key elsewhere weighs it at
-    ``exp(fill - max) = 0``; a row that sees none (masked by lengths, windows, ``mask`` or
-    segments) counts it in full, and gets the mean of every value, as JAX's."""
-    b, s, kh, h = v.shape
-    acc = jnp.broadcast_to(v.astype(jnp.float32).sum(axis=1)[:, None, :, None, :], (b, rows, kh, groups, h))
-    like = jnp.moveaxis(acc[..., 0], 1, -1)  # [B, K, G, rows], derived from v (varying where v is)
-    return acc, jnp.full_like(like, _FILL), jnp.full_like(like, float(s))
-
-
-def _stack_rows(a, b):
-    """Two partial attentions of consecutive query rows over the same keys, as one."""
-    return (jnp.concatenate([a[0], b[0]], axis=1), *(jnp.concatenate([x, y], axis=-1) for x, y in zip(a[1:], b[1:])))
-
-
-def _rows(x, start: int, size: int):
-    """Query rows ``[start, start + size)`` of a mask or bias (whole where it broadcasts)."""
-    if x is None or x.shape[2] == 1:
-        return x
-    return x[:, :, start : start + size]
-
-
-def _columns(x, start, size):
-    """Key columns ``[start, start + size)`` of a mask or bias (whole where it broadcasts)."""
-    if x is None or x.shape[3] == 1:
-        return x
-    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=3)
-
-
-def _chunking(s: int, block: int) -> tuple[int, int]:
-    """``(keys per chunk, chunks)`` for ``s`` keys: ``block`` keys (all ``s`` where fewer)."""
-    size = min(block, s)
-    return size, -(-s // size)
-
-
-def _key_chunk(j, size: int, k, v, cols: _Side, mask, bias):
-    """Chunk ``j`` of ``size`` keys: ``(k, v, cols, mask, bias, exists)``. Where ``size`` does
-    not divide the key count the last chunk ends at the last key, overlapping the one before,
-    and ``exists`` (else None) leaves out the keys it repeats (logits ``-inf``: they weigh
-    nothing, even in a row that sees no key)."""
-    s = k.shape[1]
-    if s % size == 0:
-        start, exists = j * size, None
-    else:
-        start = jnp.minimum(j * size, s - size)
-        exists = start + jnp.arange(size) >= j * size
-    cut = lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
-    return cut(k), cut(v), cols.part(start, size), _columns(mask, start, size), _columns(bias, start, size), exists
-
-
-def _unchunk(x, s: int):
-    """Per-chunk key gradients ``[chunks, B, size, K, H]`` -> ``[B, s, K, H]`` (the last chunk's
-    repeated keys dropped: their gradients are zero)."""
-    count, b, size = x.shape[:3]
-    x = jnp.moveaxis(x, 0, 1)
-    if count * size == s:
-        return x.reshape(b, s, *x.shape[3:])
-    head = x[:, :-1].reshape(b, (count - 1) * size, *x.shape[3:])
-    return jnp.concatenate([head, x[:, -1, count * size - s :]], axis=1)
-
-
-def _attend(spec: _Spec, q, rows: _Side, k, v, cols: _Side, mask, bias, scale):
-    """``q`` over the keys ``k`` / ``v`` (masked by ``rows`` and ``cols``), unnormalised:
-    ``(acc, max, sum)``, in chunks of ``spec.block`` keys. Forward and backward each
-    hold one chunk's logits at a time, and backward keeps only the inputs and the row maxima
-    (flash attention's backward: each chunk's logits recomputed, ``dq`` summed over chunks,
-    ``dk``, ``dv`` and the bias's gradient chunk by chunk, all in float32), so memory is
-    linear in the sequence (but for a bias's gradient, which is the bias's size). Masks and
-    bias hold all key columns; each chunk slices its own. ``scale`` is a scalar array (a
-    traced one too: a learned temperature), differentiated as the rest."""
-    if spec.local:
-        # Inside a user's shard_map that checks varying axes, the custom VJP's gradients of
-        # a scale or bias the queries vary over must vary too: they enter as varying (an
-        # addition of 0), whose transpose sums their gradients over the axis.
-        zero = lambda x: None if x is None else x + jnp.zeros_like(q, shape=(), dtype=x.dtype)
-        bias, scale = zero(bias), zero(scale)
-    return _flash(spec, q, k, v, bias, scale, rows, cols, mask)
-
-
-def _flash_forward(spec: _Spec, q, k, v, bias, scale, rows: _Side, cols: _Side, mask):
-    size, count = _chunking(k.shape[1], spec.block)
-
-    def chunk(j):
-        kj, vj, cj, mj, bj, exists = _key_chunk(j, size, k, v, cols, mask, bias)
-        return _block(spec, q, rows, kj, vj, cj, mj, bj, exists, scale)
-
-    first = chunk(0)
-    if count == 1:
-        return first
-    out, _ = jax.lax.scan(lambda carry, j: (_merge(carry, chunk(j)), None), first, jnp.arange(1, count))
-    return out
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(spec: _Spec, q, k, v, bias, scale, rows: _Side, cols: _Side, mask):
-    return _flash_forward(spec, q, k, v, bias, scale, rows, cols, mask)
-
-
-def _flash_fwd(spec, q, k, v, bias, scale, rows, cols, mask):
-    out = _flash_forward(spec, q, k, v, bias, scale, rows, cols, mask)
-    return out, (q, k, v, bias, scale, rows, cols, mask, out[1])
-
-
-def _flash_bwd(spec, res, cotangents):
-    """The row maxima are the softmax's stabiliser: the normalised result does not depend on
-    them, so their cotangent is dropped and ``acc = Σ exp(x - m)·v``, ``sum = Σ exp(x - m)``
-    are differentiated at fixed ``m``. Every product and sum is float32 (the inputs' dtype
-    only at the end, once): ``exp(x - m)``'s cotangent from ``acc`` and the one from ``sum``
-    then cancel where they should (a row that sees one key has logit gradients of 0, as
-    JAX's), which a bfloat16 cotangent from ``acc`` beside a float32 one from ``sum`` does not.
-    A logit's gradient ``dx`` is the bias's (summed where the bias broadcasts); ``dx · q·k`` is
-    the scale's."""
-    q, k, v, bias, scale, rows, cols, mask, m = res
-    d_acc, _, d_l = cotangents
-    b, t, n, h = q.shape
-    s = k.shape[1]
-    size, count = _chunking(s, spec.block)
-    d_acc = d_acc.astype(jnp.float32)  # [B, T, K, G, H]
-    ref = _stabiliser(m)[..., None]
-    f32 = lambda x: x.astype(jnp.float32)
-    keys_broadcast = bias is not None and bias.shape[3] == 1
-
-    def chunk(carry, j):
-        dq, dscale, dbias_sum = carry
-        kj, vj, cj, mj, bj, exists = _key_chunk(j, size, k, v, cols, mask, bias)
-        logits, keep, qg, raw = _logits(spec, q, rows, kj, cj, mj, bj, exists, scale, raw=True)
-        p = jnp.exp(logits - ref)  # [B, K, G, T, size]; 0 where a key is left out
-        dv = jnp.einsum("bkgts,btkgh->bskh", p, d_acc, precision=spec.precision)
-        dp = jnp.einsum("btkgh,bskh->bkgts", d_acc, f32(vj), precision=spec.precision) + d_l[..., None]
-        dx = jnp.where(keep, p * dp, 0.0)  # the logits' gradient
-        dscale = dscale + jnp.sum(dx * raw)
-        ds = dx * f32(scale)
-        dq = dq + jnp.einsum("bkgts,bskh->btkgh", ds, f32(kj), precision=spec.precision)
-        dk = jnp.einsum("bkgts,btkgh->bskh", ds, f32(qg), precision=spec.precision)
-        dbias = None
-        if bias is not None:
-            dbias = _to_bias(dx.reshape(b, n, t, -1), bias.shape)  # [B|1, N|1, T|1, size|1]
-            if keys_broadcast:
-                dbias_sum, dbias = dbias_sum + dbias, None
-        return (dq, dscale, dbias_sum), (dk, dv, dbias)
-
-    # zeros derived from d_acc: varying over a manual axis where the cotangents are
-    zero_bias = jnp.zeros_like(d_acc, shape=bias.shape) if keys_broadcast else None
-    carry = (jnp.zeros_like(d_acc), jnp.zeros_like(d_acc, shape=()), zero_bias)
-    (dq, dscale, dbias_sum), (dk, dv, dbias) = jax.lax.scan(chunk, carry, jnp.arange(count))
-    if bias is not None:
-        if not keys_broadcast:  # [chunks, B|1, N|1, T|1, size] -> [B|1, N|1, T|1, S]
-            dbias_sum = jnp.moveaxis(_unchunk(jnp.moveaxis(dbias, -1, 2), s), 1, -1)
-        dbias_sum = dbias_sum.astype(bias.dtype)
-    return (
-        dq.reshape(b, t, n, h).astype(q.dtype),
-        _unchunk(dk, s).astype(k.dtype),
-        _unchunk(dv, s).astype(v.dtype),
-        dbias_sum,
-        dscale.astype(scale.dtype),
-        None,
-        None,
-        None,
-    )
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
-
-
-def _to_bias(dx, shape: tuple[int, ...]):
-    """A logits-shaped gradient ``[B, N, T, S]`` summed over the dimensions a bias of ``shape``
-    (rank 4) broadcasts over."""
-    dims = tuple(d for d, size in enumerate(shape) if size == 1 and dx.shape[d] != 1)
-    return dx.sum(axis=dims, keepdims=True) if dims else dx
-
-
-def _finish(spec: _Spec, part, rows: _Side, dtype):
-    """A partial attention normalised, ``[B, T, N, H]`` (NaN in a row whose every logit is
-    ``-inf``, as JAX's)."""
-    acc, _, l = part
-    b, t = acc.shape[:2]
-    out = acc / jnp.moveaxis(l, -1, 1)[..., None]
-    out = out.reshape(b, t, -1, acc.shape[-1]).astype(dtype)
-    if spec.zero_padded_rows:  # JAX zeroes the rows past query_seq_lengths
-        out = out * (rows.pos[None, :] < rows.length[:, None])[:, :, None, None].astype(out.dtype)
-    return out
-
-
-# ----------------------------------------------------------------------------------------------
-# Running over the context axis.
-
-
-def _run(spec: _Spec, body, args: tuple, in_specs: tuple, out_specs, whole: tuple[int, ...] = ()):
-    """``body(*args)`` manual over the context axis, each argument split by its spec. Inside a
-    ``shard_map`` already manual over it the arguments are this device's already, but for
-    those given whole (the indices ``whole``: a mask, a bias), cut here as their spec says."""
-    if spec.local:
-        return body(*(_part(x, p, spec) if i in whole else x for i, (x, p) in enumerate(zip(args, in_specs))))
-    kw = {} if spec.mesh is None else {"mesh": spec.mesh}
-    run = jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, axis_names={spec.axis}, check_vma=False, **kw)
-    args = [_wide(x, p, spec.axis) for x, p in zip(args, in_specs)]
-    if not any(_is_traced(x) for x in args):
-        # Called eagerly: jax 0.10 refuses an eager shard_map manual over some of the mesh's
-        # axes ("out_specs refers to 'data'"); compiled, it runs.
-        run = jax.jit(run)
-    return run(*args)
-
-
-def _wide(x, pspec, axis: str):
-    """A float input narrower than float32 that the context axis does not split (a bias that
-    broadcasts over the split dimension), as float32. Its gradient is summed over the axis
-    by ``shard_map``'s transpose, and XLA's CPU compiler aborts on a bfloat16 all-reduce in a
-    ``shard_map`` manual over some of the mesh's axes (``Invalid binary instruction opcode
-    copy`` in its all-reduce promotion: the reducer ends in a sharding constraint; jax 0.10
-    and 0.12). The kernels add a bias to float32 logits, so the value is the same."""
-    if x is None or axis in tuple(pspec) or not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize >= 4:
-        return x
-    return x.astype(jnp.float32)
-
-
-def _part(x, pspec, spec: _Spec):
-    """This device's part of ``x``, as ``pspec`` splits it over the context axis."""
-    if x is None:
-        return None
-    for d, name in enumerate(pspec):
-        if name == spec.axis:
-            size = x.shape[d] // spec.c
-            return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(spec.axis) * size, size, axis=d)
-    return x
-
-
-def _gathered(x, axis: str):
-    """Segment ids ``[B, L/C]`` -> the whole sequence's ``[B, L]`` (in the layout's order)."""
-    return None if x is None else jax.lax.all_gather(x, axis, axis=1, tiled=True)
-
-
-def _seq_spec(x, axis: str):
-    return None if x is None else P(None, axis)
-
-
-# ----------------------------------------------------------------------------------------------
-# Ulysses: all-to-all from sequence-split to head-split and back.
-
-
-def _ulysses(spec: _Spec, q, k, v, mask, bias, scale, lengths, segments):
-    c, axis = spec.c, spec.axis
-    if spec.kh % c:  # GQA with fewer key/value heads than devices: repeat them up to the query heads
-        rep = spec.n // spec.kh
-        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-    pos = jnp.asarray(Layout(spec.layout, c).order(spec.t))
-    kpos = jnp.asarray(Layout(spec.layout, c).order(spec.s))
-
-    def heads_spec(x):  # a mask or bias: its head dimension split with the heads, else whole
-        return None if x is None else (P(None, axis) if x.shape[1] > 1 else P())
-
-    def body(q, k, v, mask, bias, scale, qlen, kvlen, qseg, kseg):
-        q, k, v = (jax.lax.all_to_all(x, axis, 2, 1, tiled=True) for x in (q, k, v))
-        rows, cols = _Side(pos, qlen, _gathered(qseg, axis)), _Side(kpos, kvlen, _gathered(kseg, axis))
-        out = _finish(spec, _attend(spec, q, rows, k, v, cols, mask, bias, scale), rows, q.dtype)
-        return jax.lax.all_to_all(out, axis, 1, 2, tiled=True)
-
-    seq = P(None, axis)
-    in_specs = (seq, seq, seq, heads_spec(mask), heads_spec(bias), P(), P(), P()) + tuple(
-        _seq_spec(x, axis) for x in segments
-    )
-    return _run(spec, body, (q, k, v, mask, bias, scale, *lengths, *segments), in_specs, seq, whole=(3, 4))
-
-
-# ----------------------------------------------------------------------------------------------
-# Ring: key/value chunks passed round the context axis, merged with an online softmax.
-
-
-def _ring(spec: _Spec, q, k, v, mask, bias, scale, lengths, segments):
-    c, axis = spec.c, spec.axis
-    qpos_all = jnp.asarray(Layout(spec.layout, c).device_positions(spec.t))
-    kpos_all = jnp.asarray(Layout(spec.layout, c).device_positions(spec.s))
-    sc = spec.s // c
-    perm = [(j, (j + 1) % c) for j in range(c)]
-
-    def rows_spec(x):  # a mask or bias: its query rows split with the queries, key columns whole
-        return None if x is None else P(None, None, axis if x.shape[2] > 1 else None)
-
-    def body(q, k, v, mask, bias, scale, qlen, kvlen, qseg, kseg):
-        i = jax.lax.axis_index(axis)
-        rows = _Side(qpos_all[i], qlen, qseg)
-        kseg_all = _gathered(kseg, axis)
-
-        def cols(src):  # the keys of device ``src``
-            seg = None if kseg_all is None else jax.lax.dynamic_slice_in_dim(kseg_all, src * sc, sc, axis=1)
-            return _Side(kpos_all[src], kvlen, seg)
-
-        def attend(k, v, src):  # over the chunk of the device ``src`` (this device's at step 0)
-            return _attend(
-                spec, q, rows, k, v, cols(src), _columns(mask, src * sc, sc), _columns(bias, src * sc, sc), scale
-            )
-
-        def update(out, k, v, src):
-            return _merge(out, attend(k, v, src))
-
-        if spec.causal:
-            # Rematerialised: otherwise the switch hands each branch's residuals (the queries
-            # among them) out per ring step, and the scan stacks them C times.
-            update = jax.checkpoint(functools.partial(_causal_update, spec, q, rows, cols, mask, bias, scale, i))
-
-        def step(carry, s):  # a scan, not a Python loop: backward then runs the steps in turn
-            out, k, v = carry
-            k, v = jax.lax.ppermute(k, axis, perm), jax.lax.ppermute(v, axis, perm)
-            return (update(out, k, v, (i - s) % c), k, v), None
-
-        (out, _, _), _ = jax.lax.scan(step, (attend(k, v, i), k, v), jnp.arange(1, c))
-        return _finish(spec, out, rows, q.dtype)
-
-    seq = P(None, axis)
-    in_specs = (seq, seq, seq, rows_spec(mask), rows_spec(bias), P(), P(), P()) + tuple(
-        _seq_spec(x, axis) for x in segments
-    )
-    return _run(spec, body, (q, k, v, mask, bias, scale, *lengths, *segments), in_specs, seq, whole=(3, 4))
-
-
-def _causal_update(spec: _Spec, q, rows: _Side, cols, mask, bias, scale, i, out, k, v, src):
-    """A ring step of causal attention from device ``i`` over the keys of device ``src``
-    (``src != i``), computing only the logits the causal mask does not hide from every row.
-
-    Contiguous layout: every key of ``src`` precedes every query of ``i`` when ``src < i``
-    (the whole chunk), and follows it when ``src > i`` (no logit): device ``C - 1`` works on
-    every step, device 0 on none. Balanced layout (device ``i`` holds chunks ``i`` and
-    ``2C - 1 - i``): when ``src < i`` every query sees the early half of ``src``'s keys and none
-    of its late half; when ``src > i`` the late half of the queries sees all of them and the
-    early half none. Either way half a chunk's logits, on every device and every step.
-
-    What the causal mask hides from every row is merged as :func:`_unseen` (its logits are
-    all the fill), so a row that sees no key at all, for whatever reason, still gets the
-    mean of every value, as JAX's. Each branch returns the chunk's partial attention,
-    merged into ``out`` after the switch.
-    """
-    sc, t = k.shape[1], q.shape[1]
-    g = q.shape[2] // k.shape[2]
-    keys = cols(src)
-    cut = lambda x, size: _columns(x, src * sc, size)  # a mask's or bias's first ``size`` columns of the chunk
-    if spec.layout == "contiguous":
-
-        def seen(k, v):
-            return _attend(spec, q, rows, k, v, keys, cut(mask, sc), cut(bias, sc), scale)
-
-        branches = [seen, lambda k, v: _unseen(v, t, g)]
-        branch = jnp.where(src > i, 1, 0)
-    else:
-        th, sh = t // 2, sc // 2
-
-        def early(k, v):
-            part = _attend(spec, q, rows, k[:, :sh], v[:, :sh], keys.part(0, sh), cut(mask, sh), cut(bias, sh), scale)
-            return _merge(part, _unseen(v[:, sh:], t, g))
-
-        def late(k, v):
-            part = _attend(
-                spec,
-                q[:, th:],
-                rows.part(th, t - th),
-                k,
-                v,
-                keys,
-                cut(_rows(mask, th, t - th), sc),
-                cut(_rows(bias, th, t - th), sc),
-                scale,
-            )
-            return _stack_rows(_unseen(v, th, g), part)
-
-        branches = [early, late]
-        branch = jnp.where(src < i, 0, 1)
-    return _merge(out, jax.lax.switch(branch, branches, k, v))
