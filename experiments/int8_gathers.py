@@ -85,7 +85,7 @@ def main(argv=None) -> dict:
     print(
         f"GPT d{args.d_model} L{args.layers} ({psi:,} parameters), ZeRO-3, AdamW 3e-3, clip 1.0, batch "
         f"{args.batch} x {cfg.seq_len}, {len(jax.devices())} x {jax.devices()[0].platform}, jax {jax.__version__}; "
-        f"int8 blocks of {zj.ZeroConfig().quant_block_size}\n"
+        f"int8 blocks of {zj.ZeroConfig().collectives.gather_block_size}\n"
     )
     fp32 = sum(traffic["fp32"].values())
     print("| gathers | all-gather bytes per device per step | by dtype | vs fp32 |")

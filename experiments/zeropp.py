@@ -113,8 +113,8 @@ def main(argv=None) -> dict:
     print(
         f"GPT d{args.d_model} L{args.layers} ({gcfg.num_params():,} parameters), AdamW 3e-3, clip 1.0, batch "
         f"{args.batch} x {gcfg.seq_len}, {args.steps} steps, {len(jax.devices())} x {jax.devices()[0].platform}, "
-        f"jax {jax.__version__}; int8 blocks of {cfg0.quant_block_size} (weights) and "
-        f"{cfg0.reduce_quant_block_size} (gradients)\n"
+        f"jax {jax.__version__}; int8 blocks of {cfg0.collectives.gather_block_size} (weights) and "
+        f"{cfg0.collectives.reduce_block_size} (gradients)\n"
     )
     base = res[(3, weights[0], "fp32")]["bytes"]
     print("ZeRO-3, bytes per device per step (MiB), and the loss (mean of the last 10 steps):\n")

@@ -94,7 +94,7 @@ def _reshard(tmp_path, src, dst):
 
 def test_masters_loss_scale_and_counters_carry_over(tmp_path):
     """fp16 stage 1 (separate fp32 masters, dynamic scale) -> stage 3 on 4 devices -> stage 2."""
-    kw = dict(compute_dtype="float16", loss_scale_window=2, initial_scale_power=8)
+    kw = dict(compute_dtype="float16", loss_scaling={"loss_scale_window": 2, "initial_scale_power": 8})
     tx = optax.adamw(1e-3)
     src = trained(1, 8, 5, tx=tx, cfg_kw=kw)
     assert float(src.loss_scale.scale) > 2.0**8  # it grew: the state is not the initial one

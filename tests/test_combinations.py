@@ -131,7 +131,7 @@ def make_params() -> dict:
 
 
 # The model's own mesh, as a model with its own sharding writes its constraints (MaxText's
-# style), and the map onto zerojax's mesh (ZeroConfig.axis_map).
+# style), and the map onto zerojax's mesh (ZeroConfig.axes.model_axes).
 MODEL_MESH = jax.make_mesh((2, 2, 2), ("batch", "fsdp", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
 AXIS_MAP = {"batch": "data", "fsdp": "data", "model": "tensor"}
 
@@ -332,15 +332,16 @@ def config_for(row: dict) -> zj.ZeroConfig:
         compute_dtype=row["precision"],
         grad_accum_steps=2 if row["accum"] else 1,
         prefetch=1 if row["prefetch"] else 0,
-        gather_dtype="int8" if row["int8"] else None,
-        quant_block_size=32,
-        reduce_dtype="int8" if row["int8_grads"] else "float32",
-        reduce_quant_block_size=32,
-        offload_optimizer=row["offload_opt"],
-        offload_params=row["offload_params"],
-        initial_scale_power=8,
+        collectives={
+            "gather_dtype": "int8" if row["int8"] else None,
+            "gather_block_size": 32,
+            "reduce_dtype": "int8" if row["int8_grads"] else "float32",
+            "reduce_block_size": 32,
+        },
+        offload={"optimizer": row["offload_opt"], "params": row["offload_params"]},
+        loss_scaling={"initial_scale_power": 8},
+        axes={"model_axes": AXIS_MAP if row["axis_map"] else None},
         donate=not row["checkpoint"],
-        axis_map=AXIS_MAP if row["axis_map"] else None,
     )
 
 
@@ -592,7 +593,7 @@ def test_combination_trains_like_single_device_optax(row, tmp_path):
     if row["checkpoint"]:
         # Save, then restore onto the other stage family, another mesh, fp32 (a tensor or
         # context run: onto a mesh with neither).
-        other = zj.ZeroConfig(stage=(row["stage"] + 2) % 4, axis_map=cfg.axes.model_axes)
+        other = zj.ZeroConfig(stage=(row["stage"] + 2) % 4, axes={"model_axes": cfg.axes.model_axes})
         other_mesh = zj.make_mesh(replicas=1 if row["mesh"] == "hybrid" else 2)
         step, back = run.restored(tmp_path / "ck", other_mesh, other)
         assert step == STEPS

@@ -26,7 +26,7 @@ LEVELS = (0, 3)
 EMITTERS = "xla_cpu_use_fusion_emitters"  # conftest.py sets it false where the jaxlib knows it
 CASES = {
     "stage3-scan-accum2-adam": dict(stage=3, grad_accum_steps=2),
-    "stage2-fp16-dynamic": dict(stage=2, compute_dtype="float16", initial_scale_power=8),
+    "stage2-fp16-dynamic": dict(stage=2, compute_dtype="float16", loss_scaling={"initial_scale_power": 8}),
     "stage1-bf16": dict(stage=1, compute_dtype="bfloat16"),
 }
 

@@ -198,7 +198,7 @@ def _train(c, attention, stage, tensor=1, with_positions=False, layout="contiguo
     cfg = llama.LlamaConfig(**{**BASE.__dict__, "attention": attention, "tensor_parallel": tensor > 1})
     graphdef, params = llama.init(cfg)
     tx, mesh = optax.sgd(0.3), zj.make_mesh(context=c, tensor=tensor)
-    zc = zj.ZeroConfig(stage=stage, context_layout=layout)
+    zc = zj.ZeroConfig(stage=stage, context={"layout": layout})
     state = zj.init_state(params, tx, mesh=mesh, config=zc)
     step = zj.make_train_step(llama.make_loss(graphdef), tx, mesh=mesh, config=zc, with_layout=layout != "contiguous")
     losses = []
@@ -277,10 +277,10 @@ def test_the_balanced_layout_refuses_plain_ops_attention():
         r"index in natural order.*zj.nn.dot_product_attention",
     ):
         _train(2, "einsum", 1, layout="balanced")
-    with pytest.raises(ValueError, match=r"Context.layout \(context_layout\) must be 'contiguous' or 'balanced'"):
-        zj.ZeroConfig(context_layout="zigzag")
+    with pytest.raises(ValueError, match=r"Context.layout must be 'contiguous' or 'balanced'"):
+        zj.ZeroConfig(context={"layout": "zigzag"})
     graphdef, params = llama.init(BASE)
-    mesh, zc = zj.make_mesh(context=8), zj.ZeroConfig(stage=1, context_layout="balanced")
+    mesh, zc = zj.make_mesh(context=8), zj.ZeroConfig(stage=1, context={"layout": "balanced"})
     step = zj.make_train_step(llama.make_loss(graphdef), optax.sgd(0.1), mesh=mesh, config=zc)
     state = zj.init_state(params, optax.sgd(0.1), mesh=mesh, config=zc)
     b = {k: v[:, :8] for k, v in _data()[0].items()}  # 8 splits over 8 devices, not into 16 chunks
@@ -302,7 +302,7 @@ def test_the_step_hands_the_loss_its_layout_as_a_value():
 
     mesh = zj.make_mesh(context=2)
     for kind in ("contiguous", "balanced"):
-        zc = zj.ZeroConfig(stage=0, context_layout=kind)
+        zc = zj.ZeroConfig(stage=0, context={"layout": kind})
         st = zj.init_state({"w": jnp.ones(())}, optax.sgd(0.1), mesh=mesh, config=zc)
         zj.make_train_step(loss, optax.sgd(0.1), mesh=mesh, config=zc, with_layout=True).lower(
             st, {"x": jnp.ones((4, 8)), "q": jnp.ones((4, 8, 2, 4))}
@@ -365,23 +365,23 @@ def test_a_sequence_the_context_axis_does_not_divide_is_refused_before_compiling
     [
         ("remat full", dict(remat="full"), "ring", 1e-5),
         ("prefetch", dict(prefetch=1), "ring", 1e-5),
-        ("offload", dict(offload_optimizer=True, offload_params=True), "ring", 1e-5),
+        ("offload", dict(offload={"optimizer": True, "params": True}), "ring", 1e-5),
         ("accumulation", dict(grad_accum_steps=2), "ulysses", 1e-5),  # 2 micro-batches of 2 rows per data group
         # Narrow precisions against the fp32 reference (measured: bf16 6.5e-3, fp16 1.3e-3, int8
         # gathers 1.7e-3, int8 gradients 2.5e-4 of the loss, jax 0.10).
         ("bf16", dict(compute_dtype="bfloat16"), "ulysses", 2e-2),
         ("fp16", dict(compute_dtype="float16"), "ring", 5e-3),
-        ("int8 gathers", dict(gather_dtype="int8"), "ring", 5e-3),
-        ("int8 gradients", dict(reduce_dtype="int8"), "ring", 1e-3),
+        ("int8 gathers", dict(collectives={"gather_dtype": "int8"}), "ring", 5e-3),
+        ("int8 gradients", dict(collectives={"reduce_dtype": "int8"}), "ring", 1e-3),
         ("hybrid", dict(replicas=2), "ring", 1e-5),
         # The balanced layout with several features at once (its chunks of 16 / 4 = 4 tokens).
         (
             "balanced + remat + prefetch + accumulation + hybrid",
-            dict(context_layout="balanced", remat="full", prefetch=1, grad_accum_steps=2, replicas=2),
+            dict(context={"layout": "balanced"}, remat="full", prefetch=1, grad_accum_steps=2, replicas=2),
             "ring",
             1e-5,
         ),
-        ("balanced + fp16", dict(context_layout="balanced", compute_dtype="float16"), "ring", 5e-3),
+        ("balanced + fp16", dict(context={"layout": "balanced"}, compute_dtype="float16"), "ring", 5e-3),
     ],
 )
 def test_context_parallelism_with_the_other_features(name, kw, attention, tol):
@@ -581,7 +581,7 @@ def test_a_stock_linen_model_on_tensor_and_context_axes():
     tx = optax.sgd(0.5)
     ref, ref_losses = reference_run(loss_fn, nn.unbox(boxed), tx, data)
     mesh = zj.make_mesh(context=2, tensor=2)
-    zc = zj.ZeroConfig(stage=3, axis_rules=(("vocab", "tensor"), ("mlp", "tensor"), ("embed", None)))
+    zc = zj.ZeroConfig(stage=3, axes={"rules": (("vocab", "tensor"), ("mlp", "tensor"), ("embed", None))})
     state = zj.init_state(boxed, tx, mesh=mesh, config=zc)
     step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=zc)
     losses = []
@@ -615,7 +615,7 @@ def test_global_batch_takes_the_axis_names_of_the_step():
     """A mesh whose tensor axis is named "model": the rows split over the data axis only (the
     tensor devices share them), the sequence over context, as the step splits them."""
     mesh = zj.make_mesh(context=2, tensor=2, tensor_axis="model")
-    zc = zj.ZeroConfig(tensor_axis="model")
+    zc = zj.ZeroConfig(axes={"tensor": "model"})
     local = {"tokens": np.arange(4 * 8).reshape(4, 8), "label": np.arange(4)}
     for b in (
         zj.distributed.global_batch(local, mesh, config=zc),
@@ -631,8 +631,8 @@ def test_global_batch_takes_the_axis_names_of_the_step():
 # on one device.
 
 
-def _balanced_step(loss, c=4, **kw):
-    mesh, zc = zj.make_mesh(context=c), zj.ZeroConfig(stage=1, context_layout="balanced", **kw)
+def _balanced_step(loss, c=4, dims=None):
+    mesh, zc = zj.make_mesh(context=c), zj.ZeroConfig(stage=1, context={"layout": "balanced", "dims": dims})
     return mesh, zc, zj.make_train_step(loss, optax.sgd(0.1), mesh=mesh, config=zc, with_layout=True)
 
 
@@ -717,7 +717,7 @@ def test_which_leaves_are_sequences_is_explicit_on_the_balanced_layout():
         r"\[1, 2\].*context=\{'dims'",
     ):
         step(st, batch)
-    mesh, zc, step = _balanced_step(loss, context_dims={"['q']": 1, "['mask']": (1, 2)})
+    mesh, zc, step = _balanced_step(loss, dims={"['q']": 1, "['mask']": (1, 2)})
     st, m = step(zj.init_state({"w": jnp.ones(())}, optax.sgd(0.1), mesh=mesh, config=zc), batch)
     want = jax.jit(
         lambda b: jnp.mean(jax.nn.dot_product_attention(b["q"], b["q"], b["q"], mask=b["mask"][:, None]) ** 2)
@@ -752,7 +752,7 @@ def test_one_jitted_apply_serves_a_balanced_and_a_contiguous_step():
     )
     tx = optax.sgd(0.3)
     for kind in ("balanced", "contiguous"):
-        mesh, zc = zj.make_mesh(context=4), zj.ZeroConfig(stage=1, context_layout=kind)
+        mesh, zc = zj.make_mesh(context=4), zj.ZeroConfig(stage=1, context={"layout": kind})
         step = zj.make_train_step(loss, tx, mesh=mesh, config=zc, with_layout=True)
         state, losses = zj.init_state(params, tx, mesh=mesh, config=zc), []
         for b in data:
@@ -763,7 +763,7 @@ def test_one_jitted_apply_serves_a_balanced_and_a_contiguous_step():
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
     forgot = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))  # the kernel traced contiguous, once
-    mesh, zc = zj.make_mesh(context=4), zj.ZeroConfig(stage=1, context_layout="balanced")
+    mesh, zc = zj.make_mesh(context=4), zj.ZeroConfig(stage=1, context={"layout": "balanced"})
     step = zj.make_train_step(
         lambda p, b: optax.softmax_cross_entropy_with_integer_labels(forgot(p, b["inputs"]), b["targets"]).mean(),
         tx,

@@ -104,16 +104,16 @@ def test_zero3_offload_config():
     assert cfg == zj.ZeroConfig(
         stage=3,
         compute_dtype="float16",
-        loss_scale="auto",
-        initial_scale_power=12,
-        loss_scale_window=500,
-        hysteresis=2,
-        min_loss_scale=1.0,
+        loss_scaling={
+            "loss_scale": "auto",
+            "initial_scale_power": 12,
+            "loss_scale_window": 500,
+            "hysteresis": 2,
+            "min_loss_scale": 1.0,
+        },
+        offload={"optimizer": True, "params": True, "group_size": 10**9},
         grad_clip=1.0,
         grad_accum_steps=4,
-        offload_optimizer=True,
-        offload_params=True,
-        offload_group_size=10**9,
     )
     assert cfg.resolved_loss_scale == "dynamic"
     assert len(caught) == 1  # one warning names them all
@@ -133,7 +133,12 @@ def test_zero3_offload_config():
 def test_zero2_bf16_config_and_its_optimizer():
     t = translate(ZERO2_BF16)
     assert t.config == zj.ZeroConfig(
-        stage=2, compute_dtype="bfloat16", reduce_dtype="bfloat16", grad_clip=None, offload_optimizer=True, remat="full"
+        stage=2,
+        compute_dtype="bfloat16",
+        collectives={"reduce_dtype": "bfloat16"},
+        offload={"optimizer": True},
+        grad_clip=None,
+        remat="full",
     )
     assert "activation_checkpointing.partition_activations" in t.unmapped
     assert any("remat='full'" in n for n in t.notes)
@@ -164,7 +169,7 @@ def test_zeropp_maps_int8_gathers_int8_gradients_and_hpz_groups():
     assert "zero_hpz_partition_size=8 is mapped to hybrid sharding" in text
     assert "zj.make_mesh(group_size=8)" in text
     assert cfg == zj.ZeroConfig(
-        stage=3, compute_dtype="bfloat16", grad_clip=1.0, gather_dtype="int8", reduce_dtype="int8"
+        stage=3, compute_dtype="bfloat16", grad_clip=1.0, collectives={"gather_dtype": "int8", "reduce_dtype": "int8"}
     )
     assert translate(ZEROPP).shard_size == 8
 

@@ -667,7 +667,7 @@ def test_hf_zero3_template_fills_every_auto_value_from_the_trainers_defaults():
     ) in text
     assert 'train_batch_size is "auto" and left so' in text and "auto={'world_size': N}" in text
     assert t.config == zj.ZeroConfig(
-        stage=3, grad_clip=1.0, offload_optimizer=True, offload_params=True, offload_group_size=10**14
+        stage=3, grad_clip=1.0, offload={"optimizer": True, "params": True, "group_size": 10**14}
     )
     assert t.optimizer == (
         "optax.adamw(learning_rate=zj.optim.schedules.warmup_lr(warmup_max_lr=5e-05, "
@@ -847,19 +847,3 @@ def test_cli_set_fills_auto_values(tmp_path, capsys):
     )
     assert cli.main(["from-deepspeed", str(path), "--set", "scheduler.params.warmup_type=linear"]) == 0
     assert "schedule = zj.optim.schedules.warmup_lr(" in capsys.readouterr().out  # a string when not JSON
-
-
-def test_the_old_name_still_works_and_says_the_new_one():
-    source = {
-        "zero_optimization": {"stage": 3},
-        "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12},
-        "gradient_clipping": 1.0,
-    }
-    with pytest.warns(DeprecationWarning, match=r"call zj\.from_deepspeed\(\.\.\.\)"):
-        old = zj.ZeroConfig.from_deepspeed(source)
-    assert old == zj.from_deepspeed(source)
-    with pytest.warns(DeprecationWarning):
-        assert (
-            zj.ZeroConfig.from_deepspeed(HF_ZERO3, auto={"fp16": True}).stage
-            == zj.from_deepspeed(HF_ZERO3, auto={"fp16": True}).stage
-        )

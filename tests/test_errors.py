@@ -86,7 +86,7 @@ def test_mesh_without_configured_axis():
     with pytest.raises(ValueError, match=r"ZeroConfig\(axes={'data': ...}\)"):
         zj.make_train_step(models.mlp_loss, TX, mesh=mesh, config=zj.ZeroConfig())
     # Naming the axis fixes it.
-    zj.init_state(models.mlp_params(), TX, mesh=mesh, config=zj.ZeroConfig(axis="batch"))
+    zj.init_state(models.mlp_params(), TX, mesh=mesh, config=zj.ZeroConfig(axes={"data": "batch"}))
 
 
 def test_state_and_step_must_agree(setup):
@@ -175,10 +175,10 @@ def test_stage3_only_settings_are_refused_alike_below_stage_3(stage):
         zj.ZeroConfig(stage=stage, prefetch=2)
     with pytest.raises(
         ValueError,
-        match=rf"gather_dtype='int8' \(gather_dtype\) quantizes stage 3's weight gathers; stage {stage} "
+        match=rf"gather_dtype='int8' quantizes stage 3's weight gathers; stage {stage} "
         r"gathers none per use. Use stage=3",
     ):
-        zj.ZeroConfig(stage=stage, gather_dtype="int8")
+        zj.ZeroConfig(stage=stage, collectives={"gather_dtype": "int8"})
     assert zj.ZeroConfig(stage=3, prefetch=2).prefetch == 2
 
 

@@ -54,8 +54,8 @@ def test_matches_single_device_optax(model, replicas, stage):
     [
         dict(stage=3, compute_dtype="bfloat16", grad_accum_steps=2),
         dict(stage=3, prefetch=1),
-        dict(stage=2, offload_optimizer=True),
-        dict(stage=3, compute_dtype="float16", reduce_dtype="float16"),
+        dict(stage=2, offload={"optimizer": True}),
+        dict(stage=3, compute_dtype="float16", collectives={"reduce_dtype": "float16"}),
     ],
     ids=["bf16-accum", "prefetch", "offload", "fp16-reduce"],
 )
@@ -76,14 +76,22 @@ def test_int8_gathers_stay_in_the_group_and_train():
     make_params, loss_fn = MODELS["scan"]
     ref, _ = models.reference_run(loss_fn, make_params(), CLIP_SGD(), batches())
     got, _ = models.zero_run(
-        loss_fn, make_params(), CLIP_SGD(), batches(), 3, replicas=2, gather_dtype="int8", quant_block_size=16
+        loss_fn,
+        make_params(),
+        CLIP_SGD(),
+        batches(),
+        3,
+        replicas=2,
+        collectives={"gather_dtype": "int8", "gather_block_size": 16},
     )
-    one, _ = models.zero_run(loss_fn, make_params(), CLIP_SGD(), batches(), 3, gather_dtype="int8", quant_block_size=16)
+    one, _ = models.zero_run(
+        loss_fn, make_params(), CLIP_SGD(), batches(), 3, collectives={"gather_dtype": "int8", "gather_block_size": 16}
+    )
     # int8 weights in forward, fp32 masters: off the fp32 run by as much as on a 1-D mesh.
     err, err1 = models.abs_errors(got, ref).max(), models.abs_errors(one, ref).max()
     assert 0 < err <= 2 * err1 and err <= 1e-3
     mesh = zj.make_mesh(replicas=2)
-    cfg = zj.ZeroConfig(stage=3, gather_dtype="int8", quant_block_size=16)
+    cfg = zj.ZeroConfig(stage=3, collectives={"gather_dtype": "int8", "gather_block_size": 16})
     st = zj.init_state(make_params(), ADAM(), mesh=mesh, config=cfg)
     text = zj.make_train_step(loss_fn, ADAM(), mesh=mesh, config=cfg).lower(st, models.batch(16)).compile().as_text()
     s8 = [c for c in collectives(text) if c.kind == "all-gather" and c.dtype == "s8"]
@@ -242,7 +250,7 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="replica_axis='data'"):
         zj.make_mesh(replicas=2, replica_axis="data")
     with pytest.raises(ValueError, match="Axes.replica must be a mesh axis name other than data='data'"):
-        zj.ZeroConfig(replica_axis="data")
+        zj.ZeroConfig(axes={"replica": "data"})
     mesh, cfg = zj.make_mesh(replicas=2), zj.ZeroConfig(stage=3)
     state = zj.init_state(models.mlp_params(), ADAM(), mesh=mesh, config=cfg)
     step = zj.make_train_step(models.mlp_loss, ADAM(), mesh=mesh, config=cfg)

@@ -74,7 +74,7 @@ def step_for(cfg, params=None):
 
 def test_the_program_gathers_int8_and_moves_a_quarter_of_the_fp32_bytes():
     x = jnp.ones((16, 64))
-    state, step = step_for(zj.ZeroConfig(stage=3, gather_dtype="int8", quant_block_size=256))
+    state, step = step_for(zj.ZeroConfig(stage=3, collectives={"gather_dtype": "int8", "gather_block_size": 256}))
     lowered = step.lower(state, x)
     s8 = [l for l in lowered.as_text().splitlines() if "all_gather" in l and "xi8>" in l]
     assert s8, "no int8 all-gather in the lowered program"
@@ -103,23 +103,23 @@ def _adam_run(**config):
 
 
 @pytest.mark.parametrize(
-    "kw", [{}, {"prefetch": 1}, {"compute_dtype": "bfloat16"}, {"offload_optimizer": True, "offload_params": True}]
+    "kw", [{}, {"prefetch": 1}, {"compute_dtype": "bfloat16"}, {"offload": {"optimizer": True, "params": True}}]
 )
 def test_training_with_int8_gathers_stays_near_exact_gathers(kw):
     """Same runs, exact and int8 gathers: the losses agree to the quantization's size, and
     int8 runs agree with each other whatever the path (prefetch, offload)."""
     base = dict(compute_dtype=kw.get("compute_dtype", "float32"))
     exact, exact_losses = _adam_run(**base)
-    got, losses = _adam_run(gather_dtype="int8", **{**base, **kw})
+    got, losses = _adam_run(collectives={"gather_dtype": "int8"}, **{**base, **kw})
     np.testing.assert_allclose(losses, exact_losses, rtol=0.03)
     assert losses[-1] < losses[0]
     if kw and "compute_dtype" not in kw:  # the same int8 gathers by another path: the same run
-        plain, _ = _adam_run(gather_dtype="int8", compute_dtype="float32")
+        plain, _ = _adam_run(collectives={"gather_dtype": "int8"}, compute_dtype="float32")
         assert models.abs_errors(got, plain).max() <= 1e-5
 
 
 def test_eval_step_gathers_int8_too():
-    cfg = zj.ZeroConfig(stage=3, gather_dtype="int8")
+    cfg = zj.ZeroConfig(stage=3, collectives={"gather_dtype": "int8"})
     state, _ = step_for(cfg, models.stacked_params())
     mesh, b = zj.make_mesh(), models.batch(16)
     got = float(zj.make_eval_step(models.stacked_loss, mesh=mesh, config=cfg)(state, b))
@@ -132,10 +132,10 @@ def test_eval_step_gathers_int8_too():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(stage=3, gather_dtype="int4"), "Collectives.gather_dtype must be None"),
-        (dict(stage=2, gather_dtype="int8"), "quantizes stage 3's weight gathers"),
+        (dict(stage=3, collectives={"gather_dtype": "int4"}), "Collectives.gather_dtype must be None"),
+        (dict(stage=2, collectives={"gather_dtype": "int8"}), "quantizes stage 3's weight gathers"),
         (
-            dict(stage=3, gather_dtype="int8", quant_block_size=0),
+            dict(stage=3, collectives={"gather_dtype": "int8", "gather_block_size": 0}),
             "Collectives.gather_block_size must be a positive int",
         ),
     ],
@@ -147,4 +147,4 @@ def test_config_errors(kwargs, match):
 
 def test_quant_block_is_only_set_for_int8():
     assert zj.ZeroConfig(stage=3).quant_block is None
-    assert dataclasses.replace(zj.ZeroConfig(stage=3), gather_dtype="int8").quant_block == 4096
+    assert dataclasses.replace(zj.ZeroConfig(stage=3), collectives={"gather_dtype": "int8"}).quant_block == 4096

@@ -1,4 +1,4 @@
-"""Gradient reductions as blockwise int8 plus scales (ZeRO++'s qgZ): ZeroConfig(reduce_dtype="int8")."""
+"""Gradient reductions as blockwise int8 plus scales (ZeRO++'s qgZ): ZeroConfig(collectives={"reduce_dtype": "int8"})."""
 
 import jax
 import jax.numpy as jnp
@@ -93,7 +93,7 @@ def test_gradients_move_as_int8_at_a_quarter_of_the_fp32_bytes(stage):
     Ψ int8 values plus 4 bytes per block of each device's piece (0.25× fp32 plus scales)."""
     block = 256
     _, fp32 = step_for(stage)
-    _, q = step_for(stage, reduce_dtype="int8", reduce_quant_block_size=block)
+    _, q = step_for(stage, collectives={"reduce_dtype": "int8", "reduce_block_size": block})
     assert not any(k.startswith("reduce-scatter") for k in q), q
     assert q["all-to-all:s8"]["count"] == fp32["reduce-scatter:f32"]["count"]
     # 4 layers, each a 64x64 kernel and a 64 bias, stacked; each device owns 1/8 of each
@@ -111,7 +111,7 @@ def test_on_a_hybrid_mesh_each_hop_is_int8(stage):
     """ZeRO++'s hierarchical exchange: inside a group, then the shard across groups,
     both int8; no fp32 gradient bytes cross groups (only the scalar loss and counters)."""
     mesh, fp32 = step_for(stage, replicas=2)
-    _, q = step_for(stage, replicas=2, reduce_dtype="int8", reduce_quant_block_size=256)
+    _, q = step_for(stage, replicas=2, collectives={"reduce_dtype": "int8", "reduce_block_size": 256})
     assert fp32["by_axis"]["replica"]["bytes"] == 4 * 4 * (64 * 64 + 64) // 4  # Ψ/(N/R) fp32
     across = q["by_axis"]["replica"]
     # int8 all-to-all of the shard plus the int8 all-gather of the sums: ~2 x 1/4 of one fp32
@@ -143,10 +143,10 @@ SLOW = pytest.mark.slow
         (3, 1, {}),
         pytest.param(3, 2, {}, marks=SLOW),
         pytest.param(2, 1, {"grad_accum_steps": 2}, marks=SLOW),
-        pytest.param(3, 1, {"gather_dtype": "int8"}, marks=SLOW),
+        pytest.param(3, 1, {"collectives": {"gather_dtype": "int8"}}, marks=SLOW),
         pytest.param(3, 1, {"prefetch": 1}, marks=SLOW),
-        pytest.param(3, 1, {"offload_params": True, "offload_optimizer": True}, marks=SLOW),
-        pytest.param(1, 2, {"offload_optimizer": True}, marks=SLOW),
+        pytest.param(3, 1, {"offload": {"params": True, "optimizer": True}}, marks=SLOW),
+        pytest.param(1, 2, {"offload": {"optimizer": True}}, marks=SLOW),
     ],
     ids=[
         "s1",
@@ -176,8 +176,7 @@ def test_sgd_stays_within_the_quantization_bound_of_single_device_optax(stage, r
         batches,
         stage,
         replicas=replicas,
-        reduce_dtype="int8",
-        reduce_quant_block_size=64,
+        collectives={"reduce_dtype": "int8", "reduce_block_size": 64},
         **kw,
     )
     err = models.abs_errors(got, ref)
@@ -192,7 +191,7 @@ def test_sgd_stays_within_the_quantization_bound_of_single_device_optax(stage, r
 def test_fp16_overflow_is_seen_through_int8_and_the_step_skipped(stage):
     """A non-finite gradient on one device makes its blocks' scales non-finite: every
     owner's sum is non-finite, and dynamic loss scaling skips the step everywhere."""
-    cfg = dict(compute_dtype="float16", reduce_dtype="int8", initial_scale_power=8)
+    cfg = dict(compute_dtype="float16", collectives={"reduce_dtype": "int8"}, loss_scaling={"initial_scale_power": 8})
     mesh = zj.make_mesh()
     tx = optax.adamw(1e-3)
     state = zj.init_state(models.mlp_params(), tx, mesh=mesh, config=zj.ZeroConfig(stage=stage, **cfg))
@@ -211,18 +210,18 @@ def test_fp16_overflow_is_seen_through_int8_and_the_step_skipped(stage):
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(stage=0, reduce_dtype="int8"), "stage 0 all-reduces full gradients"),
-        (dict(stage=2, reduce_dtype="int4"), "reduce_dtype must be one of"),
+        (dict(stage=0, collectives={"reduce_dtype": "int8"}), "stage 0 all-reduces full gradients"),
+        (dict(stage=2, collectives={"reduce_dtype": "int4"}), "reduce_dtype must be one of"),
         (
-            dict(stage=2, reduce_dtype="int8", reduce_quant_block_size=0),
+            dict(stage=2, collectives={"reduce_dtype": "int8", "reduce_block_size": 0}),
             "Collectives.reduce_block_size must be a positive",
         ),
         (
-            dict(stage=2, reduce_dtype="int8", reduce_quant_block_size=True),
+            dict(stage=2, collectives={"reduce_dtype": "int8", "reduce_block_size": True}),
             "Collectives.reduce_block_size must be a positive",
         ),
         (
-            dict(stage=2, reduce_dtype="int8", reduce_quant_block_size=64.0),
+            dict(stage=2, collectives={"reduce_dtype": "int8", "reduce_block_size": 64.0}),
             "Collectives.reduce_block_size must be a positive",
         ),
     ],
@@ -234,8 +233,8 @@ def test_config_errors(kwargs, match):
 
 def test_reduce_block_is_only_set_for_int8():
     assert zj.ZeroConfig(stage=2).reduce_block is None
-    assert zj.ZeroConfig(stage=2, reduce_dtype="int8").reduce_block == 4096
-    assert zj.ZeroConfig(stage=2, reduce_dtype="int8", reduce_quant_block_size=512).reduce_block == 512
+    assert zj.ZeroConfig(stage=2, collectives={"reduce_dtype": "int8"}).reduce_block == 4096
+    assert zj.ZeroConfig(stage=2, collectives={"reduce_dtype": "int8", "reduce_block_size": 512}).reduce_block == 512
 
 
 def test_deepspeed_zero_quantized_gradients_maps_to_int8():
@@ -248,7 +247,7 @@ def test_deepspeed_zero_quantized_gradients_maps_to_int8():
     }
     t = translate(ds)
     assert t.config == zj.ZeroConfig(
-        stage=3, compute_dtype="bfloat16", grad_clip=1.0, gather_dtype="int8", reduce_dtype="int8"
+        stage=3, compute_dtype="bfloat16", grad_clip=1.0, collectives={"gather_dtype": "int8", "reduce_dtype": "int8"}
     )
     assert not any("quantized_gradients" in k for k in t.unmapped)
     t = translate({**ds, "communication_data_type": "bf16"})

@@ -147,9 +147,9 @@ def test_a_moved_construct_turns_reading_off_with_one_warning(monkeypatch, fresh
         assert f"- {feature}:" in text
     with pytest.raises(
         ProgramReadingRequired,
-        match=r"does not read .*Use ZeroConfig\(context_layout='contiguous'\), or use a JAX release",
+        match=r"does not read .*Use ZeroConfig\(context=\{'layout': 'contiguous'\}\), or use a JAX release",
     ):
-        check.require("ZeroConfig(context_layout='balanced')", "Use ZeroConfig(context_layout='contiguous').")
+        check.require("ZeroConfig(context={'layout': 'balanced'})", "Use ZeroConfig(context={'layout': 'contiguous'}).")
 
 
 def test_a_primitive_jax_no_longer_exports_is_a_placeholder_not_an_import_error(monkeypatch):
@@ -253,7 +253,7 @@ OPTIONS = {
     "remat": {"remat": "full"},
     "prefetch": {"prefetch": 1},
     "clip": {"grad_clip": 0.05},  # below these models' gradient norms: clipping is active
-    "offload": {"offload_optimizer": True, "offload_update": "device", "offload_group_size": 100},
+    "offload": {"offload": {"optimizer": True, "update": "device", "group_size": 100}},
 }
 CASES = [
     c
@@ -277,7 +277,7 @@ def test_without_reading_trains_as_single_device_optax(no_reading, stage, model,
 
 
 def _run(stage, dtype, batches):
-    cfg = {"compute_dtype": dtype, **({"initial_scale_power": 8} if dtype == "float16" else {})}
+    cfg = {"compute_dtype": dtype, **({"loss_scaling": {"initial_scale_power": 8}} if dtype == "float16" else {})}
     return models.zero_run(models.stacked_loss, models.stacked_params(), TX, batches, stage, **cfg)
 
 
@@ -340,9 +340,9 @@ def test_without_reading_what_needs_a_program_is_refused_with_the_fix(no_reading
     tokens = jnp.zeros((8, 8), jnp.int32)
     batch = {"inputs": tokens, "targets": tokens}
     cases = [
-        (zj.make_mesh(context=2), {"context_layout": "balanced"}, r"context_layout='contiguous'"),
+        (zj.make_mesh(context=2), {"context": {"layout": "balanced"}}, r"context=\{'layout': 'contiguous'\}"),
         (zj.make_mesh(context=2, tensor=2), {}, r"tensor \(2\) and a context \(2\) axis.*one of the two"),
-        (zj.make_mesh(), {"axis_map": {"fsdp": "data"}}, r"model_axes.*Remove the model's own sharding"),
+        (zj.make_mesh(), {"axes": {"model_axes": {"fsdp": "data"}}}, r"model_axes.*Remove the model's own sharding"),
     ]
     for mesh, extra, fix in cases:
         zc = zj.ZeroConfig(stage=3, **extra)

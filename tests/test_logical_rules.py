@@ -128,7 +128,7 @@ def test_nnx_rules_resolve_as_nnx_get_partition_spec(rules):
     local = (("z", "tensor"),)
     got = logical.resolve(logical.Annotation(("z", "x"), logical.NNX, local), SIMPLE)
     assert tuple(axes(x) for x in got) == tuple(axes(x) for x in _nnx_spec(("z", "x"), SIMPLE, local))
-    with pytest.raises(ValueError, match="contradicts ZeroConfig.axis_rules"):
+    with pytest.raises(ValueError, match="contradicts ZeroConfig.axes.rules"):
         logical.resolve(logical.Annotation(("y",), logical.NNX, (("y", None),)), SIMPLE)
 
 
@@ -181,7 +181,7 @@ def test_the_plan_splits_the_dimension_flax_splits(style):
         twice = [n for n in anns if style == "nnx" and len(_tensor_dims(_nnx_spec(n, rules))) > 1]
         anns = [n for n in anns if n not in twice]
         params = _linen_params(anns) if style == "linen" else _nnx_params(anns)
-        cfg = zj.ZeroConfig(stage=3, axis_rules=rules, axis_map=amap)
+        cfg = zj.ZeroConfig(stage=3, axes={"rules": rules, "model_axes": amap})
         plan = make_plan(params, mesh, cfg)
         for i, names in enumerate(anns):
             spec = nn.logical_to_mesh_axes(names, rules) if style == "linen" else _nnx_spec(names, rules)
@@ -194,20 +194,20 @@ def test_the_plan_splits_the_dimension_flax_splits(style):
     # The case: linen splits "x" over "tensor" (dimension 0), NNX leaves it whole and
     # splits "y" (dimension 1).
     params = _linen_params([("x", "y")]) if style == "linen" else _nnx_params([("x", "y")])
-    plan = make_plan(params, mesh, zj.ZeroConfig(stage=3, axis_rules=SIMPLE))
+    plan = make_plan(params, mesh, zj.ZeroConfig(stage=3, axes={"rules": SIMPLE}))
     assert plan.layouts[0].tdim == (0 if style == "linen" else 1)
 
 
 def test_partitioned_boxes_name_mesh_axes_and_no_rule_applies():
     # nn.with_partitioning names mesh axes: a rule for the same name does not rename it.
     params = {"w": nn.Partitioned(jnp.zeros((4, 4)), (None, "tensor"))}
-    plan = make_plan(params, zj.make_mesh(tensor=2), zj.ZeroConfig(axis_rules=(("tensor", None),)))
+    plan = make_plan(params, zj.make_mesh(tensor=2), zj.ZeroConfig(axes={"rules": (("tensor", None),)}))
     assert plan.layouts[0].tdim == 1
     assert tuple(nn.get_partition_spec(params)["w"]) == (None, "tensor")
 
 
 def test_a_box_with_its_own_rules_uses_them_as_flax_does():
     box = nn.LogicallyPartitioned(jnp.zeros((4, 4)), ("x", "y"), rules=(("x", None), ("y", "tensor")))
-    plan = make_plan({"w": box}, zj.make_mesh(tensor=2), zj.ZeroConfig(axis_rules=SIMPLE))
+    plan = make_plan({"w": box}, zj.make_mesh(tensor=2), zj.ZeroConfig(axes={"rules": SIMPLE}))
     assert plan.layouts[0].tdim == 1  # its own rules replace the context's, as in unbox()
     assert tuple(nn.logical_to_mesh_axes(("x", "y"), box.rules)) == (None, "tensor")

@@ -288,7 +288,8 @@ def test_hybrid_fp16_lora_dropout_and_a_checkpoint_across_layouts(tmp_path):
     streams, BatchNorm; saved at stage 3 on 2 x 4 devices, restored at stage 2 on 8."""
     make = lambda: Net(nnx.Rngs(0, dropout=1), dropout=0.2)
     data, tx = batches(3), optax.adam(1e-2)
-    cfg = zj.ZeroConfig(stage=3, compute_dtype="float16", initial_scale_power=8)  # 2^16 overflows this net
+    # 2^16 overflows this net
+    cfg = zj.ZeroConfig(stage=3, compute_dtype="float16", loss_scaling={"initial_scale_power": 8})
     opt = zj.nnx.Optimizer(make, tx, wrt=nnx.LoRAParam, mesh=zj.make_mesh(replicas=2), config=cfg)
     step = zj.nnx.make_train_step(loss_fn)
     first = [step(opt, b) for b in data[:2]]
@@ -298,7 +299,7 @@ def test_hybrid_fp16_lora_dropout_and_a_checkpoint_across_layouts(tmp_path):
     expected = float(step(opt, data[2])["loss"])
     model = opt.gathered_model()
     np.testing.assert_array_equal(model.inp.kernel[...], make().inp.kernel[...].astype(jnp.float16))  # frozen
-    cfg2 = zj.ZeroConfig(stage=2, compute_dtype="float16", initial_scale_power=8)
+    cfg2 = zj.ZeroConfig(stage=2, compute_dtype="float16", loss_scaling={"initial_scale_power": 8})
     again = zj.nnx.Optimizer(make, tx, wrt=nnx.LoRAParam, mesh=zj.make_mesh(), config=cfg2)
     again.restore(tmp_path)
     assert again.step == 2

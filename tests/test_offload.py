@@ -59,7 +59,7 @@ CASES = [  # (stage, compute dtype, offload_params): where the masters live with
 # test_checkpoint_round_trip_of_offloaded_state finds stage 2's optimizer state on the host.
 @pytest.mark.parametrize("stage,dtype,offload_params", models.marked_slow(CASES, slow=[c for c in CASES if c[0] == 2]))
 def test_offloaded_state_lives_in_host_memory(stage, dtype, offload_params):
-    cfg = zj.ZeroConfig(stage=stage, compute_dtype=dtype, offload_optimizer=True, offload_params=offload_params)
+    cfg = zj.ZeroConfig(stage=stage, compute_dtype=dtype, offload={"optimizer": True, "params": offload_params})
     state, _, _ = train(cfg, batches=BATCHES[:1])  # placement after a step, not only after init
     assert kinds(state.opt_state) == {HOST}
     separate = dtype != "float32" and stage in (1, 2)
@@ -85,7 +85,7 @@ def test_offload_trains_exactly_as_without(stage, dtype, offload_params, place):
     base = zj.ZeroConfig(stage=stage, compute_dtype=dtype)
     ref_params, ref_losses, ref_opt = without_offload(base)
     cfg = dataclasses.replace(
-        base, offload_optimizer=True, offload_params=offload_params, offload_update=place, offload_group_size=500
+        base, offload={"optimizer": True, "params": offload_params, "update": place, "group_size": 500}
     )
     state, step, losses = train(cfg)
     assert step.update_place(state) == place
@@ -111,7 +111,7 @@ def test_streamed_update_of_coupled_and_shape_aware_transforms(tx):
     base = zj.ZeroConfig(stage=2, compute_dtype="bfloat16")
     ref_params, _, _ = without_offload(base, tx)
     state, _, _ = train(
-        dataclasses.replace(base, offload_optimizer=True, offload_update="device", offload_group_size=1), tx=tx
+        dataclasses.replace(base, offload={"optimizer": True, "update": "device", "group_size": 1}), tx=tx
     )
     assert models.abs_errors(zj.gather_params(state), ref_params).max() <= 1e-6
 
@@ -120,18 +120,18 @@ def test_fp16_skipped_steps_change_nothing_in_host_memory():
     """fp16 at DeepSpeed's 2^16 overflows the first two steps, then trains: the skipped
     steps keep the offloaded state bit for bit and the rest update it, on either update
     path, as without offload."""
-    base = zj.ZeroConfig(stage=2, compute_dtype="float16", hysteresis=1)
+    base = zj.ZeroConfig(stage=2, compute_dtype="float16", loss_scaling={"hysteresis": 1})
     batches = BATCHES * 2
     ref, _, _ = train(base, batches=batches)
     assert 0 < int(ref.skipped) < len(batches)
     for place in ("host", "device"):
-        state, _, _ = train(dataclasses.replace(base, offload_optimizer=True, offload_update=place), batches=batches)
+        state, _, _ = train(dataclasses.replace(base, offload={"optimizer": True, "update": place}), batches=batches)
         assert int(state.skipped) == int(ref.skipped)
         assert models.abs_errors(zj.gather_params(state), zj.gather_params(ref)).max() == 0.0
 
 
 def test_update_groups_follow_what_each_leaf_reads():
-    cfg = zj.ZeroConfig(stage=2, compute_dtype="bfloat16", offload_optimizer=True)
+    cfg = zj.ZeroConfig(stage=2, compute_dtype="bfloat16", offload={"optimizer": True})
     params = models.stacked_params()
     n_leaves = len(jax.tree.leaves(params))
     for tx, size, expected in [
@@ -157,7 +157,7 @@ def test_streamed_groups_are_ordered_in_the_program():
 
     def barriers(size):
         cfg = zj.ZeroConfig(
-            stage=2, compute_dtype="bfloat16", offload_optimizer=True, offload_update="device", offload_group_size=size
+            stage=2, compute_dtype="bfloat16", offload={"optimizer": True, "update": "device", "group_size": size}
         )
         state = zj.init_state(models.stacked_params(), TX, mesh=zj.make_mesh(), config=cfg)
         step = zj.make_train_step(models.stacked_loss, TX, mesh=zj.make_mesh(), config=cfg)
@@ -174,10 +174,10 @@ def test_auto_update_place():
     """The CPU backend compiles the update in host memory, so "auto" picks the host;
     without offloaded state the update is on the device."""
     for cfg, place in [
-        (zj.ZeroConfig(stage=2, offload_optimizer=True), "host"),
-        (zj.ZeroConfig(stage=3, offload_optimizer=True, offload_update="device"), "device"),
+        (zj.ZeroConfig(stage=2, offload={"optimizer": True}), "host"),
+        (zj.ZeroConfig(stage=3, offload={"optimizer": True, "update": "device"}), "device"),
         (zj.ZeroConfig(stage=3), "device"),
-        (zj.ZeroConfig(stage=3, offload_params=True), "device"),
+        (zj.ZeroConfig(stage=3, offload={"params": True}), "device"),
     ]:  # the moments are on the device
         state = zj.init_state(models.stacked_params(), TX, mesh=zj.make_mesh(), config=cfg)
         step = zj.make_train_step(models.stacked_loss, TX, mesh=zj.make_mesh(), config=cfg)
@@ -188,7 +188,7 @@ def test_auto_update_place():
 def test_state_bytes_split_device_and_host_as_the_formulas(stage, dtype, offload_params):
     params = models.deep_params(4, 64, stacked=True)  # 16.6K params: padding < 3%
     psi = sum(x.size for x in jax.tree.leaves(params))
-    cfg = zj.ZeroConfig(stage=stage, compute_dtype=dtype, offload_optimizer=True, offload_params=offload_params)
+    cfg = zj.ZeroConfig(stage=stage, compute_dtype=dtype, offload={"optimizer": True, "params": offload_params})
     state = zj.init_state(params, TX, mesh=zj.make_mesh(), config=cfg)
     got = zj.report.state_bytes_per_device(state)
     assert got["device"] + got["host"] == got["total"]
@@ -212,7 +212,7 @@ def test_state_bytes_split_device_and_host_as_the_formulas(stage, dtype, offload
 
 @pytest.mark.parametrize("stage,dtype,offload_params", [CASES[0], CASES[2], CASES[4]])
 def test_checkpoint_round_trip_of_offloaded_state(tmp_path, stage, dtype, offload_params):
-    cfg = zj.ZeroConfig(stage=stage, compute_dtype=dtype, offload_optimizer=True, offload_params=offload_params)
+    cfg = zj.ZeroConfig(stage=stage, compute_dtype=dtype, offload={"optimizer": True, "params": offload_params})
     state, step, _ = train(cfg, batches=BATCHES[:2])
     zj.save_checkpoint(tmp_path, state, step=2, wait=True)
     mesh = zj.make_mesh()
@@ -238,7 +238,7 @@ def test_eval_step_reads_offloaded_parameters():
     is gathered, and gives what it gives without offload."""
     base = zj.ZeroConfig(stage=3, compute_dtype="bfloat16")
     ref, _, _ = train(base, batches=BATCHES[:1])
-    cfg = dataclasses.replace(base, offload_optimizer=True, offload_params=True)
+    cfg = dataclasses.replace(base, offload={"optimizer": True, "params": True})
     state, _, _ = train(cfg, batches=BATCHES[:1])
     mesh = zj.make_mesh()
     got = zj.make_eval_step(models.stacked_loss, mesh=mesh, config=cfg)(state, BATCHES[1])
@@ -251,15 +251,12 @@ def test_eval_step_reads_offloaded_parameters():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (
-            dict(stage=0, offload_optimizer=True),
-            r"offload.optimizer \(offload_optimizer\) needs a sharded optimizer state",
-        ),
-        (dict(stage=2, offload_params=True), r"offload.params \(offload_params\) keeps stage 3"),
-        (dict(stage=2, offload_optimizer=True, offload_update="cpu"), "Offload.update must be"),
-        (dict(stage=3, offload_params=True, prefetch=1), "prefetch=1 with offload.params=True"),
-        (dict(stage=2, offload_optimizer=True, offload_group_size=0), "Offload.group_size must be a positive int"),
-        (dict(stage=2, offload_optimizer=1), "Offload.optimizer must be a bool"),
+        (dict(stage=0, offload={"optimizer": True}), r"offload.optimizer needs a sharded optimizer state"),
+        (dict(stage=2, offload={"params": True}), r"offload.params keeps stage 3"),
+        (dict(stage=2, offload={"optimizer": True, "update": "cpu"}), "Offload.update must be"),
+        (dict(stage=3, offload={"params": True}, prefetch=1), "prefetch=1 with offload.params=True"),
+        (dict(stage=2, offload={"optimizer": True, "group_size": 0}), "Offload.group_size must be a positive int"),
+        (dict(stage=2, offload={"optimizer": 1}), "Offload.optimizer must be a bool"),
     ],
 )
 def test_offload_config_errors(kwargs, match):
@@ -277,7 +274,7 @@ def test_auto_update_place_falls_back_only_when_the_backend_refuses(monkeypatch)
 
     from zerojax.optim import offload
 
-    mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=2, offload_optimizer=True)
+    mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=2, offload={"optimizer": True})
     params = {"w": jnp.ones((8, 4))}
     state = zj.init_state(params, TX, mesh=mesh, config=cfg)
     place = lambda: offload.choose_place(state.plan, TX, jax.tree.leaves(state.opt_state))

@@ -208,7 +208,7 @@ def test_an_order_dependent_loss_is_refused(case):
 
 def _train(loss_fn, params, data, layout="balanced", c=2):
     tx, mesh = optax.sgd(0.3), zj.make_mesh(context=c)
-    zc = zj.ZeroConfig(stage=1, context_layout=layout)
+    zc = zj.ZeroConfig(stage=1, context={"layout": layout})
     state = zj.init_state(params, tx, mesh=mesh, config=zc)
     step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=zc, with_layout=True)
     losses = []

@@ -1,6 +1,6 @@
 """Models that carry their own sharding (MaxText style): logical axis names on every parameter,
 activation constraints against the model's own mesh and rules, scanned remat'd layers. Under
-``ZeroConfig(axis_map=...)`` they train as on one device, at every stage, with and without
+``ZeroConfig(axes={"model_axes": ...})`` they train as on one device, at every stage, with and without
 tensor parallelism."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def test_maxtext_style_model_trains_as_on_one_device(tensor, stages):
     ref, ref_losses = reference_run(loss_fn, jax.tree.map(jnp.asarray, params), tx, data())
     mesh = zj.make_mesh(tensor=tensor)
     for stage in stages:
-        cfg = zj.ZeroConfig(stage=stage, axis_map=AXIS_MAP, axis_rules=RULES)
+        cfg = zj.ZeroConfig(stage=stage, axes={"model_axes": AXIS_MAP, "rules": RULES})
         state = zj.init_state(params, tx, mesh=mesh, config=cfg)
         step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=cfg)
         losses = []
@@ -76,7 +76,7 @@ def test_constraints_translated_onto_zerojax_mesh():
     model = _constraint_specs(jax.make_jaxpr(loss_fn)(params, local).jaxpr)
     assert any("tensor" in str(s) for s in model) and all("fsdp" in str(s) for s in model)
     mesh = zj.make_mesh(tensor=2)
-    plan = make_plan(params, mesh, zj.ZeroConfig(axis_map=AXIS_MAP, axis_rules=RULES))
+    plan = make_plan(params, mesh, zj.ZeroConfig(axes={"model_axes": AXIS_MAP, "rules": RULES}))
     closed, _ = foreign.trace(loss_fn, (params, local), plan)
     specs = []
 
@@ -100,7 +100,7 @@ def test_constraints_translated_onto_zerojax_mesh():
 def test_eval_step_with_own_sharding():
     graphdef, params = build()
     loss_fn = make_loss(graphdef)
-    mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=3, axis_map=AXIS_MAP)
+    mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=3, axes={"model_axes": AXIS_MAP})
     state = zj.init_state(params, optax.sgd(0.1), mesh=mesh, config=cfg)
     ev = zj.make_eval_step(lambda p, b: {"loss": loss_fn(p, b)}, mesh=mesh, config=cfg)
     b = data(1)[0]
@@ -119,13 +119,14 @@ def test_without_axis_map_the_error_says_what_to_set():
 def test_unknown_axis_names_the_source_lines_of_the_helper_and_its_callers():
     graphdef, params = build()
     mesh = zj.make_mesh()
-    cfg = zj.ZeroConfig(stage=2, axis_map={"data": "data", "fsdp": "data", "tensor": "tensor"})  # no fsdp_transpose
+    # no fsdp_transpose in model_axes
+    cfg = zj.ZeroConfig(stage=2, axes={"model_axes": {"data": "data", "fsdp": "data", "tensor": "tensor"}})
     state = zj.init_state(params, optax.sgd(0.1), mesh=mesh, config=cfg)
     step = zj.make_train_step(make_loss(graphdef), optax.sgd(0.1), mesh=mesh, config=cfg)
     with pytest.raises(
         ValueError,
         match=r"mesh axis 'fsdp_transpose' .* at .*maxtext_style.py:\d+.*"
-        r"axis_map=\{'fsdp_transpose': 'data'\}",
+        r"axes=\{'model_axes': \{'fsdp_transpose': 'data'\}\}",
     ) as err:
         step(state, data(1)[0])
     # The helper that constrains (as MaxText's maybe_shard_with_name) and the layer that called it.
@@ -142,11 +143,13 @@ def test_unknown_axis_names_the_source_lines_of_the_helper_and_its_callers():
 
 
 def test_bad_axis_map():
-    with pytest.raises(ValueError, match=r"Axes.model_axes \(axis_map\) must map"):
-        zj.ZeroConfig(axis_map={"fsdp": 3})
+    with pytest.raises(ValueError, match=r"Axes.model_axes must map"):
+        zj.ZeroConfig(axes={"model_axes": {"fsdp": 3}})
     graphdef, params = build()
     with pytest.raises(ValueError, match=r"maps the model's axis 'fsdp' to 'model', which is not an axis"):
-        zj.abstract_state(params, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(axis_map={"fsdp": "model"}))
+        zj.abstract_state(
+            params, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(axes={"model_axes": {"fsdp": "model"}})
+        )
 
 
 # A model whose attention runs on values that carry its own mesh. JAX's vmap (inside
@@ -234,7 +237,7 @@ def test_attention_on_the_models_mesh_trains_as_on_one_device(kind, tensor):
     ref, ref_losses = reference_run(_attention_loss(kind, constrain=False), params, tx, batches)
     loss_fn, mesh = _attention_loss(kind, constrain=True), zj.make_mesh(tensor=tensor)
     for stage in (0, 3):
-        cfg = zj.ZeroConfig(stage=stage, axis_map=OWN_MAP)
+        cfg = zj.ZeroConfig(stage=stage, axes={"model_axes": OWN_MAP})
         state = zj.init_state(params, tx, mesh=mesh, config=cfg)
         step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=cfg)
         losses = []
@@ -254,7 +257,7 @@ def test_the_translated_program_binds_nothing_under_the_models_mesh():
     from zerojax.sharding.plan import make_plan
 
     params, b = _attention_params(), _attention_data(1, rows=8)[0]
-    plan = make_plan(params, zj.make_mesh(), zj.ZeroConfig(axis_map=OWN_MAP))
+    plan = make_plan(params, zj.make_mesh(), zj.ZeroConfig(axes={"model_axes": OWN_MAP}))
     local = jax.tree.map(lambda x: x[:1], b)  # one device's rows
     closed, _ = foreign.trace(_attention_loss("vmap", constrain=True), (params, local), plan)
     outside = {form.traced_mesh(e).axis_names for e in walk.equations(form.open_jaxpr(closed)[0])}

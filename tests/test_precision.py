@@ -94,7 +94,9 @@ def low_precision_run(stage, dtype, reduce_dtype="float32"):
     """The same 3 steps with zerojax in ``dtype`` compute (shared by the tests that read
     them): (params after, losses, skipped flags)."""
     params, _, _, batches = low_precision_reference()
-    state, step = make(stage, LOW_TX, models.stacked_loss, params, compute_dtype=dtype, reduce_dtype=reduce_dtype)
+    state, step = make(
+        stage, LOW_TX, models.stacked_loss, params, compute_dtype=dtype, collectives={"reduce_dtype": reduce_dtype}
+    )
     losses, skipped = [], []
     for b in batches:
         state, m = step(state, b)
@@ -143,7 +145,9 @@ def test_stage3_gathers_in_compute_dtype_and_reduces_in_reduce_dtype():
     params = models.deep_params(4, 128, stacked=True)
     x = jnp.ones((64, 128))
     for reduce, rs_key in (("float32", "reduce-scatter:f32"), ("bfloat16", "reduce-scatter:bf16")):
-        state, step = make(3, optax.sgd(0.1), models.deep_loss, params, compute_dtype="bfloat16", reduce_dtype=reduce)
+        state, step = make(
+            3, optax.sgd(0.1), models.deep_loss, params, compute_dtype="bfloat16", collectives={"reduce_dtype": reduce}
+        )
         rep = zj.report.communication_report(step.lower(state, x).as_text(dialect="hlo"))
         gathers = {k for k in rep if k.startswith("all-gather")}
         scatters = {k for k in rep if k.startswith("reduce-scatter")}
@@ -164,7 +168,7 @@ def test_stage3_gathers_in_compute_dtype_and_reduces_in_reduce_dtype():
     ),
 )
 def test_overflow_on_one_device_skips_for_everyone(stage, dtype):
-    extra = {} if dtype == "float16" else {"skip_nonfinite": True}
+    extra = {} if dtype == "float16" else {"loss_scaling": {"skip_nonfinite": True}}
     state, step = make(stage, loss_fn=poisoned_loss, compute_dtype=dtype, **extra)
     state, m = step(state, poison_batch(0))
     assert not bool(m["skipped"])
@@ -202,11 +206,13 @@ def test_scale_sequence_matches_deepspeed(stage, consecutive):
         tx=optax.sgd(1e-3),
         loss_fn=poisoned_loss,
         compute_dtype="float16",
-        loss_scale_window=window,
-        hysteresis=hyst,
-        initial_scale_power=init_power,
-        min_loss_scale=min_scale,
-        consecutive_hysteresis=consecutive,
+        loss_scaling={
+            "loss_scale_window": window,
+            "hysteresis": hyst,
+            "initial_scale_power": init_power,
+            "min_loss_scale": min_scale,
+            "consecutive_hysteresis": consecutive,
+        },
     )
     ref = DeepSpeedScaler(2.0**init_power, window, min_scale, hyst, consecutive)
     got, want = [], []
@@ -224,7 +230,11 @@ def test_scale_sequence_matches_deepspeed(stage, consecutive):
 def test_overflow_at_min_scale_raises_or_keeps_skipping():
     """The overflow-at-minimum flag is read one call later (no step waits for the host);
     the error carries the newest state, which holds only finite updates."""
-    kw = dict(loss_fn=poisoned_loss, compute_dtype="float16", initial_scale_power=1, min_loss_scale=1.0, hysteresis=1)
+    kw = dict(
+        loss_fn=poisoned_loss,
+        compute_dtype="float16",
+        loss_scaling={"initial_scale_power": 1, "min_loss_scale": 1.0, "hysteresis": 1},
+    )
     state, step = make(3, **kw)
     state, m = step(state, poison_batch(0, bad_row=0))  # 2 -> 1
     assert float(state.loss_scale.scale) == 1.0
@@ -245,14 +255,14 @@ def test_overflow_at_min_scale_raises_or_keeps_skipping():
     with pytest.raises(zj.LossScaleError, match="overflowed again at step 4"):
         step.check_loss_scale(newest, m)
 
-    state, step = make(3, raise_at_min_scale=False, **kw)
+    state, step = make(3, loss_scaling={"raise_at_min_scale": False}, **kw)
     for i in range(3):
         state, m = step(state, poison_batch(i, bad_row=0))
     assert bool(m["overflow_at_min_scale"]) and int(m["skipped_steps"]) == 3
 
 
 def test_static_loss_scale():
-    state, step = make(2, loss_fn=poisoned_loss, compute_dtype="float16", loss_scale=1024.0)
+    state, step = make(2, loss_fn=poisoned_loss, compute_dtype="float16", loss_scaling={"loss_scale": 1024.0})
     for i, bad in enumerate([None, 3, None]):
         state, m = step(state, poison_batch(i, bad_row=bad))
         assert float(m["loss_scale"]) == 1024.0 and bool(m["skipped"]) == (bad is not None)
@@ -329,13 +339,16 @@ def test_accumulator_is_sharded_from_stage2():
 @pytest.mark.parametrize(
     "kw,match",
     [
-        (dict(compute_dtype="bfloat16", loss_scale="dynamic"), "cannot apply with compute_dtype='bfloat16'"),
-        (dict(loss_scale=128.0), "cannot apply with compute_dtype='float32'"),
-        (dict(compute_dtype="float16", loss_scale_window=0), "loss_scale_window must be >= 1, got 0"),
-        (dict(compute_dtype="float16", min_loss_scale=0.0), "min_loss_scale must be > 0, got 0.0"),
+        (
+            dict(compute_dtype="bfloat16", loss_scaling={"loss_scale": "dynamic"}),
+            "cannot apply with compute_dtype='bfloat16'",
+        ),
+        (dict(loss_scaling={"loss_scale": 128.0}), "cannot apply with compute_dtype='float32'"),
+        (dict(compute_dtype="float16", loss_scaling={"loss_scale_window": 0}), "loss_scale_window must be >= 1, got 0"),
+        (dict(compute_dtype="float16", loss_scaling={"min_loss_scale": 0.0}), "min_loss_scale must be > 0, got 0.0"),
         (dict(grad_accum_steps=0), "grad_accum_steps must be >= 1"),
         (dict(compute_dtype="int8"), "compute_dtype must be one of"),
-        (dict(compute_dtype="float16", loss_scale=0), "'dynamic', a positive float or None"),
+        (dict(compute_dtype="float16", loss_scaling={"loss_scale": 0}), "'dynamic', a positive float or None"),
         (dict(grad_clip=-1.0), "grad_clip must be a positive number"),
     ],
 )
@@ -390,7 +403,13 @@ def test_backward_runs_at_the_full_loss_scale(monkeypatch, stage, k):
     loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
     power = 10
     state, step = make(
-        stage, optax.sgd(0.1), loss_fn, params, compute_dtype="float16", initial_scale_power=power, grad_accum_steps=k
+        stage,
+        optax.sgd(0.1),
+        loss_fn,
+        params,
+        compute_dtype="float16",
+        loss_scaling={"initial_scale_power": power},
+        grad_accum_steps=k,
     )
     state, m = step(state, b)
     jax.effects_barrier()
@@ -445,7 +464,13 @@ def test_fp16_reduction_cannot_overflow_where_each_device_does_not(stage):
     params = {"w": jnp.ones((16,))}
     loss_fn = lambda p, b: jnp.mean(b["x"] @ p["w"])  # d loss / d w = 1 per element
     state, step = make(
-        stage, optax.sgd(0.5), loss_fn, params, compute_dtype="float16", reduce_dtype="float16", loss_scale=20000.0
+        stage,
+        optax.sgd(0.5),
+        loss_fn,
+        params,
+        compute_dtype="float16",
+        collectives={"reduce_dtype": "float16"},
+        loss_scaling={"loss_scale": 20000.0},
     )
     state, m = step(state, {"x": jnp.ones((8, 16))})
     assert not bool(m["skipped"])
@@ -461,7 +486,7 @@ def test_replacing_the_compute_dtype_keeps_the_loss_scale_default():
     assert fp16 == zj.ZeroConfig(stage=2, compute_dtype="float16")
     bf16 = dataclasses.replace(fp16, compute_dtype="bfloat16")  # used to raise
     assert bf16.resolved_loss_scale is None and not bf16.scaling
-    static = dataclasses.replace(zj.ZeroConfig(compute_dtype="float16", loss_scale=128), stage=1)
+    static = dataclasses.replace(zj.ZeroConfig(compute_dtype="float16", loss_scaling={"loss_scale": 128}), stage=1)
     assert static.resolved_loss_scale == 128.0
     with pytest.raises(ValueError, match="cannot apply with compute_dtype='bfloat16'"):
         dataclasses.replace(static, compute_dtype="bfloat16")

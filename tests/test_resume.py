@@ -25,7 +25,7 @@ TX = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
 N_RECORDS, BATCH = 64, 16
 DATA = models.batch(N_RECORDS, seed=3)  # {"x": [64, 12], "y": [64, 7]}
 # fp16 with dynamic loss scaling: the loss-scale state must come back too.
-CONFIG = zj.ZeroConfig(stage=2, compute_dtype="float16", loss_scale="dynamic")
+CONFIG = zj.ZeroConfig(stage=2, compute_dtype="float16", loss_scaling={"loss_scale": "dynamic"})
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +256,10 @@ def test_sampler_is_a_pure_function_of_its_position(seed):
 def test_stage3_hybrid_fp16_frozen_resume_is_bit_identical(tmp_path):
     # Features together: ZeRO-3 on a hybrid mesh (2 replica groups), fp16 with loss scaling,
     # a frozen leaf, and two interruptions.
-    mesh, config = zj.make_mesh(replicas=2), zj.ZeroConfig(stage=3, compute_dtype="float16", loss_scale="dynamic")
+    mesh, config = (
+        zj.make_mesh(replicas=2),
+        zj.ZeroConfig(stage=3, compute_dtype="float16", loss_scaling={"loss_scale": "dynamic"}),
+    )
     trainable = jax.tree_util.tree_map_with_path(
         lambda p, _: "inp" not in jax.tree_util.keystr(p), models.stacked_params()
     )

@@ -256,7 +256,7 @@ def test_linen_logical_axes_every_stage(tensor, stages):
     data, tx = batches(), optax.sgd(0.1)
     ref, ref_losses = reference_run(loss_fn, nn.unbox(boxed), tx, data)
     for stage in stages:
-        state, _, losses = tp_run(loss_fn, boxed, tx, data, tensor=tensor, stage=stage, axis_rules=RULES)
+        state, _, losses = tp_run(loss_fn, boxed, tx, data, tensor=tensor, stage=stage, axes={"rules": RULES})
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
         assert abs_errors(zj.gather_params(state), ref).max() <= 1e-5
         # Dense_0 bias/kernel, Dense_1 bias/kernel, LayerNorm bias/scale
@@ -279,11 +279,8 @@ def test_features_together_hybrid_prefetch_int8_bf16_accumulation_frozen():
         stage=3,
         compute_dtype="bfloat16",
         prefetch=1,
-        gather_dtype="int8",
-        reduce_dtype="int8",
+        collectives={"gather_dtype": "int8", "reduce_dtype": "int8", "gather_block_size": 64, "reduce_block_size": 64},
         grad_accum_steps=2,
-        quant_block_size=64,
-        reduce_quant_block_size=64,
     )
     state = zj.init_state(
         params, tx, mesh=mesh, config=cfg, tensor_specs=MLP_SPECS, trainable=trainable, rng=jax.random.key(0)
@@ -303,8 +300,8 @@ def test_fp16_and_offload():
     params, data, tx = mlp_params(), batches(2), optax.adam(1e-2)
     ref, ref_losses = reference_run(mlp_loss, params, tx, data)
     for config in (
-        dict(stage=2, compute_dtype="float16", initial_scale_power=8),
-        dict(stage=3, offload_optimizer=True, offload_params=True),
+        dict(stage=2, compute_dtype="float16", loss_scaling={"initial_scale_power": 8}),
+        dict(stage=3, offload={"optimizer": True, "params": True}),
     ):
         state, _, losses = tp_run(mlp_loss, params, tx, data, tensor=2, tensor_specs=MLP_SPECS, **config)
         tol = 1e-2 if "compute_dtype" in config else 1e-5
@@ -409,14 +406,14 @@ def test_bad_annotations():
         r"of size 6, which does not divide into 4 .*one of \[1, 2\]",
     ):
         _init(odd, MLP_SPECS, tensor=4)
-    with pytest.raises(ValueError, match=r"axis_rules maps 'mlp' to mesh axis 'model'"):
-        _init(params, {**MLP_SPECS, "w1": P(None, "mlp")}, axis_rules=(("mlp", "model"),))
+    with pytest.raises(ValueError, match=r"axes.rules maps 'mlp' to mesh axis 'model'"):
+        _init(params, {**MLP_SPECS, "w1": P(None, "mlp")}, axes={"rules": (("mlp", "model"),)})
     with pytest.raises(ValueError, match="annotation names 3 dimensions"):
         _init(params, {**MLP_SPECS, "b1": P(None, None, "tensor")})
     with pytest.raises(ValueError, match="Axes.tensor must be a mesh axis name other than"):
-        zj.ZeroConfig(tensor_axis="data")
-    with pytest.raises(ValueError, match=r"Axes.rules \(axis_rules\) must be a sequence"):
-        zj.ZeroConfig(axis_rules="mlp")
+        zj.ZeroConfig(axes={"tensor": "data"})
+    with pytest.raises(ValueError, match=r"Axes.rules must be a sequence"):
+        zj.ZeroConfig(axes={"rules": "mlp"})
 
 
 def test_estimate_cli_tensor(capsys):

@@ -168,7 +168,7 @@ CONFIGS = {
     "stage 3 fp16": (dict(stage=3, compute_dtype="float16"), {}),
     "stage 3 tensor 2": (dict(stage=3), dict(tensor=2)),
     "stage 3 hybrid": (dict(stage=3), dict(replicas=2)),
-    "stage 3 offload": (dict(stage=3, offload_params=True), {}),
+    "stage 3 offload": (dict(stage=3, offload={"params": True}), {}),
 }
 TENSOR_SPECS = {"emb": None, "head": {"kernel": P("tensor", None)}, "blocks": {"w": P(None, None, "tensor"), "n": None}}
 

@@ -290,7 +290,7 @@ class TrainStep:
 
     def update_place(self, state: ZeroState) -> str:
         """Where this step runs the optimizer update of ``state`` (see
-        ``ZeroConfig.offload_update``): "device" without offloaded state, else "host" or
+        ``ZeroConfig.offload.update``): "device" without offloaded state, else "host" or
         "device", with "auto" resolved once per plan by compiling the update in host memory.
 
         Example:
@@ -450,7 +450,7 @@ def make_train_step(
     micro-batch, then averaged over the devices (floating leaves; integer ones are taken
     from the first device), and kept unchanged by a skipped step. ``with_layout=True``
     calls ``loss_fn(params, batch, layout=layout)`` with the step's sequence layout (a
-    :class:`zerojax.context.Layout`; see ``ZeroConfig.context_layout``), to hand to
+    :class:`zerojax.context.Layout`; see ``ZeroConfig.context.layout``), to hand to
     ``zj.nn.dot_product_attention(..., layout=layout)`` and ``zj.nn.global_positions(T,
     layout)``. The keywords are the whole contract: declare them as ordinary parameters if
     you like.

@@ -53,7 +53,7 @@ WITHOUT_READING: tuple[tuple[str, str], ...] = (
     ),
     (
         "balanced context layout",
-        "refused with the fix (ZeroConfig(context_layout='contiguous')): its sequence-order check reads the loss",
+        "refused with the fix (ZeroConfig(context={'layout': 'contiguous'})): its sequence-order check reads the loss",
     ),
     (
         "a model's own mesh",

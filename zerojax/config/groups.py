@@ -185,7 +185,7 @@ def _check_rules(rules: Any) -> tuple:
     if isinstance(rules, dict):
         rules = tuple(rules.items())
     bad = ValueError(
-        f"Axes.rules (axis_rules) must be a sequence of (logical name, mesh axis or None) pairs, "
+        f"Axes.rules must be a sequence of (logical name, mesh axis or None) pairs, "
         f"e.g. (('mlp', 'tensor'), ('embed', None)), got {rules!r}."
     )
     if isinstance(rules, str) or not isinstance(rules, (tuple, list)):
@@ -212,7 +212,7 @@ def _check_model_axes(model_axes: Any) -> tuple:
     """``model_axes`` as a sorted tuple of ``(model mesh axis, zerojax mesh axis | None)``."""
     items = model_axes.items() if isinstance(model_axes, dict) else model_axes
     bad = ValueError(
-        f"Axes.model_axes (axis_map) must map the model's mesh axis names to zerojax's (or None), e.g. "
+        f"Axes.model_axes must map the model's mesh axis names to zerojax's (or None), e.g. "
         f"{{'fsdp': 'data', 'data': 'data', 'tensor': 'tensor'}}, got {model_axes!r}."
     )
     try:
@@ -317,7 +317,7 @@ def _check_dims(dims: Any) -> Any:
         else:
             return tuple(out)
     raise ValueError(
-        f"Context.dims (context_dims) must be None (see zerojax.context.batch), an int >= 1 (the sequence "
+        f"Context.dims must be None (see zerojax.context.batch), an int >= 1 (the sequence "
         f"dimension of every leaf), or {{batch leaf path: dim, (dims...) or None}} (paths as "
         f"jax.tree_util.keystr writes them, e.g. \"['tokens']\"; a [B, T, T] mask: (1, 2)); got {dims!r}."
     )
@@ -353,7 +353,7 @@ class Context:
     def __post_init__(self) -> None:
         if self.layout not in ("contiguous", "balanced"):
             raise ValueError(
-                f"Context.layout (context_layout) must be 'contiguous' or 'balanced' (ring attention's load "
+                f"Context.layout must be 'contiguous' or 'balanced' (ring attention's load "
                 f"balancing for causal attention), got {self.layout!r}."
             )
         object.__setattr__(self, "dims", _check_dims(self.dims))
@@ -388,4 +388,6 @@ FLAT: dict[str, tuple[str, str]] = {
     "context_layout": ("context", "layout"),
     "context_dims": ("context", "dims"),
 }
-"""Each flat keyword of ``ZeroConfig`` (the form before the groups) and the group field it sets."""
+"""Each flat name of the config before the groups (``offload_optimizer``) and the group field
+it became (``("offload", "optimizer")``). ``ZeroConfig`` accepts none of them, as keyword or
+attribute: this table only lets its errors name the grouped form to write instead."""

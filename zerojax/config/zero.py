@@ -29,6 +29,15 @@ STAGES = (0, 1, 2, 3)
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 
+class _InitSignature:
+    """The signature of a class whose ``__new__`` only checks keywords: its ``__init__``'s
+    (``inspect.signature`` would otherwise report ``__new__``'s ``*args, **kwargs``)."""
+
+    def __get__(self, obj: Any, owner: type) -> inspect.Signature:
+        sig = inspect.signature(owner.__init__)
+        return sig.replace(parameters=list(sig.parameters.values())[1:], return_annotation=None)
+
+
 @dataclasses.dataclass(frozen=True)
 class ZeroConfig:
     """How a train step shards model state and in which precision it computes.
@@ -72,11 +81,11 @@ class ZeroConfig:
       axes: :class:`~zerojax.config.Axes`, the mesh's axis names and a model's own names.
       context: :class:`~zerojax.config.Context`, the sequence layout over the context axis.
 
-    Flat keywords: the groups' fields can also be given flat, as before the groups
-    (``offload_optimizer=True``, ``reduce_dtype="int8"``, ``axis_rules=...``; the table is
-    :data:`zerojax.config.groups.FLAT`), to the constructor and to ``dataclasses.replace``;
-    the first use prints the grouped form once. They read back flat too
-    (``config.offload_optimizer`` is ``config.offload.optimizer``).
+    One spelling: a group's fields are given and read through the group
+    (``offload={"optimizer": True}``, ``config.offload.optimizer``). A keyword or attribute
+    spelt the flat way of before the groups (``offload_optimizer=True``,
+    ``config.offload_optimizer``; the table is :data:`zerojax.config.groups.FLAT`) is refused
+    with the grouped form to write instead.
 
     Example:
       >>> import zerojax as zj
@@ -92,6 +101,10 @@ class ZeroConfig:
       Traceback (most recent call last):
       ...
       ValueError: ZeroConfig.stage must be one of (0, 1, 2, 3), got 4. ...
+      >>> zj.ZeroConfig(offload_optimizer=True)
+      Traceback (most recent call last):
+      ...
+      TypeError: ZeroConfig has no keyword 'offload_optimizer'; it is offload.optimizer: ZeroConfig(offload={'optimizer': True}). ...
     """
 
     stage: int = 3
@@ -108,6 +121,26 @@ class ZeroConfig:
     collectives: Collectives = Collectives()
     axes: Axes = Axes()
     context: Context = Context()
+
+    __signature__ = _InitSignature()
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> ZeroConfig:
+        """Refuses a keyword that is not a field, naming the grouped form (the generated
+        ``__init__``, which ``dataclasses.replace`` calls too, then runs as usual)."""
+        unknown = [k for k in kwargs if k not in _FIELDS]
+        if unknown:
+            raise TypeError(_unknown_keywords(unknown, kwargs))
+        return super().__new__(cls)
+
+    def __getattr__(self, name: str) -> Any:
+        """Only reached for a name that is not an attribute: a group's field read the flat
+        way (``config.offload_optimizer``) is refused with its grouped name."""
+        if name in _GROUPED:
+            group, field = _GROUPED[name]
+            raise AttributeError(
+                f"ZeroConfig has no attribute {name!r}; it is {group}.{field}: read config.{group}.{field}."
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)
@@ -153,22 +186,22 @@ class ZeroConfig:
             )
         if self.offload.optimizer and self.stage == 0:
             raise ValueError(
-                "ZeroConfig.offload.optimizer (offload_optimizer) needs a sharded optimizer state: use "
+                "ZeroConfig.offload.optimizer needs a sharded optimizer state: use "
                 "stage 1, 2 or 3 (stage 0 replicates it on every device)."
             )
         if self.offload.params and self.stage != 3:
             raise ValueError(
-                f"ZeroConfig.offload.params (offload_params) keeps stage 3's sharded parameters in host "
+                f"ZeroConfig.offload.params keeps stage 3's sharded parameters in host "
                 f"memory; stage {self.stage} keeps a replicated copy on every device. Use stage=3."
             )
         if self.collectives.gather_dtype is not None and self.stage != 3:
             raise ValueError(
-                f"ZeroConfig.collectives.gather_dtype='int8' (gather_dtype) quantizes stage 3's weight "
+                f"ZeroConfig.collectives.gather_dtype='int8' quantizes stage 3's weight "
                 f"gathers; stage {self.stage} gathers none per use. Use stage=3."
             )
         if self.collectives.reduce_dtype == "int8" and self.stage == 0:
             raise ValueError(
-                "ZeroConfig.collectives.reduce_dtype='int8' (reduce_dtype) quantizes the gradient "
+                "ZeroConfig.collectives.reduce_dtype='int8' quantizes the gradient "
                 "reduce-scatter of stages 1–3 (ZeRO++'s qgZ); stage 0 all-reduces full gradients. Use "
                 "stage=1, 2 or 3, or a float reduce_dtype."
             )
@@ -283,6 +316,44 @@ class ZeroConfig:
         return self.compute_dtype != "float32"
 
 
+_FIELDS = frozenset(f.name for f in dataclasses.fields(ZeroConfig))
+# Each name that is a group's field, not ZeroConfig's, -> (group, field): the flat keywords of
+# before the groups (groups.FLAT) and the groups' own field names given at the top level.
+_GROUPED: dict[str, tuple[str, str]] = {
+    **{f.name: (g, f.name) for g, cls in GROUPS.items() for f in dataclasses.fields(cls) if f.name not in _FIELDS},
+    **FLAT,
+}
+
+
+def _unknown_keywords(unknown: list[str], kwargs: Mapping[str, Any]) -> str:
+    """The message for keywords of ``ZeroConfig(...)`` that are not its fields: the grouped
+    call that sets the group fields among them, else a close match for the first name."""
+    flat = [k for k in unknown if k in _GROUPED]
+    if not flat:
+        key = unknown[0]
+        close = difflib.get_close_matches(key, sorted(_FIELDS | set(_GROUPED)), n=1)
+        if close and close[0] in _GROUPED:
+            group, field = _GROUPED[close[0]]
+            return f"ZeroConfig has no keyword {key!r}; did you mean {group}.{field} ({group}={{{field!r}: ...}})?"
+        if close:
+            return f"ZeroConfig has no keyword {key!r}; did you mean {close[0]!r}?"
+        return f"ZeroConfig has no keyword {key!r}; its fields are {sorted(_FIELDS)}."
+    grouped: dict[str, dict[str, Any]] = {}
+    for key in flat:
+        group, field = _GROUPED[key]
+        grouped.setdefault(group, {})[field] = kwargs[key]
+    names = ", ".join(repr(k) for k in flat)
+    paths = ", ".join(".".join(_GROUPED[k]) for k in flat)
+    call = ", ".join(f"{g}={fields!r}" for g, fields in grouped.items())
+    group, fields = next(iter(grouped.items()))
+    keep = ", ".join(f"{f}={v!r}" for f, v in fields.items())
+    return (
+        f"ZeroConfig has no keyword{'s' if len(flat) > 1 else ''} {names}; "
+        f"{'they are' if len(flat) > 1 else 'it is'} {paths}: ZeroConfig({call}). "
+        f"(In dataclasses.replace, {group}=dataclasses.replace(config.{group}, {keep}) keeps the group's other fields.)"
+    )
+
+
 def _as_group(name: str, cls: type, value: Any) -> Any:
     if isinstance(value, cls):
         return value
@@ -333,39 +404,6 @@ def _warn_unused_scaling(config: ZeroConfig) -> None:
     )
 
 
-_generated_init = ZeroConfig.__init__
-_said_flat = False
-
-
-@functools.wraps(_generated_init)
-def _init(self, *args: Any, **kwargs: Any) -> None:
-    flat = {k: kwargs.pop(k) for k in [k for k in kwargs if k in FLAT]}
-    known = {f.name for f in dataclasses.fields(ZeroConfig)}
-    unknown = [k for k in kwargs if k not in known]
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], sorted(known | set(FLAT)), n=1)
-        raise TypeError(
-            f"ZeroConfig got an unknown keyword {unknown[0]!r}"
-            + (f"; did you mean {close[0]!r}?" if close else f"; its fields are {sorted(known)}.")
-        )
-    for key, value in flat.items():  # a flat keyword sets one field of its group's value
-        group, field = FLAT[key]
-        cls = GROUPS[group]
-        base = _as_group(group, cls, kwargs.get(group, cls()))
-        kwargs[group] = dataclasses.replace(base, **{field: value})
-    _generated_init(self, *args, **kwargs)
-    global _said_flat
-    if flat and not _said_flat:
-        _said_flat = True
-        written = ", ".join(f"{k}={v!r}" for k, v in flat.items())
-        warnings.warn(
-            f"ZeroConfig({written}): flat keywords keep working; the grouped form of this config is "
-            f"{self.code()} (said once).",
-            UserWarning,
-            stacklevel=_caller_level(),
-        )
-
-
 def _caller_level() -> int:
     """The stack level of the first frame outside this module and ``dataclasses``."""
     frame, level = inspect.currentframe(), 1
@@ -373,25 +411,5 @@ def _caller_level() -> int:
         frame, level = frame.f_back, level + 1
     return level - 1
 
-
-_init.__signature__ = inspect.signature(_generated_init)
-ZeroConfig.__init__ = _init
-
-
-def _flat_alias(key: str, group: str, field: str) -> property:
-    def read(self: ZeroConfig) -> Any:
-        warnings.warn(
-            f"ZeroConfig.{key} is the flat spelling of ZeroConfig.{group}.{field}: read config.{group}.{field}. "
-            "(Flat keywords still build a config; reading by the flat name goes in a later release.)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(getattr(self, group), field)
-
-    return property(read, doc=f"Deprecated: ``{group}.{field}``, read by its flat name.")
-
-
-for _key, (_group, _field) in FLAT.items():
-    setattr(ZeroConfig, _key, _flat_alias(_key, _group, _field))
 
 _DEFAULT = ZeroConfig()

@@ -184,7 +184,7 @@ def dot_product_attention(
     if lay.moves:  # a step checks the loss's order for it by reading the program
         check.require(
             f"zj.nn.dot_product_attention with the {lay.kind!r} layout",
-            "Use the contiguous layout (ZeroConfig(context_layout='contiguous'); layout=None here).",
+            "Use the contiguous layout (ZeroConfig(context={'layout': 'contiguous'}); layout=None here).",
         )
     layout = lay.kind
     local = c > 1 and axis in _manual_axes()

@@ -10,7 +10,7 @@ whole sequence, split over the context axis automatically: XLA partitions every 
 loss over it (plain attention included: exact), and ``zj.nn.dot_product_attention`` runs
 its Ulysses or ring kernel manual over it.
 
-Which dimensions are sequences (``ZeroConfig.context_dims``):
+Which dimensions are sequences (``ZeroConfig.context.dims``):
 
 - ``{batch leaf path: dim, (dims...) or None}``: exactly those (paths as
   ``jax.tree_util.keystr`` writes them, e.g. ``"['mask']"``); leaves not named are not
@@ -60,7 +60,7 @@ def sequence_dims(config: Any, batch: Any) -> list[tuple[int, ...]]:
         unknown = sorted(set(table) - set(names))
         if unknown:
             raise ValueError(
-                f"ZeroConfig.context_dims names {unknown}, which are not batch leaves; the batch has {sorted(names)}."
+                f"ZeroConfig.context.dims names {unknown}, which are not batch leaves; the batch has {sorted(names)}."
             )
         out = [_as_dims(table.get(n)) for n in names]
     elif dims is not None:
@@ -72,7 +72,7 @@ def sequence_dims(config: Any, batch: Any) -> list[tuple[int, ...]]:
     for n, s, ds in zip(names, shapes, out):
         if any(d >= len(s) for d in ds):
             raise ValueError(
-                f"ZeroConfig.context_dims puts batch leaf {n}'s sequence on dimension(s) {ds}, but it has shape {s}."
+                f"ZeroConfig.context.dims puts batch leaf {n}'s sequence on dimension(s) {ds}, but it has shape {s}."
             )
     return out
 

@@ -46,8 +46,8 @@ def check(plan: Any, closed: Any, args: tuple, batch_at: int) -> None:
     layout = layout_of(plan)
     if layout.moves:
         program_check.require(
-            f"ZeroConfig(context_layout={layout.kind!r})",
-            "Use ZeroConfig(context_layout='contiguous'): the same results, with the causal work less balanced "
+            f"ZeroConfig(context={{'layout': {layout.kind!r}}})",
+            "Use ZeroConfig(context={'layout': 'contiguous'}): the same results, with the causal work less balanced "
             "over the context devices.",
         )
     elif not program_check.reading():
@@ -60,7 +60,7 @@ def check(plan: Any, closed: Any, args: tuple, batch_at: int) -> None:
             )
             raise ValueError(
                 f"zj.nn.dot_product_attention at {lines.where(eqn)} was traced for the {kind!r} layout, but "
-                f"this step lays its sequences out {layout.kind!r} (ZeroConfig.context_layout). {how}; a function "
+                f"this step lays its sequences out {layout.kind!r} (ZeroConfig.context.layout). {how}; a function "
                 f"jitted once and used by steps of two layouts must take the layout as a static argument."
             )
     if not layout.moves:

@@ -72,7 +72,7 @@ FIX = (
     "Give shifted targets in the batch (separate inputs and targets leaves, not tokens[:, :-1] and "
     "tokens[:, 1:] in the loss); build positions with zj.nn.global_positions instead of jnp.arange; use "
     "zj.nn.dot_product_attention for attention and its causal mask; or train with "
-    "context_layout='contiguous'."
+    "context={'layout': 'contiguous'}."
 )
 
 Tags = tuple[frozenset, ...] | None  # per dimension; None: nothing tagged
@@ -153,15 +153,15 @@ NATURAL_FIX = (
     "A table indexed by position (a learned position embedding sliced table[:T]) must be indexed by each "
     "token's position in the layout: table[zj.nn.global_positions(T, layout)], or by positions given in the "
     "batch (the step permutes them with the tokens); a per-example batch leaf must not be combined with "
-    "the sequence along it; or train with context_layout='contiguous'."
+    "the sequence along it; or train with context={'layout': 'contiguous'}."
 )
 ROWS_FIX = (
     "Route dropless (capacity_factor=None: each token's result is its own, whatever the tokens' order), "
-    "or train with context_layout='contiguous'."
+    "or train with context={'layout': 'contiguous'}."
 )
 SCAN_FIX = (
     "Reduce over the sequence with an order-free op (a sum, a max, jax.ops.segment_sum), or let the scan "
-    "only accumulate into its carry; or train with context_layout='contiguous'."
+    "only accumulate into its carry; or train with context={'layout': 'contiguous'}."
 )
 
 

@@ -681,30 +681,3 @@ def from_deepspeed(source: Any, *, auto: Mapping[str, Any] | None = None) -> Zer
     if message:
         warnings.warn(message, stacklevel=2)
     return t.config
-
-
-def _deprecated_from_deepspeed(cls, source, **kwargs):
-    """Deprecated: ``zj.from_deepspeed(source)``, under its old name (kept for scripts
-    written before the rename; warns with ``DeprecationWarning``).
-
-    Example:
-      >>> import warnings, zerojax as zj
-      >>> with warnings.catch_warnings(record=True) as w:
-      ...     warnings.simplefilter("always")
-      ...     cfg = zj.ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 2}})
-      >>> cfg.stage, w[0].category.__name__
-      (2, 'DeprecationWarning')
-    """
-    import warnings
-
-    warnings.warn(
-        "ZeroConfig.from_deepspeed(...) is deprecated and will be removed in zerojax 0.3; call "
-        "zj.from_deepspeed(...) (the same arguments and result).",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return from_deepspeed(source, **kwargs)
-
-
-# The old name, attached here so that zerojax.config (below this package) never imports it.
-ZeroConfig.from_deepspeed = classmethod(_deprecated_from_deepspeed)

@@ -70,8 +70,8 @@ def sequence_parallel(x: jax.Array, *, dim: int = 1, axis: str = "tensor", conte
     Args:
       x: an activation, e.g. the residual stream ``[batch, seq, d_model]``.
       dim: the dimension to split (negative counts from the end).
-      axis: the tensor axis's name (``ZeroConfig.tensor_axis``).
-      context_axis: the context axis's name (``ZeroConfig.context_axis``).
+      axis: the tensor axis's name (``ZeroConfig.axes.tensor``).
+      context_axis: the context axis's name (``ZeroConfig.axes.context``).
 
     Raises:
       ValueError: ``dim`` is not a dimension of ``x``, or the tensor (and context) axis does

@@ -3,13 +3,13 @@
 With ``ZeroConfig(offload={"optimizer": True})`` the optimizer state, and the fp32 masters where
 they are kept apart, live in host memory (memory kind ``"pinned_host"``), sharded as they
 would be on the device. The update runs in one of two places
-(``ZeroConfig.offload_update``):
+(``ZeroConfig.offload.update``):
 
 * ``"host"``: inside ``jax.experimental.compute_on("device_host")``. Only the gradients go
   down to host memory and only the new parameters come back; the state never touches the
   accelerator. This is DeepSpeed's CPU-Adam arrangement.
 * ``"device"``: the state streams to the device and back in groups of at most
-  ``ZeroConfig.offload_group_size`` parameter elements (DeepSpeed's ``sub_group_size``),
+  ``ZeroConfig.offload.group_size`` parameter elements (DeepSpeed's ``sub_group_size``),
   group after group: each group's results go back to host memory as soon as they are
   made, and group g's state waits for group g−2's update, so that one group updates while
   the next arrives.
@@ -244,7 +244,7 @@ def _compute_on_is_context_manager() -> bool:
 
 def choose_place(plan: ZeroPlan, tx: Any, opt: list) -> str:
     """Where the update of offloaded state runs: ``"device"`` when nothing is offloaded,
-    else ``ZeroConfig.offload_update``, with ``"auto"`` resolved by compiling the host
+    else ``ZeroConfig.offload.update``, with ``"auto"`` resolved by compiling the host
     update for these shapes (``"host"`` if the backend accepts it; ``"device"`` when only
     the parameters are offloaded)."""
     cfg = plan.config

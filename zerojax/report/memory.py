@@ -126,7 +126,7 @@ def zero_formula_bytes(
     ``ZeroConfig.frozen_dtype``), 4 with ``"param"``: they are stored in it, with no master
     and no optimizer state.
 
-    With offload (``ZeroConfig.offload_optimizer`` / ``offload_params``), ``memory`` picks
+    With offload (``ZeroConfig.offload.optimizer`` / ``offload_params``), ``memory`` picks
     the part in ``"device"`` or ``"host"`` memory (``"total"``: both): offloading the
     optimizer moves the optimizer state (opt_bytes·Ψ/N) and, at stages 1–2 in bf16/fp16,
     the sharded masters (4Ψ/N) to the host; offloading the parameters (stage 3) moves the

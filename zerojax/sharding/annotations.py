@@ -12,9 +12,9 @@ The split comes from the model's own annotations, as Flax writes them, or from a
 * plain JAX: ``init_state(..., tensor_specs=...)``, a tree of ``PartitionSpec`` (or None)
   shaped like ``params``.
 
-Each name is a mesh axis or a logical name that ``ZeroConfig.axis_rules`` maps to one (or to
+Each name is a mesh axis or a logical name that ``ZeroConfig.axes.rules`` maps to one (or to
 None), resolved as the Flax API that wrote the annotation resolves it (linen's rules by
-precedence, NNX's as a table: :mod:`zerojax.sharding.logical`). The tensor axis (``ZeroConfig.tensor_axis``) marks the split dimension; it is known
+precedence, NNX's as a table: :mod:`zerojax.sharding.logical`). The tensor axis (``ZeroConfig.axes.tensor``) marks the split dimension; it is known
 even where the mesh has none. The data and replica axes may be named too: ZeRO shards every
 parameter over them anyway. With a tensor axis in the mesh, or rules given, any other name
 is an error naming the parameter, never a silent fallback; with neither, nothing is split
@@ -104,7 +104,7 @@ def split_dims(
     names: list[Annotation | None], shapes: list[tuple[int, ...]], paths: list[str], mesh: Mesh, config: ZeroConfig
 ) -> tuple[tuple[int, str], ...]:
     """Per parameter: ``(dimension, axis)`` split over the tensor axis or the expert axis
-    (``ZeroConfig.expert_axis``, a routed expert's expert dimension), or ``(-1, "")``,
+    (``ZeroConfig.axes.expert``, a routed expert's expert dimension), or ``(-1, "")``,
     checked: a weight is split over one of them on one dimension."""
     rules = tuple(config.axes.rules)
     t_axis, e_axis = config.axes.tensor, config.axes.expert
@@ -173,14 +173,14 @@ def split_dims(
 
 
 def _rule_target(name: Any, target: Any, known: set, path: str, dim: int, mesh: Mesh, config: ZeroConfig) -> tuple:
-    """The zerojax mesh axes of a rule's target (model axes through ``ZeroConfig.axis_map``)."""
+    """The zerojax mesh axes of a rule's target (model axes through ``ZeroConfig.axes.model_axes``)."""
     amap = dict(config.axes.model_axes or ())
     target = () if target is None else (target,) if isinstance(target, str) else tuple(logical._leaves(target))
     target = tuple(t for t in (amap.get(a, a) if a in amap else a for a in target) if t is not None)
     for a in target:
         if a not in known:
             raise ValueError(
-                f"ZeroConfig.axis_rules maps {name!r} to mesh axis {a!r}, which the mesh "
+                f"ZeroConfig.axes.rules maps {name!r} to mesh axis {a!r}, which the mesh "
                 f"{dict(mesh.shape)} lacks (used by params{path}, dimension {dim}). Map it to one "
                 f"of {sorted(known)} or to None."
             )
@@ -189,7 +189,7 @@ def _rule_target(name: Any, target: Any, known: set, path: str, dim: int, mesh: 
 
 def _unruled(name: Any, known: set, path: str, dim: int, mesh: Mesh, config: ZeroConfig) -> tuple:
     """The mesh axes a name no rule covers stands for: a mesh axis, or a model axis of
-    ``ZeroConfig.axis_map`` (a tuple; empty: not split)."""
+    ``ZeroConfig.axes.model_axes`` (a tuple; empty: not split)."""
     if name is None:
         return ()
     if isinstance(name, (tuple, list)):
@@ -197,7 +197,7 @@ def _unruled(name: Any, known: set, path: str, dim: int, mesh: Mesh, config: Zer
     if not isinstance(name, str):
         raise TypeError(f"params{path}: dimension {dim}'s annotation {name!r} is not an axis name (str or None).")
     amap = dict(config.axes.model_axes or ())
-    if name in amap:  # a model mesh axis, through ZeroConfig.axis_map
+    if name in amap:  # a model mesh axis, through ZeroConfig.axes.model_axes
         return () if amap[name] is None else (amap[name],)
     if name in known:
         return (name,)

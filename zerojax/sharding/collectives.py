@@ -68,7 +68,7 @@ def _reduce_int8(
     g: jax.Array, axis: str, n: int, layout: LeafLayout | None, replica: str | None, block: int | None
 ) -> jax.Array:
     if not block:
-        raise ValueError("reduce_dtype='int8' needs a block size (ZeroConfig.reduce_quant_block_size).")
+        raise ValueError("reduce_dtype='int8' needs a block size (ZeroConfig.collectives.reduce_block_size).")
     x = g.astype(jnp.float32)
     if layout is None:
         summed = int8_reduce.all_reduce_int8(x, axis, jax.lax.axis_size(axis), block)

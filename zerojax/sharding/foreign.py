@@ -12,7 +12,7 @@ zerojax instead
    data axes bound by name (so a ``psum`` over ``"data"`` in the model still traces), where
    the model's constraints are legal; then
 2. inside the ``shard_map`` re-traces that program (:class:`Translator`), every constraint
-   translated through ``axis_map`` onto zerojax's mesh: an axis mapped to a data axis (or to
+   translated through ``axes.model_axes`` onto zerojax's mesh: an axis mapped to a data axis (or to
    None) is dropped, since each device already holds its rows of the batch and ZeRO places
    the parameters; an axis mapped to the tensor axis is kept, as a constraint on the step's
    own mesh, so activation constraints over "tensor" still steer XLA's partitioner. A
@@ -25,7 +25,7 @@ zerojax instead
    derivative's primal and rule) is re-traced the same way, so no value of the step carries
    the model's mesh.
 
-A constraint naming an axis neither ``axis_map`` nor zerojax's mesh knows raises a
+A constraint naming an axis neither ``axes.model_axes`` nor zerojax's mesh knows raises a
 ``ValueError`` naming the equation's source line and the mapping to add. Everything this
 module reads of JAX's program form goes through :mod:`zerojax._jaxpr`.
 """
@@ -121,7 +121,7 @@ def _unknown(
 ) -> None:
     raise ValueError(
         f"the model constrains a value to mesh axis {name!r} (its mesh has axes {model_axes}) at "
-        f"{lines.where(eqn)}, and neither ZeroConfig.axis_map nor zerojax's mesh {mesh_axes} knows that "
-        f"axis. Map it: axis_map={{{name!r}: 'data'}} for a batch or FSDP axis, "
+        f"{lines.where(eqn)}, and neither ZeroConfig.axes.model_axes nor zerojax's mesh {mesh_axes} knows that "
+        f"axis. Map it: axes={{'model_axes': {{{name!r}: 'data'}}}} for a batch or FSDP axis, "
         f"{{{name!r}: {tensor or 'tensor'!r}}} for a tensor-parallel one, or {{{name!r}: None}} to drop it."
     )

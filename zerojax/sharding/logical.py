@@ -18,7 +18,7 @@ Flax has two resolutions, and a model gets the one of the API that annotated it:
 
 :func:`resolve` gives, per dimension, the rule's target (``None``, an axis, or a tuple of
 axes) or :data:`UNRULED` where no rule names the dimension (its name is then a mesh axis
-or a model axis of ``ZeroConfig.axis_map``, which :mod:`zerojax.sharding.annotations`
+or a model axis of ``ZeroConfig.axes.model_axes``, which :mod:`zerojax.sharding.annotations`
 checks). Keep Flax's semantics here and nowhere else.
 """
 
@@ -96,7 +96,7 @@ def _nnx(names: tuple, context: tuple, local: tuple | None) -> list:
         if k in table and table[k] != v:
             raise ValueError(
                 f"the annotation {names} has its own rule ({k!r}, {v!r}), which contradicts "
-                f"ZeroConfig.axis_rules' ({k!r}, {table[k]!r}); Flax refuses it too ('Inconsistent "
+                f"ZeroConfig.axes.rules' ({k!r}, {table[k]!r}); Flax refuses it too ('Inconsistent "
                 f"logical axis annotations'). Make them agree."
             )
         table[k] = v
@@ -105,7 +105,7 @@ def _nnx(names: tuple, context: tuple, local: tuple | None) -> list:
 
 def resolve(annotation: Annotation, rules: tuple) -> list:
     """Per dimension of ``annotation``: its mesh target under ``rules`` (the context's,
-    ``ZeroConfig.axis_rules``), or :data:`UNRULED`.
+    ``ZeroConfig.axes.rules``), or :data:`UNRULED`.
 
     Example:
       >>> resolve(Annotation(("x", "y")), (("x", "tensor"), ("x", None), ("y", "tensor")))

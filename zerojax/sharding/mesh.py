@@ -50,18 +50,18 @@ def make_mesh(
     With ``tensor=T`` the mesh gains a tensor-parallel axis ``tensor_axis`` innermost:
     ``(N/T,)`` data x ``T`` tensor, or ``(R, N/(R·T), T)`` with replicas; the ``T`` devices of
     a tensor group are neighbours in device order (the fastest links, one host), and the
-    model's annotated weights are split over them (see ``ZeroConfig.tensor_axis``).
+    model's annotated weights are split over them (see ``ZeroConfig.axes.tensor``).
 
     With ``context=C`` the mesh gains a context-parallel axis ``context_axis`` between the
     data and tensor axes: ``(replica, data, context, tensor)``, the replica and tensor axes
     only where asked. The batch's sequence dimension is split over it and ZeRO shards the
-    state over data x context (see ``ZeroConfig.context_axis``).
+    state over data x context (see ``ZeroConfig.axes.context``).
 
     With ``expert=E`` the mesh gains an expert-parallel axis ``expert_axis`` after the data
     axis: ``(replica, data, expert, context, tensor)``. The batch is split over data x expert
     (an expert group's devices are data-parallel for every layer but the routed experts);
     weights annotated with the expert axis (the stacked experts' expert dimension) are
-    split over it, each device holding ``n_experts / E`` experts (see ``ZeroConfig.expert_axis``
+    split over it, each device holding ``n_experts / E`` experts (see ``ZeroConfig.axes.expert``
     and docs/moe.md).
 
     ``group_size=G`` asks for replica groups of ``G`` devices instead of a number of them

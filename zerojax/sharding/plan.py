@@ -291,20 +291,20 @@ def make_plan(
         )
     if e > 1 and config.axes.model_axes is not None:
         raise ValueError(
-            "ZeroConfig.axis_map (a model with its own sharding) is not supported on an expert mesh yet: "
+            "ZeroConfig.axes.model_axes (a model with its own sharding) is not supported on an expert mesh yet: "
             "its constraints are translated onto the data and tensor axes only. Annotate the experts "
-            "with a logical name and ZeroConfig.axis_rules instead (docs/moe.md)."
+            "with a logical name and ZeroConfig.axes.rules instead (docs/moe.md)."
         )
     if c > 1 and config.axes.model_axes is not None:
         raise ValueError(
-            "ZeroConfig.axis_map (a model with its own sharding) is not supported on a context mesh yet: "
+            "ZeroConfig.axes.model_axes (a model with its own sharding) is not supported on a context mesh yet: "
             "its constraints are translated onto the data and tensor axes only. Use zj.make_mesh() or "
             "zj.make_mesh(tensor=T)."
         )
     for model_axis, target in config.axes.model_axes or ():
         if target is not None and target not in mesh.axis_names and target != config.axes.tensor:
             raise ValueError(
-                f"ZeroConfig.axis_map maps the model's axis {model_axis!r} to {target!r}, which is not an "
+                f"ZeroConfig.axes.model_axes maps the model's axis {model_axis!r} to {target!r}, which is not an "
                 f"axis of the mesh {dict(mesh.shape)}. Map it to one of {mesh.axis_names}, "
                 f"{config.axes.tensor!r} or None."
             )

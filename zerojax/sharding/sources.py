@@ -38,7 +38,7 @@ class Source:
     world: int  # devices a gradient is averaged over (every device of the batch)
     compute_dtype: str = "float32"
     reduce_dtype: str | None = "float32"  # None: frozen, no gradient
-    quant_block: int | None = None  # gather as blockwise int8 (ZeroConfig.gather_dtype)
+    quant_block: int | None = None  # gather as blockwise int8 (ZeroConfig.collectives.gather_dtype)
     replica: str | None = None  # replica-group axis: gradient shards are all-reduced over it
     resident: bool = False  # the full parameter is stored (stage 2): nothing to gather
     sink: bool = False  # the gradient goes to a separate array, stored last

@@ -98,7 +98,7 @@ class Loss:
     with_model_state: bool = False
     layout: Any = None  # the zerojax.context.Layout handed to the loss (with_layout), else None
     aux: outputs.Combine | None = None  # how aux combines (has_aux only)
-    # ZeroConfig.axis_map: the loss traced outside the step's shard_map, and its output shapes
+    # ZeroConfig.axes.model_axes: the loss traced outside the step's shard_map, and its output shapes
     program: Any = dataclasses.field(default=None, compare=False)
 
     @classmethod

@@ -59,7 +59,9 @@ def check_mesh(mesh, config: ZeroConfig) -> None:
     """Refuses a mesh without the data axis, or with axes whose memory the formulas do not
     model (tensor parallelism)."""
     if config.axes.data not in mesh.axis_names:
-        raise ValueError(f"the mesh has no axis {config.axes.data!r} (ZeroConfig.axis); its axes: {mesh.axis_names}.")
+        raise ValueError(
+            f"the mesh has no axis {config.axes.data!r} (ZeroConfig.axes.data); its axes: {mesh.axis_names}."
+        )
     other = {
         a: s
         for a, s in dict(mesh.shape).items()
@@ -131,7 +133,7 @@ def split_meshes(mesh, config: ZeroConfig, space: SearchSpace, batch: Any) -> di
     if any(c > 1 for c in contexts) and not any(sequence_dims(config, batch)):
         raise ValueError(
             f"SearchSpace(context={contexts}) splits each sequence over the context axis, but no batch "
-            f"leaf has a sequence dimension (leaves with 2+ dimensions, or ZeroConfig.context_dims)."
+            f"leaf has a sequence dimension (leaves with 2+ dimensions, or ZeroConfig.context.dims)."
         )
     for c in contexts:
         try:
