@@ -103,18 +103,19 @@ def _adam_run(**config):
 
 
 @pytest.mark.parametrize(
-    "kw", [{}, {"prefetch": 1}, {"compute_dtype": "bfloat16"}, {"offload": {"optimizer": True, "params": True}}]
+    "kw",
+    [{}, {"prefetch": 1}, {"compute_dtype": "bfloat16"}, {"offload": zj.config.Offload(optimizer=True, params=True)}],
 )
 def test_training_with_int8_gathers_stays_near_exact_gathers(kw):
     """Same runs, exact and int8 gathers: the losses agree to the quantization's size, and
     int8 runs agree with each other whatever the path (prefetch, offload)."""
     base = dict(compute_dtype=kw.get("compute_dtype", "float32"))
     exact, exact_losses = _adam_run(**base)
-    got, losses = _adam_run(collectives={"gather_dtype": "int8"}, **{**base, **kw})
+    got, losses = _adam_run(collectives=zj.config.Collectives(gather_dtype="int8"), **{**base, **kw})
     np.testing.assert_allclose(losses, exact_losses, rtol=0.03)
     assert losses[-1] < losses[0]
     if kw and "compute_dtype" not in kw:  # the same int8 gathers by another path: the same run
-        plain, _ = _adam_run(collectives={"gather_dtype": "int8"}, compute_dtype="float32")
+        plain, _ = _adam_run(collectives=zj.config.Collectives(gather_dtype="int8"), compute_dtype="float32")
         assert models.abs_errors(got, plain).max() <= 1e-5
 
 

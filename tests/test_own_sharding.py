@@ -51,7 +51,7 @@ def test_maxtext_style_model_trains_as_on_one_device(tensor, stages):
 
 def _constraint_specs(jaxpr) -> list:
     """The specs of every sharding constraint in ``jaxpr`` and the programs inside it."""
-    from zerojax.sharding.partial_axes import _sub_jaxprs
+    from zerojax._jaxpr.form import programs_in as _sub_jaxprs
 
     out = []
     for eqn in jaxpr.eqns:

@@ -67,7 +67,7 @@ FP16_SCALE_POWER = 8
 def make(stage, tx=None, loss_fn=models.mlp_loss, params=None, **cfg):
     tx = tx or optax.adamw(1e-3)
     if cfg.get("compute_dtype") == "float16":
-        cfg.setdefault("initial_scale_power", FP16_SCALE_POWER)
+        cfg["loss_scaling"] = {"initial_scale_power": FP16_SCALE_POWER, **cfg.get("loss_scaling", {})}
     mesh, zc = zj.make_mesh(), zj.ZeroConfig(stage=stage, **cfg)
     state = zj.init_state(params if params is not None else models.mlp_params(), tx, mesh=mesh, config=zc)
     return state, zj.make_train_step(loss_fn, tx, mesh=mesh, config=zc)
