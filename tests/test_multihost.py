@@ -41,29 +41,21 @@ def single_process_reference(stage, steps=3):
 
 
 # One 2-process job (4 devices each) runs the trainings the next tests compare with one
-# process: each run as a job of its own would (the worker's --run), in one start-up. Every
-# stage and each way of loading the batch runs in it; the same batch at stage 3 (where the
-# other runs train too) is the slow test's own job below.
+# process: each run as a job of its own would (the worker's --run), in one start-up.
 RUNS = {
-    "same-batch-everywhere": ("1,2", "same", 1),
+    "same-batch-everywhere": ("1,2,3", "same", 1),
     "process-local-rows": ("3", "rows", 1),
     "hybrid": ("1,3", "rows", 2),
 }
-SLOW_RUNS = {"same-batch-everywhere-stage3": ("3", "same", 1)}
-
-
-def run_job(out_dir, runs):
-    """A 2-process job of ``runs`` (name -> (stages, batches, replicas)): its stdout."""
-    flags = [f"--run={name}:{stages}:{batches}:{replicas}" for name, (stages, batches, replicas) in runs.items()]
-    out, _ = launch(["--nprocs", "2", "--devices-per-proc", "4"], ["--out", str(out_dir), *flags], timeout=400)
-    assert out.returncode == 0, out.stdout[-4000:]
-    return out.stdout
 
 
 @pytest.fixture(scope="module")
 def match_job(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("multihost")
-    return out_dir, run_job(out_dir, RUNS)
+    runs = [f"--run={name}:{stages}:{batches}:{replicas}" for name, (stages, batches, replicas) in RUNS.items()]
+    out, _ = launch(["--nprocs", "2", "--devices-per-proc", "4"], ["--out", str(out_dir), *runs], timeout=400)
+    assert out.returncode == 0, out.stdout[-4000:]
+    return out_dir, out.stdout
 
 
 def _matches_one_process(out_dir, stages):
@@ -76,23 +68,10 @@ def _matches_one_process(out_dir, stages):
             assert err <= 1e-5, (stage, rank, err)
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "same-batch-everywhere",
-        "process-local-rows",
-        # slow: a 2-process job of its own (about 20 s); stage 3 trains in the shared job's
-        # other runs and the same batch at stages 1-2
-        pytest.param("same-batch-everywhere-stage3", marks=pytest.mark.slow),
-    ],
-)
-def test_two_processes_match_one(request, name):
-    if name in SLOW_RUNS:
-        out_dir = request.getfixturevalue("tmp_path")
-        stdout = run_job(out_dir, SLOW_RUNS)
-    else:
-        out_dir, stdout = request.getfixturevalue("match_job")
-    stages = [int(s) for s in {**RUNS, **SLOW_RUNS}[name][0].split(",")]
+@pytest.mark.parametrize("name", ["same-batch-everywhere", "process-local-rows"])
+def test_two_processes_match_one(match_job, name):
+    out_dir, stdout = match_job
+    stages = [int(s) for s in RUNS[name][0].split(",")]
     assert "[rank 0] process 0 of 2: 4 local devices, 8 in the mesh" in stdout
     assert "[rank 1] process 1 done" in stdout
     _matches_one_process(out_dir / name, stages)
