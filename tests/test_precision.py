@@ -107,12 +107,14 @@ def low_precision_run(stage, dtype, reduce_dtype="float32"):
 
 # bf16 at stages 1 and 2 in the slow set: fp16 takes the same compute-dtype copy there (with a
 # tighter tolerance); bf16 trains at stages 0 and 3 here and at stage 2 in
-# test_narrow_reduce_dtype_trains_accurately.
+# test_narrow_reduce_dtype_trains_accurately. fp16 at stages 0 and 2 in the slow set too: each
+# stage trains in the default set (bf16 at 0, 2 and 3, fp16 at 1 and 3, the narrow test's runs
+# counted), and each dtype at stages 0-1 (whole gradients) and 2-3 (sharded ones).
 @pytest.mark.parametrize(
     "dtype,rtol,stage",
     models.marked_slow(
         [(d, r, s) for d, r in (("bfloat16", 0.05), ("float16", 0.01)) for s in range(4)],
-        slow=[("bfloat16", 0.05, 1), ("bfloat16", 0.05, 2)],
+        slow=[("bfloat16", 0.05, 1), ("bfloat16", 0.05, 2), ("float16", 0.01, 0), ("float16", 0.01, 2)],
     ),
 )
 def test_low_precision_matches_fp32_reference(stage, dtype, rtol):
@@ -159,12 +161,15 @@ def test_stage3_gathers_in_compute_dtype_and_reduces_in_reduce_dtype():
     assert {k for k in rep if k.startswith("all-gather")} == {"all-gather:bf16"}
 
 
-# bf16 at stages 2 and 3 in the slow set: fp16 there carries one device's inf into every
-# shard through the same gradients; bf16's skip_nonfinite flag is checked at stages 0 and 1.
+# bf16 at stages 1-3 in the slow set: fp16 there carries one device's inf into every shard
+# through the same gradients (the sharded stages, each in the default set); bf16's
+# skip_nonfinite flag is checked at stage 0. fp16 at stage 0 in the slow set: bf16 takes the
+# whole-gradient path there. Each stage and each dtype runs once by default.
 @pytest.mark.parametrize(
     "dtype,stage",
     models.marked_slow(
-        [(d, s) for d in ("float16", "bfloat16") for s in range(4)], slow=[("bfloat16", 2), ("bfloat16", 3)]
+        [(d, s) for d in ("float16", "bfloat16") for s in range(4)],
+        slow=[("float16", 0), ("bfloat16", 1), ("bfloat16", 2), ("bfloat16", 3)],
     ),
 )
 def test_overflow_on_one_device_skips_for_everyone(stage, dtype):
@@ -297,8 +302,9 @@ def test_grad_clip_after_unscaling_fp16():
     assert models.abs_errors(zj.gather_params(state), ref).max() <= 0.01 * moved
 
 
-# Stages 0 and 2 in the slow set: test_grad_accumulation_sgd_exact holds them exactly.
-@pytest.mark.parametrize("stage", models.marked_slow(range(4), slow=[0, 2]))
+# Stages 0-2 in the slow set: test_grad_accumulation_sgd_exact holds them exactly (every stage
+# accumulates in the default set there); stage 3 here checks the adamw big-step equality.
+@pytest.mark.parametrize("stage", models.marked_slow(range(4), slow=[0, 1, 2]))
 def test_grad_accumulation_equals_one_big_step(stage):
     tx = optax.adamw(1e-3)
     params, big = models.stacked_params(), models.batch(64, 0)
