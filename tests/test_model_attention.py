@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 import zerojax as zj
+from tests import models
 from zerojax.models import attention as zattn
 from zerojax.models import gpt, llama
 
@@ -93,7 +94,9 @@ def _compiled(attention: str, window: int = 0, per_layer: bool = False):
     return jax.jit(jax.value_and_grad(loss, has_aux=True)), params
 
 
-@pytest.mark.parametrize("window,per_layer", [(0, False), (5, False), (5, True)])
+# One window on every layer in the slow set: the per-layer case's first layer has that window
+# (and its second none), on the same path.
+@pytest.mark.parametrize("window,per_layer", models.marked_slow([(0, False), (5, False), (5, True)], slow=[(5, False)]))
 def test_the_default_on_a_cpu_is_the_einsum_path_bit_for_bit(window, per_layer):
     """attention="fused" on a CPU runs the einsum attention: logits and gradients equal to the
     last bit, with and without a key mask and segment ids; the compiled programs name it."""
