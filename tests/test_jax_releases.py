@@ -263,9 +263,9 @@ CASES = [
     and not (c[3] == "offload" and c[0] == 0)  # offload shards state: stages 1-3
 ]
 # The default set: every stage, model, accumulation and option once, each case one that
-# takes the path without reading (stage 2 or 3, remat or offload). The other pairs: slow
-# (stages 0 and 1 without remat or offload read no program either way, which
-# test_conformance trains to the same bound).
+# takes the path without reading (stage 2 or 3, remat or offload). The cases that complete
+# the pairs are slow (among them those at stage 0 or 1 without remat or offload, which read
+# no program with reading on either: test_conformance trains those).
 DEFAULT_CASES = [(3, "scan", 1, "prefetch"), (1, "indexed", 2, "offload"), (0, "scan", 2, "remat")]
 DEFAULT_CASES += [(2, "mlp", 2, "clip"), (3, "indexed", 2, "plain")]
 assert set(DEFAULT_CASES) <= set(CASES), "each default case must be one of the pairwise cases"
