@@ -1,5 +1,7 @@
 """What each stage does, read from the compiled program: collectives, memory, FLOPs."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,11 +33,18 @@ def x_for(d, rows=64):
     return jnp.asarray(np.random.default_rng(1).normal(size=(rows, d)), jnp.float32)
 
 
+@functools.cache
+def deep_step(layers: int, stacked: bool, stage: int):
+    """The compiled Adam step of ``models.deep_loss`` on ``deep_params(layers, D, stacked)``,
+    once per module run: the tests that read the same program share it."""
+    return compile_step(models.deep_params(layers, D, stacked), models.deep_loss, stage, x_for(D))
+
+
 @pytest.fixture(scope="module", params=["scan", "unrolled"])
 def deep(request):
     stacked = request.param == "scan"
     params = models.deep_params(LAYERS, D, stacked)
-    compiled = {s: compile_step(params, models.deep_loss, s, x_for(D)) for s in range(4)}
+    compiled = {s: deep_step(LAYERS, stacked, s) for s in range(4)}
     return request.param, params, compiled
 
 
@@ -66,8 +75,7 @@ def test_collectives_match_zero_formulas(deep):
 
 
 def test_stage3_gathers_inside_the_layer_loop():
-    params = models.deep_params(LAYERS, D, stacked=True)
-    c = compile_step(params, models.deep_loss, 3, x_for(D))
+    c = deep_step(LAYERS, True, 3)
     runs = [col for col in zj.report.comm.collectives(c.as_text()) if col.kind == "all-gather"]
     layer = D * D * 4
     # One weight matrix at a time, once per layer in forward and once in backward.
@@ -111,8 +119,7 @@ def test_stage3_peak_does_not_grow_with_depth(stacked):
     """Doubling depth adds far less than the added layers' full size."""
     temps = {}
     for layers in (8, 16):
-        params = models.deep_params(layers, D, stacked)
-        c = compile_step(params, models.deep_loss, 3, x_for(D))
+        c = deep_step(layers, stacked, 3)
         temps[layers] = zj.report.compiled_bytes(c)["temp"]
     growth_per_layer = (temps[16] - temps[8]) / 8
     layer_bytes = (D * D + D) * 4

@@ -139,7 +139,9 @@ SLOW = pytest.mark.slow
     "stage,replicas,kw",
     [
         (1, 1, {}),
-        (2, 1, {}),
+        # stage 2 reduces through stage 3's code; its int8 exchange is read from its compiled
+        # step in test_gradients_move_as_int8_at_a_quarter_of_the_fp32_bytes
+        pytest.param(2, 1, {}, marks=SLOW),
         (3, 1, {}),
         pytest.param(3, 2, {}, marks=SLOW),
         pytest.param(2, 1, {"grad_accum_steps": 2}, marks=SLOW),

@@ -13,8 +13,9 @@ that reads no program. These tests:
   are no longer read and the warning comes once;
 - import zerojax in a fresh interpreter on a JAX whose program form was changed under it,
   and train stage 3 there equal to single-device optax;
-- train through the no-reading path, pairwise over stage x model x accumulation x option,
-  equal to single-device optax (1e-5 after 3 AdamW steps); in bf16 and fp16 equal to the
+- train through the no-reading path, pairwise over stage x model x accumulation x option
+  (each value once in the default set, every pair with the slow set), equal to
+  single-device optax (1e-5 after 3 AdamW steps); in bf16 and fp16 equal to the
   reading path; a checkpoint, the NNX API and the eval step; and the features that need a
   program refused with the fix.
 """
@@ -261,9 +262,18 @@ CASES = [
     if not (c[3] == "prefetch" and c[0] != 3)  # prefetch is a stage-3 option
     and not (c[3] == "offload" and c[0] == 0)  # offload shards state: stages 1-3
 ]
+# The default set: every stage, model, accumulation and option once, each case one that
+# takes the path without reading (stage 2 or 3, remat or offload). The cases that complete
+# the pairs are slow (among them those at stage 0 or 1 without remat or offload, which read
+# no program with reading on either: test_conformance trains those).
+DEFAULT_CASES = [(3, "scan", 1, "prefetch"), (1, "indexed", 2, "offload"), (0, "scan", 2, "remat")]
+DEFAULT_CASES += [(2, "mlp", 2, "clip"), (3, "indexed", 2, "plain")]
+assert set(DEFAULT_CASES) <= set(CASES), "each default case must be one of the pairwise cases"
 
 
-@pytest.mark.parametrize("stage,model,accum,option", CASES)
+@pytest.mark.parametrize(
+    "stage,model,accum,option", models.marked_slow(CASES, [c for c in CASES if c not in DEFAULT_CASES])
+)
 def test_without_reading_trains_as_single_device_optax(no_reading, stage, model, accum, option):
     loss_fn, make = LOSSES[model]
     params = make()
@@ -281,7 +291,15 @@ def _run(stage, dtype, batches):
     return models.zero_run(models.stacked_loss, models.stacked_params(), TX, batches, stage, **cfg)
 
 
-@pytest.mark.parametrize("stage,dtype", [(3, "bfloat16"), (2, "float16"), (1, "bfloat16"), (0, "float16")])
+# Stages 1 and 0 in the slow set: they read no program with or without the switch (no
+# warning in test_without_reading_trains_as_single_device_optax), so both runs there take the
+# same path; stages 3 and 2 keep both dtypes in the default set.
+@pytest.mark.parametrize(
+    "stage,dtype",
+    models.marked_slow(
+        [(3, "bfloat16"), (2, "float16"), (1, "bfloat16"), (0, "float16")], slow=[(1, "bfloat16"), (0, "float16")]
+    ),
+)
 def test_without_reading_mixed_precision_equals_the_reading_path(monkeypatch, fresh_check, stage, dtype):
     """bf16/fp16 compute on fp32 masters (fp16 with dynamic loss scaling): the same numbers
     as where the program is read (the forward and backward arithmetic is the same)."""

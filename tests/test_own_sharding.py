@@ -222,30 +222,31 @@ def _attention_params():
     }
 
 
+SLOW = pytest.mark.slow
+
+
+# tensor 2: the "model" constraints kept. Every kind at stage 3 and the mask with is_causal at
+# stage 0 too in the default set; tensor 1 at stage 0, and the mask with is_causal at tensor 1
+# (the same loss stays at tensor 2), in the slow set.
 @pytest.mark.parametrize(
-    "kind,tensor",
-    [
-        ("causal", 1),
-        pytest.param("mask+causal", 1, marks=pytest.mark.slow),  # the same loss at tensor 2 stays
-        ("tril", 1),
-        ("vmap", 1),
-        ("mask+causal", 2),
-    ],
-)  # tensor 2: the "model" constraints kept
-def test_attention_on_the_models_mesh_trains_as_on_one_device(kind, tensor):
+    "kind,tensor,stage",
+    [("causal", 1, 3), ("tril", 1, 3), ("vmap", 1, 3), ("mask+causal", 2, 0), ("mask+causal", 2, 3)]
+    + [pytest.param(kind, 1, 0, marks=SLOW) for kind in ("causal", "tril", "vmap", "mask+causal")]
+    + [pytest.param("mask+causal", 1, 3, marks=SLOW)],
+)
+def test_attention_on_the_models_mesh_trains_as_on_one_device(kind, tensor, stage):
     params, tx, batches = _attention_params(), optax.sgd(0.1), _attention_data()
     ref, ref_losses = reference_run(_attention_loss(kind, constrain=False), params, tx, batches)
     loss_fn, mesh = _attention_loss(kind, constrain=True), zj.make_mesh(tensor=tensor)
-    for stage in (0, 3):
-        cfg = zj.ZeroConfig(stage=stage, axes={"model_axes": OWN_MAP})
-        state = zj.init_state(params, tx, mesh=mesh, config=cfg)
-        step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=cfg)
-        losses = []
-        for b in batches:
-            state, m = step(state, b)
-            losses.append(float(m["loss"]))
-        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=f"stage {stage}")
-        assert abs_errors(zj.gather_params(state), ref).max() <= 1e-5, stage
+    cfg = zj.ZeroConfig(stage=stage, axes={"model_axes": OWN_MAP})
+    state = zj.init_state(params, tx, mesh=mesh, config=cfg)
+    step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=cfg)
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert abs_errors(zj.gather_params(state), ref).max() <= 1e-5
 
 
 def test_the_translated_program_binds_nothing_under_the_models_mesh():

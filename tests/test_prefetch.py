@@ -35,8 +35,14 @@ def test_a_non_finite_activation_does_not_reach_the_parameters(stage, prefetch):
     assert models.abs_errors(got, ref).max() <= 1e-6
 
 
+# Full remat on unrolled layers with prefetch 1: slow (each value stays in the default set, and
+# prefetch 1 also in test_prefetch_trains_flax_models_like_optax).
 @pytest.mark.parametrize(
-    "remat,model,prefetch", models.pairwise(remat=["none", "full"], model=["scan", "unrolled"], prefetch=[1, 2])
+    "remat,model,prefetch",
+    models.marked_slow(
+        models.pairwise(remat=["none", "full"], model=["scan", "unrolled"], prefetch=[1, 2]),
+        slow=[("full", "unrolled", 1)],
+    ),
 )
 def test_prefetch_trains_like_optax(model, prefetch, remat):
     make, loss = {
