@@ -260,7 +260,7 @@ def test_overflow_at_min_scale_raises_or_keeps_skipping():
     with pytest.raises(zj.LossScaleError, match="overflowed again at step 4"):
         step.check_loss_scale(newest, m)
 
-    state, step = make(3, loss_scaling={"raise_at_min_scale": False}, **kw)
+    state, step = make(3, **{**kw, "loss_scaling": {**kw["loss_scaling"], "raise_at_min_scale": False}})
     for i in range(3):
         state, m = step(state, poison_batch(i, bad_row=0))
     assert bool(m["overflow_at_min_scale"]) and int(m["skipped_steps"]) == 3
@@ -501,7 +501,8 @@ def test_replacing_the_compute_dtype_keeps_the_loss_scale_default():
         2,
         loss_fn=poisoned_loss,
         params=models.mlp_params(),
-        **{k: getattr(fp16, k) for k in ("compute_dtype", "loss_scale")},
+        compute_dtype=fp16.compute_dtype,
+        loss_scaling={"loss_scale": fp16.loss_scaling.loss_scale},
     )
     state, m = step(state, poison_batch(0, bad_row=3))
     assert bool(m["skipped"]) and float(m["loss_scale"]) == 2.0**FP16_SCALE_POWER
