@@ -490,8 +490,9 @@ def test_reads_right_after_an_async_save_see_that_step(tmp_path):
 _ISOLATED = r"""
 import importlib, json, pkgutil, sys, types
 root, out = sys.argv[1], {}
-names = ["zerojax.state", "zerojax.checkpoint"] + sorted(
-    "zerojax.checkpoint." + m.name for m in pkgutil.iter_modules([root + "/zerojax/checkpoint"]))
+names = ["zerojax.state", "zerojax.checkpoint", "zerojax.tensors"] + sorted(
+    f"zerojax.{pkg}." + m.name for pkg in ("checkpoint", "tensors")
+    for m in pkgutil.iter_modules([f"{root}/zerojax/{pkg}"]))
 for name in names:
     for m in [m for m in sys.modules if m == "zerojax" or m.startswith("zerojax.")]:
         del sys.modules[m]
@@ -582,7 +583,7 @@ def _cycle_through(graph, start):
 
 @pytest.mark.slow  # reason: a fresh interpreter per module (4 s); test_layering finds import cycles from the source in the default set
 def test_the_checkpoint_package_imports_without_a_cycle():
-    """Each module of zerojax.checkpoint, and zerojax.state, imports on its own in a fresh
+    """Each module of zerojax.checkpoint and zerojax.tensors, and zerojax.state, imports on its own in a fresh
     interpreter (zerojax's own __init__, which imports everything, aside), and the modules
     below the state (maps, reading, loading, born) import neither the state nor the modules
     that take states (orbax checkpoints, the export pipeline). No cycle runs through the
@@ -602,25 +603,24 @@ def test_the_checkpoint_package_imports_without_a_cycle():
         "zerojax.checkpoint.export",
         "zerojax.checkpoint.sources",
     }
-    for name in (
-        "boxes",
-        "names",
-        "casts",
-        "safetensors_files",
-        "tensor_map",
-        "weights",
-        "load",
-        "born",
-        "processes",
-        "configs",
-        "lora",
-        "sinks",
-    ):
-        above = upper & set(loaded[f"zerojax.checkpoint.{name}"])
+    # zerojax.tensors (files, names, casts, maps, weights, born) is below the state: it imports
+    # neither the state nor any of zerojax.checkpoint; the checkpoint modules that read and load
+    # files take no state either.
+    tensors = sorted(m for m in loaded if m.startswith("zerojax.tensors."))
+    assert len(tensors) >= 8, tensors
+    for name in tensors:
+        above = {m for m in loaded[name] if m == "zerojax.state" or m.startswith("zerojax.checkpoint")}
+        assert not above, (name, above)
+    for name in ("load", "configs", "lora", "sinks"):
+        name = f"zerojax.checkpoint.{name}"
+        above = upper & set(loaded[name])
         assert not above, (name, above)
     assert loaded["zerojax.checkpoint"] == ["zerojax.checkpoint"]  # the package itself imports nothing
-    ours = lambda m: m == "zerojax.state" or m.startswith("zerojax.checkpoint")
-    for lazy, parents in ((False, lambda pkg: True), (True, lambda pkg: pkg == "zerojax.checkpoint")):
+    ours = lambda m: m == "zerojax.state" or m.startswith(("zerojax.checkpoint", "zerojax.tensors"))
+    for lazy, parents in (
+        (False, lambda pkg: True),
+        (True, lambda pkg: pkg in ("zerojax.checkpoint", "zerojax.tensors")),
+    ):
         graph = _import_graph(lazy, parents)
         cycles = {m: _cycle_through(graph, m) for m in graph if ours(m)}
         assert not {m: c for m, c in cycles.items() if c}, cycles
