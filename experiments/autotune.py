@@ -496,7 +496,7 @@ def paper(args) -> dict:
         verbose=True,
     )
     print(result.table(limit=10))
-    from zerojax.tuning.cli import code
+    from zerojax.tuning.command import code
 
     print(f"\nbest: {code(result.best.config)}")
     return {"search_seconds": result.search_seconds, "best": code(result.best.config)}

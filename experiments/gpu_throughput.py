@@ -31,7 +31,7 @@ A model-attention table follows (``--no-model-attention`` skips it): the package
 bf16 compute on fp32 masters, batch ``--attn-batch``) trained one step at ``--attn-seq``
 tokens with ``attention="einsum"`` (the exact attention, whose ``[B, N, T, T]`` scores it
 materialises) and with the default ``attention="fused"``: step time, the compiled step's temp
-bytes, and which attention the compiled step runs (``zerojax.models.attention.ran``: cuDNN's
+bytes, and which attention the compiled step runs (``zerojax.models.attention_choice.ran``: cuDNN's
 by its ``__cudnn$fmha`` custom call, the others by their scope names).
 
 XLA's GPU overlap flags (``zerojax.xla_flags``) are set before JAX starts (set
@@ -65,7 +65,7 @@ import optax  # noqa: E402
 import zerojax as zj  # noqa: E402
 from experiments import remat_table  # noqa: E402
 from experiments.progress import bar  # noqa: E402
-from zerojax.models import attention as zattn  # noqa: E402
+from zerojax.models import attention_choice as zattn  # noqa: E402
 from zerojax.models import gpt, llama  # noqa: E402
 
 OFFLOAD_POLICIES = "none,names,offload_names,dots_no_batch,offload_dots"

@@ -1,7 +1,7 @@
 """What it costs for the optimizer to see every parameter in its own shape.
 
 For square layers of width d, stage 1 and stage 3, AdamW, 8 devices: how each leaf is
-stored (``zerojax.sharding.layout``), the persistent bytes per device against the formula,
+stored (``zerojax.sharding.leaf_layout``), the persistent bytes per device against the formula,
 the compiled step's temporaries and its all-gather traffic. Widths come in pairs: one that
 divides 8 and its awkward neighbour, so the difference is the cost of the awkward shape:
 a ``dim`` layout (the leaf split in its own shape, a padded last shard) costs its padding;

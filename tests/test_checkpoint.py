@@ -601,7 +601,7 @@ def test_the_checkpoint_package_imports_without_a_cycle():
         "zerojax.checkpoint.io",
         "zerojax.checkpoint.canonical",
         "zerojax.checkpoint.export",
-        "zerojax.checkpoint.sources",
+        "zerojax.checkpoint.export_sources",
     }
     # zerojax.tensors (files, names, casts, maps, weights, born) is below the state: it imports
     # neither the state nor any of zerojax.checkpoint; the checkpoint modules that read and load

@@ -387,7 +387,7 @@ def test_progress_shows_on_a_terminal_only(monkeypatch):
 
 
 def test_every_autotune_option_says_what_it_does():
-    from zerojax.tuning.cli import parser
+    from zerojax.tuning.command import parser
 
     silent = [a.option_strings or a.dest for a in parser()._actions if not a.help]
     assert not silent, silent
@@ -402,7 +402,7 @@ def test_autotune_builds_the_llama_presets_estimate_counts(name):
     import jax
 
     from zerojax.report.estimate import MODELS
-    from zerojax.tuning.cli import LLAMA_SEQ_LEN, _model, parser
+    from zerojax.tuning.command import LLAMA_SEQ_LEN, _model, parser
 
     args = parser().parse_args(["--model", name, "--memory", "80GiB"])
     loss_fn, params, tx, batch, base, what = _model(args, argparse.ArgumentParser(), 8)

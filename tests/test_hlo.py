@@ -13,7 +13,7 @@ import pytest
 
 from tests.data import make_hlo
 from zerojax.report import comm, hlo
-from zerojax.report.groups import permute_groups
+from zerojax.report.replica_groups import permute_groups
 from zerojax.tuning import hlo_cost
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")

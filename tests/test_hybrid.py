@@ -12,7 +12,7 @@ from tests.test_training_loops import bn_reference, bn_run, run_dropout
 from zerojax import cli
 from zerojax.report import estimate
 from zerojax.report.comm import collectives
-from zerojax.report.groups import group_axes, replica_groups
+from zerojax.report.replica_groups import group_axes, replica_groups
 
 N = 8
 CLIP_SGD = lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1, momentum=0.9))

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
 from tests import models
-from zerojax.sharding.layout import layout_for
+from zerojax.sharding.leaf_layout import layout_for
 from zerojax.sharding.quantize import gather_int8
 
 N = 8

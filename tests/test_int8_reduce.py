@@ -12,7 +12,7 @@ from tests import models
 from tests.test_precision import poison_batch, poisoned_loss
 from zerojax.sharding import collectives
 from zerojax.sharding.int8_reduce import pack, unpack
-from zerojax.sharding.layout import layout_for
+from zerojax.sharding.leaf_layout import layout_for
 from zerojax.sharding.quantize import quantize
 
 N = 8

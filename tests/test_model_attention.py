@@ -1,5 +1,5 @@
 """The package models' attention="fused" default: which attention it takes from the static
-facts of a trace (zerojax.models.attention.choose), that on a CPU it is the exact einsum
+facts of a trace (zerojax.models.attention_choice.choose), that on a CPU it is the exact einsum
 path (bit for bit), that the compiled program names what ran, and that the cuDNN branch's
 arguments (causal, window, GQA, scale) mean what the einsum path computes."""
 
@@ -16,7 +16,7 @@ from flax import nnx
 
 import zerojax as zj
 from tests import models
-from zerojax.models import attention as zattn
+from zerojax.models import attention_choice as zattn
 from zerojax.models import gpt, llama
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32

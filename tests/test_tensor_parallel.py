@@ -84,7 +84,7 @@ def test_make_mesh_tensor_innermost():
 
 
 def test_layout_round_trip_and_shard_shapes():
-    from zerojax.sharding.layout import layout_for
+    from zerojax.sharding.leaf_layout import layout_for
 
     x = np.arange(6 * 12, dtype=np.float32).reshape(6, 12)
     for tdim in (0, 1):

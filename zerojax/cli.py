@@ -9,7 +9,7 @@ zerojax estimate --params 7B --devices 64 [--largest-layer N] [--replicas R] [--
 zerojax estimate --model llama3-8b --devices 8
 zerojax launch --nprocs 2 [--devices-per-proc 4] -- python train.py [args...]
 zerojax autotune --model gpt --d-model 512 --layers 8 --batch 64 --devices 8 --memory 16GiB
-zerojax autotune my_script:setup --devices 8 --memory 16GiB   (see zerojax/tuning/cli.py)
+zerojax autotune my_script:setup --devices 8 --memory 16GiB   (see zerojax/tuning/command.py)
 zerojax --version
 """
 
@@ -28,7 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return launch_main(argv[1:], prog="zerojax launch")
     if argv[:1] == ["autotune"]:  # its own parser, and the device count is set before JAX starts
-        from zerojax.tuning.cli import main as autotune_main
+        from zerojax.tuning.command import main as autotune_main
 
         return autotune_main(argv[1:], prog="zerojax autotune")
     ap = argparse.ArgumentParser(prog="zerojax", description="zerojax tools")

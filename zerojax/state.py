@@ -33,7 +33,7 @@ class ZeroState:
         stage 0 (fp32, cast to the compute dtype in the step) and stages 1–2 (in the
         compute dtype). ``None`` at stage 3, where forward gathers each layer from ``master``.
       master: the fp32 master weights of the trainable parameters in sharded storage (laid
-        out by ``plan.layouts``, see :mod:`zerojax.sharding.layout`); ``None`` where
+        out by ``plan.layouts``, see :mod:`zerojax.sharding.leaf_layout`); ``None`` where
         ``params`` are the masters themselves (stage 0, and stages 1–2 with fp32 compute).
       frozen: the frozen parameters (``init_state(..., trainable=...)``), in the compute
         dtype where it is narrower than theirs, or their own (``ZeroConfig.frozen_dtype``):

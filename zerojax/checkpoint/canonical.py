@@ -1,7 +1,7 @@
 """The stage- and device-count-independent form of a state that checkpoints hold.
 
 Every fp32 master weight and every optimizer-state array is kept in its sharded layout
-(``plan.layouts`` / ``plan.opt_layouts``, see :mod:`zerojax.sharding.layout`), whatever
+(``plan.layouts`` / ``plan.opt_layouts``, see :mod:`zerojax.sharding.leaf_layout`), whatever
 the stage that saved it, and the layout is recorded beside it. Converting a state to this
 form is local slicing (stage 0) or nothing (stages 1–3). Restoring onto N' devices reads
 each array in its saved layout for N' shards (orbax pads or truncates the zero padding at
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from zerojax.optim import loss_scale as ls
-from zerojax.sharding.layout import LeafLayout
+from zerojax.sharding.leaf_layout import LeafLayout
 from zerojax.sharding.plan import ZeroPlan, master_dtype
 from zerojax.stages.per_stage import stage_of
 from zerojax.state import ZeroState, state_shardings

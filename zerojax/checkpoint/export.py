@@ -1,6 +1,6 @@
 """Weights out of a run: one ``.safetensors`` file, or Hugging Face's sharded layout.
 
-One pipeline serves every export: a source (:mod:`zerojax.checkpoint.sources`: a live
+One pipeline serves every export: a source (:mod:`zerojax.checkpoint.export_sources`: a live
 state's shards, written by the process that holds them, or a checkpoint directory's leaves,
 read one at a time by process 0) through the map (:mod:`zerojax.tensors.tensor_map`, run
 backwards: names, transposes, unstacked layers, fused parts) into the files
@@ -32,8 +32,8 @@ import numpy as np
 
 from zerojax.checkpoint import lora as lora_
 from zerojax.checkpoint.configs import exported, source_configs
+from zerojax.checkpoint.export_sources import CheckpointSource, Source, StateSource
 from zerojax.checkpoint.sinks import LAYOUTS, ExportFiles, natural, parse_size
-from zerojax.checkpoint.sources import CheckpointSource, Source, StateSource
 from zerojax.progress import progress
 from zerojax.state import ZeroState
 from zerojax.tensors import boxes

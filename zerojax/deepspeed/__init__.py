@@ -43,7 +43,7 @@ optimizer itself. ``"auto"`` values, which the Hugging Face Trainer fills in fro
 
 from zerojax.deepspeed.auto import HF_DEFAULTS, HF_NAMES
 from zerojax.deepspeed.mapping import DEFAULT_GRAD_CLIP, Translation, from_deepspeed, translate
-from zerojax.deepspeed.optimizer import optax_code
+from zerojax.deepspeed.optimizer_section import optax_code
 from zerojax.deepspeed.reasons import REASONS
 
 __all__ = [

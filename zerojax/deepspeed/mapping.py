@@ -15,7 +15,7 @@ from typing import Any
 from zerojax.config import ZeroConfig
 from zerojax.deepspeed.auto import _resolve_auto
 from zerojax.deepspeed.keys import OFFLOAD_OPTIMIZER_KEYS, OFFLOAD_PARAM_KEYS, ZERO_KEYS, check_keys
-from zerojax.deepspeed.optimizer import _optimizer_lr, _parse_optimizer
+from zerojax.deepspeed.optimizer_section import _optimizer_lr, _parse_optimizer
 from zerojax.deepspeed.reasons import REASONS
 from zerojax.deepspeed.scheduler import _Schedule, _scheduler
 from zerojax.deepspeed.values import _flag, _number, _section

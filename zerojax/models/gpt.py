@@ -18,7 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from zerojax import nn as znn
 from zerojax import remat as zremat
-from zerojax.models import attention as zattn
+from zerojax.models import attention_choice as zattn
 from zerojax.models import building
 
 ATTENTION = (zattn.FUSED, "einsum")  # GPTConfig.attention's values
@@ -51,7 +51,7 @@ class GPTConfig:
     # marked only (znn.tensor_parallel), the collectives left to XLA's partitioner. LoRA
     # layers (lora_rank > 0) are always marked only.
     sp_matmuls: bool = True
-    # "fused": chosen while tracing (zerojax.models.attention.choose): cuDNN's flash attention
+    # "fused": chosen while tracing (zerojax.models.attention_choice.choose): cuDNN's flash attention
     # on a CUDA GPU where it takes the call (bf16/fp16, head dim a multiple of 8 up to 128 or
     # 256), zj.nn.dot_product_attention on a context mesh, the exact "einsum" elsewhere.
     attention: str = "fused"
@@ -156,7 +156,7 @@ class Block(nnx.Module):
         return self.row(out.reshape(b, t, d), self.proj)
 
     def attention_kind(self, q: jax.Array) -> str:
-        """What runs (``zerojax.models.attention.KINDS``): ``"einsum"``, or for ``"fused"`` the
+        """What runs (``zerojax.models.attention_choice.KINDS``): ``"einsum"``, or for ``"fused"`` the
         choice from the static facts of this trace."""
         if self.attention_mode != zattn.FUSED:
             return self.attention_mode

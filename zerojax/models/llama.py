@@ -85,7 +85,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from zerojax import nn as znn
 from zerojax import remat as zremat
-from zerojax.models import attention as zattn
+from zerojax.models import attention_choice as zattn
 from zerojax.models import building
 from zerojax.models import rope as zrope
 from zerojax.models.rope import RopeScaling
@@ -132,7 +132,7 @@ class LlamaConfig:
     # Megatron annotations (nnx.with_partitioning): q/k/v, gate/up and the head column-parallel
     # (output features over "tensor"), o and down row-parallel (input features over "tensor").
     tensor_parallel: bool = False
-    # "fused": chosen while tracing (zerojax.models.attention.choose): cuDNN's flash attention
+    # "fused": chosen while tracing (zerojax.models.attention_choice.choose): cuDNN's flash attention
     # on a CUDA GPU where it takes the call, zj.nn.dot_product_attention on a context mesh, the
     # exact "einsum" elsewhere (a CPU, float32, a key mask, segment ids, per-layer windows).
     # "einsum": attention written with plain ops; "auto" / "ulysses" / "ring" / "xla":
@@ -467,7 +467,7 @@ class Block(nnx.Module):
         return self.o(out.reshape(b, t, h * hd))
 
     def attention_kind(self, q: jax.Array, mask, segments, layout) -> str:
-        """What runs (``zerojax.models.attention.KINDS``): the configured method, or for
+        """What runs (``zerojax.models.attention_choice.KINDS``): the configured method, or for
         ``"fused"`` the choice from the static facts of this trace."""
         cfg = self.cfg
         if cfg.attention != zattn.FUSED:

@@ -9,8 +9,8 @@ from zerojax.context.attention import METHODS, context_size, dot_product_attenti
 from zerojax.context.layout import global_positions
 from zerojax.moe.experts import routed_experts
 from zerojax.nn import megatron
+from zerojax.nn.masked_mean import global_weights
 from zerojax.nn.megatron import column_parallel, row_parallel, sequence_parallel, tensor_parallel
-from zerojax.nn.weights import global_weights
 
 __all__ = [
     "METHODS",

@@ -8,7 +8,7 @@ the module it was given holds:
 * each trainable parameter's fp32 master, in the parameter's own shape and dtype, still
   sharded over the data axis where its storage splits evenly (no copy: the very array the
   optimizer holds), whole on every device where its storage is padded or flattened (small
-  arrays, by the storage rule: :mod:`zerojax.sharding.layout`);
+  arrays, by the storage rule: :mod:`zerojax.sharding.leaf_layout`);
 * its model state (``nnx.BatchStat``, rng counters) as the step left it.
 
 Frozen parameters never change, so the module keeps its own.
@@ -23,7 +23,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerojax.sharding.layout import LeafLayout
+from zerojax.sharding.leaf_layout import LeafLayout
 from zerojax.sharding.plan import ZeroPlan
 
 

@@ -2,7 +2,7 @@
 
 The optimizer never sees the storage layout. Each array (parameter, gradient, optimizer
 state) is viewed in its own shape before ``tx.update`` and stored back after it
-(:mod:`zerojax.sharding.layout`):
+(:mod:`zerojax.sharding.leaf_layout`):
 
 * a ``dim`` array is its storage without the padding, split over the devices along the
   same dimension: elementwise math stays local to each device's shard, with no copy;
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
-from zerojax.sharding.layout import LeafLayout
+from zerojax.sharding.leaf_layout import LeafLayout
 from zerojax.sharding.plan import ZeroPlan
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from zerojax.report import hlo
-from zerojax.report.groups import group_axes, permute_groups, replica_groups
+from zerojax.report.replica_groups import group_axes, permute_groups, replica_groups
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 # Async starts whose result is an (operands, results, ...) tuple: the results are element 1.
@@ -35,7 +35,7 @@ class Collective:
 
     def axes(self, mesh) -> tuple[str, ...]:
         """The axes of ``mesh`` (the mesh the program was compiled over) this collective
-        runs over, from its device groups (see :mod:`zerojax.report.groups`)."""
+        runs over, from its device groups (see :mod:`zerojax.report.replica_groups`)."""
         if self.groups is None:
             raise ValueError(f"this {self.kind} lists no device groups; its mesh axes are unknown.")
         return group_axes([list(g) for g in self.groups], dict(mesh.shape))

@@ -1,6 +1,6 @@
 """Meshes, leaf layouts, collectives and the per-use gathers the stages build on."""
 
-from zerojax.sharding.layout import LeafLayout, layout_for
+from zerojax.sharding.leaf_layout import LeafLayout, layout_for
 from zerojax.sharding.mesh import make_mesh
 from zerojax.sharding.plan import ZeroPlan
 

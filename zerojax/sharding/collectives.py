@@ -14,7 +14,7 @@
   of fp32 for bf16/fp16), or as blockwise int8.
 
 Which of them a use of a parameter runs, in forward and in backward, is said by its
-:class:`zerojax.sharding.sources.Source`.
+:class:`zerojax.sharding.param_sources.Source`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from zerojax.sharding import int8_reduce
-from zerojax.sharding.layout import LeafLayout
+from zerojax.sharding.leaf_layout import LeafLayout
 from zerojax.sharding.quantize import gather_int8
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from zerojax.sharding.layout import LeafLayout
+from zerojax.sharding.leaf_layout import LeafLayout
 from zerojax.sharding.quantize import dequantize, quantize
 
 

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from optax import MaskedNode
 
 from zerojax.config import ZeroConfig
-from zerojax.sharding.layout import LeafLayout, layout_for
+from zerojax.sharding.leaf_layout import LeafLayout, layout_for
 from zerojax.sharding.mesh import (
     auto_axes,
     axis_size,
@@ -33,7 +33,7 @@ class ZeroPlan:
     """Everything static about a ZeRO state; hashable, so it rides in the pytree structure.
 
     ``layouts`` (one per parameter) and ``opt_layouts`` (one per optimizer-state array) are
-    the sharded layouts (:mod:`zerojax.sharding.layout`) chosen from each array's shape:
+    the sharded layouts (:mod:`zerojax.sharding.leaf_layout`) chosen from each array's shape:
     what stages 1–3 store and what checkpoints hold. Stage 0 stores the same arrays
     replicated (:meth:`stored`).
     """

@@ -37,8 +37,8 @@ from zerojax.config.step_options import StepOptions
 from zerojax.context import batch as sequence
 from zerojax.context import checks
 from zerojax.sharding import collectives, gathers, in_step, outputs, per_use
+from zerojax.sharding.param_sources import Source
 from zerojax.sharding.plan import ZeroPlan
-from zerojax.sharding.sources import Source
 
 
 def _check_loss(loss: Any, expected: str) -> None:

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax.sharding.param_sources import Source
 from zerojax.sharding.plan import ZeroPlan
-from zerojax.sharding.sources import Source
 from zerojax.stages.gradients import Loss, per_use_grads, replicated_grads
 
 Leaves = list[jax.Array]

@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from zerojax.sharding.layout import LeafLayout
+from zerojax.sharding.leaf_layout import LeafLayout
 from zerojax.tensors import boxes
 from zerojax.tensors import tensor_map as tm
 from zerojax.tensors.casts import cast, check_cast, narrows_range

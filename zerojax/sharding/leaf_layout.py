@@ -324,7 +324,7 @@ def layout_for(
     docstring).
 
     Example:
-      >>> from zerojax.sharding.layout import layout_for
+      >>> from zerojax.sharding.leaf_layout import layout_for
       >>> layout_for((50257, 768), "float32", 8).describe()    # d_model divides 8
       'split along dim 1'
       >>> layout_for((12, 768, 3072), "float32", 64).describe()  # a stack keeps its layer axis

@@ -217,7 +217,7 @@ def code(config) -> str:
 
     Example:
       >>> import zerojax as zj
-      >>> from zerojax.tuning.cli import code
+      >>> from zerojax.tuning.command import code
       >>> code(zj.ZeroConfig(stage=2, remat="full", grad_accum_steps=4))
       "zj.ZeroConfig(stage=2, grad_accum_steps=4, remat='full')"
     """

@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 
 from zerojax.checkpoint import canonical
 from zerojax.checkpoint.io import _manager, checkpoint_steps
-from zerojax.sharding.layout import LeafLayout
+from zerojax.sharding.leaf_layout import LeafLayout
 from zerojax.sharding.plan import master_dtype
 from zerojax.state import ZeroState, check_alive
 from zerojax.tensors import boxes

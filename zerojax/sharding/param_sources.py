@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import jax
 
 from zerojax.sharding import collectives
-from zerojax.sharding.layout import LeafLayout
+from zerojax.sharding.leaf_layout import LeafLayout
 
 
 @dataclasses.dataclass(frozen=True)
