@@ -32,7 +32,7 @@ import numpy as np
 
 from zerojax.checkpoint import lora as lora_
 from zerojax.checkpoint.configs import exported, source_configs
-from zerojax.checkpoint.export_sources import CheckpointSource, Source, StateSource
+from zerojax.checkpoint.export_sources import CheckpointSource, ExportSource, StateSource
 from zerojax.checkpoint.sinks import LAYOUTS, ExportFiles, natural, parse_size
 from zerojax.progress import progress
 from zerojax.state import ZeroState
@@ -172,7 +172,7 @@ class _Job:
         if isinstance(source, ZeroState):
             if step is not None:
                 raise ValueError("step= picks a step of a checkpoint directory; a state is exported as it is.")
-            src: Source = StateSource(source)
+            src: ExportSource = StateSource(source)
         else:
             src = CheckpointSource(source, step)
         self.source, self.show_progress, self.merged = src, show_progress, {}

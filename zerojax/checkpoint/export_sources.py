@@ -30,7 +30,7 @@ from zerojax.tensors import boxes
 from zerojax.tensors.names import tensor_names
 
 
-class Source:
+class ExportSource:
     """The parameters an export reads (see the module docstring)."""
 
     what: str  # "the state" / "the checkpoint", for messages
@@ -60,7 +60,7 @@ def _pieces(box: boxes.Box, host: np.ndarray, limit: int):
         yield piece, host[boxes.slices(boxes.shift(piece, origin))]
 
 
-class StateSource(Source):
+class StateSource(ExportSource):
     """A live ``ZeroState``: each process its own shards."""
 
     what = "the state"
@@ -108,7 +108,7 @@ class StateSource(Source):
         return {n: np.asarray(x.addressable_data(0)) for n, x in zip(names, full)}
 
 
-class CheckpointSource(Source):
+class CheckpointSource(ExportSource):
     """Step ``step`` (default: the latest) of a checkpoint directory, read by process 0."""
 
     what = "the checkpoint"

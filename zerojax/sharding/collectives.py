@@ -14,7 +14,7 @@
   of fp32 for bf16/fp16), or as blockwise int8.
 
 Which of them a use of a parameter runs, in forward and in backward, is said by its
-:class:`zerojax.sharding.param_sources.Source`.
+:class:`zerojax.sharding.param_sources.ParamSource`.
 """
 
 from __future__ import annotations

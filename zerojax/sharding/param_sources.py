@@ -1,4 +1,4 @@
-"""What a use of a sharded parameter does, as data: one :class:`Source` for every stage.
+"""What a use of a sharded parameter does, as data: one :class:`ParamSource` for every stage.
 
 Per-use evaluation (:mod:`zerojax.sharding.per_use`) keeps a parameter *pending* until an
 equation consumes it; its source says how the stored arrays become the full value there
@@ -30,7 +30,7 @@ from zerojax.sharding.leaf_layout import LeafLayout
 
 
 @dataclasses.dataclass(frozen=True)
-class Source:
+class ParamSource:
     """How a pending parameter is materialised and where its gradient goes (see the module
     docstring). Build one with :meth:`gathered`, :meth:`scattered` or :meth:`frozen`."""
 
@@ -56,21 +56,21 @@ class Source:
         *,
         host: bool = False,
         reduce_block: int | None = None,
-    ) -> Source:
+    ) -> ParamSource:
         """Stage 3: the shard is stored (``host=True``: in host memory, with a device sink)."""
         return cls(axis, world, compute_dtype, reduce_dtype, quant_block, replica, sink=host, reduce_block=reduce_block)
 
     @classmethod
     def scattered(
         cls, axis: str, world: int, reduce_dtype: str, replica: str | None = None, reduce_block: int | None = None
-    ) -> Source:
+    ) -> ParamSource:
         """Stage 2: the full parameter is stored; its gradient is reduce-scattered into a sink."""
         return cls(
             axis, world, reduce_dtype=reduce_dtype, replica=replica, resident=True, sink=True, reduce_block=reduce_block
         )
 
     @classmethod
-    def frozen(cls, axis: str, compute_dtype: str, quant_block: int | None = None) -> Source:
+    def frozen(cls, axis: str, compute_dtype: str, quant_block: int | None = None) -> ParamSource:
         """A frozen parameter at stage 3: gathered for every use, never given a gradient."""
         return cls(axis, 1, compute_dtype, None, quant_block)
 

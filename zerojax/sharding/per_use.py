@@ -19,7 +19,7 @@ consumes it:
 * nested ``jit`` calls are evaluated inline and ``checkpoint`` (remat) regions are
   rebuilt around their pending inputs, so a rematerialised layer re-gathers in backward;
 * any other equation materialises the parameter right there. With a source that gathers
-  (:class:`zerojax.sharding.param_sources.Source`), the gather and the equation run so that
+  (:class:`zerojax.sharding.param_sources.ParamSource`), the gather and the equation run so that
   backward gathers the parameter again instead of keeping the full copy alive (a ``custom_vjp`` whose
   backward gathers once the cotangent exists, so no compiler pass can merge the two).
 
@@ -53,7 +53,7 @@ from zerojax._jaxpr import check, constructs, form, walk
 from zerojax._jaxpr.form import Equation, Jaxpr
 from zerojax.sharding import prefetch
 from zerojax.sharding.leaf_layout import LeafLayout
-from zerojax.sharding.param_sources import Source, in_host_memory
+from zerojax.sharding.param_sources import ParamSource, in_host_memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,7 @@ class Pending:
 
     arrays: tuple[jax.Array, ...]
     layout: LeafLayout
-    source: Source
+    source: ParamSource
     ops: tuple[constructs.Unary, ...] = ()  # shape-only equations to apply once materialised
     name: str = ""  # the parameter's path, for messages
 

@@ -37,7 +37,7 @@ from zerojax.config.step_options import StepOptions
 from zerojax.context import batch as sequence
 from zerojax.context import checks
 from zerojax.sharding import collectives, gathers, in_step, outputs, per_use
-from zerojax.sharding.param_sources import Source
+from zerojax.sharding.param_sources import ParamSource
 from zerojax.sharding.plan import ZeroPlan
 
 
@@ -358,12 +358,12 @@ def replicated_grads(loss: Loss, *, scatter: bool) -> Callable:
     return run
 
 
-def pending(arrays: list[tuple], layouts: list, source: Source, names: list[str]) -> list[per_use.Pending]:
+def pending(arrays: list[tuple], layouts: list, source: ParamSource, names: list[str]) -> list[per_use.Pending]:
     """Parameter leaves kept pending: stored ``arrays`` (a tuple each), used as ``source`` says."""
     return [per_use.Pending(arrays=a, layout=l, source=source, name=name) for a, l, name in zip(arrays, layouts, names)]
 
 
-def per_use_grads(loss: Loss, source: Source, frozen_source: Source | None = None) -> Callable:
+def per_use_grads(loss: Loss, source: ParamSource, frozen_source: ParamSource | None = None) -> Callable:
     """``f(resident, sinks, frozen, batch, scale, rng, model_state) -> (loss, aux,
     model_state, grads)``: the loss evaluated with every trainable parameter pending, made
     of ``(*resident[i], sinks[i])`` as ``source`` needs (stage 3: ``resident=[]``, the sinks

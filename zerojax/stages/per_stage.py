@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerojax.sharding.param_sources import Source
+from zerojax.sharding.param_sources import ParamSource
 from zerojax.sharding.plan import ZeroPlan
 from zerojax.stages.gradients import Loss, per_use_grads, replicated_grads
 
@@ -44,8 +44,8 @@ class Forward:
 
     field: str
     specs: list
-    source: Source | None = None
-    frozen_source: Source | None = None
+    source: ParamSource | None = None
+    frozen_source: ParamSource | None = None
 
 
 class Stage:
@@ -145,7 +145,7 @@ class Stage2(_ReplicatedCopy):
 
     def grads(self, loss, params, masters, frozen, batch, scale, rng, model_state):
         cfg = loss.plan.config
-        source = Source.scattered(
+        source = ParamSource.scattered(
             cfg.axes.data, loss.plan.world, cfg.collectives.reduce_dtype, loss.plan.replica, cfg.reduce_block
         )
         return per_use_grads(loss, source)(
@@ -173,12 +173,12 @@ class Stage3(Stage):
             "master",
             [l.partition_spec(plan.axis) for l in plan.master_layouts],
             _gathered(plan),
-            Source.frozen(plan.axis, plan.config.compute_dtype),
+            ParamSource.frozen(plan.axis, plan.config.compute_dtype),
         )
 
     def grads(self, loss, params, masters, frozen, batch, scale, rng, model_state):
         plan = loss.plan
-        frozen_source = Source.frozen(plan.axis, plan.config.compute_dtype)
+        frozen_source = ParamSource.frozen(plan.axis, plan.config.compute_dtype)
         if plan.master_memory is None:
             return per_use_grads(loss, _gathered(plan), frozen_source)(
                 [], masters, frozen, batch, scale, rng, model_state
@@ -190,9 +190,9 @@ class Stage3(Stage):
         )
 
 
-def _gathered(plan: ZeroPlan, host: bool = False) -> Source:
+def _gathered(plan: ZeroPlan, host: bool = False) -> ParamSource:
     cfg = plan.config
-    return Source.gathered(
+    return ParamSource.gathered(
         cfg.axes.data,
         plan.world,
         cfg.compute_dtype,
