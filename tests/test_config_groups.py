@@ -161,7 +161,7 @@ def test_the_library_builds_its_own_configs_grouped():
         (dict(collectives={"gather_block_size": -1}), ValueError, r"Collectives.gather_block_size must be a positive"),
         (dict(axes={"tensor": "data"}), ValueError, r"Axes.tensor must be a mesh axis name other than data='data'"),
         (dict(axes={"expert": ""}), TypeError, r"Axes.expert must be a non-empty mesh axis name"),
-        (dict(context={"layout": "zigzag"}), ValueError, r"Context.layout must be"),
+        (dict(context={"layout": "zigzag"}), ValueError, r"ContextParallel.layout must be"),
         (dict(stage=2, offload={"params": True}), ValueError, r"ZeroConfig.offload.params .* Use stage=3"),
         (dict(loss_scaling={"loss_scale": 8.0}), ValueError, r"ZeroConfig.loss_scaling.loss_scale=8.0 cannot apply"),
         (dict(stage=0, collectives={"reduce_dtype": "int8"}), ValueError, r"collectives.reduce_dtype='int8'"),
@@ -174,7 +174,7 @@ def test_bad_values_are_refused_naming_the_group_and_field(kwargs, error, messag
 
 def test_the_groups_sit_under_zj_config_not_at_the_top_level():
     assert zj.config.Offload is G.Offload and zj.ZeroConfig is zj.config.ZeroConfig
-    assert not {"Offload", "LossScaling", "Collectives", "Axes", "Context"} & set(zj.__all__)
+    assert not {"Offload", "LossScaling", "Collectives", "Axes", "ContextParallel"} & set(zj.__all__)
 
 
 def test_a_grouped_config_pickles_copies_hashes_and_replaces():

@@ -277,7 +277,7 @@ def test_the_balanced_layout_refuses_plain_ops_attention():
         r"index in natural order.*zj.nn.dot_product_attention",
     ):
         _train(2, "einsum", 1, layout="balanced")
-    with pytest.raises(ValueError, match=r"Context.layout must be 'contiguous' or 'balanced'"):
+    with pytest.raises(ValueError, match=r"ContextParallel.layout must be 'contiguous' or 'balanced'"):
         zj.ZeroConfig(context={"layout": "zigzag"})
     graphdef, params = llama.init(BASE)
     mesh, zc = zj.make_mesh(context=8), zj.ZeroConfig(stage=1, context={"layout": "balanced"})

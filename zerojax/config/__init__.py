@@ -3,7 +3,7 @@
 Why the groups are the ones they are: docs/design.md ("ZeroConfig's groups").
 """
 
-from zerojax.config.groups import Axes, Collectives, Context, LossScaling, Offload
+from zerojax.config.groups import Axes, Collectives, ContextParallel, LossScaling, Offload
 from zerojax.config.step_options import StepOptions
 from zerojax.config.zero import COMPUTE_DTYPES, STAGES, ZeroConfig
 
@@ -12,7 +12,7 @@ __all__ = [
     "STAGES",
     "Axes",
     "Collectives",
-    "Context",
+    "ContextParallel",
     "LossScaling",
     "Offload",
     "StepOptions",

@@ -246,7 +246,7 @@ class Axes:
         split over it, and ZeRO shards the state over data x context together. The loss
         sees whole sequences (the axis stays automatic in the step), so plain attention is
         partitioned by XLA and stays exact; ``zj.nn.dot_product_attention`` runs Ulysses or
-        ring attention over it (see :class:`Context` for the layout).
+        ring attention over it (see :class:`ContextParallel` for the layout).
       expert: the axis of expert parallelism: the batch is split over data x expert, and
         each parameter whose annotation names it (the stacked routed experts' expert
         dimension) is split over it on that dimension and ZeRO-sharded over the data axes
@@ -317,20 +317,21 @@ def _check_dims(dims: Any) -> Any:
         else:
             return tuple(out)
     raise ValueError(
-        f"Context.dims must be None (see zerojax.context.batch), an int >= 1 (the sequence "
+        f"ContextParallel.dims must be None (see zerojax.context.batch), an int >= 1 (the sequence "
         f"dimension of every leaf), or {{batch leaf path: dim, (dims...) or None}} (paths as "
         f"jax.tree_util.keystr writes them, e.g. \"['tokens']\"; a [B, T, T] mask: (1, 2)); got {dims!r}."
     )
 
 
 @dataclasses.dataclass(frozen=True)
-class Context:
+class ContextParallel:
     """How each batch sequence is split over the context axis (DeepSpeed-Ulysses' and ring
     attention's sequence split).
 
     Attributes:
-      layout: ``"contiguous"`` (device i holds positions ``[i·T/C, (i+1)·T/C)``) or
-        ``"balanced"`` (ring attention's load balancing for causal attention: 2C chunks,
+      layout: the kind of the :class:`zerojax.context.Layout` the step splits by (the step
+        builds ``zj.context.Layout(layout, C)``): ``"contiguous"`` (device i holds positions
+        ``[i·T/C, (i+1)·T/C)``) or ``"balanced"`` (ring attention's load balancing for causal attention: 2C chunks,
         device i holds chunks i and 2C-1-i, so every device does the same causal work). In
         the balanced layout the step permutes each sequence dimension of the batch into that
         order (``zj.context.Layout.order``) and the loss sees it so. The step hands the loss
@@ -353,7 +354,7 @@ class Context:
     def __post_init__(self) -> None:
         if self.layout not in ("contiguous", "balanced"):
             raise ValueError(
-                f"Context.layout must be 'contiguous' or 'balanced' (ring attention's load "
+                f"ContextParallel.layout must be 'contiguous' or 'balanced' (ring attention's load "
                 f"balancing for causal attention), got {self.layout!r}."
             )
         object.__setattr__(self, "dims", _check_dims(self.dims))
@@ -364,7 +365,7 @@ GROUPS: dict[str, type] = {
     "offload": Offload,
     "collectives": Collectives,
     "axes": Axes,
-    "context": Context,
+    "context": ContextParallel,
 }
 """Each group's field in ``ZeroConfig`` and its class."""
 

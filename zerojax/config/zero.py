@@ -16,7 +16,7 @@ from zerojax.config.groups import (
     GROUPS,
     Axes,
     Collectives,
-    Context,
+    ContextParallel,
     LossScaling,
     Offload,
     check_bool,
@@ -79,7 +79,7 @@ class ZeroConfig:
       collectives: :class:`~zerojax.config.Collectives`, the gradient reduction's dtype and
         ZeRO++'s int8 collectives.
       axes: :class:`~zerojax.config.Axes`, the mesh's axis names and a model's own names.
-      context: :class:`~zerojax.config.Context`, the sequence layout over the context axis.
+      context: :class:`~zerojax.config.ContextParallel`, the sequence layout over the context axis.
 
     One spelling: a group's fields are given and read through the group
     (``offload={"optimizer": True}``, ``config.offload.optimizer``). A keyword or attribute
@@ -120,7 +120,7 @@ class ZeroConfig:
     offload: Offload = Offload()
     collectives: Collectives = Collectives()
     axes: Axes = Axes()
-    context: Context = Context()
+    context: ContextParallel = ContextParallel()
 
     __signature__ = _InitSignature()
 
