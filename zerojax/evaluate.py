@@ -13,11 +13,11 @@ from jax.sharding import PartitionSpec as P
 from zerojax import compile_cache
 from zerojax.config import StepOptions, ZeroConfig
 from zerojax.config.step_options import PLAIN
-from zerojax.context import batch as sequence
+from zerojax.context import batch as context_batch
 from zerojax.sharding import gathers, in_step, outputs, per_use
 from zerojax.sharding.mesh import auto_axes, batch_devices, row_split
 from zerojax.sharding.plan import ZeroPlan
-from zerojax.stages.gradients import cast_batch, context, local_shapes, pending
+from zerojax.stages.gradients import cast_batch, local_shapes, pending, trace_options
 from zerojax.stages.per_stage import stage_of
 from zerojax.state import ZeroState
 from zerojax.step import check_batch, check_keywords, check_state, place_batch
@@ -63,7 +63,7 @@ class EvalStep:
                 "zj.init_state(..., model_state=...)."
             )
         check_batch(batch, *row_split(self.mesh, self.config))
-        sequence.check(state.plan, batch)
+        context_batch.check(state.plan, batch)
 
     def _run(self, state: ZeroState, batch: Any) -> Any:
         self._compiles += 1
@@ -76,7 +76,7 @@ class EvalStep:
             b, ms = inputs
             kwargs = {"model_state": jax.tree.map(lambda x: x, ms)} if self.options.with_model_state else {}
             if self.options.with_layout:
-                kwargs["layout"] = sequence.layout_of(plan)
+                kwargs["layout"] = context_batch.layout_of(plan)
             with in_step.tracing(plan, 1):
                 return gathers.wrap(plan, self.fn)(plan.unflatten(leaves), cast_batch(b, compute), **kwargs)
 
@@ -93,7 +93,7 @@ class EvalStep:
                 plan, lambda leaves, b, ms: user_fn(leaves, (b, ms)), shapes, local, ms, batch_at=1
             )
         combine = outputs.plan(self.reduce, out_shapes, "outputs", "reduce")
-        batch = sequence.constrain(plan, batch)
+        batch = context_batch.constrain(plan, batch)
         batch_spec = jax.tree.map(lambda _: P(over), batch)
         frozen = jax.tree.leaves(state.frozen) if state.frozen is not None else []
         frozen_specs = [l.partition_spec(axis) for l in plan.frozen_layouts]
@@ -101,7 +101,9 @@ class EvalStep:
         read = stage_of(plan).forward(plan)
         # Leaves with a source are used pending (gathered where used); the others as they are.
         run = (
-            per_use.traced(user_fn, shapes, context(plan, remat=False), program) if read.source or program else user_fn
+            per_use.traced(user_fn, shapes, trace_options(plan, remat=False), program)
+            if read.source or program
+            else user_fn
         )
 
         def body(train, frozen, b, ms):

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from zerojax import compile_cache, on_stall
 from zerojax.config import StepOptions, ZeroConfig
 from zerojax.config.step_options import PLAIN
-from zerojax.context import batch as context
+from zerojax.context import batch as context_batch
 from zerojax.optim import loss_scale as ls
 from zerojax.optim.apply import apply_optimizer
 from zerojax.optim.offload import choose_place
@@ -241,7 +241,7 @@ class TrainStep:
                 "the state with zj.init_state(..., model_state=...)."
             )
         check_batch(batch, *row_split(self.mesh, self.config), self.config.grad_accum_steps)
-        context.check(state.plan, batch)
+        context_batch.check(state.plan, batch)
 
     def __call__(self, state: ZeroState, batch: Any, *extra: Any) -> tuple[ZeroState, dict[str, jax.Array]]:
         if extra:

@@ -14,7 +14,7 @@ consumes it:
 * ``scan`` over a stacked parameter (``nnx.scan``, ``nn.scan``, ``lax.scan``) slices the
   *storage* per iteration, so each iteration materialises one layer; so does taking one
   layer of a stack by index (``w[i]`` in a Python loop);
-* with a ``Context(scan_remat=...)``, every scan body (one layer of a stack) becomes a
+* with a ``TraceOptions(scan_remat=...)``, every scan body (one layer of a stack) becomes a
   remat region with that policy;
 * nested ``jit`` calls are evaluated inline and ``checkpoint`` (remat) regions are
   rebuilt around their pending inputs, so a rematerialised layer re-gathers in backward;
@@ -117,8 +117,10 @@ def _is_array(v: Any) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class Context:
-    """Evaluation options: ``scan_remat`` wraps every scan body (one layer) in a remat region."""
+class TraceOptions:
+    """How a traced program is evaluated per use (:func:`traced`, :func:`eval_jaxpr`), and what
+    one evaluation carries along: ``scan_remat`` wraps every scan body (one layer) in a remat
+    region."""
 
     scan_remat: Any = None  # zerojax.remat.Remat or None
     in_remat: bool = False  # inside a remat region: backward recomputes, gathers included
@@ -131,34 +133,34 @@ class Context:
     deps: list | None = dataclasses.field(default=None, compare=False)
 
 
-_PLAIN = Context()
+_PLAIN = TraceOptions()
 
 
-def _eqn_with_pending(eqn: Equation, invals: list[Any], ctx: Context) -> list[Any]:
+def _eqn_with_pending(eqn: Equation, invals: list[Any], opts: TraceOptions) -> list[Any]:
     pending = [v for v in invals if isinstance(v, Pending)]
 
     shape_only = constructs.shape_only(eqn)
     if shape_only is not None and len(invals) == 1:
         return [invals[0].then(shape_only)]
     if constructs.is_call(eqn):
-        return eval_jaxpr(*constructs.call_body(eqn), invals, ctx)
+        return eval_jaxpr(*constructs.call_body(eqn), invals, opts)
     if constructs.is_scan(eqn):
-        return _scan(eqn, invals, ctx)
+        return _scan(eqn, invals, opts)
     if constructs.is_slice(eqn) and len(invals) == 1 and _is_row(eqn, invals[0]):
-        return [_row(invals[0], constructs.static_slice(eqn).start[0], ctx)]
+        return [_row(invals[0], constructs.static_slice(eqn).start[0], opts)]
     if constructs.is_remat(eqn):
-        return _checkpoint(eqn, invals, ctx)
+        return _checkpoint(eqn, invals, opts)
     _warn_if_stack_gathered_whole(eqn, pending)
 
     # Any other consumer: materialise here. Gathered sources are gathered again in backward
     # rather than kept alive from forward.
     if not any(p.source.regathers for p in pending):
         return _bind(eqn, _materialize_all(invals))
-    if constructs.keeps_no_operands(eqn) or ctx.in_remat:
+    if constructs.keeps_no_operands(eqn) or opts.in_remat:
         # Inside a remat region the gathered value is recomputed (gathered again) for this
         # layer's backward anyway; a second re-gather would only add traffic.
-        return _bind(eqn, _materialize_all(_tied_to_inputs(invals, ctx)))
-    return _regathered(eqn, invals, ctx)
+        return _bind(eqn, _materialize_all(_tied_to_inputs(invals, opts)))
+    return _regathered(eqn, invals, opts)
 
 
 def _warn_if_stack_gathered_whole(eqn: Equation, pending: list[Pending], how: str = "") -> None:
@@ -187,7 +189,7 @@ def _is_row(eqn: Equation, v: Pending) -> bool:
     return limit[0] - start[0] == 1 and all(s == 0 for s in start[1:]) and tuple(limit[1:]) == v.layout.shape[1:]
 
 
-def _row(v: Pending, i: int, ctx: Context) -> Pending:
+def _row(v: Pending, i: int, opts: TraceOptions) -> Pending:
     """Row ``i`` of a stacked pending parameter, still pending, shaped ``(1, *inner)`` like
     the ``slice`` it replaces: only that layer is gathered (stage 3) and only its gradient
     is reduce-scattered (stage 2), not the whole stack once per layer.
@@ -196,7 +198,7 @@ def _row(v: Pending, i: int, ctx: Context) -> Pending:
     concatenation): slicing each layer on its own would give every layer's gradient a
     zero-padded copy of the whole stack's shard in backward."""
     key = tuple(id(a) for a in v.arrays)
-    cache = ctx.rows
+    cache = opts.rows
     if key not in cache:
         split = [[jnp.squeeze(r, 0) for r in jax.lax.split(a, [1] * a.shape[0], axis=0)] for a in v.arrays]
         cache[key] = (v.arrays, split)  # the arrays are kept so their ids stay unique
@@ -215,30 +217,30 @@ def _first_float(vals: Sequence[Any]) -> jax.Array | None:
     return None
 
 
-def _tied_to_inputs(invals: list[Any], ctx: Context) -> list[Any]:
+def _tied_to_inputs(invals: list[Any], opts: TraceOptions) -> list[Any]:
     """Pending values whose gather waits for the equation's other (activation) input, so
     the compiler gathers a layer when the layer is reached, not all layers up front (with
-    prefetch, when the layer ``ctx.prefetch`` uses earlier is reached)."""
-    dep = _order_after(_first_float(invals), ctx, record=False)
+    prefetch, when the layer ``opts.prefetch`` uses earlier is reached)."""
+    dep = _order_after(_first_float(invals), opts, record=False)
     if dep is None:
         return invals
     return [
-        v.rebuild([_after(a, dep, ctx.order_by_data) for a in v.arrays]) if isinstance(v, Pending) else v
+        v.rebuild([_after(a, dep, opts.order_by_data) for a in v.arrays]) if isinstance(v, Pending) else v
         for v in invals
     ]
 
 
-def _order_after(dep: jax.Array | None, ctx: Context, record: bool = True) -> jax.Array | None:
+def _order_after(dep: jax.Array | None, opts: TraceOptions, record: bool = True) -> jax.Array | None:
     """What a gather used with activation input ``dep`` waits for: ``dep`` itself, or with
     prefetch d the input of the d-th layer before it in this jaxpr, so that the gather
     runs while those layers compute. A layer is a use that keeps its parameter for
     backward (a matmul: ``record``); lighter uses (adding a bias) wait with the last one."""
-    if not ctx.prefetch or ctx.deps is None or dep is None:
+    if not opts.prefetch or opts.deps is None or dep is None:
         return dep
-    back = ctx.prefetch if record else ctx.prefetch - 1
-    earlier = ctx.deps[-back] if back and len(ctx.deps) >= back else dep
+    back = opts.prefetch if record else opts.prefetch - 1
+    earlier = opts.deps[-back] if back and len(opts.deps) >= back else dep
     if record:
-        ctx.deps.append(dep)
+        opts.deps.append(dep)
     return earlier
 
 
@@ -279,7 +281,7 @@ def after_all(xs: Sequence[jax.Array], order_by_data: bool = True) -> list[jax.A
     return [_after(x, dep, order_by_data) for x in xs]
 
 
-def _regathered(eqn: Equation, invals: list[Any], ctx: Context) -> list[Any]:
+def _regathered(eqn: Equation, invals: list[Any], opts: TraceOptions) -> list[Any]:
     """Applies ``eqn`` to freshly gathered parameters, in forward and again in backward.
 
     Only the shards and the equation's other inputs are kept for backward; backward
@@ -292,8 +294,8 @@ def _regathered(eqn: Equation, invals: list[Any], ctx: Context) -> list[Any]:
     # The forward gather waits for the input (or, with prefetch, an earlier layer's input),
     # with or without differentiation (an eval step runs the region's primal alone). The
     # untied shards are what backward keeps.
-    dep = _order_after(_first_float([invals[i] for i in traced]), ctx)
-    tie = lambda flat, dep: flat if dep is None else [_after(a, dep, ctx.order_by_data) for a in flat]
+    dep = _order_after(_first_float([invals[i] for i in traced]), opts)
+    tie = lambda flat, dep: flat if dep is None else [_after(a, dep, opts.order_by_data) for a in flat]
 
     def compute(flat, traced_vals):
         vals = rebuild(flat)
@@ -321,12 +323,12 @@ def _regathered(eqn: Equation, invals: list[Any], ctx: Context) -> list[Any]:
     return region(flat, [invals[i] for i in traced], dep)
 
 
-def _checkpoint(eqn: Equation, invals: list[Any], ctx: Context) -> list[Any]:
+def _checkpoint(eqn: Equation, invals: list[Any], opts: TraceOptions) -> list[Any]:
     spec = constructs.remat(eqn)
     flat, rebuild = _split_pending(invals)
     others_idx = [i for i, v in enumerate(invals) if not isinstance(v, Pending)]
 
-    inner_ctx = dataclasses.replace(ctx, in_remat=True)
+    inner_ctx = dataclasses.replace(opts, in_remat=True)
 
     def inner(flat, others):
         vals = rebuild(flat)
@@ -338,7 +340,7 @@ def _checkpoint(eqn: Equation, invals: list[Any], ctx: Context) -> list[Any]:
     return list(inner(flat, [invals[i] for i in others_idx]))
 
 
-def _scan(eqn: Equation, invals: list[Any], ctx: Context) -> list[Any]:
+def _scan(eqn: Equation, invals: list[Any], opts: TraceOptions) -> list[Any]:
     p = constructs.scan(eqn)
     n_consts, n_carry = p.n_consts, p.n_carry
     _warn_if_stack_gathered_whole(
@@ -356,10 +358,10 @@ def _scan(eqn: Equation, invals: list[Any], ctx: Context) -> list[Any]:
     ]
     xs_arrays = [v.arrays if isinstance(v, Pending) else v for v in xs_in]
     stack_pos = [k for k, v in enumerate(xs_in) if isinstance(v, Pending) and v.source.regathers]
-    if ctx.prefetch and stack_pos and not p.reverse:
+    if opts.prefetch and stack_pos and not p.reverse:
         others = [v for k, v in enumerate(xs_in) if k not in stack_pos]
         if prefetch.applies(carry, others, [v.aval for v in p.body.outvars]):
-            inner = Context(order_by_data=ctx.order_by_data)
+            inner = TraceOptions(order_by_data=opts.order_by_data)
 
             def run_body(consts, carry, xs_vals):
                 return eval_jaxpr(p.body, p.body_consts, [*consts, *carry, *xs_vals], inner)
@@ -368,7 +370,7 @@ def _scan(eqn: Equation, invals: list[Any], ctx: Context) -> list[Any]:
                 run_body,
                 n_carry,
                 p.length,
-                ctx.prefetch,
+                opts.prefetch,
                 [xs_in[k] for k in stack_pos],
                 stack_pos,
                 consts,
@@ -382,8 +384,8 @@ def _scan(eqn: Equation, invals: list[Any], ctx: Context) -> list[Any]:
             stacklevel=2,
         )
 
-    remat = ctx.scan_remat is not None and ctx.scan_remat.active
-    body_ctx = dataclasses.replace(ctx, in_remat=True) if remat else ctx
+    remat = opts.scan_remat is not None and opts.scan_remat.active
+    body_ctx = dataclasses.replace(opts, in_remat=True) if remat else opts
 
     def step(carry, xs_slices):
         xs_vals = [
@@ -393,7 +395,7 @@ def _scan(eqn: Equation, invals: list[Any], ctx: Context) -> list[Any]:
         return outs[:n_carry], outs[n_carry:]
 
     if remat:
-        step = jax.checkpoint(step, policy=ctx.scan_remat.jax_policy(), prevent_cse=False)
+        step = jax.checkpoint(step, policy=opts.scan_remat.jax_policy(), prevent_cse=False)
     carry_out, ys = jax.lax.scan(step, carry, xs_arrays, length=p.length, reverse=p.reverse, unroll=p.unroll)
     return [*carry_out, *ys]
 
@@ -403,40 +405,43 @@ class Evaluator(walk.Evaluate):
     a per-layer remat policy, a scan or call whose bodies get it) goes to
     :func:`_eqn_with_pending`; the walk binds every other one as it is."""
 
-    def __init__(self, ctx: Context):
-        self.ctx = ctx
+    def __init__(self, opts: TraceOptions):
+        self.opts = opts
 
     def replace(self, eqn: Equation, ins: list[Any]) -> list[Any] | None:
-        ctx = self.ctx
+        opts = self.opts
         if any(isinstance(v, Pending) for v in ins):
-            return _eqn_with_pending(eqn, ins, ctx)
+            return _eqn_with_pending(eqn, ins, opts)
         if (
             (constructs.is_scan(eqn) or constructs.is_call(eqn))
-            and ctx.scan_remat is not None
-            and ctx.scan_remat.active
+            and opts.scan_remat is not None
+            and opts.scan_remat.active
         ):
-            return _eqn_with_pending(eqn, ins, ctx)
+            return _eqn_with_pending(eqn, ins, opts)
         return None
 
 
-def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context = _PLAIN) -> list[Any]:
+def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], opts: TraceOptions = _PLAIN) -> list[Any]:
     """Evaluates ``jaxpr`` like ``jax.core.eval_jaxpr``, keeping parameters pending."""
-    if ctx.rows is None:  # one split of each stack per evaluation (see ``_row``)
-        ctx = dataclasses.replace(ctx, rows={})
-    if ctx.prefetch:
-        ctx = dataclasses.replace(ctx, deps=[])  # this jaxpr's own order of gathered uses
-    return _materialize_all(Evaluator(ctx).run(jaxpr, consts, args))
+    if opts.rows is None:  # one split of each stack per evaluation (see ``_row``)
+        opts = dataclasses.replace(opts, rows={})
+    if opts.prefetch:
+        opts = dataclasses.replace(opts, deps=[])  # this jaxpr's own order of gathered uses
+    return _materialize_all(Evaluator(opts).run(jaxpr, consts, args))
 
 
-def call_per_use(closed: Any, params: Sequence[Any], args: Sequence[Any], ctx: Context = _PLAIN) -> list[Any]:
+def call_per_use(closed: Any, params: Sequence[Any], args: Sequence[Any], opts: TraceOptions = _PLAIN) -> list[Any]:
     """Evaluates ``closed`` (traced with full parameters first, then ``args``) with the
     parameters given as pending values (or plain arrays)."""
-    ctx = dataclasses.replace(ctx, rows=None)
-    return eval_jaxpr(*form.open_jaxpr(closed), [*params, *args], ctx)
+    opts = dataclasses.replace(opts, rows=None)
+    return eval_jaxpr(*form.open_jaxpr(closed), [*params, *args], opts)
 
 
 def traced(
-    fn: Callable, param_shapes: Sequence[jax.ShapeDtypeStruct], ctx: Context = _PLAIN, program: Callable | None = None
+    fn: Callable,
+    param_shapes: Sequence[jax.ShapeDtypeStruct],
+    opts: TraceOptions = _PLAIN,
+    program: Callable | None = None,
 ) -> Callable:
     """``fn(param_leaves, batch)`` re-evaluated from its jaxpr, so that the parameter leaves
     it is called with may be :class:`Pending` (``param_shapes`` are their full shapes).
@@ -445,7 +450,7 @@ def traced(
 
     Where zerojax reads no program (:func:`zerojax._jaxpr.check.reading`, asked when the
     caller is traced), ``fn`` is called on the parameters materialised up front instead:
-    the same values and gradients, without per-use gathering, prefetch or ``ctx``'s remat."""
+    the same values and gradients, without per-use gathering, prefetch or ``opts``'s remat."""
 
     def call(params: Sequence[Any], batch: Any) -> Any:
         if program is None and not check.reading():
@@ -455,9 +460,9 @@ def traced(
         else:
             batch_sds = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape, b.dtype), batch)
             closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(list(param_shapes), batch_sds)
-        if ctx.scan_remat is not None and ctx.scan_remat.active:
-            warn_if_no_layer_regions(closed, ctx.scan_remat)
-        outs = call_per_use(closed, params, jax.tree.leaves(batch), ctx)
+        if opts.scan_remat is not None and opts.scan_remat.active:
+            warn_if_no_layer_regions(closed, opts.scan_remat)
+        outs = call_per_use(closed, params, jax.tree.leaves(batch), opts)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
     return call

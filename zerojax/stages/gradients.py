@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zerojax.config.step_options import StepOptions
-from zerojax.context import batch as sequence
+from zerojax.context import batch as context_batch
 from zerojax.context import checks
 from zerojax.sharding import collectives, gathers, in_step, outputs, per_use
 from zerojax.sharding.param_sources import ParamSource
@@ -109,7 +109,12 @@ class Loss:
         context mesh, also for the sequence layout: :func:`zerojax.context.checks.check`)."""
         o = options
         loss = cls(
-            plan, fn, o.has_aux, o.with_rng, o.with_model_state, sequence.layout_of(plan) if o.with_layout else None
+            plan,
+            fn,
+            o.has_aux,
+            o.with_rng,
+            o.with_model_state,
+            context_batch.layout_of(plan) if o.with_layout else None,
         )
         cfg = plan.config
         rows = lambda b: jax.ShapeDtypeStruct(
@@ -162,7 +167,7 @@ class Loss:
             closed, shapes = self.program
             program = lambda: (foreign.Translator(self.plan).program(closed), shapes)
         return per_use.traced(
-            lambda leaves, inputs: self(leaves, *inputs), self.param_shapes, context(self.plan), program
+            lambda leaves, inputs: self(leaves, *inputs), self.param_shapes, trace_options(self.plan), program
         )
 
     # Across devices and micro-batches.
@@ -220,11 +225,11 @@ def on_cpu(plan: ZeroPlan) -> bool:
     return plan.mesh.devices.flat[0].platform == "cpu"
 
 
-def context(plan: ZeroPlan, remat: bool = True) -> per_use.Context:
+def trace_options(plan: ZeroPlan, remat: bool = True) -> per_use.TraceOptions:
     """How the loss is re-evaluated for ``plan``: the remat policy of every layer loop, the
     prefetch depth (stage 3), and the backend's ordering."""
     cfg = plan.config
-    return per_use.Context(
+    return per_use.TraceOptions(
         scan_remat=cfg.remat if remat else None,
         order_by_data=on_cpu(plan),
         prefetch=cfg.prefetch if plan.stage == 3 else 0,
@@ -321,7 +326,7 @@ def replicated_grads(loss: Loss, *, scatter: bool) -> Callable:
         return value, aux, [x.astype(jnp.float32) for x in g], ms
 
     def reduce_all(grads):
-        grads = [sequence.whole(plan, g, l) for g, l in zip(grads, plan.master_layouts)]
+        grads = [context_batch.whole(plan, g, l) for g, l in zip(grads, plan.master_layouts)]
         if not scatter:
             return [
                 collectives.reduce_grad(g, axis, n, reduce, l.replicated() if l.tp else None, replica, block)
@@ -344,7 +349,7 @@ def replicated_grads(loss: Loss, *, scatter: bool) -> Callable:
     grad_specs = [l.partition_spec(axis) for l in plan.master_layouts] if scatter else [P()] * len(plan.master_layouts)
 
     def run(train, frozen, batch, scale, rng, model_state):
-        batch = sequence.constrain(plan, batch)
+        batch = context_batch.constrain(plan, batch)
         batch_spec = jax.tree.map(lambda _: P(plan.batch_axes), batch)
         return jax.shard_map(
             body,
@@ -408,7 +413,7 @@ def per_use_grads(loss: Loss, source: ParamSource, frozen_source: ParamSource | 
     resident_specs = [P()] * len(plan.master_layouts) if source.resident else storage
 
     def run(resident, sinks, frozen, batch, scale, rng, model_state):
-        batch = sequence.constrain(plan, batch)
+        batch = context_batch.constrain(plan, batch)
         batch_spec = jax.tree.map(lambda _: P(plan.batch_axes), batch)
         return jax.shard_map(
             body,
