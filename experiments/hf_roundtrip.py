@@ -4,7 +4,7 @@ For each checkpoint of ``tests/data/hf`` (one per Llama-family feature, made by
 ``experiments/make_hf_fixtures.py``): ``zj.models.from_hf``, ``zj.init_state`` from the
 weights on 8 simulated CPU devices at stage 3 (a mixture of experts on ``make_mesh(expert=4)``),
 three AdamW steps, the fine-tuned model's
-logits on the fixture's batch, and ``zj.export_weights(..., layout="hf")`` (sharded files,
+logits on the fixture's batch, and ``zj.export_weights(..., format="hf")`` (sharded files,
 index and ``config.json``) to ``OUT/<name>``, with the logits in ``OUT/<name>_logits.npz``.
 Then transformers itself loads each export (no missing or unexpected keys) and compares its
 logits with zerojax's, in the private venv of the fixture script::
@@ -55,7 +55,7 @@ def roundtrip(name: str, out: pathlib.Path, steps: int = 3) -> tuple[float, floa
     tokens = jnp.asarray(ref["tokens"])
     logits = np.asarray(model(tokens))
     masked = np.asarray(model(tokens, mask=jnp.asarray(ref["mask"], bool)))
-    zj.export_weights(state, out / name, layout="hf", map=wmap, max_shard_size="10KB" if cfg.n_experts else "40KB")
+    zj.export_weights(state, out / name, format="hf", map=wmap, max_shard_size="10KB" if cfg.n_experts else "40KB")
     np.savez(out / f"{name}_logits.npz", logits=logits, logits_mask=masked)
     return float(metrics["loss"]), float(np.abs(logits - ref["logits"]).max())
 

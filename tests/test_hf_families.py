@@ -139,7 +139,7 @@ def test_each_checkpoint_trains_at_stage_3_and_exports_in_its_layout(name, tmp_p
     assert np.abs(tuned - ref["logits"]).max() > 1e-4  # it trained
 
     out = tmp_path / "export"
-    zj.export_weights(state, out, layout="hf", map=wmap, max_shard_size="10KB" if cfg.n_experts else "40KB")
+    zj.export_weights(state, out, format="hf", map=wmap, max_shard_size="10KB" if cfg.n_experts else "40KB")
     source = json.loads((FIXTURES / name / "model.safetensors.index.json").read_text())["weight_map"]
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(source)  # a tied head written once (the embedding), as saved
@@ -593,7 +593,7 @@ def test_a_tied_checkpoint_that_stores_its_head_too_is_refused_until_said(tmp_pa
 
 
 def test_the_export_command_takes_the_family_map_or_the_source_config(tmp_path, capsys):
-    """``zerojax export CKPT OUT --layout hf`` with ``--hf-config`` alone (the map read from
+    """``zerojax export CKPT OUT --format hf`` with ``--hf-config`` alone (the map read from
     the source's config.json) and with ``--map qwen3`` (the family's map) writes the
     checkpoint's own tensors, the same bytes."""
     from zerojax import cli
@@ -608,7 +608,7 @@ def test_the_export_command_takes_the_family_map_or_the_source_config(tmp_path, 
     for how, extra in (("config", []), ("family", ["--map", "qwen3"])):
         out = tmp_path / how
         rc = cli.main(
-            ["export", str(tmp_path / "ck"), str(out), "--layout", "hf", "--hf-config", str(FIXTURES / "qwen3"), *extra]
+            ["export", str(tmp_path / "ck"), str(out), "--format", "hf", "--hf-config", str(FIXTURES / "qwen3"), *extra]
         )
         assert rc == 0, capsys.readouterr().err
         got[how] = load_file(str(out / "model.safetensors"))

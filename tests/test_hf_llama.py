@@ -97,7 +97,7 @@ def test_lora_finetune_at_stage_3_exports_merged_and_as_adapters(tmp_path):
     tuned = zj.gather_params(state)
     want = _logits(cfg, tuned, REF["tokens"])
 
-    zj.export_weights(state, tmp_path / "merged", map=wmap, layout="hf", max_shard_size="40KB")
+    zj.export_weights(state, tmp_path / "merged", map=wmap, format="hf", max_shard_size="40KB")
     index = json.loads((tmp_path / "merged" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(
         json.loads((FIXTURE / "model.safetensors.index.json").read_text())["weight_map"]
@@ -117,7 +117,7 @@ def test_lora_finetune_at_stage_3_exports_merged_and_as_adapters(tmp_path):
         np.testing.assert_array_equal(adapters[f"{name}.lora_B.weight"], np.asarray(q["lora_b"][i]).T)
 
     # Base and adapters kept apart in one checkpoint read back into the LoRA model: exact.
-    zj.export_weights(state, tmp_path / "kept", map=wmap, layout="hf", lora="keep")
+    zj.export_weights(state, tmp_path / "kept", map=wmap, format="hf", lora="keep")
     kept = zj.load_weights(zj.Weights(tmp_path / "kept", wmap), like=llama.init_abstract(cfg)[1])
     assert np.abs(_logits(cfg, kept, REF["tokens"]) - want).max() == 0.0
 
@@ -133,7 +133,7 @@ def test_full_finetune_exported_resumes_at_another_stage_and_device_count(tmp_pa
     step = zj.make_train_step(llama.make_loss(graphdef), tx, mesh=mesh8, config=zc3)
     for batch in batches[:3]:
         state, _ = step(state, batch)
-    zj.export_weights(state, tmp_path / "hf", map=wmap, layout="hf", max_shard_size="40KB")
+    zj.export_weights(state, tmp_path / "hf", map=wmap, format="hf", max_shard_size="40KB")
     _, m4 = step(state, batches[3])
 
     mesh4, zc1 = zj.make_mesh(jax.devices()[:4]), zj.ZeroConfig(stage=1)

@@ -472,14 +472,14 @@ def _read_hf(folder):
 @pytest.mark.parametrize("stage", [0, 3])
 def test_export_writes_hugging_face_layout_that_safetensors_reads(stage, small_state, tmp_path):
     state = small_state(stage)
-    shapes = zj.export_weights(state, tmp_path / "hf", map=SMALL_MAP, layout="hf", max_shard_size=1000)
+    shapes = zj.export_weights(state, tmp_path / "hf", map=SMALL_MAP, format="hf", max_shard_size=1000)
     got, files = _read_hf(tmp_path / "hf")
     assert len(files) == 7 and files[0] == "model-00001-of-00007.safetensors"  # greedy, in name order
     assert shapes == {k: v.shape for k, v in SMALL.items()}
     for k, v in SMALL.items():
         np.testing.assert_array_equal(got[k], v)
     # bf16, one file (everything under max_shard_size): model.safetensors, no index.
-    zj.export_weights(state, tmp_path / "one", map=SMALL_MAP, layout="hf", dtype="bfloat16")
+    zj.export_weights(state, tmp_path / "one", map=SMALL_MAP, format="hf", dtype="bfloat16")
     assert sorted(p.name for p in (tmp_path / "one").iterdir()) == ["model.safetensors"]
     one = load_file(str(tmp_path / "one" / "model.safetensors"))
     for k, v in SMALL.items():
@@ -490,7 +490,7 @@ def test_export_writes_hugging_face_layout_that_safetensors_reads(stage, small_s
 def test_a_failed_export_leaves_nothing_that_looks_complete(small_state, tmp_path, monkeypatch):
     state = small_state(3)
     out = tmp_path / "hf"
-    zj.export_weights(state, out, map=SMALL_MAP, layout="hf", max_shard_size=1000)
+    zj.export_weights(state, out, map=SMALL_MAP, format="hf", max_shard_size=1000)
     calls = {"n": 0}
     real = TensorWriter.write_box
 
@@ -502,7 +502,7 @@ def test_a_failed_export_leaves_nothing_that_looks_complete(small_state, tmp_pat
 
     monkeypatch.setattr(TensorWriter, "write_box", dying)
     with pytest.raises(OSError, match="disk full"):
-        zj.export_weights(state, out, map=SMALL_MAP, layout="hf", max_shard_size=1000)
+        zj.export_weights(state, out, map=SMALL_MAP, format="hf", max_shard_size=1000)
     # The old index went first; no partial file is left; the old shards are there but no
     # index vouches for them.
     names = sorted(p.name for p in out.iterdir())
@@ -605,7 +605,7 @@ def test_export_command_writes_a_checkpoint_directory_in_hugging_face_layout(sma
             "export",
             str(tmp_path / "ck"),
             str(tmp_path / "hf"),
-            "--layout",
+            "--format",
             "hf",
             "--map",
             "tests.test_weights:SMALL_MAP",
@@ -626,7 +626,7 @@ def test_export_command_writes_a_checkpoint_directory_in_hugging_face_layout(sma
     assert len(files) == 4  # bf16: half the bytes of the fp32 export's 7 files
     for k, v in SMALL.items():
         np.testing.assert_array_equal(got[k], v.astype(ml_dtypes.bfloat16))
-    assert cli.main(["export", str(tmp_path / "ck"), str(tmp_path / "x"), "--layout", "hf", "--map", "nope"]) == 1
+    assert cli.main(["export", str(tmp_path / "ck"), str(tmp_path / "x"), "--format", "hf", "--map", "nope"]) == 1
     assert "ready map" in capsys.readouterr().err
 
 
@@ -661,7 +661,7 @@ def test_a_tensor_read_by_two_parameters_is_written_once_and_checked(tmp_path):
     state = zj.init_state(
         ABSTRACT, optax.sgd(0.1), mesh=mesh, config=cfg, weights=zj.Weights(tmp_path / "tied.safetensors", TIED)
     )
-    shapes = zj.export_weights(state, tmp_path / "hf", map=TIED, layout="hf", max_shard_size=1000)
+    shapes = zj.export_weights(state, tmp_path / "hf", map=TIED, format="hf", max_shard_size=1000)
     got = _complete(tmp_path / "hf")
     assert set(got) == set(shapes) == set(TIED_CKPT)
     for k, v in TIED_CKPT.items():
@@ -677,21 +677,21 @@ def test_a_tensor_read_by_two_parameters_is_written_once_and_checked(tmp_path):
         r"drop what 'head\.kernel' learnt\. Tie them in the model .* a map that gives "
         r"'head\.kernel' a tensor of its own instead of transpose\(emb \[13, 16\]\)",
     ):
-        zj.export_weights(apart, tmp_path / "hf", map=TIED, layout="hf", max_shard_size=1000)
+        zj.export_weights(apart, tmp_path / "hf", map=TIED, format="hf", max_shard_size=1000)
     assert _complete(tmp_path / "hf") is None and not list((tmp_path / "hf").glob(".*"))
     # The same from checkpoint directories (process 0 reads each parameter whole).
     for name, st in (("same", state), ("apart", apart)):
         zj.save_checkpoint(tmp_path / name, st, step=0, wait=True)
-    zj.export_weights(tmp_path / "same", tmp_path / "from_dir", map=TIED, layout="hf")
+    zj.export_weights(tmp_path / "same", tmp_path / "from_dir", map=TIED, format="hf")
     np.testing.assert_array_equal(_complete(tmp_path / "from_dir")["emb"], TIED_CKPT["emb"])
     with pytest.raises(
         ValueError,
         match=r"'head\.kernel' and 'emb' both read tensor 'emb', and they differ by up to "
         r"0\.5",
     ):
-        zj.export_weights(tmp_path / "apart", tmp_path / "from_dir", map=TIED, layout="hf")
+        zj.export_weights(tmp_path / "apart", tmp_path / "from_dir", map=TIED, format="hf")
     # The fix the message names: the head as a tensor of its own.
-    zj.export_weights(apart, tmp_path / "hf", map=SMALL_MAP, layout="hf")
+    zj.export_weights(apart, tmp_path / "hf", map=SMALL_MAP, format="hf")
     np.testing.assert_array_equal(_complete(tmp_path / "hf")["head"], np.asarray(params["head"]["kernel"]).T)
 
 
@@ -730,9 +730,9 @@ def test_fused_parts_and_concatenations_export_what_they_load(stage, tmp_path):
         config=zj.ZeroConfig(stage=stage),
         weights=zj.Weights(tmp_path / "fused.safetensors", FUSED_MAP),
     )
-    for layout, out in (("hf", tmp_path / "hf"), ("file", tmp_path / "w.safetensors")):
-        shapes = zj.export_weights(state, out, map=FUSED_MAP, layout=layout, max_shard_size=200)
-        got = _complete(out) if layout == "hf" else load_file(str(out))
+    for fmt, out in (("hf", tmp_path / "hf"), ("file", tmp_path / "w.safetensors")):
+        shapes = zj.export_weights(state, out, map=FUSED_MAP, format=fmt, max_shard_size=200)
+        got = _complete(out) if fmt == "hf" else load_file(str(out))
         assert shapes == {k: v.shape for k, v in FUSED.items()} and set(got) == set(FUSED)
         for k, v in FUSED.items():
             np.testing.assert_array_equal(got[k], v)
@@ -744,7 +744,7 @@ def test_fused_parts_and_concatenations_export_what_they_load(stage, tmp_path):
         match=r"elements \[4:6, 0:7\] of tensor 'attn\.qkv\.weight' \[9, 7\] are written "
         r"by no parameter: its parts \(part / concat\) leave a gap",
     ):
-        zj.export_weights(two, tmp_path / "gap", map=gap, layout="hf")
+        zj.export_weights(two, tmp_path / "gap", map=gap, format="hf")
     three = zj.init_state(
         {**params, "k": jnp.ones((7, 2))}, optax.sgd(0.1), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=stage)
     )
@@ -754,7 +754,7 @@ def test_fused_parts_and_concatenations_export_what_they_load(stage, tmp_path):
         match=r"parameters 'q' and 'k' both write elements \[3:4, 0:7\] of tensor "
         r"'attn\.qkv\.weight' \[9, 7\]",
     ):
-        zj.export_weights(three, tmp_path / "overlap", map=overlap, layout="hf")
+        zj.export_weights(three, tmp_path / "overlap", map=overlap, format="hf")
     assert not (tmp_path / "gap").exists() and not (tmp_path / "overlap").exists()
 
 
@@ -774,7 +774,7 @@ def test_re_export_leaves_exactly_the_new_export(small_state, tmp_path):
         (2000, shards(4)),
         ("5GB", ["model.safetensors"]),
     ):
-        zj.export_weights(state, out, map=SMALL_MAP, layout="hf", max_shard_size=size)
+        zj.export_weights(state, out, map=SMALL_MAP, format="hf", max_shard_size=size)
         assert sorted(p.name for p in out.iterdir()) == sorted(files + ["config.json"])
         got = _complete(out)
         for k, v in SMALL.items():
@@ -818,11 +818,11 @@ def test_a_killed_export_leaves_nothing_that_looks_complete(small_state, tmp_pat
         for old in sorted(out.glob("*")) if out.exists() else []:
             old.unlink()
         calls["kill"] = None  # the earlier export, in bf16 and another file count
-        zj.export_weights(state, out, map=SMALL_MAP, layout="hf", dtype="bfloat16", max_shard_size=1500)
+        zj.export_weights(state, out, map=SMALL_MAP, format="hf", dtype="bfloat16", max_shard_size=1500)
         old = _snapshot(out)
         calls.update(n=0, kill=kill)
         try:
-            zj.export_weights(state, out, map=SMALL_MAP, layout="hf", max_shard_size=1000, hf_config=config)
+            zj.export_weights(state, out, map=SMALL_MAP, format="hf", max_shard_size=1000, hf_config=config)
         except _Killed:
             kills += 1
             now = {k: v for k, v in _snapshot(out).items() if not k.startswith(".zerojax-export-probe")}
@@ -847,7 +847,7 @@ def test_export_writes_config_json_updated_for_its_dtype(small_state, tmp_path):
 
     state = small_state(3)
     fixture = ROOT / "tests" / "data" / "hf_llama_tiny"
-    zj.export_weights(state, tmp_path / "a", map=SMALL_MAP, layout="hf", dtype="bfloat16", hf_config=fixture)
+    zj.export_weights(state, tmp_path / "a", map=SMALL_MAP, format="hf", dtype="bfloat16", hf_config=fixture)
     config = json.loads((tmp_path / "a" / "config.json").read_text())
     source = json.loads((fixture / "config.json").read_text())
     assert source["dtype"] == "float32" and config == {**source, "dtype": "bfloat16"}
@@ -858,17 +858,17 @@ def test_export_writes_config_json_updated_for_its_dtype(small_state, tmp_path):
     old = {"torch_dtype": "float32", "text_config": {"torch_dtype": "float32"}, "model_type": "x"}
     wmap = dataclasses.replace(SMALL_MAP, hf_config=old, generation_config={"max_length": 9})
     assert wmap == SMALL_MAP and hash(wmap) == hash(SMALL_MAP)  # configs play no part in mapping
-    zj.export_weights(state, tmp_path / "b", map=wmap, layout="hf", dtype="float16")
+    zj.export_weights(state, tmp_path / "b", map=wmap, format="hf", dtype="float16")
     assert json.loads((tmp_path / "b" / "config.json").read_text()) == {
         "torch_dtype": "float16",
         "text_config": {"torch_dtype": "float16"},
         "model_type": "x",
     }
     assert json.loads((tmp_path / "b" / "generation_config.json").read_text()) == {"max_length": 9}
-    zj.export_weights(state, tmp_path / "b", map=wmap, layout="hf", hf_config={"model_type": "y"})
+    zj.export_weights(state, tmp_path / "b", map=wmap, format="hf", hf_config={"model_type": "y"})
     assert json.loads((tmp_path / "b" / "config.json").read_text()) == {"model_type": "y"}  # no key added
     # No config: none written.
-    zj.export_weights(state, tmp_path / "c", map=SMALL_MAP, layout="hf")
+    zj.export_weights(state, tmp_path / "c", map=SMALL_MAP, format="hf")
     assert not (tmp_path / "c" / "config.json").exists()
     with pytest.raises(ValueError, match="hf_config / generation_config are written beside a Hugging Face model"):
         zj.export_weights(state, tmp_path / "w.safetensors", map=SMALL_MAP, hf_config=fixture)
@@ -888,7 +888,7 @@ def test_export_refuses_before_the_first_byte(small_state, tmp_path):
     is written: an earlier export in the folder is untouched."""
     out = tmp_path / "hf"
     state = small_state(3)
-    zj.export_weights(state, out, map=SMALL_MAP, layout="hf", max_shard_size=1000)
+    zj.export_weights(state, out, map=SMALL_MAP, format="hf", max_shard_size=1000)
     before = _snapshot(out)
     params = jax.tree.map(jnp.asarray, SMALL_REF)
     params["blocks"]["w"] = params["blocks"]["w"].at[2, 15, 3, 5].set(1e5)
@@ -898,7 +898,7 @@ def test_export_refuses_before_the_first_byte(small_state, tmp_path):
         match=r"parameter 'blocks\.w' has values up to 1e\+05, beyond float16's range "
         r"\(65504\); export in bfloat16",
     ):
-        zj.export_weights(big, out, map=SMALL_MAP, layout="hf", dtype="float16")
+        zj.export_weights(big, out, map=SMALL_MAP, format="hf", dtype="float16")
     assert _snapshot(out) == before
     locked = tmp_path / "locked"
     locked.mkdir()
@@ -909,6 +909,6 @@ def test_export_refuses_before_the_first_byte(small_state, tmp_path):
             zj.export_weights(state, target / "w.safetensors", map=SMALL_MAP)
     finally:
         locked.chmod(0o755)
-    with pytest.raises(IsADirectoryError, match="layout='file' writes one file"):
+    with pytest.raises(IsADirectoryError, match="format='file' writes one file"):
         zj.export_weights(state, out, map=SMALL_MAP)
     assert _snapshot(out) == before

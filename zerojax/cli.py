@@ -1,9 +1,9 @@
 """The ``zerojax`` command line.
 
 zerojax export CHECKPOINT_DIR OUT.safetensors [--step N] [--dtype float32|bfloat16|float16]
-zerojax export CHECKPOINT_DIR OUT_DIR --layout hf --map llama|mistral|qwen2|qwen3|mixtral|qwen3_moe|qwen2_moe [--max-shard-size 5GB]
+zerojax export CHECKPOINT_DIR OUT_DIR --format hf --map llama|mistral|qwen2|qwen3|mixtral|qwen3_moe|qwen2_moe [--max-shard-size 5GB]
                [--lora merge] [--hf-config SOURCE_MODEL_DIR]
-zerojax export CHECKPOINT_DIR OUT_DIR --layout hf --hf-config SOURCE_MODEL_DIR   (the map from its config)
+zerojax export CHECKPOINT_DIR OUT_DIR --format hf --hf-config SOURCE_MODEL_DIR   (the map from its config)
 zerojax estimate --params 7B --devices 64 [--largest-layer N] [--replicas R] [--tensor T]
                  [--dtype float32|bfloat16|float16] [--optimizer adam|adamw|sgd|adafactor]
 zerojax estimate --model llama3-8b --devices 8
@@ -46,14 +46,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ex = sub.add_parser("export", help="consolidated weights from a checkpoint (zero_to_fp32)")
     ex.add_argument("checkpoint_dir")
-    ex.add_argument("out", help="output .safetensors file (--layout file) or folder (--layout hf)")
+    ex.add_argument("out", help="output .safetensors file (--format file) or folder (--format hf)")
     ex.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     ex.add_argument(
-        "--layout",
+        "--format",
         choices=["file", "hf"],
         default="file",
-        help="one file, or Hugging Face's sharded layout (model-0000k-of-0000n.safetensors + index)",
+        help="one file, or Hugging Face's sharded files (model-0000k-of-0000n.safetensors + index)",
     )
     ex.add_argument(
         "--map",
@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(a zj.maps.WeightMap, or a function of no arguments returning one); default: the map of "
         "--hf-config's config.json (zj.models.from_hf), else the parameters' own dotted names",
     )
-    ex.add_argument("--max-shard-size", default="5GB", help="largest file of --layout hf (5GB, 500MiB, bytes)")
+    ex.add_argument("--max-shard-size", default="5GB", help="largest file of --format hf (5GB, 500MiB, bytes)")
     ex.add_argument(
         "--lora",
         choices=["merge", "adapters", "keep"],
@@ -73,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--hf-config",
         default=None,
         metavar="PATH",
-        help="--layout hf: the source model's config.json (or its folder, with generation_config.json), "
+        help="--format hf: the source model's config.json (or its folder, with generation_config.json), "
         "written beside the weights with the exported dtype; default: the map's, else none",
     )
     es = sub.add_parser("estimate", help="model-state memory per device: ZeRO paper, DeepSpeed and zerojax")
@@ -215,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 step=args.step,
                 dtype=args.dtype,
                 show_progress=None,
-                layout=args.layout,
+                format=args.format,
                 map=wmap,
                 max_shard_size=args.max_shard_size,
                 lora=args.lora,
@@ -226,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         n = sum(math.prod(s) for s in shapes.values())
         print(f"wrote {len(shapes)} tensors, {n:,} parameters ({args.dtype}) to {args.out}")
-        if args.layout != "file":
+        if args.format != "file":
             return 0
         from zerojax.tensors.safetensors_files import stored_dtypes
 

@@ -81,9 +81,9 @@ big["w"][-1, -1] = 1e5
 state = state_of(big)
 report["overflow_held_here"] = holds(state, ["w"], np.float32(1e5))
 out = os.path.join(args.out, "overflow")
-zj.export_weights(state, out, map=MAP, layout="hf", dtype="bfloat16", max_shard_size=3000)
+zj.export_weights(state, out, map=MAP, format="hf", dtype="bfloat16", max_shard_size=3000)
 before = {f: os.path.getmtime(os.path.join(out, f)) for f in listing(out)}
-attempt("overflow", lambda: zj.export_weights(state, out, map=MAP, layout="hf", dtype="float16"))
+attempt("overflow", lambda: zj.export_weights(state, out, map=MAP, format="hf", dtype="float16"))
 report["overflow_untouched"] = before == {f: os.path.getmtime(os.path.join(out, f)) for f in listing(out)}
 
 # disk: process 1 fails while writing; process 0, still writing, stops.
@@ -103,13 +103,13 @@ def failing_write(self, *a):
 
 TensorWriter.write_box = failing_write
 out = os.path.join(args.out, "disk")
-attempt("disk", lambda: zj.export_weights(state, out, map=MAP, layout="hf", max_shard_size=3000))
+attempt("disk", lambda: zj.export_weights(state, out, map=MAP, format="hf", max_shard_size=3000))
 TensorWriter.write_box = real_write
 report["disk_writes"] = writes["n"]
-zj.export_weights(state, os.path.join(args.out, "count"), map=MAP, layout="hf", max_shard_size=3000)
+zj.export_weights(state, os.path.join(args.out, "count"), map=MAP, format="hf", max_shard_size=3000)
 writes["n"] = 0
 TensorWriter.write_box = lambda self, *a: (writes.__setitem__("n", writes["n"] + 1), real_write(self, *a))[1]
-zj.export_weights(state, os.path.join(args.out, "count"), map=MAP, layout="hf", max_shard_size=3000)
+zj.export_weights(state, os.path.join(args.out, "count"), map=MAP, format="hf", max_shard_size=3000)
 TensorWriter.write_box = real_write
 report["all_writes"] = writes["n"]
 
@@ -119,7 +119,7 @@ apart["head"]["kernel"][-1, -1] += 0.25
 state = state_of(apart)
 report["tied_held_here"] = holds(state, ["head", "kernel"], apart["head"]["kernel"][-1, -1])
 out = os.path.join(args.out, "tied")
-attempt("tied", lambda: zj.export_weights(state, out, map=TIED, layout="hf", max_shard_size=3000))
+attempt("tied", lambda: zj.export_weights(state, out, map=TIED, format="hf", max_shard_size=3000))
 
 # stall: process 1 stops making progress; process 0 gives up after timeout_s.
 state = state_of(PARAMS)
@@ -134,7 +134,7 @@ def stalling_write(self, *a):
 
 TensorWriter.write_box = stalling_write
 out = os.path.join(args.out, "stall")
-attempt("stall", lambda: zj.export_weights(state, out, map=MAP, layout="hf", max_shard_size=3000, timeout_s=2))
+attempt("stall", lambda: zj.export_weights(state, out, map=MAP, format="hf", max_shard_size=3000, timeout_s=2))
 TensorWriter.write_box = real_write
 
 with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:

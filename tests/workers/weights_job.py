@@ -112,7 +112,7 @@ tracemalloc.stop()
 # 3. Exported by every process, each writing its own shards.
 TensorWriter.process_bytes_written = 0
 tracemalloc.start()
-zj.export_weights(state, args.out + "/export", map=MAP, layout="hf", max_shard_size="3MB", dtype="bfloat16")
+zj.export_weights(state, args.out + "/export", map=MAP, format="hf", max_shard_size="3MB", dtype="bfloat16")
 current, peak = tracemalloc.get_traced_memory()
 report["export"] = {
     "host_peak": peak,

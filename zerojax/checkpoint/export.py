@@ -1,4 +1,4 @@
-"""Weights out of a run: one ``.safetensors`` file, or Hugging Face's sharded layout.
+"""Weights out of a run: one ``.safetensors`` file, or Hugging Face's sharded format.
 
 One pipeline serves every export: a source (:mod:`zerojax.checkpoint.export_sources`: a live
 state's shards, written by the process that holds them, or a checkpoint directory's leaves,
@@ -33,7 +33,7 @@ import numpy as np
 from zerojax.checkpoint import lora as lora_
 from zerojax.checkpoint.configs import exported, source_configs
 from zerojax.checkpoint.export_sources import CheckpointSource, ExportSource, StateSource
-from zerojax.checkpoint.sinks import LAYOUTS, ExportFiles, natural, parse_size
+from zerojax.checkpoint.sinks import FORMATS, ExportFiles, natural, parse_size
 from zerojax.progress import progress
 from zerojax.state import ZeroState
 from zerojax.tensors import boxes
@@ -56,7 +56,7 @@ def export_weights(
     step: int | None = None,
     dtype: str = "float32",
     show_progress: bool | None = False,
-    layout: str = "file",
+    format: str = "file",
     map: tm.WeightMap | None = None,
     max_shard_size: int | str = "5GB",
     lora: str = "merge",
@@ -71,8 +71,8 @@ def export_weights(
     straight into the files), or a checkpoint directory (step ``step``, default the latest;
     process 0 reads one parameter at a time). Every process of a job calls it.
 
-    ``layout="file"``: one ``.safetensors`` file at ``out``. ``layout="hf"``: Hugging Face's
-    layout in the folder ``out``: ``model-0000k-of-0000n.safetensors`` files of at most
+    ``format="file"``: one ``.safetensors`` file at ``out``. ``format="hf"``: Hugging Face's
+    sharded files in the folder ``out``: ``model-0000k-of-0000n.safetensors`` files of at most
     ``max_shard_size`` (``"5GB"``, decimal as Hugging Face counts, or bytes) and
     ``model.safetensors.index.json``, or one ``model.safetensors``. Earlier exports' weight
     files in the folder (``model.safetensors``, shards of any count, an index) are removed,
@@ -89,7 +89,7 @@ def export_weights(
     lora_a @ lora_b``, the adapters left out: a plain model any loader reads), ``"adapters"``
     (the adapters alone, under the map's names for them), or ``"keep"`` (every parameter).
 
-    ``config.json``: with ``layout="hf"`` (and not ``lora="adapters"``), the source
+    ``config.json``: with ``format="hf"`` (and not ``lora="adapters"``), the source
     checkpoint's config is written beside the weights, its ``dtype`` / ``torch_dtype``
     updated (see :mod:`zerojax.checkpoint.configs`), and its ``generation_config.json``
     where it had one. The config comes from ``hf_config`` (a dict, a ``config.json`` path,
@@ -99,7 +99,7 @@ def export_weights(
     ``config.json`` copied in) and any in the folder is left as it is.
 
     Trainable parameters are written from their fp32 masters; frozen ones as the run stored
-    them (``ZeroConfig.frozen_dtype``). A ``layout="file"`` export's metadata
+    them (``ZeroConfig.frozen_dtype``). A ``format="file"`` export's metadata
     ``stored_dtypes`` (JSON) names each tensor's stored dtype (:func:`stored_dtypes`).
 
     Refused before any byte is written, on every process: float16 values beyond its range
@@ -110,7 +110,7 @@ def export_weights(
     parameters on stderr (``None``: on a terminal only, as ``zerojax export`` does).
 
     Load the result with :func:`zerojax.load_weights`, ``safetensors.numpy.load_file``,
-    or (``layout="hf"`` with a config) ``transformers``' ``from_pretrained(out)``.
+    or (``format="hf"`` with a config) ``transformers``' ``from_pretrained(out)``.
     """
     # A state on this process's devices alone is exported by this process alone; otherwise
     # every process takes part (a checkpoint directory: process 0 reads and writes).
@@ -123,7 +123,7 @@ def export_weights(
             out,
             step=step,
             dtype=dtype,
-            layout=layout,
+            format=format,
             wmap=map,
             max_shard_size=max_shard_size,
             lora=lora,
@@ -147,7 +147,7 @@ class _Job:
         *,
         step,
         dtype,
-        layout,
+        format,
         wmap,
         max_shard_size,
         lora,
@@ -157,17 +157,17 @@ class _Job:
     ):
         if dtype not in EXPORT_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}.")
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
+        if format not in FORMATS:
+            raise ValueError(f"format must be one of {FORMATS}, got {format!r}.")
         wmap = tm.IDENTITY if wmap is None else wmap
         if not isinstance(wmap, tm.WeightMap):
             raise TypeError(f"map must be a zj.maps.WeightMap, got {type(wmap).__name__}.")
         max_bytes = parse_size(max_shard_size)
         out = os.fspath(out)
-        if layout == "file" and os.path.isdir(out):
+        if format == "file" and os.path.isdir(out):
             raise IsADirectoryError(
-                f"{out!r} is a folder; layout='file' writes one file: name the file, or pass "
-                "layout='hf' to write Hugging Face's layout into the folder."
+                f"{out!r} is a folder; format='file' writes one file: name the file, or pass "
+                "format='hf' to write Hugging Face's sharded files into the folder."
             )
         if isinstance(source, ZeroState):
             if step is not None:
@@ -199,15 +199,15 @@ class _Job:
                     stored.setdefault(t, set()).add(src.stored[n])
         configs = {}
         explicit = hf_config is not None or generation_config is not None
-        if layout == "hf" and lora != "adapters":
+        if format == "hf" and lora != "adapters":
             config, generation = source_configs(hf_config, generation_config, wmap.hf_config, wmap.generation_config)
             configs = exported(config, generation, dtype=dtype, tensors=list(tensors))
         elif explicit:
             raise ValueError(
                 "hf_config / generation_config are written beside a Hugging Face model export: "
-                "layout='hf' without lora='adapters'."
+                "format='hf' without lora='adapters'."
             )
-        if layout == "hf":
+        if format == "hf":
             metadata = {"format": "pt"}
         else:
             metadata = {
@@ -215,7 +215,7 @@ class _Job:
                 **src.metadata,
                 "stored_dtypes": json.dumps({t: "/".join(sorted(s)) for t, s in stored.items()}),
             }
-        self.files = ExportFiles(out, layout, tensors, max_bytes=max_bytes, metadata=metadata, configs=configs)
+        self.files = ExportFiles(out, format, tensors, max_bytes=max_bytes, metadata=metadata, configs=configs)
 
     def _tensors(self, inferred: dict[str, tuple[int, ...]]) -> dict[str, tuple]:
         """``{tensor: (shape, dtype)}``: the dtype of the parameters written into it."""

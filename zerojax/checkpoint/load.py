@@ -2,7 +2,7 @@
 
 :func:`zerojax.export_weights` (``zerojax export``) writes one ``.safetensors`` file whose
 tensors are named by their parameter paths (``blocks.linear.kernel``; see
-:func:`zerojax.tensors.names.tensor_names`), or Hugging Face's sharded layout through a
+:func:`zerojax.tensors.names.tensor_names`), or Hugging Face's sharded format through a
 map. :func:`load_weights` reads either (or any Hugging Face checkpoint, with a map) into
 the structure of a tree you already have (an ``nnx.State`` from ``nnx.split(model,
 nnx.Param)``, a linen ``params`` dict, any pytree of arrays or ``jax.ShapeDtypeStruct``),

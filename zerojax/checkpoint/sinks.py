@@ -1,4 +1,4 @@
-"""Where an export writes: one ``.safetensors`` file, or Hugging Face's sharded layout.
+"""Where an export writes: one ``.safetensors`` file, or Hugging Face's sharded format.
 
 :class:`ExportFiles` lays the files out from the tensors' shapes and dtypes alone (which
 tensor goes in which file, at which offset), so that every process can write its own boxes
@@ -6,7 +6,7 @@ straight into them. The files are written under hidden ``.NAME.partial`` names a
 visible only once complete:
 
 1. ``begin`` (process 0, after every check passed on every process): removes the earlier
-   export in the way (``layout="file"``: the file; ``layout="hf"``: ``model.safetensors``,
+   export in the way (``format="file"``: the file; ``format="hf"``: ``model.safetensors``,
    ``model-*-of-*.safetensors`` of any count, the index, ``.partial`` files of a killed
    export), then writes each file's header and sets its size.
 2. Every process writes its boxes (:class:`~zerojax.tensors.safetensors_files.TensorWriter`).
@@ -30,7 +30,7 @@ import numpy as np
 
 from zerojax.tensors.safetensors_files import INDEX, SHARD, SINGLE, StoredTensor, check_file, header, nbytes
 
-LAYOUTS = ("file", "hf")
+FORMATS = ("file", "hf")
 PROBE = ".zerojax-export-probe-{rank}"
 
 
@@ -90,9 +90,9 @@ class ExportFiles:
     """The files of one export (see the module docstring).
 
     Args:
-      out: the file (``layout="file"``) or folder (``"hf"``).
+      out: the file (``format="file"``) or folder (``"hf"``).
       tensors: ``{name: (shape, dtype)}``.
-      max_bytes: the largest file of the ``"hf"`` layout.
+      max_bytes: the largest file of the ``"hf"`` format.
       metadata: each file's ``__metadata__``.
       configs: ``{file name: JSON object}`` written beside the weights (``"hf"``).
     """
@@ -100,17 +100,17 @@ class ExportFiles:
     def __init__(
         self,
         out: str,
-        layout: str,
+        format: str,
         tensors: dict[str, tuple],
         *,
         max_bytes: int,
         metadata: dict,
         configs: dict[str, dict] | None = None,
     ):
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
-        self.layout, self.tensors, self.configs = layout, tensors, dict(configs or {})
-        if layout == "file":
+        if format not in FORMATS:
+            raise ValueError(f"format must be one of {FORMATS}, got {format!r}.")
+        self.format, self.tensors, self.configs = format, tensors, dict(configs or {})
+        if format == "file":
             self.folder = os.path.dirname(os.path.abspath(out))
             self.groups, self.names = [sorted(tensors, key=natural)], [os.path.basename(out)]
         else:
@@ -134,7 +134,7 @@ class ExportFiles:
     def probe(self, rank: int) -> str:
         """Checks that this process can create files in the output folder (creating the
         folder of an ``"hf"`` export); leaves a probe file there for :meth:`sees`."""
-        if self.layout == "hf":
+        if self.format == "hf":
             if os.path.exists(self.folder) and not os.path.isdir(self.folder):
                 raise NotADirectoryError(f"the export folder {self.folder!r} is a file.")
             os.makedirs(self.folder, exist_ok=True)
@@ -168,7 +168,7 @@ class ExportFiles:
 
     def stale(self) -> list[str]:
         """The files of an earlier export that :meth:`begin` removes."""
-        if self.layout == "file":
+        if self.format == "file":
             out = os.path.join(self.folder, self.names[0])
             return [out] if os.path.lexists(out) else []
         return sorted(
@@ -202,7 +202,7 @@ class ExportFiles:
             write_json(os.path.join(self.folder, name), doc)
         for path, name in zip(self.partial, self.names):
             os.replace(path, os.path.join(self.folder, name))
-        if self.layout == "hf" and len(self.names) > 1:
+        if self.format == "hf" and len(self.names) > 1:
             total = sum(t.nbytes for t in self.places.values())
             write_json(
                 os.path.join(self.folder, INDEX),

@@ -25,7 +25,7 @@ def from_hf(path: str | os.PathLike, *, accept: Iterable[str] = (), **overrides)
     ``overrides`` as there) and the :class:`~zerojax.maps.WeightMap` of its tensors for that
     config (:func:`~zerojax.models.hf_map.llama_map`), which loads and exports alike. The
     map carries the folder's ``config.json`` (and ``generation_config.json``), which
-    ``export_weights(..., layout="hf", map=wmap)`` writes beside the weights, so that
+    ``export_weights(..., format="hf", map=wmap)`` writes beside the weights, so that
     ``from_pretrained`` reads the export as it is.
 
     A tied checkpoint (``tie_word_embeddings``) that stores ``lm_head.weight`` anyway is

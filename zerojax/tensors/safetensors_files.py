@@ -11,7 +11,7 @@ image: :func:`header` lays out a file from shapes alone, and :class:`TensorWrite
 box of a tensor with one ``pwrite`` per run, so that several processes fill one file.
 :func:`check_file` reads a written file's header back against what it should hold.
 
-Hugging Face's sharded layout is ``model.safetensors.index.json`` (``{"metadata":
+Hugging Face's sharded format is ``model.safetensors.index.json`` (``{"metadata":
 {"total_size": ...}, "weight_map": {tensor name: file name}}``) beside the files it names.
 """
 
