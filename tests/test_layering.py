@@ -5,6 +5,7 @@ layers, bottom up (``LAYERS``: the program reading first, the command line last)
 imports only parts of its own layer or below, and no two parts import each other, directly
 or around a circle. Imports inside functions count (they run too, just later); ``if
 TYPE_CHECKING:`` blocks do not. Between modules, no circle forms when they are imported.
+No two modules share a file name (``__init__.py`` aside).
 """
 
 import ast
@@ -162,3 +163,18 @@ def test_models_do_not_build_trainers():
         if _part(t) in {"state", "step", "evaluate", "params"}
     ]
     assert not wrong, "\n".join(wrong)
+
+
+def test_no_two_modules_share_a_file_name():
+    # A file name says which module it is: in a traceback, a review or an import, two
+    # ``layout.py`` (or ``sources.py``, ``cli.py``) leave the reader to guess. Packages'
+    # ``__init__.py`` are the one name every package shares.
+    by_name: dict[str, list[str]] = {}
+    for p in sorted(ROOT.rglob("*.py")):
+        if p.name != "__init__.py":
+            by_name.setdefault(p.name, []).append(str(p.relative_to(ROOT)))
+    twice = {name: paths for name, paths in by_name.items() if len(paths) > 1}
+    assert not twice, (
+        "file names that stand more than once in zerojax/ (rename one to say which is which):\n"
+        + "\n".join(f"{name}: {', '.join(paths)}" for name, paths in sorted(twice.items()))
+    )
