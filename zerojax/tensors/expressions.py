@@ -148,6 +148,13 @@ class Reshape(_Of):
     child: Expr
     shape: tuple[int, ...]
 
+    def __post_init__(self):
+        if math.prod(self.shape) != math.prod(self.child.shape):
+            raise ValueError(
+                f"{self.child.describe()} ({math.prod(self.child.shape)} elements) does not reshape to "
+                f"{list(self.shape)} ({math.prod(self.shape)} elements)."
+            )
+
     def _plan(self, box):
         cshape, child_box, takes = self.child.shape, [], []
         for (c0, c1), (t0, t1) in _groups(cshape, self.shape):
@@ -245,6 +252,23 @@ class Concat(Expr):
     axis: int
     stack: bool = False
 
+    def __post_init__(self):
+        if not self.children:
+            raise ValueError(f"a {'stack' if self.stack else 'concat'} of no tensors has no shape.")
+        first = self.children[0]
+        for c in self.children[1:]:
+            if self.stack:
+                fits = tuple(c.shape) == tuple(first.shape)
+            else:
+                fits = len(c.shape) == len(first.shape) and all(
+                    a == b for d, (a, b) in enumerate(zip(c.shape, first.shape)) if d != self.axis
+                )
+            if not fits:
+                raise ValueError(
+                    f"{'stack' if self.stack else f'concat along axis {self.axis}'} of tensors whose shapes "
+                    f"differ{'' if self.stack else ' off that axis'}: {first.describe()} and {c.describe()}."
+                )
+
     @property
     def shape(self):
         s = list(self.children[0].shape)
@@ -305,6 +329,13 @@ class Part(_Resized):
     axis: int
     start: int
     size: int
+
+    def __post_init__(self):
+        if not (0 <= self.axis < len(self.child.shape) and self.start + self.size <= self.child.shape[self.axis]):
+            raise ValueError(
+                f"part(axis={self.axis}, start={self.start}) of extent {self.size} runs past "
+                f"{self.child.describe()}: the tensor needs at least {self.start + self.size} there."
+            )
 
     def _child_box(self, box):
         a, b = box[self.axis]

@@ -212,8 +212,11 @@ class _SplitDim(Spec):
     def build(self, target, env, shapes):
         a = self.axis
         rows, cols = (_exact(target, d, "split_dim(...)") for d in (a, a + 1))
-        merged = target[:a] + (rows * cols,) + target[a + 2 :]
-        return Reshape(self.child.build(merged, env, shapes), tuple(target))
+        child = self.child.build(target[:a] + (rows * cols,) + target[a + 2 :], env, shapes)
+        # The tensor's own extents, so that a tensor of another shape reads as mis-shapen.
+        if len(child.shape) <= a or child.shape[a] % cols:
+            raise ValueError(f"split_dim(axis={a}): {child.describe()} does not split into rows of {cols} there.")
+        return Reshape(child, child.shape[:a] + (child.shape[a] // cols, cols) + child.shape[a + 1 :])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,8 +229,11 @@ class _MergeDims(Spec):
         a, n = self.axis, _exact(target, self.axis, "merge_dims(...)")
         if n % self.inner:
             raise ValueError(f"merge_dims: dimension {a} of size {n} does not split into rows of {self.inner}.")
-        split = target[:a] + (n // self.inner, self.inner) + target[a + 1 :]
-        return Reshape(self.child.build(split, env, shapes), tuple(target))
+        child = self.child.build(target[:a] + (n // self.inner, self.inner) + target[a + 1 :], env, shapes)
+        if len(child.shape) <= a + 1:
+            raise ValueError(f"merge_dims(axis={a}): {child.describe()} has no dimensions {a} and {a + 1} to merge.")
+        shape = child.shape
+        return Reshape(child, shape[:a] + (shape[a] * shape[a + 1],) + shape[a + 2 :])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -171,6 +171,7 @@ def resolve(wmap: WeightMap, params: dict[str, tuple[int, ...]], tensors: dict[s
             continue
         except ValueError as e:
             res.errors.append(f"{name}: {e}")
+            used.update(_named(spec, tuple(shape), env))  # reported here, not again as extra
             continue
         used.update(t.name for t in expr.tensors())
         if tuple(expr.shape) != tuple(shape):
