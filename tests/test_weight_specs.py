@@ -246,3 +246,28 @@ def test_an_export_refuses_what_no_shape_fits(entries, params, message):
 def test_a_checkpoint_shapes_lookup_ignores_the_target():
     shapes = Shapes(lambda n: ((7, 2), "float32"))
     assert shapes("w", (None, AtLeast(3))) == ((7, 2), np.dtype(np.float32))
+
+
+@pytest.mark.parametrize(
+    ("key", "name", "shape", "inner", "fixed"),
+    [
+        # an inner stack's index would hide the outer one
+        ("p", "p", (3, 2, 4), stack(stack("l.{i}.e.{i}")), stack(stack("l.{i}.e.{j}", var="j"))),
+        # a stack's index would hide the key's
+        ("l.{i}.p", "l.1.p", (2, 4), stack("l.{i}.e.{i}"), stack("l.{i}.e.{j}", var="j")),
+    ],
+)
+def test_one_index_name_for_two_dimensions_is_refused(key, name, shape, inner, fixed):
+    """Two indices under one name would read one tensor for every outer entry, silently."""
+    tensors = {f"l.{a}.e.{b}": ((4,), np.float32) for a in range(3) for b in range(2)}
+    res = resolve(WeightMap({key: inner}), {name: shape}, tensors)
+    assert name not in res.exprs
+    problems = "; ".join(res.problems())
+    assert re.search(r"stack\(\.\.\., var='i'\) inside a stack or a key that already defines \{i\}", problems)
+    with pytest.raises(ValueError, match="Give each level its own name"):
+        infer_tensors(WeightMap({key: inner}), {name: shape})
+    # each level with its own name: every tensor of the layout is read, once
+    res = resolve(WeightMap({key: fixed}), {name: shape}, tensors)
+    read = {f"l.{a}.e.{b}" for a in (range(3) if key == "p" else [1]) for b in range(2)}
+    assert sorted(t.name for t in res.exprs[name].tensors()) == sorted(read)
+    assert set(res.extra) == set(tensors) - read and not res.missing and not res.misshapen

@@ -198,6 +198,12 @@ class _Stack(Spec):
 
     def build(self, target, env, shapes):
         n = _exact(target, self.axis, "stack(...)")
+        if self.var in env:  # an outer stack or the key names it: one name, two indices
+            raise ValueError(
+                f"stack(..., var={self.var!r}) inside a stack or a key that already defines {{{self.var}}}: "
+                f"its index would hide the outer one and every outer entry would read the same tensors. "
+                f"Give each level its own name: stack(..., var='j') and '{{j}}' in the inner tensor names."
+            )
         inner = target[: self.axis] + target[self.axis + 1 :]
         return Concat(
             tuple(self.child.build(inner, {**env, self.var: i}, shapes) for i in range(n)), self.axis, stack=True
