@@ -27,8 +27,9 @@ import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data, harness  # noqa: E402
+from experiments import harness  # noqa: E402
 from experiments.progress import bar  # noqa: E402
+from zerojax import data  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 from zerojax.report.comm import collectives  # noqa: E402
 from zerojax.report.hlo import DTYPE_BYTES  # noqa: E402
@@ -46,7 +47,7 @@ def measure(cfg: gpt.GPTConfig, stage: int, compute_dtype: str, batch_size: int,
     """Collectives of one compiled step: elements and bytes per device, and the dtypes asked for."""
     zc = zj.ZeroConfig(stage=stage, compute_dtype=compute_dtype)
     state, step = harness.zero_setup(cfg, optax.adamw(1e-3), mesh=mesh, config=zc)
-    batch = next(data.batches(data.stdlib_bytes(1 << 20), batch_size, cfg.seq_len))
+    batch = next(data.windows(data.stdlib_bytes(1 << 20), batch_size, cfg.seq_len))
     lowered = step.lower(state, batch)
     report = zj.report.communication_report(lowered.compile())
     psi = cfg.num_params()

@@ -21,7 +21,7 @@ import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data  # noqa: E402
+from zerojax import data  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 
 
@@ -77,7 +77,7 @@ def main(argv=None) -> None:
     zero = zj.ZeroConfig(stage=3)
     state = zj.init_state(params, tx, mesh=mesh, config=zero)
     train_step = zj.make_train_step(gpt.make_loss(graphdef), tx, mesh=mesh, config=zero)
-    stream = data.batches(data.stdlib_bytes(), args.batch, cfg.seq_len)
+    stream = data.windows(data.stdlib_bytes(), args.batch, cfg.seq_len)
     first = next(stream)
     report = zj.report.communication_report(train_step.lower(state, first).compile())
     traffic_table(report, params)

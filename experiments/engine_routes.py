@@ -33,8 +33,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data, harness  # noqa: E402
+from experiments import harness  # noqa: E402
 from experiments.progress import bar  # noqa: E402
+from zerojax import data  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 
 MIB = 2**20
@@ -127,7 +128,7 @@ def main(argv=None) -> dict:
     cfg = gpt.GPTConfig(seq_len=32, d_model=args.d_model, n_layers=args.layers, n_heads=max(1, args.d_model // 32))
     graphdef, params = gpt.init(cfg)
     loss_fn, mesh = gpt.make_loss(graphdef), zj.make_mesh()
-    batch = next(data.batches(data.stdlib_bytes(1 << 18), args.batch, cfg.seq_len))
+    batch = next(data.windows(data.stdlib_bytes(1 << 18), args.batch, cfg.seq_len))
     progress = bar(2 + 2 * (args.steps + 1) + 1, "engine routes")
 
     routes = {}

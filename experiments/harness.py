@@ -32,7 +32,7 @@ import jax
 import optax
 
 import zerojax as zj
-from experiments import data
+from zerojax import data
 from zerojax.models import gpt
 from zerojax.report.comm import collectives
 
@@ -94,7 +94,7 @@ def compile_step(
     tx = optax.adamw(3e-3) if tx is None else tx
     state = zj.init_state(params, tx, mesh=mesh, config=config, trainable=trainable)
     step = zj.make_train_step(gpt.make_loss(graphdef), tx, mesh=mesh, config=config)
-    tokens = next(data.batches(data.stdlib_bytes(1 << 20), batch, cfg.seq_len))
+    tokens = next(data.windows(data.stdlib_bytes(1 << 20), batch, cfg.seq_len))
     return state, step, step.lower(state, tokens).compile()
 
 

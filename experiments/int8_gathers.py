@@ -29,8 +29,9 @@ import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data, harness  # noqa: E402
+from experiments import harness  # noqa: E402
 from experiments.progress import bar  # noqa: E402
+from zerojax import data  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 
 GATHERS = harness.GATHERS
@@ -40,7 +41,7 @@ def gather_traffic(cfg: gpt.GPTConfig, batch: int) -> dict[str, dict]:
     """All-gather bytes per device per step for each gather dtype."""
     graphdef, params = gpt.init(cfg)
     tx, mesh = optax.adamw(3e-3), zj.make_mesh()
-    tokens = next(data.batches(data.stdlib_bytes(1 << 20), batch, cfg.seq_len))
+    tokens = next(data.windows(data.stdlib_bytes(1 << 20), batch, cfg.seq_len))
     out = {}
     for name, kw in GATHERS.items():
         zc = zj.ZeroConfig(stage=3, **kw)
@@ -60,7 +61,7 @@ def train(cfg: gpt.GPTConfig, kw: dict, steps: int, batch: int, progress) -> lis
     mesh, zc = zj.make_mesh(), zj.ZeroConfig(stage=3, grad_clip=1.0, **kw)
     state = zj.init_state(params, tx, mesh=mesh, config=zc)
     step = zj.make_train_step(gpt.make_loss(graphdef), tx, mesh=mesh, config=zc)
-    stream = data.batches(data.stdlib_bytes(), batch, cfg.seq_len, seed=0)
+    stream = data.windows(data.stdlib_bytes(), batch, cfg.seq_len, seed=0)
     losses = []
     for _ in range(steps):
         state, m = step(state, next(stream))

@@ -53,8 +53,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data, harness  # noqa: E402
+from experiments import harness  # noqa: E402
 from experiments.progress import bar  # noqa: E402
+from zerojax import data  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 
 AXIS = "data"
@@ -301,7 +302,7 @@ def check(
     the loss at each of ``steps`` steps and after the last update, within ``rtol``."""
     graphdef, params = gpt.init(cfg, seed)
     tx = optax.adamw(lr)
-    stream = data.batches(data.stdlib_bytes(1 << 20), batch_size, cfg.seq_len, seed=seed)
+    stream = data.windows(data.stdlib_bytes(1 << 20), batch_size, cfg.seq_len, seed=seed)
     batches = [next(stream) for _ in range(steps + 1)]
     out = {"steps": steps, "rtol": rtol, "reference": reference_losses(cfg, params, graphdef, tx, batches)}
     mesh = explicit_mesh()
@@ -369,7 +370,7 @@ def main(argv=None) -> dict:
 
     graphdef, params = gpt.init(cfg)
     tx = optax.adamw(1e-3)
-    stream = data.batches(data.stdlib_bytes(1 << 20), args.batch, cfg.seq_len, seed=1)
+    stream = data.windows(data.stdlib_bytes(1 << 20), args.batch, cfg.seq_len, seed=1)
     batches = [next(stream) for _ in range(args.warmup + args.steps)]
     xmesh, zmesh = explicit_mesh(), zj.make_mesh()
     zbatches = [{"tokens": jax.device_put(b["tokens"], NamedSharding(zmesh, P(AXIS)))} for b in batches]

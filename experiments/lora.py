@@ -23,8 +23,9 @@ import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data, harness  # noqa: E402
+from experiments import harness  # noqa: E402
 from experiments.progress import bar  # noqa: E402
+from zerojax import data  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 
 MIB = harness.MIB
@@ -41,7 +42,7 @@ def measure(cfg: gpt.GPTConfig, stage: int, lora: bool, args) -> dict:
     mesh, zc = zj.make_mesh(), zj.ZeroConfig(stage=stage, compute_dtype=args.precision)
     state = zj.init_state(params, tx, mesh=mesh, config=zc, trainable=gpt.is_lora if lora else None)
     step = zj.make_train_step(gpt.make_loss(graphdef), tx, mesh=mesh, config=zc)
-    stream = data.batches(data.stdlib_bytes(1 << 20), args.batch, cfg.seq_len)
+    stream = data.windows(data.stdlib_bytes(1 << 20), args.batch, cfg.seq_len)
     first = next(stream)
     temp = zj.report.compiled_bytes(step.lower(state, first).compile())["temp"]
     losses, batch = [], first

@@ -36,8 +36,9 @@ import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data, harness  # noqa: E402
+from experiments import harness  # noqa: E402
 from experiments.progress import bar  # noqa: E402
+from zerojax import data  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 
 MIB = 2**20
@@ -67,7 +68,7 @@ def main(argv=None) -> list[dict]:
     psi, n = cfg.num_params(), len(jax.devices())
     mesh, tx = zj.make_mesh(), optax.adamw(1e-3)
     loss_fn = gpt.make_loss(graphdef)
-    stream = data.batches(data.stdlib_bytes(1 << 20), args.batch, cfg.seq_len)
+    stream = data.windows(data.stdlib_bytes(1 << 20), args.batch, cfg.seq_len)
     batches = [next(stream) for _ in range(args.steps)]
     rows = []
     selected = [RUNS[int(i)] for i in args.runs.split(",")]

@@ -22,7 +22,7 @@ import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data  # noqa: E402
+from zerojax import data  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 
 RUNS = {
@@ -38,7 +38,7 @@ def run(cfg: gpt.GPTConfig, precision: dict, stage: int, steps: int, batch: int,
     mesh, zc = zj.make_mesh(), zj.ZeroConfig(stage=stage, grad_clip=1.0, **precision)
     state = zj.init_state(params, tx, mesh=mesh, config=zc)
     step = zj.make_train_step(gpt.make_loss(graphdef), tx, mesh=mesh, config=zc)
-    stream = data.batches(data.stdlib_bytes(), batch, cfg.seq_len, seed=seed)
+    stream = data.windows(data.stdlib_bytes(), batch, cfg.seq_len, seed=seed)
     out = {"loss": [], "loss_scale": [], "skipped": []}
     for _ in range(steps):
         state, m = step(state, next(stream))

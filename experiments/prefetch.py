@@ -26,8 +26,9 @@ import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data, harness  # noqa: E402
+from experiments import harness  # noqa: E402
 from experiments.progress import bar  # noqa: E402
+from zerojax import data  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 from zerojax.report import hlo  # noqa: E402
 
@@ -57,7 +58,7 @@ def main(argv=None) -> list[dict]:
     graphdef, params = gpt.init(cfg)
     psi = cfg.num_params()
     mesh, tx = zj.make_mesh(), optax.adamw(1e-3)
-    stream = data.batches(data.stdlib_bytes(1 << 20), args.batch, cfg.seq_len)
+    stream = data.windows(data.stdlib_bytes(1 << 20), args.batch, cfg.seq_len)
     batch = next(stream)
     rows, steps = [], []
     progress = bar(len(RUNS) * (args.repeats + 1), "prefetch")

@@ -33,7 +33,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data, harness  # noqa: E402
+from experiments import harness  # noqa: E402
+from zerojax import data  # noqa: E402
 from zerojax._jaxpr import check  # noqa: E402
 from zerojax.report.comm import collectives  # noqa: E402
 
@@ -55,7 +56,7 @@ def _build(cfg, stage: int, remat: str, batch: int, read: bool):
             warnings.simplefilter("ignore", check.ProgramReadingOff)
             config = zj.ZeroConfig(stage=stage, remat=remat)
             state, step, compiled = harness.compile_step(cfg, zj.make_mesh(), config, batch=batch)
-            tokens = next(data.batches(data.stdlib_bytes(1 << 20), batch, cfg.seq_len))
+            tokens = next(data.windows(data.stdlib_bytes(1 << 20), batch, cfg.seq_len))
             state, _ = step(state, tokens)  # traced and compiled here, under the setting above
     finally:
         if before is None:

@@ -30,7 +30,7 @@ import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data  # noqa: E402
+from zerojax import data  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 
 POLICIES = {
@@ -64,7 +64,7 @@ def measure(policy: zj.remat.Remat, stage: int, batch: int, how: str, layers: in
     mesh = zj.make_mesh()
     state = zj.init_state(params, tx, mesh=mesh, config=zc)
     step = zj.make_train_step(gpt.make_loss(graphdef), tx, mesh=mesh, config=zc)
-    b = next(data.batches(data.stdlib_bytes(1 << 20), batch, cfg.seq_len))
+    b = next(data.windows(data.stdlib_bytes(1 << 20), batch, cfg.seq_len))
     compiled = step.lower(state, b).compile()
     mem = zj.report.compiled_bytes(compiled)
     return {"temp": mem["temp"], "host_temp": mem["host_temp"], "flops": compiled.cost_analysis()["flops"]}

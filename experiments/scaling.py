@@ -31,8 +31,9 @@ import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data, harness  # noqa: E402
+from experiments import harness  # noqa: E402
 from experiments.progress import bar  # noqa: E402
+from zerojax import data  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 
 MIB = 2**20
@@ -45,7 +46,7 @@ class Setup:
         self.args = args
         self.mesh = zj.make_mesh()
         self.tx = optax.adamw(1e-4)  # small enough that a 150-layer stack without warm-up stays stable
-        self.stream = data.batches(data.stdlib_bytes(1 << 20), args.batch, args.seq_len)
+        self.stream = data.windows(data.stdlib_bytes(1 << 20), args.batch, args.seq_len)
         self.tokens = jax.ShapeDtypeStruct((args.batch, args.seq_len + 1), np.int32)
 
     def cfg(self, layers: int) -> gpt.GPTConfig:

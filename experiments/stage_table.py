@@ -19,7 +19,8 @@ import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data, harness  # noqa: E402
+from experiments import harness  # noqa: E402
+from zerojax import data  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 
 FORMULA = {0: "12Ψ", 1: "4Ψ + 8Ψ/N", 2: "4Ψ + 8Ψ/N", 3: "12Ψ/N"}
@@ -39,7 +40,7 @@ def main(argv=None) -> list[dict]:
     mesh = zj.make_mesh()
     n = mesh.devices.size
     tx = optax.adamw(1e-3)
-    batch = next(data.batches(data.stdlib_bytes(1 << 20), args.batch, cfg.seq_len))
+    batch = next(data.windows(data.stdlib_bytes(1 << 20), args.batch, cfg.seq_len))
     print(
         f"GPT {cfg}: Ψ = {psi:,} parameters ({4 * psi / MIB:.2f} MiB fp32), N = {n} devices "
         f"({jax.devices()[0].platform}), AdamW, batch {args.batch} x {cfg.seq_len} tokens, "

@@ -34,7 +34,7 @@ import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data  # noqa: E402
+from zerojax import data  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 from zerojax.progress import progress  # noqa: E402
 from zerojax.report.comm import collectives  # noqa: E402
@@ -46,7 +46,7 @@ def measure(cfg: gpt.GPTConfig, tensor: int, batch: int, steps: int = 5) -> dict
     zc = zj.ZeroConfig(stage=3)
     state = zj.init_state(params, tx, mesh=mesh, config=zc)
     step = zj.make_train_step(gpt.make_loss(graphdef), tx, mesh=mesh, config=zc)
-    tokens = next(data.batches(data.stdlib_bytes(1 << 20), batch, cfg.seq_len))
+    tokens = next(data.windows(data.stdlib_bytes(1 << 20), batch, cfg.seq_len))
     compiled = step.lower(state, tokens).compile()
     axes: dict[str, int] = {}
     for c in collectives(compiled.as_text()):

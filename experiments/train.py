@@ -125,7 +125,7 @@ def train(args: argparse.Namespace) -> list[dict]:
     import optax
 
     import zerojax as zj
-    from experiments import data
+    from zerojax import data
     from zerojax.models import gpt
 
     platform = jax.devices()[0].platform
@@ -158,8 +158,8 @@ def train(args: argparse.Namespace) -> list[dict]:
 
     corpus = data.stdlib_bytes()
     split = int(len(corpus) * 0.95)
-    train_stream = data.batches(corpus[:split], args.batch, cfg.seq_len, seed=args.seed)
-    eval_rng = data.batches(corpus[split:], args.batch, cfg.seq_len, seed=12345)
+    train_stream = data.windows(corpus[:split], args.batch, cfg.seq_len, seed=args.seed)
+    eval_rng = data.windows(corpus[split:], args.batch, cfg.seq_len, seed=12345)
     eval_set = [next(eval_rng) for _ in range(args.eval_batches)]
     tokens_per_step = args.batch * cfg.seq_len
 

@@ -32,8 +32,9 @@ import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax as zj  # noqa: E402
-from experiments import data, harness  # noqa: E402
+from experiments import harness  # noqa: E402
 from experiments.progress import bar  # noqa: E402
+from zerojax import data  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 
 WEIGHTS = harness.GATHERS
@@ -78,7 +79,7 @@ def measure(gcfg: gpt.GPTConfig, batch: int, steps: int, todo: list, progress) -
         cfg = config(*run)
         state = zj.init_state(params, tx, mesh=mesh, config=cfg)
         step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=cfg)
-        stream = data.batches(data.stdlib_bytes(), batch, gcfg.seq_len, seed=0)
+        stream = data.windows(data.stdlib_bytes(), batch, gcfg.seq_len, seed=0)
         first = next(stream)
         bytes_ = traffic(zj.report.communication_report(step.lower(state, first).compile()), cfg)
         losses = []

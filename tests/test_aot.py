@@ -5,7 +5,7 @@ import optax
 import pytest
 
 import zerojax as zj
-from experiments import data
+from zerojax import data
 from zerojax.models import gpt
 
 
@@ -27,7 +27,7 @@ def test_abstract_step_memory_equals_the_real_one(stage, dtype):
     graphdef, params = gpt.init(cfg)
     loss_fn, tx, mesh = gpt.make_loss(graphdef), optax.adamw(1e-3), zj.make_mesh()
     zc = zj.ZeroConfig(stage=stage, compute_dtype=dtype)
-    batch = next(data.batches(data.stdlib_bytes(1 << 16), 16, cfg.seq_len))
+    batch = next(data.windows(data.stdlib_bytes(1 << 16), 16, cfg.seq_len))
 
     _, abstract_params = gpt.init_abstract(cfg)
     tokens = jax.ShapeDtypeStruct(batch["tokens"].shape, batch["tokens"].dtype)

@@ -11,8 +11,8 @@ import optax
 import pytest
 from flax import nnx
 
-from experiments import data
 from tests import models
+from zerojax import data
 from zerojax.models import gpt
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -64,7 +64,7 @@ def _gpt_case():
     """The experiments' GPT at its smallest, its loss and three batches of text."""
     cfg = gpt.GPTConfig(vocab=256, seq_len=16, d_model=32, n_layers=2, n_heads=2)
     graphdef, params = gpt.init(cfg)
-    stream = data.batches(data.stdlib_bytes(1 << 16), 16, cfg.seq_len)
+    stream = data.windows(data.stdlib_bytes(1 << 16), 16, cfg.seq_len)
     return params, gpt.make_loss(graphdef), [next(stream) for _ in range(3)]
 
 

@@ -70,7 +70,7 @@ def _part(module: str) -> str:
 # the lowest layer whose parts it needs, or a new layer where it sits between two.
 LAYERS: list[tuple[str, set[str]]] = [
     ("the program reading (everything read of JAX's internals)", {"_jaxpr"}),
-    ("leaf utilities (import no other part)", {"remat", "progress", "on_stall", "xla_flags"}),
+    ("leaf utilities (import no other part)", {"remat", "progress", "on_stall", "xla_flags", "data"}),
     ("configuration and the compilation cache", {"config", "compile_cache"}),
     ("meshes, layouts, collectives and per-use gathers", {"sharding"}),
     ("the sequence layout over a context axis", {"context"}),

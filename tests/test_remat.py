@@ -8,8 +8,8 @@ import pytest
 from flax import linen as nn
 
 import zerojax as zj
-from experiments import data
 from tests import models
+from zerojax import data
 from zerojax.models import gpt
 
 ALL = [zj.remat.Remat(k) for k in zj.remat.KINDS if k not in ("names", "offload_names")] + [
@@ -39,7 +39,7 @@ def test_policy_names_compile_to_jax_policies():
 @pytest.fixture(scope="module")
 def small_gpt():
     cfg = gpt.GPTConfig(vocab=256, seq_len=32, d_model=64, n_layers=3, n_heads=2)
-    batch = next(data.batches(data.stdlib_bytes(1 << 16), 16, cfg.seq_len))
+    batch = next(data.windows(data.stdlib_bytes(1 << 16), 16, cfg.seq_len))
     return cfg, batch
 
 

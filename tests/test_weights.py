@@ -24,8 +24,9 @@ import zerojax as zj
 from tests import weights_model
 from zerojax.maps import concat, merge_dims, part, split_dim, stack, transpose
 from zerojax.tensors import boxes
-from zerojax.tensors import tensor_map as tm
 from zerojax.tensors.safetensors_files import TensorFiles, TensorWriter
+from zerojax.tensors.specs import Shapes, as_spec
+from zerojax.tensors.weight_map import WeightMap, infer_tensors
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RNG = np.random.default_rng(0)
@@ -74,9 +75,9 @@ def tensor_file(tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_spec_reads_every_box_as_numpy_does_and_writes_it_back(case, tensor_file, tmp_path):
     spec, ref = CASES[case]
-    spec = tm._spec(spec)
+    spec = as_spec(spec)
     with TensorFiles(tensor_file) as f:
-        expr = spec.build(ref.shape, {}, tm.Shapes(lambda n: (f.tensors[n].shape, f.tensors[n].dtype)))
+        expr = spec.build(ref.shape, {}, Shapes(lambda n: (f.tensors[n].shape, f.tensors[n].dtype)))
         assert expr.shape == ref.shape
         rng = np.random.default_rng(1)
         for _ in range(25):
@@ -87,7 +88,7 @@ def test_a_spec_reads_every_box_as_numpy_does_and_writes_it_back(case, tensor_fi
                 assert f.bytes_read - before == boxes.box_size(box) * 4
     # Writing the parameter back box by box (a 2 x 2 grid of boxes, as shards) rebuilds
     # each tensor it covers, touching nothing else.
-    inferred = tm.infer_tensors(tm.WeightMap({"p": spec}), {"p": ref.shape})
+    inferred = infer_tensors(WeightMap({"p": spec}), {"p": ref.shape})
     out = tmp_path / "w.safetensors"
     save_file({n: np.full(s, np.nan, np.float32) for n, s in inferred.items()}, str(out))
     with TensorFiles(out) as g:

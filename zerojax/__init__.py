@@ -3,10 +3,10 @@
 The top level holds what a training loop calls: the mesh, the config, the state, the
 steps, gathering, checkpoints and weights, the autotuner; everything else lives in the
 subpackage that owns it (``zj.config``, ``zj.report``, ``zj.maps``, ``zj.nn``, ``zj.nnx``, ``zj.moe``,
-``zj.distributed``, ``zj.resume``, ``zj.models``, ``zj.context``, ``zj.remat``).
+``zj.distributed``, ``zj.resume``, ``zj.models``, ``zj.context``, ``zj.remat``, ``zj.data``).
 """
 
-from zerojax import checkpoint, config, context, distributed, maps, models, moe, nn, nnx, remat, report, resume
+from zerojax import checkpoint, config, context, data, distributed, maps, models, moe, nn, nnx, remat, report, resume
 from zerojax._surface import module_dir, module_getattr
 from zerojax.checkpoint import export_weights, load_weights, restore_checkpoint, save_checkpoint
 from zerojax.config import ZeroConfig
@@ -31,6 +31,7 @@ __all__ = [
     "checkpoint",
     "config",
     "context",
+    "data",
     "distributed",
     "export_weights",
     "from_deepspeed",

@@ -44,7 +44,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from experiments import data  # noqa: E402
+from zerojax import data  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 from zerojax.resume import IndexSampler, Run, RunConfig  # noqa: E402
 

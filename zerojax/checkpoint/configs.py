@@ -20,7 +20,7 @@ import json
 import os
 from typing import Any
 
-from zerojax.tensors.tensor_map import json_object
+from zerojax.tensors.weight_map import json_object
 
 CONFIG = "config.json"
 GENERATION = "generation_config.json"

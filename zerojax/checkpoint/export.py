@@ -2,7 +2,7 @@
 
 One pipeline serves every export: a source (:mod:`zerojax.checkpoint.export_sources`: a live
 state's shards, written by the process that holds them, or a checkpoint directory's leaves,
-read one at a time by process 0) through the map (:mod:`zerojax.tensors.tensor_map`, run
+read one at a time by process 0) through the map (:mod:`zerojax.tensors.weight_map`, run
 backwards: names, transposes, unstacked layers, fused parts) into the files
 (:mod:`zerojax.checkpoint.sinks`). No array is gathered; a process holds one piece of one
 shard (or, from a checkpoint directory, one parameter) at a time.
@@ -37,10 +37,11 @@ from zerojax.checkpoint.sinks import FORMATS, ExportFiles, natural, parse_size
 from zerojax.progress import progress
 from zerojax.state import ZeroState
 from zerojax.tensors import boxes
-from zerojax.tensors import tensor_map as tm
 from zerojax.tensors.casts import as_dtype, cast, is_float, narrows_range
+from zerojax.tensors.coverage import Duplicate, cover
 from zerojax.tensors.processes import DEFAULT_TIMEOUT_S, Processes
 from zerojax.tensors.safetensors_files import TensorFiles, TensorWriter, dtype_code
+from zerojax.tensors.weight_map import IDENTITY, WeightMap, infer_tensors, resolve
 from zerojax.tensors.weights import storage_expr
 
 __all__ = ["EXPORT_DTYPES", "export_weights"]
@@ -57,7 +58,7 @@ def export_weights(
     dtype: str = "float32",
     show_progress: bool | None = False,
     format: str = "file",
-    map: tm.WeightMap | None = None,
+    map: WeightMap | None = None,
     max_shard_size: int | str = "5GB",
     lora: str = "merge",
     hf_config: dict | str | os.PathLike | None = None,
@@ -159,8 +160,8 @@ class _Job:
             raise ValueError(f"dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}.")
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}.")
-        wmap = tm.IDENTITY if wmap is None else wmap
-        if not isinstance(wmap, tm.WeightMap):
+        wmap = IDENTITY if wmap is None else wmap
+        if not isinstance(wmap, WeightMap):
             raise TypeError(f"map must be a zj.maps.WeightMap, got {type(wmap).__name__}.")
         max_bytes = parse_size(max_shard_size)
         out = os.fspath(out)
@@ -182,11 +183,11 @@ class _Job:
         self.out_dtype = {n: target if is_float(src.dtypes[n]) else src.dtypes[n] for n in self.chosen}
         shapes = {n: src.shapes[n] for n in self.chosen}
         try:
-            inferred = tm.infer_tensors(wmap, shapes)
-            res = tm.resolve(wmap, shapes, {t: (s, np.dtype(np.float32)) for t, s in inferred.items()})
+            inferred = infer_tensors(wmap, shapes)
+            res = resolve(wmap, shapes, {t: (s, np.dtype(np.float32)) for t, s in inferred.items()})
             if res.problems():
                 raise ValueError(". ".join(res.problems()))
-            self.duplicates = tm.cover(res.exprs, inferred)
+            self.duplicates = cover(res.exprs, inferred)
         except ValueError as e:
             raise ValueError(f"the map cannot export {src.what}: {e}") from None
         self.exprs = res.exprs
@@ -334,7 +335,7 @@ class _Job:
     def _verify(self, group: Processes) -> None:
         """Reads back what the writer of each duplicated region wrote and compares this
         process's boxes of the parameter that reads it too."""
-        diffs: dict[tm.Duplicate, float] = {}
+        diffs: dict[Duplicate, float] = {}
         with TensorFiles(None, self.files.places) as files:
             self._pass("verify", group, (files, diffs))
         bad = [(d, x) for d, x in diffs.items() if x != 0]
@@ -394,7 +395,7 @@ class _Compare:
     """Records, per duplicated region, the largest difference between what is written to
     it and what the file holds."""
 
-    def __init__(self, dups: list[tm.Duplicate], target):
+    def __init__(self, dups: list[Duplicate], target):
         self.dups, (self.files, self.diffs) = dups, target
 
     def write_box(self, tensor, box, values):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from zerojax.tensors import boxes
-from zerojax.tensors import tensor_map as tm
+from zerojax.tensors.expressions import Expr
 
 MODES = ("merge", "adapters", "keep")
 
@@ -47,11 +47,11 @@ def select(names: list[str], mode: str, what: str) -> tuple[list[str], dict[str,
     return list(names), {}
 
 
-class LowRankAdd(tm.Expr):
+class LowRankAdd(Expr):
     """Writes ``child`` as ``kernel + a @ b`` (an ``nnx.LoRALinear``'s merged kernel) in
     float32; ``a``: ``[..., in, r]``, ``b``: ``[..., r, out]``, held whole (adapters are small)."""
 
-    def __init__(self, child: tm.Expr, a: np.ndarray, b: np.ndarray):
+    def __init__(self, child: Expr, a: np.ndarray, b: np.ndarray):
         self.child, self.a, self.b = child, a, b
         self.shape, self.dtype = child.shape, child.dtype
 

@@ -1,18 +1,9 @@
 """Maps from a model's parameters to a checkpoint's tensors (see
-:mod:`zerojax.tensors.tensor_map`), and ready ones for Hugging Face layouts."""
+:mod:`zerojax.tensors.weight_map` and :mod:`zerojax.tensors.specs`), and ready ones for Hugging Face layouts."""
 
 from zerojax.models.hf_map import family_map, llama_map
-from zerojax.tensors.tensor_map import (
-    IDENTITY,
-    WeightMap,
-    concat,
-    infer_tensors,
-    merge_dims,
-    part,
-    split_dim,
-    stack,
-    transpose,
-)
+from zerojax.tensors.specs import concat, merge_dims, part, split_dim, stack, transpose
+from zerojax.tensors.weight_map import IDENTITY, WeightMap, infer_tensors
 
 __all__ = [
     "IDENTITY",

@@ -12,7 +12,7 @@ from zerojax.models.hf_config import config_from_hf, read_config
 from zerojax.models.hf_map import EXPERT_LAYOUTS, llama_map
 from zerojax.models.llama import LlamaConfig
 from zerojax.tensors.safetensors_files import TensorFiles, resolve_path
-from zerojax.tensors.tensor_map import WeightMap
+from zerojax.tensors.weight_map import WeightMap
 
 HEAD = "lm_head.weight"
 

@@ -7,7 +7,8 @@ biases, q/k norms and the head it has are the tensors the map names."""
 from __future__ import annotations
 
 from zerojax.models.llama import LlamaConfig
-from zerojax.tensors.tensor_map import WeightMap, stack, transpose
+from zerojax.tensors.specs import stack, transpose
+from zerojax.tensors.weight_map import WeightMap
 
 # Block linear layers: the Flax module name -> the Hugging Face module under model.layers.{i}.
 LINEARS = {

@@ -2,7 +2,9 @@
 
 Safetensors files (:mod:`~zerojax.tensors.safetensors_files`), boxes of tensor metadata
 (:mod:`~zerojax.tensors.boxes`), tensor names (:mod:`~zerojax.tensors.names`), the checked
-cast (:mod:`~zerojax.tensors.casts`), weight maps (:mod:`~zerojax.tensors.tensor_map`),
+cast (:mod:`~zerojax.tensors.casts`), weight maps (:mod:`~zerojax.tensors.weight_map`, built of
+:mod:`~zerojax.tensors.specs` into :mod:`~zerojax.tensors.expressions`, an export's
+:mod:`~zerojax.tensors.coverage`),
 reading pretrained weights into the storage a plan lays out
 (:mod:`~zerojax.tensors.weights`, :mod:`~zerojax.tensors.born`) and the processes' agreement
 on a collective read (:mod:`~zerojax.tensors.processes`).

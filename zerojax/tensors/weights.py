@@ -2,7 +2,7 @@
 
 :class:`Weights` names a checkpoint (one ``.safetensors`` file, or Hugging Face's sharded
 layout: ``model.safetensors.index.json`` and the files it names) and a
-:class:`~zerojax.tensors.tensor_map.WeightMap` from the model's parameters to its tensors.
+:class:`~zerojax.tensors.weight_map.WeightMap` from the model's parameters to its tensors.
 :func:`place` builds one array of any sharding from it: each process reads, for each
 distinct shard its own devices hold, exactly the bytes of that shard (through the map's
 transposes, reshapes and stacks, and ZeRO's storage layout with its padding), in pieces of
@@ -35,10 +35,11 @@ import jax
 import numpy as np
 
 from zerojax.sharding.leaf_layout import LeafLayout
-from zerojax.tensors import boxes
-from zerojax.tensors import tensor_map as tm
+from zerojax.tensors import boxes, weight_map
 from zerojax.tensors.casts import cast, check_cast, narrows_range
+from zerojax.tensors.expressions import Expr, Pad, Reshape
 from zerojax.tensors.safetensors_files import TensorFiles, resolve_path
+from zerojax.tensors.weight_map import IDENTITY, WeightMap
 
 MIB = 2**20
 
@@ -50,7 +51,7 @@ class Weights:
     Attributes:
       path: a ``.safetensors`` file, a ``model.safetensors.index.json``, or a directory
         holding either (Hugging Face's ``save_pretrained`` output).
-      map: a :class:`~zerojax.tensors.tensor_map.WeightMap` (default: each parameter is
+      map: a :class:`~zerojax.tensors.weight_map.WeightMap` (default: each parameter is
         the tensor of its own dotted name, as ``zerojax export`` writes them), e.g.
         ``zj.maps.llama_map()``.
       buffer_mib: the largest piece read at once (MiB): a shard larger than this is read in
@@ -75,14 +76,14 @@ class Weights:
     """
 
     path: str
-    map: tm.WeightMap = tm.IDENTITY
+    map: WeightMap = IDENTITY
     buffer_mib: float = 64.0
     optional: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         resolve_path(self.path)  # FileNotFoundError / TypeError for a path that is not there
         object.__setattr__(self, "path", os.fspath(self.path))
-        if not isinstance(self.map, tm.WeightMap):
+        if not isinstance(self.map, WeightMap):
             raise TypeError(
                 f"Weights.map must be a zj.maps.WeightMap, got {type(self.map).__name__}; build one with "
                 "zj.maps.WeightMap({parameter name: tensor name or spec})."
@@ -128,7 +129,7 @@ def resolve(
     *,
     initial: bool = False,
     what: str = "the model",
-) -> tuple[dict[str, tm.Expr], list[str]]:
+) -> tuple[dict[str, Expr], list[str]]:
     """``(each parameter's expression, the absent optional parameters)``; one ``ValueError``
     listing every problem. ``initial``: whether absent parameters have values to take (an
     init function, concrete parameters); without, ``Weights.optional`` is refused."""
@@ -139,7 +140,7 @@ def resolve(
             "(jax.ShapeDtypeStruct): there is nothing to take them from. Pass an init function or "
             "concrete parameters, or drop optional= so that every parameter is read."
         )
-    res = tm.resolve(weights.map, params, {n: (t.shape, t.dtype) for n, t in files.tensors.items()})
+    res = weight_map.resolve(weights.map, params, {n: (t.shape, t.dtype) for n, t in files.tensors.items()})
     problems = res.problems(weights.is_optional)
     if problems:
         hint = (
@@ -159,20 +160,20 @@ def resolve(
     return res.exprs, absent
 
 
-def storage_expr(expr: tm.Expr, layout: LeafLayout | None) -> tm.Expr:
+def storage_expr(expr: Expr, layout: LeafLayout | None) -> Expr:
     """The storage array of ``layout`` (its grid, flattening and padding) over a
     parameter's expression: what :meth:`LeafLayout.to_storage` does to the array."""
     if layout is None or layout.kind == "replicated":
         return expr
     g = layout.grid
-    e = tm.Reshape(expr, g) if tuple(g) != tuple(expr.shape) else expr
+    e = Reshape(expr, g) if tuple(g) != tuple(expr.shape) else expr
     if layout.kind == "dim":
         size = layout.n * layout.chunk
-        return tm.Pad(e, layout.dim, size) if size != g[layout.dim] else e
+        return Pad(e, layout.dim, size) if size != g[layout.dim] else e
     flat = g[: layout.lead] + (int(np.prod(g[layout.lead :], dtype=np.int64)),)
-    e = tm.Reshape(e, flat) if flat != tuple(e.shape) else e
+    e = Reshape(e, flat) if flat != tuple(e.shape) else e
     size = layout.n * layout.chunk
-    return tm.Pad(e, layout.lead, size) if size != flat[-1] else e
+    return Pad(e, layout.lead, size) if size != flat[-1] else e
 
 
 def owned_boxes(shape: tuple[int, ...], sharding) -> dict[boxes.Box, list]:
@@ -184,7 +185,7 @@ def owned_boxes(shape: tuple[int, ...], sharding) -> dict[boxes.Box, list]:
     return out
 
 
-def read_box(name: str, expr: tm.Expr, box: boxes.Box, dtype: Any, files: TensorFiles, limit: int) -> np.ndarray:
+def read_box(name: str, expr: Expr, box: boxes.Box, dtype: Any, files: TensorFiles, limit: int) -> np.ndarray:
     """``box`` of ``expr`` in ``dtype``, read in pieces of at most ``limit`` bytes."""
     out = np.empty(boxes.box_shape(box), dtype)
     origin = [a for a, _ in box]
@@ -194,7 +195,7 @@ def read_box(name: str, expr: tm.Expr, box: boxes.Box, dtype: Any, files: Tensor
 
 
 def place(
-    name: str, expr: tm.Expr, layout: LeafLayout | None, sharding, dtype: Any, files: TensorFiles, limit: int
+    name: str, expr: Expr, layout: LeafLayout | None, sharding, dtype: Any, files: TensorFiles, limit: int
 ) -> jax.Array:
     """A ``jax.Array`` of ``expr`` in ``layout``'s storage placed with ``sharding``, each
     process reading only the shards its devices hold, one at a time."""
