@@ -124,7 +124,7 @@ EXPORTS = [
 
 @pytest.mark.parametrize("name", EXPORTS)
 def test_each_checkpoint_trains_at_stage_3_and_exports_in_its_layout(name, tmp_path):
-    """Two SGD steps at ZeRO-3 on 8 devices, then exported in Hugging Face's layout: the
+    """Two SGD steps at ZeRO-3 on 8 devices, then exported in Hugging Face's format: the
     checkpoint's own tensor names, each in one file, the index's total_size true,
     config.json beside them; read back, the trained model's logits exactly. (transformers
     itself reads such exports with the same logits: ``make_hf_fixtures.py --check-export``.)"""

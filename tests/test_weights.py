@@ -1,6 +1,6 @@
 """Pretrained weights in and out: maps read any box of a parameter from exactly its bytes,
 states are born from a checkpoint in their ZeRO layout, and exports write Hugging Face's
-sharded layout that ``safetensors`` itself reads back."""
+sharded format that ``safetensors`` itself reads back."""
 
 import dataclasses
 import functools
@@ -152,7 +152,7 @@ ABSTRACT = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), SM
 
 @pytest.fixture(scope="module")
 def small_ckpt(tmp_path_factory):
-    """SMALL in Hugging Face's sharded layout, in bf16 (3 files)."""
+    """SMALL in Hugging Face's sharded format, in bf16 (3 files)."""
     folder = tmp_path_factory.mktemp("small")
     weights_model.write_sharded(str(folder), {k: v.astype(ml_dtypes.bfloat16) for k, v in SMALL.items()}, 1200)
     return folder
@@ -456,7 +456,7 @@ def small_state(tmp_path_factory):
 
 
 def _read_hf(folder):
-    """An export read back by safetensors, with Hugging Face's layout checks."""
+    """An export read back by safetensors, with Hugging Face's format checks."""
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert sorted(p.name for p in folder.iterdir()) == sorted(files + ["model.safetensors.index.json"])

@@ -1,6 +1,6 @@
 """A model in Hugging Face's naming for the tests of pretrained weights: a stack of MLP
 layers between an embedding and a head, its checkpoint written by ``safetensors`` itself
-in the sharded layout (``model.safetensors.index.json`` + files), bf16 on disk."""
+in the sharded format (``model.safetensors.index.json`` + files), bf16 on disk."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def tensors(seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def write_sharded(folder: str, ts: dict[str, np.ndarray], max_bytes: int = 3_000_000) -> list[str]:
-    """``ts`` as Hugging Face's sharded layout, files of about ``max_bytes``."""
+    """``ts`` as Hugging Face's sharded format, files of about ``max_bytes``."""
     os.makedirs(folder, exist_ok=True)
     groups, cur, size = [], {}, 0
     for name, x in ts.items():

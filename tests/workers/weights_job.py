@@ -2,7 +2,7 @@
 
 Run by ``python -m zerojax.launch``. Each process loads a Hugging Face-layout checkpoint
 (bf16 on disk, written by the test) through a map into sharded arrays, reading only its own
-shards, then into a stage-3 state, exports the state in Hugging Face's layout (each process
+shards, then into a stage-3 state, exports the state in Hugging Face's format (each process
 writing its own shards), and records per rank in ``$OUT/rank{R}.json``: bytes read and
 written, the bytes of its own shards, host memory peaks (RSS high-water mark over the load;
 tracemalloc, which sees numpy's host buffers but not XLA's device buffers, over each part).

@@ -1,5 +1,5 @@
 """Maps from a model's parameters to a checkpoint's tensors (see
-:mod:`zerojax.tensors.weight_map` and :mod:`zerojax.tensors.specs`), and ready ones for Hugging Face layouts."""
+:mod:`zerojax.tensors.weight_map` and :mod:`zerojax.tensors.specs`), and ready ones for Hugging Face's tensor names."""
 
 from zerojax.models.hf_map import family_map, llama_map
 from zerojax.tensors.specs import concat, merge_dims, part, split_dim, stack, transpose

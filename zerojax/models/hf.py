@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 from zerojax.checkpoint.configs import GENERATION
 from zerojax.models.hf_config import config_from_hf, read_config
-from zerojax.models.hf_map import EXPERT_LAYOUTS, llama_map
+from zerojax.models.hf_map import EXPERT_NAMES, llama_map
 from zerojax.models.llama import LlamaConfig
 from zerojax.tensors.safetensors_files import TensorFiles, resolve_path
 from zerojax.tensors.weight_map import WeightMap
@@ -42,7 +42,7 @@ def from_hf(path: str | os.PathLike, *, accept: Iterable[str] = (), **overrides)
     """
     cfg = config_from_hf(path, accept=accept, **overrides)
     family = read_config(path)[0].get("model_type")
-    wmap = llama_map(cfg, experts=family if family in EXPERT_LAYOUTS else "qwen3_moe")
+    wmap = llama_map(cfg, experts=family if family in EXPERT_NAMES else "qwen3_moe")
     if config_from_hf(path, accept=accept).tie_embeddings and HEAD in _tensor_names(path):
         if "tie_embeddings" not in overrides:
             raise ValueError(

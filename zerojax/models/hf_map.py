@@ -21,9 +21,9 @@ LINEARS = {
     "down": "mlp.down_proj",
 }
 PEFT_PREFIX = "base_model.model."
-# Routed experts (LlamaConfig.n_experts > 0): each layout's router and its experts' gate, up
+# Routed experts (LlamaConfig.n_experts > 0): each family's names for the router and its experts' gate, up
 # and down under model.layers.{i}, expert {j}.
-EXPERT_LAYOUTS = {
+EXPERT_NAMES = {
     "qwen3_moe": {
         "router": "mlp.gate",
         "gate": "mlp.experts.{j}.gate_proj",
@@ -37,7 +37,7 @@ EXPERT_LAYOUTS = {
         "down": "block_sparse_moe.experts.{j}.w2",
     },
 }
-EXPERT_LAYOUTS["qwen2_moe"] = EXPERT_LAYOUTS["qwen3_moe"]
+EXPERT_NAMES["qwen2_moe"] = EXPERT_NAMES["qwen3_moe"]
 
 
 def _biased(cfg: LlamaConfig, flax: str) -> bool:
@@ -88,11 +88,11 @@ def llama_map(
     if config.qk_norm:
         entries["blocks.q_norm.scale"] = stack(f"{layer}.self_attn.q_norm.weight")
         entries["blocks.k_norm.scale"] = stack(f"{layer}.self_attn.k_norm.weight")
-    if experts not in EXPERT_LAYOUTS:
-        raise ValueError(f"llama_map(experts={experts!r}): the expert layouts are {sorted(EXPERT_LAYOUTS)}.")
+    if experts not in EXPERT_NAMES:
+        raise ValueError(f"llama_map(experts={experts!r}): the expert naming schemes are {sorted(EXPERT_NAMES)}.")
     linears = LINEARS
     if config.n_experts:
-        names = EXPERT_LAYOUTS[experts]
+        names = EXPERT_NAMES[experts]
         linears = {k: v for k, v in LINEARS.items() if k not in ("gate", "up", "down")}
         entries["blocks.moe.router.kernel"] = stack(transpose(f"{layer}.{names['router']}.weight"))
         for flax in ("gate", "up", "down"):
@@ -142,7 +142,5 @@ def family_map(family: str, *, prefix: str = "model") -> WeightMap:
     if family not in FAMILY_TENSORS:
         raise ValueError(f"no map for the family {family!r}; the families are {sorted(FAMILY_TENSORS)}.")
     return llama_map(
-        LlamaConfig(**FAMILY_TENSORS[family]),
-        prefix=prefix,
-        experts=family if family in EXPERT_LAYOUTS else "qwen3_moe",
+        LlamaConfig(**FAMILY_TENSORS[family]), prefix=prefix, experts=family if family in EXPERT_NAMES else "qwen3_moe"
     )
