@@ -239,14 +239,15 @@ def test_export_consolidated_weights_cli(tmp_path, dtype):
         np.testing.assert_array_equal(
             weights["layers.w"].astype(np.float32), want.astype(ml_dtypes.bfloat16).astype(np.float32)
         )
-    r = subprocess.run(
-        [sys.executable, "-m", "zerojax.cli", "export", str(tmp_path / "none"), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert r.returncode == 1 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+    if dtype == "float32":  # a missing checkpoint (no --dtype to it: once, not once per dtype)
+        r = subprocess.run(
+            [sys.executable, "-m", "zerojax.cli", "export", str(tmp_path / "none"), str(out)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+        )
+        assert r.returncode == 1 and "does not exist" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_export_refuses_colliding_names(tmp_path):

@@ -213,10 +213,12 @@ CHAOS_PROCS = 2  # every fault path needs two processes; more only add start-up 
 CHAOS_STEP_S = 0.15  # the chaos job's least step time (the worker's --sleep)
 
 
-def job(out, args, *, nprocs=4, steps=STEPS, worker_args=(), timeout=400, watch=None):
-    """``zerojax launch ARGS -- python resume_job.py ...`` on ``nprocs`` processes of one device
-    each: its exit status, output and seconds (``watch`` sees each line as it comes)."""
-    launcher = ["-m", "zerojax.launch", "--nprocs", str(nprocs), "--devices-per-proc", "1", *args, "--"]
+def job(out, args, *, nprocs=4, devices_per_proc=1, steps=STEPS, worker_args=(), timeout=400, watch=None):
+    """``zerojax launch ARGS -- python resume_job.py ...`` on ``nprocs`` processes of
+    ``devices_per_proc`` devices each: its exit status, output and seconds (``watch`` sees
+    each line as it comes)."""
+    launcher = ["-m", "zerojax.launch", "--nprocs", str(nprocs), "--devices-per-proc", str(devices_per_proc), *args]
+    launcher.append("--")
     worker = [str(WORKER), "--dir", str(out / "ck"), "--out", str(out / "out"), "--steps", str(steps)]
     cmd = [sys.executable, *launcher, sys.executable, *worker, "--save-every", str(SAVE_EVERY), *worker_args]
     start = time.monotonic()
@@ -345,16 +347,17 @@ def test_chaos_ends_bit_identical_to_an_uninterrupted_run(tmp_path, uninterrupte
     )
 
 
-@pytest.mark.slow  # reason: three starts of a multi-process job (about a minute on 2 cores)
+@pytest.mark.slow  # reason: two starts of a multi-process job and one of a process (about a minute on 2 cores)
 def test_elastic_four_processes_then_two(tmp_path):
     # No dropout: its keys are per device and micro-batch, so another device count draws other masks.
     # SGD: AdamW would scale the rounding noise of the attention key bias's gradient (zero in
     # exact arithmetic) up to steps of the learning rate's size, on any change of device count.
-    def run(nprocs, steps, out):
+    def run(nprocs, steps, out, devices_per_proc=1):
         code, log, _ = job(
             out,
             ["--timeout", "300"],
             nprocs=nprocs,
+            devices_per_proc=devices_per_proc,
             steps=steps,
             worker_args=["--dropout", "0", "--optimizer", "sgd"],
             timeout=330,
@@ -362,7 +365,9 @@ def test_elastic_four_processes_then_two(tmp_path):
         assert code == 0, log[-4000:]
         return log
 
-    run(4, 9, tmp_path / "ref")
+    # The uninterrupted reference: the same 4-device mesh in one process (one start-up where
+    # four processes on 2 cores took a third of the test); the resumed run is the multi-process one.
+    run(1, 9, tmp_path / "ref", devices_per_proc=4)
     run(4, 5, tmp_path / "run")  # checkpoints 3 and 5 (the last step); then 2 processes resume at 5
     log = run(2, 9, tmp_path / "run")
     assert "on 2 devices grad_accum_steps becomes 2 (2 rows per device per micro-batch)" in log, log[-3000:]
