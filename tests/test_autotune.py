@@ -481,7 +481,7 @@ def test_cli_tunes_a_users_function(tmp_path, monkeypatch, capsys):
     assert "zerojax autotune: no configuration fits 4.00 MiB per device" in capsys.readouterr().err
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # reason: the CLI in a fresh process; test_autotune_tunes_a_llama_preset_from_the_command_line
 def test_cli_tunes_the_experiments_gpt_in_its_own_process():
     import subprocess
 

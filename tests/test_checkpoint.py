@@ -75,7 +75,7 @@ def test_reshard_across_stage_and_device_count(tmp_path, src, dst):
     _reshard(tmp_path, src, dst)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # reason: 15 more pairs, three trainings each; test_reshard_across_stage_and_device_count's five pairs
 @pytest.mark.parametrize("src,dst", ALL_PAIRS)
 def test_reshard_full_matrix(tmp_path, src, dst):
     _reshard(tmp_path, src, dst)

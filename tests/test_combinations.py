@@ -402,7 +402,7 @@ def tolerance(row: dict) -> float:
     return 1e-5
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # reason: a 20,000-row draw for the slow matrix; its property's only check: CI runs the slow set
 def test_the_sample_covers_every_allowed_pair():
     print(f"\n{len(ROWS)} runs cover every allowed pair of:\n{matrix()}")
     rng = random.Random(1)
@@ -537,6 +537,7 @@ AUX_REDUCE = {"mse": "mean", "pred": "concat", "rows": "sum"}
 EVAL_REDUCE = {"loss": "mean", "pred": "concat"}
 
 
+# reason: 33 rows, a step compiled for each; each feature alone is in its own module's default tests, the pairs' only check: CI runs the slow set
 @pytest.mark.slow
 @pytest.mark.parametrize("row", ROWS, ids=row_id)
 def test_combination_trains_like_single_device_optax(row, tmp_path):

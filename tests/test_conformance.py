@@ -110,7 +110,7 @@ def test_fewer_devices_match_optax(opt, n, stage):
     _case("scan", opt, stage, n)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # reason: 12 more trainings (SGD momentum, Lion); test_fewer_devices_match_optax on 1, 2, 4 devices
 @pytest.mark.parametrize(
     "model,opt,n,stage",
     models.pairwise(model=list(MODELS), opt=["sgd_momentum", "lion"], n=[1, 2, 4], stage=[0, 1, 2, 3]),
@@ -119,7 +119,7 @@ def test_full_matrix_fewer_devices(model, opt, n, stage):
     _case(model, opt, stage, n)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # reason: 8 more 8-device trainings; test_eight_devices_match_optax's clipped-AdamW cases
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("model", list(MODELS))
 def test_adam_eight_devices(model, stage):

@@ -49,7 +49,7 @@ def test_flops_per_token_matches_the_compiled_program():
         assert 1.0 < ratio < 1.03, (d, ratio)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # reason: a script in a fresh process; test_state's test_bytes_match_formula
 def test_memory_table_within_two_percent_and_draws_the_chart(tmp_path):
     png = tmp_path / "memory.png"
     out = run_script("memory_table.py", "--sizes", "64x2,128x3", "--png", str(png))
@@ -65,7 +65,7 @@ def test_memory_table_within_two_percent_and_draws_the_chart(tmp_path):
     assert is_png(png)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # reason: a script in a fresh process; test_compiled's test_collectives_match_zero_formulas
 def test_comm_volumes_match_the_paper():
     out = run_script("comm.py", "--layers", "2", "--d-model", "64", "--dtypes", "float32,bfloat16")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -146,7 +146,7 @@ def test_train_script_refuses_a_batch_that_does_not_divide():
     assert out.returncode == 2 and "--batch 30 must be a multiple of --devices x --accum = 8" in out.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # reason: a script in a fresh process; its property's only check: CI runs the slow set
 def test_gpu_throughput_script_runs_on_cpu(tmp_path):
     out_json = tmp_path / "tp.json"
     out = run_script(
@@ -233,7 +233,7 @@ def test_gpu_throughput_script_runs_on_cpu(tmp_path):
         assert np.isfinite(r["loss"])
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # reason: a fresh process searching depths; its property's only check: CI runs the slow set
 def test_scaling_stage3_trains_a_larger_model_within_the_budget(tmp_path):
     out = run_script(
         "scaling.py",
@@ -360,7 +360,7 @@ def test_optimizer_view_costs(capsys):
     assert "| 3 | 121 | flattened, padded by 7 |" in capsys.readouterr().out
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # reason: four GPT trainings in-process; test_training_loops' test_frozen_bytes_follow_the_formula
 def test_lora_fine_tune_memory_follows_the_formula():
     from experiments import lora
 
@@ -409,6 +409,7 @@ def test_program_reading_script_agrees_and_shows_the_memory_cost(capsys):
     assert "| 3 | full | no |" in capsys.readouterr().out
 
 
+# reason: the script's GPT runs in-process; test_offload's test_state_bytes_split_device_and_host_as_the_formulas and test_offload_trains_exactly_as_without
 @pytest.mark.slow
 def test_offload_script_matches_the_formulas_and_the_run_without():
     from experiments import offload
@@ -432,7 +433,7 @@ def test_offload_script_matches_the_formulas_and_the_run_without():
     assert rows[2]["host"] == 0 and rows[2]["place"] == "stage 2"
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # reason: 300 GPT steps in a fresh process; test_training_with_int8_gathers_stays_near_exact_gathers
 def test_int8_gathers_train_the_gpt_within_one_percent_of_bf16_gathers(tmp_path):
     """The issue's bar: 300 steps of the GPT with int8 weight gathers end within 1% of the
     loss with bf16 gathers; the traffic is a quarter of fp32's plus the scales."""
@@ -448,6 +449,7 @@ def test_int8_gathers_train_the_gpt_within_one_percent_of_bf16_gathers(tmp_path)
     assert int8["s8"] * 4 == fp32 and 0.25 < (int8["s8"] + int8["f32"]) / fp32 < 0.27
 
 
+# reason: 50-step GPT runs in a fresh process; test_int8_reduce's test_sgd_stays_within_the_quantization_bound_of_single_device_optax
 @pytest.mark.slow
 def test_int8_gradients_train_the_gpt_within_one_percent_of_fp32_gradients(tmp_path):
     """qgZ's bar: the GPT with int8 gradient exchange ends within 1% of the same run with
@@ -482,7 +484,7 @@ def test_int8_gradients_train_the_gpt_within_one_percent_of_fp32_gradients(tmp_p
     assert runs["3/bf16/bf16"]["bytes"]["grads"] * 2 == runs["3/bf16/fp32"]["bytes"]["grads"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # reason: the script's GPT compiles in-process; test_hybrid's test_only_gradient_shards_cross_groups
 def test_hybrid_traffic_table_per_mesh_axis():
     """Across groups only the gradient shards' all-reduce: Ψ/(N/R) fp32 elements, whatever
     the gather dtype; inside a group the traffic of the 1-D mesh (up to padding)."""

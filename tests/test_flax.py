@@ -105,7 +105,7 @@ def test_gpt_param_count_formula():
     assert sum(x.size for x in jax.tree.leaves(params)) == cfg.num_params()
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # reason: the demo script in a fresh process; test_gpt_matches_optax above trains the same GPT
 def test_demo_runs_and_loss_falls():
     out = subprocess.run(
         [sys.executable, str(ROOT / "experiments" / "demo.py"), "--steps", "30"],

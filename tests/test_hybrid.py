@@ -59,6 +59,7 @@ def test_matches_single_device_optax(model, replicas, stage):
     ],
     ids=["bf16-accum", "prefetch", "offload", "fp16-reduce"],
 )
+# reason: 4 features x 2 meshes; test_matches_single_device_optax trains 2 groups at every stage, test_tensor_parallel's test_features_together_hybrid_prefetch_int8_bf16_accumulation_frozen with features
 @pytest.mark.slow
 def test_features_give_what_the_1d_mesh_gives(features):
     """The same config on a 1-D mesh and on 2 replica groups: the same training (the

@@ -114,7 +114,7 @@ def test_launcher_stops_the_job_when_a_process_dies(tmp_path):
     assert elapsed < 90
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # reason: two processes waiting out JAX's heartbeat; its property's only check: CI runs the slow set
 def test_without_launcher_survivors_fail_within_the_heartbeat_timeout(tmp_path):
     """Process 1 dies; process 0, left alone, must not wait forever."""
     port = __import__("zerojax.launch", fromlist=["free_port"]).free_port()
@@ -188,7 +188,7 @@ def test_launcher_needs_a_command():
     assert out.returncode == 2 and "give the command after --" in out.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # reason: 2 processes, a 10 s step timeout; test_step_timeout_finishes_the_save_in_flight_and_says_so
 def test_a_stalled_process_is_noticed_within_the_step_timeout(tmp_path):
     """Process 1 hangs (alive, still heartbeating); process 0's step times out and exits."""
     out, elapsed = launch(

@@ -372,7 +372,7 @@ def test_batch_must_split_into_micro_batches():
     assert step.compile_count() == 0
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # reason: 3 x 30 GPT steps; test_low_precision_matches_fp32_reference (bf16 and fp16)
 def test_gpt_low_precision_loss_curves_track_fp32():
     from experiments import precision_curves
 

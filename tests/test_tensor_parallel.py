@@ -188,6 +188,7 @@ def test_nnx_gpt_annotations_match_single_device(stage, tensor):
     assert weight_gathers_over(step.lower(state, data[0]).compile(), state.plan.mesh) <= {("data",)}
 
 
+# reason: three GPT trainings and a step-memory plan; test_features_together_hybrid_prefetch_int8_bf16_accumulation_frozen and test_state_bytes_formula
 @pytest.mark.slow
 def test_nnx_gpt_prefetch_remat_accumulation_and_step_memory():
     """A three-layer stack: prefetch through the scan, full remat, accumulation, exact; and
@@ -217,6 +218,7 @@ def test_nnx_gpt_prefetch_remat_accumulation_and_step_memory():
     assert mem.state == zj.report.state_bytes_per_device(real)["total"]
 
 
+# reason: two AdamW GPT trainings; this GPT at T = 2 trains exactly in test_zj_nnx_optimizer_reads_annotations
 @pytest.mark.slow
 def test_nnx_gpt_adamw_within_stage0_noise():
     cfg = _gpt()
