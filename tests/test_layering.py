@@ -72,7 +72,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the program reading (everything read of JAX's internals)", {"_jaxpr"}),
     ("leaf utilities (import no other part)", {"remat", "progress", "on_stall", "xla_flags", "data"}),
     ("configuration and the compilation cache", {"config", "compile_cache"}),
-    ("meshes, layouts, collectives and per-use gathers", {"sharding"}),
+    ("meshes, layouts, collectives, per-use gathers and the pipeline's schedule", {"sharding", "pipeline"}),
     ("the sequence layout over a context axis", {"context"}),
     ("optimizer application; tensors in files and maps", {"optim", "tensors"}),
     ("the stages' gradient programs", {"stages"}),

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from zerojax import compile_cache
+from zerojax import compile_cache, pipeline
 from zerojax.config import StepOptions, ZeroConfig
 from zerojax.config.step_options import PLAIN
 from zerojax.context import batch as context_batch
@@ -78,7 +78,8 @@ class EvalStep:
             if self.options.with_layout:
                 kwargs["layout"] = context_batch.layout_of(plan)
             with in_step.tracing(plan, 1):
-                return gathers.wrap(plan, self.fn)(plan.unflatten(leaves), cast_batch(b, compute), **kwargs)
+                fn = pipeline.wrap(plan, gathers.wrap(plan, self.fn))  # a pipeline mesh: layers through the stages
+                return fn(plan.unflatten(leaves), cast_batch(b, compute), **kwargs)
 
         ms = state.model_state if self.options.with_model_state else None
         local = jax.tree.map(lambda b: jax.ShapeDtypeStruct((b.shape[0] // n,) + b.shape[1:], b.dtype), batch)

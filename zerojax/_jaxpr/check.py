@@ -3,7 +3,8 @@
 Several of zerojax's features read the jaxpr of the user's loss (or of an optimizer's
 update): per-use gathering at stages 2 and 3, prefetch, the per-layer remat policy, the
 sequence-order check of a layout that moves the sequence, a model's own sharding mapped
-onto zerojax's mesh, the batched-gather rewrite of a tensor x context mesh, the offloaded
+onto zerojax's mesh, the batched-gather rewrite of a tensor x context mesh, the pipeline's
+layer scan, the offloaded
 update's groups and the partial-collective warning. JAX changes its program form between
 releases, patch releases included. So the first time a feature would read a program,
 :func:`reading` traces each construct zerojax reads and reads it back through
@@ -62,6 +63,11 @@ WITHOUT_READING: tuple[tuple[str, str], ...] = (
     (
         "tensor x context mesh",
         "refused: the batched-gather rewrite that keeps XLA's partitioner from aborting reads the loss",
+    ),
+    (
+        "pipeline",
+        "a mesh with a pipeline axis is refused with the fix (a mesh without one): the pipeline finds the layer "
+        "scan it splits in the loss's program",
     ),
     ("offloaded update", "runs as one group instead of groups of sub_group_size: the same numbers, more memory"),
     ("partial-batch collectives", "the warning about a collective over part of the batch is not given"),

@@ -253,6 +253,10 @@ class Axes:
         on another; every other parameter is ZeRO-sharded over data x expert. The axis
         stays automatic in the step; ``zj.nn.routed_experts`` dispatches tokens by
         all-to-all over it (docs/moe.md).
+      pipeline: the axis of pipeline parallelism (``zj.make_mesh(pipeline=P)``, outermost):
+        the layer stack the loss scans over is split into ``P`` stages along it, each
+        stage's layers held by its devices and ZeRO-sharded over the data axes within
+        them (see :class:`Pipeline` and docs/pipeline.md).
       rules: logical axis rules for models annotated with logical names (linen's
         ``nn.with_logical_partitioning``, MaxText style): ``(("mlp", "tensor"), ("heads",
         "tensor"), ("embed", None), ...)``, each logical name mapped to a mesh axis or None
@@ -273,12 +277,13 @@ class Axes:
     tensor: str = "tensor"
     context: str = "context"
     expert: str = "expert"
+    pipeline: str = "pipeline"
     rules: Any = ()
     model_axes: Any = None
 
     def __post_init__(self) -> None:
         seen: dict[str, str] = {}
-        for name in ("data", "replica", "tensor", "context", "expert"):
+        for name in ("data", "replica", "tensor", "context", "expert", "pipeline"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise TypeError(f"Axes.{name} must be a non-empty mesh axis name (str), got {value!r}.")
@@ -360,12 +365,74 @@ class ContextParallel:
         object.__setattr__(self, "dims", _check_dims(self.dims))
 
 
+SCHEDULES = ("gpipe",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """Pipeline parallelism over the mesh's pipeline axis (``zj.make_mesh(pipeline=P)``):
+    DeepSpeed's ``pipeline`` section and ``PipelineModule(num_stages=P)``.
+
+    The layer stack the loss runs with ``scan`` (``nnx.scan``, ``nn.scan``, ``jax.lax.scan``
+    over parameters stacked ``[L, ...]``) is split into ``P`` stages of ``L / P`` layers, one
+    per device of the pipeline axis, and each device's rows of the batch go through the
+    stages in ``microbatches`` micro-batches (see :mod:`zerojax.pipeline`).
+
+    Attributes:
+      microbatches: micro-batches per step (``M``). The bubble, the share of stage-ticks
+        that compute on padding, is ``(P - 1) / (M + P - 1)``; each device's rows must
+        divide into ``M``. On a mesh without a pipeline axis it must stay 1 (use
+        ``grad_accum_steps`` to take a batch in parts there).
+      schedule: ``"gpipe"``: all micro-batches forward through the stages, then all backward
+        (autodiff of the forward loop). (The circular schedule is not built yet.)
+      repeats: stage repeats of the circular schedule; 1 for ``"gpipe"``.
+      stack: which parameters are the layer stack split over the stages: a path prefix as
+        ``jax.tree_util.keystr`` writes it (``"['blocks']"``), or None: the parameters that
+        the loss's layer ``scan`` iterates over, found from their shared leading dimension
+        (the step checks it against the loss and names the fix where they differ).
+
+    Example:
+      >>> from zerojax.config import Pipeline
+      >>> Pipeline(microbatches=4)
+      Pipeline(microbatches=4, schedule='gpipe', repeats=1, stack=None)
+      >>> Pipeline(microbatches=0)
+      Traceback (most recent call last):
+      ...
+      ValueError: Pipeline.microbatches must be >= 1 (micro-batches per step), got 0.
+    """
+
+    microbatches: int = 1
+    schedule: str = "gpipe"
+    repeats: int = 1
+    stack: str | None = None
+
+    def __post_init__(self) -> None:
+        check_int("Pipeline", self, "microbatches", "repeats")
+        if self.microbatches < 1:
+            raise ValueError(f"Pipeline.microbatches must be >= 1 (micro-batches per step), got {self.microbatches}.")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"Pipeline.schedule must be one of {SCHEDULES}, got {self.schedule!r}"
+                + (" (the circular schedule is not built yet)." if self.schedule == "circular" else ".")
+            )
+        if self.repeats != 1:
+            raise ValueError(
+                f"Pipeline.repeats must be 1 with schedule={self.schedule!r} (stage repeats belong to the "
+                f"circular schedule, not built yet), got {self.repeats}."
+            )
+        if self.stack is not None and (not isinstance(self.stack, str) or not self.stack):
+            raise TypeError(
+                f"Pipeline.stack must be None or a parameter path prefix such as \"['blocks']\", got {self.stack!r}."
+            )
+
+
 GROUPS: dict[str, type] = {
     "loss_scaling": LossScaling,
     "offload": Offload,
     "collectives": Collectives,
     "axes": Axes,
     "context": ContextParallel,
+    "pipeline": Pipeline,
 }
 """Each group's field in ``ZeroConfig`` and its class."""
 

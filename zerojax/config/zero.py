@@ -19,6 +19,7 @@ from zerojax.config.groups import (
     ContextParallel,
     LossScaling,
     Offload,
+    Pipeline,
     check_bool,
     check_int,
     dtype_name,
@@ -80,6 +81,7 @@ class ZeroConfig:
         ZeRO++'s int8 collectives.
       axes: :class:`~zerojax.config.Axes`, the mesh's axis names and a model's own names.
       context: :class:`~zerojax.config.ContextParallel`, the sequence layout over the context axis.
+      pipeline: :class:`~zerojax.config.Pipeline`, micro-batches and schedule over the pipeline axis.
 
     One spelling: a group's fields are given and read through the group
     (``offload={"optimizer": True}``, ``config.offload.optimizer``). A keyword or attribute
@@ -121,6 +123,7 @@ class ZeroConfig:
     collectives: Collectives = Collectives()
     axes: Axes = Axes()
     context: ContextParallel = ContextParallel()
+    pipeline: Pipeline = Pipeline()
 
     __signature__ = _InitSignature()
 

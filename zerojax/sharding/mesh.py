@@ -33,6 +33,8 @@ def make_mesh(
     context_axis: str = "context",
     expert: int = 1,
     expert_axis: str = "expert",
+    pipeline: int = 1,
+    pipeline_axis: str = "pipeline",
 ) -> Mesh:
     """Builds the mesh zerojax shards over: ``(N,)`` named ``axis``, or with ``replicas=R``,
     ``(R, N/R)`` named ``(replica_axis, axis)``: every stage shards over ``axis`` within a
@@ -64,6 +66,15 @@ def make_mesh(
     split over it, each device holding ``n_experts / E`` experts (see ``ZeroConfig.axes.expert``
     and docs/moe.md).
 
+    With ``pipeline=P`` the mesh gains a pipeline axis ``pipeline_axis`` outermost:
+    ``(pipeline, replica, data, expert, context, tensor)``. The devices (in process order)
+    are cut into ``P`` contiguous groups, one per stage, and each group is laid out as the
+    mesh of the other arguments would lay out its devices alone. The pipeline axis is the
+    slowest link: on a multi-host job a stage is whole hosts where ``P`` divides the process
+    count (one activation per micro-batch crosses between neighbouring stages), and the data,
+    expert, context and tensor axes, whose collectives run every layer, stay inside a stage
+    (see docs/pipeline.md).
+
     ``group_size=G`` asks for replica groups of ``G`` devices instead of a number of them
     (``replicas = N // G``, DeepSpeed's ``mics_shard_size``), refused where ``G`` does not
     divide ``N``.
@@ -91,10 +102,30 @@ def make_mesh(
       {'data': 2, 'expert': 4}
       >>> dict(zj.make_mesh(group_size=4).shape)
       {'replica': 2, 'data': 4}
+      >>> dict(zj.make_mesh(pipeline=2).shape)
+      {'pipeline': 2, 'data': 4}
+      >>> dict(zj.make_mesh(pipeline=2, tensor=2).shape)
+      {'pipeline': 2, 'data': 2, 'tensor': 2}
     """
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("make_mesh needs at least one device; got an empty list.")
+    if isinstance(pipeline, bool) or not isinstance(pipeline, int) or pipeline < 1:
+        raise ValueError(f"make_mesh(pipeline=...) must be a positive int (pipeline stages), got {pipeline!r}.")
+    if pipeline > 1:
+        inner = dict(
+            axis=axis,
+            replicas=replicas,
+            replica_axis=replica_axis,
+            tensor=tensor,
+            tensor_axis=tensor_axis,
+            group_size=group_size,
+            context=context,
+            context_axis=context_axis,
+            expert=expert,
+            expert_axis=expert_axis,
+        )
+        return _with_pipeline(devices, pipeline, pipeline_axis, inner)
     if group_size is not None:
         replicas = _replicas_of_groups(len(devices), group_size, replicas)
     if isinstance(tensor, bool) or not isinstance(tensor, int) or tensor < 1:
@@ -127,6 +158,35 @@ def make_mesh(
         )
     grid = _hybrid_grid(devices, replicas)
     return Mesh(grid, (replica_axis, axis), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def _with_pipeline(devices: list, pipeline: int, pipeline_axis: str, inner: dict) -> Mesh:
+    """``(pipeline, *inner mesh)``: ``pipeline`` contiguous groups of ``devices`` in process
+    order, each laid out by :func:`make_mesh` with the ``inner`` arguments."""
+    names = [inner[k] for k in ("axis", "replica_axis", "tensor_axis", "context_axis", "expert_axis")]
+    if not isinstance(pipeline_axis, str) or not pipeline_axis or pipeline_axis in names:
+        raise ValueError(
+            f"make_mesh(pipeline_axis={pipeline_axis!r}) must be a non-empty name other than the other axes {names}."
+        )
+    if len(devices) % pipeline:
+        ok = [p for p in range(1, len(devices) + 1) if len(devices) % p == 0]
+        raise ValueError(
+            f"make_mesh(pipeline={pipeline}): {len(devices)} devices do not split into {pipeline} equal "
+            f"pipeline stages. Use pipeline in {ok}."
+        )
+    ordered = [d for _, d in sorted(enumerate(devices), key=lambda t: (t[1].process_index, t[0]))]
+    per = len(ordered) // pipeline
+    meshes = [make_mesh(ordered[i * per : (i + 1) * per], **inner) for i in range(pipeline)]
+    grid = np.stack([m.devices for m in meshes])
+    axes = (pipeline_axis, *meshes[0].axis_names)
+    return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
+
+
+def pipeline_size(mesh: Any, pipeline_axis: str = "pipeline") -> int:
+    """Devices of the pipeline axis of ``mesh`` (1 when it has none, or for no mesh)."""
+    if mesh is None:
+        return 1
+    return int(dict(mesh.shape)[pipeline_axis]) if pipeline_axis in mesh.axis_names else 1
 
 
 def _replicas_of_groups(n: int, group_size: Any, replicas: int) -> int:

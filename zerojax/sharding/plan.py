@@ -22,6 +22,7 @@ from zerojax.sharding.mesh import (
     context_size,
     expert_size,
     manual_axes,
+    pipeline_size,
     tensor_size,
 )
 
@@ -78,6 +79,20 @@ class ZeroPlan:
         if self.context > 1:
             axes.append(self.config.axes.context)
         return axes[0] if len(axes) == 1 else tuple(axes)
+
+    @property
+    def pipeline(self) -> int:
+        """Devices of the pipeline axis (1 without pipeline parallelism)."""
+        return pipeline_size(self.mesh, self.config.axes.pipeline)
+
+    def is_stack(self, layout: LeafLayout) -> bool:
+        """Whether ``layout`` is a layer stack's, split over the pipeline axis by its layers."""
+        return layout.tp and layout.taxis == self.config.axes.pipeline
+
+    @property
+    def stack_leaves(self) -> tuple[int, ...]:
+        """The indices (in ``layouts``) of the layer stack's parameters on a pipeline mesh."""
+        return tuple(i for i, l in enumerate(self.layouts) if self.is_stack(l))
 
     def axis_degree(self, name: str) -> int:
         """Devices of the mesh axis ``name`` (1 for an axis the mesh lacks, or none)."""
@@ -280,14 +295,22 @@ def make_plan(
     t = tensor_size(mesh, config.axes.tensor)
     c = context_size(mesh, config.axes.context)
     e = expert_size(mesh, config.axes.expert)
-    if mesh.devices.size != batch_devices(mesh, config.axes.data, config.axes.replica) * t * c * e:
+    pp = pipeline_size(mesh, config.axes.pipeline)
+    if mesh.devices.size != batch_devices(mesh, config.axes.data, config.axes.replica) * t * c * e * pp:
         raise ValueError(
             f"mesh {dict(mesh.shape)} has axes other than {config.axes.data!r} (the data axis), "
             f"{config.axes.tensor!r} (tensor parallelism), {config.axes.context!r} (context parallelism), "
-            f"{config.axes.expert!r} (expert parallelism) and {config.axes.replica!r} (replica groups) with size > 1; "
-            f"zerojax shards over one data axis, optionally replicated, beside tensor, context and expert axes. Build "
-            f"the mesh with zj.make_mesh(), zj.make_mesh(replicas=R), zj.make_mesh(tensor=T), "
-            f"zj.make_mesh(context=C) or zj.make_mesh(expert=E)."
+            f"{config.axes.expert!r} (expert parallelism), {config.axes.pipeline!r} (pipeline parallelism) and "
+            f"{config.axes.replica!r} (replica groups) with size > 1; "
+            f"zerojax shards over one data axis, optionally replicated, beside tensor, context, expert and pipeline "
+            f"axes. Build the mesh with zj.make_mesh(), zj.make_mesh(replicas=R), zj.make_mesh(tensor=T), "
+            f"zj.make_mesh(context=C), zj.make_mesh(expert=E) or zj.make_mesh(pipeline=P)."
+        )
+    if pp == 1 and config.pipeline.microbatches != 1:
+        raise ValueError(
+            f"ZeroConfig.pipeline.microbatches={config.pipeline.microbatches} needs a pipeline axis; mesh "
+            f"{dict(mesh.shape)} has none. Build the mesh with zj.make_mesh(pipeline=P), or take the batch in "
+            f"parts without a pipeline with ZeroConfig(grad_accum_steps={config.pipeline.microbatches})."
         )
     if e > 1 and config.axes.model_axes is not None:
         raise ValueError(
@@ -333,10 +356,15 @@ def make_plan(
             "the parameter tree as the model gives it."
         )
     splits = annotations.split_dims(names, [tuple(x.shape) for _, x in leaves_with_path], paths, mesh, config)
-    degree = {config.axes.tensor: t, config.axes.expert: e}
+    if pp > 1:
+        from zerojax.sharding.stack_leaves import stack_splits
+
+        splits = stack_splits(paths, [tuple(x.shape) for _, x in leaves_with_path], splits, pp, config)
+    degree = {config.axes.tensor: t, config.axes.expert: e, config.axes.pipeline: pp}
     for (_, leaf), (tdim, taxis) in zip(leaves_with_path, splits):
         # A routed expert's weight is sharded over data x context (the expert axis splits its
         # experts); every other over data x context x expert, all the devices that hold it.
+        # (A layer stack's leaf is ZeRO-sharded like any other within its pipeline stage.)
         shards = n * c if (tdim >= 0 and taxis == config.axes.expert) else n * c * e
         layouts.append(
             layout_for(

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from zerojax import pipeline
 from zerojax.config.step_options import StepOptions
 from zerojax.context import batch as context_batch
 from zerojax.context import checks
@@ -152,6 +153,7 @@ class Loss:
             # trace other than the one that built them, and the state comes from outside grad.
             kwargs["model_state"] = jax.tree.map(lambda x: x, model_state)
         fn = gathers.wrap(self.plan, self.fn)  # a data x context x tensor mesh: batched gathers rewritten
+        fn = pipeline.wrap(self.plan, fn)  # a pipeline mesh: the layer scan run through the stages
         with in_step.tracing(self.plan, self.plan.config.grad_accum_steps):
             out = fn(self.plan.unflatten(leaves), cast_batch(batch, self.plan.config.compute_dtype), **kwargs)
         return _parse(out, self.has_aux, self.with_model_state)

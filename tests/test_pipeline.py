@@ -1,0 +1,316 @@
+"""Pipeline parallelism beside ZeRO: the loss's layer scan split over ``make_mesh(pipeline=P)``.
+
+Every training test compares with plain single-device optax on the whole batch
+(``models.reference_run``); the communication claims are read from the compiled step's
+collectives, the memory ones from the arrays' own shards.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zerojax as zj
+from tests import models
+from zerojax.models import gpt
+from zerojax.report.comm import communication_report
+
+L, D, V, ROWS, T = 8, 6, 16, 16, 5
+
+
+def toy_params(seed: int = 0) -> dict:
+    k = jax.random.split(jax.random.key(seed), 3)
+    return {
+        "embed": jax.random.normal(k[0], (V, D)) * 0.5,
+        "blocks": {"w": jax.random.normal(k[1], (L, D, D)) * 0.4, "b": jnp.full((L, D), 0.1)},
+        "head": jax.random.normal(k[2], (D, V)) * 0.5,
+    }
+
+
+def toy_loss(p, batch):
+    """An embedding, a residual layer stack run by ``lax.scan``, a head and cross-entropy, with
+    a per-row mask the layers read (a batch-derived value closed over by the scan body)."""
+    x = p["embed"][batch["x"]]
+    keep = (batch["x"] > 0).astype(x.dtype)[..., None]
+
+    def layer(h, w):
+        return h + keep * jnp.tanh(h @ w["w"] + w["b"]), None
+
+    x, _ = jax.lax.scan(layer, x, p["blocks"])
+    return optax.softmax_cross_entropy_with_integer_labels(x @ p["head"], batch["y"]).mean()
+
+
+def toy_batches(n: int = 3, rows: int = ROWS, seed: int = 0) -> list:
+    rng = np.random.default_rng(seed)
+    return [
+        {"x": jnp.asarray(rng.integers(0, V, (rows, T))), "y": jnp.asarray(rng.integers(0, V, (rows, T)))}
+        for _ in range(n)
+    ]
+
+
+def pipeline_run(loss_fn, params, tx, batches, *, pipeline, data, micro, stage=3, with_rng=False, **config):
+    mesh = zj.make_mesh(jax.devices()[: pipeline * data], pipeline=pipeline)
+    stack = config.pop("pipeline_stack", None)
+    cfg = zj.ZeroConfig(stage=stage, pipeline={"microbatches": micro, "stack": stack}, **config)
+    state = zj.init_state(params, tx, mesh=mesh, config=cfg, rng=jax.random.key(7) if with_rng else None)
+    step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=cfg, with_rng=with_rng)
+    metrics = []
+    for b in batches:
+        state, m = step(state, b)
+        metrics.append({k: float(v) for k, v in m.items()})
+    assert step.compile_count() == 1
+    return state, metrics
+
+
+def _max_err(a, b) -> float:
+    return float(models.abs_errors(jax.tree.map(np.asarray, a), jax.tree.map(np.asarray, b)).max())
+
+
+# --- the mesh and the config -----------------------------------------------------------
+
+
+def test_the_pipeline_axis_is_outermost_and_each_stage_is_contiguous_devices():
+    mesh = zj.make_mesh(pipeline=2, replicas=2)
+    assert mesh.axis_names == ("pipeline", "replica", "data")
+    devices = jax.devices()
+    for p in range(2):
+        assert sorted(d.id for d in mesh.devices[p].flat) == [d.id for d in devices[4 * p : 4 * p + 4]]
+    assert dict(zj.make_mesh(pipeline=2, tensor=2).shape) == {"pipeline": 2, "data": 2, "tensor": 2}
+    with pytest.raises(ValueError, match=r"make_mesh\(pipeline=3\): 8 devices do not split .* Use pipeline in"):
+        zj.make_mesh(pipeline=3)
+    with pytest.raises(ValueError, match=r"pipeline_axis='data'\) must be a non-empty name other than"):
+        zj.make_mesh(pipeline=2, pipeline_axis="data")
+
+
+def test_the_pipeline_group_is_validated_and_needs_a_pipeline_axis():
+    assert zj.ZeroConfig(pipeline={"microbatches": 4}).pipeline == zj.config.Pipeline(microbatches=4)
+    with pytest.raises(ValueError, match="microbatches must be >= 1"):
+        zj.config.Pipeline(microbatches=0)
+    with pytest.raises(ValueError, match="circular schedule is not built yet"):
+        zj.config.Pipeline(schedule="circular")
+    with pytest.raises(ValueError, match="repeats must be 1"):
+        zj.config.Pipeline(repeats=2)
+    with pytest.raises(TypeError, match="stack must be None or a parameter path prefix"):
+        zj.config.Pipeline(stack=3)
+    cfg = zj.ZeroConfig(pipeline={"microbatches": 2})
+    with pytest.raises(ValueError, match=r"needs a pipeline axis.*grad_accum_steps=2"):
+        zj.init_state(toy_params(), optax.sgd(0.1), mesh=zj.make_mesh(), config=cfg)
+
+
+def test_the_stack_is_split_by_layers_and_zero_sharded_within_a_stage():
+    """Per device, from the arrays' shards: a stack leaf holds 1/(P·D) of itself at stage 3
+    (its stage's L/P layers, ZeRO-sharded over the D data devices), every other leaf 1/D;
+    at stage 0 the stack leaf is its stage's L/P layers whole."""
+    params, tx = toy_params(), optax.adam(1e-2)
+    for stage, P, Dn in ((3, 2, 4), (3, 4, 2), (0, 4, 2)):
+        mesh = zj.make_mesh(pipeline=P)
+        state = zj.init_state(params, tx, mesh=mesh, config=zj.ZeroConfig(stage=stage))
+        held = state.params if stage == 0 else state.master
+        for name, leaf, whole in (
+            ("w", held["blocks"]["w"], params["blocks"]["w"]),
+            ("embed", held["embed"], params["embed"]),
+        ):
+            per = (P * (Dn if stage else 1)) if name == "w" else (Dn if stage else 1)
+            for shard in leaf.addressable_shards:
+                assert shard.data.size == whole.size // per, (stage, P, name, shard.data.shape)
+        if stage:  # Adam's moments follow their parameter
+            mu = state.opt_state[0].mu["blocks"]["w"]
+            assert {s.data.size for s in mu.addressable_shards} == {params["blocks"]["w"].size // (P * Dn)}
+
+
+def test_an_ambiguous_or_indivisible_stack_is_refused_with_the_fix():
+    tx, mesh = optax.sgd(0.1), zj.make_mesh(pipeline=2)
+    tied = {"a": jnp.zeros((4, 3)), "b": jnp.zeros((6, 3))}
+    with pytest.raises(ValueError, match=r"layer stack is ambiguous.*pipeline=\{'stack'"):
+        zj.init_state(tied, tx, mesh=mesh, config=zj.ZeroConfig())
+    with pytest.raises(ValueError, match=r"3 layers do not split into 2 pipeline stages"):
+        zj.init_state({"w": jnp.zeros((3, 4, 4)), "e": jnp.zeros((5,))}, tx, mesh=mesh, config=zj.ZeroConfig())
+    with pytest.raises(ValueError, match=r"stack=\"\['nope'\]\" matches no parameter"):
+        zj.init_state(toy_params(), tx, mesh=mesh, config=zj.ZeroConfig(pipeline={"stack": "['nope']"}))
+
+
+# --- exact against single-device optax -------------------------------------------------
+
+# (stage, P, data devices, micro-batches as a multiple of P, optimizer): every stage, both
+# pipeline degrees, both data degrees and both M = P and 2P, pairwise.
+CASES = models.pairwise(stage=[0, 1, 2, 3], P=[2, 4], data=[2, 4], m=[1, 2], tx=["momentum", "adamw"])
+CASES = [c for c in CASES if c[1] * c[2] <= 8]
+TXS = {"momentum": optax.sgd(0.2, momentum=0.9), "adamw": optax.adamw(1e-2, weight_decay=0.1)}
+
+
+@pytest.mark.parametrize(
+    "stage,P,data,m,tx",
+    models.marked_slow(CASES, slow=CASES[4:]),  # reason: the first four cover each value
+)
+def test_trains_as_single_device_optax(stage, P, data, m, tx):
+    params, batches = toy_params(stage), toy_batches(seed=stage)
+    ref, ref_losses = models.reference_run(toy_loss, params, TXS[tx], batches)
+    state, metrics = pipeline_run(toy_loss, params, TXS[tx], batches, pipeline=P, data=data, micro=m * P, stage=stage)
+    assert _max_err(zj.gather_params(state), ref) < 1e-5
+    np.testing.assert_allclose([x["loss"] for x in metrics], ref_losses, rtol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def small_gpt():
+    cfg = gpt.GPTConfig(vocab=32, seq_len=8, d_model=16, n_layers=4, n_heads=2, dropout=0.2)
+    graphdef, params = gpt.init(cfg)
+    rng = np.random.default_rng(3)
+    return graphdef, params, [{"tokens": jnp.asarray(rng.integers(0, 32, (8, 9)))} for _ in range(2)]
+
+
+def test_the_package_gpt_trains_as_single_device_optax_with_global_clipping(small_gpt):
+    """``zj.models.GPT`` (an ``nnx.scan`` stack) as it is: stage 3, two stages, two
+    micro-batches, global-norm clipping over all stages: each step's gradient norm is the
+    whole model's, and the weights are single-device optax's with the same clipping."""
+    graphdef, params, batches = small_gpt
+    loss_fn = gpt.make_loss(graphdef)
+    tx = optax.sgd(0.5, momentum=0.9)
+    norms = []
+    ref, _ = models.reference_run(loss_fn, params, optax.chain(optax.clip_by_global_norm(1.0), tx), batches, norms)
+    state, metrics = pipeline_run(loss_fn, params, tx, batches, pipeline=2, data=4, micro=2, grad_clip=1.0)
+    np.testing.assert_allclose([m["grad_norm"] for m in metrics], norms, rtol=1e-5)
+    assert _max_err(zj.gather_params(state), ref) < 1e-5
+
+
+def test_dropout_draws_one_key_per_micro_batch_and_layer_whatever_the_stage_count(small_gpt):
+    """The same data degree and micro-batches on 2 and on 4 stages: bit-identical training
+    with dropout (each layer's key folded with the micro-batch's index, not the stage's)."""
+    graphdef, params, batches = small_gpt
+    loss_fn, tx = gpt.make_loss(graphdef, with_rng=True), optax.sgd(0.5)
+    a, am = pipeline_run(loss_fn, params, tx, batches, pipeline=2, data=2, micro=4, with_rng=True)
+    b, bm = pipeline_run(loss_fn, params, tx, batches, pipeline=4, data=2, micro=4, with_rng=True)
+    assert _max_err(zj.gather_params(a), zj.gather_params(b)) < 1e-6  # the same masks: rounding only
+    assert [m["loss"] for m in am] == pytest.approx([m["loss"] for m in bm], rel=1e-6)
+    no_dropout = float(gpt.make_loss(graphdef)(params, batches[0]))
+    assert abs(am[0]["loss"] - no_dropout) > 1e-3  # dropout did run
+
+
+def test_float16_scaling_and_skipped_steps_agree_with_the_step_without_a_pipeline():
+    params, batches = toy_params(), toy_batches()
+    tx = optax.sgd(0.2)
+    cfg = dict(stage=3, compute_dtype="float16", loss_scaling={"initial_scale_power": 20})
+    piped, pm = pipeline_run(toy_loss, params, tx, batches, pipeline=2, data=4, micro=2, **cfg)
+    mesh = zj.make_mesh()
+    state = zj.init_state(params, tx, mesh=mesh, config=zj.ZeroConfig(**cfg))
+    step = zj.make_train_step(toy_loss, tx, mesh=mesh, config=zj.ZeroConfig(**cfg))
+    for b in batches:
+        state, m = step(state, b)
+    assert pm[-1]["skipped_steps"] == float(m["skipped_steps"]) > 0  # 2^20 overflows float16 at first
+    assert pm[-1]["loss_scale"] == float(m["loss_scale"])
+    assert _max_err(zj.gather_params(piped), zj.gather_params(state)) < 1e-3  # float16 compute's distance
+
+
+# --- communication: ZeRO's collectives once per step -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def data_bytes():
+    """Collective bytes per device by mesh axis of the stage-3 step on 2 stages x 4 data
+    devices at M = 4 and 8, and without a pipeline on 4 data devices."""
+    params, tx = toy_params(), optax.sgd(0.1)
+    batch = toy_batches(1, rows=32)[0]
+    out = {}
+    for P, M in ((2, 4), (2, 8), (1, 1)):
+        mesh = zj.make_mesh(jax.devices()[: 4 * P], pipeline=P)
+        cfg = zj.ZeroConfig(stage=3, pipeline={"microbatches": M})
+        state = zj.init_state(params, tx, mesh=mesh, config=cfg)
+        step = zj.make_train_step(toy_loss, tx, mesh=mesh, config=cfg)
+        out[(P, M)] = communication_report(step.lower(state, batch).compile(), mesh=mesh)["by_axis"]
+    return out
+
+
+def test_data_axis_traffic_does_not_grow_with_micro_batches(data_bytes):
+    """Stage 3 gathers a stage's parameters once per step and reduce-scatters their
+    gradients once: the data axis carries the same bytes at M = 8 as at M = 4, no more than
+    without a pipeline (a device gathers only its stage's layers), and only the pipeline
+    axis's transfers depend on M."""
+    four, eight, plain = data_bytes[(2, 4)], data_bytes[(2, 8)], data_bytes[(1, 1)]
+    assert eight["data"] == four["data"]
+    assert four["data"]["bytes"] <= plain["data"]["bytes"]
+    assert eight["pipeline"]["count"] > four["pipeline"]["count"] > 0
+    assert "pipeline" not in plain
+
+
+# --- refused with the fix, before anything compiles ---------------------------------------
+
+
+def _step_error(loss_fn, params=None, batch=None, micro=2, P=2):
+    params = toy_params() if params is None else params
+    mesh = zj.make_mesh(pipeline=P)
+    cfg = zj.ZeroConfig(stage=3, pipeline={"microbatches": micro})
+    state = zj.init_state(params, optax.sgd(0.1), mesh=mesh, config=cfg)
+    step = zj.make_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, config=cfg)
+    with pytest.raises(ValueError) as e:
+        step(state, toy_batches(1)[0] if batch is None else batch)
+    return str(e.value)
+
+
+def _indexed(p, batch):
+    x = p["embed"][batch["x"]]
+    for i in range(L):
+        x = x + jnp.tanh(x @ p["blocks"]["w"][i] + p["blocks"]["b"][i])
+    return jnp.mean(x @ p["head"])
+
+
+def _two_scans(p, batch):
+    x = p["embed"][batch["x"]]
+    half = jax.tree.map(lambda a: a[: L // 2], p["blocks"])
+    x, _ = jax.lax.scan(lambda h, w: (h + jnp.tanh(h @ w["w"]), None), x, p["blocks"])
+    return jnp.mean(x @ p["head"]) + jnp.sum(half["b"])
+
+
+def _with_ys(p, batch):
+    x = p["embed"][batch["x"]]
+    x, ys = jax.lax.scan(lambda h, w: (h + jnp.tanh(h @ w["w"] + w["b"]), jnp.mean(h)), x, p["blocks"])
+    return jnp.mean(x @ p["head"]) + jnp.sum(ys)
+
+
+def _summed(p, batch):
+    x = p["embed"][batch["x"]]
+    (x, total), _ = jax.lax.scan(
+        lambda c, w: ((c[0] + jnp.tanh(c[0] @ w["w"] + w["b"]), c[1] + jnp.mean(c[0])), None), (x, 0.0), p["blocks"]
+    )
+    return jnp.mean(x @ p["head"]) + total
+
+
+@pytest.mark.parametrize(
+    "loss_fn,match",
+    [
+        (_indexed, r"outside the layer scan at .*test_pipeline.py"),
+        (_two_scans, r"outside the layer scan"),
+        (_with_ys, r"returns 1 per-layer output\(s\)"),
+        (_summed, r"carries a value \(carry 1\) that does not start from the batch"),
+    ],
+)
+def test_a_loss_the_pipeline_cannot_split_is_refused_naming_the_line(loss_fn, match):
+    text = _step_error(loss_fn)
+    assert re.search(match, text), text
+
+
+def test_a_parameter_chosen_by_shape_that_the_scan_does_not_run_is_refused_until_the_stack_is_named():
+    """A head whose leading dimension happens to be the layer count is chosen with the stack
+    by shape; the step finds it used outside the layer scan and names the fix, which trains."""
+    params = {**toy_params(), "head": jnp.ones((L, V)) * 0.1}  # d_model == L
+
+    def loss_fn(p, batch):
+        x = jnp.ones((batch["x"].shape[0], L)) * p["embed"][batch["x"]].mean((1, 2))[:, None]
+        x, _ = jax.lax.scan(lambda h, w: (h + jnp.tanh(h[:, :D] @ w["w"]).sum(-1, keepdims=True), None), x, p["blocks"])
+        return jnp.mean(x @ p["head"])
+
+    text = _step_error(loss_fn, params)
+    assert "params['head'] is split over the pipeline axis" in text and "'stack'" in text
+    batches = toy_batches(2)
+    ref, _ = models.reference_run(loss_fn, params, optax.sgd(0.1), batches)
+    state, _ = pipeline_run(
+        loss_fn, params, optax.sgd(0.1), batches, pipeline=2, data=4, micro=2, pipeline_stack="['blocks']"
+    )
+    assert _max_err(zj.gather_params(state), ref) < 1e-5
+
+
+def test_rows_that_do_not_split_into_micro_batches_are_refused():
+    # 16 rows over 4 data devices: 4 per device, not 3 micro-batches
+    text = _step_error(toy_loss, micro=3)
+    assert "4 rows of the batch do not split into ZeroConfig.pipeline.microbatches=3" in text
