@@ -155,7 +155,7 @@ def test_trains_as_single_device_optax(stage, P, data, m, tx):
 
 @pytest.fixture(scope="module")
 def small_gpt():
-    cfg = gpt.GPTConfig(vocab=32, seq_len=8, d_model=16, n_layers=4, n_heads=2, dropout=0.2)
+    cfg = gpt.GPTConfig(vocab=32, seq_len=8, d_model=16, n_layers=4, n_heads=2)
     graphdef, params = gpt.init(cfg)
     rng = np.random.default_rng(3)
     return graphdef, params, [{"tokens": jnp.asarray(rng.integers(0, 32, (8, 9)))} for _ in range(2)]
@@ -175,17 +175,28 @@ def test_the_package_gpt_trains_as_single_device_optax_with_global_clipping(smal
     assert _max_err(zj.gather_params(state), ref) < 1e-5
 
 
-def test_dropout_draws_one_key_per_micro_batch_and_layer_whatever_the_stage_count(small_gpt):
-    """The same data degree and micro-batches on 2 and on 4 stages: bit-identical training
-    with dropout (each layer's key folded with the micro-batch's index, not the stage's)."""
-    graphdef, params, batches = small_gpt
-    loss_fn, tx = gpt.make_loss(graphdef, with_rng=True), optax.sgd(0.5)
-    a, am = pipeline_run(loss_fn, params, tx, batches, pipeline=2, data=2, micro=4, with_rng=True)
-    b, bm = pipeline_run(loss_fn, params, tx, batches, pipeline=4, data=2, micro=4, with_rng=True)
+def toy_dropout_loss(p, batch, rng):
+    """``toy_loss`` with dropout in every layer, from per-layer keys scanned with the stack."""
+    x = p["embed"][batch["x"]]
+
+    def layer(h, wk):
+        w, key = wk
+        kept = jax.random.bernoulli(key, 0.7, h.shape)
+        return h + jnp.where(kept, jnp.tanh(h @ w["w"] + w["b"]) / 0.7, 0.0), None
+
+    x, _ = jax.lax.scan(layer, x, (p["blocks"], jax.random.split(rng, L)))
+    return optax.softmax_cross_entropy_with_integer_labels(x @ p["head"], batch["y"]).mean()
+
+
+def test_dropout_draws_one_key_per_micro_batch_and_layer_whatever_the_stage_count():
+    """The same data degree and micro-batches on 2 and on 4 stages: the same training with
+    dropout (each layer's key folded with the micro-batch's index, not the stage's)."""
+    params, batches, tx = toy_params(), toy_batches(2), optax.sgd(0.5)
+    a, am = pipeline_run(toy_dropout_loss, params, tx, batches, pipeline=2, data=2, micro=4, with_rng=True)
+    b, bm = pipeline_run(toy_dropout_loss, params, tx, batches, pipeline=4, data=2, micro=4, with_rng=True)
     assert _max_err(zj.gather_params(a), zj.gather_params(b)) < 1e-6  # the same masks: rounding only
     assert [m["loss"] for m in am] == pytest.approx([m["loss"] for m in bm], rel=1e-6)
-    no_dropout = float(gpt.make_loss(graphdef)(params, batches[0]))
-    assert abs(am[0]["loss"] - no_dropout) > 1e-3  # dropout did run
+    assert abs(am[0]["loss"] - float(toy_loss(params, batches[0]))) > 1e-3  # dropout did run
 
 
 def test_float16_scaling_and_skipped_steps_agree_with_the_step_without_a_pipeline():
@@ -314,3 +325,22 @@ def test_rows_that_do_not_split_into_micro_batches_are_refused():
     # 16 rows over 4 data devices: 4 per device, not 3 micro-batches
     text = _step_error(toy_loss, micro=3)
     assert "4 rows of the batch do not split into ZeroConfig.pipeline.microbatches=3" in text
+
+
+def test_deepspeeds_pipeline_maps_with_the_stage_count_and_names_the_rest():
+    from zerojax.deepspeed import translate
+
+    ds = {
+        "zero_optimization": {"stage": 3},
+        "gradient_accumulation_steps": 8,
+        "pipeline": {"stages": 4, "partition": "type:transformer", "pipe_partitioned": True},
+    }
+    t = translate(ds)
+    assert t.config.pipeline.microbatches == 8 and t.config.grad_accum_steps == 1
+    assert t.mesh_code() == "zj.make_mesh(pipeline=4)" and dict(t.make_mesh().shape) == {"pipeline": 4, "data": 2}
+    assert set(t.unmapped) == {"pipeline.partition", "pipeline.pipe_partitioned"}
+    assert any("refuses ZeRO stage 3" in n for n in t.notes)
+    assert translate({"pipeline": {}}, pipeline_stages=2).pipeline == 2
+    with pytest.raises(ValueError, match="pipeline.stages=4 in the DeepSpeed config and pipeline_stages=2 disagree"):
+        translate(ds, pipeline_stages=2)
+    assert "pipeline_stages=P" in translate({"pipeline": {"stages": "auto"}}).unmapped["pipeline"]

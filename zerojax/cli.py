@@ -129,6 +129,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "TrainingArguments field (learning_rate=3e-4); VALUE is read as JSON when it parses, "
         "else as a string; repeatable",
     )
+    fd.add_argument(
+        "--pipeline-stages",
+        type=int,
+        default=None,
+        metavar="P",
+        help="the PipelineModule's num_stages: gradient_accumulation_steps become the pipeline's micro-batches",
+    )
     args = ap.parse_args(argv)
     if args.command == "from-deepspeed":
         import json
@@ -145,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             except json.JSONDecodeError:
                 auto[key] = text
         try:
-            t = translate(args.config, auto=auto)
+            t = translate(args.config, auto=auto, pipeline_stages=args.pipeline_stages)
         except (OSError, ValueError, TypeError) as e:
             print(f"zerojax from-deepspeed: {e}", file=sys.stderr)
             return 2

@@ -80,6 +80,8 @@ class Translation:
         or None: a property of the mesh, as :attr:`shard_size` is (see :meth:`mesh_code`).
       expert: devices of the expert axis (AutoEP's ``expert_parallel.autoep_size``), or None.
       tensor: devices of the tensor axis (AutoTP's ``tensor_parallel.autotp_size``), or None.
+      pipeline: pipeline stages (the ``PipelineModule``'s ``num_stages``, or the ``pipeline``
+        section's ``stages``), or None.
     """
 
     config: ZeroConfig
@@ -93,9 +95,12 @@ class Translation:
     context: int | None = None
     expert: int | None = None
     tensor: int | None = None
+    pipeline: int | None = None
 
     def _mesh_kwargs(self) -> dict[str, int]:
         kw = {}
+        if self.pipeline is not None:
+            kw["pipeline"] = self.pipeline
         if self.shard_size is not None:
             kw["group_size"] = self.shard_size
         if self.context is not None:
@@ -112,7 +117,8 @@ class Translation:
         divide the devices, as DeepSpeed does and as :meth:`make_mesh` does; with
         ``sequence_parallel_size`` ``context=C`` (the context axis); with AutoEP's
         ``expert_parallel.autoep_size`` ``expert=E`` (the expert axis); with AutoTP's
-        ``tensor_parallel.autotp_size`` ``tensor=T`` (the tensor axis)."""
+        ``tensor_parallel.autotp_size`` ``tensor=T`` (the tensor axis); with pipeline stages
+        ``pipeline=P`` (the pipeline axis, outermost)."""
         return "zj.make_mesh(" + ", ".join(f"{k}={v}" for k, v in self._mesh_kwargs().items()) + ")"
 
     def make_mesh(self, devices: Any = None) -> Any:
@@ -187,7 +193,7 @@ def _offload_device(section: Any, key: str, notes: list[str]) -> bool:
     return device in ("cpu", "nvme")
 
 
-def translate(source: Any, *, auto: Mapping[str, Any] | None = None) -> Translation:
+def translate(source: Any, *, auto: Mapping[str, Any] | None = None, pipeline_stages: int | None = None) -> Translation:
     """Reads a DeepSpeed config (path or dict) into a :class:`Translation`; raises
     ``ValueError`` for a config DeepSpeed would refuse or that contradicts itself.
 
@@ -198,6 +204,10 @@ def translate(source: Any, *, auto: Mapping[str, Any] | None = None) -> Translat
     ``warmup_ratio``, ``max_steps``, ``per_device_train_batch_size``,
     ``gradient_accumulation_steps``, ``max_grad_norm``, ``fp16``, ``bf16``, ``world_size``,
     ``hidden_size``), else from the field's default (:data:`HF_DEFAULTS`).
+    ``pipeline_stages``: the ``PipelineModule``'s ``num_stages`` (DeepSpeed reads it from the
+    model, not the JSON): with more than one, ``gradient_accumulation_steps`` are the
+    pipeline's micro-batches (its engine runs that many through the stages per step),
+    mapped to ``ZeroConfig.pipeline.microbatches`` (see :func:`_pipeline`).
     :attr:`Translation.resolved` lists each value with its source. The keys zerojax reads
     that have no default (``scheduler.params.total_num_steps``, which the Trainer computes
     from the dataset) are named together in one ``ValueError``; so are ``auto`` entries that
@@ -439,8 +449,12 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
     # AutoTP: {"tensor_parallel": {"autotp_size": T}} splits the linear layers over T devices (the tensor axis).
     tensor = _tensor_parallel(ds.get("tensor_parallel"), notes, unmapped)
 
+    # Pipeline: the stage count comes from the model (PipelineModule(num_stages=P)).
+    pipeline = _pipeline(ds.get("pipeline"), pipeline_stages, kw, notes, unmapped)
+
     # Everything else at the top level.
     handled = {
+        "pipeline",
         "zero_optimization",
         "fp16",
         "bf16",
@@ -490,7 +504,73 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
         context,
         expert,
         tensor,
+        pipeline,
     )
+
+
+_PIPELINE_REASONS = {
+    "seed_layers": "no equivalent: a scanned stack's layers are initialised by the model, not per stage",
+    "pipe_partitioned": "no equivalent: the activation between two stages moves whole (DeepSpeed splits it over "
+    "the tensor group)",
+    "grad_partitioned": "no equivalent: the activation gradient between two stages moves whole",
+    "activation_checkpoint_interval": "set ZeroConfig(remat=...): a remat policy applies to every layer of each stage",
+}
+
+
+def _pipeline(section: Any, stages: int | None, kw: dict, notes: list[str], unmapped: dict[str, str]) -> int | None:
+    """DeepSpeed's pipeline: the stage count (``pipeline_stages``, or the section's
+    ``stages``: they must agree), ``gradient_accumulation_steps`` as the micro-batches, the
+    ``partition`` method (zerojax splits the scanned stack by layers: ``uniform``, and
+    ``parameters``/``best`` on a stack whose layers are alike); other keys named."""
+    if section is not None and not isinstance(section, Mapping):
+        raise ValueError(f"DeepSpeed key 'pipeline' must be an object, got {section!r}.")
+    present = section is not None
+    section = dict(section or {})
+    given = section.pop("stages", "auto")
+    if given != "auto":
+        given = _number(given, "pipeline.stages", integer=True, minimum=1)
+        if stages is not None and stages != given:
+            raise ValueError(
+                f"pipeline.stages={given} in the DeepSpeed config and pipeline_stages={stages} disagree; give one."
+            )
+        stages = given
+    if stages is not None:
+        stages = _number(stages, "pipeline_stages", integer=True, minimum=1)
+    if stages is None or stages == 1:
+        if present:
+            unmapped["pipeline"] = (
+                "no stage count: give the PipelineModule's num_stages, zj.from_deepspeed(config, pipeline_stages=P)"
+                if stages is None
+                else "one pipeline stage: nothing to split"
+            )
+        return None
+    micro = kw.pop("grad_accum_steps", 1)
+    kw["pipeline"] = {"microbatches": micro}
+    notes.append(
+        f"{stages} pipeline stages: build the mesh with zj.make_mesh(pipeline={stages}); "
+        f"gradient_accumulation_steps={micro} are the pipeline's micro-batches "
+        f"(ZeroConfig(pipeline={{'microbatches': {micro}}}), grad_accum_steps=1), as DeepSpeed's pipeline engine "
+        "runs them through the stages each step."
+        + (
+            f" DeepSpeed's pipeline engine refuses ZeRO stage {kw.get('stage')}; zerojax shards each stage's "
+            "layers over its data devices (docs/pipeline.md)."
+            if kw.get("stage", 0) >= 2
+            else ""
+        )
+    )
+    partition = section.pop("partition", "best")
+    if partition not in ("uniform", "parameters", "best"):
+        unmapped["pipeline.partition"] = (
+            f"{partition!r}: zerojax splits the scanned layer stack into equal numbers of layers per stage"
+        )
+    elif partition != "uniform":
+        notes.append(
+            f"pipeline.partition={partition!r}: zerojax gives each stage the same number of layers of the scanned "
+            "stack, which balances parameters too (a scanned stack's layers are alike)."
+        )
+    for key in section:
+        unmapped[f"pipeline.{key}"] = _PIPELINE_REASONS.get(key, "unknown to this mapping")
+    return stages
 
 
 _PREFETCH_KEYS = ("stage3_prefetch_bucket_size", "prefetch_bucket_size")
@@ -661,7 +741,9 @@ def _shard_size(zero: Mapping, notes: list[str], stage: int, unmapped: dict[str,
     return size
 
 
-def from_deepspeed(source: Any, *, auto: Mapping[str, Any] | None = None) -> ZeroConfig:
+def from_deepspeed(
+    source: Any, *, auto: Mapping[str, Any] | None = None, pipeline_stages: int | None = None
+) -> ZeroConfig:
     """The :class:`ZeroConfig` of a DeepSpeed JSON config (a path or a dict): stage, fp16
     and its scaler, bf16, gradient clipping and accumulation, communication dtype, offload
     and activation checkpointing. Every key it does not map is named, with the reason, in
@@ -676,7 +758,7 @@ def from_deepspeed(source: Any, *, auto: Mapping[str, Any] | None = None) -> Zer
       ...     "gradient_clipping": 1.0}).loss_scaling.initial_scale_power
       12
     """
-    t = translate(source, auto=auto)
+    t = translate(source, auto=auto, pipeline_stages=pipeline_stages)
     message = t.message()
     if message:
         warnings.warn(message, stacklevel=2)

@@ -122,11 +122,9 @@ for _k in ("override_module_apply", "pipeline_loading_checkpoint"):
     REASONS[f"zero_optimization.{_k}"] = "no equivalent"
 for _k in ("log_trace_cache_warnings", "enable_sanity_checks"):
     REASONS[f"zero_optimization.{_k}"] = _LOGGING
-REASONS["pipeline"] = (
-    "pipeline parallelism is not built in zerojax yet (it is planned): each device runs every layer. zerojax "
-    "splits a model over tensor, context and expert axes beside ZeRO's data axis (zj.make_mesh(tensor=T, "
-    "context=C, expert=E))"
-)
+# DeepSpeed's own "auto" (not the HF Trainer's): the stage count of the PipelineModule, which
+# from_deepspeed(..., pipeline_stages=P) takes from the model's side.
+REASONS["pipeline.stages"] = "DeepSpeed takes 'auto' stages from the PipelineModule: give pipeline_stages=P"
 REASONS["tensor_parallel.tp_overlap_comm"] = _XLA
 REASONS["tensor_parallel.partition_config"] = (
     "zerojax reads the split from the model's own annotations (nnx.with_partitioning, tensor_specs=...)"
