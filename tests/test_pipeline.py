@@ -53,8 +53,9 @@ def toy_batches(n: int = 3, rows: int = ROWS, seed: int = 0) -> list:
 
 def pipeline_run(loss_fn, params, tx, batches, *, pipeline, data, micro, stage=3, with_rng=False, **config):
     mesh = zj.make_mesh(jax.devices()[: pipeline * data], pipeline=pipeline)
-    stack = config.pop("pipeline_stack", None)
-    cfg = zj.ZeroConfig(stage=stage, pipeline={"microbatches": micro, "stack": stack}, **config)
+    group = {"microbatches": micro, "stack": config.pop("pipeline_stack", None)}
+    group["carry_reduce"] = config.pop("pipeline_carry", None)
+    cfg = zj.ZeroConfig(stage=stage, pipeline=group, **config)
     state = zj.init_state(params, tx, mesh=mesh, config=cfg, rng=jax.random.key(7) if with_rng else None)
     step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=cfg, with_rng=with_rng)
     metrics = []
@@ -293,7 +294,7 @@ def _summed(p, batch):
         (_indexed, r"outside the layer scan at .*test_pipeline.py"),
         (_two_scans, r"outside the layer scan"),
         (_with_ys, r"returns 1 per-layer output\(s\)"),
-        (_summed, r"carries a value \(carry 1\) that does not start from the batch"),
+        (_summed, r"carries a value \(carry 1, \(\)\) that does not start from the batch.*'carry_reduce': 'mean'"),
     ],
 )
 def test_a_loss_the_pipeline_cannot_split_is_refused_naming_the_line(loss_fn, match):
@@ -319,6 +320,39 @@ def test_a_parameter_chosen_by_shape_that_the_scan_does_not_run_is_refused_until
         loss_fn, params, optax.sgd(0.1), batches, pipeline=2, data=4, micro=2, pipeline_stack="['blocks']"
     )
     assert _max_err(zj.gather_params(state), ref) < 1e-5
+
+
+def test_a_carried_total_combines_over_micro_batches_as_configured():
+    """``_summed`` carries the sum over layers of each layer's mean activation: with
+    ``carry_reduce="mean"`` the micro-batches' mean of it is the whole batch's (equal
+    micro-batches), so training equals single-device optax."""
+    batches = toy_batches(2)
+    ref, _ = models.reference_run(_summed, toy_params(), optax.sgd(0.1), batches)
+    state, _ = pipeline_run(
+        _summed, toy_params(), optax.sgd(0.1), batches, pipeline=2, data=4, micro=2, pipeline_carry="mean"
+    )
+    assert _max_err(zj.gather_params(state), ref) < 1e-5
+
+
+@pytest.mark.slow  # reason: a Llama MoE step compiles for ~10 s; test_a_carried_total_... covers carry_reduce
+def test_a_mixture_of_experts_stack_trains_as_single_device_optax():
+    """``zj.models.Llama`` with routed experts (replicated within a stage) and a weighted
+    load-balancing loss: its layers carry per-expert statistics summed over the layers, means
+    over the tokens, which ``carry_reduce="mean"`` combines into the whole batch's."""
+    from zerojax.models import llama
+
+    cfg = llama.LlamaConfig(
+        vocab=32, d_model=16, n_layers=4, n_heads=2, n_kv_heads=1, d_ff=24, seq_len=8, n_experts=4, top_k=2,
+        moe_d_ff=8, router_aux_loss_coef=0.5,
+    )  # fmt: skip
+    graphdef, params = llama.init(cfg)
+    loss_fn, tx = llama.make_loss(graphdef), optax.sgd(0.5, momentum=0.9)
+    rng = np.random.default_rng(0)
+    batches = [{"tokens": jnp.asarray(rng.integers(0, 32, (16, 9)))} for _ in range(2)]
+    ref, ref_losses = models.reference_run(loss_fn, params, tx, batches)
+    state, metrics = pipeline_run(loss_fn, params, tx, batches, pipeline=2, data=4, micro=2, pipeline_carry="mean")
+    assert _max_err(zj.gather_params(state), ref) < 1e-5
+    np.testing.assert_allclose([m["loss"] for m in metrics], ref_losses, rtol=1e-6)
 
 
 def test_rows_that_do_not_split_into_micro_batches_are_refused():

@@ -386,6 +386,11 @@ class Pipeline:
       schedule: ``"gpipe"``: all micro-batches forward through the stages, then all backward
         (autodiff of the forward loop). (The circular schedule is not built yet.)
       repeats: stage repeats of the circular schedule; 1 for ``"gpipe"``.
+      carry_reduce: how a value the layer scan carries that is not per row but that the
+        layers make depend on the batch (a mixture of experts' load-balancing loss summed
+        over the layers) combines over the micro-batches: None (refused, naming the carry),
+        ``"mean"`` (the micro-batches' mean, as ``grad_accum_steps`` averages a loss over
+        its micro-batches) or ``"sum"`` (their sum, the carry's start counted once).
       stack: which parameters are the layer stack split over the stages: a path prefix as
         ``jax.tree_util.keystr`` writes it (``"['blocks']"``), or None: the parameters that
         the loss's layer ``scan`` iterates over, found from their shared leading dimension
@@ -394,7 +399,7 @@ class Pipeline:
     Example:
       >>> from zerojax.config import Pipeline
       >>> Pipeline(microbatches=4)
-      Pipeline(microbatches=4, schedule='gpipe', repeats=1, stack=None)
+      Pipeline(microbatches=4, schedule='gpipe', repeats=1, carry_reduce=None, stack=None)
       >>> Pipeline(microbatches=0)
       Traceback (most recent call last):
       ...
@@ -404,6 +409,7 @@ class Pipeline:
     microbatches: int = 1
     schedule: str = "gpipe"
     repeats: int = 1
+    carry_reduce: str | None = None
     stack: str | None = None
 
     def __post_init__(self) -> None:
@@ -420,6 +426,8 @@ class Pipeline:
                 f"Pipeline.repeats must be 1 with schedule={self.schedule!r} (stage repeats belong to the "
                 f"circular schedule, not built yet), got {self.repeats}."
             )
+        if self.carry_reduce not in (None, "mean", "sum"):
+            raise ValueError(f"Pipeline.carry_reduce must be None, 'mean' or 'sum', got {self.carry_reduce!r}.")
         if self.stack is not None and (not isinstance(self.stack, str) or not self.stack):
             raise TypeError(
                 f"Pipeline.stack must be None or a parameter path prefix such as \"['blocks']\", got {self.stack!r}."

@@ -218,17 +218,22 @@ class Pipelined(Retracer):
                         "Scan per-layer keys (jax.random.split(key, L)) and draw inside the layers.",
                     )
                 key_xs.append(k)
-        batch_carry = []
+        batch_carry, reduced = [], []
+        how = self.plan.config.pipeline.carry_reduce
         for k, (tag_in, tag_out) in enumerate(zip(ls.ins[nc : nc + nk], ls.outs[:nk])):
             self._no_state(tag_in | tag_out)
             if self.per_row[nc + k]:
                 batch_carry.append(k)
             elif micro > 1 and (facts.BATCH in tag_out or facts.KEY in tag_out):
-                self._refuse(
-                    f"carries a value (carry {k}) that does not start from the batch but that the layers make "
-                    "depend on the batch or the key, so its micro-batches' values would have to be combined",
-                    "Carry batch-shaped values with the rows first, or compute such a total after the stack.",
-                )
+                if how is None:
+                    self._refuse(
+                        f"carries a value (carry {k}, {jnp.shape(carry[k])}) that does not start from the batch but "
+                        "that the layers make depend on the batch or the key (a load-balancing loss summed over the "
+                        "layers), so its micro-batches' values must be combined",
+                        "Say how: ZeroConfig(pipeline={'carry_reduce': 'mean'}) (the micro-batches' mean, as "
+                        "grad_accum_steps averages a loss) or 'sum'; or carry batch-shaped values with the rows first",
+                    )
+                reduced.append(k)
         K = s.length // stages
         blocks = [x.reshape((stages, K) + x.shape[1:]) for x in xs]
         carries = [
@@ -254,7 +259,17 @@ class Pipelined(Retracer):
             return out
 
         outs = gpipe.run(stage, blocks, carries, per_micro, stages, micro, axis)
-        return [gpipe.merge(o) if k in batch_carry else o[micro - 1] for k, o in enumerate(outs)]
+        out = []
+        for k, o in enumerate(outs):
+            if k in batch_carry:
+                out.append(gpipe.merge(o))
+            elif k in reduced and how == "mean":
+                out.append(jnp.mean(o, axis=0).astype(o.dtype))
+            elif k in reduced:  # "sum": each micro-batch started from the carry's start; count it once
+                out.append((jnp.sum(o, axis=0) - (micro - 1) * carry[k]).astype(o.dtype))
+            else:
+                out.append(o[micro - 1])
+        return out
 
     def _no_state(self, tag: frozenset) -> None:
         if facts.STATE in tag:
