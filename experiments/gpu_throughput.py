@@ -34,6 +34,11 @@ materialises) and with the default ``attention="fused"``: step time, the compile
 bytes, and which attention the compiled step runs (``zerojax.models.attention_choice.ran``: cuDNN's
 by its ``__cudnn$fmha`` custom call, the others by their scope names).
 
+A pipeline table follows (``--pipeline-stages``; empty to skip): the same GPT at stage 3 on
+``P`` stages of the host's devices (``zj.make_mesh(pipeline=P)``, ``M = 2P`` micro-batches)
+against ``P = 1`` on the same devices: step time, tokens/s and the ratio. It needs ``P``
+devices; on a host with fewer it says so and measures nothing (one GPU has no pipeline).
+
 XLA's GPU overlap flags (``zerojax.xla_flags``) are set before JAX starts (set
 ``ZEROJAX_NO_OVERLAP_FLAGS=1`` to measure without them); the table header prints them.
 
@@ -253,6 +258,52 @@ def model_attention(args, device) -> list[dict]:
     return rows
 
 
+def pipeline_rows(args, stages: list[int]) -> list[dict]:
+    """Stage-3 steps of the GPT on P pipeline stages x (devices / P) data devices, M = 2P
+    micro-batches, and on all devices without a pipeline (P = 1), side by side."""
+    import optax
+
+    n = len(jax.devices())
+    usable = [p for p in stages if 1 < p <= n and n % p == 0]
+    for p in stages:
+        if p not in usable:
+            print(f"pipeline P={p}: needs {p} devices dividing the host's {n}; not measured")
+    if not usable:
+        return []
+    cfg = gpt.GPTConfig(
+        vocab=args.vocab, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads
+    )
+    graphdef, params = gpt.init(cfg)
+    loss_fn, tx = gpt.make_loss(graphdef), optax.adamw(1e-4)
+    rows = []
+    for p in [1, *usable]:
+        mesh = zj.make_mesh(pipeline=p)
+        config = zj.ZeroConfig(stage=3, compute_dtype="bfloat16", pipeline={"microbatches": 2 * p if p > 1 else 1})
+        batch_rows = args.batch * n
+        tokens = jax.numpy.zeros((batch_rows, args.seq_len + 1), jax.numpy.int32)
+        state = zj.init_state(params, tx, mesh=mesh, config=config)
+        step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=config)
+        state, m = step(state, {"tokens": tokens})
+        jax.block_until_ready(m["loss"])
+        times = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            state, m = step(state, {"tokens": tokens})
+            jax.block_until_ready(m["loss"])
+            times.append(time.perf_counter() - t0)
+        t = statistics.median(times)
+        rows.append({"P": p, "M": 2 * p if p > 1 else 1, "step_s": t, "tokens_per_s": batch_rows * args.seq_len / t})
+    print(f"\nPipeline, stage 3, bf16, {n} devices, global batch {args.batch * n} x {args.seq_len}:\n")
+    print("| P | M | step time | tokens/s | x P=1 |")
+    print("|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['P']} | {r['M']} | {1e3 * r['step_s']:.1f} ms | {r['tokens_per_s']:,.0f} | "
+            f"{rows[0]['step_s'] / r['step_s']:.2f} |"
+        )
+    return rows
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d-model", type=int, default=1024)
@@ -290,6 +341,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--attn-d-ff", type=int, default=2816, help="MLP features of the model-attention table's Llama")
     ap.add_argument("--attn-vocab", type=int, default=32000, help="vocabulary of the model-attention table's Llama")
     ap.add_argument("--attn-batch", type=int, default=1, help="batch of the model-attention table")
+    ap.add_argument("--pipeline-stages", default="2,4", help="pipeline degrees of the pipeline table (empty: skip)")
     args = ap.parse_args(argv)
     device = jax.devices()[0]
     peak = peak_flops(device, args.peak_tflops)
@@ -354,6 +406,7 @@ def main(argv=None) -> list[dict]:
         offload = {"rows": table, "failures": failures}
     long_rows = long_context([int(x) for x in args.long_seqs.split(",") if x], args.long_heads, args.long_block, peak)
     attention_rows = [] if args.no_model_attention else model_attention(args, device)
+    pipe_rows = pipeline_rows(args, [int(x) for x in args.pipeline_stages.split(",") if x])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -366,6 +419,7 @@ def main(argv=None) -> list[dict]:
                     "remat_offload": offload,
                     "long_context": long_rows,
                     "model_attention": attention_rows,
+                    "pipeline": pipe_rows,
                 },
                 f,
                 indent=1,
