@@ -20,14 +20,14 @@ def batch(n: int = 16, seed: int = 0) -> dict[str, jax.Array]:
     }
 
 
-def mlp_params(seed: int = 0) -> dict:
+def mlp_params(seed: int = 0, layers: int = LAYERS) -> dict:
     """Unrolled layers with dims that do not divide 8 (13, 20, 7), a scalar and a bias of 13."""
     rng = np.random.default_rng(seed)
     f = lambda *s: jnp.asarray(rng.normal(size=s) / np.sqrt(s[0] if s else 1), jnp.float32)
     return {
         "inp": {"w": f(IN, HID), "b": jnp.zeros((HID,))},
         "layers": [
-            {"w": f(HID, HID), "b": jnp.asarray(rng.normal(size=(HID,)) * 0.1, jnp.float32)} for _ in range(LAYERS)
+            {"w": f(HID, HID), "b": jnp.asarray(rng.normal(size=(HID,)) * 0.1, jnp.float32)} for _ in range(layers)
         ],
         "out": {"w": f(HID, OUT), "b": jnp.zeros((OUT,))},
         "skip": f(IN),
@@ -44,9 +44,9 @@ def mlp_loss(p, b):
     return jnp.mean((pred - b["y"]) ** 2)
 
 
-def stacked_params(seed: int = 0) -> dict:
+def stacked_params(seed: int = 0, layers: int = LAYERS) -> dict:
     """Layers stacked on a leading axis, run with lax.scan."""
-    p = mlp_params(seed)
+    p = mlp_params(seed, layers)
     layers = p.pop("layers")
     p["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
     return p

@@ -32,11 +32,11 @@ TX = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1, momentum=0.9))
 
 
 @functools.cache  # shared by the tests that compare with one device
-def single_device_reference(steps=3):
+def single_device_reference(steps=3, layers=models.LAYERS):
     """Plain optax on one device: the trained parameters every stage's multi-process run must
     equal (one reference for all stages, the global batch of each step)."""
     params, _ = models.reference_run(
-        models.stacked_loss, models.stacked_params(), TX, [models.batch(16, seed=i) for i in range(steps)]
+        models.stacked_loss, models.stacked_params(layers=layers), TX, [models.batch(16, seed=i) for i in range(steps)]
     )
     return [np.asarray(x) for x in jax.tree.leaves(params)]
 
@@ -47,20 +47,21 @@ RUNS = {
     "same-batch-everywhere": ("1,2,3", "same", 1),
     "process-local-rows": ("3", "rows", 1),
     "hybrid": ("1,3", "rows", 2),
+    "pipeline": ("3", "same", 1, 2),
 }
 
 
 @pytest.fixture(scope="module")
 def match_job(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("multihost")
-    runs = [f"--run={name}:{stages}:{batches}:{replicas}" for name, (stages, batches, replicas) in RUNS.items()]
+    runs = [f"--run={name}:" + ":".join(str(x) for x in spec) for name, spec in RUNS.items()]
     out, _ = launch(["--nprocs", "2", "--devices-per-proc", "4"], ["--out", str(out_dir), *runs], timeout=400)
     assert out.returncode == 0, out.stdout[-4000:]
     return out_dir, out.stdout
 
 
-def _matches_one_device(out_dir, stages):
-    ref = single_device_reference()
+def _matches_one_device(out_dir, stages, layers=models.LAYERS):
+    ref = single_device_reference(layers=layers)
     for stage in stages:
         for rank in (0, 1):  # gather_params gives the full params on every process
             got = np.load(out_dir / f"params_stage{stage}_rank{rank}.npz")
@@ -83,6 +84,19 @@ def test_two_processes_match_one(match_job, name):
     assert int(restored.step) == 3
     got = [np.asarray(x) for x in jax.tree.leaves(zj.gather_params(restored))]
     assert max(np.abs(a - b).max() for a, b in zip(got, single_device_reference())) <= 1e-5
+
+
+def test_two_processes_pipeline_stages_match_one(match_job):
+    """2 processes x 4 devices on zj.make_mesh(pipeline=2): each stage is one process's
+    devices (the activations cross processes), and stage-3 training equals single-device
+    optax on the whole batch."""
+    out_dir, stdout = match_job
+    for rank in (0, 1):
+        assert (
+            f"[rank {rank}] pipeline mesh {{'pipeline': 2, 'data': 4}}: stages hold the devices of processes [[0], [1]]"
+            in stdout
+        )
+    _matches_one_device(out_dir / "pipeline", [3], layers=4)
 
 
 def test_two_processes_hybrid_groups_match_one(match_job):

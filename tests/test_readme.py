@@ -44,6 +44,10 @@ def test_readme_python_blocks_run(capsys):
     np.testing.assert_array_equal(np.asarray(frozen["l1"]["kernel"][...]), np.asarray(params["l1"]["kernel"][...]))
     assert not np.array_equal(np.asarray(frozen["l2"]["kernel"][...]), np.asarray(params["l2"]["kernel"][...]))
     assert zj.report.state_bytes_per_device(namespace["fstate"])["frozen"] == 4 * (13 * 64 + 64) // 8
+    # The pipeline example: each device holds its stage's layers over its 4 data devices.
+    piped = namespace["pstate"].master["layers"]
+    assert {s.data.size for s in piped.addressable_shards} == {8 * 32 * 32 // (2 * 4)}
+    assert np.isfinite(float(namespace["pmetrics"]["loss"]))
     # The MoE example: each device holds 8 / 4 experts (over 1/2 of the rest at stage 3).
     moe = namespace["moe_state"]
     held = moe.params if moe.params is not None else moe.master

@@ -4,10 +4,11 @@ Run by ``python -m zerojax.launch``; writes the gathered params of each stage to
 ``$OUT/params_stage{S}_rank{R}.npz``. With ``--die-after K`` process 1 exits with status 3
 after K steps; with ``--global-batch-helper`` each process loads only its own rows.
 
-``--run NAME:STAGES:same|rows:REPLICAS`` (repeatable) runs several trainings in one job,
-each as the flags would (``rows``: the global-batch helper), writing to ``$OUT/NAME/``
-and checkpointing its last stage to ``$OUT/NAME/ck``: the tests that only read a job's
-results share one job.
+``--run NAME:STAGES:same|rows:REPLICAS[:PIPELINE]`` (repeatable) runs several trainings in
+one job, each as the flags would (``rows``: the global-batch helper), writing to
+``$OUT/NAME/`` and checkpointing its last stage to ``$OUT/NAME/ck``: the tests that only
+read a job's results share one job. ``PIPELINE=P`` trains on ``zj.make_mesh(pipeline=P)``
+(one stage per process at P = 2) with 2 micro-batches, the stacked model with 4 layers.
 """
 
 import argparse
@@ -48,13 +49,21 @@ print(
     f"{jax.device_count()} in the mesh",
     flush=True,
 )
-params = jax.tree.map(np.asarray, models.stacked_params())
+PARAMS = jax.tree.map(np.asarray, models.stacked_params())
+PIPELINE_PARAMS = jax.tree.map(np.asarray, models.stacked_params(layers=4))
 tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1, momentum=0.9))
 
 
-def train(out, stages, helper, replicas, checkpoint):
+def train(out, stages, helper, replicas, checkpoint, pipeline=1):
     os.makedirs(out, exist_ok=True)
     mesh = one_d
+    if pipeline > 1:
+        mesh = zj.make_mesh(pipeline=pipeline)
+        print(
+            f"pipeline mesh {dict(mesh.shape)}: stages hold the devices of processes "
+            f"{[sorted({d.process_index for d in stage.flat}) for stage in mesh.devices]}",
+            flush=True,
+        )
     if replicas > 1:
         mesh = zj.make_mesh(replicas=replicas)
         print(
@@ -63,11 +72,12 @@ def train(out, stages, helper, replicas, checkpoint):
             flush=True,
         )
     for stage in stages:  # the last stage's state is the checkpoint (one save per step number)
-        train_stage(out, stage, mesh, helper, checkpoint if stage == stages[-1] else None)
+        train_stage(out, stage, mesh, helper, checkpoint if stage == stages[-1] else None, pipeline)
 
 
-def train_stage(out, stage, mesh, helper, checkpoint):
-    cfg = zj.ZeroConfig(stage=stage)
+def train_stage(out, stage, mesh, helper, checkpoint, pipeline=1):
+    cfg = zj.ZeroConfig(stage=stage, pipeline={"microbatches": 2 if pipeline > 1 else 1})
+    params = PARAMS if pipeline == 1 else PIPELINE_PARAMS
     state = zj.init_state(params, tx, mesh=mesh, config=cfg)
     step = zj.make_train_step(models.stacked_loss, tx, mesh=mesh, config=cfg, timeout_s=args.step_timeout)
     for i in range(args.steps):
@@ -94,10 +104,17 @@ def train_stage(out, stage, mesh, helper, checkpoint):
 
 if args.run:
     for spec in args.run:
-        name, stages, batches, replicas = spec.split(":")
+        name, stages, batches, replicas, *pipe = spec.split(":")
         out = os.path.join(args.out, name)
         print(f"run {name}", flush=True)
-        train(out, [int(s) for s in stages.split(",")], batches == "rows", int(replicas), os.path.join(out, "ck"))
+        train(
+            out,
+            [int(s) for s in stages.split(",")],
+            batches == "rows",
+            int(replicas),
+            os.path.join(out, "ck"),
+            int(pipe[0]) if pipe else 1,
+        )
 else:
     train(args.out, [int(s) for s in args.stages.split(",")], args.global_batch_helper, args.replicas, args.checkpoint)
 print(f"process {rank} done", flush=True)
