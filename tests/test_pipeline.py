@@ -378,3 +378,47 @@ def test_deepspeeds_pipeline_maps_with_the_stage_count_and_names_the_rest():
     with pytest.raises(ValueError, match="pipeline.stages=4 in the DeepSpeed config and pipeline_stages=2 disagree"):
         translate(ds, pipeline_stages=2)
     assert "pipeline_stages=P" in translate({"pipeline": {"stages": "auto"}}).unmapped["pipeline"]
+
+
+def test_checkpoints_and_exports_move_between_pipeline_and_plain_meshes(tmp_path):
+    """A pipeline state's checkpoint is an ordinary one: it restores on a mesh without a
+    pipeline and back, exactly, and its exported weights are the plain state's."""
+    from safetensors.numpy import load_file
+
+    params, tx = toy_params(1), optax.adam(1e-2)
+    piped = zj.init_state(
+        params, tx, mesh=zj.make_mesh(pipeline=2), config=zj.ZeroConfig(stage=3, pipeline={"microbatches": 2})
+    )
+    zj.save_checkpoint(tmp_path / "piped", piped, 1, wait=True)
+    plain = zj.restore_checkpoint(tmp_path / "piped", params, tx, mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=1))
+    assert _max_err(zj.gather_params(plain), params) == 0.0
+    zj.save_checkpoint(tmp_path / "plain", plain, 1, wait=True)
+    back = zj.restore_checkpoint(
+        tmp_path / "plain", params, tx, mesh=zj.make_mesh(pipeline=4), config=zj.ZeroConfig(stage=2)
+    )
+    assert back.plan.is_stack(back.plan.layouts[back.plan.paths.index("['blocks']['w']")])
+    assert _max_err(zj.gather_params(back), params) == 0.0
+    zj.export_weights(piped, tmp_path / "piped.safetensors")
+    zj.export_weights(plain, tmp_path / "plain.safetensors")
+    a, b = load_file(tmp_path / "piped.safetensors"), load_file(tmp_path / "plain.safetensors")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_the_nnx_api_trains_through_the_stages(small_gpt):
+    """``zj.nnx.Optimizer`` on a pipeline mesh: the package GPT as an NNX module, one step,
+    the loss single-device optax's."""
+    from flax import nnx
+
+    graphdef, params, batches = small_gpt
+    want = float(gpt.make_loss(graphdef)(params, batches[0]))
+    model = nnx.merge(graphdef, jax.tree.map(jnp.copy, params))  # the optimizer trains it in place
+
+    def loss(model, b):
+        logits = model(b["tokens"][:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["tokens"][:, 1:]).mean()
+
+    mesh, cfg = zj.make_mesh(pipeline=2), zj.ZeroConfig(stage=3, pipeline={"microbatches": 2})
+    opt = zj.nnx.Optimizer(model, optax.sgd(0.5), mesh=mesh, config=cfg)
+    metrics = zj.nnx.make_train_step(loss)(opt, batches[0])
+    assert float(metrics["loss"]) == pytest.approx(want, rel=1e-6)
+    assert float(gpt.make_loss(graphdef)(nnx.state(model, nnx.Param), batches[0])) < want  # it trained
