@@ -422,3 +422,19 @@ def test_the_nnx_api_trains_through_the_stages(small_gpt):
     metrics = zj.nnx.make_train_step(loss)(opt, batches[0])
     assert float(metrics["loss"]) == pytest.approx(want, rel=1e-6)
     assert float(gpt.make_loss(graphdef)(nnx.state(model, nnx.Param), batches[0])) < want  # it trained
+
+
+def test_the_estimate_splits_the_stack_over_the_stages_and_keeps_the_rest_per_stage():
+    """``zerojax estimate --pipeline P``: zerojax's stage-3 column is the state per device of
+    docs/pipeline.md, 12 bytes (fp32 Adam) x (Ψ_stack / (P·D) + Ψ_rest / D), D = N / P."""
+    from zerojax.report.estimate import MODELS, table
+
+    shape = MODELS["llama3-8b"]
+    psi, stack = shape.num_params(), shape.n_layers * shape.block_params()
+    text = table(psi, 64, pipeline=4, stack_params=stack)
+    stage3 = [line for line in text.splitlines() if line.strip().startswith("3 ")][0]
+    want = 12 * (stack / (4 * 16) + (psi - stack) / 16)
+    assert stage3.split()[-2] == f"{want / 1e9:,.1f}"
+    assert "4 pipeline stages" in text and "ZeRO over 16 devices per stage" in text
+    with pytest.raises(ValueError, match="needs the layer stack's parameter count"):
+        table(psi, 64, pipeline=4)

@@ -86,6 +86,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     es.add_argument("--model", default=None, help="a model config: " + ", ".join(_model_names()))
     es.add_argument("--devices", type=int, required=True, help="devices on the data axis")
     es.add_argument(
+        "--pipeline",
+        type=int,
+        default=1,
+        help="pipeline stages (zj.make_mesh(pipeline=P)); needs --model or --stack-params",
+    )
+    es.add_argument(
+        "--stack-params",
+        type=_count,
+        default=None,
+        help="parameters of the layer stack the pipeline splits (with --params and --pipeline), e.g. 6.5B",
+    )
+    es.add_argument(
         "--largest-layer",
         type=_count_or_zero,
         default=0,
@@ -189,12 +201,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"--tensor must be >= 1 and divide the {args.devices // args.replicas} devices of a replica "
                 f"group, got {args.tensor}"
             )
-        psi, layer = args.params, args.largest_layer
+        psi, layer, stack = args.params, args.largest_layer, args.stack_params
         if args.model is not None:
             if args.model not in estimate.MODELS:
                 ap.error(f"unknown --model {args.model!r}; choose from {', '.join(estimate.MODELS)}")
             shape = estimate.MODELS[args.model]
             psi, layer = shape.num_params(), layer or shape.largest_layer_params()
+            stack = stack or shape.n_layers * shape.block_params()
+        if args.pipeline > 1 and stack is None:
+            ap.error("--pipeline needs the layer stack's size: give --model, or --stack-params with --params")
         print(
             estimate.table(
                 psi,
@@ -204,6 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 compute_dtype=args.dtype,
                 optimizer=args.optimizer,
                 tensor=args.tensor,
+                pipeline=args.pipeline,
+                stack_params=stack or 0.0,
             )
         )
         return 0

@@ -320,6 +320,8 @@ def table(
     compute_dtype: str = "float32",
     optimizer: str = "adam",
     tensor: int = 1,
+    pipeline: int = 1,
+    stack_params: float = 0.0,
 ) -> str:
     """The paper's table, DeepSpeed's estimates and zerojax's own per-device state as text
     (what ``zerojax estimate`` prints), with a line per column saying what it assumes.
@@ -335,6 +337,13 @@ def table(
     With ``tensor=T`` (tensor parallelism beside ZeRO) the ZeRO formulas take the ``N/(R·T)``
     devices of a data group and each device holds 1/T of every parameter (taken as all
     split: the paper's and DeepSpeed's columns with Ψ/T, zerojax's with ``tensor=T``).
+
+    With ``pipeline=P`` (``zj.make_mesh(pipeline=P)``) the layer stack's ``stack_params``
+    are split over ``P`` stages and ZeRO-sharded over the ``N/(R·T·P)`` data devices of a
+    stage; the other ``Ψ - stack_params`` (embeddings, head) are held by every stage,
+    ZeRO-sharded over its data devices (docs/pipeline.md). Every column counts a device's
+    share so: the paper's and DeepSpeed's formulas applied to each part (DeepSpeed's own
+    pipeline engine refuses ZeRO-2 and -3).
 
     Example:
       >>> from zerojax.report.estimate import table
@@ -353,13 +362,29 @@ def table(
         raise ValueError(
             f"tensor must be a positive int dividing the {n // replicas} devices of a replica group, got {tensor!r}."
         )
+    if isinstance(pipeline, bool) or not isinstance(pipeline, int) or pipeline < 1 or (n // replicas) % pipeline:
+        raise ValueError(f"pipeline must be a positive int dividing the {n // replicas} devices, got {pipeline!r}.")
+    if pipeline > 1 and not 0 < stack_params <= num_params:
+        raise ValueError(
+            f"pipeline={pipeline} needs the layer stack's parameter count (stack_params, at most Ψ = "
+            f"{num_params:,.0f}), got {stack_params!r}: the stack splits over the stages, the rest does not."
+        )
+    if (n // replicas) % (tensor * pipeline):
+        raise ValueError(f"tensor x pipeline = {tensor * pipeline} must divide the {n // replicas} devices.")
     opt_bytes = optimizer_bytes(optimizer)
-    shard = n // (replicas * tensor)
+    shard = n // (replicas * tensor * pipeline)
     gb = lambda b: f"{b / 1e9:,.1f} GB"
     where = f"N = {n} devices" + (f" in {replicas} replica groups of {n // replicas}" if replicas > 1 else "")
     if tensor > 1:
         where += f", tensor parallel T = {tensor} (ZeRO over {shard} devices per data group)"
+    if pipeline > 1:
+        where += (
+            f", {pipeline} pipeline stages of {stack_params / pipeline:,.0f} stack parameters each "
+            f"(ZeRO over {shard} devices per stage)"
+        )
     full_psi, num_params, largest_layer = num_params, num_params / tensor, largest_layer / tensor
+    # (per device) the stack's share on its stage, and the rest, held by every stage
+    parts = [num_params] if pipeline == 1 else [stack_params / tensor / pipeline, (full_psi - stack_params) / tensor]
     ours = f"zerojax ({compute_dtype}, {optimizer})"
     lines = [
         f"Model states per device, Ψ = {full_psi:,.0f} parameters, {where}",
@@ -367,9 +392,20 @@ def table(
         f"{'stage':>5}  {'ZeRO paper (K=12)':>18}  {'DeepSpeed estimator':>20}  {ours:>{len(ours)}}",
     ]
     for s in range(4):
-        ds = gb(deepspeed_bytes(num_params, shard, s, largest_layer=largest_layer).gpu) if s >= 2 else "-"
-        zj = gb(zero_formula_bytes(num_params, shard, s, compute_dtype=compute_dtype, opt_bytes=opt_bytes))
-        lines.append(f"{s:>5}  {gb(paper_bytes(num_params, shard, s)):>18}  {ds:>20}  {zj:>{len(ours)}}")
+        # (DeepSpeed's gathered layer counted once)
+        ds = (
+            gb(
+                sum(
+                    deepspeed_bytes(p, shard, s, largest_layer=largest_layer * (i == 0)).gpu
+                    for i, p in enumerate(parts)
+                )
+            )
+            if s >= 2
+            else "-"
+        )
+        zj = gb(sum(zero_formula_bytes(p, shard, s, compute_dtype=compute_dtype, opt_bytes=opt_bytes) for p in parts))
+        paper = gb(sum(paper_bytes(p, shard, s) for p in parts))
+        lines.append(f"{s:>5}  {paper:>18}  {ds:>20}  {zj:>{len(ours)}}")
     lines += ["", *assumptions(compute_dtype, optimizer)]
     lines.append(
         f"DeepSpeed ZeRO-3 uses 4 x largest layer = {gb(4 * largest_layer)}"
