@@ -438,3 +438,35 @@ def test_the_estimate_splits_the_stack_over_the_stages_and_keeps_the_rest_per_st
     assert "4 pipeline stages" in text and "ZeRO over 16 devices per stage" in text
     with pytest.raises(ValueError, match="needs the layer stack's parameter count"):
         table(psi, 64, pipeline=4)
+
+
+def test_a_linen_nn_scan_stack_trains_as_single_device_optax():
+    """A Flax linen model whose blocks are ``nn.scan``-ed (parameters stacked under
+    ``ScanBlock_0``), as it is, named with ``stack=``."""
+    from flax import linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            return h + jnp.tanh(nn.Dense(12)(h)), None
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(12)(x)
+            h, _ = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=4)()(h, None)
+            return nn.Dense(3)(h)
+
+    net = Net()
+    params = net.init(jax.random.key(0), jnp.ones((1, 5)))["params"]
+
+    def loss_fn(p, b):
+        return jnp.mean((net.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+
+    rng = np.random.default_rng(0)
+    batches = [{"x": jnp.asarray(rng.normal(size=(16, 5)), jnp.float32), "y": jnp.ones((16, 3))} for _ in range(2)]
+    ref, _ = models.reference_run(loss_fn, params, optax.sgd(0.1), batches)
+    state, _ = pipeline_run(
+        loss_fn, params, optax.sgd(0.1), batches, pipeline=2, data=4, micro=2, pipeline_stack="['ScanBlock_0']"
+    )
+    assert _max_err(zj.gather_params(state), ref) < 1e-5
