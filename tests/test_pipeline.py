@@ -404,6 +404,7 @@ def test_checkpoints_and_exports_move_between_pipeline_and_plain_meshes(tmp_path
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow  # reason: a second GPT compile (~10 s on jax 0.12); the GPT test covers nnx.scan by default
 def test_the_nnx_api_trains_through_the_stages(small_gpt):
     """``zj.nnx.Optimizer`` on a pipeline mesh: the package GPT as an NNX module, one step,
     the loss single-device optax's."""
