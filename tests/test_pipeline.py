@@ -471,3 +471,23 @@ def test_a_linen_nn_scan_stack_trains_as_single_device_optax():
         loss_fn, params, optax.sgd(0.1), batches, pipeline=2, data=4, micro=2, pipeline_stack="['ScanBlock_0']"
     )
     assert _max_err(zj.gather_params(state), ref) < 1e-5
+
+
+@pytest.mark.parametrize("stage", models.marked_slow([3, 1], slow=[1]))  # reason: stage 3 covers the layouts
+def test_shard_outside_spreads_the_rest_over_every_device_and_trains_exactly(stage):
+    """``pipeline={"shard_outside": True}``: the embedding and head are ZeRO-sharded over
+    pipeline x data (1/8 each per device, from the shards) like the stack's state, and
+    training is single-device optax's."""
+    params, batches, tx = toy_params(), toy_batches(2), optax.adam(1e-2)
+    ref, _ = models.reference_run(toy_loss, params, tx, batches)
+    mesh = zj.make_mesh(pipeline=2)
+    cfg = zj.ZeroConfig(stage=stage, pipeline={"microbatches": 2, "shard_outside": True})
+    state = zj.init_state(params, tx, mesh=mesh, config=cfg)
+    step = zj.make_train_step(toy_loss, tx, mesh=mesh, config=cfg)
+    for b in batches:
+        state, _ = step(state, b)
+    moments = state.opt_state[0].mu
+    for name in ("embed", "head"):
+        assert {s.data.size for s in moments[name].addressable_shards} == {params[name].size // 8}
+    assert {s.data.size for s in moments["blocks"]["w"].addressable_shards} == {params["blocks"]["w"].size // 8}
+    assert _max_err(zj.gather_params(state), ref) < 1e-5

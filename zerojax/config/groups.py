@@ -391,6 +391,10 @@ class Pipeline:
         over the layers) combines over the micro-batches: None (refused, naming the carry),
         ``"mean"`` (the micro-batches' mean, as ``grad_accum_steps`` averages a loss over
         its micro-batches) or ``"sum"`` (their sum, the carry's start counted once).
+      shard_outside: ZeRO-shard the parameters outside the stack (embeddings, the head)
+        over pipeline x data instead of over each stage's data devices (every stage then
+        holds ``1 / (P·D)`` of their state, not ``1 / D``; their gathers and gradient
+        reductions cross the pipeline axis, once per step at stage 3). Stages 1–3.
       stack: which parameters are the layer stack split over the stages: a path prefix as
         ``jax.tree_util.keystr`` writes it (``"['blocks']"``), or None: the parameters that
         the loss's layer ``scan`` iterates over, found from their shared leading dimension
@@ -399,7 +403,7 @@ class Pipeline:
     Example:
       >>> from zerojax.config import Pipeline
       >>> Pipeline(microbatches=4)
-      Pipeline(microbatches=4, schedule='gpipe', repeats=1, carry_reduce=None, stack=None)
+      Pipeline(microbatches=4, schedule='gpipe', repeats=1, carry_reduce=None, shard_outside=False, stack=None)
       >>> Pipeline(microbatches=0)
       Traceback (most recent call last):
       ...
@@ -410,6 +414,7 @@ class Pipeline:
     schedule: str = "gpipe"
     repeats: int = 1
     carry_reduce: str | None = None
+    shard_outside: bool = False
     stack: str | None = None
 
     def __post_init__(self) -> None:
@@ -426,6 +431,7 @@ class Pipeline:
                 f"Pipeline.repeats must be 1 with schedule={self.schedule!r} (stage repeats belong to the "
                 f"circular schedule, not built yet), got {self.repeats}."
             )
+        check_bool("Pipeline", self, "shard_outside")
         if self.carry_reduce not in (None, "mean", "sum"):
             raise ValueError(f"Pipeline.carry_reduce must be None, 'mean' or 'sum', got {self.carry_reduce!r}.")
         if self.stack is not None and (not isinstance(self.stack, str) or not self.stack):

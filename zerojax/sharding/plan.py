@@ -55,9 +55,15 @@ class ZeroPlan:
     @property
     def shards(self) -> int:
         """Devices the state is sharded over (one replica group: data x context, and x expert
-        on an expert mesh): every leaf's shard count but a routed expert's
-        (:meth:`shards_of`)."""
-        return int(self.mesh.shape[self.config.axes.data]) * self.context * self.expert
+        on an expert mesh, and x pipeline with ``pipeline.shard_outside``): every leaf's
+        shard count but a routed expert's and a layer stack's (:meth:`shards_of`)."""
+        return int(self.mesh.shape[self.config.axes.data]) * self.context * self.expert * self._outside
+
+    @property
+    def _outside(self) -> int:
+        """The pipeline degree where the parameters outside the stack are ZeRO-sharded over
+        pipeline x data (``ZeroConfig.pipeline.shard_outside``), else 1."""
+        return self.pipeline if self.config.pipeline.shard_outside else 1
 
     def is_expert(self, layout: LeafLayout) -> bool:
         """Whether ``layout`` is split over the expert axis (a routed expert's weight)."""
@@ -66,6 +72,8 @@ class ZeroPlan:
     def shards_of(self, layout: LeafLayout) -> int:
         """The shard count of a leaf of ``layout``: data x context for a routed expert's
         (the expert axis splits its experts), :attr:`shards` for every other."""
+        if self.is_stack(layout):
+            return self.shards // self._outside
         return self.shards // self.expert if self.is_expert(layout) else self.shards
 
     def storage_axes_of(self, layout: LeafLayout) -> str | tuple[str, ...]:
@@ -78,6 +86,8 @@ class ZeroPlan:
             axes.append(self.config.axes.expert)
         if self.context > 1:
             axes.append(self.config.axes.context)
+        if self._outside > 1 and not self.is_stack(layout):
+            axes.append(self.config.axes.pipeline)
         return axes[0] if len(axes) == 1 else tuple(axes)
 
     @property
@@ -364,8 +374,13 @@ def make_plan(
     for (_, leaf), (tdim, taxis) in zip(leaves_with_path, splits):
         # A routed expert's weight is sharded over data x context (the expert axis splits its
         # experts); every other over data x context x expert, all the devices that hold it.
-        # (A layer stack's leaf is ZeRO-sharded like any other within its pipeline stage.)
-        shards = n * c if (tdim >= 0 and taxis == config.axes.expert) else n * c * e
+        # A layer stack's leaf is ZeRO-sharded within its pipeline stage; every other over the
+        # stages too with pipeline.shard_outside.
+        outside = pp if config.pipeline.shard_outside else 1
+        if tdim >= 0 and taxis == config.axes.pipeline:
+            shards = n * c * e
+        else:
+            shards = n * c * outside if (tdim >= 0 and taxis == config.axes.expert) else n * c * e * outside
         layouts.append(
             layout_for(
                 tuple(leaf.shape),
