@@ -122,9 +122,17 @@ def test_the_stack_is_split_by_layers_and_zero_sharded_within_a_stage():
             assert {s.data.size for s in mu.addressable_shards} == {params["blocks"]["w"].size // (P * Dn)}
 
 
+def test_the_stack_is_chosen_by_count_then_by_size():
+    """Without ``stack=``: the leading dimension most leaves share, then the one whose leaves
+    hold the most elements (one stacked weight beside an embedding and a head)."""
+    params = {"embed": jnp.zeros((16, 32)), "layers": jnp.zeros((8, 32, 32)), "head": jnp.zeros((32, 4))}
+    state = zj.init_state(params, optax.sgd(0.1), mesh=zj.make_mesh(pipeline=2), config=zj.ZeroConfig())
+    assert [state.plan.paths[i] for i in state.plan.stack_leaves] == ["['layers']"]
+
+
 def test_an_ambiguous_or_indivisible_stack_is_refused_with_the_fix():
     tx, mesh = optax.sgd(0.1), zj.make_mesh(pipeline=2)
-    tied = {"a": jnp.zeros((4, 3)), "b": jnp.zeros((6, 3))}
+    tied = {"a": jnp.zeros((4, 3)), "b": jnp.zeros((6, 2))}  # one leaf of 12 elements each
     with pytest.raises(ValueError, match=r"layer stack is ambiguous.*pipeline=\{'stack'"):
         zj.init_state(tied, tx, mesh=mesh, config=zj.ZeroConfig())
     with pytest.raises(ValueError, match=r"3 layers do not split into 2 pipeline stages"):

@@ -8,7 +8,8 @@ every stage, ZeRO-sharded over its data axes.
 
 The state is planned before the loss is known, so the stack is chosen from the parameters
 alone: the leaves under ``ZeroConfig.pipeline.stack`` (a path prefix), or, by default, the
-leaves of two or more dimensions that share the leading dimension most of them share. The
+leaves of two or more dimensions that share the leading dimension most of them share (on a
+tie, the dimension whose leaves hold the most elements: a stack is most of a model). The
 train step then checks the choice against the loss (:mod:`zerojax.pipeline`): a leaf chosen
 that the layer scan does not iterate over, or one it iterates over that was not chosen, is
 refused with the ``stack=`` to write. Nothing is guessed silently.
@@ -17,6 +18,7 @@ refused with the ``stack=`` to write. Nothing is guessed silently.
 from __future__ import annotations
 
 import collections
+import math
 from typing import Any
 
 
@@ -66,22 +68,27 @@ def stack_splits(
 
 
 def _by_leading_dim(paths: list[str], shapes: list[tuple[int, ...]]) -> list[bool]:
-    """The leaves of two or more dimensions with the leading dimension most of them share;
-    a tie between two such dimensions is refused (the stack is ambiguous)."""
-    counts = collections.Counter(s[0] for s in shapes if len(s) >= 2)
-    if not counts:
+    """The leaves of two or more dimensions with the leading dimension most of them share,
+    then most elements; a tie on both is refused (the stack is ambiguous)."""
+    rank: dict[int, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for s in shapes:
+        if len(s) >= 2:
+            rank[s[0]][0] += 1
+            rank[s[0]][1] += math.prod(s)
+    if not rank:
         raise ValueError(
             "a pipeline mesh needs a layer stack (parameters stacked [L, ...] that the loss scans over), and "
             f"params has no leaf of two or more dimensions (paths {_few(paths)})."
         )
-    (top, n), *rest = counts.most_common()
-    if rest and rest[0][1] == n:
-        tied = sorted(d for d, k in counts.items() if k == n)
+    order = sorted(rank, key=lambda d: tuple(rank[d]), reverse=True)
+    if len(order) > 1 and rank[order[0]] == rank[order[1]]:
+        tied = sorted(d for d in order if rank[d] == rank[order[0]])
         raise ValueError(
-            f"the layer stack is ambiguous: leading dimensions {tied} are each shared by {n} parameters. Name "
-            "the stack: ZeroConfig(pipeline={'stack': \"['blocks']\"}) (the path prefix of the stacked layers)."
+            f"the layer stack is ambiguous: leading dimensions {tied} are each shared by {rank[order[0]][0]} "
+            f"parameters of {rank[order[0]][1]} elements. Name the stack: ZeroConfig(pipeline={{'stack': "
+            "\"['blocks']\"}}) (the path prefix of the stacked layers)."
         )
-    return [len(s) >= 2 and s[0] == top for s in shapes]
+    return [len(s) >= 2 and s[0] == order[0] for s in shapes]
 
 
 def _few(paths: list[str]) -> str:
