@@ -1,5 +1,6 @@
 """Hybrid sharding on a (replica, data) mesh: shard within a group, replicate across groups."""
 
+import functools
 import warnings
 
 import jax
@@ -33,6 +34,14 @@ def batches():
 SLOW = pytest.mark.slow
 
 
+@functools.cache
+def clip_sgd_reference(model):
+    """Single-device optax (clipped SGD) on ``model``: (params, losses), the same for every
+    stage and mesh compared with it."""
+    make_params, loss_fn = MODELS[model]
+    return models.reference_run(loss_fn, make_params(), CLIP_SGD(), batches())
+
+
 # Every stage with two groups of the scanned model by default; the other settings pairwise
 # (tests.models.pairwise) in the slow set.
 @pytest.mark.parametrize(
@@ -46,7 +55,7 @@ SLOW = pytest.mark.slow
 )
 def test_matches_single_device_optax(model, replicas, stage):
     make_params, loss_fn = MODELS[model]
-    ref, ref_losses = models.reference_run(loss_fn, make_params(), CLIP_SGD(), batches())
+    ref, ref_losses = clip_sgd_reference(model)
     got, losses = models.zero_run(loss_fn, make_params(), CLIP_SGD(), batches(), stage, replicas=replicas)
     assert models.abs_errors(got, ref).max() <= 1e-5
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
@@ -78,7 +87,7 @@ def test_features_give_what_the_1d_mesh_gives(features):
 @pytest.mark.slow  # reason: 11 s; int8 gathers on the 1-D mesh and hybrid exactness stay in the default set
 def test_int8_gathers_stay_in_the_group_and_train():
     make_params, loss_fn = MODELS["scan"]
-    ref, _ = models.reference_run(loss_fn, make_params(), CLIP_SGD(), batches())
+    ref, _ = clip_sgd_reference("scan")
     got, _ = models.zero_run(
         loss_fn,
         make_params(),
