@@ -3,6 +3,8 @@ shards the rest over "data"; training equals plain single-device optax."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,6 +54,12 @@ def batches(k: int = 3, n: int = 16, seed: int = 0) -> list[dict]:
 # One SGD for the MLP tests at stage 3, T = 2 (every stage's test, the HLO's groups, the
 # export): tp_run's shared step compiles it once for the three.
 SGD = optax.sgd(0.1)
+
+
+@functools.cache
+def sgd_reference():
+    """Single-device SGD on the MLP, three batches: (params, losses), for every T and stage."""
+    return reference_run(mlp_loss, mlp_params(), SGD, batches())
 
 
 def tp_run(loss_fn, params, tx, data, *, tensor, replicas=1, tensor_specs=None, **config):
@@ -124,7 +132,7 @@ def test_mlp_every_stage_matches_single_device(tensor, stages):
     storage shard is the whole grid: the gradient's reduce-scatter keeps it in the grid's
     form (it once came back reshaped to the weight's shape, and stages 1-3 failed)."""
     params, data, tx = mlp_params(), batches(), SGD
-    ref, ref_losses = reference_run(mlp_loss, params, tx, data)
+    ref, ref_losses = sgd_reference()
     for stage in stages:
         state, step, losses = tp_run(mlp_loss, params, tx, data, tensor=tensor, stage=stage, tensor_specs=MLP_SPECS)
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
