@@ -149,16 +149,18 @@ def shared_step(loss_fn, tx, *, mesh, config, **options):
     return step
 
 
-def zero_run(loss_fn, params, tx, batches, stage, n_devices=8, grad_norms=None, replicas=1, **config):
+def zero_run(loss_fn, params, tx, batches, stage, n_devices=8, grad_norms=None, replicas=1, shared=False, **config):
     """The same training with zerojax: full params after it, and the losses (and each
     step's ``grad_norm`` metric appended to ``grad_norms``). The step must compile once and
-    count every call."""
+    count every call; with ``shared`` it is ``shared_step``'s (a test that trains the same
+    loss, ``tx`` object, mesh and config takes it too), compiled once across those tests."""
     import zerojax as zj
 
     mesh = zj.make_mesh(jax.devices()[:n_devices], replicas=replicas)
     cfg = zj.ZeroConfig(stage=stage, **config)
     state = zj.init_state(params, tx, mesh=mesh, config=cfg)
-    step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=cfg)
+    make = shared_step if shared else zj.make_train_step
+    step = make(loss_fn, tx, mesh=mesh, config=cfg)
     losses = []
     for b in batches:
         state, metrics = step(state, b)

@@ -169,8 +169,12 @@ def test_make_mesh_with_a_context_axis():
 BASE = llama.LlamaConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, seq_len=16)
 
 
-@functools.cache
 def _data(with_positions: bool = False):
+    return _cached_data(with_positions)  # one cache key with or without the default
+
+
+@functools.cache
+def _cached_data(with_positions: bool):
     rng = np.random.default_rng(0)
     out = []
     for _ in range(3):
@@ -184,8 +188,12 @@ def _data(with_positions: bool = False):
     return tuple(out)
 
 
-@functools.cache
 def _reference(with_positions: bool = False):
+    return _cached_reference(with_positions)  # one cache key with or without the default
+
+
+@functools.cache
+def _cached_reference(with_positions: bool):
     graphdef, params = llama.init(BASE)
     return reference_run(
         llama.make_loss(graphdef), jax.tree.map(jnp.asarray, params), optax.sgd(0.3), list(_data(with_positions))

@@ -1,5 +1,8 @@
 """Hybrid sharding on a (replica, data) mesh: shard within a group, replicate across groups."""
 
+import functools
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +16,7 @@ from zerojax import cli
 from zerojax.report import estimate
 from zerojax.report.comm import collectives
 from zerojax.report.replica_groups import group_axes, replica_groups
+from zerojax.sharding.partial_axes import PartialBatchCollective
 
 N = 8
 CLIP_SGD = lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1, momentum=0.9))
@@ -30,6 +34,14 @@ def batches():
 SLOW = pytest.mark.slow
 
 
+@functools.cache
+def clip_sgd_reference(model):
+    """Single-device optax (clipped SGD) on ``model``: (params, losses), the same for every
+    stage and mesh compared with it."""
+    make_params, loss_fn = MODELS[model]
+    return models.reference_run(loss_fn, make_params(), CLIP_SGD(), batches())
+
+
 # Every stage with two groups of the scanned model by default; the other settings pairwise
 # (tests.models.pairwise) in the slow set.
 @pytest.mark.parametrize(
@@ -43,7 +55,7 @@ SLOW = pytest.mark.slow
 )
 def test_matches_single_device_optax(model, replicas, stage):
     make_params, loss_fn = MODELS[model]
-    ref, ref_losses = models.reference_run(loss_fn, make_params(), CLIP_SGD(), batches())
+    ref, ref_losses = clip_sgd_reference(model)
     got, losses = models.zero_run(loss_fn, make_params(), CLIP_SGD(), batches(), stage, replicas=replicas)
     assert models.abs_errors(got, ref).max() <= 1e-5
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
@@ -75,7 +87,7 @@ def test_features_give_what_the_1d_mesh_gives(features):
 @pytest.mark.slow  # reason: 11 s; int8 gathers on the 1-D mesh and hybrid exactness stay in the default set
 def test_int8_gathers_stay_in_the_group_and_train():
     make_params, loss_fn = MODELS["scan"]
-    ref, _ = models.reference_run(loss_fn, make_params(), CLIP_SGD(), batches())
+    ref, _ = clip_sgd_reference("scan")
     got, _ = models.zero_run(
         loss_fn,
         make_params(),
@@ -108,7 +120,9 @@ def test_dropout_keys_and_synced_batchnorm_see_every_device():
         np.testing.assert_array_equal(a, b)
     assert models.abs_errors(zj.gather_params(s1), zj.gather_params(s2)).max() <= 1e-6
     ref_p, ref_bs = bn_reference(2)
-    state = bn_run(3, ("replica", "data"), replicas=2)
+    with warnings.catch_warnings():  # naming both axes is silent (the warning's test below names one)
+        warnings.simplefilter("error", PartialBatchCollective)
+        state = bn_run(3, ("replica", "data"), replicas=2)
     assert models.abs_errors(zj.gather_params(state), ref_p).max() <= 1e-5
     assert models.abs_errors(state.model_state["batch_stats"], ref_bs).max() <= 1e-5
 
@@ -277,10 +291,6 @@ def test_a_batchnorm_synced_over_one_batch_axis_is_warned_about():
     """On a hybrid mesh, BatchNorm(axis_name="data") normalises each replica group on its
     own (its statistics differ from the global batch's): the step warns, naming the fix;
     naming both axes is silent and exact (test above)."""
-    import warnings
-
-    from zerojax.sharding.partial_axes import PartialBatchCollective
-
     ref_p, ref_bs = bn_reference(2)
     with pytest.warns(
         PartialBatchCollective,
@@ -291,7 +301,6 @@ def test_a_batchnorm_synced_over_one_batch_axis_is_warned_about():
         state = bn_run(3, "data", replicas=2)
     # What the warning is about: the statistics are not the global batch's.
     assert models.abs_errors(state.model_state["batch_stats"], ref_bs).max() > 1e-3
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # both axes on this mesh: silent in the test above, the same step
         warnings.simplefilter("error", PartialBatchCollective)
-        bn_run(3, ("replica", "data"), replicas=2)
         bn_run(3, "data")  # a 1-D mesh: "data" is the whole batch

@@ -455,6 +455,17 @@ def test_the_expert_axis_beside_tensor_context_and_replicas(mesh_kw):
         assert {s.data.size for s in held["shared"].addressable_shards} == {D * D // 8}  # tensor x data x expert
 
 
+@functools.cache  # one reference for both expert degrees
+def _micro_batch_reference():
+    """(k, the loss, docs/moe.md's loss of k = 2 micro-batches, single-device SGD on it)."""
+    moe = functools.partial(zj_moe, k=2)
+    loss = lambda p, b: moe_loss(p, b, moe)
+    k = 2
+    micro = lambda b, j: jax.tree.map(lambda x: x[j::k], b)  # micro-batch j: global rows g % k == j
+    definition = lambda p, b: (loss(p, micro(b, 0)) + loss(p, micro(b, 1))) / 2
+    return k, loss, definition, reference_run(definition, moe_params(), optax.sgd(0.1), data())
+
+
 @pytest.mark.parametrize("expert", [4, 2])
 def test_auxiliary_losses_under_accumulation_are_per_micro_batch_over_every_device(expert):
     """With grad_accum_steps=2 on (data 8/E, expert E) the step's loss, auxiliary losses
@@ -463,12 +474,7 @@ def test_auxiliary_losses_under_accumulation_are_per_micro_batch_over_every_devi
     defines it: 3 SGD steps against that definition on one device, equal on E = 4 and 2.
     (With each data shard's rows cut into halves instead, the first step's loss was
     2.12535 on data 2 and 2.12522 on data 4, and 2.12595 strided on both.)"""
-    moe = functools.partial(zj_moe, k=2)
-    loss = lambda p, b: moe_loss(p, b, moe)
-    k = 2
-    micro = lambda b, j: jax.tree.map(lambda x: x[j::k], b)  # micro-batch j: global rows g % k == j
-    definition = lambda p, b: (loss(p, micro(b, 0)) + loss(p, micro(b, 1))) / 2
-    ref_params, ref_losses = reference_run(definition, moe_params(), optax.sgd(0.1), data())
+    k, loss, definition, (ref_params, ref_losses) = _micro_batch_reference()
     mesh, cfg = zj.make_mesh(expert=expert), zj.ZeroConfig(stage=2, grad_accum_steps=k)
     state = zj.init_state(moe_params(), optax.sgd(0.1), mesh=mesh, config=cfg, tensor_specs=SPECS)
     step = zj.make_train_step(loss, optax.sgd(0.1), mesh=mesh, config=cfg)

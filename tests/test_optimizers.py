@@ -76,6 +76,13 @@ TRANSFORMS = {
 SGD_LIKE = {"sgd_nesterov"}
 
 
+@functools.cache
+def transform(name):
+    """One object per transform: test_multisteps_accumulates_sharded and the stage-3 MultiSteps
+    case train through one compiled step (models.shared_step, keyed by the object)."""
+    return TRANSFORMS[name]()
+
+
 def batches():
     return [models.batch(16, seed=s) for s in range(STEPS)]
 
@@ -92,7 +99,7 @@ def reference(name):
 @functools.cache
 def errors(name, stage, n=8):
     ref, ref_losses = reference(name)
-    got, losses = models.zero_run(awkward_loss, awkward_params(), TRANSFORMS[name](), batches(), stage, n)
+    got, losses = models.zero_run(awkward_loss, awkward_params(), transform(name), batches(), stage, n, shared=True)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(awkward_params())):
         assert a.shape == b.shape and a.dtype == b.dtype
@@ -201,13 +208,14 @@ def test_injected_learning_rate_is_readable_from_the_state():
 def test_multisteps_accumulates_sharded():
     """optax.MultiSteps (not a GradientTransformation) is accepted; its accumulator is
     stored sharded like the parameters, and the update lands every second step."""
-    tx = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
+    tx = transform("multisteps_adam")  # optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
+    assert isinstance(tx, optax.MultiSteps)
     mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=3)
     params = awkward_params()
     state = zj.init_state(params, tx, mesh=mesh, config=cfg)
     acc = state.opt_state.acc_grads["layers"]["w"]
     assert {s.data.size for s in acc.addressable_shards} == {acc.size // 8}
-    step = zj.make_train_step(awkward_loss, tx, mesh=mesh, config=cfg)
+    step = models.shared_step(awkward_loss, tx, mesh=mesh, config=cfg)
     state, _ = step(state, batches()[0])
     assert models.abs_errors(zj.gather_params(state), params).max() == 0.0  # accumulated only
     state, _ = step(state, batches()[1])

@@ -1,5 +1,7 @@
 """Stage 3 that gathers ahead of use, and ordering that cannot change values."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,20 +21,37 @@ def masked_loss(p, b):
     return jnp.mean((jax.nn.softmax(jnp.maximum(b["x"], p["floor"]), -1) @ p["w"]) ** 2)
 
 
-@pytest.mark.parametrize("stage,prefetch", [(0, 0), (1, 0), (2, 0), (3, 0), (3, 1)])  # prefetch: stage 3 only
-def test_a_non_finite_activation_does_not_reach_the_parameters(stage, prefetch):
-    """Ordering the gathers used to add input[0] * 0 to the shard: -inf * 0 made every
-    stage-3 parameter NaN. Now the run equals single-device training at every stage."""
+@functools.cache
+def non_finite_case():
+    """Params, batches whose first input column is -inf, and single-device SGD on them
+    (params, losses): the same for every stage."""
     rng = np.random.default_rng(0)
     params = {"floor": jnp.asarray(-3.0), "w": jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)}
     x = rng.normal(size=(16, 6)).astype(np.float32)
     x[:, 0] = -np.inf
     batches = [{"x": jnp.asarray(x)}] * 3
-    ref, ref_losses = models.reference_run(masked_loss, params, optax.sgd(0.1), batches)
+    return params, batches, models.reference_run(masked_loss, params, optax.sgd(0.1), batches)
+
+
+@pytest.mark.parametrize("stage,prefetch", [(0, 0), (1, 0), (2, 0), (3, 0), (3, 1)])  # prefetch: stage 3 only
+def test_a_non_finite_activation_does_not_reach_the_parameters(stage, prefetch):
+    """Ordering the gathers used to add input[0] * 0 to the shard: -inf * 0 made every
+    stage-3 parameter NaN. Now the run equals single-device training at every stage."""
+    params, batches, (ref, ref_losses) = non_finite_case()
     got, losses = models.zero_run(masked_loss, params, optax.sgd(0.1), batches, stage, prefetch=prefetch)
     assert np.all(np.isfinite(losses))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     assert models.abs_errors(got, ref).max() <= 1e-6
+
+
+MODELS = {"scan": (models.stacked_params, models.stacked_loss), "unrolled": (models.mlp_params, models.mlp_loss)}
+
+
+@functools.cache
+def momentum_reference(model):
+    """Single-device SGD with momentum on ``model``, three batches: (params, losses)."""
+    make, loss = MODELS[model]
+    return models.reference_run(loss, make(), optax.sgd(0.1, momentum=0.9), [models.batch(16, s) for s in range(3)])
 
 
 # Full remat on unrolled layers with prefetch 1: slow (each value stays in the default set, and
@@ -45,12 +64,9 @@ def test_a_non_finite_activation_does_not_reach_the_parameters(stage, prefetch):
     ),
 )
 def test_prefetch_trains_like_optax(model, prefetch, remat):
-    make, loss = {
-        "scan": (models.stacked_params, models.stacked_loss),
-        "unrolled": (models.mlp_params, models.mlp_loss),
-    }[model]
+    make, loss = MODELS[model]
     tx, batches = optax.sgd(0.1, momentum=0.9), [models.batch(16, s) for s in range(3)]
-    ref, ref_losses = models.reference_run(loss, make(), tx, batches)
+    ref, ref_losses = momentum_reference(model)
     got, losses = models.zero_run(loss, make(), tx, batches, 3, prefetch=prefetch, remat=remat)
     assert models.abs_errors(got, ref).max() <= 1e-5
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)

@@ -3,6 +3,8 @@ shards the rest over "data"; training equals plain single-device optax."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
-from tests.models import abs_errors, reference_run
+from tests.models import abs_errors, reference_run, shared_step
 from zerojax.models import gpt
 from zerojax.report.comm import collectives, communication_report
 
@@ -49,11 +51,22 @@ def batches(k: int = 3, n: int = 16, seed: int = 0) -> list[dict]:
     ]
 
 
+# One SGD for the MLP tests at stage 3, T = 2 (every stage's test, the HLO's groups, the
+# export): tp_run's shared step compiles it once for the three.
+SGD = optax.sgd(0.1)
+
+
+@functools.cache
+def sgd_reference():
+    """Single-device SGD on the MLP, three batches: (params, losses), for every T and stage."""
+    return reference_run(mlp_loss, mlp_params(), SGD, batches())
+
+
 def tp_run(loss_fn, params, tx, data, *, tensor, replicas=1, tensor_specs=None, **config):
     mesh = zj.make_mesh(tensor=tensor, replicas=replicas)
     cfg = zj.ZeroConfig(**config)
     state = zj.init_state(params, tx, mesh=mesh, config=cfg, tensor_specs=tensor_specs)
-    step = zj.make_train_step(loss_fn, tx, mesh=mesh, config=cfg)
+    step = shared_step(loss_fn, tx, mesh=mesh, config=cfg)  # the same (loss, tx, mesh, config) compiles once
     losses = []
     for b in data:
         state, m = step(state, b)
@@ -118,8 +131,8 @@ def test_mlp_every_stage_matches_single_device(tensor, stages):
     weight gather stays inside a data group. At T = 8 the data axis has one device, whose
     storage shard is the whole grid: the gradient's reduce-scatter keeps it in the grid's
     form (it once came back reshaped to the weight's shape, and stages 1-3 failed)."""
-    params, data, tx = mlp_params(), batches(), optax.sgd(0.1)
-    ref, ref_losses = reference_run(mlp_loss, params, tx, data)
+    params, data, tx = mlp_params(), batches(), SGD
+    ref, ref_losses = sgd_reference()
     for stage in stages:
         state, step, losses = tp_run(mlp_loss, params, tx, data, tensor=tensor, stage=stage, tensor_specs=MLP_SPECS)
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
@@ -152,7 +165,7 @@ def test_grad_norm_counts_unsplit_weights_once():
 
 
 def test_hlo_gathers_have_data_sized_groups():
-    params, data, tx = mlp_params(), batches(1), optax.sgd(0.1)
+    params, data, tx = mlp_params(), batches(1), SGD
     state, step, _ = tp_run(mlp_loss, params, tx, data, tensor=2, stage=3, tensor_specs=MLP_SPECS)
     found = collectives(step.lower(state, data[0]).compile().as_text())
     gathers = [c for c in found if c.kind in ("all-gather", "reduce-scatter")]
@@ -349,7 +362,7 @@ def test_checkpoint_reshards_across_tensor_degrees(t2_checkpoint, target):
 
 
 def test_export_consolidates_full_tensors(tmp_path):
-    params, data, tx = mlp_params(), batches(1), optax.sgd(0.1)
+    params, data, tx = mlp_params(), batches(1), SGD
     state, _, _ = tp_run(mlp_loss, params, tx, data, tensor=2, stage=3, tensor_specs=MLP_SPECS)
     zj.save_checkpoint(tmp_path / "ckpt", state, step=1, wait=True)
     zj.export_weights(tmp_path / "ckpt", tmp_path / "out.safetensors")
@@ -385,16 +398,22 @@ def test_zj_nnx_optimizer_reads_annotations(built):
     data = _gpt_data(2)
     mesh = zj.make_mesh(tensor=2)
 
+    graphdef, params = gpt.init(cfg)
+
     def build():
         if built == "set_mesh":
             with jax.set_mesh(mesh):
                 model = gpt.GPT(cfg, nnx.Rngs(0))
             assert model.blocks.fc.kernel[...].sharding.spec == P(None, None, "tensor")
             return model
-        with nnx.use_eager_sharding(False):
-            return gpt.GPT(cfg, nnx.Rngs(0))
+        # gpt.init's module: gpt.GPT(cfg, nnx.Rngs(0)) under nnx.use_eager_sharding(False), its
+        # annotations in the Params' metadata, built by one compiled program (an eager build
+        # compiles each initialiser's ops: 3 s here)
+        model = nnx.merge(graphdef, params)
+        assert model.blocks.fc.kernel.get_metadata()["out_sharding"] == (None, None, "tensor")
+        assert not isinstance(model.blocks.fc.kernel[...].sharding, jax.sharding.NamedSharding)
+        return model
 
-    graphdef, params = gpt.init(cfg)
     ref, ref_losses = reference_run(gpt.make_loss(graphdef), jax.tree.map(jnp.asarray, params), optax.sgd(0.1), data)
     opt = zj.nnx.Optimizer(build(), optax.sgd(0.1), mesh=mesh, config=zj.ZeroConfig(stage=3))
     step = zj.nnx.make_train_step(

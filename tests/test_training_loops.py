@@ -1,6 +1,7 @@
 """Real training loops: dropout keys, model state (BatchNorm), frozen weights, init_fn."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -184,6 +185,7 @@ class BNNet(nn.Module):
         return nn.Dense(models.OUT)(jnp.tanh(x))
 
 
+@functools.cache  # op by op, the same for each test that compares with it (here and in test_hybrid)
 def bn_reference(steps):
     """Single-device training on the global batch (BatchNorm sees the whole batch)."""
     net = BNNet()
