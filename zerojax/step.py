@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -392,14 +393,23 @@ def place_batch(batch: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
     """The batch with each leaf committed to one device (a single-device loader's habit:
     ``jax.device_put(x, jax.devices()[0])``) moved onto the mesh, its rows split over
     ``axes`` as the step takes them; other leaves unchanged. In a multi-process job such a
-    leaf holds only this process's data and is refused, naming the fix."""
+    leaf holds only this process's data and is refused, naming the fix.
+
+    On the CPU backend (one process) every single-device leaf, committed or not, is split
+    on the host: the same rows to the same devices as the step's own transfer, without the
+    slicing program JAX would otherwise compile for each new shape."""
     if mesh.devices.size == 1:
         return batch
+    one_process = jax.process_count() == 1
 
     def one(path, x):
-        if not (isinstance(x, jax.Array) and getattr(x, "committed", False) and len(x.sharding.device_set) == 1):
+        if not (isinstance(x, jax.Array) and len(x.sharding.device_set) == 1):
             return x
-        if jax.process_count() > 1:
+        committed = getattr(x, "committed", False)
+        on_cpu = next(iter(x.sharding.device_set)).platform == "cpu" and one_process
+        if not committed and not on_cpu:
+            return x
+        if not one_process:
             raise ValueError(
                 f"batch leaf {jax.tree_util.keystr(path) or '<root>'} is committed to one device "
                 f"({next(iter(x.sharding.device_set))}), but the step splits the global batch over "
@@ -407,7 +417,7 @@ def place_batch(batch: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
                 "each process's rows: zj.distributed.data.global_batch(...) or "
                 "jax.make_array_from_process_local_data(...)."
             )
-        return jax.device_put(x, NamedSharding(mesh, P(axes)))
+        return jax.device_put(np.asarray(x) if on_cpu else x, NamedSharding(mesh, P(axes)))
 
     return jax.tree_util.tree_map_with_path(one, batch)
 
