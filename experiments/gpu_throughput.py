@@ -264,10 +264,12 @@ def pipeline_rows(args, stages: list[int]) -> list[dict]:
     import optax
 
     n = len(jax.devices())
-    usable = [p for p in stages if 1 < p <= n and n % p == 0]
+    usable = [p for p in stages if 1 < p <= n and n % p == 0 and args.layers % p == 0]
     for p in stages:
         if p not in usable:
-            print(f"pipeline P={p}: needs {p} devices dividing the host's {n}; not measured")
+            print(
+                f"pipeline P={p}: needs {p} devices dividing the host's {n} and the {args.layers} layers; not measured"
+            )
     if not usable:
         return []
     cfg = gpt.GPTConfig(

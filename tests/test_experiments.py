@@ -182,6 +182,9 @@ def test_gpu_throughput_script_runs_on_cpu(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out_json.read_text())
+    # The pipeline table: P=2 beside P=1 on the simulated devices; P=4 does not divide 2 layers.
+    assert [r["P"] for r in result["pipeline"]] == [1, 2] and all(r["tokens_per_s"] > 0 for r in result["pipeline"])
+    assert "pipeline P=4: needs 4 devices dividing the host's" in out.stdout
     # The model-attention table: on the CPU the fused default is the einsum path, and the
     # compiled steps say so; the two steps compute the same loss.
     attn = {r["attention"]: r for r in result["model_attention"]}
