@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from zerojax._jaxpr import constructs, form, walk
+from zerojax._jaxpr import constructs, walk
 from zerojax._jaxpr.form import Equation
 
 BATCH, KEY, STATE = "batch", "key", "state"
@@ -131,7 +131,3 @@ def find(closed: Any, facts: list[frozenset], paths: list[str]) -> LayerScan:
             "ZeroConfig(pipeline={'stack': \"['...']\"})."
         )
     return scan
-
-
-def name_of(eqn: Equation) -> str:
-    return form.name(eqn)
