@@ -3,10 +3,26 @@
 The top level holds what a training loop calls: the mesh, the config, the state, the
 steps, gathering, checkpoints and weights, the autotuner; everything else lives in the
 subpackage that owns it (``zj.config``, ``zj.report``, ``zj.maps``, ``zj.nn``, ``zj.nnx``, ``zj.moe``,
-``zj.distributed``, ``zj.resume``, ``zj.models``, ``zj.context``, ``zj.remat``, ``zj.data``).
+``zj.distributed``, ``zj.resume``, ``zj.models``, ``zj.context``, ``zj.remat``, ``zj.data``,
+``zj.monitor``).
 """
 
-from zerojax import checkpoint, config, context, data, distributed, maps, models, moe, nn, nnx, remat, report, resume
+from zerojax import (
+    checkpoint,
+    config,
+    context,
+    data,
+    distributed,
+    maps,
+    models,
+    moe,
+    monitor,
+    nn,
+    nnx,
+    remat,
+    report,
+    resume,
+)
 from zerojax._surface import module_dir, module_getattr
 from zerojax.checkpoint import export_weights, load_weights, restore_checkpoint, save_checkpoint
 from zerojax.config import ZeroConfig
@@ -44,6 +60,7 @@ __all__ = [
     "maps",
     "models",
     "moe",
+    "monitor",
     "nn",
     "nnx",
     "remat",

@@ -22,6 +22,7 @@ from zerojax import compile_cache, on_stall
 from zerojax.config import StepOptions, ZeroConfig
 from zerojax.config.step_options import PLAIN
 from zerojax.context import batch as context_batch
+from zerojax.optim import learning_rate
 from zerojax.optim import loss_scale as ls
 from zerojax.optim.apply import apply_optimizer
 from zerojax.optim.offload import choose_place
@@ -112,9 +113,20 @@ def _step(
         "skipped_steps": new_state.skipped,
         "overflow_at_min_scale": at_min,
     }
+    rate = learning_rate.find(tx, state.opt_state)
+    if isinstance(rate, learning_rate.Reader):
+        before, after = jax.tree.leaves(state.opt_state), jax.tree.leaves(opt_state)
+        metrics["learning_rate"] = rate.read(before, after, functools.partial(_on_device, plan))
     if options.has_aux:
         metrics["aux"] = aux
     return new_state, metrics
+
+
+def _on_device(plan: ZeroPlan, x: jax.Array) -> jax.Array:
+    """A scalar read from optimizer state, in device memory (offloaded state is on the host)."""
+    if plan.opt_memory is None:
+        return x
+    return jax.device_put(x, NamedSharding(plan.mesh, P(), memory_kind="device"))
 
 
 # Seconds an in-flight checkpoint save gets to finish when a step times out.
