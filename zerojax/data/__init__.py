@@ -8,8 +8,8 @@ global batches placed on the mesh ahead of the step (:class:`Prefetch`).
 ((4, 33), dtype('int32'))
 """
 
-from zerojax.data.elastic import ElasticBatches
 from zerojax.data.batch_prefetch import Prefetch
+from zerojax.data.elastic import ElasticBatches
 from zerojax.data.text import stdlib_bytes, windows
 
 __all__ = ["ElasticBatches", "Prefetch", "stdlib_bytes", "windows"]
