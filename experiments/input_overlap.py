@@ -97,9 +97,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     n = args.steps
     serial, overlap = n * (seconds + step_s), n * max(seconds, step_s)
-    print(
-        f"| input | steps | load (ms) | step (ms) | total (s) | ms/step | N x (load + step) (s) | 1.1 x N x max (s) |"
-    )
+    print("| input | steps | load (ms) | step (ms) | total (s) | ms/step | N x (load + step) (s) | 1.1 x N x max (s) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, total in (("none", none_s), ("prefetch", prefetch_s)):
         print(
