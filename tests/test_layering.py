@@ -70,7 +70,7 @@ def _part(module: str) -> str:
 # the lowest layer whose parts it needs, or a new layer where it sits between two.
 LAYERS: list[tuple[str, set[str]]] = [
     ("the program reading (everything read of JAX's internals)", {"_jaxpr"}),
-    ("leaf utilities (import no other part)", {"remat", "progress", "on_stall", "xla_flags", "data"}),
+    ("leaf utilities (import no other part)", {"remat", "progress", "on_stall", "xla_flags"}),
     ("configuration and the compilation cache", {"config", "compile_cache"}),
     ("meshes, layouts, collectives, per-use gathers and the pipeline's schedule", {"sharding", "pipeline"}),
     ("the sequence layout over a context axis", {"context"}),
@@ -79,7 +79,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the train state", {"state"}),
     ("the steps", {"step", "params", "evaluate"}),
     ("checkpoints and exports", {"checkpoint"}),
-    ("the distributed runtime and resumable runs", {"distributed", "resume"}),
+    ("the distributed runtime, resumable runs and the input pipeline", {"distributed", "resume", "data"}),
     ("reports", {"report"}),
     ("layers users build with", {"moe", "nn"}),
     ("the reference models and their weight maps", {"models", "maps"}),

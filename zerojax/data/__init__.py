@@ -1,4 +1,5 @@
-"""Data for training runs: text that ships with every Python, cut into token windows.
+"""Data for training runs: text that ships with every Python, cut into token windows; and
+global batches placed on the mesh ahead of the step (:class:`Prefetch`).
 
 >>> import zerojax as zj
 >>> corpus = zj.data.stdlib_bytes(1 << 16)
@@ -7,6 +8,8 @@
 ((4, 33), dtype('int32'))
 """
 
+from zerojax.data.batch_prefetch import Prefetch
+from zerojax.data.elastic import ElasticBatches
 from zerojax.data.text import stdlib_bytes, windows
 
-__all__ = ["stdlib_bytes", "windows"]
+__all__ = ["ElasticBatches", "Prefetch", "stdlib_bytes", "windows"]
