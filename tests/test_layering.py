@@ -84,7 +84,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("layers users build with", {"moe", "nn"}),
     ("the reference models and their weight maps", {"models", "maps"}),
     ("Flax NNX training", {"nnx"}),
-    ("DeepSpeed configs and the autotuner", {"deepspeed", "tuning"}),
+    ("DeepSpeed configs, the autotuner and run monitoring", {"deepspeed", "tuning", "monitor"}),
     ("the package root and its listing", {"(zerojax)", "_surface"}),
     ("the command line and the launcher", {"cli", "launch"}),
 ]
