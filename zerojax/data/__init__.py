@@ -1,4 +1,5 @@
-"""Data for training runs: text that ships with every Python, cut into token windows.
+"""Data for training runs: text that ships with every Python, cut into token windows, and
+documents packed into rows (:class:`Packer`).
 
 >>> import zerojax as zj
 >>> corpus = zj.data.stdlib_bytes(1 << 16)
@@ -7,6 +8,7 @@
 ((4, 33), dtype('int32'))
 """
 
+from zerojax.data.packing import Packer, normalised_weights
 from zerojax.data.text import stdlib_bytes, windows
 
-__all__ = ["stdlib_bytes", "windows"]
+__all__ = ["Packer", "normalised_weights", "stdlib_bytes", "windows"]
