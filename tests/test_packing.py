@@ -227,5 +227,39 @@ def test_packed_rows_feed_a_context_mesh_in_the_balanced_layout():
     """Data x context = 4 x 2, ring attention, the balanced layout (the step permutes every
     leaf of the batch, all [B, T]): the same loss and gradient as each document alone."""
     ring = llama.LlamaConfig(**{**CFG.__dict__, "attention": "ring"})
-    zc = zj.ZeroConfig(stage=3, grad_accum_steps=2, context={"layout": "balanced"})
+    zc = zj.ZeroConfig(stage=3, context={"layout": "balanced"})
     _check_step(ring, zj.make_mesh(context=2), zc, with_layout=True)
+
+
+def test_a_resumed_run_continues_the_packing_where_it_stopped(tmp_path):
+    """zerojax.resume.Run saves the packer's position with the state: a run stopped after
+    3 steps (saved at 2 and 3) and resumed goes on with the batches of an uninterrupted
+    packer, none repeated or skipped, and its state equals the uninterrupted run's."""
+    from zerojax.resume import Run, RunConfig
+
+    docs = documents(5, n=120, longest=40, vocab=97)
+    tx, mesh, cfg = optax.sgd(0.01), zj.make_mesh(), zj.ZeroConfig(stage=1)
+
+    def loss(p, b):  # every leaf of the batch reaches the loss
+        x = (b["inputs"] * p["a"] + b["targets"] + b["positions"] * b["segment_ids"]) % 7
+        return jnp.mean(b["weights"] * jnp.sin(x * p["w"]))
+
+    step = zj.make_train_step(loss, tx, mesh=mesh, config=cfg)
+    params = {"w": jnp.float32(0.3), "a": jnp.float32(1.1)}
+
+    def train(until, directory):
+        packer = zj.data.Packer(docs, 8, 16, window=8, long="split")
+        run = Run(RunConfig(str(directory), save_every=2))
+        state = run.restore_or_init(params, tx, mesh=mesh, config=cfg, data=packer)
+        start = run.step
+        while run.step < until:
+            state, _ = step(state, next(packer))
+            run.completed(state)
+        run.finish(state)
+        return start, state, packer
+
+    assert train(3, tmp_path / "a")[0] == 0
+    start, resumed, packer = train(6, tmp_path / "a")
+    _, whole, uninterrupted = train(6, tmp_path / "b")
+    assert start == 3 and packer.get_state() == uninterrupted.get_state() and packer.batches == 6
+    jax.tree.map(np.testing.assert_array_equal, zj.gather_params(resumed), zj.gather_params(whole))
