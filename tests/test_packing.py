@@ -223,6 +223,19 @@ def test_llama_on_packed_rows_trains_as_each_document_alone(accum, stage):
     _check_step(CFG, zj.make_mesh(), zj.ZeroConfig(stage=stage, grad_accum_steps=accum))
 
 
+def test_every_leaf_is_a_sequence_the_balanced_layout_takes():
+    """What the step reads of a batch on a context mesh: every leaf of a packed batch is a
+    sequence on dimension 1 (split over the context axis, permuted in the balanced layout),
+    with no ``context_dims`` to give; a row length the layout cannot split is refused."""
+    batch = next(zj.data.Packer(documents(0), ROWS, T, long="split"))
+    zc = zj.ZeroConfig(stage=3, context={"layout": "balanced"})
+    assert zj.context.batch.sequence_dims(zc, batch) == [(1,)] * 5
+    zj.context.batch.check_lengths(zc, batch, 2)  # 16 = 2 x 2 chunks of 4
+    with pytest.raises(ValueError, match=r"does not split into 2 x 3 chunks"):
+        zj.context.batch.check_lengths(zc, batch, 3)
+
+
+@pytest.mark.slow  # reason: 6 s on jax 0.10, 12 s on 0.12 (a ring step compiled); the batch's layout: the test above
 def test_packed_rows_feed_a_context_mesh_in_the_balanced_layout():
     """Data x context = 4 x 2, ring attention, the balanced layout (the step permutes every
     leaf of the batch, all [B, T]): the same loss and gradient as each document alone."""
