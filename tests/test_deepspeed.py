@@ -1,6 +1,7 @@
 """DeepSpeed configs, written in the shape of DeepSpeed's documented examples, translated."""
 
 import json
+import os
 import warnings
 
 import jax
@@ -124,9 +125,10 @@ def test_zero3_offload_config():
         "zero_optimization.offload_optimizer.pin_memory",
         "train_batch_size",
         "scheduler",
-        "steps_per_print",
     ):
         assert key in text
+    assert "steps_per_print" not in text  # mapped: a console line every 2000 steps
+    assert translate(ZERO3_OFFLOAD).monitor.code() == "zj.monitor.Monitor([zj.monitor.Console(every=2000)])"
     assert "the data loader's job" in text and "XLA schedules" in text
 
 
@@ -343,10 +345,12 @@ def test_the_printed_code_does_what_the_translation_does(size, tmp_path, capsys)
     t = translate(ds)
     assert cli.main(["from-deepspeed", str(path)]) == 0
     lines = [l for l in capsys.readouterr().out.splitlines() if " = " in l]
-    assert [l.split(" = ")[0] for l in lines] == ["config", "mesh", "tx"]
+    assert [l.split(" = ")[0] for l in lines] == ["config", "mesh", "tx", "monitor"]
     ns = {"zj": zj, "jax": jax, "optax": optax}
     exec(lines[0], ns)
     assert ns["config"] == t.config
+    exec(lines[3], ns)
+    assert [(type(w).__name__, w.every) for w in ns["monitor"].writers] == [("Console", 2000)]
     exec(lines[2], ns)
     from tests.test_deepspeed_config import assert_same_run
 
@@ -369,7 +373,7 @@ def test_the_guide_shows_what_the_translation_prints():
     guide = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "migrating.md").read_text()
     shown: dict = {}
     for line in guide.splitlines():  # the first of each: the printed output, before the loop
-        if line.startswith(("config = zj.ZeroConfig(", "tx = optax.")):
+        if line.startswith(("config = zj.ZeroConfig(", "tx = optax.", "monitor = zj.monitor.")):
             shown.setdefault(*line.split(" = ", 1))
     t = translate(
         {
@@ -393,7 +397,7 @@ def test_the_guide_shows_what_the_translation_prints():
             }
         }
     )
-    assert shown == {"config": t.code(), "tx": t.optimizer}
+    assert shown == {"config": t.code(), "tx": t.optimizer, "monitor": f"{t.monitor.code()}  # step = monitor.watch(step)"}
 
 
 def test_shard_groups_must_divide_the_devices_and_are_stage_3_only():
@@ -626,3 +630,55 @@ def test_prefetch_bucket_size_sets_prefetch(key):
     assert filled.config.prefetch == 1
     if key.startswith("stage3_"):
         assert (f"zero_optimization.{key}", int(0.9 * 64 * 64)) in [r[:2] for r in filled.resolved]
+
+
+def test_logging_keys_build_a_monitor_where_deepspeed_writes(tmp_path):
+    """DeepSpeed's monitor sections become zj.monitor writers at DeepSpeed's paths
+    (output_path/job_name); what has no writer is named, and the monitor builds and writes."""
+    out = str(tmp_path)
+    ds = {
+        "zero_optimization": {"stage": 1},
+        "steps_per_print": 3,
+        "tensorboard": {"enabled": True, "output_path": out, "job_name": "tb_job"},
+        "csv_monitor": {"enabled": True, "output_path": out},
+        "wandb": {"enabled": False, "project": "p"},
+        "comet": {"enabled": True, "project": "x"},
+        "wall_clock_breakdown": True,
+        "flops_profiler": {"enabled": True, "profile_step": 1},
+    }
+    t = translate(ds)
+    assert t.monitor.code() == (
+        f"zj.monitor.Monitor([zj.monitor.Console(every=3), zj.monitor.TensorBoard(logdir={out + '/tb_job'!r}), "
+        f"zj.monitor.CSV({out + '/DeepSpeedJobName/metrics.csv'!r}, makedirs=True)], flops_per_step='compiled')"
+    )
+    assert "comet" in t.unmapped and "zj.monitor.Writer" in t.unmapped["comet"]
+    for key in ("steps_per_print", "tensorboard", "csv_monitor", "wandb", "wall_clock_breakdown", "flops_profiler"):
+        assert key not in t.unmapped
+    assert any("step_time_s" in n for n in t.notes) and any("one CSV with a column per metric" in n for n in t.notes)
+    monitor = t.monitor.build(tokens_per_step=8)
+    assert [type(w).__name__ for w in monitor.writers] == ["Console", "TensorBoard", "CSV"]
+    assert monitor.writers[0].every == 3 and monitor.tokens_per_step == 8 and monitor.flops_per_step == "compiled"
+    monitor.write("eval", 1, {"eval_loss": 1.5})
+    monitor.close()
+    assert open(tmp_path / "DeepSpeedJobName" / "metrics.csv").read().splitlines() == [
+        "kind,step,eval_loss",
+        "eval,1,1.5",
+    ]
+    assert os.listdir(tmp_path / "tb_job")  # the event file
+    wandb = translate({"wandb": {"enabled": True, "team": "t", "group": "g"}}).monitor
+    assert wandb.writers[1] == ("WandB", (("project", "deepspeed"), ("group", "g"), ("entity", "t")))
+
+
+@pytest.mark.parametrize(
+    "ds, match",
+    [
+        ({"steps_per_print": 0}, "steps_per_print"),
+        ({"tensorboard": {"enabled": "yes"}}, "tensorboard.enabled"),
+        ({"tensorboard": {"enabled": True, "path": "x"}}, r"no key\(s\) \['path'\]"),
+        ({"wandb": True}, "must be an object"),
+        ({"wall_clock_breakdown": 1}, "wall_clock_breakdown"),
+    ],
+)
+def test_bad_logging_keys_are_refused(ds, match):
+    with pytest.raises(ValueError, match=match):
+        translate(ds)

@@ -184,6 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"tx = {t.optimizer}")
         elif t.schedule:
             print(f"schedule = {t.schedule}  # the optimizer's learning_rate")
+        print(f"monitor = {t.monitor.code()}  # step = monitor.watch(step)")
         if t.message():
             print(t.message(), file=sys.stderr)
         return 0

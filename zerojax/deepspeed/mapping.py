@@ -13,8 +13,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from zerojax.config import ZeroConfig
+from zerojax.deepspeed import monitor_section
 from zerojax.deepspeed.auto import _resolve_auto
 from zerojax.deepspeed.keys import OFFLOAD_OPTIMIZER_KEYS, OFFLOAD_PARAM_KEYS, ZERO_KEYS, check_keys
+from zerojax.deepspeed.monitor_section import STEPS_PER_PRINT_DEFAULT, MonitorSpec
 from zerojax.deepspeed.optimizer_section import _optimizer_lr, _parse_optimizer
 from zerojax.deepspeed.reasons import REASONS
 from zerojax.deepspeed.scheduler import _Schedule, _scheduler
@@ -82,6 +84,10 @@ class Translation:
       tensor: devices of the tensor axis (AutoTP's ``tensor_parallel.autotp_size``), or None.
       pipeline: pipeline stages (the ``PipelineModule``'s ``num_stages``, or the ``pipeline``
         section's ``stages``), or None.
+      monitor: the logging keys (``steps_per_print``, ``tensorboard``, ``wandb``,
+        ``csv_monitor``, ``wall_clock_breakdown``, ``flops_profiler``) as a
+        :class:`zerojax.monitor.Monitor` to build: ``monitor.code()`` prints it,
+        ``monitor.build(tokens_per_step=...)`` makes it.
     """
 
     config: ZeroConfig
@@ -96,6 +102,7 @@ class Translation:
     expert: int | None = None
     tensor: int | None = None
     pipeline: int | None = None
+    monitor: MonitorSpec = MonitorSpec((("Console", (("every", STEPS_PER_PRINT_DEFAULT),)),))
 
     def _mesh_kwargs(self) -> dict[str, int]:
         kw = {}
@@ -469,6 +476,7 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
         "expert_parallel",
         "tensor_parallel",
         "gradient_allreduce_op",
+        *monitor_section.KEYS,
     }
     for key in ds:
         if key not in handled:
@@ -488,6 +496,7 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
         if sched.why:
             unmapped["scheduler"] = sched.why
     tx = None if opt is None else opt.expr(sched.lr, sched.momentum)
+    monitor = monitor_section.parse(ds, unmapped, notes)
     try:
         config = ZeroConfig(**kw, loss_scaling=fp16_kw, offload=offload, collectives=collectives)
     except (TypeError, ValueError) as e:
@@ -505,6 +514,7 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
         expert,
         tensor,
         pipeline,
+        monitor,
     )
 
 

@@ -7,32 +7,20 @@ _XLA = "no equivalent: XLA schedules and fuses the collectives"
 _LOADER = (
     "the data loader's job: train_step takes the global batch (micro-batch x accumulation x devices) and splits it"
 )
-_LOGGING = (
-    "logging: zerojax has no logger of its own; the train step returns its metrics every step (loss, "
-    "grad_norm, loss_scale, skipped) for you to print or write where you log"
-)
-_TIMING = "logging: time the step yourself (jax.block_until_ready on its metrics); XLA fuses it into one program"
-_MONITOR = "logging: write the step's metrics (loss, grad_norm, loss_scale, skipped) with your own writer"
+_LOGGING = "logging: zj.monitor.Monitor records the step's metrics and writes them where you log"
+_TIMING = "zj.monitor.Monitor records each step's time (step_time_s); XLA fuses the step into one program"
 
 # Reasons for keys that are understood but not mapped (paths as "section.key").
 REASONS: dict[str, str] = {
     "train_batch_size": _LOADER,
     "train_micro_batch_size_per_gpu": _LOADER,
-    "steps_per_print": _LOGGING,
-    "wall_clock_breakdown": _TIMING,
     "timers": _TIMING,
     "dump_state": "print(zj.ZeroConfig(...).code()) and zj.report.state_bytes_per_device(state) show the config "
     "and the state",
     "memory_breakdown": "zj.report.state_bytes_per_device(state) and zj.report.step_memory(...) (from the "
     "compiled step) give the memory per device",
-    "tensorboard": _MONITOR,
-    "wandb": _MONITOR,
-    "csv_monitor": _MONITOR,
-    "comet": _MONITOR,
     "comms_logger": "zj.report.communication_report(train_step.lower(state, batch).compile()) counts every "
     "collective of the compiled step, by kind, dtype and mesh axis",
-    "flops_profiler": "the compiled step's cost_analysis() has its FLOPs (train_step.lower(state, batch)"
-    ".compile().cost_analysis())",
     "prescale_gradients": "zerojax averages gradients in fp32 after the reduction (a float16 reduction divides first)",
     "gradient_predivide_factor": "zerojax averages gradients in fp32 after the reduction (a float16 reduction "
     "divides first)",

@@ -107,7 +107,8 @@ class Console(Writer):
 
 class JSONL(Writer):
     """One JSON object per record and line: ``{"kind", "step", ...values}``; flushed per
-    line, so a killed run keeps every record written.
+    line, so a killed run keeps every record written. ``append``: continue the file (a
+    resumed run); ``makedirs``: create its folder.
 
     Example:
       >>> import json, os, tempfile
@@ -118,9 +119,9 @@ class JSONL(Writer):
       {'kind': 'train', 'step': 1, 'loss': 2.0}
     """
 
-    def __init__(self, path: str | os.PathLike, append: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, append: bool = False, makedirs: bool = False) -> None:
         self.path = os.fspath(path)
-        _parent(self.path)
+        _parent(self.path, makedirs)
         self._file = open(self.path, "a" if append else "w")
 
     def write(self, kind: str, step: int, values: dict[str, float]) -> None:
@@ -134,7 +135,7 @@ class JSONL(Writer):
 class CSV(Writer):
     """A CSV of the records: columns ``kind, step`` and every metric seen so far. A record
     with a metric the header lacks rewrites the file with the wider header (earlier rows
-    get empty cells), so no value is ever dropped.
+    get empty cells), so no value is ever dropped. ``makedirs``: create the file's folder.
 
     Example:
       >>> import csv, os, tempfile
@@ -146,9 +147,9 @@ class CSV(Writer):
       [{'kind': 'train', 'step': '1', 'loss': '2.0', 'eval_loss': ''}, {'kind': 'eval', 'step': '1', 'loss': '', 'eval_loss': '2.5'}]
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, makedirs: bool = False) -> None:
         self.path = os.fspath(path)
-        _parent(self.path)
+        _parent(self.path, makedirs)
         self._columns: list[str] = ["kind", "step"]
         self._rows: list[dict] = []
         self._file = open(self.path, "w", newline="")
@@ -221,7 +222,13 @@ class WandB(Writer):
         self._run.finish()
 
 
-def _parent(path: str) -> None:
+def _parent(path: str, makedirs: bool) -> None:
+    """The file's folder exists, or is made with ``makedirs`` (a typo'd path is refused by
+    default rather than writing the metrics somewhere unexpected)."""
     parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise FileNotFoundError(f"no directory {parent!r} for the metrics file {path!r}: create it first.")
+    if makedirs:
+        os.makedirs(parent, exist_ok=True)
+    elif not os.path.isdir(parent):
+        raise FileNotFoundError(
+            f"no directory {parent!r} for the metrics file {path!r}: create it first (or pass makedirs=True)."
+        )
