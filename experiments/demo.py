@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import jax  # noqa: E402
 
@@ -83,20 +82,25 @@ def main(argv=None) -> None:
     traffic_table(report, params)
 
     print(f"\nTraining a {cfg.num_params():,}-parameter GPT with ZeRO-3 on the stdlib's source bytes")
-    losses, seconds = [], []
+    history = zj.monitor.History()
+    monitor = zj.monitor.Monitor(
+        [zj.monitor.Console(every=10), history],
+        tokens_per_step=args.batch * cfg.seq_len,
+        flops_per_token=cfg.flops_per_token(),
+    )
+    step = monitor.watch(train_step)  # prints a line every 10 steps, read a step late
     batch = first
-    for i in range(args.steps):
-        start = time.perf_counter()
-        state, metrics = train_step(state, batch)
-        losses.append(float(metrics["loss"]))  # waits for the step
-        seconds.append(time.perf_counter() - start)
-        if i % 10 == 0 or i == args.steps - 1:
-            print(f"step {i:4d}  loss {losses[-1]:.3f}  {1e3 * seconds[-1]:7.1f} ms")
+    for _ in range(args.steps):
+        state, metrics = step(state, batch)
         batch = next(stream)
+    monitor.close()
+    losses, seconds = history.values("loss"), history.values("step_time_s")
     print(f"\nloss {losses[0]:.3f} -> {np.mean(losses[-5:]):.3f} (mean of last 5 steps)")
-    if len(seconds) > 1:  # the first step compiles
+    if len(seconds) > 1:
+        tokens = history.values("tokens_per_s")
         print(
-            f"{1e3 * np.median(seconds[1:]):.1f} ms/step (median of steps 1-{len(seconds) - 1}; the first is left out)"
+            f"{1e3 * np.median(seconds[1:]):.1f} ms/step, {np.median(tokens[1:]):,.0f} tokens/s "
+            f"(median of steps 2-{len(seconds)}; the first step's compile is its own record)"
         )
 
 

@@ -44,6 +44,11 @@ def test_readme_python_blocks_run(capsys):
     np.testing.assert_array_equal(np.asarray(frozen["l1"]["kernel"][...]), np.asarray(params["l1"]["kernel"][...]))
     assert not np.array_equal(np.asarray(frozen["l2"]["kernel"][...]), np.asarray(params["l2"]["kernel"][...]))
     assert zj.report.state_bytes_per_device(namespace["fstate"])["frozen"] == 4 * (13 * 64 + 64) // 8
+    # The monitor example: one record per step, with the losses the step returned and adamw's rate.
+    history = namespace["history"]
+    assert [r["step"] for r in history.records if r["kind"] == "train"] == [1, 2, 3]
+    assert history.values("learning_rate") == [np.float32(1e-3).item()] * 3
+    assert history.values("loss")[-1] == float(namespace["wmetrics"]["loss"])
     # The pipeline example: each device holds its stage's layers over its 4 data devices.
     piped = namespace["pstate"].master["layers"]
     assert {s.data.size for s in piped.addressable_shards} == {8 * 32 * 32 // (2 * 4)}

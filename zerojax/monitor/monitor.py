@@ -110,8 +110,10 @@ class Monitor:
         return _Watched(self, step)
 
     def write(self, kind: str, step: int, values: dict[str, Any]) -> None:
-        """Hands any record (an evaluation's, say) to the writers now; values are read from
-        the devices (a sync) and must be scalars."""
+        """Hands any record (an evaluation's, say) to the writers now, after the train steps
+        still pending (records stay in step order); values are read from the devices (a
+        sync) and must be scalars."""
+        self.flush()
         self._emit(kind, int(step), {k: _scalar(k, v) for k, v in values.items()})
 
     def note(self, text: str) -> None:

@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any, TextIO
 
-__all__ = ["CSV", "JSONL", "Console", "TensorBoard", "WandB", "Writer"]
+__all__ = ["CSV", "JSONL", "Console", "History", "TensorBoard", "WandB", "Writer"]
 
 
 class Writer:
@@ -103,6 +103,28 @@ class Console(Writer):
 
     def note(self, text: str) -> None:
         self._print(text)
+
+
+class History(Writer):
+    """Keeps the records in memory: ``records`` is a list of ``{"kind", "step", ...values}``,
+    and :meth:`values` one metric's values over a kind's records (to plot or summarise).
+
+    Example:
+      >>> from zerojax.monitor import History
+      >>> h = History()
+      >>> h.write("train", 1, {"loss": 2.0}); h.write("train", 2, {"loss": 1.5})
+      >>> h.values("loss")
+      [2.0, 1.5]
+    """
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def write(self, kind: str, step: int, values: dict[str, float]) -> None:
+        self.records.append({"kind": kind, "step": step, **values})
+
+    def values(self, metric: str, kind: str = "train") -> list[float]:
+        return [r[metric] for r in self.records if r["kind"] == kind and metric in r]
 
 
 class JSONL(Writer):
