@@ -397,7 +397,11 @@ def test_the_guide_shows_what_the_translation_prints():
             }
         }
     )
-    assert shown == {"config": t.code(), "tx": t.optimizer, "monitor": f"{t.monitor.code()}  # step = monitor.watch(step)"}
+    assert shown == {
+        "config": t.code(),
+        "tx": t.optimizer,
+        "monitor": f"{t.monitor.code()}  # step = monitor.watch(step)",
+    }
 
 
 def test_shard_groups_must_divide_the_devices_and_are_stage_3_only():
