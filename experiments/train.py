@@ -1,8 +1,8 @@
 """Train the experiments' GPT with ZeRO on byte-level text from the Python standard library.
 
-Every option of a run is a flag; metrics go to a JSON-lines log (one object per line: a
-``config`` record, then ``train`` records every step and ``eval`` records on held-out
-text), and a progress bar shows the run. With no accelerator, ``--devices`` simulated CPU
+Every option of a run is a flag; the loop is ``zj.fit`` and its metrics ``zj.monitor``'s,
+written to a JSON-lines log (one object per line: a ``config`` record, then ``train``
+records every step and ``eval`` records on held-out text), with a progress bar. With no accelerator, ``--devices`` simulated CPU
 devices stand in for GPUs.
 
     python experiments/train.py --stage 3 --precision bf16 --steps 300 --log run.jsonl --plot run.png
@@ -18,7 +18,6 @@ import json
 import math
 import os
 import sys
-import time
 from collections.abc import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -121,7 +120,6 @@ def train(args: argparse.Namespace) -> list[dict]:
     """Runs the training; returns the records it logged."""
     setup_devices(args.devices)
     import jax
-    import numpy as np
     import optax
 
     import zerojax as zj
@@ -161,67 +159,41 @@ def train(args: argparse.Namespace) -> list[dict]:
     train_stream = data.windows(corpus[:split], args.batch, cfg.seq_len, seed=args.seed)
     eval_rng = data.windows(corpus[split:], args.batch, cfg.seq_len, seed=12345)
     eval_set = [next(eval_rng) for _ in range(args.eval_batches)]
-    tokens_per_step = args.batch * cfg.seq_len
 
-    records: list[dict] = []
-    log = open(args.log, "w") if args.log else None
-
-    def emit(record: dict) -> None:
-        records.append(record)
-        if log:
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-
-    emit(
-        {
-            "kind": "config",
-            **vars(args),
-            "params": cfg.num_params(),
-            "platform": platform,
-            "n_devices": len(devices),
-            "jax": jax.__version__,
-            "zero": repr(zc),
-        }
+    config_record = {
+        "kind": "config",
+        **vars(args),
+        "params": cfg.num_params(),
+        "platform": platform,
+        "n_devices": len(devices),
+        "jax": jax.__version__,
+        "zero": repr(zc),
+    }
+    history = zj.monitor.History()
+    writers = [history]
+    if args.log:
+        with open(args.log, "w") as f:
+            f.write(json.dumps(config_record) + "\n")
+        writers.append(zj.monitor.JSONL(args.log, append=True))
+    writers.append(
+        zj.monitor.Console(every=args.eval_every or 50)
+        if args.no_progress
+        else zj.monitor.ProgressBar(args.steps, disable=False)
     )
-
-    def evaluate(i: int) -> None:
-        val = float(np.mean([float(eval_loss(state, b)) for b in eval_set]))
-        emit({"kind": "eval", "step": i, "val_loss": val, "val_bits_per_byte": val / math.log(2)})
-
-    bar = None
-    if not args.no_progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=args.steps, unit="step", dynamic_ncols=True, file=sys.stderr)
-    start = time.perf_counter()
-    for i in range(args.steps):
-        t0 = time.perf_counter()
-        state, m = step(state, next(train_stream))
-        loss = float(m["loss"])  # waits for the step
-        dt = time.perf_counter() - t0
-        rec = {
-            "kind": "train",
-            "step": i,
-            "loss": loss,
-            "grad_norm": float(m["grad_norm"]),
-            "lr": float(lr(i)),
-            "loss_scale": float(m["loss_scale"]),
-            "skipped": bool(m["skipped"]),
-            "step_s": dt,
-            "tokens_per_s": tokens_per_step / dt,
-            "elapsed_s": time.perf_counter() - start,
-        }
-        emit(rec)
-        if bar is not None:
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}", refresh=False)
-            bar.update(1)
-        if args.eval_every and (i + 1) % args.eval_every == 0 and i + 1 < args.steps:
-            evaluate(i)
-    if bar is not None:
-        bar.close()
-    evaluate(args.steps - 1)
-    if log:
-        log.close()
+    monitor = zj.monitor.Monitor(
+        writers, tokens_per_step=args.batch * cfg.seq_len, flops_per_token=cfg.flops_per_token()
+    )
+    zj.fit(
+        step,
+        state,
+        train_stream,
+        steps=args.steps,
+        monitor=monitor,
+        eval_step=eval_loss,
+        eval_data=eval_set,
+        eval_every=args.eval_every,
+    )
+    records = [config_record, *history.records]
     if args.plot:
         plot(records, args.plot)
     return records
@@ -245,7 +217,7 @@ def plot(records: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, loss, color="tab:blue", alpha=0.3, lw=1, label="train loss (per step)")
     ax.plot(steps[k - 1 :], smooth, color="tab:blue", lw=2, label=f"train loss ({k}-step mean)")
-    ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", color="tab:red", label="held-out loss")
+    ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", color="tab:red", label="held-out loss")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats per byte)")
     ax.set_title(
@@ -261,17 +233,19 @@ def plot(records: list[dict], path: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    import numpy as np
+
     args = parse_args(argv)
     records = train(args)
     train_recs = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
     first = sum(r["loss"] for r in train_recs[:5]) / min(5, len(train_recs))
     last = sum(r["loss"] for r in train_recs[-5:]) / min(5, len(train_recs))
-    skipped = sum(r["skipped"] for r in train_recs)
+    skipped = int(train_recs[-1].get("skipped_steps", 0))
     print(
         f"train loss {first:.3f} -> {last:.3f} (means of first/last 5 steps); held-out loss "
-        f"{evals[-1]['val_loss']:.3f} ({evals[-1]['val_bits_per_byte']:.2f} bits/byte); "
-        f"{skipped} skipped steps"
+        f"{evals[-1]['eval_loss']:.3f} ({evals[-1]['eval_loss'] / math.log(2):.2f} bits/byte); "
+        f"{skipped} skipped steps; {np.median([r['tokens_per_s'] for r in train_recs[1:]]):,.0f} tokens/s"
     )
 
 

@@ -85,6 +85,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the reference models and their weight maps", {"models", "maps"}),
     ("Flax NNX training", {"nnx"}),
     ("DeepSpeed configs, the autotuner and run monitoring", {"deepspeed", "tuning", "monitor"}),
+    ("the training loop", {"loop"}),
     ("the package root and its listing", {"(zerojax)", "_surface"}),
     ("the command line and the launcher", {"cli", "launch"}),
 ]

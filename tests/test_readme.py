@@ -49,6 +49,8 @@ def test_readme_python_blocks_run(capsys):
     assert [r["step"] for r in history.records if r["kind"] == "train"] == [1, 2, 3]
     assert history.values("learning_rate") == [np.float32(1e-3).item()] * 3
     assert history.values("loss")[-1] == float(namespace["wmetrics"]["loss"])
+    # zj.fit: ten steps.
+    assert int(namespace["fit_state"].step) == 10
     # The pipeline example: each device holds its stage's layers over its 4 data devices.
     piped = namespace["pstate"].master["layers"]
     assert {s.data.size for s in piped.addressable_shards} == {8 * 32 * 32 // (2 * 4)}

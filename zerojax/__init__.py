@@ -28,6 +28,7 @@ from zerojax.checkpoint import export_weights, load_weights, restore_checkpoint,
 from zerojax.config import ZeroConfig
 from zerojax.deepspeed import from_deepspeed
 from zerojax.evaluate import EvalStep, make_eval_step
+from zerojax.loop import fit
 from zerojax.params import gather_params
 from zerojax.sharding.mesh import make_mesh
 from zerojax.state import ZeroState, abstract_state, init_state
@@ -50,6 +51,7 @@ __all__ = [
     "data",
     "distributed",
     "export_weights",
+    "fit",
     "from_deepspeed",
     "gather_params",
     "init_state",

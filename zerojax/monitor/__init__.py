@@ -11,6 +11,6 @@ JSON lines, CSV, TensorBoard and Weights & Biases.
 """
 
 from zerojax.monitor.monitor import Monitor
-from zerojax.monitor.writers import CSV, JSONL, Console, History, TensorBoard, WandB, Writer
+from zerojax.monitor.writers import CSV, JSONL, Console, History, ProgressBar, TensorBoard, WandB, Writer
 
-__all__ = ["CSV", "JSONL", "Console", "History", "Monitor", "TensorBoard", "WandB", "Writer"]
+__all__ = ["CSV", "JSONL", "Console", "History", "Monitor", "ProgressBar", "TensorBoard", "WandB", "Writer"]

@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any, TextIO
 
-__all__ = ["CSV", "JSONL", "Console", "History", "TensorBoard", "WandB", "Writer"]
+__all__ = ["CSV", "JSONL", "Console", "History", "ProgressBar", "TensorBoard", "WandB", "Writer"]
 
 
 class Writer:
@@ -103,6 +103,40 @@ class Console(Writer):
 
     def note(self, text: str) -> None:
         self._print(text)
+
+
+class ProgressBar(Writer):
+    """A tqdm bar of ``total`` steps on stderr, with the loss, tokens/s and ms/step beside
+    it; notices print above it. ``disable=None``: shown on a terminal only, not in CI
+    (:func:`zerojax.progress.quiet`); ``False``: always.
+
+    Example:
+      >>> from zerojax.monitor import ProgressBar
+      >>> bar = ProgressBar(total=2)  # hidden here: stderr is no terminal
+      >>> bar.write("train", 1, {"loss": 2.0}); bar.close()
+    """
+
+    def __init__(self, total: int | None = None, disable: bool | None = None) -> None:
+        from zerojax.progress import bar
+
+        self._bar = bar(total, "train", unit="step", disable=disable)
+
+    def write(self, kind: str, step: int, values: dict[str, float]) -> None:
+        if kind != "train":
+            return
+        shown = {"loss": f"{values['loss']:.4f}"} if "loss" in values else {}
+        if "tokens_per_s" in values:
+            shown["tok/s"] = _si(values["tokens_per_s"])
+        if "step_time_s" in values:
+            shown["ms/step"] = f"{values['step_time_s'] * 1e3:.1f}"
+        self._bar.set_postfix(shown, refresh=False)
+        self._bar.update(step - self._bar.n)
+
+    def note(self, text: str) -> None:
+        self._bar.write(text, file=sys.stderr)
+
+    def close(self) -> None:
+        self._bar.close()
 
 
 class History(Writer):
