@@ -39,6 +39,11 @@ A pipeline table follows (``--pipeline-stages``; empty to skip): the same GPT at
 against ``P = 1`` on the same devices: step time, tokens/s and the ratio. It needs ``P``
 devices; on a host with fewer it says so and measures nothing (one GPU has no pipeline).
 
+A monitor table follows (``--monitor-steps``; 0 to skip): the same GPT at stage 3 stepped
+with no reads, with ``float(loss)`` after every step (a hand-written print's host sync) and
+through ``zj.monitor`` (each step read once the next is queued), in turns, three rounds
+(``experiments/monitor_overhead.py``).
+
 XLA's GPU overlap flags (``zerojax.xla_flags``) are set before JAX starts (set
 ``ZEROJAX_NO_OVERLAP_FLAGS=1`` to measure without them); the table header prints them.
 
@@ -68,7 +73,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import zerojax as zj  # noqa: E402
-from experiments import remat_table  # noqa: E402
+from experiments import monitor_overhead, remat_table  # noqa: E402
 from experiments.progress import bar  # noqa: E402
 from zerojax.models import attention_choice as zattn  # noqa: E402
 from zerojax.models import gpt, llama  # noqa: E402
@@ -306,6 +311,36 @@ def pipeline_rows(args, stages: list[int]) -> list[dict]:
     return rows
 
 
+def monitor_table(args, device) -> list[dict]:
+    """What watching costs: the first row's model (ZeRO-3, bf16) stepped with no reads, with
+    ``float(loss)`` after every step, and through ``zj.monitor`` (read a step late), side
+    by side (experiments/monitor_overhead.py)."""
+    cfg = gpt.GPTConfig(
+        vocab=args.vocab, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads
+    )
+    graphdef, params = gpt.init(cfg)
+    tx = optax.adamw(1e-4, b2=0.95, weight_decay=0.1)
+    mesh = zj.make_mesh([device])
+    zc = zj.ZeroConfig(stage=3, compute_dtype="bfloat16", grad_clip=1.0)
+    state = zj.init_state(params, tx, mesh=mesh, config=zc)
+    del params
+    step = zj.make_train_step(gpt.make_loss(graphdef), tx, mesh=mesh, config=zc)
+    rng = np.random.default_rng(0)
+    batches = [
+        {"tokens": jax.device_put(rng.integers(0, cfg.vocab, (args.batch, cfg.seq_len + 1), dtype=np.int32), device)}
+        for _ in range(2)
+    ]
+    state, m = step(state, batches[0])
+    float(m["loss"])
+    rows, state = monitor_overhead.loops_side_by_side(
+        step, state, batches, args.monitor_steps, 3, args.batch * cfg.seq_len
+    )
+    del state, step
+    print(f"\nWatching a run (ZeRO-3 bf16, {args.monitor_steps} steps x 3 rounds, medians):\n")
+    print(monitor_overhead.table(rows))
+    return rows
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d-model", type=int, default=1024)
@@ -344,6 +379,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--attn-vocab", type=int, default=32000, help="vocabulary of the model-attention table's Llama")
     ap.add_argument("--attn-batch", type=int, default=1, help="batch of the model-attention table")
     ap.add_argument("--pipeline-stages", default="2,4", help="pipeline degrees of the pipeline table (empty: skip)")
+    ap.add_argument(
+        "--monitor-steps", type=int, default=20, help="steps per loop of the monitor-overhead table (0: skip)"
+    )
     args = ap.parse_args(argv)
     device = jax.devices()[0]
     peak = peak_flops(device, args.peak_tflops)
@@ -409,6 +447,7 @@ def main(argv=None) -> list[dict]:
     long_rows = long_context([int(x) for x in args.long_seqs.split(",") if x], args.long_heads, args.long_block, peak)
     attention_rows = [] if args.no_model_attention else model_attention(args, device)
     pipe_rows = pipeline_rows(args, [int(x) for x in args.pipeline_stages.split(",") if x])
+    monitor_rows = monitor_table(args, device) if args.monitor_steps else []
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -422,6 +461,7 @@ def main(argv=None) -> list[dict]:
                     "long_context": long_rows,
                     "model_attention": attention_rows,
                     "pipeline": pipe_rows,
+                    "monitor": monitor_rows,
                 },
                 f,
                 indent=1,
