@@ -339,8 +339,14 @@ class ZeroConfig:
 _FIELDS = frozenset(f.name for f in dataclasses.fields(ZeroConfig))
 # Each name that is a group's field, not ZeroConfig's, -> (group, field): the flat keywords of
 # before the groups (groups.FLAT) and the groups' own field names given at the top level.
+# A name two groups share (offload.optimizer, state_dtypes.optimizer) names the first group's.
 _GROUPED: dict[str, tuple[str, str]] = {
-    **{f.name: (g, f.name) for g, cls in GROUPS.items() for f in dataclasses.fields(cls) if f.name not in _FIELDS},
+    **{
+        f.name: (g, f.name)
+        for g, cls in reversed(GROUPS.items())
+        for f in dataclasses.fields(cls)
+        if f.name not in _FIELDS
+    },
     **FLAT,
 }
 
