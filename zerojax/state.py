@@ -331,8 +331,11 @@ def _init_program(params, tx, *, mesh, config, model_state=None, trainable=None,
             for l, x, s_in in zip(master_ls, train, loaded_train)
         ]
         opt = jax.tree.leaves(tx.init(plan.unflatten_train(masters)))
+        # Stored in their storage dtypes (ZeroConfig.state_dtypes: bf16 rounds to nearest).
         storage = [
-            jax.lax.with_sharding_constraint(l.to_storage(x), s) if s_in is None else s_in
+            jax.lax.with_sharding_constraint(l.to_storage(x.astype(plan.master_storage_dtype(l))), s)
+            if s_in is None
+            else s_in.astype(plan.master_storage_dtype(l))
             for l, x, s, s_in in zip(master_ls, masters, shardings, loaded_train)
         ]
         p, m = stage.fields(plan, storage)
@@ -340,7 +343,7 @@ def _init_program(params, tx, *, mesh, config, model_state=None, trainable=None,
             f_in if f_in is not None else l.to_storage(jnp.asarray(x).astype(l.dtype))
             for l, x, f_in in zip(plan.frozen_layouts, frozen, loaded_frozen)
         ]
-        opt = [l.to_storage(x) for l, x in zip(plan.opt_storage_layouts, opt)]
+        opt = [l.to_storage(x.astype(l.dtype)) for l, x in zip(plan.opt_storage_layouts, opt)]
         return (
             None if p is None else plan.unflatten_train(p),
             None if m is None else plan.unflatten_train(m),

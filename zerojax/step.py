@@ -87,7 +87,7 @@ def _step(
     skip = jnp.logical_not(finite) if cfg.checks_finite else jnp.asarray(False)
     # A non-finite step changes nothing, bit for bit.
     new_masters, opt_state = apply_optimizer(
-        plan, tx, grads, state.opt_state, masters, skip if cfg.checks_finite else None, update_place
+        plan, tx, grads, state.opt_state, masters, skip if cfg.checks_finite else None, update_place, state.step
     )
     if cfg.checks_finite and options.with_model_state:
         new_model_state = keep_if(skip, state.model_state, new_model_state)

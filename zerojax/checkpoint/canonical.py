@@ -8,6 +8,11 @@ each array in its saved layout for N' shards (orbax pads or truncates the zero p
 the end of the split axis), then re-lays it out for the target stage and device count
 inside one jitted program (nothing moves when the layout is the same, which is the usual
 case: a layout depends on N only through divisibility).
+
+Dtypes: a checkpoint holds the dtypes the optimizer computes in (fp32 masters, the
+optimizer state as ``tx.init`` makes it), whatever ``ZeroConfig.state_dtypes`` stores:
+saving widens bf16 exactly, restoring into bf16 storage rounds to nearest. So a state saved
+with bf16 moments or masters restores into an fp32 run and the other way.
 """
 
 from __future__ import annotations
@@ -121,11 +126,19 @@ def to_canonical(state: ZeroState) -> tuple[dict, Meta]:
 
     def convert(params, master, frozen, opt):
         masters = stage.masters(plan, _leaves(params) or None, _leaves(master) or None)
-        masters = [relayout(s, d, x) for s, d, x in zip(plan.master_layouts, train_layouts, masters)]
+        # Checkpoints hold what the optimizer computes in: masters in fp32 and the optimizer state in
+        # tx.init's dtypes, whatever ZeroConfig.state_dtypes stores (bf16 widens exactly).
+        masters = [
+            relayout(s, d, x).astype(master_dtype(d.dtype))
+            for s, d, x in zip(plan.master_layouts, train_layouts, masters)
+        ]
         frozen = [
             relayout(s, d, x) for s, d, x in zip(plan.frozen_layouts, plan.frozen_sharded_layouts, _leaves(frozen))
         ]
-        opt = [relayout(s, d, x) for s, d, x in zip(plan.opt_storage_layouts, plan.opt_layouts, _leaves(opt))]
+        opt = [
+            relayout(s, d, x).astype(d.dtype)
+            for s, d, x in zip(plan.opt_storage_layouts, plan.opt_layouts, _leaves(opt))
+        ]
         return masters, frozen, opt
 
     out = (plan.shardings(train_layouts), plan.shardings(plan.frozen_sharded_layouts), plan.shardings(plan.opt_layouts))
@@ -210,7 +223,11 @@ def from_canonical(arrays: dict, meta: Meta, plan: ZeroPlan, model_state_def: An
     frozen_idx = [i for i in range(len(plan.layouts)) if not plan.is_trainable(i)]
 
     def build(masters, frozen, opt):
-        masters = [relayout(meta.layout(i, plan), l, masters[str(i)]) for i, l in zip(train_idx, plan.master_layouts)]
+        # Into the storage dtypes of ZeroConfig.state_dtypes: bf16 rounds to nearest.
+        masters = [
+            relayout(meta.layout(i, plan), l, masters[str(i)]).astype(plan.master_storage_dtype(l))
+            for i, l in zip(train_idx, plan.master_layouts)
+        ]
         frozen = [
             relayout(meta.frozen_layout(j, plan), l, frozen[str(i)]).astype(l.dtype)
             for j, (i, l) in enumerate(zip(frozen_idx, plan.frozen_layouts))

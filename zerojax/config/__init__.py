@@ -3,7 +3,7 @@
 Why the groups are the ones they are: docs/design.md ("ZeroConfig's groups").
 """
 
-from zerojax.config.groups import Axes, Collectives, ContextParallel, LossScaling, Offload, Pipeline
+from zerojax.config.groups import Axes, Collectives, ContextParallel, LossScaling, Offload, Pipeline, StateDtypes
 from zerojax.config.step_options import StepOptions
 from zerojax.config.zero import COMPUTE_DTYPES, STAGES, ZeroConfig
 
@@ -16,6 +16,7 @@ __all__ = [
     "Pipeline",
     "LossScaling",
     "Offload",
+    "StateDtypes",
     "StepOptions",
     "ZeroConfig",
 ]

@@ -180,6 +180,61 @@ class Collectives:
                 raise ValueError(f"Collectives.{name} must be a positive int (elements per int8 block), got {value!r}.")
 
 
+STATE_DTYPES = ("float32", "bfloat16")
+ROUNDINGS = ("nearest", "stochastic")
+
+
+@dataclasses.dataclass(frozen=True)
+class StateDtypes:
+    """The storage dtypes of the optimizer state and the masters (opt-in low precision):
+    DeepSpeed's ``bf16.bf16_optimizer_states`` and ``bf16.bf16_master_weights_and_grads``.
+
+    The optimizer always computes in fp32: each step casts the stored state up, runs the
+    optax update, and casts the result down to its storage dtype (see docs/state_dtypes.md).
+
+    Attributes:
+      optimizer: "float32" (default) or "bfloat16": the optax state's float32 arrays
+        (Adam's moments, factored statistics) stored in bf16, half their bytes. Scalars
+        (step counts, injected hyperparameters) and non-float leaves keep their dtype.
+      masters: "float32" (default) or "bfloat16": the master weights of stages 1–3 stored
+        in bf16 (needs ``compute_dtype="bfloat16"``: forward reads bf16 then, so the stored
+        bf16 value is exactly what it reads). At stages 2–3 the reduced gradient shard is
+        made in the masters' dtype, so it is bf16 too, as in DeepSpeed.
+      rounding: how a new master is cast down to bf16: "nearest" (round to nearest even,
+        what DeepSpeed does; updates smaller than half a bf16 ulp are lost) or "stochastic"
+        (rounded up with probability equal to the remainder, so the stored value is
+        unbiased: its expectation is the fp32 result). Only with ``masters="bfloat16"``.
+      seed: the seed of stochastic rounding's keys: step ``s`` rounds with
+        ``fold_in(key(seed), s)``, so a resumed run rounds as the uninterrupted one did.
+
+    Example:
+      >>> from zerojax.config import StateDtypes
+      >>> StateDtypes(optimizer="bfloat16")
+      StateDtypes(optimizer='bfloat16', masters='float32', rounding='nearest', seed=0)
+      >>> StateDtypes(rounding="stochastic")
+      Traceback (most recent call last):
+      ...
+      ValueError: StateDtypes.rounding='stochastic' rounds bf16 masters; masters='float32' rounds nothing. Set masters='bfloat16', or rounding='nearest'.
+    """
+
+    optimizer: Any = "float32"
+    masters: Any = "float32"
+    rounding: str = "nearest"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("optimizer", "masters"):
+            object.__setattr__(self, name, dtype_name(getattr(self, name), f"StateDtypes.{name}", STATE_DTYPES))
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"StateDtypes.rounding must be 'nearest' or 'stochastic', got {self.rounding!r}.")
+        if self.rounding == "stochastic" and self.masters == "float32":
+            raise ValueError(
+                "StateDtypes.rounding='stochastic' rounds bf16 masters; masters='float32' rounds nothing. "
+                "Set masters='bfloat16', or rounding='nearest'."
+            )
+        check_int("StateDtypes", self, "seed")
+
+
 def _check_rules(rules: Any) -> tuple:
     """``rules`` as a tuple of ``(logical name, mesh axis | tuple of axes | None)``."""
     if isinstance(rules, dict):
@@ -447,6 +502,7 @@ GROUPS: dict[str, type] = {
     "axes": Axes,
     "context": ContextParallel,
     "pipeline": Pipeline,
+    "state_dtypes": StateDtypes,
 }
 """Each group's field in ``ZeroConfig`` and its class."""
 

@@ -20,6 +20,7 @@ from zerojax.config.groups import (
     LossScaling,
     Offload,
     Pipeline,
+    StateDtypes,
     check_bool,
     check_int,
     dtype_name,
@@ -52,7 +53,8 @@ class ZeroConfig:
         state and gradients sharded) or 3 (optimizer state, gradients and parameters
         sharded; parameters are gathered where each layer uses them).
       compute_dtype: "float32", "bfloat16" or "float16" for forward and backward; the
-        optimizer always updates fp32 master weights. Floating batch leaves are cast to it
+        optimizer always computes on fp32 master weights (stored in fp32 unless
+        ``state_dtypes.masters="bfloat16"``). Floating batch leaves are cast to it
         too (as DeepSpeed's engine does); integer ones are not.
       grad_clip: clip by the global norm over all shards, after unscaling (None: off).
       grad_accum_steps: micro-batches per optimizer step, inside one compiled step.
@@ -82,6 +84,8 @@ class ZeroConfig:
       axes: :class:`~zerojax.config.Axes`, the mesh's axis names and a model's own names.
       context: :class:`~zerojax.config.ContextParallel`, the sequence layout over the context axis.
       pipeline: :class:`~zerojax.config.Pipeline`, micro-batches and schedule over the pipeline axis.
+      state_dtypes: :class:`~zerojax.config.StateDtypes`, bf16 storage of the optimizer state
+        and the masters (opt-in; DeepSpeed's ``bf16_optimizer_states``).
 
     One spelling: a group's fields are given and read through the group
     (``offload={"optimizer": True}``, ``config.offload.optimizer``). A keyword or attribute
@@ -124,6 +128,7 @@ class ZeroConfig:
     axes: Axes = Axes()
     context: ContextParallel = ContextParallel()
     pipeline: Pipeline = Pipeline()
+    state_dtypes: StateDtypes = StateDtypes()
 
     __signature__ = _InitSignature()
 
@@ -212,6 +217,18 @@ class ZeroConfig:
             raise ValueError(
                 f"ZeroConfig.prefetch={self.prefetch} gathers stage 3's weights ahead of their use; stage "
                 f"{self.stage} gathers none per use. Use stage=3, or prefetch=0."
+            )
+        masters = self.state_dtypes.masters
+        if masters != "float32" and self.stage == 0:
+            raise ValueError(
+                f"ZeroConfig.state_dtypes.masters={masters!r} stores the sharded masters of stages 1–3; "
+                "stage 0's masters are the replicated parameters. Use stage=1, 2 or 3, or masters='float32'."
+            )
+        if masters != "float32" and self.compute_dtype != masters:
+            raise ValueError(
+                f"ZeroConfig.state_dtypes.masters={masters!r} needs compute_dtype={masters!r} (forward then "
+                f"reads the stored values as they are), got compute_dtype={self.compute_dtype!r}. Use "
+                f"compute_dtype={masters!r}, or masters='float32'."
             )
         if self.prefetch and self.offload.params:
             raise ValueError(
@@ -322,8 +339,14 @@ class ZeroConfig:
 _FIELDS = frozenset(f.name for f in dataclasses.fields(ZeroConfig))
 # Each name that is a group's field, not ZeroConfig's, -> (group, field): the flat keywords of
 # before the groups (groups.FLAT) and the groups' own field names given at the top level.
+# A name two groups share (offload.optimizer, state_dtypes.optimizer) names the first group's.
 _GROUPED: dict[str, tuple[str, str]] = {
-    **{f.name: (g, f.name) for g, cls in GROUPS.items() for f in dataclasses.fields(cls) if f.name not in _FIELDS},
+    **{
+        f.name: (g, f.name)
+        for g, cls in reversed(GROUPS.items())
+        for f in dataclasses.fields(cls)
+        if f.name not in _FIELDS
+    },
     **FLAT,
 }
 

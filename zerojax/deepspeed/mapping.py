@@ -43,6 +43,7 @@ _FP16_MAPPED = (
     "consecutive_hysteresis",
     "min_loss_scale",
 )
+_BF16_MAPPED = ("enabled", "bf16_master_weights_and_grads", "bf16_optimizer_states")
 _ZERO_MAPPED = (
     "stage",
     "offload_optimizer",
@@ -249,6 +250,7 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
     fp16_kw: dict[str, Any] = {}  # the fp16 section: LossScaling
     offload: dict[str, Any] = {}  # offload_optimizer, offload_param, sub_group_size: Offload
     collectives: dict[str, Any] = {}  # communication_data_type, ZeRO++'s quantization: Collectives
+    state_dtypes: dict[str, Any] = {}  # bf16's bf16_master_weights_and_grads, bf16_optimizer_states: StateDtypes
     ds, resolved = _resolve_auto(_load(source), auto, notes)
 
     # ZeRO stage and offload.
@@ -368,9 +370,10 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
             fp16_kw["consecutive_hysteresis"] = _flag(fp16["consecutive_hysteresis"], "fp16.consecutive_hysteresis")
     elif bf16_on:
         kw["compute_dtype"] = "bfloat16"
+        state_dtypes.update(_bf16_state(bf16, notes))
     for name, section, on in (("fp16", fp16, fp16_on), ("bf16", bf16, bf16_on)):
         for key in section:
-            if key == "enabled" or (name == "fp16" and on and key in _FP16_MAPPED):
+            if key == "enabled" or (on and key in {"fp16": _FP16_MAPPED, "bf16": _BF16_MAPPED}[name]):
                 continue
             path = f"{name}.{key}"
             unmapped[path] = (
@@ -498,7 +501,9 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
     tx = None if opt is None else opt.expr(sched.lr, sched.momentum)
     monitor = monitor_section.parse(ds, unmapped, notes)
     try:
-        config = ZeroConfig(**kw, loss_scaling=fp16_kw, offload=offload, collectives=collectives)
+        config = ZeroConfig(
+            **kw, loss_scaling=fp16_kw, offload=offload, collectives=collectives, state_dtypes=state_dtypes
+        )
     except (TypeError, ValueError) as e:
         raise ValueError(f"the DeepSpeed config maps to an invalid ZeroConfig: {e}") from None
     return Translation(
@@ -525,6 +530,31 @@ _PIPELINE_REASONS = {
     "grad_partitioned": "no equivalent: the activation gradient between two stages moves whole",
     "activation_checkpoint_interval": "set ZeroConfig(remat=...): a remat policy applies to every layer of each stage",
 }
+
+
+def _bf16_state(bf16: Mapping, notes: list[str]) -> dict[str, Any]:
+    """``StateDtypes`` fields from the bf16 section's ``bf16_master_weights_and_grads`` and
+    ``bf16_optimizer_states`` (DeepSpeed PR #7700): bf16 masters round to nearest, as DeepSpeed's do."""
+    masters = _flag(bf16.get("bf16_master_weights_and_grads", False), "bf16.bf16_master_weights_and_grads")
+    opt = _flag(bf16.get("bf16_optimizer_states", False), "bf16.bf16_optimizer_states")
+    if opt and not masters:
+        raise ValueError(
+            "DeepSpeed config sets bf16.bf16_optimizer_states without bf16.bf16_master_weights_and_grads, which "
+            "DeepSpeed refuses. Set both, or, for bf16 moments with fp32 masters (which zerojax runs), "
+            "ZeroConfig(state_dtypes={'optimizer': 'bfloat16'})."
+        )
+    out: dict[str, Any] = {}
+    if masters:
+        out["masters"] = "bfloat16"
+        notes.append(
+            "bf16.bf16_master_weights_and_grads: the masters are stored in bf16 and round to nearest as DeepSpeed's "
+            "do (state_dtypes.masters='bfloat16'); the update computes in fp32, and at stages 2-3 the reduced "
+            "gradient shard is bf16 too. StateDtypes(rounding='stochastic') keeps the trajectory closer to fp32 "
+            "(docs/state_dtypes.md)."
+        )
+    if opt:
+        out["optimizer"] = "bfloat16"
+    return out
 
 
 def _pipeline(section: Any, stages: int | None, kw: dict, notes: list[str], unmapped: dict[str, str]) -> int | None:

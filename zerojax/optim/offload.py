@@ -103,9 +103,12 @@ def update_groups(plan: ZeroPlan, tx: Any, group_size: int) -> UpdateGroups:
     if not check.reading():
         whole = tuple(i for i in range(2 * n + m) if i not in set(shared))
         return UpdateGroups(((whole, tuple(range(n + m))),), tuple(shared))
-    masters = [jax.ShapeDtypeStruct(l.storage_shape, jnp.float32, sharding=plan.sharding(l)) for l in layouts]
+    grads = [jax.ShapeDtypeStruct(l.storage_shape, jnp.float32, sharding=plan.sharding(l)) for l in layouts]
+    masters = [
+        jax.ShapeDtypeStruct(l.storage_shape, plan.master_storage_dtype(l), sharding=plan.sharding(l)) for l in layouts
+    ]
     opt = [jax.ShapeDtypeStruct(l.storage_shape, l.dtype, sharding=plan.sharding(l)) for l in opt_layouts]
-    jaxpr = jax.make_jaxpr(lambda g, o, w: update(plan, tx, g, o, w))(masters, opt, masters).jaxpr
+    jaxpr = jax.make_jaxpr(lambda g, o, w: update(plan, tx, g, o, w, step=jnp.int32(0)))(grads, opt, masters).jaxpr
     deps = _dependencies(jaxpr)
 
     # Units: leaf i (its gradient, its master) is unit i; optimizer-state leaf j is unit n+j.
@@ -155,7 +158,9 @@ def update_groups(plan: ZeroPlan, tx: Any, group_size: int) -> UpdateGroups:
     return UpdateGroups(tuple(groups), tuple(shared))
 
 
-def apply_on_host(plan: ZeroPlan, tx: Any, grads: list, opt: list, masters: list, skip: jax.Array | None):
+def apply_on_host(
+    plan: ZeroPlan, tx: Any, grads: list, opt: list, masters: list, skip: jax.Array | None, step: Any = None
+):
     """The update inside ``compute_on("device_host")``, on host-memory copies."""
     g, m, o = (
         _move(plan, grads, plan.master_layouts, HOST),
@@ -165,7 +170,7 @@ def apply_on_host(plan: ZeroPlan, tx: Any, grads: list, opt: list, masters: list
     flag = None if skip is None else jax.device_put(skip, NamedSharding(plan.mesh, P(), memory_kind=HOST))
 
     def run(g, o, m, flag):
-        new_m, new_o = update(plan, tx, g, o, m, HOST)
+        new_m, new_o = update(plan, tx, g, o, m, HOST, step)
         return keep_if(flag, m, new_m), keep_if(flag, o, new_o)
 
     return on_host(run, g, o, m, flag)
@@ -181,7 +186,9 @@ def on_host(fn, *args):
     return compute_on(fn, compute_type="device_host", out_memory_spaces=host)(*args)
 
 
-def apply_streamed(plan: ZeroPlan, tx: Any, grads: list, opt: list, masters: list, skip: jax.Array | None):
+def apply_streamed(
+    plan: ZeroPlan, tx: Any, grads: list, opt: list, masters: list, skip: jax.Array | None, step: Any = None
+):
     """The update on the device, the offloaded state streamed in groups (module docstring)."""
     n, m = len(masters), len(opt)
     groups = update_groups(plan, tx, plan.config.offload.group_size)
@@ -205,7 +212,7 @@ def apply_streamed(plan: ZeroPlan, tx: Any, grads: list, opt: list, masters: lis
             else jax.lax.with_sharding_constraint(jnp.zeros(inputs[i].shape, inputs[i].dtype), device(i))
             for i in range(2 * n + m)
         ]
-        new_m, new_o = update(plan, tx, full[:n], full[n : n + m], full[n + m :])
+        new_m, new_o = update(plan, tx, full[:n], full[n : n + m], full[n + m :], step=step)
         new = list(new_m) + list(new_o)
         old = full[n + m :] + full[n : n + m]
         results = [new[k] if skip is None else jnp.where(skip, old[k], new[k]) for k in outs]
@@ -220,16 +227,16 @@ def _move(plan: ZeroPlan, xs: list, layouts, kind: str | None) -> list:
 
 
 def apply_offloaded(
-    plan: ZeroPlan, tx: Any, grads: list, opt: list, masters: list, skip: jax.Array | None, place: str
+    plan: ZeroPlan, tx: Any, grads: list, opt: list, masters: list, skip: jax.Array | None, place: str, step: Any = None
 ) -> tuple[list, list]:
     """New masters and optimizer-state leaves of offloaded state, each back where it lives."""
     if place == "host":
-        new_m, new_o = apply_on_host(plan, tx, grads, opt, masters, skip)
+        new_m, new_o = apply_on_host(plan, tx, grads, opt, masters, skip, step)
         return (
             _move(plan, new_m, plan.master_layouts, plan.master_memory),
             _move(plan, new_o, plan.opt_storage_layouts, plan.opt_memory),
         )
-    return apply_streamed(plan, tx, grads, opt, masters, skip)
+    return apply_streamed(plan, tx, grads, opt, masters, skip, step)
 
 
 def _compute_on_is_context_manager() -> bool:
@@ -256,10 +263,12 @@ def choose_place(plan: ZeroPlan, tx: Any, opt: list) -> str:
         return cfg.offload.update
     grads = [jax.ShapeDtypeStruct(l.storage_shape, jnp.float32, sharding=plan.sharding(l)) for l in plan.master_layouts]
     masters = [
-        jax.ShapeDtypeStruct(l.storage_shape, jnp.float32, sharding=plan.sharding(l, plan.master_memory))
+        jax.ShapeDtypeStruct(
+            l.storage_shape, plan.master_storage_dtype(l), sharding=plan.sharding(l, plan.master_memory)
+        )
         for l in plan.master_layouts
     ]
-    probe = lambda g, o, w, skip: apply_on_host(plan, tx, g, o, w, skip)
+    probe = lambda g, o, w, skip: apply_on_host(plan, tx, g, o, w, skip, jnp.int32(0))
     # Only the two refusals that mean "this update cannot run in host memory here" choose the
     # device: JAX's, while tracing, of an operation mixing host and device memory (the
     # optimizer makes a device array, as optax.clip_by_global_norm's norm does), and the

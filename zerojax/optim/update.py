@@ -25,8 +25,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
+from zerojax.optim.rounding import round_to
 from zerojax.sharding.leaf_layout import LeafLayout
-from zerojax.sharding.plan import ZeroPlan
+from zerojax.sharding.plan import ZeroPlan, master_dtype
 
 
 def check_optimizer(tx: Any) -> None:
@@ -71,19 +72,30 @@ def update(
     opt_leaves: list[jax.Array],
     masters: list[jax.Array],
     memory_kind: str | None = None,
+    step: jax.Array | None = None,
 ) -> tuple[list[jax.Array], list[jax.Array]]:
     """One optax step on the fp32 masters of the trainable parameters (all in the stage's
     storage layouts; the frozen ones are ``optax.MaskedNode()`` in the trees the optimizer
     sees, as inside ``optax.masked``); returns the new masters and optimizer-state leaves,
-    stored the same way, in ``memory_kind``."""
+    stored the same way, in ``memory_kind``.
+
+    State stored narrower than it computes (``ZeroConfig.state_dtypes``) is cast up to the
+    dtype ``tx.init`` gives (the masters to fp32) before ``tx.update`` and back down after
+    it; bf16 masters round stochastically with ``step``'s key where the config says so."""
     layouts, opt_layouts = plan.master_layouts, plan.opt_storage_layouts
-    params = plan.unflatten_train(view(plan, layouts, masters, memory_kind))
+    up = lambda xs, dtypes: [x.astype(d) for x, d in zip(xs, dtypes)]
+    params = plan.unflatten_train(
+        up(view(plan, layouts, masters, memory_kind), [master_dtype(l.dtype) for l in layouts])
+    )
     updates, new_opt = tx.update(
         plan.unflatten_train(view(plan, layouts, grads, memory_kind)),
-        plan.unflatten_opt(view(plan, opt_layouts, opt_leaves, memory_kind)),
+        plan.unflatten_opt(up(view(plan, opt_layouts, opt_leaves, memory_kind), [l.dtype for l in plan.opt_layouts])),
         params,
     )
-    new = [x.astype(m.dtype) for x, m in zip(jax.tree.leaves(optax.apply_updates(params, updates)), masters)]
+    keys = rounding_keys(plan, step, len(masters))
+    new = [
+        round_to(x, m.dtype, k) for x, m, k in zip(jax.tree.leaves(optax.apply_updates(params, updates)), masters, keys)
+    ]
     new_opt, treedef = jax.tree.flatten(new_opt)
     if treedef != plan.opt_treedef:
         raise ValueError(
@@ -92,6 +104,18 @@ def update(
         )
     new_opt = [x.astype(l.dtype) for x, l in zip(new_opt, opt_layouts)]
     return store(plan, layouts, new, memory_kind), store(plan, opt_layouts, new_opt, memory_kind)
+
+
+def rounding_keys(plan: ZeroPlan, step: jax.Array | None, n: int) -> list[jax.Array | None]:
+    """One key per master for stochastic rounding at ``step`` (``fold_in(key(seed), step)``,
+    then the leaf's index), or None each where the masters round to nearest."""
+    dtypes = plan.config.state_dtypes
+    if dtypes.rounding != "stochastic":
+        return [None] * n
+    if step is None:
+        raise ValueError("stochastic rounding of the masters needs the step count to fold into its key.")
+    base = jax.random.fold_in(jax.random.key(dtypes.seed), step)
+    return [jax.random.fold_in(base, i) for i in range(n)]
 
 
 def clip_by_global_norm(grads: list[jax.Array], norm: jax.Array, max_norm: float) -> list[jax.Array]:

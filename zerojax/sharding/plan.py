@@ -227,7 +227,25 @@ class ZeroPlan:
 
     @property
     def opt_storage_layouts(self) -> tuple[LeafLayout, ...]:
-        return tuple(self.stored(l) for l in self.opt_layouts)
+        """The optimizer state's layouts as this stage stores them, in the storage dtype
+        (``ZeroConfig.state_dtypes.optimizer``); :attr:`opt_layouts` keep the dtype
+        ``tx.init`` gives, the one the update computes in and checkpoints hold."""
+        return tuple(self.stored(dataclasses.replace(l, dtype=self.opt_storage_dtype(l))) for l in self.opt_layouts)
+
+    def opt_storage_dtype(self, layout: LeafLayout) -> str:
+        """The dtype an optimizer-state array of ``layout`` is stored in: bf16 for the float32
+        arrays (not scalars) with ``state_dtypes.optimizer="bfloat16"``, its own otherwise."""
+        narrow = self.config.state_dtypes.optimizer
+        if narrow != "float32" and layout.shape != () and jnp.dtype(layout.dtype) == jnp.float32:
+            return narrow
+        return layout.dtype
+
+    def master_storage_dtype(self, layout: LeafLayout) -> jnp.dtype:
+        """The dtype the master of a trainable parameter of ``layout`` is stored in:
+        ``state_dtypes.masters`` where it is bf16, else :func:`master_dtype` (fp32 for
+        narrow float parameters). The update computes in :func:`master_dtype` either way."""
+        narrow = self.config.state_dtypes.masters
+        return jnp.dtype(narrow) if narrow != "float32" else master_dtype(layout.dtype)
 
     def sharding(self, layout: LeafLayout, memory_kind: str | None = None) -> NamedSharding:
         return NamedSharding(self.mesh, layout.storage_spec(self.storage_axes_of(layout)), memory_kind=memory_kind)
