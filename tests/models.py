@@ -154,7 +154,8 @@ def lower_as_called(step, state, batch):
     (its rows split over the step's batch axes): the program the call runs. Lowered and
     called, it compiles once (JAX keeps the executable by program); a batch lowered as given
     is a replicated input, another program and a second compile. ``step`` is a
-    ``zj.make_train_step`` step, or a ``zj.nnx`` one with ``state`` its optimizer."""
+    ``zj.make_train_step`` or ``zj.make_eval_step`` step, or a ``zj.nnx`` train step with
+    ``state`` its optimizer."""
     from zerojax.step import place_batch, row_split
 
     if hasattr(step, "step_for"):  # zj.nnx.make_train_step: the zerojax step of this optimizer
