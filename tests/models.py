@@ -149,6 +149,20 @@ def shared_step(loss_fn, tx, *, mesh, config, **options):
     return step
 
 
+def lower_as_called(step, state, batch):
+    """``step.lower(state, batch)`` with the batch placed as ``step(state, batch)`` places it
+    (its rows split over the step's batch axes): the program the call runs. Lowered and
+    called, it compiles once (JAX keeps the executable by program); a batch lowered as given
+    is a replicated input, another program and a second compile. ``step`` is a
+    ``zj.make_train_step`` or ``zj.make_eval_step`` step, or a ``zj.nnx`` train step with
+    ``state`` its optimizer."""
+    from zerojax.step import place_batch, row_split
+
+    if hasattr(step, "step_for"):  # zj.nnx.make_train_step: the zerojax step of this optimizer
+        step, state = step.step_for(state), state.state
+    return step.lower(state, place_batch(batch, step.mesh, row_split(step.mesh, step.config)[1]))
+
+
 def zero_run(loss_fn, params, tx, batches, stage, n_devices=8, grad_norms=None, replicas=1, shared=False, **config):
     """The same training with zerojax: full params after it, and the losses (and each
     step's ``grad_norm`` metric appended to ``grad_norms``). The step must compile once and

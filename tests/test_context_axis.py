@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import AxisType, Mesh
 
 import zerojax as zj
+from tests import models
 from zerojax.context import Layout
 from zerojax.report.comm import collectives
 
@@ -38,7 +39,7 @@ def _step(name: str, kind: str):
     zc = zj.ZeroConfig(stage=0, axes={"context": name}, context={"layout": kind})
     state = zj.init_state({"w": jnp.ones(())}, optax.sgd(0.1), mesh=mesh, config=zc)
     step = zj.make_train_step(_loss, optax.sgd(0.1), mesh=mesh, config=zc, with_layout=True)
-    text = step.lower(state, _batch()).compile().as_text()
+    text = models.lower_as_called(step, state, _batch()).compile().as_text()  # the program the call runs
     _, metrics = step(state, _batch())
     return float(metrics["loss"]), sorted((c.kind, c.count, c.bytes) for c in collectives(text))
 

@@ -1,5 +1,6 @@
 """Flax NNX and linen models (scan stacks, submodules, norms, embeddings) match optax."""
 
+import functools
 import pathlib
 import subprocess
 import sys
@@ -30,13 +31,30 @@ def train_both(params, loss_fn, tx, batches, stage):
 STAGES = models.marked_slow(range(4), slow=[1, 2])
 
 
+@functools.cache
+def _case(kind: str):
+    """``(graphdef, params, loss, optimizer, batches, reference params, reference losses)`` of
+    the test of ``kind``: its single-device optax run is made once for both default stages."""
+    batches = [models.batch(16, s) for s in range(3)]
+    if kind == "nnx":
+        graphdef, params = nnx.split(models.NNXModel(nnx.Rngs(0)), nnx.Param)
+        loss_fn = lambda p, b: jnp.mean((nnx.merge(graphdef, p)(b["x"]) - b["y"]) ** 2)
+        tx = optax.sgd(0.05, momentum=0.9)
+    else:
+        graphdef, model = None, models.LinenModel()
+        params = jax.jit(model.init)(jax.random.key(0), jnp.ones((1, models.IN)))[
+            "params"
+        ]  # one compile, not one per op
+        loss_fn = lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+        tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1))
+    ref, ref_losses = models.reference_run(loss_fn, params, tx, batches)
+    return graphdef, params, loss_fn, tx, batches, ref, ref_losses
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_nnx_scan_model(stage):
-    graphdef, params = nnx.split(models.NNXModel(nnx.Rngs(0)), nnx.Param)
-    loss_fn = lambda p, b: jnp.mean((nnx.merge(graphdef, p)(b["x"]) - b["y"]) ** 2)
-    tx = optax.sgd(0.05, momentum=0.9)
-    batches = [models.batch(16, s) for s in range(3)]
-    got, losses, ref, ref_losses = train_both(params, loss_fn, tx, batches, stage)
+    graphdef, params, loss_fn, tx, batches, ref, ref_losses = _case("nnx")
+    got, losses = models.zero_run(loss_fn, params, tx, batches, stage)
     assert models.abs_errors(got, ref).max() <= 1e-5
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     # Back into a model: the tree is the one nnx.split gave, and the model computes what
@@ -50,12 +68,8 @@ def test_nnx_scan_model(stage):
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_linen_scan_and_submodules(stage):
-    model = models.LinenModel()
-    params = model.init(jax.random.key(0), jnp.ones((1, models.IN)))["params"]
-    loss_fn = lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
-    tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1))
-    batches = [models.batch(16, s) for s in range(3)]
-    got, losses, ref, ref_losses = train_both(params, loss_fn, tx, batches, stage)
+    _, params, loss_fn, tx, batches, ref, ref_losses = _case("linen")
+    got, losses = models.zero_run(loss_fn, params, tx, batches, stage)
     assert models.abs_errors(got, ref).max() <= 1e-5
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
 
@@ -101,7 +115,7 @@ def test_gpt_matches_optax_adamw(stage):
 
 def test_gpt_param_count_formula():
     cfg = gpt.GPTConfig(vocab=257, seq_len=9, d_model=24, n_layers=3, n_heads=3)
-    _, params = gpt.init(cfg)
+    _, params = gpt.init_abstract(cfg)  # the model's shapes: nothing to build for a count
     assert sum(x.size for x in jax.tree.leaves(params)) == cfg.num_params()
 
 

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
-from tests.models import abs_errors, reference_run
+from tests.models import abs_errors, lower_as_called, reference_run
 from zerojax.moe import capacity, load_balancing_loss, routed_experts, z_loss
 from zerojax.report.comm import collectives
 
@@ -545,7 +545,7 @@ def test_a_renamed_expert_axis_is_read_from_the_step():
         specs = {k: (P(name) if v is not None else None) for k, v in SPECS.items()}
         state = zj.init_state(moe_params(), optax.sgd(0.1), mesh=mesh, config=cfg, tensor_specs=specs)
         step = zj.make_train_step(loss, optax.sgd(0.1), mesh=mesh, config=cfg)
-        text = step.lower(state, data()[0]).compile().as_text()
+        text = lower_as_called(step, state, data()[0]).compile().as_text()  # the program the call runs
         got[name] = (text.count("all-to-all("), float(step(state, data()[0])[1]["loss"]))
     assert got["moe"][0] == got["expert"][0] > 0, got
     np.testing.assert_allclose(got["moe"][1], got["expert"][1], rtol=1e-6)

@@ -195,11 +195,15 @@ def test_detection_errors():
         zj.distributed.detect(env={"ZEROJAX_COORDINATOR": "h:1"})
 
 
-def test_launcher_needs_a_command():
-    out = subprocess.run(
-        [sys.executable, "-m", "zerojax.launch", "--nprocs", "2"], capture_output=True, text=True, cwd=ROOT
-    )
-    assert out.returncode == 2 and "give the command after --" in out.stderr
+def test_launcher_needs_a_command(capsys):
+    """In this process: ``python -m zerojax.launch`` starts from the same main (the shared
+    two-process job above runs it as a module), and an interpreter only to print a usage
+    error costs seconds."""
+    from zerojax import launch as launcher
+
+    with pytest.raises(SystemExit) as e:
+        launcher.main(["--nprocs", "2"])
+    assert e.value.code == 2 and "give the command after --" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # reason: 2 processes, a 10 s step timeout; test_step_timeout_finishes_the_save_in_flight_and_says_so

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 import zerojax as zj
+from tests import models
 
 
 class Net(nnx.Module):
@@ -255,7 +256,7 @@ def test_nnx_with_bf16_prefetch_and_the_compiled_program():
     cfg = zj.ZeroConfig(stage=3, compute_dtype="bfloat16", prefetch=1)
     opt = zj.nnx.Optimizer(Net(nnx.Rngs(0)), tx, mesh=zj.make_mesh(), config=cfg)
     step = zj.nnx.make_train_step(loss_fn)
-    compiled = step.lower(opt, data[0]).compile()
+    compiled = models.lower_as_called(step, opt, data[0]).compile()  # the program the call runs
     gathers = zj.report.communication_report(compiled)
     assert gathers["total"]["bytes"] > 0
     losses = [float(step(opt, b)["loss"]) for b in data]
@@ -266,8 +267,6 @@ def test_nnx_with_bf16_prefetch_and_the_compiled_program():
 
 def test_scanned_layer_stack_through_the_optimizer():
     """An nnx.vmap-built, nnx.scan-run stack trains as single-device NNX does, through zj.nnx."""
-    from tests import models
-
     data = [models.batch(16, seed=s) for s in range(2)]
     loss = lambda model, b: jnp.mean((model(b["x"]) - b["y"]) ** 2)
     tx = optax.sgd(0.05, momentum=0.9)
@@ -357,7 +356,6 @@ def test_config_remat_reaches_blocks_held_in_a_list():
 def test_config_remat_with_nothing_to_apply_to_says_so():
     """A loss whose layers are unrolled (a Python loop, no scan, no remat region) gets a
     RematNotApplied warning naming the fixes; a scanned stack does not."""
-    from tests import models
     from zerojax.sharding.per_use import RematNotApplied
 
     mesh, cfg = zj.make_mesh(), zj.ZeroConfig(stage=2, remat="full")
