@@ -818,3 +818,31 @@ def test_cli_searches_pipeline_degrees_and_refuses_one_the_devices_do_not_split(
     assert "SearchSpace(pipeline=(1, 3)): [3] do not split the 8 devices" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main([*args, "--pipeline", "two"])
+
+
+def test_auto_leaves_out_the_degrees_whose_step_refuses_the_loss_and_says_so():
+    """Four [64, 64] weights run one after another (no layer scan): the planner takes them for a
+    64-layer stack, so ``"auto"`` tries P = 2, 4, 8, the step refuses the loss on each (no scan
+    over them), and the search goes on without them, naming why; an explicit degree raises."""
+    params = [jax.ShapeDtypeStruct((64, 64), "float32") for _ in range(4)]
+
+    def loss_fn(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return jnp.mean(x**2)
+
+    x, seen = jax.ShapeDtypeStruct((16, 64), "float32"), []
+    space = SearchSpace(stages=(3,), accum=(1,), remat=("none",), offload=("none",), prefetch=(0,), pipeline="auto")
+    result = zj.autotune(
+        loss_fn, params, optax.sgd(0.1), x, mesh=zj.make_mesh(), memory="64MiB", device=SPEC, space=space,
+        progress=lambda done, total, message: seen.append(message),
+    )  # fmt: skip
+    assert [p.pipeline for p in result] == [1]
+    refused = sorted(m for m in seen if "not searched" in m)
+    assert [m.split(":")[0] for m in refused] == ["pipeline 2", "pipeline 4", "pipeline 8"]
+    assert all("outside the layer scan" in m for m in refused)
+    with pytest.raises(ValueError, match=r"SearchSpace\(pipeline=\(2,\)\), pipeline 2: .*outside the layer scan"):
+        zj.autotune(
+            loss_fn, params, optax.sgd(0.1), x, mesh=zj.make_mesh(), memory="64MiB", device=SPEC,
+            space=dataclasses.replace(space, pipeline=(2,)),
+        )  # fmt: skip
