@@ -684,3 +684,165 @@ def test_expert_degrees_are_searched_each_on_its_own_mesh():
             device=SPEC,
             space=dataclasses.replace(EXPERT, expert=(1, 3)),
         )
+
+
+# --- the pipeline degree -------------------------------------------------------------------
+
+PIPE_L, PIPE_D = 8, 64  # a stack of 8 layers of 64 x 64: 128 KiB, beside 1 KiB activations
+
+
+def pipe_params():
+    k = jax.random.split(jax.random.key(0), 3)
+    return {
+        "inp": jax.random.normal(k[0], (32, PIPE_D)) * 0.2,
+        "blocks": {"w": jax.random.normal(k[1], (PIPE_L, PIPE_D, PIPE_D)) * 0.1},
+        "head": jax.random.normal(k[2], (PIPE_D, 4)) * 0.2,
+    }
+
+
+def pipe_loss(p, x):
+    h, _ = jax.lax.scan(lambda h, w: (h + jnp.tanh(h @ w["w"]), None), jnp.tanh(x @ p["inp"]), p["blocks"])
+    return jnp.mean((h @ p["head"]) ** 2)
+
+
+# The same compute rates; one node of 8 fast-linked devices, or two nodes of 4 joined by a slow
+# network (the cost model's only difference).
+PIPE_RATES = dict(peak_flops=1e9, peak_flops_fp32=1e9, hbm_bandwidth=1e13, link_bandwidth=1e11, collective_latency=1e-6)
+ONE_NODE = DeviceSpec(name="one node of 8", devices_per_node=8, async_collectives=False, **PIPE_RATES)
+TWO_NODES = DeviceSpec(
+    name="2 nodes of 4, slow network", devices_per_node=4, network_bandwidth=1e7, async_collectives=False, **PIPE_RATES
+)
+
+
+@pytest.fixture(scope="module")
+def tuned_pipeline():
+    """ZeRO-3 with and without a 2-stage pipeline (M = 2 and 4), priced for two slow-linked nodes."""
+    x = jax.ShapeDtypeStruct((16, 32), "float32")
+    space = SearchSpace(stages=(3,), accum=(1,), remat=("none",), offload=("none",), prefetch=(0,), pipeline=(1, 2))
+    return zj.autotune(
+        pipe_loss, pipe_params(), optax.sgd(0.1), x, mesh=zj.make_mesh(), memory="64MiB", device=TWO_NODES, space=space
+    )
+
+
+def test_a_pipeline_pays_across_a_slow_link_and_not_inside_one_node(tuned_pipeline):
+    """Over two nodes joined by a slow network, ZeRO-3's data axis without a pipeline spans both
+    (its gathers and reduce-scatters of the whole model cross the network every step), while a
+    2-stage pipeline keeps each stage's data axis inside a node and sends only activations
+    across: the tuner picks P = 2. Priced for one fast node, the bubble's extra FLOPs make
+    P = 1 the fastest. The pipeline's collectives are read from the compiled program."""
+    result = tuned_pipeline
+    assert sorted((p.pipeline, p.config.pipeline.microbatches) for p in result) == [(1, 1), (2, 2), (2, 4)]
+    best = result.best
+    assert best.pipeline == 2 and dict(best.mesh.shape) == {"pipeline": 2, "data": 4}
+    by_axes = {(t.axes, t.ring): t for t in best.cost.traffic}
+    permute = by_axes[("pipeline", False)]
+    assert permute.extent == 8 and by_axes[("data", True)].extent == 4  # across the nodes / inside one
+    plain = next(p for p in result if p.pipeline == 1)
+    assert {t.axes: t.extent for t in plain.cost.traffic}["data"] == 8
+    assert permute.bytes < 0.05 * plain.cost.comm_bytes  # activations, not weights, cross the network
+    # Priced for one fast node, the order turns: the bubble's FLOPs are in the compiled program.
+    fast = sorted(result, key=lambda p: p.cost.seconds(ONE_NODE))
+    assert fast[0].pipeline == 1
+    for p in result:
+        if p.pipeline > 1:
+            m, s = p.config.pipeline.microbatches, p.pipeline
+            assert p.cost.flops > plain.cost.flops * (1 + 0.5 * (s - 1) / m)  # (M + P - 1)/M of the stack, at least
+    table = result.table()
+    assert "pipeline (M)" in table and "| 2 (2) |" in table and "| 2 (4) |" in table
+    m = best.config.pipeline.microbatches
+    assert f"pipeline 2 ({m} micro-batches, bubble {1 / (m + 1):.0%})" in best.describe()
+
+
+def test_the_chosen_pipeline_plan_trains_as_single_device_optax(tuned_pipeline):
+    from tests import models
+
+    best = tuned_pipeline.best
+    params = pipe_params()
+    rng = np.random.default_rng(0)
+    batches = [jnp.asarray(rng.normal(size=(16, 32)), jnp.float32) for _ in range(2)]
+    ref, _ = models.reference_run(pipe_loss, params, optax.sgd(0.1), batches)
+    state = zj.init_state(params, optax.sgd(0.1), mesh=best.mesh, config=best.config)
+    step = zj.make_train_step(pipe_loss, optax.sgd(0.1), mesh=best.mesh, config=best.config)
+    for b in batches:
+        state, _ = step(state, b)
+    err = max(
+        float(np.abs(np.asarray(a) - np.asarray(b)).max())
+        for a, b in zip(*map(jax.tree.leaves, (zj.gather_params(state), ref)))
+    )
+    assert err < 1e-5
+
+
+def test_pipeline_degrees_follow_the_devices_and_the_stack_before_compiling():
+    """``"auto"``: the divisors of the device count the layer stack splits into (4 layers: 2
+    and 4, not 8); an explicit degree the devices or the stack do not split into is refused
+    naming the fix; the pipeline's micro-batches default to P and 2P."""
+    from zerojax.tuning.inputs import split_meshes
+
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), pipe_params())
+    shapes["blocks"]["w"] = jax.ShapeDtypeStruct((4, PIPE_D, PIPE_D), "float32")
+    x, mesh, base = jax.ShapeDtypeStruct((16, 32), "float32"), zj.make_mesh(), zj.ZeroConfig()
+    auto = split_meshes(mesh, base, SearchSpace(pipeline="auto"), x, shapes)
+    assert sorted(auto) == [(1, 1, 1), (1, 1, 2), (1, 1, 4)]
+    assert dict(auto[1, 1, 4].shape) == {"pipeline": 4, "data": 2}
+    with pytest.raises(ValueError, match=r"pipeline=\(3,\)\): \[3\] do not split the 8 devices.*among \[1, 2, 4, 8\]"):
+        split_meshes(mesh, base, SearchSpace(pipeline=3), x, shapes)
+    with pytest.raises(ValueError, match=r"pipeline 8: params.*its 4 layers do not split into 8 pipeline stages"):
+        split_meshes(mesh, base, SearchSpace(pipeline=(1, 8)), x, shapes)
+    with pytest.raises(ValueError, match="SearchSpace.pipeline must be positive ints"):
+        SearchSpace(pipeline=(0,))
+    assert SearchSpace().microbatch_counts(4, 8) == (4, 8) and SearchSpace().microbatch_counts(1, 8) == (1,)
+    with pytest.raises(ValueError, match=r"give the mesh without it and SearchSpace\(pipeline=\(2,\)\)"):
+        zj.autotune(pipe_loss, shapes, optax.sgd(0.1), x, mesh=zj.make_mesh(pipeline=2), memory="64MiB")
+
+
+def test_cli_searches_pipeline_degrees_and_refuses_one_the_devices_do_not_split(tmp_path, monkeypatch, capsys):
+    """``zerojax autotune --pipeline``: parsed into ``SearchSpace(pipeline=...)``; a degree that
+    does not divide the 8 devices fails before anything compiles, naming those that do."""
+    (tmp_path / "pipe_setup.py").write_text(
+        textwrap.dedent("""
+        import jax, optax
+        import zerojax as zj
+        from tests.test_autotune import pipe_loss, pipe_params
+
+        def setup():
+            shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), pipe_params())
+            return pipe_loss, shapes, optax.sgd(0.1), jax.ShapeDtypeStruct((16, 32), "float32"), zj.ZeroConfig()
+    """)
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    from zerojax import cli
+
+    args = ["autotune", "pipe_setup:setup", "--devices", "8", "--memory", "64MiB", "--device", "h100", "--quiet"]
+    assert cli.main([*args, "--pipeline", "1,3"]) == 1
+    assert "SearchSpace(pipeline=(1, 3)): [3] do not split the 8 devices" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main([*args, "--pipeline", "two"])
+
+
+def test_auto_leaves_out_the_degrees_whose_step_refuses_the_loss_and_says_so():
+    """Four [64, 64] weights run one after another (no layer scan): the planner takes them for a
+    64-layer stack, so ``"auto"`` tries P = 2, 4, 8, the step refuses the loss on each (no scan
+    over them), and the search goes on without them, naming why; an explicit degree raises."""
+    params = [jax.ShapeDtypeStruct((64, 64), "float32") for _ in range(4)]
+
+    def loss_fn(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return jnp.mean(x**2)
+
+    x, seen = jax.ShapeDtypeStruct((16, 64), "float32"), []
+    space = SearchSpace(stages=(3,), accum=(1,), remat=("none",), offload=("none",), prefetch=(0,), pipeline="auto")
+    result = zj.autotune(
+        loss_fn, params, optax.sgd(0.1), x, mesh=zj.make_mesh(), memory="64MiB", device=SPEC, space=space,
+        progress=lambda done, total, message: seen.append(message),
+    )  # fmt: skip
+    assert [p.pipeline for p in result] == [1]
+    refused = sorted(m for m in seen if "not searched" in m)
+    assert [m.split(":")[0] for m in refused] == ["pipeline 2", "pipeline 4", "pipeline 8"]
+    assert all("outside the layer scan" in m for m in refused)
+    with pytest.raises(ValueError, match=r"SearchSpace\(pipeline=\(2,\)\), pipeline 2: .*outside the layer scan"):
+        zj.autotune(
+            loss_fn, params, optax.sgd(0.1), x, mesh=zj.make_mesh(), memory="64MiB", device=SPEC,
+            space=dataclasses.replace(space, pipeline=(2,)),
+        )  # fmt: skip

@@ -529,3 +529,38 @@ def test_bfloat16_and_remat_train_within_their_distance():
     assert 0 < _max_err(zj.gather_params(bf16), ref) < 2e-2
     remat, _ = pipeline_run(toy_loss, params, tx, batches, pipeline=2, data=4, micro=2, stage=2, remat="full")
     assert _max_err(zj.gather_params(remat), ref) < 1e-5
+
+
+def test_a_resumed_pipeline_run_ends_bit_identical_to_an_uninterrupted_one(tmp_path):
+    """``zerojax.resume.Run`` on a pipeline mesh: stopped after 3 steps (its last checkpoint
+    at 2), restarted and run to 5, it ends with the uninterrupted run's parameters, masters
+    and Adam moments, bit for bit; its run record counts the data devices of a stage."""
+    from zerojax.resume import IndexSampler, Run, RunConfig
+
+    data, tx = toy_batches(1, rows=64, seed=4)[0], optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+    mesh = zj.make_mesh(pipeline=2)
+    config = zj.ZeroConfig(stage=3, pipeline={"microbatches": 2})
+    step = zj.make_train_step(toy_loss, tx, mesh=mesh, config=config)
+
+    def start(directory, until):
+        run, sampler = Run(RunConfig(directory, save_every=2)), IndexSampler(64, ROWS, seed=5)
+        state = run.restore_or_init(
+            toy_params(), tx, mesh=mesh, config=run.micro_batches(config, mesh, ROWS), data=sampler
+        )
+        while run.step < until:
+            idx = next(sampler)
+            state, _ = step(state, jax.tree.map(lambda x: x[idx], data))
+            run.completed(state)
+        run.finish(state)
+        return state
+
+    def leaves(state):
+        return [np.asarray(x) for x in jax.tree.leaves((zj.gather_params(state), state.master, state.opt_state))]
+
+    want = leaves(start(tmp_path / "ref", 5))
+    start(tmp_path / "run", 3)
+    got = leaves(start(tmp_path / "run", 5))
+    assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
+    extra = zj.checkpoint.checkpoint_extra(tmp_path / "run", 4)
+    assert extra["data"]["position"] == 4 and extra["devices"] == 8
+    assert extra["data_parallel"] == 4 and extra["rows_per_micro_batch"] == ROWS // (4 * 2)

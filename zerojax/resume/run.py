@@ -81,9 +81,16 @@ def _say(msg: str) -> None:
 
 
 def data_parallel(mesh: Any, config: ZeroConfig) -> int:
-    """Devices the batch's rows are split over: all, but the context and tensor axes."""
+    """Devices the batch's rows are split over: all, but the context, tensor and pipeline
+    axes (every stage of a pipeline runs the same rows)."""
     shape = dict(mesh.shape)
-    return int(mesh.devices.size) // shape.get(config.axes.context, 1) // shape.get(config.axes.tensor, 1)
+    n = int(mesh.devices.size) // shape.get(config.axes.context, 1) // shape.get(config.axes.tensor, 1)
+    return n // shape.get(config.axes.pipeline, 1)
+
+
+def micro_batches_per_step(config: ZeroConfig) -> int:
+    """The parts each device's rows are taken in: accumulation x the pipeline's micro-batches."""
+    return config.grad_accum_steps * config.pipeline.microbatches
 
 
 def _encode(data_state: Any) -> Any:
@@ -192,9 +199,9 @@ class Run:
             )
         if dp == record["data_parallel"]:
             return config
-        rows = record["rows_per_micro_batch"]
+        rows, m = record["rows_per_micro_batch"], config.pipeline.microbatches
         for a in range(1, global_batch + 1):
-            if global_batch % (dp * a) == 0 and global_batch // (dp * a) <= rows:
+            if global_batch % (dp * a * m) == 0 and global_batch // (dp * a * m) <= rows:
                 break
         else:
             raise ValueError(
@@ -205,7 +212,7 @@ class Run:
         _say(
             f"the checkpoint (step {s}) ran on {record['data_parallel']} data-parallel devices with "
             f"grad_accum_steps {record['grad_accum_steps']} ({rows} rows per device per micro-batch); on {dp} "
-            f"devices grad_accum_steps becomes {a} ({global_batch // (dp * a)} rows per device per micro-batch), "
+            f"devices grad_accum_steps becomes {a} ({global_batch // (dp * a * m)} rows per device per micro-batch), "
             f"the global batch stays {global_batch}."
             + (
                 f" A loss not linear in its rows (a MoE load-balancing loss, synced BatchNorm statistics) now sees "
@@ -388,7 +395,7 @@ class Run:
             "data_parallel": dp,
             "grad_accum_steps": a,
             "global_batch": gb,
-            "rows_per_micro_batch": None if gb is None else gb // (dp * a),
+            "rows_per_micro_batch": None if gb is None else gb // (dp * micro_batches_per_step(self._zero)),
             "user": extra,
         }
 

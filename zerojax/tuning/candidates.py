@@ -66,6 +66,16 @@ class SearchSpace:
         split over it); None: the given mesh's own (1 without an expert axis). Each ``E``
         must divide the devices of a replica group (with ``C``) and every expert stack; a
         plan's ``expert`` says which mesh it runs on.
+      pipeline: pipeline degrees ``P`` (``zj.make_mesh(pipeline=P)`` over the same devices:
+        the layer stack split into ``P`` stages, ZeRO over each stage's devices; see
+        docs/pipeline.md); None: no pipeline (1); ``"auto"``: every divisor of the device
+        count into which the model's layer stack splits. An explicit ``P`` the devices or the
+        stack do not split into is refused, naming the ones that do. A plan's ``pipeline``
+        says which mesh it runs on.
+      microbatches: the pipeline's micro-batches ``M`` tried for each ``P > 1`` (they take
+        the place of accumulation there: ``grad_accum_steps`` stays 1); None: ``P`` and
+        ``2P``. Those that do not divide a device's rows are left out; the bubble is
+        ``(P - 1) / (M + P - 1)``.
 
     Combinations a ``ZeroConfig`` refuses (offload at stage 0, prefetch with offloaded
     parameters, ...) are left out.
@@ -89,6 +99,8 @@ class SearchSpace:
     gather_dtypes: tuple[Any, ...] = (None,)
     context: tuple[int, ...] | None = None
     expert: tuple[int, ...] | None = None
+    pipeline: tuple[int, ...] | str | None = None
+    microbatches: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)
@@ -121,6 +133,26 @@ class SearchSpace:
                     f"own), got {value!r}."
                 )
             set_(name, tuple(sorted(degrees)))
+        if self.pipeline is not None and self.pipeline != "auto":
+            degrees = (self.pipeline,) if isinstance(self.pipeline, int) else self.pipeline
+            if (
+                isinstance(degrees, str)
+                or not degrees
+                or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in degrees)
+            ):
+                raise ValueError(
+                    f"SearchSpace.pipeline must be positive ints (pipeline degrees), 'auto' (every degree the "
+                    f"devices and the layer stack split into) or None (no pipeline), got {self.pipeline!r}."
+                )
+            set_("pipeline", tuple(sorted(dict.fromkeys(degrees))))
+        if self.microbatches is not None:
+            ms = (self.microbatches,) if isinstance(self.microbatches, int) else tuple(dict.fromkeys(self.microbatches))
+            if not ms or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in ms):
+                raise ValueError(
+                    f"SearchSpace.microbatches must be positive ints (the pipeline's micro-batches) or None "
+                    f"(P and 2P), got {self.microbatches!r}."
+                )
+            set_("microbatches", tuple(sorted(ms)))
         if self.accum is not None:
             accum = (self.accum,) if isinstance(self.accum, int) else tuple(dict.fromkeys(self.accum))
             if not accum or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in accum):
@@ -145,6 +177,21 @@ class SearchSpace:
         tried = self.accum if self.accum is not None else range(1, self.max_accum + 1)
         return tuple(k for k in tried if rows_per_device % k == 0)
 
+    def microbatch_counts(self, pipeline: int, rows_per_device: int) -> tuple[int, ...]:
+        """The pipeline's micro-batch counts tried at degree ``pipeline`` for
+        ``rows_per_device`` rows: those of ``microbatches`` (or ``P`` and ``2P``) that divide
+        them; ``(1,)`` without a pipeline.
+
+        Example:
+          >>> from zerojax.tuning import SearchSpace
+          >>> SearchSpace().microbatch_counts(2, 8), SearchSpace(microbatches=(3, 4)).microbatch_counts(4, 8)
+          ((2, 4), (4,))
+        """
+        if pipeline == 1:
+            return (1,)
+        tried = self.microbatches if self.microbatches is not None else (pipeline, 2 * pipeline)
+        return tuple(m for m in tried if rows_per_device % m == 0)
+
     def tried_counts(self) -> tuple[int, ...]:
         """The accumulation counts asked for, before any batch divides them."""
         return self.accum if self.accum is not None else tuple(range(1, self.max_accum + 1))
@@ -160,11 +207,13 @@ class Candidate:
     formula_bytes: float
     context: int = 1  # context-parallel degree: the mesh is zj.make_mesh(context=context)
     expert: int = 1  # expert-parallel degree: the mesh is zj.make_mesh(expert=expert)
+    pipeline: int = 1  # pipeline degree: the mesh is zj.make_mesh(pipeline=pipeline)
 
     @property
-    def split(self) -> tuple[int, int]:
-        """(context degree, expert degree): which of the searched meshes it runs on."""
-        return (self.context, self.expert)
+    def split(self) -> tuple[int, int, int]:
+        """(context degree, expert degree, pipeline degree): which of the searched meshes it
+        runs on."""
+        return (self.context, self.expert, self.pipeline)
 
     @property
     def family(self) -> tuple:
@@ -181,6 +230,8 @@ class Candidate:
             c.remat if rank is None else None,
             self.context,
             self.expert,
+            self.pipeline,
+            self.config.pipeline.microbatches,
         )
 
     @property
@@ -197,6 +248,9 @@ class Candidate:
             parts.append(f"context {self.context}")
         if self.expert > 1:
             parts.append(f"expert {self.expert}")
+        if self.pipeline > 1:
+            m = c.pipeline.microbatches
+            parts.append(f"pipeline {self.pipeline} ({m} micro-batches, bubble {bubble(self.pipeline, m):.0%})")
         if self.offload != "none":
             parts.append(f"offload {self.offload}")
         if c.prefetch:
@@ -204,6 +258,12 @@ class Candidate:
         if c.collectives.gather_dtype is not None:
             parts.append(f"gather {c.collectives.gather_dtype}")
         return ", ".join(parts)
+
+
+def bubble(pipeline: int, microbatches: int) -> float:
+    """GPipe's bubble: the share ``(P - 1) / (M + P - 1)`` of a stage's ticks that compute on
+    padding (in one SPMD program they run, so the compiled FLOPs hold them)."""
+    return (pipeline - 1) / (microbatches + pipeline - 1)
 
 
 def remat_name(remat: Remat) -> str:
@@ -238,11 +298,13 @@ def enumerate_candidates(
     opt_bytes: float,
     context: int = 1,
     expert: int = 1,
+    pipeline: int = 1,
 ) -> list[Candidate]:
     """Every valid configuration of ``space`` over ``base`` with accumulation ``counts``,
     each with its persistent device bytes (``num_params`` trainable parameters sharded over
     ``shards`` devices, ``opt_bytes`` of optimizer state per parameter), on the mesh of
-    context degree ``context`` and expert degree ``expert``."""
+    context degree ``context``, expert degree ``expert`` and pipeline degree ``pipeline``
+    (there ``num_params`` is what one stage holds: the rest and ``1 / P`` of the stack)."""
     out: list[Candidate] = []
     for stage in space.stages:
         for offload in space.offload:
@@ -282,6 +344,7 @@ def enumerate_candidates(
                                     formula_bytes=formula,
                                     context=context,
                                     expert=expert,
+                                    pipeline=pipeline,
                                 )
                             )
     return _unique(out)

@@ -117,6 +117,13 @@ def parser(prog: str = "zerojax autotune") -> argparse.ArgumentParser:
         help="expert-parallel degrees to search, e.g. 1,2,4 (the experts the model annotates split over "
         "E devices; default: no expert axis)",
     )
+    ap.add_argument(
+        "--pipeline",
+        default=None,
+        help="pipeline degrees to search, e.g. 1,2,4, or auto (every degree the devices and the layer stack "
+        "split into; default: no pipeline)",
+    )
+    ap.add_argument("--microbatches", default=None, help="the pipeline's micro-batch counts to try (default: P and 2P)")
     ap.add_argument("--exhaustive", action="store_true", help="compile every candidate the formula does not prune")
     ap.add_argument("--limit", type=int, default=10, help="plans shown (default 10)")
     ap.add_argument("--quiet", action="store_true", help="no line per candidate on stderr")
@@ -152,6 +159,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "zerojax autotune") -> i
             gather_dtypes=tuple(None if g == "none" else g for g in args.gather.split(",")),
             context=None if args.context is None else _ints(args.context),
             expert=None if args.expert is None else _ints(args.expert),
+            pipeline=None if args.pipeline is None else "auto" if args.pipeline == "auto" else _ints(args.pipeline),
+            microbatches=None if args.microbatches is None else _ints(args.microbatches),
         )
     except ValueError as e:
         ap.error(str(e))
@@ -199,8 +208,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "zerojax autotune") -> i
         return 1
     print(result.table(limit=args.limit))
     print(f"\nbest: {code(result.best.config)}")
-    if result.best.context > 1 or result.best.expert > 1:
-        axes = [f"{k}={v}" for k, v in (("context", result.best.context), ("expert", result.best.expert)) if v > 1]
+    best = result.best
+    if best.context > 1 or best.expert > 1 or best.pipeline > 1:
+        axes = [
+            f"{k}={v}"
+            for k, v in (("context", best.context), ("expert", best.expert), ("pipeline", best.pipeline))
+            if v > 1
+        ]
         replicas = f", replicas={args.replicas}" if args.replicas > 1 else ""
         print(f"mesh: zj.make_mesh({', '.join(axes)}{replicas})")
     if devices[0].platform == "cpu" and result.device.source == "datasheet":

@@ -13,7 +13,7 @@ Read from the compiled program, per device and per step (nothing runs):
 Then, with a :class:`~zerojax.tuning.DeviceSpec`::
 
     compute = Σ_matmuls FLOPs / rate(shape) + other FLOPs / peak + Σ_instructions bytes / bandwidth(working set)
-    comm    = Σ_axes paper-unit bytes · (g − 1)/g / bandwidth(g) + collectives · latency
+    comm    = Σ_axes paper-unit bytes · (g − 1)/g / bandwidth(span) + collectives · latency
     host    = 2 · offloaded bytes / host bandwidth
     time    = compute + comm + host, or max(compute, comm) + host where the device runs
               collectives asynchronously and the program gathers ahead (stage 3 prefetch)
@@ -28,7 +28,13 @@ an elementwise pass over a working set of that size reached (on a CPU, cache-siz
 sets run ten times faster than 16 MiB ones; a small model's instructions touch a few hundred
 KiB each). ``g`` is the number of
 devices a collective spans; a ring moves (g − 1)/g of the buffer per
-device, in the paper's units (an all-reduce twice). Summing compute and memory time rather
+device, in the paper's units (an all-reduce twice); a ``collective-permute`` (a pipeline's
+activation passed to the next stage) sends its whole buffer once. ``span`` is the devices of
+the smallest block of consecutive mesh positions holding one group (the product of the mesh's
+sizes from the group's outermost axis inwards): a node holds ``devices_per_node`` consecutive
+devices, so a group whose span exceeds it crosses nodes and runs at the network's rate. The
+data axis of ``make_mesh(pipeline=2)`` over 2 nodes of 4 spans 4 (inside a node), its
+pipeline axis 8 (across them), as the data axis of ``make_mesh()`` over the same 8. Summing compute and memory time rather
 than taking their maximum prices each kernel as bound by one of the two (matmuls by FLOPs,
 elementwise work by bytes), which is closer to the sum of per-kernel rooflines than a
 roofline of the totals.
@@ -43,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from zerojax.report.comm import communication_report
+from zerojax.report.comm import collectives
 from zerojax.tuning.devices import DeviceSpec
 from zerojax.tuning.hlo_cost import loop_cost
 
@@ -56,6 +62,13 @@ class AxisTraffic:
     group_size: int  # devices each collective spans
     bytes: float  # in the paper's units (an all-reduce counts twice its buffer)
     count: int  # collectives run
+    span: int = 0  # consecutive mesh positions holding one group (0: group_size, innermost axes)
+    ring: bool = True  # a ring moves (g - 1)/g of the bytes per device; a permute sends them all
+
+    @property
+    def extent(self) -> int:
+        """The devices a group's span covers: what decides whether it crosses nodes."""
+        return self.span or self.group_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +135,7 @@ class StepCost:
         else:
             memory = self.bytes_accessed / spec.hbm_bandwidth
         comm = sum(
-            t.bytes * (t.group_size - 1) / t.group_size / spec.axis_bandwidth(t.group_size)
+            t.bytes * ((t.group_size - 1) / t.group_size if t.ring else 1.0) / spec.axis_bandwidth(t.extent)
             + t.count * spec.collective_latency
             for t in self.traffic
             if t.group_size > 1
@@ -146,13 +159,24 @@ def step_cost(
     FLOPs and bytes with every loop iteration, collectives per set of mesh axes,
     ``host_state_bytes`` of offloaded state (crossing the host link twice)."""
     lc = loop_cost(compiled)
-    report = communication_report(compiled, mesh=mesh)
-    sizes = dict(mesh.shape)
+    text = compiled.as_text() if hasattr(compiled, "as_text") else str(compiled)
+    sizes, order = dict(mesh.shape), list(mesh.axis_names)
+    tally: dict[tuple[str, bool], list] = {}
+    for c in collectives(text):
+        names = c.axes(mesh)
+        ring = c.kind != "collective-permute"
+        r = tally.setdefault(("+".join(names) or "none", ring), [0, 0])
+        r[0] += c.zero_units_bytes
+        r[1] += c.count
     traffic = []
-    for axes, r in sorted(report.get("by_axis", {}).items()):
+    for (axes, ring), (nbytes, count) in sorted(tally.items()):
         names = [a for a in axes.split("+") if a in sizes]
         group = math.prod(sizes[a] for a in names) if names else 1
-        traffic.append(AxisTraffic(axes=axes, group_size=group, bytes=float(r["zero_bytes"]), count=int(r["count"])))
+        outer = min((order.index(a) for a in names), default=len(order))
+        span = math.prod(sizes[a] for a in order[outer:]) if names else 1
+        traffic.append(
+            AxisTraffic(axes=axes, group_size=group, bytes=float(nbytes), count=int(count), span=span, ring=ring)
+        )
     return StepCost(
         flops=lc.flops,
         bytes_accessed=lc.bytes,

@@ -48,16 +48,17 @@ def batch_devices(mesh, config: ZeroConfig) -> int:
     return sizes[config.axes.data] * sizes.get(config.axes.replica, 1)
 
 
-def rows_per_device(batch: Any, mesh, config: ZeroConfig) -> tuple[int, int]:
+def rows_per_device(batch: Any, mesh, config: ZeroConfig, *, searched_pipeline: bool = False) -> tuple[int, int]:
     """(rows per device, global rows) of a batch, checked: leaves with a leading axis, all
-    of one size, divisible over the batch devices."""
-    check_mesh(mesh, config)
+    of one size, divisible over the batch devices (``searched_pipeline``: ``mesh`` is one
+    the search built with a pipeline axis)."""
+    check_mesh(mesh, config, searched_pipeline=searched_pipeline)
     return _rows(batch, mesh, config)
 
 
-def check_mesh(mesh, config: ZeroConfig) -> None:
+def check_mesh(mesh, config: ZeroConfig, *, searched_pipeline: bool = False) -> None:
     """Refuses a mesh without the data axis, or with axes whose memory the formulas do not
-    model (tensor parallelism)."""
+    model (tensor parallelism), or a pipeline axis the search did not build itself."""
     if config.axes.data not in mesh.axis_names:
         raise ValueError(
             f"the mesh has no axis {config.axes.data!r} (ZeroConfig.axes.data); its axes: {mesh.axis_names}."
@@ -65,14 +66,22 @@ def check_mesh(mesh, config: ZeroConfig) -> None:
     other = {
         a: s
         for a, s in dict(mesh.shape).items()
-        if a not in (config.axes.data, config.axes.replica, config.axes.context, config.axes.expert) and s > 1
+        if a not in (config.axes.data, config.axes.replica, config.axes.context, config.axes.expert)
+        and s > 1
+        and not (searched_pipeline and a == config.axes.pipeline)
     }
     if other:
+        hint = (
+            f" (the pipeline degree is searched: give the mesh without it and SearchSpace(pipeline="
+            f"({other[config.axes.pipeline]},)))"
+            if config.axes.pipeline in other
+            else ""
+        )
         raise ValueError(
             f"autotune searches ZeRO over the data axis {config.axes.data!r} (and {config.axes.replica!r} for "
             f"hybrid sharding, {config.axes.context!r} for context parallelism, {config.axes.expert!r} "
             f"for expert parallelism); this mesh also splits {other}, whose memory its formulas do not "
-            f"model. Tune on the mesh without those axes."
+            f"model. Tune on the mesh without those axes{hint}."
         )
 
 
@@ -103,12 +112,16 @@ def _rows(batch: Any, mesh, config: ZeroConfig) -> tuple[int, int]:
     return global_batch // n, global_batch
 
 
-def split_meshes(mesh, config: ZeroConfig, space: SearchSpace, batch: Any) -> dict[tuple[int, int], Any]:
-    """``{(C, E): mesh}`` for each context and expert degree of ``space`` (None: the mesh's
-    own): the given mesh for its own degrees, ``zj.make_mesh(devices, replicas=R, context=C,
-    expert=E)`` over its devices for the others. Refuses, before anything compiles, degrees
-    that do not divide a replica group's devices or a batch leaf's sequence (naming the
-    degrees that would)."""
+def split_meshes(
+    mesh, config: ZeroConfig, space: SearchSpace, batch: Any, shapes: Any = None
+) -> dict[tuple[int, int, int], Any]:
+    """``{(C, E, P): mesh}`` for each context, expert and pipeline degree of ``space`` (None:
+    the mesh's own, and no pipeline): the given mesh for its own degrees,
+    ``zj.make_mesh(devices, replicas=R, context=C, expert=E, pipeline=P)`` over its devices
+    for the others. Refuses, before anything compiles, degrees that do not divide a replica
+    group's devices or a batch leaf's sequence, and pipeline degrees the devices or the layer
+    stack of ``shapes`` do not split into (naming the degrees that would); ``"auto"`` takes
+    the pipeline degrees that do."""
     sizes = dict(mesh.shape)
     own_c, own_e = context_size(mesh, config.axes.context), expert_size(mesh, config.axes.expert)
     contexts = space.context if space.context is not None else (own_c,)
@@ -141,10 +154,11 @@ def split_meshes(mesh, config: ZeroConfig, space: SearchSpace, batch: Any) -> di
         except ValueError as e:
             raise ValueError(f"SearchSpace(context={contexts}), context {c}: {e}") from None
     devices = list(mesh.devices.flat)
-    return {
-        (c, e): mesh
-        if (c, e) == (own_c, own_e)
-        else make_mesh(
+
+    def build(c: int, e: int, p: int):
+        if (c, e, p) == (own_c, own_e, 1):
+            return mesh
+        return make_mesh(
             devices,
             config.axes.data,
             replicas=replicas,
@@ -153,10 +167,56 @@ def split_meshes(mesh, config: ZeroConfig, space: SearchSpace, batch: Any) -> di
             context_axis=config.axes.context,
             expert=e,
             expert_axis=config.axes.expert,
+            pipeline=p,
+            pipeline_axis=config.axes.pipeline,
         )
-        for c in contexts
-        for e in experts
-    }
+
+    out = {(c, e, 1): build(c, e, 1) for c in contexts for e in experts}
+    for p in pipeline_degrees(space, len(devices), group, [c * e for c in contexts for e in experts]):
+        for c in contexts:
+            for e in experts:
+                out[c, e, p] = build(c, e, p)
+                problem = _stack_problem(shapes, out[c, e, p], config)
+                if problem is None:
+                    continue
+                del out[c, e, p]
+                if space.pipeline != "auto":
+                    raise ValueError(f"SearchSpace(pipeline={space.pipeline}), pipeline {p}: {problem}")
+    return out
+
+
+def pipeline_degrees(space: SearchSpace, devices: int, per_group: int, splits: list[int]) -> tuple[int, ...]:
+    """The pipeline degrees above 1 to search: ``space.pipeline``'s, or with ``"auto"`` every
+    divisor of the devices that leaves each stage whole replica groups of whole context and
+    expert splits; an explicit degree that does not is refused, naming those that would."""
+    replicas = devices // per_group
+    fits = [p for p in range(2, devices + 1) if per_group % p == 0 and all((per_group // p) % s == 0 for s in splits)]
+    if space.pipeline is None:
+        return ()
+    if space.pipeline == "auto":
+        return tuple(fits)
+    bad = [p for p in space.pipeline if p > 1 and p not in fits]
+    if bad:
+        raise ValueError(
+            f"SearchSpace(pipeline={space.pipeline}): {bad} do not split the {devices} devices into stages of "
+            f"{'whole replica groups and ' if replicas > 1 else ''}whole context and expert splits; use "
+            f"pipeline degrees among {[1, *fits]}."
+        )
+    return tuple(p for p in space.pipeline if p > 1)
+
+
+def _stack_problem(shapes: Any, mesh, config: ZeroConfig) -> str | None:
+    """Why the layer stack of ``shapes`` does not split over ``mesh``'s pipeline axis (no
+    stack, an ambiguous one, a layer count the degree does not divide), or None."""
+    if shapes is None:
+        return None
+    from zerojax.sharding.plan import make_plan
+
+    try:
+        make_plan(shapes, mesh, config)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def accumulation_counts(space: SearchSpace, rows: int, global_batch: int, devices: int) -> tuple[int, ...]:

@@ -64,10 +64,11 @@ class Plan:
     ``cost`` what it is predicted from; ``micro_batch`` the rows each device runs at once;
     ``program`` a short hash of the lowered program (plans with the same one compile to the
     same step: a remat policy on a model without a layer loop changes nothing); ``context``
-    the context-parallel degree, ``expert`` the expert-parallel one, and ``mesh`` the mesh the
-    plan was compiled for (the given one, or ``zj.make_mesh(context=C, expert=E)`` over its
-    devices where ``SearchSpace(context=..., expert=...)`` searched other degrees): train with ``zj.make_train_step(..., mesh=plan.mesh,
-    config=plan.config)``.
+    the context-parallel degree, ``expert`` the expert-parallel one, ``pipeline`` the pipeline
+    degree (its micro-batches are ``config.pipeline.microbatches``), and ``mesh`` the mesh the
+    plan was compiled for (the given one, or ``zj.make_mesh(context=C, expert=E, pipeline=P)``
+    over its devices where ``SearchSpace(context=..., expert=..., pipeline=...)`` searched
+    other degrees): train with ``zj.make_train_step(..., mesh=plan.mesh, config=plan.config)``.
     """
 
     config: ZeroConfig
@@ -80,6 +81,7 @@ class Plan:
     context: int = 1
     mesh: Any = None
     expert: int = 1
+    pipeline: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, ZeroConfig):
@@ -98,9 +100,11 @@ class Plan:
             raise ValueError(f"Plan.context must be a positive int (context-parallel degree), got {self.context!r}.")
         if isinstance(self.expert, bool) or not isinstance(self.expert, int) or self.expert < 1:
             raise ValueError(f"Plan.expert must be a positive int (expert-parallel degree), got {self.expert!r}.")
+        if isinstance(self.pipeline, bool) or not isinstance(self.pipeline, int) or self.pipeline < 1:
+            raise ValueError(f"Plan.pipeline must be a positive int (pipeline degree), got {self.pipeline!r}.")
 
     def describe(self) -> str:
-        return Candidate(self.config, self.offload, 0.0, self.context, self.expert).describe()
+        return Candidate(self.config, self.offload, 0.0, self.context, self.expert, self.pipeline).describe()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,17 +199,22 @@ class AutotuneResult(Sequence):
         """A markdown table of the plans (the first ``limit``), with the summary line."""
         context = any(p.context > 1 for p in self.plans)  # a context column where a plan splits sequences
         expert = any(p.expert > 1 for p in self.plans)  # an expert column where a plan splits experts
+        pipe = any(p.pipeline > 1 for p in self.plans)  # a pipeline column: P (M micro-batches)
         rows = [
-            f"| # | stage |{' context |' if context else ''}{' expert |' if expert else ''} accum (rows) | remat | "
+            f"| # | stage |{' context |' if context else ''}{' expert |' if expert else ''}"
+            f"{' pipeline (M) |' if pipe else ''} accum (rows) | remat | "
             "offload | prefetch | gather | device memory | host | time / step | compute | comm |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"
             + ("---|" if context else "")
-            + ("---|" if expert else ""),
+            + ("---|" if expert else "")
+            + ("---|" if pipe else ""),
         ]
         for i, p in enumerate(self.plans[:limit], 1):
             c, parts = p.config, p.cost.breakdown(self.device)
+            stages = f" {p.pipeline} ({c.pipeline.microbatches}) |" if p.pipeline > 1 else " 1 |"
             rows.append(
-                f"| {i} | {c.stage} |{f' {p.context} |' if context else ''}{f' {p.expert} |' if expert else ''} "
+                f"| {i} | {c.stage} |{f' {p.context} |' if context else ''}{f' {p.expert} |' if expert else ''}"
+                f"{stages if pipe else ''} "
                 f"{c.grad_accum_steps} ({p.micro_batch}) | "
                 f"{remat_name(c.remat)} | {p.offload} | "
                 f"{c.prefetch} | {c.collectives.gather_dtype or c.compute_dtype} | {fmt_bytes(p.memory.device)}"

@@ -131,25 +131,40 @@ def autotune(
         raise TypeError(f"space must be a zerojax.tuning.SearchSpace, got {type(space).__name__}.")
     shapes = abstract_params(params)
     check_mesh(mesh, base)
-    meshes = split_meshes(mesh, base, space, batch)
+    meshes = split_meshes(mesh, base, space, batch, shapes)
     psi, opt_bytes = param_counts(shapes, tx)
     # A replica group's devices: data x context x expert, whatever the split (C and E move none).
     axes = base.axes
     shards = dict(mesh.shape)[axes.data] * context_size(mesh, axes.context) * expert_size(mesh, axes.expert)
     cands, rows, counts = [], {}, {}
-    for (c, e), mesh_c in meshes.items():
+    for (c, e, p), mesh_c in meshes.items():
         try:
-            rows[c, e], global_batch = rows_per_device(batch, mesh_c, base)
-            if rows[c, e] % e:
+            rows[c, e, p], global_batch = rows_per_device(batch, mesh_c, base, searched_pipeline=p > 1)
+            if rows[c, e, p] % e:
                 raise ValueError(
                     f"the global batch of {global_batch} rows gives each of the "
-                    f"{batch_devices(mesh_c, base)} data groups {rows[c, e]} rows, which do not split over "
+                    f"{batch_devices(mesh_c, base)} data groups {rows[c, e, p]} rows, which do not split over "
                     f"the {e} devices of the expert axis."
                 )
-            rows[c, e] //= e  # each device of an expert group runs its own rows
-            counts[c, e] = accumulation_counts(space, rows[c, e], global_batch, batch_devices(mesh_c, base) * e)
+            rows[c, e, p] //= e  # each device of an expert group runs its own rows
+            if p > 1:  # the pipeline's micro-batches take accumulation's place
+                counts[c, e, p] = space.microbatch_counts(p, rows[c, e, p])
+                if not counts[c, e, p]:
+                    raise ValueError(
+                        f"each device's {rows[c, e, p]} rows split into none of the micro-batch counts tried "
+                        f"({space.microbatches or (p, 2 * p)}); give SearchSpace(microbatches=...) counts that "
+                        f"divide {rows[c, e, p]}."
+                    )
+            else:
+                counts[c, e, p] = accumulation_counts(
+                    space, rows[c, e, p], global_batch, batch_devices(mesh_c, base) * e
+                )
         except ValueError as err:
-            if list(meshes) == [(1, 1)]:
+            if p > 1:
+                if space.pipeline == "auto":
+                    continue  # "auto": the degrees the batch splits into
+                raise ValueError(f"SearchSpace(pipeline={space.pipeline}), pipeline {p}: {err}") from None
+            if [k for k in meshes if k[2] == 1] == [(1, 1, 1)]:
                 raise
             contexts, experts = tuple(dict.fromkeys(k[0] for k in meshes)), tuple(dict.fromkeys(k[1] for k in meshes))
             if experts == (1,):
@@ -165,9 +180,25 @@ def autotune(
         # split E ways): the formula with that count over the whole group is a lower bound of the
         # state (what it shards is Ψ / N), so it prunes no candidate that could fit.
         num = psi if e == 1 else psi - expert_params(shapes, mesh_c, base) * (1 - 1 / e)
-        cands += enumerate_candidates(
-            base, space, counts[c, e], num_params=num, shards=shards, opt_bytes=opt_bytes, context=c, expert=e
-        )
+        if p == 1:
+            cands += enumerate_candidates(
+                base, space, counts[c, e, p], num_params=num, shards=shards, opt_bytes=opt_bytes, context=c, expert=e
+            )
+            continue
+        # A stage holds the rest and 1/P of the stack, sharded over its N/P devices (docs/pipeline.md).
+        num -= stack_params(shapes, mesh_c, base) * (1 - 1 / p)
+        for m in counts[c, e, p]:
+            cands += enumerate_candidates(
+                dataclasses.replace(base, pipeline=dataclasses.replace(base.pipeline, microbatches=m)),
+                space,
+                (1,),
+                num_params=num,
+                shards=shards // p,
+                opt_bytes=opt_bytes,
+                context=c,
+                expert=e,
+                pipeline=p,
+            )
     limit = usable(budget, margin)
     pruned = [c for c in cands if c.formula_bytes > limit]
     alive = [c for c in cands if c.formula_bytes <= limit]
@@ -177,6 +208,7 @@ def autotune(
     search = _Search(
         loss_fn, shapes, tx, batch, meshes, spec, budget, margin, has_aux, rows, len(cands), verbose, progress
     )
+    search.pipeline_space = space.pipeline
     for c in pruned:
         search.report(f"{c.describe()}: pruned, state {fmt_bytes(c.formula_bytes)} > {fmt_bytes(limit)}")
     search.run(alive, exhaustive)
@@ -229,6 +261,8 @@ class _Search:
         self.by_program: dict[str, tuple[PlanMemory, StepCost]] = {}
         self.compiles = self.shared = 0
         self.warned = False
+        self.pipeline_space: Any = None  # SearchSpace.pipeline
+        self.refused: dict[int, str] = {}  # pipeline degree -> why the step refuses the loss on it
 
     def report(self, message: str) -> None:
         self.done += 1
@@ -258,7 +292,7 @@ class _Search:
                 self.evaluate(max(open_, key=lambda u: (_informative(u, open_), -members.index(u))))
 
     def known(self, c: Candidate) -> bool:
-        return c in self.fits or c in self.skipped
+        return c in self.fits or c in self.skipped or c.pipeline in self.refused
 
     def infer(self, c: Candidate) -> None:
         """Decides ``c`` without compiling where a compiled neighbour in its family does."""
@@ -273,8 +307,19 @@ class _Search:
                 return
 
     def evaluate(self, c: Candidate) -> None:
+        if c.pipeline in self.refused:
+            return
         t0 = time.perf_counter()
-        state, lowered = self.lower(c)
+        try:
+            state, lowered = self.lower(c)
+        except ValueError as e:
+            if c.pipeline == 1:
+                raise
+            if self.pipeline_space != "auto":
+                raise ValueError(f"SearchSpace(pipeline={self.pipeline_space}), pipeline {c.pipeline}: {e}") from None
+            self.refused[c.pipeline] = str(e)  # "auto": the degrees whose step takes the loss
+            self.report(f"pipeline {c.pipeline}: not searched, the step refuses the loss on it: {e}")
+            return
         key = hashlib.sha256(lowered.as_text().encode()).hexdigest()
         if key in self.by_program:
             self.shared += 1
@@ -300,12 +345,13 @@ class _Search:
             memory=memory,
             time=cost.seconds(self.spec),
             cost=cost,
-            micro_batch=self.rows[c.split] // c.config.grad_accum_steps,
+            micro_batch=self.rows[c.split] // (c.config.grad_accum_steps * c.config.pipeline.microbatches),
             offload=c.offload,
             program=key[:12],
             context=c.context,
             mesh=self.meshes[c.split],
             expert=c.expert,
+            pipeline=c.pipeline,
         )
         self.plans[c] = plan
         self.fits[c] = memory.device <= self.budget
@@ -379,6 +425,14 @@ def _lever_order(members: list[Candidate]):
     """Sort key: fewest levers first (each lever's values ranked within the family)."""
     ranks = [sorted({c.levers[i] for c in members}) for i in range(3)]
     return lambda c: (sum(r.index(v) for r, v in zip(ranks, c.levers)), c.levers)
+
+
+def stack_params(shapes: Any, mesh: Any, config: ZeroConfig) -> int:
+    """Ψ_stack: the parameters of the layer stack split over ``mesh``'s pipeline axis."""
+    from zerojax.sharding.plan import make_plan
+
+    plan = make_plan(shapes, mesh, config)
+    return sum(plan.layouts[i].size for i in plan.stack_leaves)
 
 
 def expert_params(shapes: Any, mesh: Any, config: ZeroConfig) -> int:
