@@ -46,6 +46,7 @@ def single_device_reference(steps=3, layers=models.LAYERS):
 RUNS = {
     "same-batch-everywhere": ("1,2,3", "same", 1),
     "process-local-rows": ("3", "rows", 1),
+    "process-local-rows-prefetched": ("2", "prefetch", 1),
     "hybrid": ("1,3", "rows", 2),
     "pipeline": ("3", "same", 1, 2),
 }
@@ -70,7 +71,7 @@ def _matches_one_device(out_dir, stages, layers=models.LAYERS):
             assert err <= 1e-5, (stage, rank, err)
 
 
-@pytest.mark.parametrize("name", ["same-batch-everywhere", "process-local-rows"])
+@pytest.mark.parametrize("name", ["same-batch-everywhere", "process-local-rows", "process-local-rows-prefetched"])
 def test_two_processes_match_one(match_job, name):
     out_dir, stdout = match_job
     stages = [int(s) for s in RUNS[name][0].split(",")]

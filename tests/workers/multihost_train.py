@@ -4,8 +4,9 @@ Run by ``python -m zerojax.launch``; writes the gathered params of each stage to
 ``$OUT/params_stage{S}_rank{R}.npz``. With ``--die-after K`` process 1 exits with status 3
 after K steps; with ``--global-batch-helper`` each process loads only its own rows.
 
-``--run NAME:STAGES:same|rows:REPLICAS[:PIPELINE]`` (repeatable) runs several trainings in
-one job, each as the flags would (``rows``: the global-batch helper), writing to
+``--run NAME:STAGES:same|rows|prefetch:REPLICAS[:PIPELINE]`` (repeatable) runs several
+trainings in one job, each as the flags would (``rows``: the global-batch helper;
+``prefetch``: each process's own rows through ``zj.data.Prefetch(rows="process")``), writing to
 ``$OUT/NAME/`` and checkpointing its last stage to ``$OUT/NAME/ck``: the tests that only
 read a job's results share one job. ``PIPELINE=P`` trains on ``zj.make_mesh(pipeline=P)``
 (one stage per process at P = 2) with 2 micro-batches, the stacked model with 4 layers.
@@ -38,7 +39,7 @@ ap.add_argument("--checkpoint", default=None, help="save the last stage's state 
 ap.add_argument("--stall-after", type=int, default=None, help="process 1 hangs after K steps")
 ap.add_argument("--step-timeout", type=float, default=None)
 ap.add_argument("--replicas", type=int, default=1, help="hybrid sharding: replica groups of the mesh")
-ap.add_argument("--run", action="append", default=[], metavar="NAME:STAGES:same|rows:REPLICAS")
+ap.add_argument("--run", action="append", default=[], metavar="NAME:STAGES:same|rows|prefetch:REPLICAS")
 args = ap.parse_args()
 os.makedirs(args.out, exist_ok=True)
 one_d = mesh
@@ -54,7 +55,7 @@ PIPELINE_PARAMS = jax.tree.map(np.asarray, models.stacked_params(layers=4))
 tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1, momentum=0.9))
 
 
-def train(out, stages, helper, replicas, checkpoint, pipeline=1):
+def train(out, stages, batches, replicas, checkpoint, pipeline=1):
     os.makedirs(out, exist_ok=True)
     mesh = one_d
     if pipeline > 1:
@@ -72,17 +73,28 @@ def train(out, stages, helper, replicas, checkpoint, pipeline=1):
             flush=True,
         )
     for stage in stages:  # the last stage's state is the checkpoint (one save per step number)
-        train_stage(out, stage, mesh, helper, checkpoint if stage == stages[-1] else None, pipeline)
+        train_stage(out, stage, mesh, batches, checkpoint if stage == stages[-1] else None, pipeline)
 
 
-def train_stage(out, stage, mesh, helper, checkpoint, pipeline=1):
+def own_rows(mesh, cfg):
+    """This process's rows of each step's batch, placed ahead by ``zj.data.Prefetch``."""
+    rows = zj.distributed.process_rows(16, mesh)
+    source = (jax.tree.map(lambda x: np.asarray(x)[rows], models.batch(16, seed=i)) for i in range(args.steps))
+    return zj.data.Prefetch(source, mesh, config=cfg, rows="process")
+
+
+def train_stage(out, stage, mesh, batches, checkpoint, pipeline=1):
     cfg = zj.ZeroConfig(stage=stage, pipeline={"microbatches": 2 if pipeline > 1 else 1})
     params = PARAMS if pipeline == 1 else PIPELINE_PARAMS
     state = zj.init_state(params, tx, mesh=mesh, config=cfg)
     step = zj.make_train_step(models.stacked_loss, tx, mesh=mesh, config=cfg, timeout_s=args.step_timeout)
+    ahead = own_rows(mesh, cfg) if batches == "prefetch" else None
     for i in range(args.steps):
         full_batch = jax.tree.map(np.asarray, models.batch(16, seed=i))
-        if helper:
+        if ahead is not None:
+            batch = next(ahead)
+            assert all(x.is_fully_addressable is False for x in jax.tree.leaves(batch)), "not a global batch"
+        elif batches == "rows":
             rows = zj.distributed.process_rows(16, mesh)
             batch = zj.distributed.global_batch(jax.tree.map(lambda x: x[rows], full_batch), mesh)
         else:
@@ -110,11 +122,17 @@ if args.run:
         train(
             out,
             [int(s) for s in stages.split(",")],
-            batches == "rows",
+            batches,
             int(replicas),
             os.path.join(out, "ck"),
             int(pipe[0]) if pipe else 1,
         )
 else:
-    train(args.out, [int(s) for s in args.stages.split(",")], args.global_batch_helper, args.replicas, args.checkpoint)
+    train(
+        args.out,
+        [int(s) for s in args.stages.split(",")],
+        "rows" if args.global_batch_helper else "same",
+        args.replicas,
+        args.checkpoint,
+    )
 print(f"process {rank} done", flush=True)
