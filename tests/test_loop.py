@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import zerojax as zj
 from tests import models
@@ -96,3 +97,51 @@ def test_fit_refuses_what_would_end_a_run_early_or_never_evaluate():
             zj.fit(step, state, iter([]), **kw)
     with pytest.raises(ValueError, match="records scalars"):
         zj.loop.evaluate(lambda s, b: jnp.ones(3), state, EVAL)
+
+
+class _Tagger(nnx.Module):  # stock NNX layers, as a user writes them
+    def __init__(self, rngs):
+        self.l1, self.l2 = nnx.Linear(models.IN, 16, rngs=rngs), nnx.Linear(16, models.OUT, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(jax.nn.relu(self.l1(x)))
+
+
+def _nnx_loss(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def test_fit_trains_an_nnx_optimizer_in_place_as_optax_on_one_device():
+    """zj.fit over zj.nnx's step and optimizer, watched with compiled FLOPs: the loss of every
+    step and the held-out loss are plain optax's on one device over the same batches, the
+    optimizer is the one trained in place, and the FLOPs cover the matmuls' 6 per weight
+    and row (measured 1.12x on jax 0.10, 1.14x on 0.12: bias, ReLU and Adam)."""
+    tx = optax.adam(1e-2)
+    graphdef, ref_params = nnx.split(_Tagger(nnx.Rngs(0)))
+    batches = [load(np.arange(k * GB, (k + 1) * GB)) for k in range(3)]
+    ref_opt, ref_losses = tx.init(ref_params), []
+    grad = jax.value_and_grad(lambda p, b: _nnx_loss(nnx.merge(graphdef, p), b))
+    for b in batches:
+        loss, g = grad(ref_params, b)
+        updates, ref_opt = tx.update(g, ref_opt, ref_params)
+        ref_params, _ = optax.apply_updates(ref_params, updates), ref_losses.append(float(loss))
+    held_out = np.mean([float(_nnx_loss(nnx.merge(graphdef, ref_params), b)) for b in EVAL])
+
+    optimizer = zj.nnx.Optimizer(_Tagger(nnx.Rngs(0)), tx, wrt=nnx.Param, mesh=zj.make_mesh(), config=CFG)
+    history = zj.monitor.History()
+    monitor = zj.monitor.Monitor([history], flops_per_step="compiled")
+    got = zj.fit(
+        zj.nnx.make_train_step(_nnx_loss),
+        optimizer,
+        iter(batches),
+        steps=3,
+        monitor=monitor,
+        eval_step=zj.nnx.make_eval_step(_nnx_loss),
+        eval_data=EVAL,
+    )
+    assert got is optimizer and optimizer.step == 3
+    np.testing.assert_allclose(history.values("loss"), ref_losses, rtol=1e-5)
+    evals = [r["eval_loss"] for r in history.records if r["kind"] == "eval"]
+    np.testing.assert_allclose(evals, [held_out], rtol=1e-5)
+    weights = models.IN * 16 + 16 * models.OUT
+    assert 6 * weights * GB <= monitor.flops_per_step <= 1.5 * 6 * weights * GB, monitor.flops_per_step

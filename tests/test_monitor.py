@@ -377,6 +377,13 @@ def _wandb_records(path):
             parts = b""
 
 
+def _has_exit_record(path):
+    try:
+        return any(r.WhichOneof("record_type") == "exit" for r in _wandb_records(path))
+    except Exception:  # a record still being written
+        return False
+
+
 @pytest.mark.slow  # reason: starts wandb's service process (3-8 s); the WandB writer's only check, run by CI's slow set
 def test_wandb_offline_run_holds_every_record(tmp_path, monkeypatch):
     """Weights & Biases in offline mode: the run's own history file, read with wandb's reader."""
@@ -386,6 +393,12 @@ def test_wandb_offline_run_holds_every_record(tmp_path, monkeypatch):
         w.write("train", k, {"loss": 1.0 / k})
     w.close()
     (path,) = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".wandb")]
+    # wandb's service process writes the file: finish() can return before it has (seen with
+    # several runs at once), so wait for the run's exit record, as `wandb sync` would.
+    deadline = time.monotonic() + 60
+    while not _has_exit_record(path):
+        assert time.monotonic() < deadline, "wandb wrote no exit record within 60 s"
+        time.sleep(0.2)
     history = [
         (items["_step"], items["train/loss"])
         for rec in _wandb_records(path)

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from zerojax.monitor import Console, Monitor
+from zerojax.resume.holder import is_holder, state_of
 
 
 def fit(
@@ -34,6 +35,9 @@ def fit(
 ) -> Any:
     """Trains ``state`` with ``step`` on batches from ``data`` until it has taken ``steps``
     steps in all (a resumed run continues from where it stopped); returns the state.
+    ``state`` may be a :class:`zerojax.nnx.Optimizer` with ``step`` from
+    :func:`zerojax.nnx.make_train_step` (and ``eval_step`` from
+    :func:`zerojax.nnx.make_eval_step`): it is trained in place and returned.
 
     * ``run``: a :class:`zerojax.resume.Run` whose ``restore_or_init`` made ``state`` (with
       ``data=`` the same iterator, so its position resumes): each step is reported to it
@@ -74,7 +78,8 @@ def fit(
     monitor = Monitor([Console()]) if monitor is None else monitor
     if not isinstance(monitor, Monitor):
         raise TypeError(f"fit monitor takes a zj.monitor.Monitor, got {type(monitor).__name__}.")
-    done = run.step if run is not None else int(jax.device_get(state.step))
+    in_place = is_holder(state)  # a zj.nnx.Optimizer: its step updates it and returns the metrics
+    done = run.step if run is not None else int(jax.device_get(state_of(state, "fit").step))
     watched = monitor.watch(step)
     batches = iter(data)
     try:
@@ -86,7 +91,10 @@ def fit(
                     f"the data ran out after step {done} of {steps}: give an endless iterator (or one "
                     f"with {steps - done} more batches), or fewer steps."
                 ) from None
-            state, _ = watched(state, batch)
+            if in_place:
+                watched(state, batch)
+            else:
+                state, _ = watched(state, batch)
             done += 1
             if run is not None:
                 run.completed(state)
@@ -99,7 +107,7 @@ def fit(
     if export is not None:
         from zerojax.checkpoint import export_weights
 
-        export_weights(state, export, **(export_options or {}))
+        export_weights(state_of(state, "fit's export"), export, **(export_options or {}))
     return state
 
 

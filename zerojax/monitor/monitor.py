@@ -6,7 +6,7 @@ import atexit
 import collections
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -105,8 +105,10 @@ class Monitor:
         atexit.register(_close_at_exit, weakref.ref(self))
 
     def watch(self, step: Callable) -> Callable:
-        """``step`` (a :class:`zerojax.TrainStep`, or any ``step(state, batch) -> (state,
-        metrics)``) with every call recorded; same arguments, same results."""
+        """``step`` with every call recorded; same arguments, same results. ``step`` is a
+        :class:`zerojax.TrainStep` (or any ``step(state, batch) -> (state, metrics)``), or a
+        step that updates its first argument in place and returns the metrics:
+        ``zj.nnx.make_train_step``'s, called ``metrics = step(optimizer, batch)``."""
         return _Watched(self, step)
 
     def write(self, kind: str, step: int, values: dict[str, Any]) -> None:
@@ -156,7 +158,9 @@ class Monitor:
         for w in self.writers:
             w.write(kind, step, values)
 
-    def _first_call(self, step: Callable, state: Any, batch: Any) -> None:
+    def _first_call(self, step: Callable, state: Any, batch: Any, called: Callable) -> None:
+        """``step``: the zerojax step that runs (its mesh and config); ``called``: what the
+        loop calls, as it is called (``called.lower(state, batch)`` for compiled FLOPs)."""
         mesh = getattr(step, "mesh", None)
         self._devices = int(mesh.devices.size) if mesh is not None else jax.device_count()
         self._mesh_devices = list(mesh.local_devices) if mesh is not None else jax.local_devices()
@@ -165,7 +169,7 @@ class Monitor:
         self._peak, why = rates.peak_flops(self.device, mesh, getattr(config, "compute_dtype", "float32"))
         if self.flops_per_step == "compiled":
             self.note("reading the step's FLOPs from its compiled program (one more compile)")
-            self.flops_per_step = rates.compiled_flops(step, state, batch) * self._devices
+            self.flops_per_step = rates.compiled_flops(called, state, batch) * self._devices
         if self.flops_per_step is None:
             self._note_once(
                 "mfu",
@@ -213,20 +217,38 @@ class _Watched:
     def __getattr__(self, name: str) -> Any:  # lower(), config, mesh, ... of the step
         return getattr(self.step, name)
 
-    def __call__(self, state: Any, batch: Any, *args: Any, **kwargs: Any) -> tuple[Any, dict]:
+    def __call__(self, state: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
         m = self.monitor
         first = self._calls == 0
         if first:
-            m._first_call(self.step, state, batch)
+            # zj.nnx's step runs a zerojax TrainStep on the optimizer's state: its mesh,
+            # config and program are that step's.
+            inner = getattr(self.step, "step_for", None)
+            m._first_call(self.step if inner is None else inner(state), state, batch, self.step)
             m.note("step 1: compiling the train step (the first call traces and compiles it)")
             begin = time.perf_counter()
-        new_state, metrics = self.step(state, batch, *args, **kwargs)
+        out = self.step(state, batch, *args, **kwargs)
         returned = time.perf_counter()
+        metrics = _metrics_of(out, self.step)
         self._calls += 1
         if first:
             m._emit("compile", 1, {"compile_s": returned - begin})
         m._called(metrics, _rows(batch), returned)
-        return new_state, metrics
+        return out
+
+
+def _metrics_of(out: Any, step: Any) -> Mapping:
+    """The metrics of a step's result: ``(state, metrics)``, or the metrics alone from a step
+    that updates its argument in place (zj.nnx's)."""
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping):
+        return out[1]
+    if isinstance(out, Mapping):
+        return out
+    raise TypeError(
+        f"a watched step returns (state, metrics) (zj.make_train_step's) or the metrics alone (zj.nnx's, which "
+        f"updates the optimizer in place); {getattr(step, '__name__', type(step).__name__)} returned "
+        f"{type(out).__name__}."
+    )
 
 
 def _rows(batch: Any) -> int | None:
