@@ -406,3 +406,11 @@ def test_wandb_offline_run_holds_every_record(tmp_path, monkeypatch):
         for items in [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}]
     ]
     assert history == [(1, 1.0), (2, 0.5), (3, pytest.approx(1 / 3))]
+
+
+def test_a_step_returning_neither_form_is_refused_by_name():
+    """(state, metrics) and zj.nnx's metrics alone are the two forms; a list is neither."""
+    monitor = zj.monitor.Monitor([zj.monitor.History()])
+    watched = monitor.watch(lambda state, batch: [state, {"loss": 1.0}])
+    with pytest.raises(TypeError, match=r"returns \(state, metrics\).*returned list"):
+        watched(0, np.ones((2, 2)))
