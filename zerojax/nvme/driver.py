@@ -121,7 +121,7 @@ class Tier:
         old_dir = self.store.version_dir(handles[0].version) if handles else None
         version = self._next_version()
         new_dir = self.store.begin(version)
-        shared = {n + j: jax.device_put(leaves[j], plan.sharding(plan.opt_storage_layouts[j])) for j in self.shared}
+        shared = {n + j: leaves[j] for j in self.shared}  # moved to the device inside each group's program
 
         def read(g: int) -> dict:
             ins = self.groups.groups[g][0]
@@ -161,7 +161,7 @@ class Tier:
                 if k < n:
                     new_masters[k] = r
                 elif (k - n) in self.shared:
-                    new_opt[k - n] = jax.device_put(r, plan.sharding(plan.opt_storage_layouts[k - n], plan.opt_memory))
+                    new_opt[k - n] = r
                 else:
                     writes += self.streamer.write(new_dir, k - n, r)  # written behind the next group's update
 
@@ -171,7 +171,7 @@ class Tier:
             plan, outs = self.plan, self.groups.groups[g][1]
             n, m = self.n, self.m
             layouts = list(plan.master_layouts) + list(plan.opt_storage_layouts) + list(plan.master_layouts)
-            homes = [plan.master_memory] * n + [None] * m
+            homes = [plan.master_memory] * n + [plan.opt_memory if j in self.shared else None for j in range(m)]
             out_layouts = list(plan.master_layouts) + list(plan.opt_storage_layouts)
 
             def run(given, skip, step):

@@ -79,7 +79,7 @@ def read_leaf(handle: OnDisk, sharding: Any = None) -> jax.Array:
         read_chunk(os.path.join(handle.directory, f"v{handle.version}", name + ".bin"), out)
         arrays.append(jax.device_put(out, device))
     x = jax.make_array_from_single_device_arrays(handle.shape, handle.sharding, arrays)
-    return x if sharding is None else jax.device_put(x, sharding)
+    return x if sharding is None else jax.jit(lambda y: y, out_shardings=sharding)(x)  # jit: any memory kind
 
 
 def materialize(state: ZeroState) -> ZeroState:
