@@ -144,7 +144,7 @@ class Tier:
         return new_masters, self._commit(state, version, new_opt)
 
     def _groups(self, grads, masters, skip, step, read, pending, shared, new_masters, new_opt, new_dir, writes) -> None:
-        n, plan = self.n, self.plan
+        n = self.n
         for g, (ins, outs) in enumerate(self.groups.groups):
             current = pending
             if g + 1 < len(self.groups.groups):
