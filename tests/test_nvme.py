@@ -4,10 +4,14 @@ groups through a bounded set of buffers.
 Each run is compared with the same run with the state in device memory: within 1e-6, as
 tests/test_offload.py holds the streamed device update (the head of the step and each
 group's update are separate programs here, which XLA:CPU may round a last bit apart).
+
+The default set trains one configuration (stage 2, fp16 dynamic scaling with a skipped
+step, two micro-batches, global-norm clipping, a frozen leaf, two update groups) through
+one train step shared by the module, so that its head, tail and group programs compile
+once; the other stages and randomized cases are slow.
 """
 
 import dataclasses
-import functools
 import os
 
 import jax
@@ -20,30 +24,36 @@ from tests import models
 from zerojax.nvme import store as store_mod
 from zerojax.nvme import stream as stream_mod
 
-BATCHES = [models.batch(16, s) for s in range(3)]
 TX = optax.adamw(1e-2)
-
-
-def run(cfg, tx=TX, batches=BATCHES, params=None, trainable=None, state=None):
-    mesh = zj.make_mesh()
-    if state is None:
-        state = zj.init_state(params or models.stacked_params(), tx, mesh=mesh, config=cfg, trainable=trainable)
-    step = zj.make_train_step(models.stacked_loss, tx, mesh=mesh, config=cfg)
-    metrics = []
-    for b in batches:
-        state, m = step(state, b)
-        metrics.append(m)
-    return state, step, metrics
+# Two update groups on models.stacked_params: the leaves up to layers/w, and the rest.
+TWO_GROUPS = 1600
+BASE = zj.ZeroConfig(
+    stage=2, compute_dtype="float16", grad_accum_steps=2, grad_clip=0.5, loss_scaling={"initial_scale_power": 4}
+)
 
 
 def nvme_cfg(base, path, **offload):
     return dataclasses.replace(base, offload={"optimizer": True, "nvme": {"path": str(path)}, **offload})
 
 
-@functools.cache
-def reference(base, tx=TX, trainable=None):
-    state, _, metrics = run(base, tx=tx, trainable=trainable)
-    return state, [float(m["loss"]) for m in metrics]
+def case(seed):
+    """Randomized parameters and batches, the second batch non-finite (a skipped step), the
+    leaf ``skip`` frozen."""
+    rng = np.random.default_rng(seed)
+    batches = [models.batch(16, int(s)) for s in rng.integers(0, 100, 3)]
+    batches[1] = {"x": batches[1]["x"].at[0, 0].set(np.inf), "y": batches[1]["y"]}
+    params = models.stacked_params(seed=seed)
+    trainable = jax.tree.map(lambda _: True, params)
+    trainable["skip"] = False
+    return params, trainable, batches
+
+
+def train(step, state, batches):
+    metrics = []
+    for b in batches:
+        state, m = step(state, b)
+        metrics.append(m)
+    return state, metrics
 
 
 def assert_close_states(a, b, atol=1e-6):
@@ -53,6 +63,46 @@ def assert_close_states(a, b, atol=1e-6):
     for x, y in zip(jax.tree.leaves(a.opt_state), jax.tree.leaves(b.opt_state)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=atol)
     assert int(a.step) == int(b.step) and int(a.skipped) == int(b.skipped)
+
+
+def opt_arrays(state):
+    return [np.asarray(x) for x in jax.tree.leaves(zj.nvme.materialize(state).opt_state)]
+
+
+@dataclasses.dataclass
+class Shared:
+    """The module's NVMe train step (its tier open on ``path``) and the in-memory reference run."""
+
+    mesh: object
+    step: object
+    path: object
+    params: dict
+    trainable: dict
+    batches: list
+    ref_states: list  # the in-memory state after each step
+    ref_metrics: list
+
+    def init(self, config=None):
+        return zj.init_state(
+            self.params, TX, mesh=self.mesh, config=config or self.step.config, trainable=self.trainable
+        )
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    path = tmp_path_factory.mktemp("nvme")
+    mesh = zj.make_mesh()
+    params, trainable, batches = case(0)
+    ref_step = zj.make_train_step(models.stacked_loss, TX, mesh=mesh, config=BASE)
+    state = zj.init_state(params, TX, mesh=mesh, config=BASE, trainable=trainable)
+    ref_states, ref_metrics = [], []
+    for b in batches:
+        state, m = ref_step(state, b)
+        ref_states.append(state)
+        ref_metrics.append(m)
+    step = zj.make_train_step(models.stacked_loss, TX, mesh=mesh, config=nvme_cfg(BASE, path, group_size=TWO_GROUPS))
+    yield Shared(mesh, step, path, params, trainable, batches, ref_states, ref_metrics)
+    step.close()
 
 
 # -- the configuration -------------------------------------------------------------------------
@@ -74,7 +124,7 @@ def test_config_validates_and_reads_a_dict(tmp_path):
 # -- the store: refusals, locks, versions ------------------------------------------------------
 
 
-def test_missing_directory_full_disk_and_second_run_are_refused(tmp_path, monkeypatch):
+def test_missing_directory_full_disk_and_second_run_are_refused(tmp_path):
     with pytest.raises(ValueError, match="is not an existing directory"):
         store_mod.Store(str(tmp_path / "absent"), 0)
     s = store_mod.Store(str(tmp_path), 0)
@@ -91,58 +141,60 @@ def test_missing_directory_full_disk_and_second_run_are_refused(tmp_path, monkey
 
 def test_step_refuses_before_running(tmp_path, monkeypatch):
     """A missing directory and a disk without room are refused at the first call, before any step runs."""
-    base = zj.ZeroConfig(stage=2)
     mesh = zj.make_mesh()
+    base = zj.ZeroConfig(stage=2)
+    params, batch = models.stacked_params(), models.batch(16)
     cfg = nvme_cfg(base, tmp_path / "absent")
-    state = zj.init_state(models.stacked_params(), TX, mesh=mesh, config=cfg)
+    state = zj.init_state(params, TX, mesh=mesh, config=cfg)
     step = zj.make_train_step(models.stacked_loss, TX, mesh=mesh, config=cfg)
     with pytest.raises(ValueError, match="absent' is not an existing directory"):
-        step(state, BATCHES[0])
+        step(state, batch)
     assert step.compile_count() == 0
     cfg = nvme_cfg(base, tmp_path)
     monkeypatch.setattr(store_mod.shutil, "disk_usage", lambda p: store_mod.shutil._ntuple_diskusage(10, 10, 0))
     step = zj.make_train_step(models.stacked_loss, TX, mesh=mesh, config=cfg)
     with pytest.raises(ValueError, match=r"has 0 bytes free, but the optimizer state needs [\d,]+ bytes"):
-        step(zj.init_state(models.stacked_params(), TX, mesh=mesh, config=cfg), BATCHES[0])
+        step(zj.init_state(params, TX, mesh=mesh, config=cfg), batch)
     assert step.compile_count() == 0
 
 
 # -- exactness -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stage,group_size", [(1, 1_000_000_000), (2, 200), (3, 300)])
-def test_trains_as_in_memory(tmp_path, stage, group_size):
-    """Stages 1-3, one group or several (reads of the next overlapping the update): the same
-    losses, parameters and optimizer state as the run with the state on the device."""
-    base = zj.ZeroConfig(stage=stage)
-    ref, ref_losses = reference(base)
-    state, step, metrics = run(nvme_cfg(base, tmp_path, group_size=group_size))
-    if group_size < 1000:
-        assert len(step.nvme_tier(state).groups.groups) > 1
-    np.testing.assert_allclose([float(m["loss"]) for m in metrics], ref_losses, rtol=0, atol=1e-6)
-    assert_close_states(state, ref)
-    leaves = jax.tree.leaves(state.opt_state)
-    assert all(isinstance(x, zj.nvme.OnDisk) for x in leaves if x.ndim)  # no arrays posing as the state
-    step.close()
-
-
-@pytest.mark.parametrize("seed", [0, 1])
-def test_fp16_skip_accumulation_clip_and_frozen(tmp_path, seed):
+def test_trains_as_in_memory(shared):
     """fp16 dynamic scaling with a skipped step (a non-finite batch), two micro-batches,
-    global-norm clipping and a frozen leaf, on randomized parameters and batches."""
-    base = zj.ZeroConfig(
-        stage=2, compute_dtype="float16", grad_accum_steps=2, grad_clip=0.5, loss_scaling={"initial_scale_power": 4}
-    )
-    rng = np.random.default_rng(seed)
-    batches = [models.batch(16, int(s)) for s in rng.integers(0, 100, 3)]
-    batches[1] = {"x": batches[1]["x"].at[0, 0].set(np.inf), "y": batches[1]["y"]}
-    params = models.stacked_params(seed=seed)
-    trainable = jax.tree.map(lambda _: True, params)
-    trainable["skip"] = False
-    ref, _, ref_m = run(base, batches=batches, params=params, trainable=trainable)
-    state, step, m = run(nvme_cfg(base, tmp_path, group_size=300), batches=batches, params=params, trainable=trainable)
-    assert [bool(x["skipped"]) for x in m] == [False, True, False] == [bool(x["skipped"]) for x in ref_m]
+    global-norm clipping and a frozen leaf, in two groups (the second read while the first
+    updates): the same metrics, parameters and optimizer state as the run in device memory."""
+    step = shared.step
+    state, metrics = train(step, shared.init(), shared.batches)
+    assert len(step.nvme_tier(state).groups.groups) == 2
+    assert [bool(m["skipped"]) for m in metrics] == [False, True, False]
+    for key in ("skipped", "loss_scale"):
+        assert [float(m[key]) for m in metrics] == [float(m[key]) for m in shared.ref_metrics]
+    for key in ("loss", "grad_norm"):
+        got, want = [float(m[key]) for m in metrics], [float(m[key]) for m in shared.ref_metrics]
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    assert_close_states(state, shared.ref_states[-1])
+    assert all(isinstance(x, zj.nvme.OnDisk) for x in jax.tree.leaves(state.opt_state) if x.ndim)  # no arrays posing
+
+
+# reason: test_trains_as_in_memory covers stage 2 with fp16 scaling, a skipped step,
+# accumulation, clipping, a frozen leaf and two groups; these add stages 1 and 3, one group
+# and a group per leaf, on other randomized parameters and batches.
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,group_size,seed", [(1, 10**9, 1), (2, 1, 2), (3, 300, 3)])
+def test_trains_as_in_memory_at_each_stage(tmp_path, stage, group_size, seed):
+    base = dataclasses.replace(BASE, stage=stage)
+    params, trainable, batches = case(seed)
+    mesh = zj.make_mesh()
+    results = []
+    for cfg in (base, nvme_cfg(base, tmp_path, group_size=group_size)):
+        step = zj.make_train_step(models.stacked_loss, TX, mesh=mesh, config=cfg)
+        state = zj.init_state(params, TX, mesh=mesh, config=cfg, trainable=trainable)
+        results.append(train(step, state, batches))
+    (ref, ref_m), (state, m) = results
     assert [float(x["loss_scale"]) for x in m] == [float(x["loss_scale"]) for x in ref_m]
+    np.testing.assert_allclose([float(x["loss"]) for x in m], [float(x["loss"]) for x in ref_m], rtol=0, atol=1e-6)
     assert_close_states(state, ref)
     step.close()
 
@@ -150,12 +202,13 @@ def test_fp16_skip_accumulation_clip_and_frozen(tmp_path, seed):
 # -- crash safety -----------------------------------------------------------------------------
 
 
-def test_failed_write_leaves_the_last_version(tmp_path, monkeypatch):
+def test_failed_write_leaves_the_last_version_and_stale_states_are_refused(shared, monkeypatch):
     """A writer that fails in the middle of a step's writes leaves the version before it
-    committed and readable, bit for bit; the next step over the same state then succeeds."""
-    cfg = nvme_cfg(zj.ZeroConfig(stage=2), tmp_path, group_size=200)
-    state, step, _ = run(cfg, batches=BATCHES[:1])
-    before = [np.asarray(x) for x in jax.tree.leaves(zj.nvme.materialize(state).opt_state)]
+    committed and readable, bit for bit; the next step over the same state then succeeds,
+    and the state it consumed is refused from then on."""
+    step, batches = shared.step, shared.batches
+    state, _ = step(shared.init(), batches[0])
+    before = opt_arrays(state)
     real, calls = stream_mod.write_chunk, []
 
     def failing(path, data):
@@ -166,50 +219,44 @@ def test_failed_write_leaves_the_last_version(tmp_path, monkeypatch):
 
     monkeypatch.setattr(stream_mod, "write_chunk", failing)
     with pytest.raises(OSError, match="No space left"):
-        step(state, BATCHES[1])
-    after = [np.asarray(x) for x in jax.tree.leaves(zj.nvme.materialize(state).opt_state)]
-    for a, b in zip(before, after):
+        step(state, batches[1])
+    for a, b in zip(before, opt_arrays(state)):
         np.testing.assert_array_equal(a, b)
     monkeypatch.setattr(stream_mod, "write_chunk", real)
-    state, _ = step(state, BATCHES[1])
-    assert sorted(os.listdir(step.nvme_tier(state).store.dir)) == ["LOCK", "MANIFEST.json", f"v{2}"]
-    step.close()
-
-
-def test_stale_state_is_refused(tmp_path):
-    cfg = nvme_cfg(zj.ZeroConfig(stage=2), tmp_path)
-    state, step, _ = run(cfg, batches=BATCHES[:1])
-    newer, _ = step(state, BATCHES[1])
+    newer, _ = step(state, batches[1])
+    version = step.nvme_tier(newer).store.manifest()["version"]
+    assert sorted(os.listdir(step.nvme_tier(newer).store.dir)) == ["LOCK", "MANIFEST.json", f"v{version}"]
     with pytest.raises(ValueError, match="a later .*step"):
         zj.nvme.materialize(state)
     with pytest.raises(ValueError, match="a later step consumed it"):
-        step(state, BATCHES[2])
-    step.close()
+        step(state, batches[2])
 
 
 # -- checkpoints ------------------------------------------------------------------------------
 
 
-def test_checkpoint_is_ordinary_and_restores_on_any_tier(tmp_path):
+def test_checkpoint_is_ordinary_and_restores_on_any_tier(shared, tmp_path):
     """An NVMe run's checkpoint restores into memory (another stage) and into the NVMe tier,
     bit for bit, and training on continues as the uninterrupted run."""
-    base = zj.ZeroConfig(stage=2)
-    cfg = nvme_cfg(base, tmp_path / "a")
-    os.makedirs(tmp_path / "a")
-    state, step, _ = run(cfg, batches=BATCHES[:2])
+    step, batches = shared.step, shared.batches
+    state, _ = train(step, shared.init(), batches[:2])
     zj.save_checkpoint(tmp_path / "ck", state, step=2, wait=True)
-    mesh = zj.make_mesh()
-    mem = zj.restore_checkpoint(tmp_path / "ck", models.stacked_params(), TX, mesh=mesh, config=zj.ZeroConfig(stage=3))
     full = zj.nvme.materialize(state)
+    mem = zj.restore_checkpoint(
+        tmp_path / "ck",
+        shared.params,
+        TX,
+        mesh=shared.mesh,
+        config=dataclasses.replace(BASE, stage=3),
+        trainable=shared.trainable,
+    )
     for x, y in zip(jax.tree.leaves(mem.opt_state), jax.tree.leaves(full.opt_state)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     for x, y in zip(jax.tree.leaves(zj.gather_params(mem)), jax.tree.leaves(zj.gather_params(full))):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    os.makedirs(tmp_path / "b")
-    cfg_b = nvme_cfg(base, tmp_path / "b")
-    back = zj.restore_checkpoint(tmp_path / "ck", models.stacked_params(), TX, mesh=mesh, config=cfg_b)
-    resumed, step_b, _ = run(cfg_b, batches=BATCHES[2:], state=back)
-    ref, _ = reference(base)
-    assert_close_states(resumed, ref)
-    step.close()
-    step_b.close()
+    back = zj.restore_checkpoint(
+        tmp_path / "ck", shared.params, TX, mesh=shared.mesh, config=step.config, trainable=shared.trainable
+    )
+    assert not zj.nvme.on_disk(back)
+    resumed, _ = train(step, back, batches[2:])
+    assert_close_states(resumed, shared.ref_states[-1])
