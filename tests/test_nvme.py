@@ -2,8 +2,10 @@
 groups through a bounded set of buffers.
 
 Each run is compared with the same run with the state in device memory: within 1e-6, as
-tests/test_offload.py holds the streamed device update (the head of the step and each
-group's update are separate programs here, which XLA:CPU may round a last bit apart).
+tests/test_offload.py holds the streamed device update. The head of the step and each
+group's update are separate programs here, which XLA:CPU fuses, and so rounds (FMA
+contraction among other things), otherwise than the whole step: docs/offload.md,
+"Exactness across program boundaries".
 
 The default set trains one configuration (stage 2, fp16 dynamic scaling with a skipped
 step, two micro-batches, global-norm clipping, a frozen leaf, two update groups) through
