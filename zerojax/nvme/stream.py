@@ -71,7 +71,11 @@ class Streamer:
         with self.buffers.take(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize) as buf:
             view = buf.view(dtype).reshape(shape)
             read_chunk(path, view)
-            arrays = [jax.device_put(view, d, may_alias=False) for d in devices]
+            # The CPU backend may keep a numpy array's memory as the device buffer, even with
+            # may_alias=False: there the chunk moves to memory of its own, not the buffer's.
+            arrays = [
+                jax.device_put(np.array(view) if d.platform == "cpu" else view, d, may_alias=False) for d in devices
+            ]
             jax.block_until_ready(arrays)  # the buffer is free again only once copied
         return list(zip(devices, arrays))
 
