@@ -200,9 +200,29 @@ def test_old_forms_and_a_clean_config():
         warnings.simplefilter("error")  # nothing unmapped: no warning
         cfg = zj.from_deepspeed({"zero_optimization": {"stage": 0}, "gradient_clipping": 0.5})
     assert cfg == zj.ZeroConfig(stage=0, grad_clip=0.5)
-    nvme = translate({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}})
-    assert nvme.config.offload.optimizer and any("nvme" in n for n in nvme.notes)
-    assert "zero_optimization.offload_optimizer.nvme_path" in nvme.unmapped
+    nvme = translate(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme", "buffer_count": 6, "pin_memory": False},
+                "offload_param": {"device": "nvme", "nvme_path": "/nvme"},
+            },
+            "aio": {"overlap_events": True},
+        }
+    )
+    assert nvme.config.offload.optimizer and nvme.config.offload.params
+    assert nvme.config.offload.nvme == zj.config.NVMe("/nvme", buffer_count=6, pin_memory=False)
+    assert any("offload_param.device 'nvme' is mapped to host memory" in n for n in nvme.notes)
+    assert "zero_optimization.offload_optimizer.nvme_path" not in nvme.unmapped and "aio" not in nvme.unmapped
+    ds_nvme = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}
+    with pytest.raises(ValueError, match=r"'zero_optimization.offload_optimizer.ratio' is 0.3: .*no partial offload"):
+        translate(
+            {"zero_optimization": {**ds_nvme, "offload_optimizer": {**ds_nvme["offload_optimizer"], "ratio": 0.3}}}
+        )
+    with pytest.raises(ValueError, match="'aio.block_size' .*'aio.use_gds' .*have no meaning"):
+        translate({"zero_optimization": ds_nvme, "aio": {"block_size": 1 << 20, "use_gds": False}})
+    with pytest.raises(ValueError, match="nvme_path' is not set"):
+        translate({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}})
 
 
 def test_unknown_keys_warn_by_name():

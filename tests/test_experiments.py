@@ -549,3 +549,27 @@ def test_harness_traffic_matches_the_communication_report():
     assert by_axes == {k: v["bytes"] for k, v in report["by_axis"].items()}
     assert sum(by_axes.values()) == report["total"]["bytes"]
     assert by_axes["replica"] > 0 and by_axes["data"] > by_axes["replica"]
+
+
+@pytest.mark.slow  # reason: compiles three GPT steps and a fresh process per tier; tests/test_nvme.py covers the tier
+def test_nvme_script_streams_bit_for_bit_and_measures_each_part(tmp_path):
+    from experiments import nvme
+
+    out = nvme.main(
+        ["--dir", str(tmp_path), "--io-mb", "8", "--repeats", "1", "--sizes", "32x1", "--time-size", "32x1"]
+        + ["--steps", "3"]
+    )
+    assert [r["what"] for r in out["io"]] == ["write", "read"]  # read back bit for bit, or it raises
+    for r in out["io"]:
+        assert r["tier"] > 0 and r["dd"] > 0 and r["ratio"] == pytest.approx(r["tier"] / r["dd"])
+    (rss,) = out["rss"]
+    psi = gpt.GPTConfig(vocab=256, seq_len=64, d_model=32, n_layers=1).num_params()
+    assert 8 * psi <= rss["opt_bytes"] <= 12 * psi  # Adam's two float32 moments, storage padded to the 8 devices
+    assert rss["peak"] >= rss["before"] > 0 and rss["groups"] >= 1
+    assert [r["run"] for r in out["time"]] == ["in memory", "host offload", "NVMe"]
+    assert out["time"][0]["ratio"] == 1.0 and all(r["ms"] > 0 for r in out["time"])
+    assert [r["run"] for r in out["exactness"]][:2] == ["host offload", "NVMe"]
+    assert out["exactness"][0]["params"] <= 1e-6  # the host update, inside the step's program
+    for r in out["exactness"]:  # last bits of the moments; AdamW may turn a last-bit gradient into a step of
+        assert r["opt"] <= 1e-6 and r["params"] <= 2 * 2 * 1e-2  # lr's size (docs/offload.md): 2 steps, lr 1e-2
+    assert os.listdir(tmp_path) == []  # the script's directory is removed

@@ -77,6 +77,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("optimizer application; tensors in files and maps", {"optim", "tensors"}),
     ("the stages' gradient programs", {"stages"}),
     ("the train state", {"state"}),
+    ("the optimizer state on disk (NVMe tier)", {"nvme"}),
     ("the steps", {"step", "params", "evaluate"}),
     ("checkpoints and exports", {"checkpoint"}),
     ("the distributed runtime, resumable runs and the input pipeline", {"distributed", "resume", "data"}),

@@ -89,8 +89,9 @@ TRAINS_DEFAULT = [(*CASES[1], "host"), (*CASES[4], "device")]
     "stage,dtype,offload_params,place", models.marked_slow(TRAINS, slow=[c for c in TRAINS if c not in TRAINS_DEFAULT])
 )
 def test_offload_trains_exactly_as_without(stage, dtype, offload_params, place):
-    """Within 1e-6 of the same run without offload (it is bit for bit on CPU), with the
-    update on the host and streamed to the device one leaf group at a time."""
+    """Within 1e-6 of the same run without offload, with the update on the host (bit for bit
+    on CPU in the cases measured) and streamed to the device one leaf group at a time (each
+    group a computation of its own, fused differently: last bits apart, docs/offload.md)."""
     base = zj.ZeroConfig(stage=stage, compute_dtype=dtype)
     ref_params, ref_losses, ref_opt = without_offload(base)
     cfg = dataclasses.replace(

@@ -18,10 +18,11 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerojax import compile_cache, on_stall
+from zerojax import compile_cache, nvme, on_stall
 from zerojax.config import StepOptions, ZeroConfig
 from zerojax.config.step_options import PLAIN
 from zerojax.context import batch as context_batch
+from zerojax.nvme.driver import Tier
 from zerojax.optim import learning_rate
 from zerojax.optim import loss_scale as ls
 from zerojax.optim.apply import apply_optimizer
@@ -55,6 +56,40 @@ def _step(
     loss_fn: Callable, tx: Any, options: StepOptions, update_place: str, state: ZeroState, batch: Any
 ) -> tuple[ZeroState, dict[str, Any]]:
     plan = state.plan
+    head = _head(loss_fn, options, state, batch)
+    # A non-finite step changes nothing, bit for bit.
+    new_masters, opt_state = apply_optimizer(
+        plan, tx, head.grads, state.opt_state, head.masters, head.skip_or_none, update_place, state.step
+    )
+    return _tail(tx, options, state, head, new_masters, opt_state)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Head:
+    """What the step computes before the optimizer: the gradients (unscaled, clipped) in the
+    masters' layouts, the masters, and whether the step is skipped. A pytree, so that a step
+    whose optimizer state is not in the program (the NVMe tier) can return it from one
+    compiled program and hand it to the next."""
+
+    value: Any
+    aux: Any
+    model_state: Any
+    grads: list
+    masters: list
+    grad_norm: Any
+    skip: Any
+    checks_finite: bool = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def skip_or_none(self) -> Any:
+        return self.skip if self.checks_finite else None
+
+
+jax.tree_util.register_dataclass(_Head)
+
+
+def _head(loss_fn: Callable, options: StepOptions, state: ZeroState, batch: Any) -> _Head:
+    plan = state.plan
     cfg = plan.config
     stage = stage_of(plan)
     scale = state.loss_scale.scale if cfg.scaling else jnp.float32(1.0)
@@ -85,14 +120,23 @@ def _step(
     if cfg.grad_clip is not None:
         grads = clip_by_global_norm(grads, grad_norm, cfg.grad_clip)
     skip = jnp.logical_not(finite) if cfg.checks_finite else jnp.asarray(False)
-    # A non-finite step changes nothing, bit for bit.
-    new_masters, opt_state = apply_optimizer(
-        plan, tx, grads, state.opt_state, masters, skip if cfg.checks_finite else None, update_place, state.step
-    )
+    return _Head(value, aux, new_model_state, grads, masters, grad_norm, skip, cfg.checks_finite)
+
+
+def _tail(
+    tx: Any, options: StepOptions, state: ZeroState, head: _Head, new_masters: list, opt_state: Any
+) -> tuple[ZeroState, dict[str, Any]]:
+    """The step after the optimizer: the fields forward reads, the loss scale, the counters, the metrics."""
+    plan = state.plan
+    cfg = plan.config
+    stage = stage_of(plan)
+    skip = head.skip
+    new_model_state = head.model_state
     if cfg.checks_finite and options.with_model_state:
         new_model_state = keep_if(skip, state.model_state, new_model_state)
     new_params, new_master = stage.fields(plan, new_masters)
 
+    scale = state.loss_scale.scale if cfg.scaling else jnp.float32(1.0)
     scaler, at_min = ls.update(state.loss_scale, skip, cfg) if cfg.scaling else (None, jnp.asarray(False))
     new_state = dataclasses.replace(
         state,
@@ -106,8 +150,8 @@ def _step(
     )
     metrics = {
         "step": state.step,
-        "loss": value,
-        "grad_norm": grad_norm,
+        "loss": head.value,
+        "grad_norm": head.grad_norm,
         "loss_scale": scale,
         "skipped": skip,
         "skipped_steps": new_state.skipped,
@@ -118,7 +162,7 @@ def _step(
         before, after = jax.tree.leaves(state.opt_state), jax.tree.leaves(opt_state)
         metrics["learning_rate"] = rate.read(before, after, functools.partial(_on_device, plan))
     if options.has_aux:
-        metrics["aux"] = aux
+        metrics["aux"] = head.aux
     return new_state, metrics
 
 
@@ -219,6 +263,17 @@ class TrainStep:
 
         self._step = step
 
+        def head(state, batch):
+            self._compiles += 1
+            return _head(loss_fn, options, state, batch)
+
+        def tail(state, head, new_masters, opt_state):
+            self._compiles += 1
+            return _tail(tx, options, state, head, new_masters, opt_state)
+
+        self._nvme_parts = (jax.jit(head), jax.jit(tail))
+        self._tiers: dict[ZeroPlan, Any] = {}
+
     def _jit_for(self, state: ZeroState):
         plan = state.plan
         fn = self._jitted.get(plan)
@@ -266,7 +321,10 @@ class TrainStep:
         self.check(state, batch)
         batch = place_batch(batch, self.mesh, row_split(self.mesh, self.config)[1])
         with own_sharding_hint(self.config), compile_cache.compiling(state.plan.mesh):
-            new_state, metrics = self._jit_for(state)(state, batch)
+            if self.config.offload.nvme is not None:
+                new_state, metrics = self._nvme_step(state, batch)
+            else:
+                new_state, metrics = self._jit_for(state)(state, batch)
         if self.timeout_s is not None:
             _wait_or_fail(metrics["loss"], self.timeout_s)
         if self.config.dynamic_scaling and self.config.loss_scaling.raise_at_min_scale:
@@ -274,6 +332,42 @@ class TrainStep:
             if previous is not None:
                 self._raise_if_at_min(previous, new_state, metrics)
         return new_state, metrics
+
+    def _nvme_step(self, state: ZeroState, batch: Any) -> tuple[ZeroState, dict[str, jax.Array]]:
+        """The step with the optimizer state on disk: the compiled head (to the clipped
+        gradients), the disk tier's group-by-group update, the compiled tail."""
+        tier = self.nvme_tier(state)
+        if not nvme.on_disk(state):
+            state = tier.adopt(state)
+        head_fn, tail_fn = self._nvme_parts
+        head = head_fn(dataclasses.replace(state, opt_state=None), batch)
+        new_masters, moved = tier.update(state, head.grads, head.masters, head.skip_or_none, state.step)
+        new_state, metrics = tail_fn(
+            dataclasses.replace(state, opt_state=nvme.scalars_only(state.opt_state)),
+            head,
+            new_masters,
+            nvme.scalars_only(moved.opt_state),
+        )
+        return dataclasses.replace(new_state, opt_state=moved.opt_state), metrics
+
+    def nvme_tier(self, state: ZeroState) -> Any:
+        """The :class:`zerojax.nvme.driver.Tier` of ``state``'s plan: opened (its directory
+        checked, locked and sized) on first use, before any step runs."""
+        plan = state.plan
+        if plan not in self._tiers:
+            if plan.with_optimizer(self.tx) != plan:
+                raise ValueError(
+                    f"state holds the optimizer state {plan.opt_treedef}, but this train step's tx creates "
+                    f"{plan.with_optimizer(self.tx).opt_treedef}. Build the state and the step with the same optimizer."
+                )
+            self._tiers[plan] = Tier(plan, self.tx, self.config.offload.nvme)
+        return self._tiers[plan]
+
+    def close(self) -> None:
+        """Releases what the step holds outside the process (the NVMe tier's directory lock)."""
+        for tier in self._tiers.values():
+            tier.close()
+        self._tiers.clear()
 
     def check_loss_scale(self, state: ZeroState, metrics: dict) -> None:
         """Raises :class:`LossScaleError` now if the last step overflowed at the minimum loss

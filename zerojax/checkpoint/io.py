@@ -29,7 +29,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import Mesh
 
-from zerojax import on_stall
+from zerojax import nvme, on_stall
 from zerojax.checkpoint import canonical
 from zerojax.config import ZeroConfig
 from zerojax.optim.update import check_optimizer
@@ -154,7 +154,7 @@ def save_checkpoint(
         _check_json(extra)
     mngr = _manager(directory, Retention(keep_last, keep_every))
     _wait_at_exit()
-    arrays, meta = canonical.to_canonical(state)
+    arrays, meta = canonical.to_canonical(nvme.materialize(state))  # an NVMe run's state read back from disk
     items = dict(state=ocp.args.PyTreeSave(arrays), meta=ocp.args.JsonSave(meta.to_json()))
     if extra is not None:
         items["extra"] = ocp.args.JsonSave(extra)

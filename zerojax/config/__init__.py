@@ -3,7 +3,7 @@
 Why the groups are the ones they are: docs/design.md ("ZeroConfig's groups").
 """
 
-from zerojax.config.groups import Axes, Collectives, ContextParallel, LossScaling, Offload, Pipeline, StateDtypes
+from zerojax.config.groups import Axes, Collectives, ContextParallel, LossScaling, NVMe, Offload, Pipeline, StateDtypes
 from zerojax.config.step_options import StepOptions
 from zerojax.config.zero import COMPUTE_DTYPES, STAGES, ZeroConfig
 
@@ -15,6 +15,7 @@ __all__ = [
     "ContextParallel",
     "Pipeline",
     "LossScaling",
+    "NVMe",
     "Offload",
     "StateDtypes",
     "StepOptions",

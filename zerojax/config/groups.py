@@ -7,7 +7,7 @@ section); both are checked on construction, and an error names the group and the
 Example:
   >>> from zerojax.config import Offload
   >>> Offload(optimizer=True)
-  Offload(optimizer=True, params=False, update='auto', group_size=1000000000)
+  Offload(optimizer=True, params=False, update='auto', group_size=1000000000, nvme=None)
   >>> Offload(update="disk")
   Traceback (most recent call last):
   ...
@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -105,6 +106,41 @@ class LossScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class NVMe:
+    """The disk tier (ZeRO-Infinity): DeepSpeed's ``nvme_path``, ``buffer_count``,
+    ``buffer_size`` and ``pin_memory``; see :mod:`zerojax.nvme`.
+
+    Attributes:
+      path: a directory that exists; each process keeps its shards of the optimizer state
+        under ``path/process_{jax.process_index()}/``, one version per step.
+      buffer_count: host buffers in flight between the disk and the update (reads ahead of
+        the group updating, writes behind it); at least 2 to overlap.
+      buffer_size: bytes per buffer; a chunk of state larger than one buffer is refused
+        before step 1, naming the chunk and the size it needs.
+      pin_memory: stage the buffers in page-locked host memory where the backend has it
+        (accepted for DeepSpeed's key; on the CPU backend host memory is the device's).
+    """
+
+    path: Any
+    buffer_count: int = 4
+    buffer_size: int = 100_000_000
+    pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.path, bytes) or not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
+            raise TypeError(f"NVMe.path must be a directory path (a str or os.PathLike), got {self.path!r}.")
+        object.__setattr__(self, "path", os.fspath(self.path))
+        check_int("NVMe", self, "buffer_count", "buffer_size")
+        if self.buffer_count < 2:
+            raise ValueError(
+                f"NVMe.buffer_count must be at least 2 (one buffer reading while one updates), got {self.buffer_count}."
+            )
+        if self.buffer_size < 1:
+            raise ValueError(f"NVMe.buffer_size must be a positive number of bytes, got {self.buffer_size}.")
+        check_bool("NVMe", self, "pin_memory")
+
+
+@dataclasses.dataclass(frozen=True)
 class Offload:
     """Host memory (ZeRO-Offload): DeepSpeed's ``offload_optimizer`` and ``offload_param``
     sections with its ``sub_group_size``; see :mod:`zerojax.optim.offload`.
@@ -122,15 +158,30 @@ class Offload:
       group_size: with the update on the device, the offloaded state streams there and
         back in groups of at most this many parameter elements (DeepSpeed's
         ``sub_group_size``); leaves whose update reads one another stay in one group.
+      nvme: :class:`NVMe`, or None: keep the optimizer state on disk instead of in host
+        memory (the masters stay where ``optimizer``/``params`` put them); each group is read,
+        updated on the device and written back, one version per step (docs/offload.md).
     """
 
     optimizer: bool = False
     params: bool = False
     update: str = "auto"
     group_size: int = 1_000_000_000
+    nvme: NVMe | None = None
 
     def __post_init__(self) -> None:
         check_bool("Offload", self, "optimizer", "params")
+        if isinstance(self.nvme, Mapping):
+            object.__setattr__(self, "nvme", NVMe(**self.nvme))
+        if self.nvme is not None and not isinstance(self.nvme, NVMe):
+            raise TypeError(f"Offload.nvme must be None, a zj.config.NVMe or a dict of its fields, got {self.nvme!r}.")
+        if self.nvme is not None and not self.optimizer:
+            raise ValueError("Offload.nvme keeps the optimizer state on disk: set Offload(optimizer=True) with it.")
+        if self.nvme is not None and self.update == "host":
+            raise ValueError(
+                "Offload.nvme updates each group of state read from disk on the device, between the reads "
+                "and the writes; Offload(update='host') with nvme is not supported. Use update='auto' or 'device'."
+            )
         if self.update not in ("auto", "host", "device"):
             raise ValueError(f"Offload.update must be 'auto', 'host' or 'device', got {self.update!r}.")
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:

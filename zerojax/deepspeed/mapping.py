@@ -196,9 +196,61 @@ def _offload_device(section: Any, key: str, notes: list[str]) -> bool:
     device = section.get("device", "none")
     if device not in ("cpu", "nvme", "none", None):
         raise ValueError(f"DeepSpeed key '{key}.device' must be 'cpu', 'nvme' or 'none', got {device!r}.")
-    if device == "nvme":
-        notes.append(f"{key}.device 'nvme' is mapped to host memory (zerojax has no NVMe offload).")
+    if device == "nvme" and key.endswith("offload_param"):
+        notes.append(
+            f"{key}.device 'nvme' is mapped to host memory (zerojax's NVMe tier holds the optimizer state, "
+            "not the parameters)."
+        )
     return device in ("cpu", "nvme")
+
+
+# offload_optimizer's keys the NVMe tier reads (the rest are listed as unmapped, with reasons).
+_NVME_MAPPED = ("device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write", "ratio")
+# The aio section's keys: those the tier's plain-thread I/O has a meaning for, and why the rest are refused.
+_AIO_REFUSED = {
+    "block_size": "chunks are read and written whole, one shard per call",
+    "queue_depth": "the I/O threads (NVMe.buffer_count) keep that many requests in flight",
+    "single_submit": "there is no libaio submission queue",
+    "use_gds": "no GPUDirect Storage: chunks pass through host buffers",
+    "intra_op_parallelism": "NVMe.buffer_count threads move the chunks",
+    "thread_count": "NVMe.buffer_count threads move the chunks",
+}
+
+
+def _nvme(section: Mapping, aio: Any, notes: list[str]) -> dict:
+    """The NVMe tier (``Offload.nvme``) of an ``offload_optimizer`` section with device "nvme"."""
+    key = "zero_optimization.offload_optimizer"
+    if "nvme_path" not in section:
+        raise ValueError(
+            f"DeepSpeed key '{key}.device' is 'nvme' but '{key}.nvme_path' is not set: give the directory."
+        )
+    ratio = section.get("ratio", 1.0)
+    if ratio != 1 and ratio != 1.0:
+        raise ValueError(
+            f"DeepSpeed key '{key}.ratio' is {ratio!r}: zerojax offloads all of the optimizer state or none of "
+            "it (no partial offload). Remove 'ratio' or set it to 1."
+        )
+    for sub in ("pipeline_read", "pipeline_write"):
+        if sub in section and not _flag(section[sub], f"{key}.{sub}"):
+            notes.append(f"{key}.{sub}=false: the NVMe tier always overlaps its reads and writes with the update.")
+    nvme = {"path": section["nvme_path"]}
+    if "buffer_count" in section:
+        nvme["buffer_count"] = _number(section["buffer_count"], f"{key}.buffer_count", integer=True, minimum=2)
+    if "pin_memory" in section:
+        nvme["pin_memory"] = _flag(section["pin_memory"], f"{key}.pin_memory")
+    if aio is not None:
+        if not isinstance(aio, Mapping):
+            raise ValueError(f"DeepSpeed key 'aio' must be an object, got {aio!r}.")
+        refused = [k for k in aio if k != "overlap_events"]
+        if refused:
+            raise ValueError(
+                "DeepSpeed's 'aio' keys "
+                + ", ".join(f"'aio.{k}' ({_AIO_REFUSED.get(k, 'not a key of the aio section')})" for k in refused)
+                + " have no meaning for zerojax's NVMe tier, which reads and writes with plain threads; remove them."
+            )
+        if "overlap_events" in aio and not _flag(aio["overlap_events"], "aio.overlap_events"):
+            notes.append("aio.overlap_events=false: the NVMe tier always overlaps its I/O with the update.")
+    return nvme
 
 
 def translate(source: Any, *, auto: Mapping[str, Any] | None = None, pipeline_stages: int | None = None) -> Translation:
@@ -294,6 +346,10 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
         )
     if offload_opt:
         offload["optimizer"] = True
+    opt_section = zero.get("offload_optimizer")
+    on_nvme = isinstance(opt_section, Mapping) and opt_section.get("device") == "nvme"
+    if on_nvme:
+        offload["nvme"] = _nvme(opt_section, ds.get("aio"), notes)
     if offload_par:
         offload["params"] = True
     if "zero_quantized_weights" in zero and _flag(
@@ -335,7 +391,7 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
         if key in _ZERO_MAPPED or key in _PREFETCH_KEYS:
             if key in ("offload_optimizer", "offload_param") and isinstance(value, Mapping):
                 for sub in value:
-                    if sub != "device":
+                    if sub != "device" and not (on_nvme and key == "offload_optimizer" and sub in _NVME_MAPPED):
                         path = f"zero_optimization.{key}.{sub}"
                         unmapped[path] = REASONS.get(path, "no equivalent")
             continue
@@ -481,6 +537,8 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
         "gradient_allreduce_op",
         *monitor_section.KEYS,
     }
+    if on_nvme:
+        handled.add("aio")
     for key in ds:
         if key not in handled:
             unmapped[key] = REASONS.get(key, "unknown to this mapping (not a DeepSpeed key zerojax knows)")

@@ -70,14 +70,15 @@ REASONS: dict[str, str] = {
     "zero_optimization.offload_optimizer.ratio": "all of the optimizer state is offloaded",
     "zero_optimization.offload_optimizer.buffer_count": _XLA,
     "zero_optimization.offload_optimizer.fast_init": "no equivalent",
-    "zero_optimization.offload_optimizer.pipeline_read": "no NVMe offload",
-    "zero_optimization.offload_optimizer.pipeline_write": "no NVMe offload",
-    "zero_optimization.offload_optimizer.nvme_path": "no NVMe offload: host memory instead",
+    "zero_optimization.offload_optimizer.pipeline_read": "read with the NVMe tier only (device 'nvme')",
+    "zero_optimization.offload_optimizer.pipeline_write": "read with the NVMe tier only (device 'nvme')",
+    "zero_optimization.offload_optimizer.nvme_path": "read with the NVMe tier only (device 'nvme')",
     "zero_optimization.offload_param.pin_memory": "offloaded parameters are always in pinned host memory",
     "zero_optimization.offload_param.buffer_count": _XLA,
     "zero_optimization.offload_param.buffer_size": _XLA,
     "zero_optimization.offload_param.max_in_cpu": "all of the parameters are offloaded",
-    "zero_optimization.offload_param.nvme_path": "no NVMe offload: host memory instead",
+    "zero_optimization.offload_param.nvme_path": "the parameters stay in host memory (the NVMe tier holds "
+    "the optimizer state only)",
     "activation_checkpointing.partition_activations": "DeepSpeed splits the saved activations over the tensor "
     "(model-parallel) group; zerojax's nearest: a context axis splits every activation along the sequence "
     "(zj.make_mesh(context=C)), and ZeroConfig(remat=...) chooses what is saved",

@@ -206,20 +206,34 @@ def apply_streamed(
             moved, _ = jax.lax.optimization_barrier((moved, done[-2]))
         args = dict(on_device)
         args.update(zip(ins, moved))
-        full = [
-            args[i]
-            if i in args
-            else jax.lax.with_sharding_constraint(jnp.zeros(inputs[i].shape, inputs[i].dtype), device(i))
-            for i in range(2 * n + m)
-        ]
-        new_m, new_o = update(plan, tx, full[:n], full[n : n + m], full[n + m :], step=step)
-        new = list(new_m) + list(new_o)
-        old = full[n + m :] + full[n : n + m]
-        results = [new[k] if skip is None else jnp.where(skip, old[k], new[k]) for k in outs]
+        results = group_results(plan, tx, args, outs, skip, step)
         for k, r in zip(outs, results):  # back where it lives as soon as it is made
             outputs[k] = jax.device_put(r, plan.sharding(out_layouts[k], homes[k]))
         done.append(results)
     return outputs[:n], outputs[n:]
+
+
+def group_results(plan: ZeroPlan, tx: Any, given: dict, outs: tuple, skip: jax.Array | None, step: Any) -> list:
+    """One group's share of the update: the outputs ``outs`` (indices into ``masters +
+    opt_state``) given the inputs ``given`` (index into ``grads + opt_state + masters`` ->
+    array on the device) and zeros for the rest; with ``skip`` set, the old values."""
+    layouts, opt_layouts = plan.master_layouts, plan.opt_storage_layouts
+    n, m = len(layouts), len(opt_layouts)
+    kinds = (
+        [(l, jnp.float32) for l in layouts]
+        + [(l, l.dtype) for l in opt_layouts]
+        + [(l, plan.master_storage_dtype(l)) for l in layouts]
+    )
+    full = [
+        given[i]
+        if i in given
+        else jax.lax.with_sharding_constraint(jnp.zeros(l.storage_shape, dtype), plan.sharding(l))
+        for i, (l, dtype) in enumerate(kinds)
+    ]
+    new_m, new_o = update(plan, tx, full[:n], full[n : n + m], full[n + m :], step=step)
+    new = list(new_m) + list(new_o)
+    old = full[n + m :] + full[n : n + m]
+    return [new[k] if skip is None else jnp.where(skip, old[k], new[k]) for k in outs]
 
 
 def _move(plan: ZeroPlan, xs: list, layouts, kind: str | None) -> list:
