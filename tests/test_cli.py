@@ -3,6 +3,7 @@ weights back (``zj.load_weights``) and the progress bars of long command-line wo
 
 import io
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -163,6 +164,33 @@ def test_estimate_model_preset(capsys):
     assert table_rows(out)[3][2] == gb(12 * psi / 8)
     assert cli.main(["estimate", "--params", "1B", "--devices", "8", "--largest-layer", "50M"]) == 0
     assert table_rows(capsys.readouterr().out)[3][1] == gb(4 * 50e6 + 18e9 / 8)
+
+
+def test_estimate_memory_tiers_follow_the_paper_split(capsys):
+    """--offload ... --nvme: per device, bf16 Adam on llama3-8b over 8 devices: stages 1-2
+    keep the 2Ψ compute copy on the device and the 4Ψ/N masters on the host, stage 3 its
+    4Ψ/N masters on the device; the 8Ψ/N moments are on disk, twice while a step writes."""
+    psi = PUBLISHED["llama3-8b"]
+    assert (
+        cli.main(
+            ["estimate", "--model", "llama3-8b", "--devices", "8", "--dtype", "bfloat16"]
+            + ["--offload", "optimizer", "--nvme", "--buffer-count", "3"]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out.split("Memory tiers per device")[1]
+    cells = [re.split(r"\s{2,}", line.strip()) for line in out.splitlines()]
+    rows = {int(c[0]): c[1:] for c in cells if c[0].isdigit()}
+    assert (
+        rows[1]
+        == rows[2]
+        == [gb(2 * psi), gb(4 * psi / 8), f"{gb(8 * psi / 8)} ({gb(16 * psi / 8)} while a step writes)"]
+    )
+    assert rows[3] == [gb(4 * psi / 8), gb(0), f"{gb(8 * psi / 8)} ({gb(16 * psi / 8)} while a step writes)"]
+    assert "3 x 100,000,000 bytes = 0.3 GB per process" in out
+    with pytest.raises(SystemExit):
+        cli.main(["estimate", "--params", "1B", "--devices", "8", "--nvme"])
+    assert "give --offload optimizer" in capsys.readouterr().err
 
 
 # --- version and launch ----------------------------------------------------------------------

@@ -15,6 +15,7 @@ once; the other stages and randomized cases are slow.
 
 import dataclasses
 import json
+import math
 import os
 import signal
 import subprocess
@@ -31,6 +32,7 @@ import zerojax as zj
 from tests import models
 from zerojax.nvme import store as store_mod
 from zerojax.nvme import stream as stream_mod
+from zerojax.report import estimate
 
 TX = optax.adamw(1e-2)
 JOB = Path(__file__).resolve().parent / "workers" / "nvme_crash_job.py"
@@ -215,6 +217,24 @@ def test_trains_as_in_memory(shared):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
     assert_close_states(state, shared.ref_states[-1])
     assert all(isinstance(x, zj.nvme.OnDisk) for x in jax.tree.leaves(state.opt_state) if x.ndim)  # no arrays posing
+    # Each tier's bytes per device, as `zerojax estimate --offload optimizer --nvme` gives
+    # them: masters and optimizer state in their stored (padded) shape, the fp16 copy
+    # forward reads in its own. A 0-d parameter (held whole by every device) keeps its
+    # master and moments in memory: the formula's Ψ/N counts the split ones.
+    plan, d0 = state.plan, jax.devices()[0]
+    split = [l for l in plan.master_layouts if l.kind != "replicated"]
+    whole = len(plan.master_layouts) - len(split)
+    stored = sum(math.prod(l.storage_shape) for l in split)
+    own = sum(math.prod(l.shape) for l in plan.master_layouts)
+    tiers = lambda psi: estimate.tier_bytes(psi, 8, 2, offload="optimizer", nvme=True, compute_dtype="float16")
+    per_device = lambda tree: sum(
+        s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == d0
+    )
+    store = step.nvme_tier(state).store
+    version = store.version_dir(store.manifest()["version"])
+    assert sum(os.path.getsize(os.path.join(version, f)) for f in os.listdir(version)) == 8 * tiers(stored)["disk"]
+    assert per_device(state.master) == tiers(stored)["host"] + 4 * whole
+    assert per_device(state.params) == tiers(own)["device"]
 
 
 # reason: test_trains_as_in_memory covers stage 2 with fp16 scaling, a skipped step,

@@ -7,6 +7,7 @@ zerojax export CHECKPOINT_DIR OUT_DIR --format hf --hf-config SOURCE_MODEL_DIR  
 zerojax estimate --params 7B --devices 64 [--largest-layer N] [--replicas R] [--tensor T]
                  [--dtype float32|bfloat16|float16] [--optimizer adam|adamw|sgd|adafactor]
 zerojax estimate --model llama3-8b --devices 8
+zerojax estimate --model llama3-8b --devices 8 --offload optimizer --nvme
 zerojax launch --nprocs 2 [--devices-per-proc 4] -- python train.py [args...]
 zerojax autotune --model gpt --d-model 512 --layers 8 --batch 64 --devices 8 --memory 16GiB
 zerojax autotune my_script:setup --devices 8 --memory 16GiB   (see zerojax/tuning/command.py)
@@ -129,6 +130,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="tensor parallelism beside ZeRO: tensor degree T (each device holds 1/T of every "
         "parameter; ZeRO shards over devices/(replicas*T))",
     )
+    es.add_argument(
+        "--offload",
+        choices=["none", "optimizer", "optimizer+params"],
+        default="none",
+        help="also print the state per memory tier (device, host, disk) with this offload (ZeroConfig.offload)",
+    )
+    es.add_argument(
+        "--nvme",
+        action="store_true",
+        help="with --offload: the optimizer state on disk (the NVMe tier) instead of host memory",
+    )
+    es.add_argument("--buffer-count", type=int, default=4, help="--nvme: NVMe.buffer_count")
+    es.add_argument("--buffer-size", type=_count, default=100_000_000, help="--nvme: NVMe.buffer_size in bytes")
     fd = sub.add_parser("from-deepspeed", help="the ZeroConfig of a DeepSpeed JSON config")
     fd.add_argument("config", help="a DeepSpeed JSON config, e.g. ds_config.json")
     fd.add_argument(
@@ -211,6 +225,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             stack = stack or shape.n_layers * shape.block_params()
         if args.pipeline > 1 and stack is None:
             ap.error("--pipeline needs the layer stack's size: give --model, or --stack-params with --params")
+        if args.nvme and args.offload == "none":
+            ap.error("--nvme keeps the optimizer state on disk: give --offload optimizer (or optimizer+params)")
+        if args.offload != "none" and (args.replicas, args.tensor, args.pipeline) != (1, 1, 1):
+            ap.error("--offload's tier table is for the data axis alone: leave out --replicas, --tensor and --pipeline")
+        if args.buffer_count < 2 or args.buffer_size < 1:
+            ap.error(f"--buffer-count must be >= 2 and --buffer-size >= 1, got {args.buffer_count}, {args.buffer_size}")
         print(
             estimate.table(
                 psi,
@@ -224,6 +244,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 stack_params=stack or 0.0,
             )
         )
+        if args.offload != "none":
+            print()
+            print(
+                estimate.tier_table(
+                    psi,
+                    args.devices,
+                    offload=args.offload,
+                    nvme=args.nvme,
+                    compute_dtype=args.dtype,
+                    optimizer=args.optimizer,
+                    buffers=(args.buffer_count, args.buffer_size),
+                )
+            )
         return 0
     if args.command == "export":
         from zerojax.checkpoint.export import export_weights

@@ -421,6 +421,96 @@ def table(
     return "\n".join(lines)
 
 
+OFFLOADS = ("none", "optimizer", "optimizer+params")
+
+
+def tier_bytes(
+    num_params: float,
+    n: int,
+    stage: int,
+    *,
+    offload: str = "none",
+    nvme: bool = False,
+    compute_dtype: str = "float32",
+    opt_bytes: int = 8,
+) -> dict[str, float]:
+    """zerojax's persistent state per device in each memory tier: ``device``, ``host`` and
+    ``disk`` (:func:`zerojax.report.zero_formula_bytes` split by where it lives).
+
+    ``offload`` ("none", "optimizer", "optimizer+params": ``ZeroConfig.offload``'s
+    ``optimizer`` and ``params``) moves state to the host as zero_formula_bytes says; with
+    ``nvme`` (``ZeroConfig(offload={"optimizer": True, "nvme": ...})``) the optimizer state
+    (``opt_bytes``·Ψ/N) is on disk instead, and the host keeps what else was offloaded (the
+    masters kept apart at stages 1–2 in bf16/fp16, the stage-3 masters with "params"). A
+    step writes the next version beside the current one before switching, so the disk
+    holds up to twice ``disk`` (:mod:`zerojax.nvme.store`); the host also holds the tier's
+    buffers (``buffer_count·buffer_size`` per process, not per device). A 0-d parameter's
+    master and moments stay in memory whole (a few bytes, not in Ψ/N).
+
+    Example:
+      >>> from zerojax.report.estimate import tier_bytes
+      >>> {k: v / 1e9 for k, v in tier_bytes(8e9, 8, 3, offload="optimizer", nvme=True).items()}
+      {'device': 4.0, 'host': 0.0, 'disk': 8.0}
+    """
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload must be one of {OFFLOADS}, got {offload!r}.")
+    if nvme and offload == "none":
+        raise ValueError(
+            "nvme=True keeps the optimizer state on disk: give offload='optimizer' (or 'optimizer+params')."
+        )
+    kw = dict(
+        compute_dtype=compute_dtype,
+        opt_bytes=opt_bytes,
+        offload_optimizer=offload != "none",
+        offload_params=offload == "optimizer+params",
+    )
+    device = zero_formula_bytes(num_params, n, stage, memory="device", **kw)
+    host = zero_formula_bytes(num_params, n, stage, memory="host", **kw)
+    disk = opt_bytes * num_params / n if nvme else 0.0
+    return {"device": device, "host": host - disk, "disk": disk}
+
+
+def tier_table(
+    num_params: float,
+    n: int,
+    *,
+    offload: str,
+    nvme: bool = False,
+    compute_dtype: str = "float32",
+    optimizer: str = "adam",
+    buffers: tuple[int, int] = (4, 100_000_000),
+) -> str:
+    """What ``zerojax estimate --offload ... [--nvme]`` adds: :func:`tier_bytes` per stage.
+
+    Example:
+      >>> from zerojax.report.estimate import tier_table
+      >>> print(tier_table(8e9, 8, offload="optimizer", nvme=True).splitlines()[5])
+          3        4.0 GB        0.0 GB  8.0 GB (16.0 GB while a step writes)
+    """
+    opt_bytes = optimizer_bytes(optimizer)
+    gb = lambda b: f"{b / 1e9:,.1f} GB"
+    where = "NVMe" if nvme else "host memory"
+    lines = [
+        f"Memory tiers per device, zerojax ({compute_dtype}, {optimizer}), offload {offload} to {where}:",
+        "",
+        f"{'stage':>5}  {'device':>12}  {'host':>12}  {'disk':>12}",
+    ]
+    for s in range(1, 4):
+        if offload == "optimizer+params" and s != 3:
+            continue
+        t = tier_bytes(num_params, n, s, offload=offload, nvme=nvme, compute_dtype=compute_dtype, opt_bytes=opt_bytes)
+        disk = f"{gb(t['disk'])} ({gb(2 * t['disk'])} while a step writes)" if nvme else gb(0)
+        lines.append(f"{s:>5}  {gb(t['device']):>12}  {gb(t['host']):>12}  {disk:>12}")
+    if nvme:
+        count, size = buffers
+        lines += [
+            "",
+            f"Host buffers of the NVMe tier: {count} x {size:,} bytes = {gb(count * size)} per process "
+            "(NVMe.buffer_count x NVMe.buffer_size), whatever the model size.",
+        ]
+    return "\n".join(lines)
+
+
 def assumptions(compute_dtype: str = "float32", optimizer: str = "adam") -> list[str]:
     """One line per column of :func:`table`: what its bytes count.
 
