@@ -64,11 +64,30 @@ def test_guard_applies_only_to_multi_device_cpu_steps(monkeypatch, tmp_path):
 CACHE_DIR = jax.config.jax_compilation_cache_dir
 
 
+# jax releases (major, minor, patch) on which the unguarded repro's second process was
+# measured to deadlock, and to train (experiments/xla_cpu_cache_deadlock.py; docs/design.md).
+DEADLOCKS = ((0, 10, 2), (0, 12, 0))
+TRAINS = ((0, 12, 1),)
+
+
 @pytest.mark.slow  # reason: waits out XLA's collective timeout in a hung process (about 30 s)
-def test_without_the_guard_the_loaded_step_deadlocks(tmp_path):
+def test_without_the_guard_the_loaded_step_deadlocks_where_measured(tmp_path):
+    """What XLA:CPU does with the unguarded program loaded back, on the releases measured:
+    jax 0.10.2 and 0.12.0 deadlock; 0.12.1 trains (the guard stays there too until the whole
+    suite has run with steps loaded from the cache: docs/design.md). A release in neither
+    list is refused by name, so that it gets measured."""
+    release = tuple(int(x) for x in jax.__version__.split(".")[:3])
+    assert release in DEADLOCKS + TRAINS, f"jax {jax.__version__}: run the repro and add it to DEADLOCKS or TRAINS"
     # (The same XLA flags in both: they are part of the cache key.)
     first, second = _train(tmp_path, "--unguarded", timeout_s=4), _train(tmp_path, "--unguarded", timeout_s=4)
     assert first.returncode == 0, first.stderr[-2000:]
     assert "step programs in the cache: True" in first.stdout
-    # If this fails, XLA:CPU runs loaded executables correctly now: the guard can go.
-    assert second.returncode != 0 and "Termination timeout" in second.stderr, (second.returncode, second.stderr[-2000:])
+    if release in DEADLOCKS:
+        # If this fails, XLA:CPU runs loaded executables correctly now: move the release to TRAINS.
+        assert second.returncode != 0 and "Termination timeout" in second.stderr, (
+            second.returncode,
+            second.stderr[-2000:],
+        )
+    else:
+        assert second.returncode == 0, second.stderr[-2000:]
+        assert second.stdout == first.stdout  # the loaded program: same losses, read from the cache
