@@ -214,28 +214,45 @@ CHAOS_PROCS = 2  # every fault path needs two processes; more only add start-up 
 CHAOS_STEP_S = 0.15  # the chaos job's least step time (the worker's --sleep)
 
 
-def job(out, args, *, nprocs=4, devices_per_proc=1, steps=STEPS, worker_args=(), timeout=400, watch=None):
+class _Lines:
+    """The launcher's output, kept line by line, each line shown to ``watch`` as it comes."""
+
+    def __init__(self, watch=None):
+        self.lines, self.watch = [], watch
+
+    def write(self, text):
+        self.lines.append(text)
+        if self.watch:
+            self.watch(text)
+
+    def flush(self):
+        pass
+
+
+def job(out, args, *, nprocs=4, devices_per_proc=1, steps=STEPS, worker_args=(), watch=None):
     """``zerojax launch ARGS -- python resume_job.py ...`` on ``nprocs`` processes of
     ``devices_per_proc`` devices each: its exit status, output and seconds (``watch`` sees
-    each line as it comes)."""
-    launcher = ["-m", "zerojax.launch", "--nprocs", str(nprocs), "--devices-per-proc", str(devices_per_proc), *args]
-    launcher.append("--")
+    each line as it comes). The launcher runs in this process (its processes are real ones,
+    and its ``--timeout`` ends a hung job): a launcher process of its own would import JAX
+    for nothing."""
     worker = [str(WORKER), "--dir", str(out / "ck"), "--out", str(out / "out"), "--steps", str(steps)]
-    cmd = [sys.executable, *launcher, sys.executable, *worker, "--save-every", str(SAVE_EVERY), *worker_args]
+    cmd = [sys.executable, *worker, "--save-every", str(SAVE_EVERY), *worker_args]
+    opts = dict(zip(args[::2], args[1::2]))
+    lines = _Lines(watch)
     start = time.monotonic()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    timer = threading.Timer(timeout, p.kill)
-    timer.start()
-    lines = []
-    try:
-        for line in p.stdout:
-            lines.append(line)
-            if watch:
-                watch(line)
-        p.wait()
-    finally:
-        timer.cancel()
-    return p.returncode, "".join(lines), time.monotonic() - start
+    code = launch.launch(
+        cmd,
+        nprocs,
+        devices_per_proc,
+        timeout_s=float(opts.pop("--timeout")),
+        out=lines,
+        max_restarts=int(opts.pop("--max-restarts", 0)),
+        restart_delay_s=float(opts.pop("--restart-delay", 5.0)),
+        heartbeat_timeout_s=float(opts.pop("--heartbeat-timeout")) if "--heartbeat-timeout" in opts else None,
+        preempt_grace_s=float(opts.pop("--preempt-grace", 120.0)),
+    )
+    assert not opts, opts
+    return code, "".join(lines.lines), time.monotonic() - start
 
 
 def final_params(out):
@@ -313,7 +330,6 @@ def test_chaos_ends_bit_identical_to_an_uninterrupted_run(tmp_path, uninterrupte
         # see) and a SIGKILL several steps and a save past its trigger (more repeats than
         # the bound below allows).
         worker_args=["--sleep", str(CHAOS_STEP_S)],
-        timeout=650,
         watch=chaos,
     )
     assert code == 0, log[-6000:]
@@ -363,7 +379,6 @@ def test_elastic_four_processes_then_two(tmp_path):
             devices_per_proc=devices_per_proc,
             steps=steps,
             worker_args=["--dropout", "0", "--optimizer", "sgd"],
-            timeout=330,
         )
         assert code == 0, log[-4000:]
         return log
@@ -402,7 +417,7 @@ def test_damage_that_one_process_sees_is_skipped_on_every_process_and_the_step_s
         with open(p, "r+b") as f:
             f.truncate(16)
     start = time.monotonic()
-    code, log, _ = job(tmp_path, ["--timeout", "300"], nprocs=CHAOS_PROCS, timeout=330)
+    code, log, _ = job(tmp_path, ["--timeout", "300"], nprocs=CHAOS_PROCS)
     assert code == 0, log[-6000:]
     assert time.monotonic() - start < 300  # no hang: before, both processes waited about 350 s
     damaged = f"zerojax.resume: checkpoint {ck / '6'} is damaged"
