@@ -37,17 +37,24 @@ from zerojax.models import gpt  # noqa: E402
 GATHERS = harness.GATHERS
 
 
-def gather_traffic(cfg: gpt.GPTConfig, batch: int) -> dict[str, dict]:
-    """All-gather bytes per device per step for each gather dtype."""
-    graphdef, params = gpt.init(cfg)
-    tx, mesh = optax.adamw(3e-3), zj.make_mesh()
+def build(cfg: gpt.GPTConfig, kw: dict) -> tuple[zj.ZeroState, zj.TrainStep]:
+    """The trained setup: ZeRO-3 with ``kw``'s gathers, AdamW with weight decay, clip 1.0."""
+    graphdef, params = gpt.init(cfg, 0)
+    tx = optax.adamw(3e-3, weight_decay=0.01)
+    mesh, zc = zj.make_mesh(), zj.ZeroConfig(stage=3, grad_clip=1.0, **kw)
+    state = zj.init_state(params, tx, mesh=mesh, config=zc)
+    return state, zj.make_train_step(gpt.make_loss(graphdef), tx, mesh=mesh, config=zc)
+
+
+def gather_traffic(cfg: gpt.GPTConfig, batch: int, runs: dict[str, tuple]) -> dict[str, dict]:
+    """All-gather bytes per device per step for each gather dtype, read from the compiled
+    step of ``runs[name]`` (the step that then trains: its call reuses this compile) or,
+    for a dtype not trained, of :func:`build`'s."""
     tokens = next(data.windows(data.stdlib_bytes(1 << 20), batch, cfg.seq_len))
     out = {}
     for name, kw in GATHERS.items():
-        zc = zj.ZeroConfig(stage=3, **kw)
-        state = zj.init_state(params, tx, mesh=mesh, config=zc)
-        lowered = zj.make_train_step(gpt.make_loss(graphdef), tx, mesh=mesh, config=zc).lower(state, tokens)
-        rep = zj.report.communication_report(lowered.compile())
+        state, step = runs[name] if name in runs else build(cfg, kw)
+        rep = zj.report.communication_report(step.lower(state, tokens).compile())
         by_dtype = {k.split(":")[1]: v["bytes"] for k, v in rep.items() if k.startswith("all-gather:")}
         if name == "bf16":  # the CPU backend widens bf16 collectives: count them as asked
             by_dtype = {"bf16": by_dtype.get("f32", 0) // 2}
@@ -55,13 +62,9 @@ def gather_traffic(cfg: gpt.GPTConfig, batch: int) -> dict[str, dict]:
     return out
 
 
-def train(cfg: gpt.GPTConfig, kw: dict, steps: int, batch: int, progress) -> list[float]:
-    graphdef, params = gpt.init(cfg, 0)
-    tx = optax.adamw(3e-3, weight_decay=0.01)
-    mesh, zc = zj.make_mesh(), zj.ZeroConfig(stage=3, grad_clip=1.0, **kw)
-    state = zj.init_state(params, tx, mesh=mesh, config=zc)
-    step = zj.make_train_step(gpt.make_loss(graphdef), tx, mesh=mesh, config=zc)
-    stream = data.windows(data.stdlib_bytes(), batch, cfg.seq_len, seed=0)
+def train(run: tuple, steps: int, batch: int, seq_len: int, progress) -> list[float]:
+    state, step = run
+    stream = data.windows(data.stdlib_bytes(), batch, seq_len, seed=0)
     losses = []
     for _ in range(steps):
         state, m = step(state, next(stream))
@@ -78,9 +81,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     cfg = harness.gpt_config(args, head_dim=32)
-    traffic = gather_traffic(cfg, args.batch)
+    runs = {name: build(cfg, GATHERS[name]) for name in ("bf16", "int8")}
+    traffic = gather_traffic(cfg, args.batch, runs)
     progress = bar(2 * args.steps, "int8_gathers")
-    losses = {name: train(cfg, GATHERS[name], args.steps, args.batch, progress) for name in ("bf16", "int8")}
+    losses = {name: train(runs.pop(name), args.steps, args.batch, cfg.seq_len, progress) for name in ("bf16", "int8")}
     progress.close()
     psi = cfg.num_params()
     print(

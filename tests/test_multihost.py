@@ -1,6 +1,7 @@
 """Several processes on one machine (gloo CPU collectives): the multi-host path."""
 
 import functools
+import io
 import json
 import os
 import pathlib
@@ -15,17 +16,31 @@ import pytest
 
 import zerojax as zj
 from tests import models
+from zerojax import launch as zj_launch
 from zerojax.distributed import init as dist_init
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "multihost_train.py"
 
 
-def launch(args, worker_args, timeout=240):
-    cmd = [sys.executable, "-m", "zerojax.launch", *args, "--", sys.executable, str(WORKER), *worker_args]
+def launch(args, worker_args, timeout=240, worker=WORKER):
+    """``zerojax launch ARGS -- python WORKER WORKER_ARGS``: what it printed, its
+    exit status and seconds. The launcher runs in this process (its processes are real ones,
+    and ``--timeout``, else ``timeout``, ends a hung job): a launcher process of its own
+    would import JAX for nothing."""
+    cmd = [sys.executable, str(worker), *worker_args]
+    opts = dict(zip(args[::2], args[1::2]))
+    out = io.StringIO()
     start = time.monotonic()
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    return out, time.monotonic() - start
+    code = zj_launch.launch(
+        cmd,
+        int(opts.pop("--nprocs")),
+        int(opts.pop("--devices-per-proc")),
+        timeout_s=float(opts.pop("--timeout", timeout)),
+        out=out,
+    )
+    assert not opts, opts
+    return subprocess.CompletedProcess(cmd, code, out.getvalue(), ""), time.monotonic() - start
 
 
 TX = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1, momentum=0.9))
@@ -232,22 +247,13 @@ def test_an_export_that_fails_in_one_process_raises_on_every_process(tmp_path):
     """Two processes export one stage-3 state; each failure happens in process 1's part
     only, and every process raises naming process 1 and the problem, within a bounded
     time, leaving nothing that looks complete (see tests/workers/export_failures_job.py)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "zerojax.launch",
-        "--nprocs",
-        "2",
-        "--devices-per-proc",
-        "4",
-        "--",
-        sys.executable,
-        str(ROOT / "tests" / "workers" / "export_failures_job.py"),
-        "--out",
-        str(tmp_path),
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    out, _ = launch(
+        ["--nprocs", "2", "--devices-per-proc", "4"],
+        ["--out", str(tmp_path)],
+        timeout=300,
+        worker=ROOT / "tests" / "workers" / "export_failures_job.py",
+    )
+    assert out.returncode == 0, out.stdout[-4000:]
     r = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1)]
     visible = lambda name: (
         sorted(p.name for p in (tmp_path / name).iterdir() if not p.name.startswith("."))

@@ -4,11 +4,11 @@ sharded format that ``safetensors`` itself reads back."""
 
 import dataclasses
 import functools
+import io
 import json
 import os
 import pathlib
 import re
-import subprocess
 import sys
 
 import jax
@@ -22,6 +22,7 @@ from safetensors.numpy import load_file, save_file
 
 import zerojax as zj
 from tests import weights_model
+from zerojax import launch
 from zerojax.maps import concat, merge_dims, part, split_dim, stack, transpose
 from zerojax.tensors import boxes
 from zerojax.tensors.safetensors_files import TensorFiles, TensorWriter
@@ -555,26 +556,18 @@ def test_four_processes_read_and_write_only_their_own_shards(tmp_path):
     writing its own shards; the export is the checkpoint, bit for bit."""
     ts = weights_model.tensors()
     weights_model.write_sharded(str(tmp_path / "ck"), ts)
-    cmd = [
-        sys.executable,
-        "-m",
-        "zerojax.launch",
-        "--nprocs",
-        "4",
-        "--devices-per-proc",
-        "2",
-        "--",
-        sys.executable,
+    worker = [
         str(ROOT / "tests" / "workers" / "weights_job.py"),
         "--ckpt",
         str(tmp_path / "ck"),
         "--out",
         str(tmp_path),
-        "--buffer-mib",
-        "1",
     ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT)
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    # The launcher in this process (its processes are real ones): a launcher process of its
+    # own would import JAX for nothing.
+    out = io.StringIO()
+    code = launch.launch([sys.executable, *worker, "--buffer-mib", "1"], 4, 2, timeout_s=400, out=out)
+    assert code == 0, out.getvalue()[-8000:]
     model = sum(x.size for x in ts.values()) * 4
     for rank in range(4):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
