@@ -189,9 +189,12 @@ def test_a_config_prints_what_differs_from_the_defaults_as_code():
         zj.ZeroConfig(),
         zj.ZeroConfig(stage=2, compute_dtype="bfloat16", grad_accum_steps=4),
         zj.ZeroConfig(remat=zj.remat.Remat("names", names=("attn_out",)), offload={"optimizer": True}),
+        # a group inside a group: written as zj.config code too, its defaults left out
+        zj.ZeroConfig(stage=2, offload={"optimizer": True, "nvme": {"path": "/nvme", "buffer_count": 3}}),
     ]
     for cfg in cfgs:
         assert repr(cfg) == cfg.code() and eval(repr(cfg), {"zj": zj}) == cfg
+    assert "nvme=zj.config.NVMe(path='/nvme', buffer_count=3))" in cfgs[3].code()
     assert repr(cfgs[0]) == "zj.ZeroConfig(stage=3)"
     assert cfgs[1].differences(cfgs[2]) == (
         "stage: 2 -> 3; compute_dtype: 'bfloat16' -> 'float32'; grad_accum_steps: 4 -> 1; "

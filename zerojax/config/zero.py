@@ -253,12 +253,7 @@ class ZeroConfig:
             if f.name == "stage" or value == base:
                 continue
             if f.name in GROUPS:
-                inner = ", ".join(
-                    f"{g.name}={getattr(value, g.name)!r}"
-                    for g in dataclasses.fields(value)
-                    if getattr(value, g.name) != getattr(base, g.name)
-                )
-                parts.append(f"{f.name}=zj.config.{type(value).__name__}({inner})")
+                parts.append(f"{f.name}={_group_code(value, base)}")
             elif f.name == "remat":  # a name where that says it all, else the policy itself
                 parts.append(f"remat={value.kind!r}" if not value.names else f"remat=zj.remat.{value!r}")
             else:
@@ -349,6 +344,21 @@ _GROUPED: dict[str, tuple[str, str]] = {
     },
     **FLAT,
 }
+
+
+def _group_code(value: Any, base: Any = None) -> str:
+    """``zj.config.<Group>(...)`` with the fields that differ from ``base`` (a group of the
+    default config), or from the class's own defaults; a group inside a group (``Offload``'s
+    ``NVMe``) is written the same way, so the whole call evaluates."""
+    inner = []
+    for g in dataclasses.fields(value):
+        v = getattr(value, g.name)
+        default = getattr(base, g.name) if base is not None else g.default
+        if g.default is not dataclasses.MISSING or base is not None:
+            if v == default:
+                continue
+        inner.append(f"{g.name}={_group_code(v) if dataclasses.is_dataclass(v) else repr(v)}")
+    return f"zj.config.{type(value).__name__}({', '.join(inner)})"
 
 
 def _unknown_keywords(unknown: list[str], kwargs: Mapping[str, Any]) -> str:
