@@ -87,3 +87,32 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def devices():
     return jax.devices()
+
+
+# Every compiled program stays loaded while its jit cache holds it, and XLA:CPU maps each
+# one's code into the process: a worker that compiles a thousand tests' programs reaches the
+# kernel's limit of memory maps per process (vm.max_map_count, 65,530 by default), and the
+# next compile dies in XLA with a segmentation fault (measured: about 150 maps per test that
+# compiles a step; CI's run crashed at its last tests). Past a threshold the caches are
+# cleared between tests: only programs used again recompile (the persistent cache has most).
+def _map_limit() -> int | None:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):  # not Linux: no such limit to watch
+        return None
+
+
+_MAP_LIMIT = _map_limit()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if _MAP_LIMIT is None:
+        return
+    with open("/proc/self/maps", "rb") as f:
+        maps = f.read().count(b"\n")
+    if maps > _MAP_LIMIT // 2:
+        import gc
+
+        jax.clear_caches()
+        gc.collect()
