@@ -224,9 +224,11 @@ def test_bf16_gradients_are_as_close_as_jax_bf16(case):
 @pytest.mark.parametrize("method,c", [("ring", 4), ("ulysses", 2)])
 def test_one_visible_key_per_query_has_zero_gradients_in_bf16(method, c):
     """Every query sees one key (a diagonal mask): the output is that key's value whatever
-    q, k and the bias are, so dq, dk and dbias are 0. With an all-zero bias exactly 0, as
-    JAX's bf16 gives (the kernels gave 0.016, 0.019, 0.044); with a random one within fp32
-    summation order, where JAX's own fp32 gives about 5e-7 too."""
+    q, k and the bias are, so dq, dk and dbias are 0. With an all-zero bias within 1e-6 (the
+    kernels gave 0.016, 0.019, 0.044; JAX's bf16 gives exactly 0, and so did the ring on the
+    CPUs first measured, but on an AMD EPYC host 8 of ring-4's 1,024 dq entries are 2e-7: the
+    two ``dp`` sums of ``1·(dp - dp)`` vectorize to the host's width); with a random one within
+    fp32 summation order, where JAX's own fp32 gives about 5e-7 too."""
     case = Case(method=method, c=c, causal=False, bias="full", mask="full")
     for bias in ("zero", "random"):
         x = _data(0, "full", None, scale=1 / np.sqrt(H))
@@ -237,7 +239,7 @@ def test_one_visible_key_per_query_has_zero_gradients_in_bf16(method, c):
         for n in ("q", "k", "bias"):
             if bias == "zero":
                 assert np.all(np.asarray(theirs[n], np.float32) == 0)
-                np.testing.assert_array_equal(np.asarray(got[n], np.float32), 0, err_msg=f"{bias} bias: d{n}")
+                assert np.abs(np.asarray(got[n], np.float32)).max() <= 1e-6, f"{bias} bias: d{n}"
             else:
                 assert np.abs(np.asarray(got[n], np.float32)).max() <= ZERO, f"{bias} bias: d{n}"
         np.testing.assert_array_equal(np.asarray(got["v"]), np.asarray(theirs["v"]))
