@@ -16,8 +16,9 @@ offload policy really moved its values to host memory (``--no-remat-table`` skip
 
 The offload rows (stage 3, the last ``--remat`` policy, prefetch 0) keep the optimizer state
 in host memory with the update on the host (``optimizer``) or streamed through the device
-(``optimizer-device``), and also the parameters (``params``); their "state on device / in
-host memory" columns come from the arrays, their peak memory from the device's counters.
+(``optimizer-device``), and also the parameters (``params``), or half of the state
+(``ratio0.5``, a partial offload); their "state on device / in host memory" columns come
+from the arrays, their peak memory from the device's counters.
 
 A long-context table follows (``--long-seqs``; empty to skip): one attention's forward and
 backward on the chip, bf16, causal, at each length, as JAX's XLA function, cuDNN's (where
@@ -97,6 +98,7 @@ OFFLOAD = {
     "optimizer": dict(offload={"optimizer": True, "update": "auto"}),
     "optimizer-device": dict(offload={"optimizer": True, "update": "device"}),
     "params": dict(offload={"optimizer": True, "params": True, "update": "auto"}),
+    "ratio0.5": dict(offload={"optimizer": True, "update": "auto", "ratio": 0.5}),  # partial (Twin-Flow)
 }
 
 
@@ -355,7 +357,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--prefetch", default="0,1", help="stage-3 prefetch depths to measure")
     ap.add_argument(
         "--offload",
-        default="optimizer,optimizer-device,params",
+        default="optimizer,optimizer-device,params,ratio0.5",
         help=f"stage-3 offload rows ({', '.join(o for o in OFFLOAD if o != 'none')}; '' for none)",
     )
     ap.add_argument("--peak-tflops", type=float, default=None, help="peak bf16 TFLOP/s of the device")

@@ -191,6 +191,18 @@ def test_estimate_memory_tiers_follow_the_paper_split(capsys):
     with pytest.raises(SystemExit):
         cli.main(["estimate", "--params", "1B", "--devices", "8", "--nvme"])
     assert "give --offload optimizer" in capsys.readouterr().err
+    # --ratio r (a partial offload): r of what offloading moves (the masters kept apart and the
+    # moments, 12Ψ/N at stages 1-2 in bf16; the 8Ψ/N moments at stage 3) stays in host memory.
+    argv = ["estimate", "--model", "llama3-8b", "--devices", "8", "--dtype", "bfloat16", "--offload", "optimizer"]
+    assert cli.main(argv + ["--ratio", "0.25"]) == 0
+    out = capsys.readouterr().out.split("Memory tiers per device")[1]
+    cells = [re.split(r"\s{2,}", line.strip()) for line in out.splitlines()]
+    rows = {int(c[0]): c[1:] for c in cells if c[0].isdigit()}
+    assert rows[2] == [gb(2 * psi + 0.75 * 12 * psi / 8), gb(0.25 * 12 * psi / 8), gb(0)]
+    assert rows[3] == [gb(4 * psi / 8 + 0.75 * 8 * psi / 8), gb(0.25 * 8 * psi / 8), gb(0)]
+    with pytest.raises(SystemExit):
+        cli.main(argv + ["--ratio", "0.5", "--nvme"])
+    assert "--ratio must be in (0, 1], with --offload and without --nvme" in capsys.readouterr().err
 
 
 # --- version and launch ----------------------------------------------------------------------

@@ -215,7 +215,7 @@ def test_old_forms_and_a_clean_config():
     assert any("offload_param.device 'nvme' is mapped to host memory" in n for n in nvme.notes)
     assert "zero_optimization.offload_optimizer.nvme_path" not in nvme.unmapped and "aio" not in nvme.unmapped
     ds_nvme = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}
-    with pytest.raises(ValueError, match=r"'zero_optimization.offload_optimizer.ratio' is 0.3: .*no partial offload"):
+    with pytest.raises(ValueError, match=r"'zero_optimization.offload_optimizer.ratio' is 0.3: .*no partial NVMe"):
         translate(
             {"zero_optimization": {**ds_nvme, "offload_optimizer": {**ds_nvme["offload_optimizer"], "ratio": 0.3}}}
         )
@@ -223,6 +223,24 @@ def test_old_forms_and_a_clean_config():
         translate({"zero_optimization": ds_nvme, "aio": {"block_size": 1 << 20, "use_gds": False}})
     with pytest.raises(ValueError, match="nvme_path' is not set"):
         translate({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}})
+
+
+def test_partial_offload_ratio():
+    """offload_optimizer.ratio (Twin-Flow) maps to Offload.ratio at stage 3; DeepSpeed refuses it
+    below stage 3, and with the state not offloaded it means nothing."""
+    cpu = {"device": "cpu", "ratio": 0.3}
+    got = translate({"zero_optimization": {"stage": 3, "offload_optimizer": cpu}})
+    assert got.config.offload == zj.config.Offload(optimizer=True, ratio=0.3)
+    assert not any("ratio" in k for k in got.unmapped)
+    with pytest.raises(ValueError, match=r"ratio' is 0.3 at ZeRO stage 2: DeepSpeed refuses a partial offload"):
+        translate({"zero_optimization": {"stage": 2, "offload_optimizer": cpu}})
+    with pytest.raises(ValueError, match=r"ratio' must be in \(0, 1\], got 0"):
+        translate({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0}}})
+    none = translate({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none", "ratio": 0.3}}})
+    assert (
+        none.unmapped["zero_optimization.offload_optimizer.ratio"]
+        == "the optimizer state is not offloaded (device 'none')"
+    )
 
 
 def test_unknown_keys_warn_by_name():

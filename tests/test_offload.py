@@ -275,6 +275,14 @@ def test_offload_config_errors(kwargs, match):
         zj.ZeroConfig(**kwargs)
 
 
+def test_a_forced_host_update_that_cannot_run_there_is_refused_by_name():
+    """A clip inside tx makes its norm in device memory: update="host" says so and names the
+    fix (JAX's own message speaks of an `add` and memory spaces)."""
+    tx = optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2))
+    with pytest.raises(ValueError, match=r"offload.update='host', but .* Use offload update='device' or 'auto'"):
+        train(zj.ZeroConfig(stage=2, offload={"optimizer": True, "update": "host"}), tx=tx, batches=BATCHES[:1])
+
+
 def test_auto_update_place_falls_back_only_when_the_backend_refuses(monkeypatch):
     """offload_update="auto" probes the host update: a refusal to run it in host memory (a
     JaxRuntimeError from the backend's compiler, or JAX's memory-space error while tracing)

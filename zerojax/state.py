@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 
 from zerojax.config import ZeroConfig
 from zerojax.optim import loss_scale as ls
+from zerojax.optim.offload import with_split
 from zerojax.optim.update import check_optimizer
 from zerojax.sharding.plan import ZeroPlan, make_plan, master_dtype
 from zerojax.stages.per_stage import stage_of
@@ -86,7 +87,7 @@ def state_shardings(plan: ZeroPlan, scaler: Any, model_state: Any = None, rng: A
         params=None if params is None else plan.unflatten_train(params),
         master=None if master is None else plan.unflatten_train(master),
         frozen=plan.unflatten_frozen(plan.shardings(plan.frozen_layouts)) if plan.has_frozen else None,
-        opt_state=plan.unflatten_opt(plan.shardings(plan.opt_storage_layouts, plan.opt_memory)),
+        opt_state=plan.unflatten_opt(plan.opt_shardings()),
         model_state=jax.tree.map(lambda _: rep, model_state),
         rng=None if rng is None else rep,
         loss_scale=jax.tree.map(lambda _: rep, scaler),
@@ -309,7 +310,7 @@ def _init_program(params, tx, *, mesh, config, model_state=None, trainable=None,
     make = params if is_init_fn(params) else None
     make_ms = model_state if is_init_fn(model_state) else None
     shapes = jax.eval_shape(make) if make is not None else params
-    plan = make_plan(shapes, mesh, config, tx, trainable, tensor_specs)
+    plan = with_split(make_plan(shapes, mesh, config, tx, trainable, tensor_specs), tx)
     stage = stage_of(plan)
 
     def build(leaves, ms, loaded_train=None, loaded_frozen=None):

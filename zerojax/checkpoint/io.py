@@ -32,6 +32,7 @@ from jax.sharding import Mesh
 from zerojax import nvme, on_stall
 from zerojax.checkpoint import canonical
 from zerojax.config import ZeroConfig
+from zerojax.optim.offload import with_split
 from zerojax.optim.update import check_optimizer
 from zerojax.sharding.plan import make_plan
 from zerojax.state import ZeroState, check_alive, is_init_fn
@@ -414,7 +415,7 @@ def restore_checkpoint(
     _check_params(meta, params)
     if not isinstance(target, ZeroState):
         check_optimizer(tx)
-        plan = make_plan(params, mesh, config, tx, trainable, tensor_specs)
+        plan = with_split(make_plan(params, mesh, config, tx, trainable, tensor_specs), tx)
     _check_extras(meta, plan, model_state)
     _check_optimizer(meta, plan)
     item, restore_args = _restore_items(meta, plan)

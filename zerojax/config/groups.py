@@ -7,7 +7,7 @@ section); both are checked on construction, and an error names the group and the
 Example:
   >>> from zerojax.config import Offload
   >>> Offload(optimizer=True)
-  Offload(optimizer=True, params=False, update='auto', group_size=1000000000, nvme=None)
+  Offload(optimizer=True, params=False, update='auto', group_size=1000000000, nvme=None, ratio=1.0)
   >>> Offload(update="disk")
   Traceback (most recent call last):
   ...
@@ -161,6 +161,12 @@ class Offload:
       nvme: :class:`NVMe`, or None: keep the optimizer state on disk instead of in host
         memory (the masters stay where ``optimizer``/``params`` put them); each group is read,
         updated on the device and written back, one version per step (docs/offload.md).
+      ratio: the share of the optimizer state kept in host memory, in (0, 1] (DeepSpeed's
+        ``offload_optimizer.ratio``, its Twin-Flow): the update's independent groups of
+        leaves, from the last parameter back, go to host memory until at least this share of
+        the parameter elements is there; the rest, with their masters, stay on the device and
+        update there. Leaves whose update reads one another move together, so the share
+        taken can be larger (the state's ``plan.offload_split.share``).
     """
 
     optimizer: bool = False
@@ -168,6 +174,7 @@ class Offload:
     update: str = "auto"
     group_size: int = 1_000_000_000
     nvme: NVMe | None = None
+    ratio: float = 1.0
 
     def __post_init__(self) -> None:
         check_bool("Offload", self, "optimizer", "params")
@@ -188,6 +195,23 @@ class Offload:
             raise ValueError(
                 f"Offload.group_size must be a positive int (parameter elements per streamed group), "
                 f"got {self.group_size!r}."
+            )
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 0 < self.ratio <= 1:
+            raise ValueError(
+                f"Offload.ratio must be a number in (0, 1] (the share of the optimizer state in host memory), "
+                f"got {self.ratio!r}."
+            )
+        object.__setattr__(self, "ratio", float(self.ratio))
+        if self.ratio < 1 and not self.optimizer:
+            raise ValueError(
+                f"Offload.ratio={self.ratio} splits the offloaded optimizer state between host and device, but "
+                "Offload.optimizer is False: nothing is offloaded. Set Offload(optimizer=True) with it."
+            )
+        if self.ratio < 1 and self.nvme is not None:
+            raise ValueError(
+                f"Offload.ratio={self.ratio} with Offload.nvme: a partial NVMe tier is not supported yet (the "
+                "tier holds all of the optimizer state). Use ratio=1 with nvme, or host memory (nvme=None) with "
+                "a ratio."
             )
 
 

@@ -227,8 +227,8 @@ def _nvme(section: Mapping, aio: Any, notes: list[str]) -> dict:
     ratio = section.get("ratio", 1.0)
     if ratio != 1 and ratio != 1.0:
         raise ValueError(
-            f"DeepSpeed key '{key}.ratio' is {ratio!r}: zerojax offloads all of the optimizer state or none of "
-            "it (no partial offload). Remove 'ratio' or set it to 1."
+            f"DeepSpeed key '{key}.ratio' is {ratio!r}: zerojax's NVMe tier holds all of the optimizer state (no "
+            "partial NVMe offload). Remove 'ratio' or set it to 1, or use device 'cpu' with the ratio."
         )
     for sub in ("pipeline_read", "pipeline_write"):
         if sub in section and not _flag(section[sub], f"{key}.{sub}"):
@@ -350,6 +350,19 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
     on_nvme = isinstance(opt_section, Mapping) and opt_section.get("device") == "nvme"
     if on_nvme:
         offload["nvme"] = _nvme(opt_section, ds.get("aio"), notes)
+    elif offload_opt and isinstance(opt_section, Mapping) and "ratio" in opt_section:
+        ratio = _number(opt_section["ratio"], "zero_optimization.offload_optimizer.ratio", minimum=0)
+        if not 0 < ratio <= 1:
+            raise ValueError(
+                f"DeepSpeed key 'zero_optimization.offload_optimizer.ratio' must be in (0, 1], got {ratio!r}."
+            )
+        if ratio < 1 and stage != 3:
+            raise ValueError(
+                f"DeepSpeed key 'zero_optimization.offload_optimizer.ratio' is {ratio!r} at ZeRO stage {stage}: "
+                "DeepSpeed refuses a partial offload below stage 3 ('Partial offloading only supported for ZeRO "
+                "Stage 3'). Use stage 3, or remove 'ratio' (zerojax's Offload(ratio=...) itself works at stages 1-3)."
+            )
+        offload["ratio"] = float(ratio)
     if offload_par:
         offload["params"] = True
     if "zero_quantized_weights" in zero and _flag(
@@ -391,7 +404,8 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
         if key in _ZERO_MAPPED or key in _PREFETCH_KEYS:
             if key in ("offload_optimizer", "offload_param") and isinstance(value, Mapping):
                 for sub in value:
-                    if sub != "device" and not (on_nvme and key == "offload_optimizer" and sub in _NVME_MAPPED):
+                    mapped = on_nvme and sub in _NVME_MAPPED or (offload_opt and sub == "ratio")
+                    if sub != "device" and not (key == "offload_optimizer" and mapped):
                         path = f"zero_optimization.{key}.{sub}"
                         unmapped[path] = REASONS.get(path, "no equivalent")
             continue

@@ -67,7 +67,7 @@ REASONS: dict[str, str] = {
     "zero_optimization.zero_quantized_nontrainable_weights": "frozen parameters are gathered in the compute "
     "dtype (int8 gathers cover the trained ones)",
     "zero_optimization.offload_optimizer.pin_memory": "offloaded state is always in pinned host memory",
-    "zero_optimization.offload_optimizer.ratio": "all of the optimizer state is offloaded",
+    "zero_optimization.offload_optimizer.ratio": "the optimizer state is not offloaded (device 'none')",
     "zero_optimization.offload_optimizer.buffer_count": _XLA,
     "zero_optimization.offload_optimizer.fast_init": "no equivalent",
     "zero_optimization.offload_optimizer.pipeline_read": "read with the NVMe tier only (device 'nvme')",

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from typing import Any
 
 import jax
@@ -44,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax._jaxpr import check, walk
 from zerojax.optim.update import keep_if, update
-from zerojax.sharding.plan import HOST, ZeroPlan
+from zerojax.sharding.plan import HOST, OffloadSplit, ZeroPlan
 
 PLACES = ("auto", "host", "device")
 
@@ -92,27 +93,33 @@ def _sds(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
 
-def update_groups(plan: ZeroPlan, tx: Any, group_size: int) -> UpdateGroups:
-    """Splits the update of ``tx`` into independent groups of at most ``group_size``
-    parameter elements each (a set of leaves that read one another stays together). Which
-    leaves read one another is read from the update's program; where zerojax reads none
-    (:func:`zerojax._jaxpr.check.reading`), the update is one group."""
+@dataclasses.dataclass(frozen=True)
+class _Components:
+    """The update's independent parts: ``root[u]`` names the component of unit ``u`` (leaf
+    ``i < n``: its gradient and master; ``n + j``: optimizer-state array ``j``), ``order`` the
+    components by their first unit, ``size`` their parameter elements; ``out_units[k]`` is
+    output k's unit (None: reads only shared inputs)."""
+
+    n: int
+    m: int
+    shared: tuple[int, ...]
+    root: tuple[int, ...]
+    order: tuple[int, ...]
+    size: dict
+    out_units: tuple[int | None, ...]
+
+    def unit_of_input(self, i: int) -> int:
+        n, m = self.n, self.m
+        return i if i < n else (i if i < n + m else i - n - m)
+
+
+def _components(plan: ZeroPlan, tx: Any) -> _Components:
+    """The update of ``tx`` split into the parts that do not read one another, read from the
+    update's program; where zerojax reads none (:func:`zerojax._jaxpr.check.reading`), one part."""
     layouts, opt_layouts = plan.master_layouts, plan.opt_storage_layouts
     n, m = len(layouts), len(opt_layouts)
-    shared = [n + j for j, l in enumerate(opt_layouts) if l.kind == "replicated"]
-    if not check.reading():
-        whole = tuple(i for i in range(2 * n + m) if i not in set(shared))
-        return UpdateGroups(((whole, tuple(range(n + m))),), tuple(shared))
-    grads = [jax.ShapeDtypeStruct(l.storage_shape, jnp.float32, sharding=plan.sharding(l)) for l in layouts]
-    masters = [
-        jax.ShapeDtypeStruct(l.storage_shape, plan.master_storage_dtype(l), sharding=plan.sharding(l)) for l in layouts
-    ]
-    opt = [jax.ShapeDtypeStruct(l.storage_shape, l.dtype, sharding=plan.sharding(l)) for l in opt_layouts]
-    jaxpr = jax.make_jaxpr(lambda g, o, w: update(plan, tx, g, o, w, step=jnp.int32(0)))(grads, opt, masters).jaxpr
-    deps = _dependencies(jaxpr)
-
-    # Units: leaf i (its gradient, its master) is unit i; optimizer-state leaf j is unit n+j.
-    unit_of_input = list(range(n)) + [n + j for j in range(m)] + list(range(n))
+    shared = tuple(n + j for j, l in enumerate(opt_layouts) if l.kind == "replicated")
+    shared_set = set(shared)
     parent = list(range(n + m))
 
     def find(u):
@@ -121,41 +128,123 @@ def update_groups(plan: ZeroPlan, tx: Any, group_size: int) -> UpdateGroups:
             u = parent[u]
         return u
 
+    unit_of_input = list(range(n)) + [n + j for j in range(m)] + list(range(n))
     out_units: list[int | None] = []
-    shared_set = set(shared)
-    for k, d in enumerate(deps):
-        own = None if k in shared_set else k  # output k belongs to unit k (opt leaf j: input and output n+j)
-        units = {unit_of_input[i] for i in range(2 * n + m) if d >> i & 1 and i not in shared_set}
-        if own is not None:
-            units.add(own)
-        units = sorted(units)
+    if not check.reading():
+        units = [u for u in range(n + m) if u not in shared_set]
         for u in units[1:]:
             parent[find(u)] = find(units[0])
-        out_units.append(units[0] if units else None)
-
-    sizes: dict[int, int] = {}  # parameter elements per component (DeepSpeed's sub_group_size counts those)
+        out_units = [units[0] if units else None] * (n + m)  # one group writes everything
+    else:
+        grads = [jax.ShapeDtypeStruct(l.storage_shape, jnp.float32, sharding=plan.sharding(l)) for l in layouts]
+        masters = [
+            jax.ShapeDtypeStruct(l.storage_shape, plan.master_storage_dtype(l), sharding=plan.sharding(l))
+            for l in layouts
+        ]
+        opt = [jax.ShapeDtypeStruct(l.storage_shape, l.dtype, sharding=plan.sharding(l)) for l in opt_layouts]
+        jaxpr = jax.make_jaxpr(lambda g, o, w: update(plan, tx, g, o, w, step=jnp.int32(0)))(grads, opt, masters).jaxpr
+        for k, d in enumerate(_dependencies(jaxpr)):
+            own = None if k in shared_set else k  # output k belongs to unit k (opt leaf j: input and output n+j)
+            units = {unit_of_input[i] for i in range(2 * n + m) if d >> i & 1 and i not in shared_set}
+            if own is not None:
+                units.add(own)
+            units = sorted(units)
+            for u in units[1:]:
+                parent[find(u)] = find(units[0])
+            out_units.append(units[0] if units else None)
+    root = tuple(find(u) for u in range(n + m))
+    size: dict[int, int] = {}  # parameter elements per component (DeepSpeed's sub_group_size counts those)
     for u in range(n + m):
-        if u in shared_set:
-            continue
-        sizes[find(u)] = sizes.get(find(u), 0) + (layouts[u].size if u < n else 0)
+        if u not in shared_set:
+            size[root[u]] = size.get(root[u], 0) + (layouts[u].size if u < n else 0)
+    order = tuple(sorted(size, key=lambda r: min(u for u in range(n + m) if root[u] == r)))
+    return _Components(n, m, shared, root, order, size, tuple(out_units))
+
+
+def _offloaded_roots(plan: ZeroPlan, comps: _Components) -> set[int]:
+    """The components whose state lives in host memory: all of them, or with ``offload.ratio <
+    1`` the last ones, in parameter order, until they hold at least that share of the elements
+    (DeepSpeed's Twin-Flow offloads its last sub-groups)."""
+    if not plan.partial:
+        return set(comps.order)
+    total = sum(comps.size.values())
+    taken, roots = 0, set()
+    for r in reversed(comps.order):
+        if taken >= plan.config.offload.ratio * total:
+            break
+        roots.add(r)
+        taken += comps.size[r]
+    return roots
+
+
+def split_for(plan: ZeroPlan, tx: Any) -> OffloadSplit | None:
+    """Which leaves of ``plan`` (with the layouts of ``tx``'s state) live in host memory with
+    ``Offload.ratio < 1`` (None without one): the update's independent groups of leaves (leaves
+    whose update reads one another stay together, as for the streamed update), from the last
+    parameter back, until at least ``ratio`` of the parameter elements are offloaded. Scalars no
+    group writes (step counts) stay on the device."""
+    if not plan.partial:
+        return None
+    comps = _components(plan, tx)
+    roots = _offloaded_roots(plan, comps)
+    total = sum(comps.size.values())
+    n, m = comps.n, comps.m
+    shared = set(comps.shared)
+    # A leaf lives where its update runs: an array every group reads (a 0-d parameter's Adam
+    # moment) where the group that writes it is; one no group writes (a step count) on the device.
+    writer = [comps.out_units[u] if u in shared else u for u in range(n + m)]
+    host = [w is not None and comps.root[w] in roots for w in writer]
+    share = sum(comps.size[r] for r in roots) / total if total else 1.0
+    ratio = plan.config.offload.ratio
+    if share > ratio + 0.1:
+        below = share - comps.size[min(roots, key=comps.order.index)] / total  # one group fewer: under the ratio
+        other = f"the next share down is {below:.3g}" if below > 0 else "no smaller share exists"
+        warnings.warn(
+            f"Offload.ratio={ratio} keeps {share:.3g} of the optimizer state in host memory: the state moves in "
+            f"whole groups of leaves (a leaf, or leaves whose update reads one another) and {other}. Give "
+            f"ratio={share:.3g} to say that is what you mean.",
+            stacklevel=3,
+        )
+    return OffloadSplit(masters=tuple(host[:n]), opt=tuple(host[n:]), share=share)
+
+
+def with_split(plan: ZeroPlan, tx: Any) -> ZeroPlan:
+    """``plan`` with its partial offload's split chosen (:func:`split_for`); unchanged without one."""
+    if not plan.partial or plan.offload_split is not None:
+        return plan
+    return dataclasses.replace(plan, offload_split=split_for(plan, tx))
+
+
+def update_groups(plan: ZeroPlan, tx: Any, group_size: int) -> UpdateGroups:
+    """Splits the update of ``tx`` into independent groups of at most ``group_size``
+    parameter elements each (a set of leaves that read one another stays together; with a
+    partial offload, no group holds both host and device leaves). Which leaves read one
+    another is read from the update's program; where zerojax reads none
+    (:func:`zerojax._jaxpr.check.reading`), the update is one group."""
+    comps = _components(plan, tx)
+    n, m, shared_set = comps.n, comps.m, set(comps.shared)
+    offloaded = _offloaded_roots(plan, comps)
     # Components in order of their first unit, packed into groups up to group_size elements.
     buckets: list[list[int]] = []
     filled = 0
-    for root in sorted(sizes, key=lambda r: min(u for u in range(n + m) if find(u) == r)):
-        if not buckets or filled + sizes[root] > group_size:
+    for root in comps.order:
+        side_changes = bool(buckets) and buckets[-1] and (buckets[-1][-1] in offloaded) != (root in offloaded)
+        if not buckets or side_changes or filled + comps.size[root] > group_size:
             buckets.append([])
             filled = 0
         buckets[-1].append(root)
-        filled += sizes[root]
+        filled += comps.size[root]
     if not buckets:
         buckets = [[]]
     bucket_of = {root: b for b, roots in enumerate(buckets) for root in roots}
     groups = []
     for b in range(len(buckets)):
-        ins = tuple(i for i in range(2 * n + m) if i not in shared_set and bucket_of[find(unit_of_input[i])] == b)
-        outs = tuple(k for k, u in enumerate(out_units) if (0 if u is None else bucket_of[find(u)]) == b)
+        ins = tuple(
+            i for i in range(2 * n + m) if i not in shared_set and bucket_of[comps.root[comps.unit_of_input(i)]] == b
+        )
+        outs = tuple(k for k, u in enumerate(comps.out_units) if (0 if u is None else bucket_of[comps.root[u]]) == b)
         groups.append((ins, outs))
-    return UpdateGroups(tuple(groups), tuple(shared))
+    return UpdateGroups(tuple(groups), comps.shared)
 
 
 def apply_on_host(
@@ -173,7 +262,17 @@ def apply_on_host(
         new_m, new_o = update(plan, tx, g, o, m, HOST, step)
         return keep_if(flag, m, new_m), keep_if(flag, o, new_o)
 
-    return on_host(run, g, o, m, flag)
+    try:
+        return on_host(run, g, o, m, flag)
+    except ValueError as e:
+        if "memory_space" not in str(e):
+            raise
+        raise ValueError(
+            "ZeroConfig.offload.update='host', but this optimizer's update makes arrays in device memory and "
+            "cannot run in host memory (optax.clip_by_global_norm inside tx and LAMB's trust ratio do). "
+            "Use offload update='device' or 'auto' (which chooses the device for it), or clip with "
+            f"ZeroConfig(grad_clip=...) outside tx. JAX said: {e}"
+        ) from None
 
 
 def on_host(fn, *args):
@@ -196,7 +295,7 @@ def apply_streamed(
     inputs = list(grads) + list(opt) + list(masters)
     device = lambda i: plan.sharding(layouts[i])
     on_device = {i: jax.device_put(inputs[i], device(i)) for i in groups.shared}
-    homes = [plan.master_memory] * n + [plan.opt_memory] * m
+    homes = [plan.master_memory_of(i) for i in range(n)] + [plan.opt_memory_of(j) for j in range(m)]
     out_layouts = list(plan.master_layouts) + list(plan.opt_storage_layouts)
     outputs: list[Any] = [None] * (n + m)
     done: list[list[jax.Array]] = []
@@ -246,11 +345,30 @@ def apply_offloaded(
     """New masters and optimizer-state leaves of offloaded state, each back where it lives."""
     if place == "host":
         new_m, new_o = apply_on_host(plan, tx, grads, opt, masters, skip, step)
-        return (
-            _move(plan, new_m, plan.master_layouts, plan.master_memory),
-            _move(plan, new_o, plan.opt_storage_layouts, plan.opt_memory),
-        )
+        new_m = [jax.device_put(x, s) for x, s in zip(new_m, plan.master_shardings())]
+        new_o = [jax.device_put(x, s) for x, s in zip(new_o, plan.opt_shardings())]
+        if plan.partial:  # the device part updates on the device (its host results are unused: dropped)
+            return _device_part(plan, tx, grads, opt, masters, skip, step, new_m, new_o)
+        return new_m, new_o
     return apply_streamed(plan, tx, grads, opt, masters, skip, step)
+
+
+def _device_part(plan: ZeroPlan, tx: Any, grads, opt, masters, skip, step, new_m: list, new_o: list):
+    """``new_m``/``new_o`` with the results of the leaves a partial offload keeps on the device
+    replaced by their update on the device."""
+    n, m = len(masters), len(opt)
+    split = plan.offload_split
+    on_host = list(split.masters) + list(split.opt)  # each unit's side (a master on the device may read host state)
+    outs = tuple(k for k in range(n + m) if not on_host[k])
+    ins = [i for i in range(2 * n + m) if not on_host[i if i < n + m else i - n - m]]
+    inputs = list(grads) + list(opt) + list(masters)
+    layouts = list(plan.master_layouts) + list(plan.opt_storage_layouts) + list(plan.master_layouts)
+    given = {i: jax.device_put(inputs[i], plan.sharding(layouts[i])) for i in ins}
+    results = group_results(plan, tx, given, outs, skip, step)
+    new = list(new_m) + list(new_o)
+    for k, r in zip(outs, results):
+        new[k] = r
+    return new[:n], new[n:]
 
 
 def _compute_on_is_context_manager() -> bool:

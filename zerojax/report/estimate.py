@@ -433,9 +433,15 @@ def tier_bytes(
     nvme: bool = False,
     compute_dtype: str = "float32",
     opt_bytes: int = 8,
+    ratio: float = 1.0,
 ) -> dict[str, float]:
     """zerojax's persistent state per device in each memory tier: ``device``, ``host`` and
     ``disk`` (:func:`zerojax.report.zero_formula_bytes` split by where it lives).
+
+    ``ratio`` (``Offload.ratio``, a partial offload) keeps that share of what offloading the
+    optimizer moves (its state, and the masters kept apart at stages 1–2 in bf16/fp16) in
+    host memory and the rest on the device; a run takes whole groups of leaves, so its share
+    (``state.plan.offload_split.share``) can be larger.
 
     ``offload`` ("none", "optimizer", "optimizer+params": ``ZeroConfig.offload``'s
     ``optimizer`` and ``params``) moves state to the host as zero_formula_bytes says; with
@@ -458,14 +464,21 @@ def tier_bytes(
         raise ValueError(
             "nvme=True keeps the optimizer state on disk: give offload='optimizer' (or 'optimizer+params')."
         )
-    kw = dict(
-        compute_dtype=compute_dtype,
-        opt_bytes=opt_bytes,
-        offload_optimizer=offload != "none",
-        offload_params=offload == "optimizer+params",
-    )
-    device = zero_formula_bytes(num_params, n, stage, memory="device", **kw)
-    host = zero_formula_bytes(num_params, n, stage, memory="host", **kw)
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+        raise ValueError(f"ratio must be a number in (0, 1], got {ratio!r}.")
+    if ratio < 1 and (offload == "none" or nvme):
+        raise ValueError(
+            f"ratio={ratio} splits host-offloaded optimizer state: give offload='optimizer' (or "
+            "'optimizer+params') without nvme."
+        )
+    kw = dict(compute_dtype=compute_dtype, opt_bytes=opt_bytes, offload_params=offload == "optimizer+params")
+    tiers = lambda opt: [
+        zero_formula_bytes(num_params, n, stage, memory=m, offload_optimizer=opt, **kw) for m in ("device", "host")
+    ]
+    device, host = tiers(offload != "none")
+    if ratio < 1:  # what offloading the optimizer moves: that share of it stays in host memory
+        moved = host - tiers(False)[1]
+        device, host = device + (1 - ratio) * moved, host - (1 - ratio) * moved
     disk = opt_bytes * num_params / n if nvme else 0.0
     return {"device": device, "host": host - disk, "disk": disk}
 
@@ -479,8 +492,9 @@ def tier_table(
     compute_dtype: str = "float32",
     optimizer: str = "adam",
     buffers: tuple[int, int] = (4, 100_000_000),
+    ratio: float = 1.0,
 ) -> str:
-    """What ``zerojax estimate --offload ... [--nvme]`` adds: :func:`tier_bytes` per stage.
+    """What ``zerojax estimate --offload ... [--nvme | --ratio r]`` adds: :func:`tier_bytes` per stage.
 
     Example:
       >>> from zerojax.report.estimate import tier_table
@@ -489,7 +503,7 @@ def tier_table(
     """
     opt_bytes = optimizer_bytes(optimizer)
     gb = lambda b: f"{b / 1e9:,.1f} GB"
-    where = "NVMe" if nvme else "host memory"
+    where = "NVMe" if nvme else "host memory" if ratio == 1 else f"host memory, ratio {ratio:g} (Offload.ratio)"
     lines = [
         f"Memory tiers per device, zerojax ({compute_dtype}, {optimizer}), offload {offload} to {where}:",
         "",
@@ -498,7 +512,9 @@ def tier_table(
     for s in range(1, 4):
         if offload == "optimizer+params" and s != 3:
             continue
-        t = tier_bytes(num_params, n, s, offload=offload, nvme=nvme, compute_dtype=compute_dtype, opt_bytes=opt_bytes)
+        t = tier_bytes(
+            num_params, n, s, offload=offload, nvme=nvme, compute_dtype=compute_dtype, opt_bytes=opt_bytes, ratio=ratio
+        )
         disk = f"{gb(t['disk'])} ({gb(2 * t['disk'])} while a step writes)" if nvme else gb(0)
         lines.append(f"{s:>5}  {gb(t['device']):>12}  {gb(t['host']):>12}  {disk:>12}")
     if nvme:

@@ -30,6 +30,18 @@ HOST = "pinned_host"  # the memory kind of offloaded state
 
 
 @dataclasses.dataclass(frozen=True)
+class OffloadSplit:
+    """Which leaves a partial offload (``Offload.ratio < 1``) keeps in host memory: one flag per
+    master (trainable parameter) and per optimizer-state array, chosen by
+    :func:`zerojax.optim.offload.split_for`; ``share`` is the parameter elements whose state is
+    in host memory over all trainable ones."""
+
+    masters: tuple[bool, ...]
+    opt: tuple[bool, ...]
+    share: float
+
+
+@dataclasses.dataclass(frozen=True)
 class ZeroPlan:
     """Everything static about a ZeRO state; hashable, so it rides in the pytree structure.
 
@@ -47,6 +59,7 @@ class ZeroPlan:
     opt_treedef: Any = None  # the optimizer state's structure (set by with_optimizer)
     opt_layouts: tuple[LeafLayout, ...] = ()
     trainable: tuple[bool, ...] = ()  # per parameter; empty: every parameter trains
+    offload_split: OffloadSplit | None = None  # with Offload.ratio < 1 (set with the optimizer)
 
     @property
     def axis(self) -> str:
@@ -253,20 +266,55 @@ class ZeroPlan:
     def shardings(self, layouts, memory_kind: str | None = None) -> list[NamedSharding]:
         return [self.sharding(l, memory_kind) for l in layouts]
 
-    # Host memory (ZeroConfig.offload_*).
+    # Host memory (ZeroConfig.offload).
     @property
     def opt_memory(self) -> str | None:
-        """Where the optimizer state lives: host memory with ``offload_optimizer``."""
+        """Where offloaded optimizer state lives: host memory with ``offload.optimizer``
+        (with ``offload.ratio < 1`` only part of it: :meth:`opt_memory_of`)."""
         return HOST if self.config.offload.optimizer else None
 
     @property
     def master_memory(self) -> str | None:
-        """Where the fp32 masters live: host memory when offloaded, if they are kept apart
-        (stages 1–2 in bf16/fp16) or are the parameters (stage 3 with ``offload_params``)."""
+        """Where offloaded fp32 masters live: host memory when offloaded, if they are kept apart
+        (stages 1–2 in bf16/fp16) or are the parameters (stage 3 with ``offload_params``);
+        with ``offload.ratio < 1`` only part of them (:meth:`master_memory_of`)."""
         cfg = self.config
         if (cfg.offload.params and self.stage == 3) or (cfg.offload.optimizer and self.stage in (1, 2) and cfg.mixed):
             return HOST
         return None
+
+    @property
+    def partial(self) -> bool:
+        """Whether the offloaded state is split between host and device (``offload.ratio < 1``)."""
+        return self.opt_memory is not None and self.config.offload.ratio < 1
+
+    def _split(self) -> OffloadSplit:
+        if self.offload_split is None:
+            raise RuntimeError(
+                "this plan has Offload.ratio < 1 but no split of its leaves: plans with an optimizer come from "
+                "zj.init_state / zj.abstract_state, which choose it (zerojax.optim.offload.split_for)."
+            )
+        return self.offload_split
+
+    def opt_memory_of(self, j: int) -> str | None:
+        """Where optimizer-state array ``j`` lives."""
+        if not self.partial:
+            return self.opt_memory
+        return HOST if self._split().opt[j] else None
+
+    def master_memory_of(self, i: int) -> str | None:
+        """Where the master of trainable parameter ``i`` lives."""
+        if self.master_memory is None or not self.partial or (self.config.offload.params and self.stage == 3):
+            return self.master_memory
+        return HOST if self._split().masters[i] else None
+
+    def opt_shardings(self) -> list[NamedSharding]:
+        """Each optimizer-state array's sharding, in the memory it lives in."""
+        return [self.sharding(l, self.opt_memory_of(j)) for j, l in enumerate(self.opt_storage_layouts)]
+
+    def master_shardings(self) -> list[NamedSharding]:
+        """Each master's sharding, in the memory it lives in."""
+        return [self.sharding(l, self.master_memory_of(i)) for i, l in enumerate(self.master_layouts)]
 
     def unflatten(self, leaves) -> Any:
         return jax.tree.unflatten(self.treedef, list(leaves))

@@ -109,13 +109,13 @@ class _ReplicatedCopy(Stage):
     def fields(self, plan, masters):
         compute = jnp.dtype(plan.config.compute_dtype)
         on_device = masters
-        if plan.master_memory is not None:  # offloaded masters: gather from a device copy
+        if plan.master_memory is not None:  # offloaded masters: gather from a device copy (a no-op on the device)
             on_device = [jax.device_put(x, s) for x, s in zip(masters, plan.shardings(plan.master_layouts))]
         params = _all_gather(plan, on_device, compute if plan.config.mixed else None)
         return params, (masters if plan.config.mixed else None)
 
     def field_shardings(self, plan):
-        master = plan.shardings(plan.master_layouts, plan.master_memory) if plan.config.mixed else None
+        master = plan.master_shardings() if plan.config.mixed else None
         return plan.whole(plan.master_layouts), master
 
     def masters(self, plan, params, master):
@@ -162,7 +162,7 @@ class Stage3(Stage):
         return None, masters
 
     def field_shardings(self, plan):
-        return None, plan.shardings(plan.master_layouts, plan.master_memory)
+        return None, plan.master_shardings()
 
     def masters(self, plan, params, master):
         return master
@@ -217,7 +217,8 @@ def _device_sinks(plan: ZeroPlan, masters: Leaves) -> Leaves:
     if plan.master_memory is None:
         return masters
     return [
-        jax.device_put(jnp.zeros(x.shape, x.dtype), s) for x, s in zip(masters, plan.shardings(plan.master_layouts))
+        jax.device_put(jnp.zeros(x.shape, x.dtype), s) if plan.master_memory_of(i) is not None else x
+        for i, (x, s) in enumerate(zip(masters, plan.shardings(plan.master_layouts)))
     ]
 
 
