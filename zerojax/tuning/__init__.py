@@ -5,6 +5,7 @@ from zerojax.tuning.budget import parse_memory
 from zerojax.tuning.candidates import Candidate, SearchSpace
 from zerojax.tuning.cost import AxisTraffic, StepCost, step_cost
 from zerojax.tuning.devices import KNOWN, DeviceSpec, calibrate, device_spec
+from zerojax.tuning.disk import DiskRates, measure_disk
 from zerojax.tuning.result import AutotuneResult, Plan, PlanMemory, Skipped
 from zerojax.tuning.search import autotune
 
@@ -14,6 +15,7 @@ __all__ = [
     "AxisTraffic",
     "Candidate",
     "DeviceSpec",
+    "DiskRates",
     "Plan",
     "PlanMemory",
     "SearchSpace",
@@ -22,6 +24,7 @@ __all__ = [
     "autotune",
     "calibrate",
     "device_spec",
+    "measure_disk",
     "parse_memory",
     "step_cost",
 ]

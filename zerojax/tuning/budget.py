@@ -86,6 +86,27 @@ def parse_memory(memory: int | float | str) -> int:
     return int(value)
 
 
+def parse_host_memory(memory: int | float | str) -> int:
+    """Host bytes per device (``zj.autotune``'s ``host_memory``) from an int or a string with
+    a unit, as :func:`parse_memory` reads them; at least 1 MiB, with no upper bound (a host
+    can hold terabytes).
+
+    Example:
+      >>> from zerojax.tuning.budget import parse_host_memory
+      >>> parse_host_memory("2TiB") == 2 * 2**40
+      True
+    """
+    if isinstance(memory, str) or isinstance(memory, (int, float)) and not isinstance(memory, bool):
+        try:
+            return parse_memory(memory)
+        except ValueError as e:
+            if "more than any accelerator has" not in str(e):
+                raise ValueError(str(e).replace("memory=", "host_memory=", 1)) from None
+        m = _FORM.fullmatch(memory) if isinstance(memory, str) else None
+        return int(float(m.group(1)) * _UNITS[m.group(2).lower()]) if m else int(memory)
+    raise TypeError(f"host_memory must be {FORMS}, got {memory!r}.")
+
+
 def check_margin(margin: float) -> float:
     """The margin as a float in [0, 1); a clear error otherwise."""
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:

@@ -34,10 +34,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from zerojax.config import ZeroConfig
+from zerojax.config.groups import Offload
 from zerojax.remat.policy import Remat, resolve
 from zerojax.report.memory import zero_formula_bytes
 
-OFFLOADS = ("none", "optimizer", "params")
+OFFLOADS = ("none", "optimizer", "params", "nvme")
+# How far each offload pulls its lever, as a partial order: "params" moves more than
+# "optimizer" to host memory, "nvme" moves the optimizer state on to disk (less host memory,
+# more time), but "nvme" (its update streamed through the device) and "params" or "optimizer"
+# (updated in host memory) are not ordered in device memory: neither decides the other.
+_OFFLOAD_BELOW = {"none": set(OFFLOADS), "optimizer": {"optimizer", "params"}, "params": {"params"}, "nvme": {"nvme"}}
 _REMAT_RANK = {"none": 0, "dots": 1, "dots_no_batch": 2, "full": 3}  # recompute, least to most
 
 
@@ -51,8 +57,10 @@ class SearchSpace:
         gets of the global batch (up to ``max_accum``).
       max_accum: the largest accumulation count tried when ``accum`` is None.
       remat: remat policies (names of :mod:`zerojax.remat`, or ``zj.remat.Remat``).
-      offload: "none", "optimizer" (``offload_optimizer``, stages 1–3) and "params"
-        (``offload_optimizer`` and ``offload_params``, stage 3).
+      offload: "none", "optimizer" (``offload_optimizer``, stages 1–3), "params"
+        (``offload_optimizer`` and ``offload_params``, stage 3) and "nvme" (the optimizer
+        state on disk, stages 1–3: searched when ``zj.autotune`` is given ``nvme=``; the
+        default space takes it then).
       prefetch: layers gathered ahead at stage 3 (other stages take 0).
       gather_dtypes: stage 3's weight-gather dtype: None (the compute dtype) and/or "int8"
         (ZeRO++'s qwZ, lossy: opt in by listing it).
@@ -87,14 +95,14 @@ class SearchSpace:
       >>> SearchSpace(offload=("disk",))
       Traceback (most recent call last):
       ...
-      ValueError: SearchSpace.offload values must be among ('none', 'optimizer', 'params'), got ('disk',).
+      ValueError: SearchSpace.offload values must be among ('none', 'optimizer', 'params', 'nvme'), got ('disk',).
     """
 
     stages: tuple[int, ...] = (0, 1, 2, 3)
     accum: tuple[int, ...] | None = None
     max_accum: int = 16
     remat: tuple[Any, ...] = ("none", "dots", "full")
-    offload: tuple[str, ...] = OFFLOADS
+    offload: tuple[str, ...] = OFFLOADS[:3]
     prefetch: tuple[int, ...] = (0, 1)
     gather_dtypes: tuple[Any, ...] = (None,)
     context: tuple[int, ...] | None = None
@@ -236,7 +244,8 @@ class Candidate:
 
     @property
     def levers(self) -> tuple[int, int, int]:
-        """(accumulation count, remat rank, offload rank)."""
+        """(accumulation count, remat rank, offload rank): the offload rank sorts only;
+        :func:`offload_at_least` orders offloads."""
         return (self.config.grad_accum_steps, _REMAT_RANK.get(self.config.remat.kind, 0), OFFLOADS.index(self.offload))
 
     def describe(self) -> str:
@@ -270,12 +279,18 @@ def remat_name(remat: Remat) -> str:
     return remat.kind if not remat.names else f"{remat.kind}({','.join(remat.names)})"
 
 
+def offload_at_least(a: str, b: str) -> bool:
+    """Whether offload ``a`` pulls its lever at least as far as ``b`` (a partial order:
+    "nvme" is ordered with "none" and itself only)."""
+    return a in _OFFLOAD_BELOW[b]
+
+
 def more_levers(c: Candidate, d: Candidate) -> bool:
     """Whether ``c`` pulls accumulation and offload at least as far as ``d``, with the same
     remat policy (same family): never predicted faster than ``d``, and never needing more
     memory. Remat policies are not ordered in time (see the module docstring)."""
-    (kc, rc, oc), (kd, rd, od) = c.levers, d.levers
-    return c.family == d.family and rc == rd and kc >= kd and oc >= od
+    (kc, rc, _), (kd, rd, _) = c.levers, d.levers
+    return c.family == d.family and rc == rd and kc >= kd and offload_at_least(c.offload, d.offload)
 
 
 def needs_more_memory(c: Candidate, d: Candidate) -> bool:
@@ -283,9 +298,9 @@ def needs_more_memory(c: Candidate, d: Candidate) -> bool:
     (accumulation compared within k = 1 or within k >= 2, see the module docstring)."""
     if c.family != d.family:
         return False
-    (kc, rc, oc), (kd, rd, od) = c.levers, d.levers
+    (kc, rc, _), (kd, rd, _) = c.levers, d.levers
     k_ok = kc == kd or (2 <= kc <= kd)
-    return k_ok and rc <= rd and oc <= od
+    return k_ok and rc <= rd and offload_at_least(d.offload, c.offload)
 
 
 def enumerate_candidates(
@@ -299,12 +314,14 @@ def enumerate_candidates(
     context: int = 1,
     expert: int = 1,
     pipeline: int = 1,
+    nvme: Any = None,
 ) -> list[Candidate]:
     """Every valid configuration of ``space`` over ``base`` with accumulation ``counts``,
     each with its persistent device bytes (``num_params`` trainable parameters sharded over
     ``shards`` devices, ``opt_bytes`` of optimizer state per parameter), on the mesh of
     context degree ``context``, expert degree ``expert`` and pipeline degree ``pipeline``
-    (there ``num_params`` is what one stage holds: the rest and ``1 / P`` of the stack)."""
+    (there ``num_params`` is what one stage holds: the rest and ``1 / P`` of the stack);
+    ``nvme`` (a ``zj.config.NVMe``) is the tier of the "nvme" candidates."""
     out: list[Candidate] = []
     for stage in space.stages:
         for offload in space.offload:
@@ -332,9 +349,7 @@ def enumerate_candidates(
                                 grad_accum_steps=k,
                                 remat=resolve(remat),
                                 prefetch=prefetch,
-                                offload=dataclasses.replace(
-                                    base.offload, optimizer=offload != "none", params=offload == "params"
-                                ),
+                                offload=_offload(base.offload, offload, nvme),
                                 collectives=dataclasses.replace(base.collectives, gather_dtype=gather),
                             )
                             out.append(
@@ -348,6 +363,20 @@ def enumerate_candidates(
                                 )
                             )
     return _unique(out)
+
+
+def _offload(base: Offload, offload: str, nvme: Any) -> Offload:
+    """The user's ``Offload`` with the searched offload set: the ratio, a partial offload of
+    host memory, is kept where the optimizer state goes to host memory only."""
+    host = offload in ("optimizer", "params")
+    return dataclasses.replace(
+        base,
+        optimizer=offload != "none",
+        params=offload == "params",
+        nvme=nvme if offload == "nvme" else None,
+        update="auto" if offload == "nvme" and base.update == "host" else base.update,
+        ratio=base.ratio if host else 1.0,
+    )
 
 
 def _unique(cands: list[Candidate]) -> list[Candidate]:

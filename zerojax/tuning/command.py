@@ -101,7 +101,25 @@ def parser(prog: str = "zerojax autotune") -> argparse.ArgumentParser:
     ap.add_argument(
         "--offload",
         default="none,optimizer,params",
-        help="offload to host memory to search: none, optimizer, params (default: all three)",
+        help="offload to search: none, optimizer, params (host memory) and nvme (disk, with --nvme) "
+        "(default: the first three, and nvme with --nvme)",
+    )
+    ap.add_argument(
+        "--host-memory",
+        default=None,
+        help="usable host memory per device (the host's RAM for offloaded state over its devices): plans "
+        "must fit it too (default: unbounded)",
+    )
+    ap.add_argument(
+        "--nvme",
+        default=None,
+        metavar="PATH",
+        help="also search the NVMe tier (the optimizer state on disk under PATH, which must exist; its disk "
+        "measured once): the lever when --host-memory is short",
+    )
+    ap.add_argument("--buffer-count", type=int, default=4, help="--nvme: NVMe.buffer_count (default 4)")
+    ap.add_argument(
+        "--buffer-size", type=int, default=100_000_000, help="--nvme: NVMe.buffer_size in bytes (default 1e8)"
     )
     ap.add_argument("--prefetch", default="0,1", help="stage 3: layers gathered ahead of use to search (default: 0,1)")
     ap.add_argument("--gather", default="none", help="stage 3 gather dtypes: none and/or int8 (lossy)")
@@ -150,11 +168,19 @@ def main(argv: Sequence[str] | None = None, prog: str = "zerojax autotune") -> i
 
     try:
         budget = parse_memory(args.memory)
+        nvme = None
+        if args.nvme is not None:
+            from zerojax.config.groups import NVMe
+
+            nvme = NVMe(args.nvme, buffer_count=args.buffer_count, buffer_size=args.buffer_size)
+        offload = args.offload.split(",")
+        if args.nvme is not None and "nvme" not in offload:
+            offload.append("nvme")
         space = SearchSpace(
             stages=_ints(args.stages),
             accum=None if args.accum is None else _ints(args.accum),
             remat=tuple(args.remat.split(",")),
-            offload=tuple(args.offload.split(",")),
+            offload=tuple(offload),
             prefetch=_ints(args.prefetch),
             gather_dtypes=tuple(None if g == "none" else g for g in args.gather.split(",")),
             context=None if args.context is None else _ints(args.context),
@@ -202,6 +228,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "zerojax autotune") -> i
             margin=args.margin,
             exhaustive=args.exhaustive,
             verbose=not args.quiet,
+            host_memory=args.host_memory,
+            nvme=nvme,
         )
     except ValueError as e:
         print(f"zerojax autotune: {e}", file=sys.stderr)

@@ -102,9 +102,10 @@ class StepCost:
     matmuls: tuple[tuple[float, float], ...] = ()  # (side, FLOPs) of the matmuls, part of ``flops``
     memory_sizes: tuple[tuple[float, float], ...] = ()  # (working set, bytes): how ``bytes_accessed`` splits
     matmul_shapes: tuple[tuple[tuple[int, int, int], float], ...] = ()  # ((M, N, K), FLOPs) of the dots
+    disk_seconds: float = 0.0  # the NVMe tier's reads and writes (DiskRates.seconds), per step
 
     def __post_init__(self) -> None:
-        for name in ("flops", "bytes_accessed", "host_bytes"):
+        for name in ("flops", "bytes_accessed", "host_bytes", "disk_seconds"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"StepCost.{name} must be a finite number >= 0, got {value!r}.")
@@ -119,7 +120,8 @@ class StepCost:
 
     def breakdown(self, spec: DeviceSpec) -> dict[str, float]:
         """Seconds per part: ``compute`` (FLOPs), ``memory`` (bytes accessed), ``comm``
-        (collective bytes and latency), ``host`` (offload traffic), and the ``total``."""
+        (collective bytes and latency), ``host`` (offload traffic), ``disk`` (the NVMe tier's
+        reads and writes, not overlapped: an upper bound) and the ``total``."""
         matmul_flops = sum(f for _, f in self.matmuls)
         rates = dict(spec.matmul_rates)
         exact = [(rates[mnk], f) for mnk, f in self.matmul_shapes if mnk in rates]
@@ -142,10 +144,17 @@ class StepCost:
         )
         host = self.host_bytes / spec.host_bandwidth
         if self.overlap and spec.async_collectives:
-            total = max(compute + memory, comm) + host
+            total = max(compute + memory, comm) + host + self.disk_seconds
         else:
-            total = compute + memory + comm + host
-        return {"compute": compute, "memory": memory, "comm": comm, "host": host, "total": total}
+            total = compute + memory + comm + host + self.disk_seconds
+        return {
+            "compute": compute,
+            "memory": memory,
+            "comm": comm,
+            "host": host,
+            "disk": self.disk_seconds,
+            "total": total,
+        }
 
     def seconds(self, spec: DeviceSpec) -> float:
         """Predicted seconds per step on devices of ``spec``."""

@@ -26,7 +26,10 @@ class PlanMemory:
       compiled: the compiled program's device bytes, argument + output − alias + temp (less
         offloaded state where the backend counts it with the rest, as
         :attr:`zerojax.report.StepMemory.device_total`).
-      host: host memory per device: offloaded state and host temporaries.
+      host: host memory per device: offloaded state and host temporaries (and with the NVMe
+        tier its buffers, ``buffer_count · buffer_size`` per process over its devices).
+      disk: the NVMe tier's bytes per device (the optimizer state; twice that while a step
+        writes its next version).
       state: the persistent train state on the device.
       source: "compiled" (``memory_analysis()``), or "formula" where the backend reported
         zeros (then ``compiled`` is the state formula plus the batch: no activations).
@@ -39,9 +42,10 @@ class PlanMemory:
     state: int
     source: str = "compiled"
     step: StepMemory | None = None
+    disk: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("device", "compiled", "host", "state"):
+        for name in ("device", "compiled", "host", "state", "disk"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"PlanMemory.{name} must be an int >= 0 (bytes), got {value!r}.")
@@ -200,14 +204,19 @@ class AutotuneResult(Sequence):
         context = any(p.context > 1 for p in self.plans)  # a context column where a plan splits sequences
         expert = any(p.expert > 1 for p in self.plans)  # an expert column where a plan splits experts
         pipe = any(p.pipeline > 1 for p in self.plans)  # a pipeline column: P (M micro-batches)
+        disk = any(p.memory.disk for p in self.plans)  # disk bytes and time where a plan uses the NVMe tier
         rows = [
             f"| # | stage |{' context |' if context else ''}{' expert |' if expert else ''}"
             f"{' pipeline (M) |' if pipe else ''} accum (rows) | remat | "
-            "offload | prefetch | gather | device memory | host | time / step | compute | comm |",
+            "offload | prefetch | gather | device memory | host |"
+            + (" disk |" if disk else "")
+            + " time / step | compute | comm |"
+            + (" disk time |" if disk else ""),
             "|---|---|---|---|---|---|---|---|---|---|---|---|"
             + ("---|" if context else "")
             + ("---|" if expert else "")
-            + ("---|" if pipe else ""),
+            + ("---|" if pipe else "")
+            + ("---|---|" if disk else ""),
         ]
         for i, p in enumerate(self.plans[:limit], 1):
             c, parts = p.config, p.cost.breakdown(self.device)
@@ -218,8 +227,10 @@ class AutotuneResult(Sequence):
                 f"{c.grad_accum_steps} ({p.micro_batch}) | "
                 f"{remat_name(c.remat)} | {p.offload} | "
                 f"{c.prefetch} | {c.collectives.gather_dtype or c.compute_dtype} | {fmt_bytes(p.memory.device)}"
-                f"{'*' if p.memory.source == 'formula' else ''} | {fmt_bytes(p.memory.host)} | {_seconds(p.time)} | "
+                f"{'*' if p.memory.source == 'formula' else ''} | {fmt_bytes(p.memory.host)} |"
+                f"{f' {fmt_bytes(p.memory.disk)} |' if disk else ''} {_seconds(p.time)} | "
                 f"{_seconds(parts['compute'] + parts['memory'])} | {_seconds(parts['comm'])} |"
+                + (f" {_seconds(parts['disk'])} |" if disk else "")
             )
         return "\n".join([self.summary(), "", *rows])
 

@@ -32,10 +32,11 @@ from zerojax.config import ZeroConfig
 from zerojax.report.memory import StepMemory, abstract_batch, compiled_bytes
 from zerojax.sharding.mesh import context_size, expert_size
 from zerojax.state import abstract_state
-from zerojax.tuning.budget import check_margin, fmt_bytes, parse_memory, usable
+from zerojax.tuning.budget import check_margin, fmt_bytes, parse_host_memory, parse_memory, usable
 from zerojax.tuning.candidates import Candidate, SearchSpace, enumerate_candidates, more_levers, needs_more_memory
 from zerojax.tuning.cost import StepCost, step_cost
 from zerojax.tuning.devices import DeviceSpec, device_spec, measure_matmuls
+from zerojax.tuning.disk import DiskRates, measure_disk
 from zerojax.tuning.inputs import (
     abstract_params,
     accumulation_counts,
@@ -68,6 +69,9 @@ def autotune(
     exhaustive: bool = False,
     verbose: bool = False,
     progress: Progress | None = None,
+    host_memory: int | str | None = None,
+    nvme: Any = None,
+    disk: DiskRates | None = None,
 ) -> AutotuneResult:
     """The ZeRO configurations that fit ``memory`` bytes per device, fastest predicted
     first, found by compiling candidate steps ahead of time: no step runs.
@@ -93,6 +97,16 @@ def autotune(
       exhaustive: compile every candidate the formula does not prune (no dominance rules).
       verbose: print a line per candidate to stderr.
       progress: called as ``progress(done, total, message)`` after each candidate.
+      host_memory: usable host memory per device (the host's RAM for offloaded state over
+        its devices), or None: unbounded. A plan fits when its host bytes fit too.
+      nvme: a ``zj.config.NVMe`` (or a dict of its fields, or its path): search the NVMe
+        tier too (``SearchSpace(offload=...)``'s "nvme", added to the default space), for
+        when host memory is short. Its plan's device memory is the streamed device update's
+        (``Offload(update="device")``: the same programs around the tier's reads and
+        writes), its host memory that less the optimizer state plus the tier's buffers, and
+        its time that plus ``disk.seconds(optimizer state per process)``.
+      disk: the disk's :class:`~zerojax.tuning.DiskRates` under ``nvme.path``, or None:
+        measured once (:func:`~zerojax.tuning.measure_disk`).
 
     Returns an :class:`~zerojax.tuning.AutotuneResult`: a sequence of
     :class:`~zerojax.tuning.Plan` (``.config``, ``.memory``, ``.time``), with ``.best``,
@@ -126,9 +140,14 @@ def autotune(
     base = ZeroConfig() if config is None else config
     if not isinstance(base, ZeroConfig):
         raise TypeError(f"config must be a zj.ZeroConfig (the base whose untuned fields are kept), got {base!r}.")
+    given_space = space
     space = SearchSpace() if space is None else space
     if not isinstance(space, SearchSpace):
         raise TypeError(f"space must be a zerojax.tuning.SearchSpace, got {type(space).__name__}.")
+    host_budget = None if host_memory is None else parse_host_memory(host_memory)
+    nvme, disk = _tier(nvme, disk, space)
+    if nvme is not None and given_space is None:
+        space = dataclasses.replace(space, offload=space.offload + ("nvme",))
     shapes = abstract_params(params)
     check_mesh(mesh, base)
     meshes = split_meshes(mesh, base, space, batch, shapes)
@@ -182,7 +201,15 @@ def autotune(
         num = psi if e == 1 else psi - expert_params(shapes, mesh_c, base) * (1 - 1 / e)
         if p == 1:
             cands += enumerate_candidates(
-                base, space, counts[c, e, p], num_params=num, shards=shards, opt_bytes=opt_bytes, context=c, expert=e
+                base,
+                space,
+                counts[c, e, p],
+                num_params=num,
+                shards=shards,
+                opt_bytes=opt_bytes,
+                context=c,
+                expert=e,
+                nvme=nvme,
             )
             continue
         # A stage holds the rest and 1/P of the stack, sharded over its N/P devices (docs/pipeline.md).
@@ -198,6 +225,7 @@ def autotune(
                 context=c,
                 expert=e,
                 pipeline=p,
+                nvme=nvme,
             )
     limit = usable(budget, margin)
     pruned = [c for c in cands if c.formula_bytes > limit]
@@ -209,14 +237,28 @@ def autotune(
         loss_fn, shapes, tx, batch, meshes, spec, budget, margin, has_aux, rows, len(cands), verbose, progress
     )
     search.pipeline_space = space.pipeline
+    search.host_budget, search.disk = host_budget, disk
     for c in pruned:
         search.report(f"{c.describe()}: pruned, state {fmt_bytes(c.formula_bytes)} > {fmt_bytes(limit)}")
     search.run(alive, exhaustive)
     spec = search.price(
         measure_matmuls(spec, mesh, {mnk for _, cost in search.by_program.values() for mnk, _ in cost.matmul_shapes})
     )
-    plans = sorted((p for p in search.plans.values() if p.memory.device <= budget), key=lambda p: p.time)
+    plans = sorted((p for c, p in search.plans.items() if search.fits[c]), key=lambda p: p.time)
     if not plans:
+        device_ok = [(c, p) for c, p in search.plans.items() if search.on_device[c]]
+        if device_ok:  # the device has room; host memory does not
+            c, p = min(device_ok, key=lambda cp: cp[1].memory.host)
+            nxt = (
+                "a larger host_memory, or a partial offload (Offload.ratio, in the base config)"
+                if nvme is not None
+                else "the NVMe tier (zj.autotune(..., nvme=zj.config.NVMe(path)): the optimizer state on disk), "
+                "or a larger host_memory"
+            )
+            raise ValueError(
+                f"no configuration fits {fmt_bytes(host_budget)} of host memory per device: the one that needs "
+                f"least, {c.describe()}, keeps {fmt_bytes(p.memory.host)} in host memory. Next: {nxt}."
+            )
         raise ValueError(nothing_fits_compiled(search.plans, space, counts, rows, budget, margin))
     return AutotuneResult(
         plans=tuple(plans),
@@ -263,6 +305,9 @@ class _Search:
         self.warned = False
         self.pipeline_space: Any = None  # SearchSpace.pipeline
         self.refused: dict[int, str] = {}  # pipeline degree -> why the step refuses the loss on it
+        self.on_device: dict[Candidate, bool] = {}  # fits the device budget (the host's aside)
+        self.host_budget: int | None = None  # usable host bytes per device (autotune's host_memory)
+        self.disk: DiskRates | None = None  # the NVMe tier's disk
 
     def report(self, message: str) -> None:
         self.done += 1
@@ -301,7 +346,8 @@ class _Search:
                 self.skipped[c] = Skipped(c, "dominated", d)
                 self.report(f"{c.describe()}: not compiled, dominated by {d.describe()} (fits)")
                 return
-            if not fits and needs_more_memory(c, d):
+            # Ruled out by device memory only: fewer levers pulled means more of it, but less host memory.
+            if not self.on_device[d] and needs_more_memory(c, d):
                 self.skipped[c] = Skipped(c, "ruled out", d)
                 self.report(f"{c.describe()}: not compiled, ruled out by {d.describe()} (does not fit)")
                 return
@@ -340,6 +386,8 @@ class _Search:
             )
             self.by_program[key] = (memory, cost)
             how = f"compiled in {time.perf_counter() - t0:.1f} s"
+        if c.offload == "nvme":
+            memory, cost = self.on_disk(c, state, memory, cost)
         plan = Plan(
             config=c.config,
             memory=memory,
@@ -354,8 +402,12 @@ class _Search:
             pipeline=c.pipeline,
         )
         self.plans[c] = plan
-        self.fits[c] = memory.device <= self.budget
-        verdict = "fits" if self.fits[c] else f"over by {fmt_bytes(memory.device - self.budget)}"
+        self.on_device[c] = memory.device <= self.budget
+        over_host = self.host_budget is not None and memory.host > self.host_budget
+        self.fits[c] = self.on_device[c] and not over_host
+        verdict = "fits" if self.on_device[c] else f"over by {fmt_bytes(memory.device - self.budget)}"
+        if over_host:
+            verdict += f", host memory {fmt_bytes(memory.host)} over by {fmt_bytes(memory.host - self.host_budget)}"
         self.report(
             f"{c.describe()}: {how}; {fmt_bytes(memory.device)} per device, {verdict}; "
             f"{plan.time * 1e3:.3g} ms per step predicted"
@@ -373,9 +425,29 @@ class _Search:
         from zerojax.step import make_train_step
 
         mesh = self.meshes[c.split]
-        state = abstract_state(self.shapes, self.tx, mesh=mesh, config=c.config)
-        step = make_train_step(self.loss_fn, self.tx, mesh=mesh, config=c.config, has_aux=self.has_aux)
+        config = c.config
+        if c.offload == "nvme":  # the device's programs: the streamed update of host-offloaded state
+            config = dataclasses.replace(
+                config, offload=dataclasses.replace(config.offload, nvme=None, update="device")
+            )
+        state = abstract_state(self.shapes, self.tx, mesh=mesh, config=config)
+        step = make_train_step(self.loss_fn, self.tx, mesh=mesh, config=config, has_aux=self.has_aux)
         return state, step.lower(state, abstract_batch(state.plan, self.batch))
+
+    def on_disk(self, c: Candidate, state, memory: PlanMemory, cost: StepCost) -> tuple[PlanMemory, StepCost]:
+        """The NVMe plan's memory and cost from its streamed host-offload proxy's: the optimizer
+        state moves from host memory to disk, the tier's buffers take host memory, and each step
+        reads and writes the state once per process."""
+        on_disk = sum(
+            _shard_bytes(x)
+            for x in jax.tree.leaves(state.opt_state)
+            if getattr(x.sharding, "memory_kind", None) in ("pinned_host", "unpinned_host") and x.ndim
+        )
+        local = len(self.meshes[c.split].local_devices)
+        tier = c.config.offload.nvme
+        buffers = -(-tier.buffer_count * tier.buffer_size // local)
+        memory = dataclasses.replace(memory, host=memory.host - on_disk + buffers, disk=on_disk)
+        return memory, dataclasses.replace(cost, disk_seconds=self.disk.seconds(on_disk * local))
 
     def memory(self, compiled, state, c: Candidate) -> PlanMemory:
         m = compiled_bytes(compiled)
@@ -475,3 +547,29 @@ def _state_bytes(state) -> tuple[int, int]:
 
 def _shard_bytes(x: jax.ShapeDtypeStruct) -> int:
     return math.prod(x.sharding.shard_shape(tuple(x.shape))) * np.dtype(x.dtype).itemsize
+
+
+def _tier(nvme: Any, disk: DiskRates | None, space: SearchSpace) -> tuple[Any, DiskRates | None]:
+    """autotune's ``nvme`` as a ``zj.config.NVMe`` (None without one) and its disk's rates."""
+    from zerojax.config.groups import NVMe
+
+    if nvme is None:
+        if "nvme" in space.offload:
+            raise ValueError(
+                "SearchSpace(offload=...) has 'nvme' but autotune was given no nvme=: give the tier, "
+                "zj.autotune(..., nvme=zj.config.NVMe(path)) (or its path)."
+            )
+        if disk is not None:
+            raise ValueError("autotune's disk= rates the NVMe tier's disk: give nvme= with it.")
+        return None, None
+    if isinstance(nvme, str):
+        nvme = NVMe(path=nvme)
+    elif isinstance(nvme, dict):
+        nvme = NVMe(**nvme)
+    if not isinstance(nvme, NVMe):
+        raise TypeError(f"nvme must be a zj.config.NVMe, a dict of its fields or its path, got {nvme!r}.")
+    if disk is None:
+        disk = measure_disk(nvme.path)
+    if not isinstance(disk, DiskRates):
+        raise TypeError(f"disk must be a zerojax.tuning.DiskRates, got {disk!r}.")
+    return nvme, disk
