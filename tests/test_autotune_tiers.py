@@ -2,6 +2,8 @@
 short. The NVMe plan's bytes are checked against zerojax.report.estimate.tier_bytes (the
 formula), its disk time against bytes / rate, and the chosen plan trains as host offload."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,3 +121,32 @@ def test_cli_searches_the_nvme_tier_when_host_memory_is_short(tmp_path, monkeypa
     assert "nvme=zj.config.NVMe(" in out
     assert cli.main(argv) == 1  # no disk tier: host offload alone is over the host's budget
     assert "of host memory per device" in capsys.readouterr().err
+
+
+def test_a_partial_offload_is_searched_and_taken_where_the_device_has_room():
+    """SearchSpace(ratios=...): half the optimizer state in host memory halves the host traffic
+    for more device memory; the plan's host bytes are its real split's. With room on the device
+    the search takes ratio 0.5; with a budget between the two, only the full offload fits."""
+    shapes, tx = jax.eval_shape(params), optax.adam(1e-3)
+    space = SearchSpace(
+        stages=(2,), accum=(1,), remat=("none",), offload=("optimizer",), prefetch=(0,), ratios=(0.5, 1.0)
+    )
+    kw = dict(mesh=zj.make_mesh(), config=CFG, device=SPEC, space=space)
+    both = zj.autotune(loss, shapes, tx, BATCH, memory="64MiB", exhaustive=True, **kw)
+    half, full = sorted(both.plans, key=lambda p: p.config.offload.ratio)
+    assert both.best is half and half.time < full.time and half.memory.device > full.memory.device
+    state = zj.abstract_state(shapes, tx, mesh=zj.make_mesh(), config=half.config)
+    assert state.plan.offload_split.share == 0.5  # w2 of two equal leaves
+    assert half.memory.host == zj.report.state_bytes_per_device(state)["host"]
+    assert half.cost.host_bytes == pytest.approx(0.5 * full.cost.host_bytes, rel=1e-3)  # + Adam's count
+    tight = zj.autotune(loss, shapes, tx, BATCH, memory=(half.memory.device + full.memory.device) // 2, **kw)
+    assert [p.config.offload.ratio for p in tight.plans] == [1.0]
+    with pytest.raises(ValueError, match=r"config.offload.ratio=0.5: the search sets the ratio .* SearchSpace\(ratios"):
+        zj.autotune(
+            loss,
+            shapes,
+            tx,
+            BATCH,
+            memory="64MiB",
+            **{**kw, "config": dataclasses.replace(CFG, offload={"optimizer": True, "ratio": 0.5})},
+        )

@@ -30,6 +30,7 @@ a family. Within a family the search (:mod:`zerojax.tuning.search`) uses two rul
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,6 +85,9 @@ class SearchSpace:
         the place of accumulation there: ``grad_accum_steps`` stays 1); None: ``P`` and
         ``2P``. Those that do not divide a device's rows are left out; the bubble is
         ``(P - 1) / (M + P - 1)``.
+      ratios: shares of the optimizer state a host offload ("optimizer", "params") keeps in
+        host memory (``Offload.ratio``, DeepSpeed's Twin-Flow), in (0, 1]: the rest stays on
+        the device, less host traffic for more device memory. Default ``(1.0,)``: all of it.
 
     Combinations a ``ZeroConfig`` refuses (offload at stage 0, prefetch with offloaded
     parameters, ...) are left out.
@@ -109,6 +113,7 @@ class SearchSpace:
     expert: tuple[int, ...] | None = None
     pipeline: tuple[int, ...] | str | None = None
     microbatches: tuple[int, ...] | None = None
+    ratios: tuple[float, ...] = (1.0,)
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)
@@ -168,6 +173,13 @@ class SearchSpace:
                     f"SearchSpace.accum must be positive ints (or None: every divisor), got {self.accum!r}."
                 )
             set_("accum", tuple(sorted(accum)))
+        ratios = (self.ratios,) if isinstance(self.ratios, (int, float)) else tuple(self.ratios)
+        if not ratios or any(isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1 for r in ratios):
+            raise ValueError(
+                f"SearchSpace.ratios must be numbers in (0, 1] (the share of the optimizer state a host offload "
+                f"keeps in host memory), got {self.ratios!r}."
+            )
+        set_("ratios", tuple(sorted({float(r) for r in ratios})))
         if isinstance(self.max_accum, bool) or not isinstance(self.max_accum, int) or self.max_accum < 1:
             raise ValueError(f"SearchSpace.max_accum must be a positive int, got {self.max_accum!r}.")
 
@@ -243,10 +255,16 @@ class Candidate:
         )
 
     @property
-    def levers(self) -> tuple[int, int, int]:
-        """(accumulation count, remat rank, offload rank): the offload rank sorts only;
-        :func:`offload_at_least` orders offloads."""
-        return (self.config.grad_accum_steps, _REMAT_RANK.get(self.config.remat.kind, 0), OFFLOADS.index(self.offload))
+    def ratio(self) -> float:
+        """The share of the optimizer state offloaded: 0 without offload, ``Offload.ratio`` with."""
+        return 0.0 if self.offload == "none" else self.config.offload.ratio
+
+    @property
+    def levers(self) -> tuple[int, int, tuple[int, float]]:
+        """(accumulation count, remat rank, (offload rank, ratio)): the offload rank sorts only;
+        :func:`offload_at_least` and the ratio order offloads."""
+        c = self.config
+        return (c.grad_accum_steps, _REMAT_RANK.get(c.remat.kind, 0), (OFFLOADS.index(self.offload), self.ratio))
 
     def describe(self) -> str:
         """A short name: ``stage 3, accum 2, remat full, offload optimizer, prefetch 1``
@@ -261,7 +279,7 @@ class Candidate:
             m = c.pipeline.microbatches
             parts.append(f"pipeline {self.pipeline} ({m} micro-batches, bubble {bubble(self.pipeline, m):.0%})")
         if self.offload != "none":
-            parts.append(f"offload {self.offload}")
+            parts.append(f"offload {self.offload}" + (f" (ratio {self.ratio:g})" if self.ratio < 1 else ""))
         if c.prefetch:
             parts.append(f"prefetch {c.prefetch}")
         if c.collectives.gather_dtype is not None:
@@ -290,7 +308,8 @@ def more_levers(c: Candidate, d: Candidate) -> bool:
     remat policy (same family): never predicted faster than ``d``, and never needing more
     memory. Remat policies are not ordered in time (see the module docstring)."""
     (kc, rc, _), (kd, rd, _) = c.levers, d.levers
-    return c.family == d.family and rc == rd and kc >= kd and offload_at_least(c.offload, d.offload)
+    further = offload_at_least(c.offload, d.offload) and c.ratio >= d.ratio
+    return c.family == d.family and rc == rd and kc >= kd and further
 
 
 def needs_more_memory(c: Candidate, d: Candidate) -> bool:
@@ -300,7 +319,7 @@ def needs_more_memory(c: Candidate, d: Candidate) -> bool:
         return False
     (kc, rc, _), (kd, rd, _) = c.levers, d.levers
     k_ok = kc == kd or (2 <= kc <= kd)
-    return k_ok and rc <= rd and offload_at_least(d.offload, c.offload)
+    return k_ok and rc <= rd and offload_at_least(d.offload, c.offload) and c.ratio <= d.ratio
 
 
 def enumerate_candidates(
@@ -337,45 +356,49 @@ def enumerate_candidates(
                 offload_params=offload == "params",
                 memory="device",
             )
-            for prefetch in space.prefetch if stage == 3 else (0,):
+            # A partial offload's device bytes are at most the full offload's plus the share kept: the
+            # full offload's formula bounds every ratio's from below (what pruning needs).
+            for prefetch, gather, remat, k, ratio in itertools.product(
+                space.prefetch if stage == 3 else (0,),
+                space.gather_dtypes if stage == 3 else (None,),
+                space.remat,
+                counts,
+                space.ratios if offload in ("optimizer", "params") else (1.0,),
+            ):
                 if prefetch and offload == "params":
                     continue
-                for gather in space.gather_dtypes if stage == 3 else (None,):
-                    for remat in space.remat:
-                        for k in counts:
-                            config = dataclasses.replace(
-                                base,
-                                stage=stage,
-                                grad_accum_steps=k,
-                                remat=resolve(remat),
-                                prefetch=prefetch,
-                                offload=_offload(base.offload, offload, nvme),
-                                collectives=dataclasses.replace(base.collectives, gather_dtype=gather),
-                            )
-                            out.append(
-                                Candidate(
-                                    config=config,
-                                    offload=offload,
-                                    formula_bytes=formula,
-                                    context=context,
-                                    expert=expert,
-                                    pipeline=pipeline,
-                                )
-                            )
+                config = dataclasses.replace(
+                    base,
+                    stage=stage,
+                    grad_accum_steps=k,
+                    remat=resolve(remat),
+                    prefetch=prefetch,
+                    offload=_offload(base.offload, offload, nvme, ratio),
+                    collectives=dataclasses.replace(base.collectives, gather_dtype=gather),
+                )
+                out.append(
+                    Candidate(
+                        config=config,
+                        offload=offload,
+                        formula_bytes=formula,
+                        context=context,
+                        expert=expert,
+                        pipeline=pipeline,
+                    )
+                )
     return _unique(out)
 
 
-def _offload(base: Offload, offload: str, nvme: Any) -> Offload:
-    """The user's ``Offload`` with the searched offload set: the ratio, a partial offload of
-    host memory, is kept where the optimizer state goes to host memory only."""
-    host = offload in ("optimizer", "params")
+def _offload(base: Offload, offload: str, nvme: Any, ratio: float) -> Offload:
+    """The user's ``Offload`` with the searched offload and ratio set (a ratio below 1 only
+    where the optimizer state goes to host memory)."""
     return dataclasses.replace(
         base,
         optimizer=offload != "none",
         params=offload == "params",
         nvme=nvme if offload == "nvme" else None,
         update="auto" if offload == "nvme" and base.update == "host" else base.update,
-        ratio=base.ratio if host else 1.0,
+        ratio=ratio if offload in ("optimizer", "params") else 1.0,
     )
 
 

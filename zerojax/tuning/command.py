@@ -117,6 +117,12 @@ def parser(prog: str = "zerojax autotune") -> argparse.ArgumentParser:
         help="also search the NVMe tier (the optimizer state on disk under PATH, which must exist; its disk "
         "measured once): the lever when --host-memory is short",
     )
+    ap.add_argument(
+        "--ratios",
+        default="1",
+        help="shares of the optimizer state a host offload keeps in host memory (Offload.ratio) to search, "
+        "e.g. 0.25,0.5,1 (default: 1)",
+    )
     ap.add_argument("--buffer-count", type=int, default=4, help="--nvme: NVMe.buffer_count (default 4)")
     ap.add_argument(
         "--buffer-size", type=int, default=100_000_000, help="--nvme: NVMe.buffer_size in bytes (default 1e8)"
@@ -181,6 +187,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "zerojax autotune") -> i
             accum=None if args.accum is None else _ints(args.accum),
             remat=tuple(args.remat.split(",")),
             offload=tuple(offload),
+            ratios=tuple(float(r) for r in args.ratios.split(",")),
             prefetch=_ints(args.prefetch),
             gather_dtypes=tuple(None if g == "none" else g for g in args.gather.split(",")),
             context=None if args.context is None else _ints(args.context),

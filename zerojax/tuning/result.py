@@ -225,7 +225,7 @@ class AutotuneResult(Sequence):
                 f"| {i} | {c.stage} |{f' {p.context} |' if context else ''}{f' {p.expert} |' if expert else ''}"
                 f"{stages if pipe else ''} "
                 f"{c.grad_accum_steps} ({p.micro_batch}) | "
-                f"{remat_name(c.remat)} | {p.offload} | "
+                f"{remat_name(c.remat)} | {p.offload}{f' ({c.offload.ratio:g})' if c.offload.ratio < 1 else ''} | "
                 f"{c.prefetch} | {c.collectives.gather_dtype or c.compute_dtype} | {fmt_bytes(p.memory.device)}"
                 f"{'*' if p.memory.source == 'formula' else ''} | {fmt_bytes(p.memory.host)} |"
                 f"{f' {fmt_bytes(p.memory.disk)} |' if disk else ''} {_seconds(p.time)} | "

@@ -140,6 +140,11 @@ def autotune(
     base = ZeroConfig() if config is None else config
     if not isinstance(base, ZeroConfig):
         raise TypeError(f"config must be a zj.ZeroConfig (the base whose untuned fields are kept), got {base!r}.")
+    if base.offload.ratio != 1:
+        raise ValueError(
+            f"config.offload.ratio={base.offload.ratio}: the search sets the ratio of a host offload itself; give "
+            f"SearchSpace(ratios=({base.offload.ratio},)) (or several) instead, and leave the base config's at 1."
+        )
     given_space = space
     space = SearchSpace() if space is None else space
     if not isinstance(space, SearchSpace):
@@ -250,10 +255,11 @@ def autotune(
         if device_ok:  # the device has room; host memory does not
             c, p = min(device_ok, key=lambda cp: cp[1].memory.host)
             nxt = (
-                "a larger host_memory, or a partial offload (Offload.ratio, in the base config)"
+                "a larger host_memory, or a partial offload (SearchSpace(ratios=(0.5, ...)): part of the state stays "
+                "on the device)"
                 if nvme is not None
                 else "the NVMe tier (zj.autotune(..., nvme=zj.config.NVMe(path)): the optimizer state on disk), "
-                "or a larger host_memory"
+                "a partial offload (SearchSpace(ratios=(0.5, ...))), or a larger host_memory"
             )
             raise ValueError(
                 f"no configuration fits {fmt_bytes(host_budget)} of host memory per device: the one that needs "
