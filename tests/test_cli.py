@@ -200,9 +200,13 @@ def test_estimate_memory_tiers_follow_the_paper_split(capsys):
     rows = {int(c[0]): c[1:] for c in cells if c[0].isdigit()}
     assert rows[2] == [gb(2 * psi + 0.75 * 12 * psi / 8), gb(0.25 * 12 * psi / 8), gb(0)]
     assert rows[3] == [gb(4 * psi / 8 + 0.75 * 8 * psi / 8), gb(0.25 * 8 * psi / 8), gb(0)]
+    assert cli.main(argv + ["--ratio", "0.25", "--nvme"]) == 0  # a quarter of the moments on disk
+    out = capsys.readouterr().out.split("Memory tiers per device")[1]
+    rows = {int(c[0]): c[1:] for c in (re.split(r"\s{2,}", x.strip()) for x in out.splitlines()) if c[0].isdigit()}
+    assert rows[3][:2] == [gb(4 * psi / 8 + 0.75 * 8 * psi / 8), gb(0)] and rows[3][2].startswith(gb(2 * psi / 8))
     with pytest.raises(SystemExit):
-        cli.main(argv + ["--ratio", "0.5", "--nvme"])
-    assert "--ratio must be in (0, 1], with --offload and without --nvme" in capsys.readouterr().err
+        cli.main(argv[:-2] + ["--ratio", "0.5"])
+    assert "--ratio must be in (0, 1], with --offload" in capsys.readouterr().err
 
 
 # --- version and launch ----------------------------------------------------------------------

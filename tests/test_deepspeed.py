@@ -215,10 +215,10 @@ def test_old_forms_and_a_clean_config():
     assert any("offload_param.device 'nvme' is mapped to host memory" in n for n in nvme.notes)
     assert "zero_optimization.offload_optimizer.nvme_path" not in nvme.unmapped and "aio" not in nvme.unmapped
     ds_nvme = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}
-    with pytest.raises(ValueError, match=r"'zero_optimization.offload_optimizer.ratio' is 0.3: .*no partial NVMe"):
-        translate(
-            {"zero_optimization": {**ds_nvme, "offload_optimizer": {**ds_nvme["offload_optimizer"], "ratio": 0.3}}}
-        )
+    partial = translate(
+        {"zero_optimization": {**ds_nvme, "offload_optimizer": {**ds_nvme["offload_optimizer"], "ratio": 0.3}}}
+    )
+    assert partial.config.offload.ratio == 0.3 and partial.config.offload.nvme == zj.config.NVMe("/nvme")
     with pytest.raises(ValueError, match="'aio.block_size' .*'aio.use_gds' .*have no meaning"):
         translate({"zero_optimization": ds_nvme, "aio": {"block_size": 1 << 20, "use_gds": False}})
     with pytest.raises(ValueError, match="nvme_path' is not set"):

@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -235,6 +236,36 @@ def test_trains_as_in_memory(shared):
     assert sum(os.path.getsize(os.path.join(version, f)) for f in os.listdir(version)) == 8 * tiers(stored)["disk"]
     assert per_device(state.master) == tiers(stored)["host"] + 4 * whole
     assert per_device(state.params) == tiers(own)["device"]
+
+
+def test_a_partial_tier_keeps_the_rest_on_the_device(shared, tmp_path):
+    """Offload(ratio=0.5) with the NVMe tier: the split's offloaded leaves are on disk (whole
+    groups from the last parameter back), the rest arrays in device memory updated there; the
+    run equals the in-memory one (fp16 skip, accumulation, clipping, a frozen leaf), and the
+    disk holds what `zerojax estimate --offload optimizer --nvme --ratio <share>` says."""
+    config = nvme_cfg(BASE, tmp_path, group_size=TWO_GROUPS, ratio=0.5)
+    step = zj.make_train_step(models.stacked_loss, TX, mesh=shared.mesh, config=config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the share taken is above 0.5: said in a warning
+        state, _ = train(step, shared.init(config), shared.batches)
+    assert_close_states(state, shared.ref_states[-1])
+    plan = state.plan
+    split = plan.offload_split
+    assert 0.5 <= split.share < 1
+    for j, x in enumerate(jax.tree.leaves(state.opt_state)):
+        if len(x.shape):  # arrays of a parameter's shape: on disk where the split says, on the device if not
+            assert isinstance(x, zj.nvme.OnDisk) == split.opt[j], j
+            assert isinstance(x, zj.nvme.OnDisk) or x.sharding.memory_kind == "device"
+    host = [l for l, h in zip(plan.master_layouts, split.masters) if h and l.kind != "replicated"]
+    stored = sum(math.prod(l.storage_shape) for l in plan.master_layouts if l.kind != "replicated")
+    share = sum(math.prod(l.storage_shape) for l in host) / stored
+    tiers = estimate.tier_bytes(stored, 8, 2, offload="optimizer", nvme=True, compute_dtype="float16", ratio=share)
+    store = step.nvme_tier(state).store
+    version = store.version_dir(store.manifest()["version"])
+    assert sum(os.path.getsize(os.path.join(version, f)) for f in os.listdir(version)) == pytest.approx(
+        8 * tiers["disk"]
+    )
+    step.close()
 
 
 # reason: test_trains_as_in_memory covers stage 2 with fp16 scaling, a skipped step,

@@ -194,7 +194,6 @@ def test_a_partial_state_checkpoints_as_any_other(tmp_path):
         ({"optimizer": True, "ratio": 1.5}, r"Offload.ratio must be a number in \(0, 1\]"),
         ({"optimizer": True, "ratio": True}, r"Offload.ratio must be a number"),
         ({"params": True, "ratio": 0.5}, r"Offload.ratio=0.5 .* Offload.optimizer is False"),
-        ({"optimizer": True, "ratio": 0.5, "nvme": {"path": "/tmp"}}, r"partial NVMe tier is not supported"),
     ],
 )
 def test_ratio_errors(offload, match):

@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--ratio",
         type=float,
         default=1.0,
-        help="with --offload (host memory): the share of the optimizer state offloaded (Offload.ratio), in (0, 1]",
+        help="with --offload: the share of the optimizer state offloaded (Offload.ratio), in (0, 1]",
     )
     es.add_argument("--buffer-count", type=int, default=4, help="--nvme: NVMe.buffer_count")
     es.add_argument("--buffer-size", type=_count, default=100_000_000, help="--nvme: NVMe.buffer_size in bytes")
@@ -235,8 +235,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error("--nvme keeps the optimizer state on disk: give --offload optimizer (or optimizer+params)")
         if args.offload != "none" and (args.replicas, args.tensor, args.pipeline) != (1, 1, 1):
             ap.error("--offload's tier table is for the data axis alone: leave out --replicas, --tensor and --pipeline")
-        if not 0 < args.ratio <= 1 or (args.ratio < 1 and (args.offload == "none" or args.nvme)):
-            ap.error(f"--ratio must be in (0, 1], with --offload and without --nvme; got {args.ratio}")
+        if not 0 < args.ratio <= 1 or (args.ratio < 1 and args.offload == "none"):
+            ap.error(f"--ratio must be in (0, 1], with --offload; got {args.ratio}")
         if args.buffer_count < 2 or args.buffer_size < 1:
             ap.error(f"--buffer-count must be >= 2 and --buffer-size >= 1, got {args.buffer_count}, {args.buffer_size}")
         print(

@@ -161,11 +161,11 @@ class Offload:
       nvme: :class:`NVMe`, or None: keep the optimizer state on disk instead of in host
         memory (the masters stay where ``optimizer``/``params`` put them); each group is read,
         updated on the device and written back, one version per step (docs/offload.md).
-      ratio: the share of the optimizer state kept in host memory, in (0, 1] (DeepSpeed's
-        ``offload_optimizer.ratio``, its Twin-Flow): the update's independent groups of
-        leaves, from the last parameter back, go to host memory until at least this share of
-        the parameter elements is there; the rest, with their masters, stay on the device and
-        update there. Leaves whose update reads one another move together, so the share
+      ratio: the share of the optimizer state kept in the offload tier (host memory, or disk
+        with ``nvme``), in (0, 1] (DeepSpeed's ``offload_optimizer.ratio``, its Twin-Flow):
+        the update's independent groups of leaves, from the last parameter back, go there
+        until at least this share of the parameter elements is; the rest, with their masters,
+        stay on the device and update there. Leaves whose update reads one another move together, so the share
         taken can be larger (the state's ``plan.offload_split.share``).
     """
 
@@ -206,12 +206,6 @@ class Offload:
             raise ValueError(
                 f"Offload.ratio={self.ratio} splits the offloaded optimizer state between host and device, but "
                 "Offload.optimizer is False: nothing is offloaded. Set Offload(optimizer=True) with it."
-            )
-        if self.ratio < 1 and self.nvme is not None:
-            raise ValueError(
-                f"Offload.ratio={self.ratio} with Offload.nvme: a partial NVMe tier is not supported yet (the "
-                "tier holds all of the optimizer state). Use ratio=1 with nvme, or host memory (nvme=None) with "
-                "a ratio."
             )
 
 

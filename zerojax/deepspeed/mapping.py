@@ -224,12 +224,6 @@ def _nvme(section: Mapping, aio: Any, notes: list[str]) -> dict:
         raise ValueError(
             f"DeepSpeed key '{key}.device' is 'nvme' but '{key}.nvme_path' is not set: give the directory."
         )
-    ratio = section.get("ratio", 1.0)
-    if ratio != 1 and ratio != 1.0:
-        raise ValueError(
-            f"DeepSpeed key '{key}.ratio' is {ratio!r}: zerojax's NVMe tier holds all of the optimizer state (no "
-            "partial NVMe offload). Remove 'ratio' or set it to 1, or use device 'cpu' with the ratio."
-        )
     for sub in ("pipeline_read", "pipeline_write"):
         if sub in section and not _flag(section[sub], f"{key}.{sub}"):
             notes.append(f"{key}.{sub}=false: the NVMe tier always overlaps its reads and writes with the update.")
@@ -350,7 +344,7 @@ warmup_max_lr=0.0003, warmup_num_steps=100, warmup_type='log'), b1=0.9, b2=0.999
     on_nvme = isinstance(opt_section, Mapping) and opt_section.get("device") == "nvme"
     if on_nvme:
         offload["nvme"] = _nvme(opt_section, ds.get("aio"), notes)
-    elif offload_opt and isinstance(opt_section, Mapping) and "ratio" in opt_section:
+    if offload_opt and isinstance(opt_section, Mapping) and "ratio" in opt_section:
         ratio = _number(opt_section["ratio"], "zero_optimization.offload_optimizer.ratio", minimum=0)
         if not 0 < ratio <= 1:
             raise ValueError(

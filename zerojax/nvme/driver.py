@@ -35,7 +35,11 @@ class Tier:
         self.plan, self.tx, self.nvme = plan, tx, nvme
         self.groups = update_groups(plan, tx, plan.config.offload.group_size)
         self.n, self.m = len(plan.master_layouts), len(plan.opt_storage_layouts)
-        self.shared = {i - self.n for i in self.groups.shared}  # opt leaves kept in memory (scalars)
+        # Opt leaves kept in memory: the scalars, and with a partial offload (Offload.ratio) the
+        # leaves it keeps on the device (their groups hold no leaf on disk: update_groups).
+        self.shared = {i - self.n for i in self.groups.shared}
+        if plan.partial:
+            self.shared |= {j for j in range(self.m) if not plan.offload_split.opt[j]}
         self._check_chunks()
         self.store = Store(nvme.path, jax.process_index())
         self.store.check_room(2 * self.local_bytes())
@@ -171,7 +175,9 @@ class Tier:
             plan, outs = self.plan, self.groups.groups[g][1]
             n, m = self.n, self.m
             layouts = list(plan.master_layouts) + list(plan.opt_storage_layouts) + list(plan.master_layouts)
-            homes = [plan.master_memory] * n + [plan.opt_memory if j in self.shared else None for j in range(m)]
+            homes = [plan.master_memory_of(i) for i in range(n)] + [
+                plan.opt_memory_of(j) if j in self.shared else None for j in range(m)
+            ]
             out_layouts = list(plan.master_layouts) + list(plan.opt_storage_layouts)
 
             def run(given, skip, step):

@@ -90,8 +90,8 @@ def materialize(state: ZeroState) -> ZeroState:
         return state
     plan = state.plan
     out = [
-        read_leaf(x, plan.sharding(l, plan.opt_memory)) if isinstance(x, OnDisk) else x
-        for x, l in zip(leaves, plan.opt_storage_layouts)
+        read_leaf(x, plan.sharding(l, plan.opt_memory_of(j))) if isinstance(x, OnDisk) else x
+        for j, (x, l) in enumerate(zip(leaves, plan.opt_storage_layouts))
     ]
     return dataclasses.replace(state, opt_state=plan.unflatten_opt(out))
 

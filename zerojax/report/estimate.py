@@ -440,7 +440,7 @@ def tier_bytes(
 
     ``ratio`` (``Offload.ratio``, a partial offload) keeps that share of what offloading the
     optimizer moves (its state, and the masters kept apart at stages 1–2 in bf16/fp16) in
-    host memory and the rest on the device; a run takes whole groups of leaves, so its share
+    host memory (the state on disk with ``nvme``) and the rest on the device; a run takes whole groups of leaves, so its share
     (``state.plan.offload_split.share``) can be larger.
 
     ``offload`` ("none", "optimizer", "optimizer+params": ``ZeroConfig.offload``'s
@@ -466,10 +466,9 @@ def tier_bytes(
         )
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
         raise ValueError(f"ratio must be a number in (0, 1], got {ratio!r}.")
-    if ratio < 1 and (offload == "none" or nvme):
+    if ratio < 1 and offload == "none":
         raise ValueError(
-            f"ratio={ratio} splits host-offloaded optimizer state: give offload='optimizer' (or "
-            "'optimizer+params') without nvme."
+            f"ratio={ratio} splits offloaded optimizer state: give offload='optimizer' (or 'optimizer+params')."
         )
     kw = dict(compute_dtype=compute_dtype, opt_bytes=opt_bytes, offload_params=offload == "optimizer+params")
     tiers = lambda opt: [
@@ -479,7 +478,7 @@ def tier_bytes(
     if ratio < 1:  # what offloading the optimizer moves: that share of it stays in host memory
         moved = host - tiers(False)[1]
         device, host = device + (1 - ratio) * moved, host - (1 - ratio) * moved
-    disk = opt_bytes * num_params / n if nvme else 0.0
+    disk = ratio * opt_bytes * num_params / n if nvme else 0.0
     return {"device": device, "host": host - disk, "disk": disk}
 
 
@@ -503,7 +502,7 @@ def tier_table(
     """
     opt_bytes = optimizer_bytes(optimizer)
     gb = lambda b: f"{b / 1e9:,.1f} GB"
-    where = "NVMe" if nvme else "host memory" if ratio == 1 else f"host memory, ratio {ratio:g} (Offload.ratio)"
+    where = ("NVMe" if nvme else "host memory") + ("" if ratio == 1 else f", ratio {ratio:g} (Offload.ratio)")
     lines = [
         f"Memory tiers per device, zerojax ({compute_dtype}, {optimizer}), offload {offload} to {where}:",
         "",
