@@ -30,6 +30,7 @@ import optax
 import pytest
 
 import zerojax as zj
+import zerojax.nvme.driver
 from tests import models
 from zerojax.nvme import store as store_mod
 from zerojax.nvme import stream as stream_mod
@@ -129,8 +130,6 @@ def test_config_validates_and_reads_a_dict(tmp_path):
         zj.config.NVMe(3)
     with pytest.raises(ValueError, match="set Offload\\(optimizer=True\\)"):
         zj.config.Offload(nvme={"path": tmp_path})
-    with pytest.raises(ValueError, match=r"Offload\(update='host'\) with nvme is not supported"):
-        zj.config.Offload(optimizer=True, update="host", nvme={"path": tmp_path})
 
 
 # -- the store: refusals, locks, versions ------------------------------------------------------
@@ -236,6 +235,22 @@ def test_trains_as_in_memory(shared):
     assert sum(os.path.getsize(os.path.join(version, f)) for f in os.listdir(version)) == 8 * tiers(stored)["disk"]
     assert per_device(state.master) == tiers(stored)["host"] + 4 * whole
     assert per_device(state.params) == tiers(own)["device"]
+
+
+def test_the_update_runs_in_host_memory_where_the_config_says(shared, tmp_path, monkeypatch):
+    """Offload(update="host") with the tier: each group read from disk updates inside
+    compute_on("device_host") (DeepSpeed's CPU Adam on swapped state), and the run equals the
+    in-memory one as the device update's does."""
+    calls = []
+    original = zerojax.nvme.driver.on_host
+    monkeypatch.setattr(zerojax.nvme.driver, "on_host", lambda *a: calls.append(1) or original(*a))
+    config = nvme_cfg(BASE, tmp_path, group_size=TWO_GROUPS, update="host")
+    step = zj.make_train_step(models.stacked_loss, TX, mesh=shared.mesh, config=config)
+    state, _ = train(step, shared.init(config), shared.batches)
+    assert step.update_place(state) == "host" and shared.step.update_place(state) == "device"
+    assert len(calls) == len(step.nvme_tier(state).groups.groups)  # each group's program traced on the host
+    assert_close_states(state, shared.ref_states[-1])
+    step.close()
 
 
 def test_a_partial_tier_keeps_the_rest_on_the_device(shared, tmp_path):

@@ -398,7 +398,8 @@ class TrainStep:
     def update_place(self, state: ZeroState) -> str:
         """Where this step runs the optimizer update of ``state`` (see
         ``ZeroConfig.offload.update``): "device" without offloaded state, else "host" or
-        "device", with "auto" resolved once per plan by compiling the update in host memory.
+        "device", with "auto" resolved once per plan by compiling the update in host memory;
+        with the NVMe tier "host" where the config says so, "device" otherwise.
 
         Example:
           >>> import jax.numpy as jnp, optax, zerojax as zj
@@ -409,6 +410,8 @@ class TrainStep:
           'host'
         """
         plan = state.plan
+        if self.config.offload.nvme is not None:
+            return "host" if self.config.offload.update == "host" else "device"
         if plan not in self._places:
             self._places[plan] = choose_place(plan, self.tx, jax.tree.leaves(state.opt_state))
         return self._places[plan]

@@ -160,7 +160,8 @@ class Offload:
         ``sub_group_size``); leaves whose update reads one another stay in one group.
       nvme: :class:`NVMe`, or None: keep the optimizer state on disk instead of in host
         memory (the masters stay where ``optimizer``/``params`` put them); each group is read,
-        updated on the device and written back, one version per step (docs/offload.md).
+        updated (on the device, or in host memory with ``update="host"``: DeepSpeed's CPU
+        Adam on swapped state) and written back, one version per step (docs/offload.md).
       ratio: the share of the optimizer state kept in the offload tier (host memory, or disk
         with ``nvme``), in (0, 1] (DeepSpeed's ``offload_optimizer.ratio``, its Twin-Flow):
         the update's independent groups of leaves, from the last parameter back, go there
@@ -184,11 +185,6 @@ class Offload:
             raise TypeError(f"Offload.nvme must be None, a zj.config.NVMe or a dict of its fields, got {self.nvme!r}.")
         if self.nvme is not None and not self.optimizer:
             raise ValueError("Offload.nvme keeps the optimizer state on disk: set Offload(optimizer=True) with it.")
-        if self.nvme is not None and self.update == "host":
-            raise ValueError(
-                "Offload.nvme updates each group of state read from disk on the device, between the reads "
-                "and the writes; Offload(update='host') with nvme is not supported. Use update='auto' or 'device'."
-            )
         if self.update not in ("auto", "host", "device"):
             raise ValueError(f"Offload.update must be 'auto', 'host' or 'device', got {self.update!r}.")
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:

@@ -17,13 +17,15 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zerojax.config.groups import NVMe
 from zerojax.nvme.handles import OnDisk, chunk_shape
 from zerojax.nvme.store import Store
 from zerojax.nvme.stream import Streamer, assemble
-from zerojax.optim.offload import group_results, update_groups
-from zerojax.sharding.plan import ZeroPlan
+from zerojax.optim.offload import group_results, on_host, update_groups
+from zerojax.sharding.plan import HOST, ZeroPlan
 from zerojax.state import ZeroState
 
 
@@ -180,9 +182,23 @@ class Tier:
             ]
             out_layouts = list(plan.master_layouts) + list(plan.opt_storage_layouts)
 
+            on_disk = any(n <= i < n + m and (i - n) not in self.shared for i in self.groups.groups[g][0])
+            host = on_disk and plan.config.offload.update == "host"  # the device's own part updates there
+
             def run(given, skip, step):
-                given = {i: jax.device_put(x, plan.sharding(layouts[i])) for i, x in given.items()}
-                results = group_results(plan, self.tx, given, outs, skip, step)
+                if host:  # DeepSpeed's arrangement: the state read from disk updates in host memory
+                    rep = NamedSharding(plan.mesh, P(), memory_kind=HOST)
+                    given = {i: jax.device_put(x, plan.sharding(layouts[i], HOST)) for i, x in given.items()}
+                    flag = None if skip is None else jax.device_put(skip, rep)
+                    results = on_host(
+                        lambda g, f, t: group_results(plan, self.tx, g, outs, f, t, HOST),
+                        given,
+                        flag,
+                        jax.device_put(step, rep),
+                    )
+                else:
+                    given = {i: jax.device_put(x, plan.sharding(layouts[i])) for i, x in given.items()}
+                    results = group_results(plan, self.tx, given, outs, skip, step)
                 return [jax.device_put(r, plan.sharding(out_layouts[k], homes[k])) for k, r in zip(outs, results)]
 
             fn = self._fns[g] = jax.jit(run)

@@ -312,10 +312,13 @@ def apply_streamed(
     return outputs[:n], outputs[n:]
 
 
-def group_results(plan: ZeroPlan, tx: Any, given: dict, outs: tuple, skip: jax.Array | None, step: Any) -> list:
+def group_results(
+    plan: ZeroPlan, tx: Any, given: dict, outs: tuple, skip: jax.Array | None, step: Any, kind: str | None = None
+) -> list:
     """One group's share of the update: the outputs ``outs`` (indices into ``masters +
     opt_state``) given the inputs ``given`` (index into ``grads + opt_state + masters`` ->
-    array on the device) and zeros for the rest; with ``skip`` set, the old values."""
+    array in memory ``kind``: the device's by default, host memory inside ``on_host``) and
+    zeros for the rest; with ``skip`` set, the old values."""
     layouts, opt_layouts = plan.master_layouts, plan.opt_storage_layouts
     n, m = len(layouts), len(opt_layouts)
     kinds = (
@@ -326,10 +329,10 @@ def group_results(plan: ZeroPlan, tx: Any, given: dict, outs: tuple, skip: jax.A
     full = [
         given[i]
         if i in given
-        else jax.lax.with_sharding_constraint(jnp.zeros(l.storage_shape, dtype), plan.sharding(l))
+        else jax.lax.with_sharding_constraint(jnp.zeros(l.storage_shape, dtype), plan.sharding(l, kind))
         for i, (l, dtype) in enumerate(kinds)
     ]
-    new_m, new_o = update(plan, tx, full[:n], full[n : n + m], full[n + m :], step=step)
+    new_m, new_o = update(plan, tx, full[:n], full[n : n + m], full[n + m :], kind, step=step)
     new = list(new_m) + list(new_o)
     old = full[n + m :] + full[n : n + m]
     return [new[k] if skip is None else jnp.where(skip, old[k], new[k]) for k in outs]
