@@ -846,3 +846,21 @@ def test_auto_leaves_out_the_degrees_whose_step_refuses_the_loss_and_says_so():
             loss_fn, params, optax.sgd(0.1), x, mesh=zj.make_mesh(), memory="64MiB", device=SPEC,
             space=dataclasses.replace(space, pipeline=(2,)),
         )  # fmt: skip
+
+
+def test_nothing_fits_on_a_pipeline_names_more_micro_batches_not_accumulation():
+    """A pipeline plan keeps grad_accum_steps at 1: when the smallest plan is one, its lever
+    is the micro-batch count (read from the message built for it)."""
+    from zerojax.tuning.candidates import Candidate
+    from zerojax.tuning.cost import StepCost
+    from zerojax.tuning.inputs import nothing_fits_compiled
+    from zerojax.tuning.result import Plan, PlanMemory
+
+    config = zj.ZeroConfig(stage=3, pipeline={"microbatches": 2})
+    cand = Candidate(config=config, offload="none", formula_bytes=0.0, pipeline=2)
+    memory = PlanMemory(device=3 * MIB, compiled=2 * MIB, host=0, state=MIB)
+    plan = Plan(config=config, memory=memory, time=1.0, cost=StepCost(flops=1.0, bytes_accessed=0.0), micro_batch=8)
+    space = SearchSpace(stages=(3,), remat=("full",), pipeline=(2,))
+    msg = nothing_fits_compiled({cand: plan}, space, {cand.split: (1,)}, {cand.split: 16}, 2 * MIB, 0.1)
+    assert "pipeline 2 (2 micro-batches" in msg and "grad_accum_steps" not in msg
+    assert "more micro-batches through the pipeline (SearchSpace(microbatches=(4, ...)): each device's 16 rows" in msg

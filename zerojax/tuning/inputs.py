@@ -273,7 +273,15 @@ def nothing_fits_compiled(plans: dict, space: SearchSpace, counts: dict, rows: d
     over = plan.memory.device - budget
     levers = []
     bigger_k = [k for k in range(cand.config.grad_accum_steps + 1, rows + 1) if rows % k == 0]
-    if bigger_k and cand.config.grad_accum_steps >= max(counts):
+    if cand.pipeline > 1:  # the pipeline's micro-batches take accumulation's place (it stays 1)
+        m = cand.config.pipeline.microbatches
+        more = [k for k in range(m + 1, rows + 1) if rows % k == 0]
+        if more:
+            levers.append(
+                f"more micro-batches through the pipeline (SearchSpace(microbatches=({more[0]}, ...)): each "
+                f"device's {rows} rows in smaller parts; the bubble shrinks too)"
+            )
+    elif bigger_k and cand.config.grad_accum_steps >= max(counts):
         levers.append(
             f"a smaller micro-batch (grad_accum_steps={bigger_k[0]} or more: SearchSpace(accum=...); "
             f"each device has {rows} rows)"
