@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 
@@ -57,6 +58,7 @@ from experiments import harness  # noqa: E402
 from zerojax import data  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
 from zerojax.nvme.driver import _finish  # noqa: E402
+from zerojax.nvme.store import read_chunk  # noqa: E402
 from zerojax.nvme.stream import Streamer, assemble  # noqa: E402
 
 MB, MIB = 10**6, 2**20
@@ -106,13 +108,20 @@ def _streamer(directory: str, leaves: list, count: int, size: int) -> tuple[floa
         back = [assemble(x.shape, x.sharding, fs) for x, fs in zip(leaves, futures)]
         jax.block_until_ready(back)
         read = time.perf_counter() - t
+        # The same files read alone (no JAX): into new memory, by the same number of threads.
+        _drop_cache(d)
+        paths = [os.path.join(d, f) for f in sorted(os.listdir(d))]
+        t = time.perf_counter()
+        with ThreadPoolExecutor(count) as pool:
+            list(pool.map(lambda p: read_chunk(p, np.empty(os.path.getsize(p), np.uint8)), paths))
+        alone = time.perf_counter() - t
     finally:
         streamer.close()
     for x, y in zip(leaves, back):
         if not np.array_equal(np.asarray(x), np.asarray(y)):
             raise AssertionError("the state read back is not the state written")
     shutil.rmtree(d)
-    return write, read
+    return write, read, alone
 
 
 def io_part(directory: str, mb: int, repeats: int) -> list[dict]:
@@ -123,11 +132,12 @@ def io_part(directory: str, mb: int, repeats: int) -> list[dict]:
     leaves = [jax.device_put(rng.standard_normal((rows_per_leaf, 1024), np.float32), sharding) for _ in range(4)]
     nbytes = sum(x.nbytes for x in leaves)
     shard = max(s.data.nbytes for x in leaves for s in x.addressable_shards)
-    times: dict[str, list[float]] = {k: [] for k in ("tier write", "tier read", "dd write", "dd read")}
+    times: dict[str, list[float]] = {k: [] for k in ("tier write", "tier read", "dd write", "dd read", "alone read")}
     for _ in range(repeats):  # the two take turns
-        w, r = _streamer(directory, leaves, BUFFERS["buffer_count"], shard)
+        w, r, a = _streamer(directory, leaves, BUFFERS["buffer_count"], shard)
         times["tier write"].append(w)
         times["tier read"].append(r)
+        times["alone read"].append(a)
         w, r = _dd(directory, round(nbytes / MIB))
         times["dd write"].append(w)
         times["dd read"].append(r)
@@ -141,6 +151,7 @@ def io_part(directory: str, mb: int, repeats: int) -> list[dict]:
             "tier": gbps[f"tier {what}"],
             "dd": gbps[f"dd {what}"],
             "ratio": gbps[f"tier {what}"] / gbps[f"dd {what}"],
+            "alone": gbps.get(f"alone {what}"),
         }
         for what in ("write", "read")
     ]
@@ -318,6 +329,10 @@ def main(argv=None) -> dict[str, list[dict]]:
         head = f"{len(jax.devices())} x {jax.devices()[0].platform}, jax {jax.__version__}, {os.cpu_count()} cores"
         if "io" in parts:
             out["io"] = rows = io_part(root, args.io_mb, args.repeats)
+            for r in rows:
+                r["alone_text"] = (
+                    "" if r["alone"] is None else f"{r['alone']:.2f} (tier: {r['tier'] / r['alone']:.2f} of it)"
+                )
             print(
                 f"\nStreaming {rows[0]['bytes'] / MB:.0f} MB ({rows[0]['shard'] / MB:.0f} MB files) under {root}; {head}\n"
             )
@@ -329,6 +344,7 @@ def main(argv=None) -> dict[str, list[dict]]:
                         "tier (GB/s)": "{tier:.2f}",
                         "dd, bs=1M (GB/s)": "{dd:.2f}",
                         "tier / dd": "{ratio:.2f}",
+                        "the files read alone, into new memory (GB/s)": "{alone_text}",
                     },
                 )
             )

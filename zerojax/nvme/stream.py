@@ -69,13 +69,21 @@ class Streamer:
     def _read_one(self, path: str, shape: tuple, dtype: Any, devices: list) -> list:
         dtype = np.dtype(dtype)
         with self.buffers.take(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize) as buf:
-            view = buf.view(dtype).reshape(shape)
-            read_chunk(path, view)
-            # The CPU backend may keep a numpy array's memory as the device buffer, even with
-            # may_alias=False: there the chunk moves to memory of its own, not the buffer's.
-            arrays = [
-                jax.device_put(np.array(view) if d.platform == "cpu" else view, d, may_alias=False) for d in devices
-            ]
+            if all(d.platform == "cpu" for d in devices):
+                # The CPU backend's device memory is host memory, and it keeps a 64-byte aligned
+                # numpy array's memory as the device buffer (even with may_alias=False): the
+                # chunk is read straight into new aligned memory that becomes the device array,
+                # no copy (the buffer's slot still bounds the reads in flight). A second device
+                # holding the same chunk gets a copy, never the same memory.
+                out = _aligned_empty(shape, dtype)
+                read_chunk(path, out)
+                arrays = [
+                    jax.device_put(out if k == 0 else out.copy(), d, may_alias=True) for k, d in enumerate(devices)
+                ]
+            else:
+                view = buf.view(dtype).reshape(shape)
+                read_chunk(path, view)
+                arrays = [jax.device_put(view, d, may_alias=False) for d in devices]
             jax.block_until_ready(arrays)  # the buffer is free again only once copied
         return list(zip(devices, arrays))
 
@@ -94,6 +102,15 @@ class Streamer:
         with self.buffers.take(src.nbytes) as buf:
             buf[:] = src.reshape(-1).view(np.uint8)
             write_chunk(path, buf)
+
+
+def _aligned_empty(shape: tuple, dtype: np.dtype, align: int = 64) -> np.ndarray:
+    """A new array whose data starts on an ``align``-byte boundary (numpy's large allocations
+    start 16 bytes into a page, and XLA:CPU copies an array it cannot keep as its buffer)."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    offset = -raw.ctypes.data % align
+    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
 def assemble(shape: tuple, sharding: Any, futures: list[Future]) -> jax.Array:
