@@ -215,6 +215,7 @@ def test_gpu_throughput_script_runs_on_cpu(tmp_path):
         (3, "full", 0, "optimizer"),
         (3, "full", 0, "optimizer-device"),
         (3, "full", 0, "params"),
+        (3, "full", 0, "ratio0.5"),
     ]
     # The offload rows: state bytes from the arrays, split as the formulas say.
     psi = gpt.GPTConfig(d_model=64, n_layers=2, n_heads=1, seq_len=32, vocab=256).num_params()
@@ -225,6 +226,10 @@ def test_gpu_throughput_script_runs_on_cpu(tmp_path):
         want = zj.report.zero_formula_bytes(psi, 1, 3, offload_optimizer=True, memory="host", **kw)
         assert want <= by[o]["state_host"] <= 1.03 * want + 64
         assert by[o]["state_device"] + by[o]["state_host"] == by["none"]["state_device"]
+    # The partial offload's row: at least half of the optimizer state in host memory, the rest on the device.
+    half = by["ratio0.5"]
+    assert 0.5 * by["optimizer"]["state_host"] <= half["state_host"] < by["optimizer"]["state_host"]
+    assert half["state_device"] + half["state_host"] == by["none"]["state_device"]
     assert "--xla_gpu_enable_pipelined_all_gather=true" in result["xla_flags"]
     # The offload check runs too; on the CPU backend it reports, as it must, no host bytes.
     assert set(result["remat_offload"]["rows"]) == {"none", "names", "offload_names", "dots_no_batch", "offload_dots"}
