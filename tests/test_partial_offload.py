@@ -199,3 +199,19 @@ def test_a_partial_state_checkpoints_as_any_other(tmp_path):
 def test_ratio_errors(offload, match):
     with pytest.raises(ValueError, match=match):
         zj.ZeroConfig(stage=3, offload=offload)
+
+
+def test_a_partial_offload_composes_with_the_pipeline():
+    """Stage 3 on two pipeline stages of four data devices, two micro-batches, half the state in
+    host memory updated there: the same weights as without offload."""
+    from tests.test_pipeline import pipeline_run, toy_batches, toy_loss, toy_params
+
+    params, batches, tx = toy_params(), toy_batches(2), optax.adamw(1e-2)
+    ref, _ = pipeline_run(toy_loss, params, tx, batches, pipeline=2, data=4, micro=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the share taken is above 0.5
+        got, _ = pipeline_run(
+            toy_loss, params, tx, batches, pipeline=2, data=4, micro=2, offload={"optimizer": True, "ratio": 0.5}
+        )
+    assert models.abs_errors(zj.gather_params(got), zj.gather_params(ref)).max() <= 1e-6
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(got.opt_state)} == {"device", HOST}
