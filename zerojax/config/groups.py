@@ -485,7 +485,7 @@ class ContextParallel:
         object.__setattr__(self, "dims", _check_dims(self.dims))
 
 
-SCHEDULES = ("gpipe",)
+SCHEDULES = ("gpipe", "circular")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -504,8 +504,11 @@ class Pipeline:
         divide into ``M``. On a mesh without a pipeline axis it must stay 1 (use
         ``grad_accum_steps`` to take a batch in parts there).
       schedule: ``"gpipe"``: all micro-batches forward through the stages, then all backward
-        (autodiff of the forward loop). (The circular schedule is not built yet.)
-      repeats: stage repeats of the circular schedule; 1 for ``"gpipe"``.
+        (autodiff of the forward loop); ``"circular"``: each stage holds ``repeats`` blocks
+        of ``L / (P·repeats)`` layers and every micro-batch goes round the stages
+        ``repeats`` times (bubble ``(P - 1) / (repeats·P + P - 1)``; ``microbatches`` must
+        equal ``P``).
+      repeats: rounds of the circular schedule; 1 for ``"gpipe"``.
       carry_reduce: how a value the layer scan carries that is not per row but that the
         layers make depend on the batch (a mixture of experts' load-balancing loss summed
         over the layers) combines over the micro-batches: None (refused, naming the carry),
@@ -542,14 +545,13 @@ class Pipeline:
         if self.microbatches < 1:
             raise ValueError(f"Pipeline.microbatches must be >= 1 (micro-batches per step), got {self.microbatches}.")
         if self.schedule not in SCHEDULES:
+            raise ValueError(f"Pipeline.schedule must be one of {SCHEDULES}, got {self.schedule!r}.")
+        if self.repeats < 1:
+            raise ValueError(f"Pipeline.repeats must be >= 1 (rounds of the circular schedule), got {self.repeats}.")
+        if self.repeats != 1 and self.schedule != "circular":
             raise ValueError(
-                f"Pipeline.schedule must be one of {SCHEDULES}, got {self.schedule!r}"
-                + (" (the circular schedule is not built yet)." if self.schedule == "circular" else ".")
-            )
-        if self.repeats != 1:
-            raise ValueError(
-                f"Pipeline.repeats must be 1 with schedule={self.schedule!r} (stage repeats belong to the "
-                f"circular schedule, not built yet), got {self.repeats}."
+                f"Pipeline.repeats={self.repeats} belongs to the circular schedule (stage repeats); give "
+                f"schedule='circular' with it, or repeats=1 with schedule={self.schedule!r}."
             )
         check_bool("Pipeline", self, "shard_outside")
         if self.carry_reduce not in (None, "mean", "sum"):

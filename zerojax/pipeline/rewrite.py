@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from zerojax._jaxpr import check
 from zerojax._jaxpr.form import Equation
 from zerojax._jaxpr.retrace import Retracer
+from zerojax.pipeline import circular as circular_schedule
 from zerojax.pipeline import facts, gpipe
 
 
@@ -178,10 +179,20 @@ class Pipelined(Retracer):
                 "Carry what the layers produce (a sum of per-layer losses as a carried value) or compute it after "
                 "the stack; per-layer outputs are not built yet beside a pipeline.",
             )
-        if s.length % stages:
+        circular = self.plan.config.pipeline.schedule == "circular"
+        repeats = self.plan.config.pipeline.repeats if circular else 1
+        if s.length % (stages * repeats):
             self._refuse(
-                f"runs {s.length} layers, which do not split into {stages} stages",
-                f"Use a pipeline degree that divides {s.length}.",
+                f"runs {s.length} layers, which do not split into {stages} stages"
+                + (f" x {repeats} repeats" if repeats > 1 else ""),
+                f"Use a pipeline degree{' and repeats' if repeats > 1 else ''} whose product divides {s.length}.",
+            )
+        if circular and micro != stages:
+            self._refuse(
+                f"runs the circular schedule with {micro} micro-batches on {stages} stages",
+                f"Give ZeroConfig(pipeline={{'microbatches': {stages}, ...}}): a micro-batch comes round to the first "
+                "stage as the last new one leaves it only when they are as many as the stages (more rows per "
+                "micro-batch, or grad_accum_steps, take a larger batch)",
             )
         if micro > 1 and not any(self.per_row[nc : nc + nk]):
             self._refuse(
@@ -235,7 +246,11 @@ class Pipelined(Retracer):
                     )
                 reduced.append(k)
         K = s.length // stages
-        blocks = [x.reshape((stages, K) + x.shape[1:]) for x in xs]
+        if circular:  # block v = r·P + p of l layers to stage p, round r: [R, P, l] -> [P, R, l]
+            l = s.length // (stages * repeats)
+            blocks = [x.reshape((repeats, stages, l) + x.shape[1:]).swapaxes(0, 1) for x in xs]
+        else:
+            blocks = [x.reshape((stages, K) + x.shape[1:]) for x in xs]
         carries = [
             gpipe.split(c, micro) if k in batch_carry else jnp.broadcast_to(c, (micro,) + jnp.shape(c))
             for k, c in enumerate(carry)
@@ -258,7 +273,10 @@ class Pipelined(Retracer):
             out, _ = jax.lax.scan(layer, list(carry_p), xs_now, unroll=s.unroll)
             return out
 
-        outs = gpipe.run(stage, blocks, carries, per_micro, stages, micro, axis)
+        if circular:
+            outs = circular_schedule.run(stage, blocks, carries, per_micro, stages, repeats, axis)
+        else:
+            outs = gpipe.run(stage, blocks, carries, per_micro, stages, micro, axis)
         out = []
         for k, o in enumerate(outs):
             if k in batch_carry:
