@@ -36,8 +36,8 @@ bytes, and which attention the compiled step runs (``zerojax.models.attention_ch
 by its ``__cudnn$fmha`` custom call, the others by their scope names).
 
 A pipeline table follows (``--pipeline-stages``; empty to skip): the same GPT at stage 3 on
-``P`` stages of the host's devices (``zj.make_mesh(pipeline=P)``, ``M = 2P`` micro-batches)
-against ``P = 1`` on the same devices: step time, tokens/s and the ratio. It needs ``P``
+``P`` stages of the host's devices (``zj.make_mesh(pipeline=P)``, GPipe at ``M = 2P``
+micro-batches and the circular schedule at ``M = P``) against ``P = 1`` on the same devices: step time, tokens/s and the ratio. It needs ``P``
 devices; on a host with fewer it says so and measures nothing (one GPU has no pipeline).
 
 A monitor table follows (``--monitor-steps``; 0 to skip): the same GPT at stage 3 stepped
@@ -267,7 +267,8 @@ def model_attention(args, device) -> list[dict]:
 
 def pipeline_rows(args, stages: list[int]) -> list[dict]:
     """Stage-3 steps of the GPT on P pipeline stages x (devices / P) data devices, M = 2P
-    micro-batches, and on all devices without a pipeline (P = 1), side by side."""
+    micro-batches (GPipe) and the circular schedule at M = P (R = 2 rounds where the layers
+    split so, else 1), and on all devices without a pipeline (P = 1), side by side."""
     import optax
 
     n = len(jax.devices())
@@ -285,9 +286,13 @@ def pipeline_rows(args, stages: list[int]) -> list[dict]:
     graphdef, params = gpt.init(cfg)
     loss_fn, tx = gpt.make_loss(graphdef), optax.adamw(1e-4)
     rows = []
-    for p in [1, *usable]:
+    runs = [(1, "gpipe", 1, 1)]
+    for p in usable:
+        runs += [(p, "gpipe", 2 * p, 1), (p, "circular", p, 2 if args.layers % (2 * p) == 0 else 1)]
+    for p, schedule, micro, repeats in runs:
         mesh = zj.make_mesh(pipeline=p)
-        config = zj.ZeroConfig(stage=3, compute_dtype="bfloat16", pipeline={"microbatches": 2 * p if p > 1 else 1})
+        group = {"microbatches": micro, "schedule": schedule, "repeats": repeats}
+        config = zj.ZeroConfig(stage=3, compute_dtype="bfloat16", pipeline=group)
         batch_rows = args.batch * n
         tokens = jax.numpy.zeros((batch_rows, args.seq_len + 1), jax.numpy.int32)
         state = zj.init_state(params, tx, mesh=mesh, config=config)
@@ -301,14 +306,23 @@ def pipeline_rows(args, stages: list[int]) -> list[dict]:
             jax.block_until_ready(m["loss"])
             times.append(time.perf_counter() - t0)
         t = statistics.median(times)
-        rows.append({"P": p, "M": 2 * p if p > 1 else 1, "step_s": t, "tokens_per_s": batch_rows * args.seq_len / t})
+        rows.append(
+            {
+                "P": p,
+                "M": micro,
+                "schedule": schedule,
+                "R": repeats,
+                "step_s": t,
+                "tokens_per_s": batch_rows * args.seq_len / t,
+            }
+        )
     print(f"\nPipeline, stage 3, bf16, {n} devices, global batch {args.batch * n} x {args.seq_len}:\n")
-    print("| P | M | step time | tokens/s | x P=1 |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| P | schedule | M | R | step time | tokens/s | x P=1 |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['P']} | {r['M']} | {1e3 * r['step_s']:.1f} ms | {r['tokens_per_s']:,.0f} | "
-            f"{rows[0]['step_s'] / r['step_s']:.2f} |"
+            f"| {r['P']} | {r['schedule']} | {r['M']} | {r['R']} | {1e3 * r['step_s']:.1f} ms | "
+            f"{r['tokens_per_s']:,.0f} | {rows[0]['step_s'] / r['step_s']:.2f} |"
         )
     return rows
 

@@ -187,7 +187,9 @@ def test_gpu_throughput_script_runs_on_cpu(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out_json.read_text())
     # The pipeline table: P=2 beside P=1 on the simulated devices; P=4 does not divide 2 layers.
-    assert [r["P"] for r in result["pipeline"]] == [1, 2] and all(r["tokens_per_s"] > 0 for r in result["pipeline"])
+    got = [(r["P"], r["schedule"], r["M"], r["R"]) for r in result["pipeline"]]
+    assert got == [(1, "gpipe", 1, 1), (2, "gpipe", 4, 1), (2, "circular", 2, 1)]  # 2 layers: one round
+    assert all(r["tokens_per_s"] > 0 for r in result["pipeline"])
     assert "pipeline P=4: needs 4 devices dividing the host's" in out.stdout
     # The model-attention table: on the CPU the fused default is the einsum path, and the
     # compiled steps say so; the two steps compute the same loss.

@@ -27,7 +27,7 @@ def run(
     when it comes round again, so no activation waits: micro-batch ``j`` is at stage ``p`` in
     round ``r`` at tick ``r·P + j + p``. ``R·P + P - 1`` ticks take the ``P`` micro-batches
     through, and the bubble is ``(P - 1) / (R·P + P - 1)``, GPipe's with ``R`` times the
-    micro-batches.
+    micro-batches (each ``R`` times larger).
 
     Args:
       stage: as for :func:`zerojax.pipeline.gpipe.run` (``xs_p``: one block's ``[l, ...]`` slices).
