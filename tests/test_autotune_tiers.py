@@ -13,6 +13,7 @@ import pytest
 import zerojax as zj
 from zerojax.report.estimate import tier_bytes
 from zerojax.tuning import DeviceSpec, DiskRates, SearchSpace, measure_disk
+from zerojax.tuning.budget import parse_host_memory
 
 SPEC = DeviceSpec(
     name="test", peak_flops=1e10, peak_flops_fp32=1e10, hbm_bandwidth=1e9, link_bandwidth=1e9, async_collectives=False
@@ -91,6 +92,10 @@ def test_tier_arguments_are_checked(tmp_path):
     with pytest.raises(ValueError, match=r"has 'nvme' but autotune was given no nvme="):
         zj.autotune(loss, jax.eval_shape(params), optax.adam(1e-3), BATCH, mesh=zj.make_mesh(), memory="64MiB",
                     space=SPACE)  # fmt: skip
+    with pytest.raises(ValueError, match=r"host_memory=80 is 80 B per device, under 1 MiB"):
+        zj.autotune(loss, jax.eval_shape(params), optax.adam(1e-3), BATCH, mesh=zj.make_mesh(), memory="64MiB",
+                    host_memory=80)  # fmt: skip
+    assert parse_host_memory("2TiB") == 2 * 2**40  # a host may hold more than any accelerator
     with pytest.raises(ValueError, match=r"not a directory"):
         measure_disk(str(tmp_path / "missing"))
     rates = measure_disk(str(tmp_path), size=4 * 2**20)

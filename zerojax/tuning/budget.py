@@ -58,22 +58,7 @@ def parse_memory(memory: int | float | str) -> int:
       ...
       ValueError: memory='8TB' is 7.28 TiB per device, more than any accelerator has (the largest known, ...
     """
-    if isinstance(memory, bool):
-        raise TypeError(f"memory must be {FORMS}, got {memory!r}.")
-    if isinstance(memory, str):
-        m = _FORM.fullmatch(memory)
-        if m is None or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"memory={memory!r} is not a size; give {FORMS}.")
-        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    elif isinstance(memory, (int, float)):
-        value = float(memory)
-    else:
-        raise TypeError(f"memory must be {FORMS}, got {type(memory).__name__} {memory!r}.")
-    if not math.isfinite(value) or value < MIB:
-        raise ValueError(
-            f"memory={memory!r} is {value:,.0f} B per device, under 1 MiB: a budget is bytes per "
-            f"device; give {FORMS} (e.g. '80GiB' for an 80 GiB device)."
-        )
+    value = _bytes(memory, "memory", "device")
     if value > TIB:
         from zerojax.tuning.devices import KNOWN
 
@@ -96,15 +81,28 @@ def parse_host_memory(memory: int | float | str) -> int:
       >>> parse_host_memory("2TiB") == 2 * 2**40
       True
     """
-    if isinstance(memory, str) or isinstance(memory, (int, float)) and not isinstance(memory, bool):
-        try:
-            return parse_memory(memory)
-        except ValueError as e:
-            if "more than any accelerator has" not in str(e):
-                raise ValueError(str(e).replace("memory=", "host_memory=", 1)) from None
-        m = _FORM.fullmatch(memory) if isinstance(memory, str) else None
-        return int(float(m.group(1)) * _UNITS[m.group(2).lower()]) if m else int(memory)
-    raise TypeError(f"host_memory must be {FORMS}, got {memory!r}.")
+    return int(_bytes(memory, "host_memory", "host"))
+
+
+def _bytes(memory: int | float | str, name: str, what: str) -> float:
+    """The bytes ``memory`` gives, at least 1 MiB (``name``: the argument, for messages)."""
+    if isinstance(memory, bool):
+        raise TypeError(f"{name} must be {FORMS}, got {memory!r}.")
+    if isinstance(memory, str):
+        m = _FORM.fullmatch(memory)
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{name}={memory!r} is not a size; give {FORMS}.")
+        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    elif isinstance(memory, (int, float)):
+        value = float(memory)
+    else:
+        raise TypeError(f"{name} must be {FORMS}, got {type(memory).__name__} {memory!r}.")
+    if not math.isfinite(value) or value < MIB:
+        raise ValueError(
+            f"{name}={memory!r} is {value:,.0f} B per device, under 1 MiB: a budget is bytes per "
+            f"device; give {FORMS} (e.g. '80GiB' for an 80 GiB {what})."
+        )
+    return value
 
 
 def check_margin(margin: float) -> float:
