@@ -269,7 +269,7 @@ def apply_on_host(
             raise
         raise ValueError(
             "ZeroConfig.offload.update='host', but this optimizer's update makes arrays in device memory and "
-            "cannot run in host memory (optax.clip_by_global_norm inside tx and LAMB's trust ratio do). "
+            "cannot run in host memory (a clip inside tx, LAMB's trust ratio and Adafactor's update clipping do). "
             "Use offload update='device' or 'auto' (which chooses the device for it), or clip with "
             f"ZeroConfig(grad_clip=...) outside tx. JAX said: {e}"
         ) from None
